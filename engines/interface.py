@@ -1,0 +1,93 @@
+"""The boundary between the Redis worker and any engine: typed requests, outputs and stats.
+
+The worker feeds :class:`Request` objects into an engine with ``add_request`` and calls
+``step()`` in a loop; each step returns the outputs of the queries that finished in it.
+Every backend (the static-batch baseline, the native iteration-level engine, vLLM)
+implements :class:`Engine`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 -> greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    forced_length: int | None = None  # benchmarks: ignore EOS, stop after exactly this many tokens
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.forced_length is not None and self.forced_length < 1:
+            raise ValueError(f"forced_length must be >= 1, got {self.forced_length}")
+
+    @property
+    def target_tokens(self) -> int:
+        """Most tokens this request may generate."""
+        return self.forced_length if self.forced_length is not None else self.max_tokens
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt_token_ids: list[int] | None = None  # filled by the engine when None
+    predicted_tokens: int | None = None  # predicted response length (for KV admission)
+    arrival_time: float = 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" (EOS), "length" (max_tokens / forced length), "abort", "error"
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+    error: str = ""
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_used_tokens: int = 0
+    kv_total_tokens: int = 0
+    tokens_per_s: float = 0.0  # measured generation throughput (recent window)
+    generated_tokens: int = 0  # since start
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return max(0, self.kv_total_tokens - self.kv_used_tokens)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    def add_request(self, request: Request) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def free_slots(self) -> int:
+        """How many more requests the worker should hand over now (0 = engine is full)."""
+        ...

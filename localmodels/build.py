@@ -1,0 +1,203 @@
+"""Build tokenizers and small decoder models locally; load real ones from a directory."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+log = logging.getLogger(__name__)
+
+ARCHS = ("llama", "gpt2", "opt")
+#: name -> (hidden, layers, heads, kv_heads, intermediate)
+SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "nano": (64, 2, 4, 2, 172),
+    "tiny": (256, 4, 8, 4, 688),
+    "small": (512, 8, 8, 4, 1376),
+    "base": (768, 12, 12, 4, 2048),
+}
+SPECIAL = {"bos": "<s>", "eos": "</s>", "pad": "<pad>", "unk": "<unk>"}
+CACHE_ENV = "FLEETBATCH_CACHE"
+
+_WORDS = (
+    "the a of to and in is for on with as by at from that this it be are was an or which "
+    "model data query batch cluster token time value number list write explain describe give "
+    "how what why when where who make find show compute sum total step first second then "
+    "answer question code function return string python array sort count loop error file "
+    "story character scene plan idea reason result table name city river history science "
+    "music energy water light market price cost day week year people school book letter email "
+    "summary short long simple detailed example problem solution method test case"
+).split()
+
+
+def cache_dir() -> Path:
+    p = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "fleetbatch"))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def generated_corpus(n: int = 4000, seed: int = 0) -> list[str]:
+    """Deterministic synthetic text (word salad from a fixed vocabulary) for tokenizer training."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = rng.randint(5, 60)
+        words = [rng.choice(_WORDS) for _ in range(k)]
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 9999)))
+        out.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ":"]))
+    return out
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer with ``<s>``, ``</s>``, ``<pad>``, ``<unk>`` special tokens."""
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL["unk"]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[SPECIAL["pad"], SPECIAL["bos"], SPECIAL["eos"], SPECIAL["unk"]],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SPECIAL['bos']} $A", special_tokens=[(SPECIAL["bos"], tok.token_to_id(SPECIAL["bos"]))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIAL["bos"],
+        eos_token=SPECIAL["eos"],
+        pad_token=SPECIAL["pad"],
+        unk_token=SPECIAL["unk"],
+        padding_side="left",
+    )
+
+
+def default_corpus() -> list[str]:
+    """Text for the default tokenizer: the shared datasets' prompts and responses when present, else generated text."""
+    try:
+        from predictor.datasets import load_mixed
+
+        records = load_mixed()
+    except (FileNotFoundError, OSError):
+        log.info("shared datasets not found; training the default tokenizer on generated text")
+        return generated_corpus()
+    return [t for r in records for t in (r.prompt, r.response) if t]
+
+
+def default_tokenizer(vocab_size: int = 8192, texts: Sequence[str] | None = None) -> PreTrainedTokenizerFast:
+    """The default tokenizer, trained once on ``texts`` (:func:`default_corpus` by default) and cached on disk."""
+    texts = list(texts) if texts is not None else default_corpus()
+    digest = hashlib.sha1(str(vocab_size).encode())
+    for t in texts:
+        digest.update(t.encode("utf-8", "replace"))
+    key = digest.hexdigest()[:12]
+    path = cache_dir() / f"tokenizer-{key}"
+    if (path / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    log.info("training a %d-token BPE tokenizer on %d texts -> %s", vocab_size, len(texts), path)
+    tok = train_tokenizer(texts, vocab_size)
+    tok.save_pretrained(str(path))
+    return tok
+
+
+def build_model(
+    arch: str = "llama",
+    size: str = "tiny",
+    vocab_size: int = 8192,
+    max_positions: int = 2048,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
+    """A decoder of a real architecture with random (seeded) weights."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    hidden, layers, heads, kv_heads, inter = SIZES[size]
+    ids = {}
+    if tokenizer is not None:
+        vocab_size = len(tokenizer)
+        ids = dict(
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=False,
+            **ids,
+        )
+        model = LlamaForCausalLM(cfg)
+    elif arch == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions, **ids
+        )
+        model = GPT2LMHeadModel(cfg)
+    else:
+        cfg = OPTConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            ffn_dim=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            max_position_embeddings=max_positions,
+            word_embed_proj_dim=hidden,
+            **ids,
+        )
+        model = OPTForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """Load a real Hugging Face causal LM and its tokenizer from a local directory (no downloads)."""
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"{p} is not a Hugging Face model directory (no config.json)")
+    tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype)
+    return model.eval(), tok
+
+
+def load_or_build(
+    model_dir: str | os.PathLike | None = None,
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+):
+    """``(model, tokenizer)``: from ``model_dir`` when given, else a random ``arch``/``size`` model with the default tokenizer."""
+    if model_dir:
+        return load_model(model_dir, dtype)
+    tok = default_tokenizer()
+    return build_model(arch, size, seed=seed, tokenizer=tok, dtype=dtype), tok
