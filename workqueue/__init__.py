@@ -1,0 +1,21 @@
+"""The Redis queue layer shared by the gateway and the engine workers.
+
+One place for the key schema (:mod:`workqueue.keys`), the Lua scripts that make every
+multi-key change atomic (:mod:`workqueue.scripts`), the typed queue API
+(:mod:`workqueue.queue`) and the embedded Redis server used when no URL is given
+(:mod:`workqueue.embedded`). The gateway and the engines meet only here and in the protos.
+"""
+
+from workqueue.embedded import EmbeddedRedis, connect, resolve_url
+from workqueue.queue import BatchInfo, ClaimedQuery, ClusterInfo, QueuedQuery, WorkQueue
+
+__all__ = [
+    "BatchInfo",
+    "ClaimedQuery",
+    "ClusterInfo",
+    "EmbeddedRedis",
+    "QueuedQuery",
+    "WorkQueue",
+    "connect",
+    "resolve_url",
+]

