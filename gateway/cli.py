@@ -1,0 +1,263 @@
+"""The ``gateway`` command: serve, run a local deployment, inspect and rebalance clusters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from gateway.config import TOKEN_ENV, GatewayConfig, load_clusters
+from gateway.policies import POLICIES
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gateway",
+        description=(
+            "The fleetbatch gateway: accepts batches over gRPC, predicts each query's response length, "
+            "assigns queries to clusters by predicted tokens per unit of capacity, queues them in Redis, "
+            "and moves queued work from busy clusters to idle ones."
+        ),
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the gRPC gateway against a Redis server")
+    s.add_argument(
+        "--listen", default="127.0.0.1:50051", help="host:port to listen on (port 0: any free port)"
+    )
+    s.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis URL (default: $FLEETBATCH_REDIS_URL, else an embedded server)",
+    )
+    s.add_argument(
+        "--clusters", default=None, help="clusters.yaml: name, capacity_tps, plan, backend per cluster"
+    )
+    _add_common(s)
+
+    u = sub.add_parser(
+        "up",
+        help="local deployment: embedded Redis + engines + gateway, Ctrl-C stops all",
+        description=(
+            "Start an embedded Redis, one engine process per cluster and the gateway. By default three "
+            "clusters (fast, medium, slow: engines 1x, 2x and 4x slower) mimic unlike GPUs."
+        ),
+    )
+    u.add_argument("--listen", default="127.0.0.1:50051", help="gateway host:port (port 0: any free port)")
+    u.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    u.add_argument("--config", default=None, help="clusters.yaml instead of the default fleet")
+    u.add_argument("--clusters", type=int, default=3, help="number of clusters of the default fleet")
+    u.add_argument("--backend", default="native", choices=("native", "static", "vllm"), help="engine backend")
+    u.add_argument(
+        "--size", default="nano", help="size of the random default model (nano, tiny, small, base)"
+    )
+    u.add_argument("--run-dir", default="runs/local", help="Redis data, logs, admin token, gateway.json")
+    u.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine process")
+    u.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for engines to start")
+    u.add_argument(
+        "--engine-arg", action="append", help="extra argument for every `engine serve` (repeatable)"
+    )
+    _add_common(u)
+
+    r = sub.add_parser(
+        "rebalance",
+        help="show pending work per cluster and the moves that equalise expected finish times",
+        description=(
+            "Admin command. Prints each cluster's pending predicted tokens, capacity and expected finish "
+            "time, and the moves (from the back of queues) that equalise expected finish times. Dry run "
+            "by default; --apply carries the moves out. Also drains, adds and removes clusters."
+        ),
+    )
+    r.add_argument("--target", default=DEFAULT_TARGET, help="gateway address host:port")
+    r.add_argument("--token", default=None, help=f"admin token (default: ${TOKEN_ENV} or --token-file)")
+    r.add_argument(
+        "--token-file", default=None, help="file holding the admin token (gateway up: runs/local/admin-token)"
+    )
+    r.add_argument("--apply", action="store_true", help="carry out the moves (default: dry run)")
+    r.add_argument(
+        "--drain",
+        metavar="CLUSTER",
+        action="append",
+        help="stop assigning to CLUSTER and move its queue away",
+    )
+    r.add_argument("--add", metavar="CLUSTER", help="register a new cluster (its engine may start later)")
+    r.add_argument("--capacity", type=float, default=0.0, help="with --add: capacity hint in tokens/s")
+    r.add_argument("--remove", metavar="CLUSTER", help="drain and remove CLUSTER")
+    r.add_argument("--force", action="store_true", help="with --remove: even while it still runs queries")
+    r.add_argument("--json", action="store_true", help="print the response as JSON")
+
+    st = sub.add_parser("status", help="list clusters: liveness, capacity, queue, expected finish")
+    st.add_argument("--target", default=DEFAULT_TARGET, help="gateway address host:port")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def _add_common(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--policy", default="token", choices=sorted(POLICIES), help="assignment policy")
+    s.add_argument("--predictor", default=None, help="length-predictor model directory (default: heuristic)")
+    s.add_argument(
+        "--tokenizer", default=None, help="serving model directory whose tokenizer counts prompt tokens"
+    )
+    s.add_argument("--admin-token", default=None, help=f"admin API token (default: ${TOKEN_ENV})")
+    s.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
+    )
+    s.add_argument("--no-offload", action="store_true", help="disable backoff offloading between clusters")
+    s.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted")
+
+
+def _serve(args) -> int:
+    from gateway.server import run
+    from workqueue.embedded import resolve_url
+
+    clusters = load_clusters(args.clusters) if args.clusters else []
+    url, embedded = resolve_url(args.redis_url)
+    if embedded is not None:
+        print(f"no Redis URL given: started an embedded Redis at {url}", flush=True)
+    config = GatewayConfig(
+        redis_url=url,
+        listen=args.listen,
+        admin_token=args.admin_token or "",
+        policy=args.policy,
+        predictor_dir=args.predictor,
+        tokenizer_dir=args.tokenizer,
+        metrics_port=args.metrics_port,
+        offload=not args.no_offload,
+        max_prompt_tokens=args.max_prompt_tokens,
+        clusters=clusters,
+    )
+    try:
+        run(config)
+    finally:
+        if embedded is not None:
+            embedded.close()
+    return 0
+
+
+def _up(args) -> int:
+    import asyncio
+
+    from gateway.up import up
+
+    if args.admin_token:
+        os.environ[TOKEN_ENV] = args.admin_token
+    try:
+        import uvloop
+
+        return uvloop.run(up(args))
+    except ImportError:
+        return asyncio.run(up(args))
+
+
+def _token(args) -> str:
+    if args.token:
+        return args.token
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    path = Path(args.token_file or "runs/local/admin-token")
+    if path.exists():
+        return path.read_text().strip()
+    raise SystemExit(f"gateway rebalance: no admin token: pass --token, set ${TOKEN_ENV} or --token-file")
+
+
+def _table(clusters) -> str:
+    lines = [
+        f"{'cluster':<12} {'alive':<5} {'state':<9} {'cap tok/s':>9} {'queue':>6} {'running':>7} "
+        f"{'pending tok':>11} {'finish s':>8} {'done':>6} {'tokens':>8}"
+    ]
+    for c in clusters:
+        lines.append(
+            f"{c.name:<12} {'yes' if c.alive else 'no':<5} {c.state:<9} {c.capacity_tokens_per_s:>9.1f} "
+            f"{c.queue_length:>6} {c.running:>7} {c.pending_predicted_tokens:>11.0f} {c.expected_finish_s:>8.1f} "
+            f"{c.finished_queries:>6} {c.finished_actual_tokens:>8}"
+        )
+    return "\n".join(lines)
+
+
+def _rebalance(args) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from protos import fleetbatch_pb2 as pb
+    from protos import fleetbatch_pb2_grpc as pb_grpc
+
+    md = [("authorization", f"Bearer {_token(args)}")]
+    with grpc.insecure_channel(args.target) as ch:
+        admin = pb_grpc.AdminServiceStub(ch)
+        try:
+            if args.add:
+                resp = admin.AddCluster(
+                    pb.AddClusterRequest(name=args.add, capacity_tokens_per_s=args.capacity), metadata=md
+                )
+                print(f"added cluster {resp.name} (capacity {resp.capacity_tokens_per_s:.1f} tokens/s)")
+                return 0
+            if args.remove:
+                resp = admin.RemoveCluster(
+                    pb.RemoveClusterRequest(name=args.remove, force=args.force, dry_run=not args.apply),
+                    metadata=md,
+                )
+            else:
+                resp = admin.Rebalance(
+                    pb.RebalanceRequest(dry_run=not args.apply, drain=args.drain or []), metadata=md
+                )
+                if args.drain and args.apply:
+                    for name in args.drain:
+                        admin.DrainCluster(pb.DrainClusterRequest(name=name, dry_run=False), metadata=md)
+        except grpc.RpcError as e:
+            print(f"gateway rebalance: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True)))
+        return 0
+    print(_table(resp.before))
+    print()
+    print(resp.message)
+    if resp.applied:
+        print(f"applied: moved {sum(m.moved for m in resp.moves)} queries")
+    else:
+        print("dry run: nothing moved (pass --apply to carry it out)")
+    return 0
+
+
+def _status(args) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from protos import fleetbatch_pb2 as pb
+    from protos import fleetbatch_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(args.target) as ch:
+        try:
+            resp = pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=10)
+        except grpc.RpcError as e:
+            print(f"gateway status: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(
+        json.dumps(MessageToDict(resp, preserving_proto_field_name=True))
+        if args.json
+        else _table(resp.clusters)
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return {"serve": _serve, "up": _up, "rebalance": _rebalance, "status": _status}[args.command](args)
+    except (FileNotFoundError, ValueError, ConnectionError, OSError, TimeoutError, RuntimeError) as e:
+        print(f"gateway {args.command}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Gateway settings and the cluster config file (``clusters.yaml``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+TOKEN_ENV = "FLEETBATCH_ADMIN_TOKEN"
+
+
+@dataclass
+class ClusterSpec:
+    """One cluster as configured: what the gateway may assume before heartbeats arrive."""
+
+    name: str
+    capacity_tps: float = 0.0  # capacity hint in tokens/s
+    plan: str | None = None  # plan.json written by `planner plan`
+    backend: str = "native"
+    redis_url: str | None = None  # the shared Redis (one per deployment); kept for the k8s manifests
+    max_query_tokens: int = 0
+    kv_budget_tokens: int = 0
+    engine_args: list[str] = field(default_factory=list)  # extra `engine serve` flags for `gateway up`
+
+
+@dataclass
+class GatewayConfig:
+    redis_url: str | None = None
+    listen: str = "127.0.0.1:50051"
+    admin_token: str = ""
+    policy: str = "token"
+    predictor_dir: str | None = None
+    tokenizer_dir: str | None = None  # serving model directory whose tokenizer counts prompt tokens
+    max_prompt_tokens: int = 2048
+    default_max_tokens: int = 256
+    max_max_tokens: int = 4096
+    max_batch_queries: int = 1_000_000
+    offload: bool = True
+    offload_interval_s: float = 0.5
+    metrics_port: int = 0  # 0: no Prometheus endpoint
+    clusters: list[ClusterSpec] = field(default_factory=list)
+    bound_address: str = ""  # set by the server once it listens (port 0 picks a free one)
+
+    def token(self) -> str:
+        return self.admin_token or os.environ.get(TOKEN_ENV, "")
+
+
+def load_clusters(path: str | os.PathLike) -> list[ClusterSpec]:
+    """Read ``clusters.yaml``: ``clusters: [{name, capacity_tps, plan, backend, ...}, ...]``."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"cluster config {p} not found") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{p}: not valid YAML: {e}") from e
+    rows = (data or {}).get("clusters") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{p}: expected a non-empty list under 'clusters:'")
+    known = set(ClusterSpec.__dataclass_fields__)
+    out, seen = [], set()
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not row.get("name"):
+            raise ValueError(f"{p}: cluster #{i + 1} needs a 'name'")
+        unknown = set(row) - known
+        if unknown:
+            raise ValueError(f"{p}: cluster {row['name']!r} has unknown fields {sorted(unknown)}")
+        if row["name"] in seen:
+            raise ValueError(f"{p}: cluster name {row['name']!r} appears twice")
+        seen.add(row["name"])
+        out.append(ClusterSpec(**row))
+    return out

@@ -1,0 +1,184 @@
+"""Build and run the gateway: grpc.aio on uvloop, health checking, reflection, offloader, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.offloader import Offloader
+from gateway.policies import make_policy
+from gateway.service import AdminService, BatchService, GatewayDeps
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+from workqueue import WorkQueue, connect
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(tokenizer_dir: str | None):
+    """The serving model's tokenizer (a model directory), or the project's default tokenizer."""
+    if tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    from localmodels import default_tokenizer
+
+    return default_tokenizer()
+
+
+def build_deps(config: GatewayConfig) -> GatewayDeps:
+    """Connect to Redis, register configured clusters, load tokenizer, predictor and policy."""
+    from predictor.serving import LengthPredictor
+
+    if not config.redis_url:
+        raise ValueError("no Redis URL configured")
+    queue = WorkQueue(connect(config.redis_url))
+    for c in config.clusters:
+        queue.register_cluster(
+            c.name,
+            capacity_hint_tps=c.capacity_tps or None,
+            backend=c.backend,
+            max_query_tokens=c.max_query_tokens or None,
+            kv_budget_tokens=c.kv_budget_tokens or None,
+            plan_tps=_plan_tps(c.plan),
+        )
+    tokenizer = load_tokenizer(config.tokenizer_dir)
+    predictor = LengthPredictor.from_dir(config.predictor_dir)
+    log.info(
+        "length predictor: %s",
+        "prompt-length heuristic (no model configured)" if predictor.is_fallback else predictor.version,
+    )
+
+    def count_tokens(prompts: list[str]) -> list[int]:
+        if not prompts:
+            return []
+        return [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+
+    def predict_tokens(prompts: list[str]) -> list[float]:
+        return [p.expected_tokens for p in predictor.predict(prompts)] if prompts else []
+
+    deps = GatewayDeps(
+        config=config,
+        queue=queue,
+        count_tokens=count_tokens,
+        predict_tokens=predict_tokens,
+        policy=make_policy(config.policy),
+        metrics=GatewayMetrics(),
+        predictor=predictor,
+    )
+    return deps
+
+
+def _plan_tps(path: str | None) -> float | None:
+    if not path:
+        return None
+    from planner.planfile import load_plan
+
+    return load_plan(path).predicted_throughput_tokens_per_s
+
+
+async def serve(
+    config: GatewayConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> None:
+    deps = await asyncio.to_thread(build_deps, config)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 512 * 1024 * 1024)])
+    pb_grpc.add_BatchServiceServicer_to_server(BatchService(deps), server)
+    pb_grpc.add_AdminServiceServicer_to_server(AdminService(deps), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    services = [
+        pb.DESCRIPTOR.services_by_name["BatchService"].full_name,
+        pb.DESCRIPTOR.services_by_name["AdminService"].full_name,
+        health.SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    ]
+    reflection.enable_server_reflection(services, server)
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {config.listen}")
+    await server.start()
+    for name in services[:2]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    if config.metrics_port:
+        deps.metrics.serve(config.metrics_port)
+        log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", config.metrics_port)
+    host = config.listen.rsplit(":", 1)[0]
+    config.bound_address = f"{host}:{port}"
+    log.info(
+        "gateway listening on %s (policy %s, Redis %s)", config.bound_address, config.policy, config.redis_url
+    )
+    stop = stop or asyncio.Event()
+    tasks = []
+    if config.offload:
+        tasks.append(
+            asyncio.create_task(_offload_loop(Offloader(deps.queue, metrics=deps.metrics), config, stop))
+        )
+    tasks.append(asyncio.create_task(_reload_loop(deps, stop)))
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("gateway stopping")
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=2)
+    for t in tasks:
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+
+async def _offload_loop(offloader: Offloader, config: GatewayConfig, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await asyncio.to_thread(offloader.tick)
+        except Exception:
+            log.exception("offloader tick failed")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=config.offload_interval_s)
+
+
+async def _reload_loop(deps: GatewayDeps, stop: asyncio.Event, every_s: float = 30.0) -> None:
+    """Hot reload: pick up a newer predictor version written into the configured directory."""
+    predictor = deps.predictor
+    if predictor is None or predictor.is_fallback:
+        return
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=every_s)
+        if stop.is_set():
+            return
+        before = predictor.version
+        try:
+            after = await asyncio.to_thread(predictor.reload)
+        except Exception as e:
+            log.warning("predictor reload failed, keeping %s: %s", before, e)
+            continue
+        if after != before:
+            log.info("predictor reloaded: %s -> %s", before, after)
+
+
+def run(config: GatewayConfig) -> None:
+    """Run until SIGINT/SIGTERM, on uvloop where available."""
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, stop=stop)
+
+    runner(main())

@@ -1,0 +1,191 @@
+"""``gateway up``: the one-command local deployment.
+
+Starts an embedded Redis, one ``engine serve`` process per cluster (by default three
+clusters whose engines run at different speeds, to mimic unlike GPUs) and the gateway in
+this process. It writes ``<run-dir>/gateway.json`` (address, Redis URL, admin token file,
+engine pids) once everything is up, and stops everything cleanly on Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gateway.config import ClusterSpec, GatewayConfig, load_clusters
+from gateway.server import serve
+from workqueue import WorkQueue, connect
+from workqueue.embedded import URL_ENV, EmbeddedRedis
+
+log = logging.getLogger(__name__)
+
+#: The default local fleet: three clusters, the second twice and the third four times slower
+#: than the first (capacity hints in the same ratio), like an A100, a V100 and a T4 pool.
+DEFAULT_FLEET = (("fast", 0.0, 400.0), ("medium", 1.0, 200.0), ("slow", 3.0, 100.0))
+
+
+def default_clusters(n: int, backend: str, size: str) -> list[ClusterSpec]:
+    specs = []
+    for i in range(n):
+        name, slowdown, hint = DEFAULT_FLEET[i % len(DEFAULT_FLEET)]
+        if i >= len(DEFAULT_FLEET):
+            name = f"{name}{i // len(DEFAULT_FLEET) + 1}"
+        specs.append(
+            ClusterSpec(
+                name=name,
+                capacity_tps=hint,
+                backend=backend,
+                engine_args=["--size", size, "--slowdown", str(slowdown)],
+            )
+        )
+    return specs
+
+
+def start_engine(
+    spec: ClusterSpec, redis_url: str, log_dir: Path, threads: int, extra: list[str]
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "engines.cli", "serve",
+        "--cluster", spec.name,
+        "--redis-url", redis_url,
+        "--backend", spec.backend,
+        "--threads", str(threads),
+        "--capacity", str(spec.capacity_tps),
+        *(["--plan", spec.plan] if spec.plan else []),
+        *spec.engine_args,
+        *extra,
+    ]  # fmt: skip
+    logfile = open(log_dir / f"engine-{spec.name}.log", "ab")  # noqa: SIM115 - handed to the child
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop_processes(procs: dict[str, subprocess.Popen], timeout_s: float = 15.0) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for name, p in procs.items():
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("engine %s did not stop in time; killing it", name)
+            p.kill()
+            p.wait()
+
+
+async def wait_for_engines(
+    queue: WorkQueue, names: list[str], procs: dict[str, subprocess.Popen], timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        infos = await asyncio.to_thread(queue.clusters, names)
+        if all(i.alive for i in infos):
+            return
+        for n, p in procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"engine {n} exited with code {p.returncode}; see its log")
+        if time.monotonic() > deadline:
+            missing = [i.name for i in infos if not i.alive]
+            raise TimeoutError(f"engines {missing} sent no heartbeat within {timeout_s:.0f} s")
+        await asyncio.sleep(0.2)
+
+
+async def up(args) -> int:
+    run_dir = Path(args.run_dir).resolve()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    specs = (
+        load_clusters(args.config)
+        if args.config
+        else default_clusters(args.clusters, args.backend, args.size)
+    )
+    token = os.environ.get("FLEETBATCH_ADMIN_TOKEN") or secrets.token_urlsafe(18)
+    token_file = run_dir / "admin-token"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    redis_server = None
+    url = args.redis_url or os.environ.get(URL_ENV)
+    if not url:
+        redis_server = EmbeddedRedis(run_dir / "redis")
+        url = redis_server.url
+    procs: dict[str, subprocess.Popen] = {}
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        queue = WorkQueue(connect(url))
+        for spec in specs:
+            procs[spec.name] = start_engine(
+                spec, url, run_dir / "logs", args.engine_threads, args.engine_arg or []
+            )
+            log.info("engine %s started (pid %d, backend %s)", spec.name, procs[spec.name].pid, spec.backend)
+        config = GatewayConfig(
+            redis_url=url,
+            listen=args.listen,
+            admin_token=token,
+            policy=args.policy,
+            predictor_dir=args.predictor,
+            tokenizer_dir=args.tokenizer,
+            metrics_port=args.metrics_port,
+            offload=not args.no_offload,
+            max_prompt_tokens=args.max_prompt_tokens,
+            clusters=specs,
+        )
+        ready = asyncio.Event()
+        gateway = asyncio.create_task(serve(config, ready=ready, stop=stop))
+        ready_wait = asyncio.create_task(ready.wait())
+        await asyncio.wait([gateway, ready_wait], return_when=asyncio.FIRST_COMPLETED)
+        if gateway.done():
+            gateway.result()  # raises the startup error
+        await wait_for_engines(queue, [s.name for s in specs], procs, args.engine_timeout)
+        info = {
+            "address": config.bound_address,
+            "redis_url": url,
+            "admin_token_file": str(token_file),
+            "clusters": [s.name for s in specs],
+            "engine_pids": {n: p.pid for n, p in procs.items()},
+            "logs": str(run_dir / "logs"),
+        }
+        (run_dir / "gateway.json").write_text(json.dumps(info, indent=2))
+        print(f"gateway listening on {config.bound_address}", flush=True)
+        print(f"  Redis: {url}", flush=True)
+        print(f"  clusters: {', '.join(s.name for s in specs)} (logs in {run_dir / 'logs'})", flush=True)
+        print(f"  admin token: {token_file}", flush=True)
+        print("  Ctrl-C stops everything", flush=True)
+        watcher = asyncio.create_task(_watch_engines(procs, stop))
+        await gateway
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        return 0
+    finally:
+        stop.set()
+        await asyncio.to_thread(stop_processes, procs)
+        with contextlib.suppress(FileNotFoundError):
+            (run_dir / "gateway.json").unlink()
+        if redis_server is not None:
+            redis_server.close()
+        log.info("local deployment stopped")
+
+
+async def _watch_engines(procs: dict[str, subprocess.Popen], stop: asyncio.Event) -> None:
+    reported: set[str] = set()
+    while not stop.is_set():
+        for n, p in procs.items():
+            if p.poll() is not None and n not in reported:
+                reported.add(n)
+                log.error(
+                    "engine %s exited with code %s; its queued work will be moved to the others",
+                    n,
+                    p.returncode,
+                )
+        await asyncio.sleep(1.0)

@@ -1,0 +1,156 @@
+"""The ``loadgen`` command: submit workloads to a gateway, run the local demo, and benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from load.client import format_summary, run_batch, summarise
+from load.workload import from_dataset, from_openai_jsonl, generated, write_jsonl
+
+log = logging.getLogger(__name__)
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--dataset",
+        help="a dataset of ../shared/data: mixed, alpaca_eval, gsm8k, code_alpaca, roleplay, toolformer",
+    )
+    src.add_argument("--jsonl", help="an OpenAI Batch input file (custom_id, body.messages / body.prompt)")
+    p.add_argument("-n", "--num", type=int, default=200, help="number of queries (generated or sampled)")
+    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each query")
+    p.add_argument("--no-forced", action="store_true", help="do not force the recorded response length")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the workload")
+    p.add_argument("--out", default=None, help="write results as JSONL here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loadgen",
+        description="Load generation for fleetbatch: submit batches (generated, real datasets, OpenAI batch JSONL), "
+        "stream results, summarise per cluster; run the local demo; compare assignment policies.",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser(
+        "submit", help="submit one batch to a gateway, stream results, print a per-cluster summary"
+    )
+    s.add_argument("--target", default="127.0.0.1:50051", help="gateway address host:port")
+    s.add_argument("--batch-id", default="", help="client-chosen batch id (makes retries idempotent)")
+    _add_workload_args(s)
+
+    d = sub.add_parser(
+        "demo",
+        help="start `gateway up` (embedded Redis, 3 engines), submit a sample batch, print the summary, stop",
+    )
+    d.add_argument("--run-dir", default="runs/demo", help="where `gateway up` keeps Redis data and logs")
+    d.add_argument("--gateway-arg", action="append", help="extra argument for `gateway up` (repeatable)")
+    d.add_argument(
+        "--timeout", type=float, default=600, help="seconds to wait for the deployment and the batch"
+    )
+    _add_workload_args(d)
+
+    c = sub.add_parser(
+        "compare-policies",
+        help="benchmark: per-cluster token imbalance and makespan of each assignment policy on real lengths",
+    )
+    from load import compare_policies
+
+    compare_policies.add_arguments(c)
+    return p
+
+
+def _workload(args):
+    forced = not args.no_forced
+    if args.num < 1:
+        raise ValueError("--num must be >= 1")
+    if args.jsonl:
+        return from_openai_jsonl(args.jsonl, args.max_tokens)[: args.num]
+    if args.dataset:
+        from localmodels import default_tokenizer
+
+        return from_dataset(args.dataset, args.num, args.seed, args.max_tokens, forced, default_tokenizer())
+    return generated(args.num, args.seed, args.max_tokens, forced)
+
+
+def _submit(args, target: str) -> int:
+    items = _workload(args)
+    batch, results, wall = run_batch(
+        target, items, batch_id=getattr(args, "batch_id", ""), progress=not args.no_progress
+    )
+    if args.out:
+        write_jsonl(results, args.out)
+        print(f"results written to {args.out}")
+    summary = summarise(batch, results, wall)
+    print(format_summary(summary))
+    print(json.dumps(summary))
+    return 0 if summary["results"] == summary["queries"] and summary["duplicates"] == 0 else 1
+
+
+def _demo(args) -> int:
+    run_dir = Path(args.run_dir)
+    info_file = run_dir / "gateway.json"
+    info_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "gateway.cli", "up", "--listen", "127.0.0.1:0", "--run-dir", str(run_dir)]
+    cmd += args.gateway_arg or []
+    print("starting:", " ".join(cmd[2:]), flush=True)
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        deadline = time.monotonic() + args.timeout
+        while not info_file.exists():
+            if proc.poll() is not None:
+                print(f"loadgen demo: `gateway up` exited with code {proc.returncode}", file=sys.stderr)
+                return 1
+            if time.monotonic() > deadline:
+                print("loadgen demo: the deployment did not come up in time", file=sys.stderr)
+                return 1
+            time.sleep(0.3)
+        info = json.loads(info_file.read_text())
+        return _submit(args, info["address"])
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "submit":
+            return _submit(args, args.target)
+        if args.command == "demo":
+            return _demo(args)
+        from load import compare_policies
+
+        result = compare_policies.run(args)
+        print(json.dumps(result))
+        return 0
+    except grpc.RpcError as e:
+        print(f"loadgen {args.command}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, ValueError) as e:
+        print(f"loadgen {args.command}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

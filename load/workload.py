@@ -1,0 +1,139 @@
+"""Workloads for ``loadgen``: a generated default mix, real datasets, and OpenAI batch JSONL files.
+
+Every source yields :class:`WorkItem` objects (id, prompt, max_tokens, optional forced
+length and sampling settings, metadata). The generated mix needs no data files: prompts of
+three kinds (tool calls, explanations, long-form writing) whose response lengths differ by
+an order of magnitude, like the real mixed workload, with lengths tied to the prompt's
+wording so that a length predictor has something to learn.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_TOPICS = (
+    "rivers", "tax forms", "sorting algorithms", "the moon", "coffee", "bridges", "solar panels", "chess",
+    "volcanoes", "a small bakery", "train timetables", "bees", "compilers", "ancient Rome", "jazz", "glaciers",
+)  # fmt: skip
+_KINDS = (
+    # kind, share, prompt templates, (median, spread) of response tokens
+    ("tool", 0.45, ("Look up {t}.", "Call the search tool for {t}.", "Give the one-word category of {t}."), (12, 0.4)),
+    ("explain", 0.35, ("Explain {t} in a short paragraph.", "What should a beginner know about {t}?"), (70, 0.35)),
+    ("write", 0.20, ("Write a long, detailed story about {t}, with several scenes.", "Write an in-depth essay on {t}."), (220, 0.3)),
+)  # fmt: skip
+
+
+@dataclass
+class WorkItem:
+    id: str
+    prompt: str
+    max_tokens: int = 256
+    forced_length: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    true_length: int | None = None  # the recorded response length, when known
+
+
+def generated(n: int, seed: int = 0, max_tokens: int = 256, forced: bool = True) -> list[WorkItem]:
+    """The default generated workload (no dataset text)."""
+    rng = random.Random(seed)
+    shares = [k[1] for k in _KINDS]
+    items = []
+    for i in range(n):
+        kind, _, templates, (median, spread) = rng.choices(_KINDS, weights=shares)[0]
+        prompt = rng.choice(templates).format(t=rng.choice(_TOPICS))
+        length = max(1, min(max_tokens, int(round(rng.lognormvariate(0, spread) * median))))
+        items.append(
+            WorkItem(
+                id=f"g{i:06d}",
+                prompt=prompt,
+                max_tokens=max_tokens,
+                forced_length=length if forced else None,
+                metadata={"source": f"generated-{kind}"},
+                true_length=length,
+            )
+        )
+    return items
+
+
+def from_dataset(
+    name: str, n: int, seed: int = 0, max_tokens: int = 256, forced: bool = True, tokenizer=None
+) -> list[WorkItem]:
+    """``n`` records sampled (deterministically) from a dataset of ``../shared/data``.
+
+    With ``forced``, each query generates exactly its recorded response length in tokens of
+    ``tokenizer`` (capped at ``max_tokens``).
+    """
+    from predictor.datasets import load_dataset, response_lengths
+
+    records = load_dataset(name)
+    rng = random.Random(seed)
+    picked = rng.sample(records, min(n, len(records)))
+    lengths = response_lengths(picked, tokenizer)
+    return [
+        WorkItem(
+            id=f"{r.source}-{i:06d}",
+            prompt=r.prompt,
+            max_tokens=max_tokens,
+            forced_length=max(1, min(max_tokens, length)) if forced else None,
+            metadata={"source": r.source},
+            true_length=length,
+        )
+        for i, (r, length) in enumerate(zip(picked, lengths, strict=True))
+    ]
+
+
+def from_openai_jsonl(path: str | Path, default_max_tokens: int = 256) -> list[WorkItem]:
+    """Read an OpenAI Batch input file (``custom_id`` + ``body`` with ``messages`` or ``prompt``)."""
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            body = row.get("body") or {}
+            if "custom_id" not in row:
+                raise ValueError(f"{path}:{lineno}: missing custom_id")
+            if "messages" in body:
+                prompt = "\n\n".join(_content(m.get("content")) for m in body["messages"])
+            elif "prompt" in body:
+                prompt = body["prompt"] if isinstance(body["prompt"], str) else "\n".join(body["prompt"])
+            else:
+                raise ValueError(f"{path}:{lineno}: body needs 'messages' or 'prompt'")
+            items.append(
+                WorkItem(
+                    id=str(row["custom_id"]),
+                    prompt=prompt,
+                    max_tokens=int(
+                        body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
+                    ),
+                    temperature=float(body.get("temperature", 0.0)),
+                    top_p=float(body.get("top_p", 1.0)),
+                    seed=body.get("seed"),
+                    metadata={"source": "jsonl"},
+                )
+            )
+    return items
+
+
+def _content(c) -> str:
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # content parts
+        return "".join(p.get("text", "") for p in c if isinstance(p, dict))
+    return ""
+
+
+def write_jsonl(rows: Sequence[dict], path: str | Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
