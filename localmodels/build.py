@@ -6,6 +6,7 @@ import hashlib
 import logging
 import os
 import random
+import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -104,20 +105,40 @@ def default_corpus() -> list[str]:
     return [t for r in records for t in (r.prompt, r.response) if t]
 
 
+def _default_corpus_key() -> str:
+    """A cheap fingerprint of what :func:`default_corpus` would return (file names and sizes)."""
+    try:
+        from predictor.datasets import data_dir
+
+        root = data_dir()
+    except (FileNotFoundError, OSError):
+        return "generated"
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return "data:" + ";".join(f"{p.relative_to(root)}={p.stat().st_size}" for p in files)
+
+
 def default_tokenizer(vocab_size: int = 8192, texts: Sequence[str] | None = None) -> PreTrainedTokenizerFast:
     """The default tokenizer, trained once on ``texts`` (:func:`default_corpus` by default) and cached on disk."""
-    texts = list(texts) if texts is not None else default_corpus()
     digest = hashlib.sha1(str(vocab_size).encode())
-    for t in texts:
-        digest.update(t.encode("utf-8", "replace"))
-    key = digest.hexdigest()[:12]
-    path = cache_dir() / f"tokenizer-{key}"
+    if texts is None:
+        digest.update(_default_corpus_key().encode())
+    else:
+        texts = list(texts)
+        for t in texts:
+            digest.update(t.encode("utf-8", "replace"))
+    path = cache_dir() / f"tokenizer-{digest.hexdigest()[:12]}"
     if (path / "tokenizer.json").exists():
         return PreTrainedTokenizerFast.from_pretrained(str(path))
+    texts = texts if texts is not None else default_corpus()
     log.info("training a %d-token BPE tokenizer on %d texts -> %s", vocab_size, len(texts), path)
     tok = train_tokenizer(texts, vocab_size)
-    tok.save_pretrained(str(path))
-    return tok
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tok.save_pretrained(str(tmp))
+    try:
+        tmp.rename(path)  # atomic: concurrent processes never see half a tokenizer
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
 def build_model(

@@ -291,6 +291,8 @@ class WorkQueue:
             )
             pipe.rpush(keys.queue(c), q.gid)
         for c, t in per_cluster_tokens.items():
+            pipe.sadd(keys.CLUSTERS, c)
+            pipe.hsetnx(keys.cluster_info(c), "state", "active")
             pipe.incrbyfloat(keys.pending(c), t)
             pipe.hincrbyfloat(keys.cluster_stats(c), "assigned_predicted_tokens", t)
             pipe.hincrby(keys.cluster_stats(c), "assigned_queries", per_cluster[c])
