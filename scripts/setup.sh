@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up everything fleetbatch needs on a fresh machine (idempotent):
+# a redis-server binary, a virtualenv in .venv, the CPU build of torch 2.13.0,
+# and the project with its test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x /usr/bin/redis-server ] && [ ! -x /usr/local/bin/redis-server ] && [ -z "${FLEETBATCH_REDIS_SERVER:-}" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing redis-server (Debian package)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "setup: please install redis-server (e.g. 'sudo apt-get install redis-server') or set FLEETBATCH_REDIS_SERVER" >&2
+    exit 1
+  fi
+fi
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "setup: installing torch 2.13.0 (CPU build)"
+  .venv/bin/python -m pip install -q torch==2.13.0
+fi
+echo "setup: installing fleetbatch with its test extras"
+.venv/bin/python -m pip install -q -e ".[test]"
+echo "setup: done (activate with: . .venv/bin/activate)"
