@@ -82,7 +82,11 @@ def _plan_tps(path: str | None) -> float | None:
         return None
     from planner.planfile import load_plan
 
-    return load_plan(path).predicted_throughput_tokens_per_s
+    try:
+        return load_plan(path).predicted_throughput_tokens_per_s
+    except (FileNotFoundError, ValueError) as e:
+        log.warning("plan %s not readable here (%s); using the capacity hint", path, e)
+        return None
 
 
 async def serve(

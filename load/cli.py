@@ -66,9 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
         "compare-policies",
         help="benchmark: per-cluster token imbalance and makespan of each assignment policy on real lengths",
     )
-    from load import compare_policies
+    from load import bench_offload, compare_policies
 
     compare_policies.add_arguments(c)
+    b = sub.add_parser(
+        "bench-offload",
+        help="benchmark: a batch on a fleet with one slow cluster, with and without backoff offloading",
+        description=bench_offload.__doc__,
+    )
+    bench_offload.add_arguments(b)
     return p
 
 
@@ -139,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             return _submit(args, args.target)
         if args.command == "demo":
             return _demo(args)
-        from load import compare_policies
+        from load import bench_offload, compare_policies
 
-        result = compare_policies.run(args)
-        print(json.dumps(result))
+        module = bench_offload if args.command == "bench-offload" else compare_policies
+        print(json.dumps(module.run(args)))
         return 0
     except grpc.RpcError as e:
         print(f"loadgen {args.command}: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -1,0 +1,110 @@
+"""Benchmark: one batch on a fleet with a slow cluster, with and without backoff offloading.
+
+Both runs use the same workload, the same fleet (every cluster *configured* with the same
+capacity hint, one of them secretly ``--slowdown`` times slower, like a GPU pool that turns
+out slower than its spec) and the same assignment policy; only offloading differs. Each
+run starts its own ``gateway up`` deployment. The last printed line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from load.client import run_batch, summarise
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--num", type=int, default=120, help="queries in the batch")
+    p.add_argument(
+        "--dataset", default="mixed", help="dataset of ../shared/data for prompts and recorded lengths"
+    )
+    p.add_argument("--max-tokens", type=int, default=96, help="cap on the forced response length")
+    p.add_argument(
+        "--slowdown", type=float, default=4.0, help="the slow cluster sleeps this multiple of each step"
+    )
+    p.add_argument("--clusters", type=int, default=3, help="clusters in the fleet (the last one is slow)")
+    p.add_argument("--backend", default="native", choices=("native", "static"), help="engine backend")
+    p.add_argument("--size", default="nano", help="random model size")
+    p.add_argument("--policy", default="token", help="assignment policy of both runs")
+    p.add_argument("--seed", type=int, default=0, help="workload sampling seed")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+
+
+def _fleet(args, run_dir: Path) -> Path:
+    clusters = []
+    for i in range(args.clusters):
+        slow = i == args.clusters - 1
+        clusters.append(
+            {
+                "name": f"c{i}" + ("-slow" if slow else ""),
+                "capacity_tps": 100.0,
+                "backend": args.backend,
+                "engine_args": ["--size", args.size, "--slowdown", str(args.slowdown if slow else 0.0)],
+            }
+        )
+    path = run_dir / "clusters.yaml"
+    path.write_text(yaml.safe_dump({"clusters": clusters}))
+    return path
+
+
+def _one_run(args, items, offload: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="fleetbatch-bench-") as tmp:
+        run_dir = Path(tmp)
+        cmd = [
+            sys.executable, "-m", "gateway.cli", "up", "--listen", "127.0.0.1:0", "--run-dir", str(run_dir),
+            "--config", str(_fleet(args, run_dir)), "--policy", args.policy,
+        ] + ([] if offload else ["--no-offload"])  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "gateway.log", "wb"))  # noqa: SIM115
+        try:
+            deadline = time.monotonic() + args.timeout
+            while not (run_dir / "gateway.json").exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"deployment did not start; see {run_dir}/gateway.log")
+                time.sleep(0.3)
+            address = json.loads((run_dir / "gateway.json").read_text())["address"]
+            batch, results, wall = run_batch(address, items, progress=True, timeout_s=args.timeout)
+            return summarise(batch, results, wall)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def run(args) -> dict:
+    from load.workload import from_dataset
+    from localmodels import default_tokenizer
+
+    items = from_dataset(args.dataset, args.num, args.seed, args.max_tokens, True, default_tokenizer())
+    without = _one_run(args, items, offload=False)
+    with_ = _one_run(args, items, offload=True)
+    return {
+        "queries": len(items),
+        "slowdown": args.slowdown,
+        "backend": args.backend,
+        "wall_s_without_offload": without["wall_s"],
+        "wall_s_with_offload": with_["wall_s"],
+        "speedup_with_offload": round(without["wall_s"] / with_["wall_s"], 3) if with_["wall_s"] else None,
+        "per_cluster_without": {k: v["queries"] for k, v in without["clusters"].items()},
+        "per_cluster_with": {k: v["queries"] for k, v in with_["clusters"].items()},
+        "all_results_once": without["duplicates"] == 0
+        and with_["duplicates"] == 0
+        and without["results"] == with_["results"] == len(items),
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m load.bench_offload", description=__doc__)
+    add_arguments(parser)
+    print(json.dumps(run(parser.parse_args())))
