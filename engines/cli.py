@@ -3,10 +3,147 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+import time
+from pathlib import Path
 
 from engines import worker
+
+log = logging.getLogger("engine")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument(
+        "--model-dir", default=None, help="local Hugging Face model directory (default: a random model)"
+    )
+    g.add_argument(
+        "--arch", default="llama", choices=["llama", "gpt2", "opt"], help="random model architecture"
+    )
+    g.add_argument(
+        "--size", default="tiny", choices=["nano", "tiny", "small", "base"], help="random model size"
+    )
+    g.add_argument("--kv-budget-tokens", type=int, default=None, help="KV cache size in tokens")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-batch-tokens", type=int, default=512, help="tokens computed per step")
+    g.add_argument(
+        "--prefill-chunk", type=int, default=256, help="longest prefill chunk of one query per step"
+    )
+    g.add_argument("--safety-margin", type=float, default=0.1, help="admission reserves predicted*(1+margin)")
+    g.add_argument(
+        "--plan", default=None, help="plan.json from the planner (micro-batch sizes -> step limits)"
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice; bench default 1, steadier on a shared CPU)",
+    )
+
+
+def _config(args: argparse.Namespace, max_running: int):
+    from engines.config import EngineConfig
+
+    cfg = EngineConfig(
+        block_size=args.block_size,
+        max_batch_tokens=args.max_batch_tokens,
+        prefill_chunk=args.prefill_chunk,
+        max_running=max_running,
+        safety_margin=args.safety_margin,
+        plan_path=args.plan,
+    )
+    if args.kv_budget_tokens is not None:
+        cfg.kv_budget_tokens = args.kv_budget_tokens
+    cfg.validate()
+    return cfg
+
+
+def _read_requests(path: str, args: argparse.Namespace):
+    from engines.interface import Request, SamplingParams
+
+    src = sys.stdin if path == "-" else None
+    if src is None and not Path(path).is_file():
+        raise FileNotFoundError(f"input file {path} not found")
+    lines = (src or open(path, encoding="utf-8")).read().splitlines()
+    reqs = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {n} is not valid JSON ({e.msg})") from e
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"{path}: line {n} needs a string 'prompt' field")
+        rid = str(row.get("id", row.get("request_id", f"line{n}")))
+        sp = SamplingParams(
+            temperature=float(row.get("temperature", args.temperature)),
+            top_p=float(row.get("top_p", args.top_p)),
+            seed=row.get("seed", args.seed),
+            max_tokens=int(row.get("max_tokens", args.max_tokens)),
+            forced_length=row.get("forced_length"),
+        )
+        try:
+            sp.validate()
+        except ValueError as e:
+            raise ValueError(f"{path}: line {n}: {e}") from e
+        reqs.append(Request(rid, row["prompt"], sp, predicted_tokens=row.get("predicted_tokens")))
+    if not reqs:
+        raise ValueError(f"{path}: no requests")
+    if len({r.request_id for r in reqs}) != len(reqs):
+        raise ValueError(f"{path}: request ids are not unique")
+    return reqs
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from engines.engine import LLMEngine
+
+    reqs = _read_requests(args.input, args)
+    engine = LLMEngine.from_pretrained(args.model_dir, args.arch, args.size, _config(args, args.max_running))
+    start = time.perf_counter()
+    outs = engine.generate(reqs, progress=True)
+    elapsed = time.perf_counter() - start
+    rows = []
+    for o in outs:
+        row = {
+            "id": o.request_id,
+            "text": o.text,
+            "prompt_tokens": o.prompt_tokens,
+            "completion_tokens": o.completion_tokens,
+            "finish_reason": o.finish_reason,
+        }
+        if args.token_ids:
+            row["token_ids"] = o.token_ids
+        if o.error:
+            row["error"] = o.error
+        rows.append(json.dumps(row) + "\n")
+    if args.output == "-":
+        sys.stdout.writelines(rows)
+        sys.stdout.flush()
+    else:
+        Path(args.output).write_text("".join(rows), encoding="utf-8")
+    tokens = sum(o.completion_tokens for o in outs)
+    summary = {
+        "requests": len(outs),
+        "generated_tokens": tokens,
+        "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": round(tokens / elapsed, 2) if elapsed else 0.0,
+        "errors": sum(o.finish_reason == "error" for o in outs),
+        "preemptions": engine.num_preemptions,
+        "output": args.output,
+    }
+    log.info("generated %d tokens for %d requests in %.1f s", tokens, len(outs), elapsed)
+    print(json.dumps(summary), file=sys.stderr if args.output == "-" else sys.stdout)
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from engines.bench import bench
+
+    print(json.dumps(bench(args)))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,8 +163,72 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve one cluster: take queries from its Redis queue, generate, write results once per query.",
     )
     worker.add_serve_arguments(serve)
-    for name in ("generate", "bench"):
-        sub.add_parser(name, help=f"{name} (not built yet: issue [4/9])")
+
+    gen = sub.add_parser(
+        "generate",
+        help="generate a JSONL file of prompts offline with the native engine",
+        description=(
+            'Read JSONL requests ({"id", "prompt", optional "max_tokens", "temperature", "top_p", '
+            '"seed", "forced_length", "predicted_tokens"}), generate them with iteration-level batching, '
+            'write JSONL results ({"id", "text", "prompt_tokens", "completion_tokens", "finish_reason"}) '
+            "in input order. A JSON summary is the last line of stdout (stderr when the output is stdout)."
+        ),
+    )
+    gen.add_argument("input", help="JSONL file of requests ('-' for stdin)")
+    gen.add_argument("-o", "--output", default="-", help="JSONL results file ('-' for stdout)")
+    gen.add_argument("--max-tokens", type=int, default=128, help="default max_tokens per request")
+    gen.add_argument("--temperature", type=float, default=0.0, help="default temperature (0 = greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="default top-p")
+    gen.add_argument("--seed", type=int, default=None, help="default per-request seed")
+    gen.add_argument("--max-running", type=int, default=64, help="queries in the running batch at once")
+    gen.add_argument("--token-ids", action="store_true", help="also write the generated token ids")
+    add_engine_arguments(gen)
+
+    b = sub.add_parser(
+        "bench",
+        help="static batches vs HF continuous batching vs this engine, on real lengths",
+        description=(
+            "Side by side on the same model and queries (real prompts; forced response lengths = the "
+            "dataset's recorded responses in model tokens, capped at --max-len): (a) transformers generate "
+            "on static padded batches, (b) transformers continuous batching (generate_batch's manager), "
+            "(c) this engine. Prints one JSON object as the last line: tokens_per_s, speedup_vs_static, "
+            "speedup_vs_hf_continuous, kv_ratio_vs_static and per-method figures."
+        ),
+    )
+    b.add_argument(
+        "--dataset",
+        default="mixed",
+        help="mixed, gsm8k, code_alpaca, roleplay, toolformer, alpaca_eval[:model]",
+    )
+    b.add_argument(
+        "--data-dir", default=None, help="dataset directory (default $FLEETBATCH_DATA or ../shared/data)"
+    )
+    b.add_argument("--num-queries", type=int, default=48, help="queries sampled from the dataset")
+    b.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="static batch size; the KV budget of the continuous methods is what this batch may need",
+    )
+    b.add_argument(
+        "--engine-max-running",
+        type=int,
+        default=None,
+        help="engine/HF continuous max running (default 4x --batch-size; the KV budget limits it too)",
+    )
+    b.add_argument("--max-len", type=int, default=256, help="cap on forced response length (CPU time)")
+    b.add_argument("--max-prompt", type=int, default=256, help="prompts keep their last N tokens")
+    b.add_argument("--methods", default="static,engine,hf_continuous", help="comma-separated subset to run")
+    b.add_argument("--seed", type=int, default=0, help="query sampling seed")
+    b.add_argument(
+        "--timing",
+        default="cpu",
+        choices=["cpu", "wall"],
+        help="clock of the headline figures: process CPU seconds (steady on a shared machine) or wall time",
+    )
+    b.add_argument("--out-dir", default=None, help="write engine_bench.json and PNG figures here")
+    add_engine_arguments(b)
+    b.set_defaults(size="small", threads=1)
     return p
 
 
@@ -39,8 +240,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "serve":
         return worker.run_serve(args)
-    print(f"engine {args.command}: not built yet (issue [4/9])", file=sys.stderr)
-    return 2
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            print(
+                f"engine {args.command}: error: --threads must be >= 1, got {args.threads}", file=sys.stderr
+            )
+            return 2
+        torch.set_num_threads(args.threads)
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+        return run_bench(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"engine {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+"""Engine configuration: KV budget, block size, step limits, admission margin, optional plan file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of :class:`engines.engine.LLMEngine`.
+
+    The KV budget is given in tokens (``kv_budget_tokens``) or in bytes (``kv_budget_bytes``,
+    converted with the model's per-token KV size); bytes win when both are set.
+    """
+
+    kv_budget_tokens: int = 16384
+    kv_budget_bytes: int | None = None
+    block_size: int = 16
+    max_batch_tokens: int = 512  # tokens computed per step (prefill chunks + one per decode)
+    prefill_chunk: int = 256  # longest prefill piece of one query in one step
+    max_running: int = 64  # queries in the running batch at once
+    safety_margin: float = 0.10  # admission reserves prompt + predicted * (1 + margin)
+    default_predicted_tokens: int = 128  # used when a request has no prediction (capped by max_tokens)
+    queue_depth: int = 2  # free_slots(): requests kept queued inside the engine beyond what fits
+    kv_bits: int = 16  # 16: KV in the model dtype; 8: int8 KV (needs quant.kv)
+    plan_path: str | None = None  # plan.json from the planner (micro-batch sizes as step limits)
+    dtype: str = "float32"
+    stats_window_s: float = 10.0  # window of the tokens/s figure in stats()
+
+    def validate(self) -> None:
+        checks = [
+            (self.kv_budget_tokens >= 1, f"kv_budget_tokens must be >= 1, got {self.kv_budget_tokens}"),
+            (
+                self.kv_budget_bytes is None or self.kv_budget_bytes >= 1,
+                f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}",
+            ),
+            (self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}"),
+            (self.max_batch_tokens >= 1, f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}"),
+            (self.prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {self.prefill_chunk}"),
+            (self.max_running >= 1, f"max_running must be >= 1, got {self.max_running}"),
+            (self.safety_margin >= 0, f"safety_margin must be >= 0, got {self.safety_margin}"),
+            (
+                self.default_predicted_tokens >= 1,
+                f"default_predicted_tokens must be >= 1, got {self.default_predicted_tokens}",
+            ),
+            (self.queue_depth >= 0, f"queue_depth must be >= 0, got {self.queue_depth}"),
+            (self.kv_bits in (16, 8), f"kv_bits must be 16 or 8, got {self.kv_bits}"),
+            (
+                self.dtype in ("float32", "bfloat16", "float16"),
+                f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}",
+            ),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)

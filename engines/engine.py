@@ -1,0 +1,248 @@
+"""The native iteration-level engine: each step is schedule -> run model -> update.
+
+Queries join the running batch at the next step after they fit the KV budget (admission by
+predicted total length), leave the moment they finish (their KV blocks return to the pool),
+and never wait for the longest member of a batch. Implements :class:`engines.interface.Engine`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+
+import torch
+
+from engines.config import EngineConfig
+from engines.interface import EngineStats, Request, RequestOutput
+from engines.kv_cache import KVCacheManager
+from engines.model_runner import ModelRunner
+from engines.plan import apply_plan
+from engines.sampler import sample
+from engines.scheduler import Scheduler, SchedulerOutput
+from engines.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        config.validate()
+        if config.kv_bits == 8:
+            try:
+                import quant.kv  # noqa: F401
+            except ImportError as e:
+                raise ValueError(
+                    "kv_bits=8 needs quant.kv (quantize_kv / dequantize_kv); use kv_bits=16"
+                ) from e
+        self.plan_notes = apply_plan(config) if config.plan_path else []
+        self.tokenizer = tokenizer
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        if self.eos_token_id is None:
+            self.eos_token_id = getattr(model.config, "eos_token_id", None)
+        per_token = ModelRunner.kv_bytes_per_token(model, config.kv_bits)
+        budget = config.kv_budget_tokens
+        if config.kv_budget_bytes is not None:
+            budget = config.kv_budget_bytes // per_token
+        num_blocks = max(1, budget // config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.kv_bits)
+        self.scheduler = Scheduler(config, self.kv)
+        self.max_positions = self._max_positions(model)
+        self._done: list[RequestOutput] = []  # aborted / rejected, returned by the next step()
+        self._ids: set[str] = set()
+        self._recent: deque[tuple[float, int]] = deque()
+        self.generated_tokens = 0
+        self.num_steps = 0
+        self.cumulative_kv_tokens = 0  # sum over steps of tokens cached by the running batch
+        self.num_preemptions = 0
+        log.info(
+            "engine ready: %d KV blocks x %d tokens (%.1f MiB), max %d running, %d tokens/step",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size * per_token / 2**20,
+            config.max_running,
+            config.max_batch_tokens,
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | None = None,
+        arch: str = "llama",
+        size: str = "tiny",
+        config: EngineConfig | None = None,
+    ) -> LLMEngine:
+        """A real model directory when given, else a random ``arch``/``size`` model with the default tokenizer."""
+        from localmodels import load_or_build
+
+        config = config or EngineConfig()
+        config.validate()
+        model, tok = load_or_build(model_dir, arch=arch, size=size, dtype=_DTYPES[config.dtype])
+        return cls(model, tok, config)
+
+    @staticmethod
+    def _max_positions(model: torch.nn.Module) -> int | None:
+        cfg = model.config
+        for name in ("max_position_embeddings", "n_positions"):
+            if getattr(cfg, name, None):
+                return int(getattr(cfg, name))
+        return None
+
+    # ---- the Engine protocol ------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._ids:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.sampling.validate()
+        ids = request.prompt_token_ids
+        if ids is None:
+            ids = self.tokenizer(request.prompt)["input_ids"]
+        seq = Sequence.from_request(request, ids)
+        if not seq.arrival_time:
+            seq.arrival_time = time.time()
+        error = ""
+        if not ids:
+            error = "empty prompt"
+        elif seq.num_prompt_tokens + 1 > self.kv.total_tokens:
+            error = f"prompt of {seq.num_prompt_tokens} tokens does not fit the KV cache ({self.kv.total_tokens} tokens)"
+        elif self.max_positions and seq.num_prompt_tokens >= self.max_positions:
+            error = (
+                f"prompt of {seq.num_prompt_tokens} tokens exceeds the model's {self.max_positions} positions"
+            )
+        if error:
+            self._done.append(self._output(seq, "error", error))
+            return
+        self._ids.add(request.request_id)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.scheduler.remove(request_id)
+        if seq is not None:
+            seq.status = SequenceStatus.FINISHED
+            self._ids.discard(request_id)
+            self._done.append(self._output(seq, "abort"))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._done)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> run model -> update; returns the queries finished in it."""
+        finished, self._done = self._done, []
+        plan = self.scheduler.schedule()
+        for seq in plan.out_of_memory:
+            self._ids.discard(seq.request_id)
+            seq.status = SequenceStatus.FINISHED
+            finished.append(self._output(seq, "length", "KV cache too small for this query"))
+        if plan.preempted:
+            self.num_preemptions += len(plan.preempted)
+            log.debug("preempted %s (KV blocks ran out)", [s.request_id for s in plan.preempted])
+        if not plan.chunks:
+            return finished
+        logits = self.runner.run(plan.chunks, self.kv)
+        sampling = [c.seq for c in plan.chunks if c.samples]
+        tokens = sample(logits, sampling) if sampling else []
+        finished.extend(self._update(plan, sampling, tokens))
+        return finished
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        window = self.config.stats_window_s
+        while self._recent and now - self._recent[0][0] > window:
+            self._recent.popleft()
+        rate = 0.0
+        if len(self._recent) >= 2:
+            span = max(self._recent[-1][0] - self._recent[0][0], 1e-6)
+            rate = sum(n for _, n in list(self._recent)[1:]) / span
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_used_tokens=self.kv.used_blocks * self.kv.block_size,
+            kv_total_tokens=self.kv.total_tokens,
+            tokens_per_s=rate,
+            generated_tokens=self.generated_tokens,
+        )
+
+    def free_slots(self) -> int:
+        """Queries that fit now (by running count and KV reservation) plus ``queue_depth``, minus those waiting."""
+        s = self.scheduler
+        room = self.config.max_running - len(s.running)
+        free_kv = self.kv.total_tokens - s.committed_tokens()
+        running = s.running or list(s.waiting)
+        typical = (
+            sum(s.reservation(q) for q in running) / len(running)
+            if running
+            else self.config.default_predicted_tokens * (1 + self.config.safety_margin)
+        )
+        room = min(room, math.floor(max(0, free_kv) / max(typical, 1.0)))
+        return max(0, room + self.config.queue_depth - len(s.waiting))
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _update(
+        self, plan: SchedulerOutput, sampling: list[Sequence], tokens: list[int]
+    ) -> list[RequestOutput]:
+        now = time.time()
+        for c in plan.chunks:
+            c.seq.num_computed += c.num_tokens
+        self.cumulative_kv_tokens += sum(c.seq.num_computed for c in plan.chunks)
+        self.num_steps += 1
+        done = []
+        for seq, tok in zip(sampling, tokens, strict=True):
+            seq.output_token_ids.append(tok)
+            if len(seq.output_token_ids) == 1:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, tok)
+            if reason:
+                self.scheduler.finish(seq)
+                self._ids.discard(seq.request_id)
+                done.append(self._output(seq, reason))
+        self.generated_tokens += len(tokens)
+        self._recent.append((time.monotonic(), len(tokens)))
+        return done
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str:
+        sp, n = seq.sampling, len(seq.output_token_ids)
+        if sp.forced_length is not None:
+            return "length" if n >= sp.forced_length else ""
+        if self.eos_token_id is not None and tok == self.eos_token_id:
+            return "stop"
+        if n >= sp.max_tokens:
+            return "length"
+        if self.max_positions and seq.num_tokens >= self.max_positions:
+            return "length"
+        return ""
+
+    def _output(self, seq: Sequence, reason: str, error: str = "") -> RequestOutput:
+        seq.finish_reason = reason
+        seq.finish_time = time.time()
+        ids = seq.output_token_ids
+        text = (
+            self.tokenizer.decode(ids, skip_special_tokens=True) if ids and self.tokenizer is not None else ""
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=list(ids),
+            prompt_tokens=seq.num_prompt_tokens,
+            finish_reason=reason,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+            error=error,
+        )
+
+    def generate(self, requests: list[Request], progress: bool = False) -> list[RequestOutput]:
+        """Run a list of requests to completion; outputs in the order of ``requests``."""
+        from tqdm import tqdm
+
+        for r in requests:
+            self.add_request(r)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(requests), disable=not progress, desc="generate", unit="query") as bar:
+            while self.has_unfinished():
+                for out in self.step():
+                    results[out.request_id] = out
+                    bar.update(1)
+        return [results[r.request_id] for r in requests]

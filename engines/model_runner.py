@@ -1,0 +1,343 @@
+"""Run a Hugging Face decoder over a mixed batch of prefill chunks and decode tokens with a paged KV cache.
+
+The decoder's own modules (embeddings, norms, projections, MLPs, rotary embedding) do the
+work; what ``transformers`` lacks for iteration-level batching is the attention over a paged
+cache, written here: all tokens of a step are flattened into one ``[T, hidden]`` tensor, each
+layer writes its new K/V into the layer's pool at the tokens' slots, then attends over K/V
+gathered from the pool — decode tokens of all queries together in one padded call, each
+prefill chunk in its own causal call. Architectures: Llama family, GPT-2, OPT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engines.kv_cache import KVCacheManager
+from engines.scheduler import ScheduledChunk
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DecoderAdapter:
+    """The per-architecture parts of a forward pass, on flat ``[T, hidden]`` tensors."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
+
+    def prepare(self, h: torch.Tensor, pos: torch.Tensor) -> object:
+        return None
+
+    def qkv(
+        self, i: int, h: torch.Tensor, aux: object
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def scale(self, i: int) -> float: ...
+
+    def post(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+class LlamaAdapter(DecoderAdapter):
+    """Llama-style decoders (``model.model.layers``, rotary positions, GQA): Llama, Mistral, Qwen2."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.m, self.lm_head = model.model, model.lm_head
+        cfg = model.config
+        self.layers = self.m.layers
+        self.num_layers = len(self.layers)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = self.layers[0].self_attn.head_dim
+        self._scale = self.layers[0].self_attn.scaling
+
+    def embed(self, ids, pos):
+        return self.m.embed_tokens(ids)
+
+    def prepare(self, h, pos):
+        cos, sin = self.m.rotary_emb(h[None], pos[None])
+        return cos[0][:, None, :], sin[0][:, None, :]
+
+    def qkv(self, i, h, aux):
+        layer, t = self.layers[i], h.shape[0]
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = a.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = a.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = a.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = aux
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def scale(self, i):
+        return self._scale
+
+    def post(self, i, h, attn):
+        layer = self.layers[i]
+        h = h + layer.self_attn.o_proj(attn)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, h):
+        return self.lm_head(self.m.norm(h))
+
+
+class GPT2Adapter(DecoderAdapter):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.t, self.lm_head = model.transformer, model.lm_head
+        cfg = model.config
+        self.layers = self.t.h
+        self.num_layers = len(self.layers)
+        self.num_heads = self.num_kv_heads = cfg.n_head
+        self.hidden = cfg.n_embd
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self._scales = []
+        for i, layer in enumerate(self.layers):
+            s = layer.attn.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
+            if cfg.scale_attn_by_inverse_layer_idx:
+                s /= float(i + 1)
+            self._scales.append(s)
+
+    def embed(self, ids, pos):
+        return self.t.wte(ids) + self.t.wpe(pos)
+
+    def qkv(self, i, h, aux):
+        layer, t = self.layers[i], h.shape[0]
+        q, k, v = layer.attn.c_attn(layer.ln_1(h)).split(self.hidden, dim=-1)
+        shape = (t, self.num_heads, self.head_dim)
+        return q.view(shape), k.view(shape), v.view(shape)
+
+    def scale(self, i):
+        return self._scales[i]
+
+    def post(self, i, h, attn):
+        layer = self.layers[i]
+        h = h + layer.attn.c_proj(attn)
+        return h + layer.mlp(layer.ln_2(h))
+
+    def logits(self, h):
+        return self.lm_head(self.t.ln_f(h))
+
+
+class OPTAdapter(DecoderAdapter):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.d, self.lm_head = model.model.decoder, model.lm_head
+        cfg = model.config
+        self.layers = self.d.layers
+        self.num_layers = len(self.layers)
+        self.num_heads = self.num_kv_heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.before = cfg.do_layer_norm_before
+
+    def embed(self, ids, pos):
+        x = self.d.embed_tokens(ids)
+        if self.d.project_in is not None:
+            x = self.d.project_in(x)
+        pe = self.d.embed_positions
+        return x + F.embedding(pos + pe.offset, pe.weight)
+
+    def qkv(self, i, h, aux):
+        layer, t = self.layers[i], h.shape[0]
+        a = layer.self_attn
+        x = layer.self_attn_layer_norm(h) if self.before else h
+        shape = (t, self.num_heads, self.head_dim)
+        return (a.q_proj(x) * a.scaling).view(shape), a.k_proj(x).view(shape), a.v_proj(x).view(shape)
+
+    def scale(self, i):
+        return 1.0  # OPT scales the queries before attention
+
+    def post(self, i, h, attn):
+        layer = self.layers[i]
+        h = h + layer.self_attn.out_proj(attn)
+        if not self.before:
+            h = layer.self_attn_layer_norm(h)
+        x = layer.final_layer_norm(h) if self.before else h
+        h = h + layer.fc2(layer.activation_fn(layer.fc1(x)))
+        if not self.before:
+            h = layer.final_layer_norm(h)
+        return h
+
+    def logits(self, h):
+        if self.d.final_layer_norm is not None:
+            h = self.d.final_layer_norm(h)
+        if self.d.project_out is not None:
+            h = self.d.project_out(h)
+        return self.lm_head(h)
+
+
+def make_adapter(model: torch.nn.Module) -> DecoderAdapter:
+    kind = model.config.model_type
+    if kind == "gpt2":
+        return GPT2Adapter(model)
+    if kind == "opt":
+        return OPTAdapter(model)
+    if hasattr(model, "model") and hasattr(model.model, "rotary_emb") and hasattr(model.model, "layers"):
+        return LlamaAdapter(model)
+    raise ValueError(
+        f"unsupported architecture {kind!r}: the native engine runs Llama-family, GPT-2 and OPT decoders"
+    )
+
+
+@dataclass
+class AttentionMeta:
+    """Index tensors for one step, shared by all layers."""
+
+    decode_rows: torch.Tensor | None  # rows of the flat batch that are decode tokens
+    decode_slots: torch.Tensor | None  # [B, L] cache slots of each decode query's context (padded)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] True where the slot is real
+    all_decode: bool
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row0, n, slots [ctx], mask or None)
+
+
+class ModelRunner:
+    """Owns the model and the per-layer KV pools; ``run`` computes one step and returns logits to sample from."""
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_bits: int = 16) -> None:
+        self.model = model.eval()
+        self.adapter = make_adapter(model)
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = block_size
+        self.kv_bits = kv_bits
+        a = self.adapter
+        shape = (num_blocks * block_size, a.num_kv_heads, a.head_dim)
+        store = torch.int8 if kv_bits == 8 else self.dtype
+        self.k_cache = [torch.zeros(shape, dtype=store) for _ in range(a.num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=store) for _ in range(a.num_layers)]
+        self.k_scale: list[torch.Tensor] = []
+        self.v_scale: list[torch.Tensor] = []
+        if kv_bits == 8:  # int8 codes with one fp16 scale per token and head (quant.kv)
+            sshape = (shape[0], a.num_kv_heads, 1)
+            self.k_scale = [torch.ones(sshape, dtype=torch.float16) for _ in range(a.num_layers)]
+            self.v_scale = [torch.ones(sshape, dtype=torch.float16) for _ in range(a.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_token(model: torch.nn.Module, kv_bits: int = 16) -> int:
+        a = make_adapter(model)
+        if kv_bits == 8:
+            return 2 * a.num_layers * a.num_kv_heads * (a.head_dim + 2)
+        elem = next(model.parameters()).element_size()
+        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * elem
+
+    def _write(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.kv_bits == 8:
+            from quant.kv import quantize_kv
+
+            for cache, scales, x in ((self.k_cache, self.k_scale, k), (self.v_cache, self.v_scale, v)):
+                codes, scale = quantize_kv(x, 8, axis=-1)
+                cache[i].index_copy_(0, slots, codes)
+                scales[i].index_copy_(0, slots, scale.to(torch.float16))
+            return
+        self.k_cache[i].index_copy_(0, slots, k.to(self.dtype))
+        self.v_cache[i].index_copy_(0, slots, v.to(self.dtype))
+
+    def _read(self, i: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kv_bits == 8:
+            from quant.kv import dequantize_kv
+
+            k = dequantize_kv(self.k_cache[i][idx], self.k_scale[i][idx], self.dtype)
+            v = dequantize_kv(self.v_cache[i][idx], self.v_scale[i][idx], self.dtype)
+            return k, v
+        return self.k_cache[i][idx], self.v_cache[i][idx]
+
+    def _block_slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """[B, length] cache slots from block tables (padded with block 0; masked by the caller)."""
+        nb = -(-length // self.block_size)
+        bt = torch.zeros(len(tables), nb, dtype=torch.long)
+        for r, t in enumerate(tables):
+            k = min(nb, len(t))
+            bt[r, :k] = torch.tensor(t[:k], dtype=torch.long)
+        slots = bt[:, :, None] * self.block_size + torch.arange(self.block_size)
+        return slots.view(len(tables), -1)[:, :length]
+
+    def _meta(self, chunks: list[ScheduledChunk]) -> AttentionMeta:
+        dec_rows, dec_tables, dec_ctx, prefills = [], [], [], []
+        row = 0
+        for c in chunks:
+            ctx = c.start + c.num_tokens
+            if c.num_tokens == 1 and c.start > 0:
+                dec_rows.append(row)
+                dec_tables.append(c.seq.block_table)
+                dec_ctx.append(ctx)
+            else:
+                slots = self._block_slots([c.seq.block_table], ctx)[0]
+                mask = None
+                if c.start > 0:  # causal with an offset: query i sees keys 0..start+i
+                    mask = torch.arange(ctx)[None, :] <= (c.start + torch.arange(c.num_tokens))[:, None]
+                prefills.append((row, c.num_tokens, slots, mask))
+            row += c.num_tokens
+        if not dec_rows:
+            return AttentionMeta(None, None, None, False, prefills)
+        length = max(dec_ctx)
+        ctx = torch.tensor(dec_ctx)
+        mask = (torch.arange(length)[None, :] < ctx[:, None])[:, None, None, :]
+        return AttentionMeta(
+            torch.tensor(dec_rows),
+            self._block_slots(dec_tables, length),
+            mask,
+            len(dec_rows) == row,
+            prefills,
+        )
+
+    def _attend(self, i: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        a = self.adapter
+        t = q.shape[0]
+        scale = a.scale(i)
+        gqa = a.num_kv_heads != a.num_heads
+        out = q.new_empty(t, a.num_heads, a.head_dim)
+        if meta.decode_rows is not None:
+            qd = q if meta.all_decode else q[meta.decode_rows]
+            k, v = self._read(i, meta.decode_slots)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KVH, L, D]
+            o = F.scaled_dot_product_attention(
+                qd[:, :, None, :], k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+            )[:, :, 0, :]
+            if meta.all_decode:
+                out = o
+            else:
+                out[meta.decode_rows] = o
+        for row, n, slots, mask in meta.prefills:
+            qp = q[row : row + n].transpose(0, 1)[None]  # [1, H, n, D]
+            k, v = self._read(i, slots)
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                qp, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+            )
+            out[row : row + n] = o[0].transpose(0, 1)
+        return out.reshape(t, a.num_heads * a.head_dim)
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk], kv: KVCacheManager) -> torch.Tensor:
+        """Compute all scheduled tokens, fill their KV, return logits ``[n_sampling_chunks, vocab]``."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        for c in chunks:
+            end = c.start + c.num_tokens
+            ids.extend(c.seq.token_ids(c.start, end))
+            pos.extend(range(c.start, end))
+            slots.extend(kv.slots(c.seq, c.start, end))
+            if c.samples:
+                last_rows.append(len(ids) - 1)
+        a = self.adapter
+        ids_t, pos_t, slot_t = torch.tensor(ids), torch.tensor(pos), torch.tensor(slots)
+        meta = self._meta(chunks)
+        h = a.embed(ids_t, pos_t)
+        aux = a.prepare(h, pos_t)
+        for i in range(a.num_layers):
+            q, k, v = a.qkv(i, h, aux)
+            self._write(i, slot_t, k, v)
+            h = a.post(i, h, self._attend(i, q, meta))
+        if not last_rows:
+            return h.new_empty(0, 0)
+        return a.logits(h[torch.tensor(last_rows)])

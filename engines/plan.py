@@ -1,0 +1,63 @@
+"""Optional plan file (``plan.json`` from the planner): micro-batch sizes become scheduler limits.
+
+Reads the plan through ``planner.planfile.load_plan`` when that module exists (the one
+sanctioned import of planner code: reading plan files), else as plain JSON. Per-layer bit
+widths are not applied by this engine yet; that is reported back, not silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from engines.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def _read(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"plan file {p} not found")
+    try:
+        from planner.planfile import load_plan  # type: ignore[import-not-found]
+    except ImportError:
+        load_plan = None
+    if load_plan is not None:
+        plan = load_plan(str(p))
+        return plan if isinstance(plan, dict) else getattr(plan, "__dict__", {})
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"plan file {p} is not valid JSON ({e.msg})") from e
+
+
+def _first_int(plan: dict, *keys: str) -> int | None:
+    for k in keys:
+        v = plan.get(k)
+        if isinstance(v, list) and v:
+            v = max(v)
+        if isinstance(v, int | float) and v > 0:
+            return int(v)
+    return None
+
+
+def apply_plan(config: EngineConfig) -> list[str]:
+    """Apply the plan's micro-batch sizes to ``config`` in place; returns notes on what was applied or skipped."""
+    plan = _read(config.plan_path or "")
+    notes = []
+    decode = _first_int(plan, "decode_micro_batch", "decode_batch_size", "decode_micro_batch_sizes")
+    prefill = _first_int(plan, "prefill_micro_batch", "prefill_batch_size", "prefill_micro_batch_sizes")
+    if decode:
+        config.max_running = decode
+        notes.append(f"max_running={decode} from the plan's decode micro-batch")
+    if prefill:
+        notes.append(f"prefill micro-batch {prefill} noted (prefill_chunk stays {config.prefill_chunk})")
+    if plan.get("bits") or plan.get("bits_per_layer"):
+        notes.append(
+            "per-layer bits in the plan are NOT applied by the native engine (no quant bit-map hook)"
+        )
+    for n in notes:
+        log.info("plan %s: %s", config.plan_path, n)
+    return notes

@@ -1,0 +1,25 @@
+"""Next-token choice per query: greedy, temperature, top-p, with a per-request seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+from engines.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One token per row of ``logits`` ([n, vocab]) for the matching query in ``seqs``."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, seq in enumerate(seqs):
+        sp = seq.sampling
+        if sp.temperature <= 0:
+            continue
+        probs = torch.softmax(logits[row] / sp.temperature, dim=-1)
+        if sp.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(0) - sorted_p < sp.top_p  # smallest prefix with mass >= top_p
+            sorted_p = sorted_p * keep
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        tokens[row] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+    return tokens

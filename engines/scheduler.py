@@ -1,0 +1,151 @@
+"""Iteration-level scheduler: at every step, which running queries compute which tokens, who is admitted.
+
+Each step the running queries go first (in admission order): a decoding query computes one
+token, a query still in prefill computes its next chunk (at most ``prefill_chunk`` tokens).
+Then waiting queries are admitted, first come first served, while (1) the KV *reservation*
+of the running batch plus the newcomer's stays within the KV budget, where a query reserves
+``prompt + predicted * (1 + safety_margin)`` tokens (never more than ``prompt + max_tokens``),
+(2) the step's token budget and ``max_running`` allow, and (3) the first prefill chunk's
+blocks are free. A query that outgrows its prediction takes blocks from the free pool; when
+the pool is empty the most recently admitted query is preempted (its blocks are freed and it
+is recomputed later from its prompt and the tokens it already generated), never an OOM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from engines.config import EngineConfig
+from engines.kv_cache import KVCacheManager
+from engines.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq`` starting at position ``start`` are computed this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a new token is sampled after it."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    out_of_memory: list[Sequence] = field(default_factory=list)  # alone and still larger than the whole cache
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, request_id: str) -> Sequence | None:
+        """Take a query out (abort), freeing its blocks; None if it is not here."""
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                self.kv.free(seq)
+                return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return seq
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """A query is done: leave the batch and free its KV blocks at once."""
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- admission accounting ---------------------------------------------------------
+    def reservation(self, seq: Sequence) -> int:
+        """KV tokens a query sets aside when admitted: prompt + predicted * (1 + margin), capped."""
+        target = seq.sampling.target_tokens
+        predicted = (
+            seq.predicted_tokens if seq.predicted_tokens is not None else self.config.default_predicted_tokens
+        )
+        predicted = min(max(1, predicted), target)
+        tokens = seq.num_prompt_tokens + math.ceil(predicted * (1 + self.config.safety_margin))
+        tokens = min(tokens, seq.num_prompt_tokens + target)
+        return max(tokens, seq.num_tokens + 1)  # a recomputed query needs at least what it already has
+
+    def committed_tokens(self) -> int:
+        """KV tokens the running batch holds or has reserved (whichever is larger per query)."""
+        return sum(max(s.reserved_tokens, s.num_tokens) for s in self.running)
+
+    # ---- the step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg, kv = self.config, self.kv
+        out = SchedulerOutput()
+        budget = cfg.max_batch_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = seq.num_uncomputed
+            n = 1 if n == 1 else min(n, cfg.prefill_chunk, budget)
+            scheduled = True
+            while not kv.allocate(seq, seq.num_computed + n):
+                victim = self.running.pop()  # the most recently admitted query gives way
+                if victim is seq and not self.running and not out.chunks:
+                    out.out_of_memory.append(victim)  # alone and larger than the cache: cannot ever fit
+                    kv.free(victim)
+                else:
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                if victim is seq:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out  # memory is short: admit nobody this step
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_running:
+            seq = self.waiting[0]
+            reserve = self.reservation(seq)
+            if self.running and self.committed_tokens() + reserve > kv.total_tokens:
+                break
+            n = min(seq.num_uncomputed, cfg.prefill_chunk, budget)
+            if not kv.allocate(seq, n):
+                break
+            self.waiting.popleft()
+            seq.reserved_tokens = reserve
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.admitted.append(seq)
+            out.chunks.append(ScheduledChunk(seq, 0, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)  # recompute later: prompt + generated tokens are prefilled again
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)

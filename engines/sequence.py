@@ -1,0 +1,82 @@
+"""One query inside the engine: its tokens, how many have KV cached, its blocks and its sampling state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engines.interface import Request, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Request state: prompt + generated tokens; ``num_computed`` of them have their KV in the cache."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    predicted_tokens: int | None = None
+    prompt: str = ""
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    reserved_tokens: int = 0  # KV tokens set aside at admission (prompt + predicted * (1 + margin))
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str = ""
+    num_preemptions: int = 0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def from_request(cls, req: Request, token_ids: list[int]) -> Sequence:
+        seq = cls(
+            request_id=req.request_id,
+            prompt_token_ids=list(token_ids),
+            sampling=req.sampling,
+            predicted_tokens=req.predicted_tokens,
+            prompt=req.prompt,
+            arrival_time=req.arrival_time,
+        )
+        if req.sampling.temperature > 0:
+            seq.generator = torch.Generator()
+            seq.generator.manual_seed(
+                req.sampling.seed if req.sampling.seed is not None else hash(req.request_id)
+            )
+        return seq
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the most tokens this query may generate."""
+        return self.num_prompt_tokens + self.sampling.target_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
