@@ -18,7 +18,7 @@ from engines.config import EngineConfig
 from engines.interface import EngineStats, Request, RequestOutput
 from engines.kv_cache import KVCacheManager
 from engines.model_runner import ModelRunner
-from engines.plan import apply_plan
+from engines.plan import apply_plan, apply_plan_bits
 from engines.sampler import sample
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Sequence, SequenceStatus
@@ -40,6 +40,8 @@ class LLMEngine:
                     "kv_bits=8 needs quant.kv (quantize_kv / dequantize_kv); use kv_bits=16"
                 ) from e
         self.plan_notes = apply_plan(config) if config.plan_path else []
+        if config.plan_path:
+            self.plan_notes += apply_plan_bits(model, config.plan_path)
         self.tokenizer = tokenizer
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         if self.eos_token_id is None:

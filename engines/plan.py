@@ -2,7 +2,9 @@
 
 Reads the plan through ``planner.planfile.load_plan`` when that module exists (the one
 sanctioned import of planner code: reading plan files), else as plain JSON. Per-layer bit
-widths are not applied by this engine yet; that is reported back, not silently dropped.
+widths are applied to the model with :func:`quant.apply.apply_bitmap` by
+:func:`apply_plan_bits` when the plan's layer count matches the model's; otherwise that is
+reported back, not silently dropped.
 """
 
 from __future__ import annotations
@@ -54,10 +56,35 @@ def apply_plan(config: EngineConfig) -> list[str]:
         notes.append(f"max_running={decode} from the plan's decode micro-batch")
     if prefill:
         notes.append(f"prefill micro-batch {prefill} noted (prefill_chunk stays {config.prefill_chunk})")
-    if plan.get("bits") or plan.get("bits_per_layer"):
-        notes.append(
-            "per-layer bits in the plan are NOT applied by the native engine (no quant bit-map hook)"
-        )
     for n in notes:
         log.info("plan %s: %s", config.plan_path, n)
     return notes
+
+
+def plan_layer_bits(path: str) -> list[int]:
+    """Bits of every decoder layer in layer order, from the plan's stages."""
+    plan = _read(path)
+    stages = plan.get("stages") or []
+    rows = [s if isinstance(s, dict) else getattr(s, "__dict__", {}) for s in stages]
+    rows.sort(key=lambda s: s.get("layer_start", 0))
+    return [int(b) for s in rows for b in s.get("bits", [])]
+
+
+def apply_plan_bits(model, path: str, group_size: int | None = 128) -> list[str]:
+    """Quantize ``model``'s decoder layers to the plan's bit map (in place); returns notes."""
+    from quant.apply import apply_bitmap, decoder_layers
+
+    bits = plan_layer_bits(path)
+    n_layers = len(decoder_layers(model))
+    if not bits:
+        return ["the plan has no per-layer bits"]
+    if len(bits) != n_layers:
+        note = f"plan bits for {len(bits)} layers, model has {n_layers}: per-layer bits NOT applied"
+        log.warning("plan %s: %s", path, note)
+        return [note]
+    if all(b >= 16 for b in bits):
+        return ["plan keeps every layer at 16 bits"]
+    apply_bitmap(model, bits, group_size=group_size)
+    note = f"per-layer bits applied: {sorted(set(bits))} over {n_layers} layers"
+    log.info("plan %s: %s", path, note)
+    return [note]
