@@ -1,0 +1,158 @@
+"""Cluster specs: devices grouped in nodes, with link bandwidth inside and between nodes.
+
+A spec is YAML or JSON::
+
+    name: 3xP100+V100
+    inter_node_gbps: 100          # Gb/s between nodes
+    nodes:
+      - name: p100s
+        intra_node_gbps: 128      # Gb/s between devices of this node (default 128, PCIe 3 x16)
+        devices: [P100, P100, P100]
+      - name: v100
+        devices: [{type: V100, count: 1}]
+
+A shorthand string such as ``"3xT4+V100"`` gives one node per device type.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from planner.catalog import DeviceType, device_type
+
+DEFAULT_INTRA_GBPS = 128.0
+DEFAULT_INTER_GBPS = 100.0
+
+
+@dataclass(frozen=True)
+class Device:
+    """One physical device of a cluster."""
+
+    name: str
+    type: DeviceType
+    node: str
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    devices: tuple[Device, ...]
+    node_intra_gbps: tuple[tuple[str, float], ...]
+    inter_node_gbps: float
+
+    def bandwidth_bytes_per_s(self, i: int, j: int) -> float:
+        """Link bandwidth between devices ``i`` and ``j`` in bytes/s."""
+        a, b = self.devices[i], self.devices[j]
+        gbps = dict(self.node_intra_gbps)[a.node] if a.node == b.node else self.inter_node_gbps
+        return gbps * 1e9 / 8
+
+    @property
+    def total_memory_bytes(self) -> int:
+        return sum(d.type.memory_bytes for d in self.devices)
+
+    def describe(self) -> str:
+        return f"{self.name}: " + ", ".join(f"{d.name}({d.type.name}@{d.node})" for d in self.devices)
+
+
+class ClusterSpecError(ValueError):
+    """A cluster spec that cannot be read."""
+
+
+def cluster_from_dict(spec: dict, default_name: str = "cluster") -> Cluster:
+    if not isinstance(spec, dict):
+        raise ClusterSpecError("cluster spec must be a mapping with a 'nodes' list")
+    nodes = spec.get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise ClusterSpecError("cluster spec needs a non-empty 'nodes' list")
+    devices: list[Device] = []
+    intra: list[tuple[str, float]] = []
+    for ni, node in enumerate(nodes):
+        if not isinstance(node, dict) or "devices" not in node:
+            raise ClusterSpecError(f"node #{ni} needs a 'devices' list")
+        nname = str(node.get("name", f"node{ni}"))
+        if any(n == nname for n, _ in intra):
+            raise ClusterSpecError(f"duplicate node name {nname!r}")
+        bw = float(node.get("intra_node_gbps", spec.get("intra_node_gbps", DEFAULT_INTRA_GBPS)))
+        if bw <= 0:
+            raise ClusterSpecError(f"node {nname!r}: intra_node_gbps must be positive")
+        intra.append((nname, bw))
+        for entry in node["devices"]:
+            if isinstance(entry, str):
+                tname, count, mem = entry, 1, None
+            elif isinstance(entry, dict) and "type" in entry:
+                tname, count, mem = entry["type"], int(entry.get("count", 1)), entry.get("memory_gib")
+            else:
+                raise ClusterSpecError(f"node {nname!r}: device entry {entry!r} needs a 'type'")
+            if count < 1:
+                raise ClusterSpecError(f"node {nname!r}: device count must be >= 1, got {count}")
+            try:
+                dt = device_type(str(tname))
+            except ValueError as e:
+                raise ClusterSpecError(str(e)) from None
+            if mem is not None:
+                from planner.catalog import GIB, with_memory
+
+                dt = with_memory(dt, int(float(mem) * GIB))
+            for _ in range(count):
+                devices.append(Device(f"{nname}/{len(devices)}", dt, nname))
+    if not devices:
+        raise ClusterSpecError("cluster spec has no devices")
+    inter = float(spec.get("inter_node_gbps", DEFAULT_INTER_GBPS))
+    if inter <= 0:
+        raise ClusterSpecError("inter_node_gbps must be positive")
+    return Cluster(str(spec.get("name", default_name)), tuple(devices), tuple(intra), inter)
+
+
+_TERM = re.compile(r"^\s*(?:(\d+)\s*[x\*]\s*)?([A-Za-z0-9\-]+)\s*$")
+
+
+def cluster_from_shorthand(text: str, inter_node_gbps: float = DEFAULT_INTER_GBPS) -> Cluster:
+    """``"3xT4+V100"`` -> one node per device type, ``inter_node_gbps`` between nodes."""
+    nodes: dict[str, int] = {}
+    for term in text.split("+"):
+        m = _TERM.match(term)
+        if not m:
+            raise ClusterSpecError(f"cannot read cluster term {term!r} in {text!r} (expected e.g. '3xT4')")
+        count, tname = int(m.group(1) or 1), m.group(2)
+        nodes[tname] = nodes.get(tname, 0) + count
+    spec = {
+        "name": text,
+        "inter_node_gbps": inter_node_gbps,
+        "nodes": [{"name": t, "devices": [{"type": t, "count": c}]} for t, c in nodes.items()],
+    }
+    return cluster_from_dict(spec, text)
+
+
+def load_cluster(source: str | Path) -> Cluster:
+    """A cluster from a YAML/JSON file, or from a shorthand string like ``3xT4+V100``."""
+    p = Path(source)
+    if p.suffix.lower() in (".yaml", ".yml", ".json") or p.exists():
+        if not p.exists():
+            raise ClusterSpecError(f"cluster spec file {p} not found")
+        text = p.read_text()
+        try:
+            spec = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise ClusterSpecError(f"cannot parse cluster spec {p}: {e}") from None
+        return cluster_from_dict(spec, p.stem)
+    return cluster_from_shorthand(str(source))
+
+
+#: the clusters of the LLM-PQ / SplitQuant evaluations
+PAPER_CLUSTERS: tuple[str, ...] = (
+    "1xV100",
+    "V100+A100",
+    "2xV100+A100",
+    "3xV100+A100",
+    "3xT4+V100",
+    "3xP100+V100",
+    "4xT4+2xV100",
+    "4xT4",
+    "4xV100",
+    "4xA100",
+)

@@ -1,0 +1,242 @@
+"""The planning problem and the cost of one candidate plan (the objective every method is scored by).
+
+A candidate assigns the pipeline stages to an ordered list of devices (every listed device is
+a stage), gives each stage a run of consecutive layers and each layer a bit width, and picks a
+prefill and a decode micro-batch size. With ``m_p = ceil(B / v_p)`` prefill and
+``m_d = ceil(B / v_d)`` decode micro-batches and per-stage times ``P_k`` (one prefill
+micro-batch) and ``D_k`` (one decode step of one micro-batch):
+
+    prefill = sum_k P_k + (m_p - 1) * max_k P_k
+    decode  = (n - 1) * max(sum_k D_k, m_d * max_k D_k)
+    objective = prefill + decode + theta * sum_l omega_norm[l][b_l]
+
+The decode term is the steady state of a pipeline whose micro-batches each need a token's
+round trip through all stages before their next step: it is right for any ``m_d`` (LLM-PQ's
+``sum + (m-1) max`` form is right only when ``m_d`` >= number of stages). Stage times include
+receiving the activations from the previous stage over the link, and the LM head on the last.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from planner.cluster import Cluster
+from planner.latency import LatencyModel, lm_head_s
+from planner.memory import MemoryModel, usable_bytes
+from planner.modelshape import ModelShape
+
+DEFAULT_BITS = (3, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch: int
+    prompt_len: int
+    output_tokens: int
+    kv_bits: int = 16
+    bits: tuple[int, ...] = DEFAULT_BITS
+    theta: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise ValueError(f"batch size must be >= 1, got {self.batch}")
+        if self.prompt_len < 1:
+            raise ValueError(f"prompt length must be >= 1, got {self.prompt_len}")
+        if self.output_tokens < 1:
+            raise ValueError(f"expected output tokens must be >= 1, got {self.output_tokens}")
+        if not self.bits:
+            raise ValueError("need at least one bit width")
+        if self.theta < 0:
+            raise ValueError(f"theta must be >= 0, got {self.theta}")
+
+    @property
+    def mean_context(self) -> float:
+        """Mean number of cached tokens over the decode steps."""
+        return self.prompt_len + self.output_tokens / 2
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One candidate plan: ``order[k]`` is the cluster device of stage ``k``."""
+
+    order: tuple[int, ...]
+    stage_layers: tuple[int, ...]
+    bits: tuple[int, ...]
+    v_prefill: int
+    v_decode: int
+
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        out, start = [], 0
+        for n in self.stage_layers:
+            out.append((start, start + n))
+            start += n
+        return out
+
+
+@dataclass
+class Evaluation:
+    stage_prefill_s: list[float]
+    stage_decode_s: list[float]
+    stage_memory_bytes: list[int]
+    stage_capacity_bytes: list[int]
+    prefill_s: float
+    decode_s: float
+    omega: float
+    objective: float
+    throughput: float
+
+    @property
+    def latency_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def fits(self) -> bool:
+        return all(m <= c for m, c in zip(self.stage_memory_bytes, self.stage_capacity_bytes, strict=True))
+
+
+@dataclass
+class Problem:
+    """Cluster + model + workload + quality indicator + per-device-type latency models."""
+
+    cluster: Cluster
+    shape: ModelShape
+    workload: Workload
+    omega: dict[int, dict[int, float]]
+    latency: dict[str, LatencyModel]
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        L = self.shape.layers
+        missing = [i for i in range(L) if i not in self.omega]
+        if missing:
+            raise ValueError(f"quality indicator lacks layers {missing[:5]} (model has {L} layers)")
+        for i in range(L):
+            for b in self.workload.bits:
+                if b not in self.omega[i]:
+                    raise ValueError(f"quality indicator lacks {b}-bit values for layer {i}")
+        for d in self.cluster.devices:
+            if d.type.name not in self.latency:
+                raise ValueError(f"no latency model for device type {d.type.name}")
+            lm = self.latency[d.type.name]
+            absent = [b for b in self.workload.bits if b not in lm.prefill_coef]
+            if absent:
+                raise ValueError(f"latency model for {d.type.name} lacks bit widths {absent}")
+
+    @property
+    def layers(self) -> int:
+        return self.shape.layers
+
+    @property
+    def bits(self) -> tuple[int, ...]:
+        return tuple(sorted(self.workload.bits))
+
+    @cached_property
+    def memory(self) -> MemoryModel:
+        w = self.workload
+        return MemoryModel(self.shape, w.batch, w.prompt_len, w.output_tokens, w.kv_bits)
+
+    @cached_property
+    def omega_scale(self) -> float:
+        """Normalises omega so that all layers at the lowest bit width sum to 1."""
+        lo = min(self.workload.bits)
+        tot = sum(self.omega[i][lo] for i in range(self.layers))
+        return 1.0 / tot if tot > 0 else 1.0
+
+    def micro_batches(self, v: int) -> int:
+        return math.ceil(self.workload.batch / v)
+
+    def capacity(self, dev: int) -> int:
+        return usable_bytes(self.cluster.devices[dev].type)
+
+    def layer_prefill_s(self, dev: int, bits: int, v: int) -> float:
+        key = ("p", self.cluster.devices[dev].type.name, bits, v)
+        if key not in self._cache:
+            lm = self.latency[key[1]]
+            self._cache[key] = max(0.0, lm.prefill_s(bits, v, self.workload.prompt_len))
+        return self._cache[key]
+
+    def layer_decode_s(self, dev: int, bits: int, v: int) -> float:
+        key = ("d", self.cluster.devices[dev].type.name, bits, v)
+        if key not in self._cache:
+            lm = self.latency[key[1]]
+            self._cache[key] = max(0.0, lm.decode_s(bits, v, self.workload.mean_context))
+        return self._cache[key]
+
+    def head_s(self, dev: int, v: int) -> float:
+        key = ("h", self.cluster.devices[dev].type.name, v)
+        if key not in self._cache:
+            self._cache[key] = lm_head_s(self.cluster.devices[dev].type, self.shape, v)
+        return self._cache[key]
+
+    def comm_prefill_s(self, src: int, dst: int, v: int) -> float:
+        nbytes = v * self.workload.prompt_len * self.shape.hidden * 2
+        return nbytes / self.cluster.bandwidth_bytes_per_s(src, dst)
+
+    def comm_decode_s(self, src: int, dst: int, v: int) -> float:
+        return v * self.shape.hidden * 2 / self.cluster.bandwidth_bytes_per_s(src, dst)
+
+    def stage_constants(self, order: Sequence[int], k: int, v_p: int, v_d: int) -> tuple[float, float]:
+        """Non-layer prefill and decode seconds of stage ``k``: receiving activations, LM head on the last."""
+        cp = cd = 0.0
+        if k > 0:
+            cp += self.comm_prefill_s(order[k - 1], order[k], v_p)
+            cd += self.comm_decode_s(order[k - 1], order[k], v_d)
+        if k == len(order) - 1:
+            cp += self.head_s(order[k], v_p)
+            cd += self.head_s(order[k], v_d)
+        return cp, cd
+
+    def stage_memory_constant(self, n_stages: int, k: int, v_p: int, v_d: int) -> int:
+        """Bytes of stage ``k`` besides its layers: embeddings, LM head, activations."""
+        key = ("m", n_stages == 1, k == 0, k == n_stages - 1, v_p, v_d)
+        if key not in self._cache:
+            self._cache[key] = self._stage_memory_constant(n_stages, k, v_p, v_d)
+        return self._cache[key]
+
+    def _stage_memory_constant(self, n_stages: int, k: int, v_p: int, v_d: int) -> int:
+        m = self.memory
+        first, last = k == 0, k == n_stages - 1
+        total = m.activation_bytes(v_p, v_d, last)
+        if first:
+            total += m.embedding_bytes()
+        if last:
+            total += m.head_bytes(also_first=first)
+        return total
+
+    def layer_bytes(self, bits: int) -> int:
+        """Weights plus KV cache of one layer at ``bits``."""
+        key = ("w", bits)
+        if key not in self._cache:
+            self._cache[key] = self.memory.layer_weight_bytes(bits) + self.memory.layer_kv_bytes()
+        return self._cache[key]
+
+    def omega_norm(self, layer: int, bits: int) -> float:
+        return self.omega[layer][bits] * self.omega_scale
+
+    def evaluate(self, a: Assignment) -> Evaluation:
+        if sum(a.stage_layers) != self.layers or len(a.bits) != self.layers:
+            raise ValueError("assignment does not cover every layer exactly once")
+        if any(n < 1 for n in a.stage_layers) or len(a.stage_layers) != len(a.order):
+            raise ValueError("every device in the order must hold at least one layer")
+        S = len(a.order)
+        pre, dec, mem, cap = [], [], [], []
+        for k, (lo, hi) in enumerate(a.layer_ranges()):
+            dev = a.order[k]
+            cp, cd = self.stage_constants(a.order, k, a.v_prefill, a.v_decode)
+            pre.append(cp + sum(self.layer_prefill_s(dev, a.bits[i], a.v_prefill) for i in range(lo, hi)))
+            dec.append(cd + sum(self.layer_decode_s(dev, a.bits[i], a.v_decode) for i in range(lo, hi)))
+            mem.append(
+                self.stage_memory_constant(S, k, a.v_prefill, a.v_decode)
+                + sum(self.layer_bytes(a.bits[i]) for i in range(lo, hi))
+            )
+            cap.append(self.capacity(dev))
+        m_p, m_d = self.micro_batches(a.v_prefill), self.micro_batches(a.v_decode)
+        prefill = sum(pre) + (m_p - 1) * max(pre)
+        decode = (self.workload.output_tokens - 1) * max(sum(dec), m_d * max(dec))
+        omega = sum(self.omega[i][b] for i, b in enumerate(a.bits))
+        objective = prefill + decode + self.workload.theta * omega * self.omega_scale
+        tput = self.workload.batch * self.workload.output_tokens / (prefill + decode)
+        return Evaluation(pre, dec, mem, cap, prefill, decode, omega, objective, tput)

@@ -1,0 +1,185 @@
+"""Model shapes for planning: the essentials of a Hugging Face decoder config.
+
+Accepts named shapes (``opt-13b``, ``opt-30b``, ``opt-66b``, ``llama-7b`` ...), the local
+``localmodels`` sizes (``llama:tiny``), or a path to a ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, LlamaConfig, OPTConfig, PretrainedConfig
+
+from quant import accounting
+
+#: name -> (hidden, layers, ffn, heads)
+OPT_SHAPES = {
+    "opt-125m": (768, 12, 3072, 12),
+    "opt-1.3b": (2048, 24, 8192, 32),
+    "opt-13b": (5120, 40, 20480, 40),
+    "opt-30b": (7168, 48, 28672, 56),
+    "opt-66b": (9216, 64, 36864, 72),
+}
+#: name -> (hidden, layers, intermediate, heads, kv_heads)
+LLAMA_SHAPES = {
+    "llama-7b": (4096, 32, 11008, 32, 32),
+    "llama-13b": (5120, 40, 13824, 40, 40),
+    "llama3-8b": (4096, 32, 14336, 32, 8),
+    "llama3-70b": (8192, 80, 28672, 64, 8),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape essentials of a decoder config (read once: HF config attribute access is slow)."""
+
+    name: str
+    config: PretrainedConfig = field(compare=False, repr=False)
+    family: str = field(init=False)
+    hidden: int = field(init=False)
+    layers: int = field(init=False)
+    heads: int = field(init=False)
+    kv_heads: int = field(init=False)
+    head_dim: int = field(init=False)
+    intermediate: int = field(init=False)
+    vocab: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        fam = accounting.model_family(c)
+        gpt2 = fam == "gpt2"
+        hidden = int(c.n_embd if gpt2 else c.hidden_size)
+        if gpt2:
+            inter = int(c.n_inner or 4 * hidden)
+        elif fam == "opt":
+            inter = int(c.ffn_dim)
+        else:
+            inter = int(c.intermediate_size)
+        values = {
+            "family": fam,
+            "hidden": hidden,
+            "layers": int(c.n_layer if gpt2 else c.num_hidden_layers),
+            "heads": int(c.n_head if gpt2 else c.num_attention_heads),
+            "kv_heads": accounting.num_kv_heads(c),
+            "head_dim": accounting.head_dim(c),
+            "intermediate": inter,
+            "vocab": int(c.vocab_size),
+        }
+        for k, v in values.items():
+            object.__setattr__(self, k, v)
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.family == "llama"
+
+    def layer_params(self) -> int:
+        """Weights of the linear operators of one decoder layer (elements)."""
+        return sum(i * o for _, i, o in accounting.layer_linear_shapes(self.config))
+
+    def essentials(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "family": self.family,
+            "hidden": self.hidden,
+            "layers": self.layers,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "intermediate": self.intermediate,
+            "vocab": self.vocab,
+        }
+
+
+def opt_config(name: str) -> OPTConfig:
+    h, n, ffn, heads = OPT_SHAPES[name]
+    return OPTConfig(
+        hidden_size=h,
+        num_hidden_layers=n,
+        ffn_dim=ffn,
+        num_attention_heads=heads,
+        word_embed_proj_dim=h,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+    )
+
+
+def llama_config(name: str) -> LlamaConfig:
+    h, n, inter, heads, kv = LLAMA_SHAPES[name]
+    return LlamaConfig(
+        hidden_size=h,
+        num_hidden_layers=n,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=128256 if name.startswith("llama3") else 32000,
+    )
+
+
+def shape_from_config(config: PretrainedConfig, name: str | None = None) -> ModelShape:
+    accounting.model_family(config)  # raises for unsupported configs
+    return ModelShape(name or getattr(config, "name_or_path", "") or config.model_type, config)
+
+
+def load_shape(spec: str) -> ModelShape:
+    """``opt-13b`` / ``llama3-8b`` / ``llama:tiny`` (localmodels) / path to a config.json or model dir."""
+    key = spec.strip()
+    if key.lower() in OPT_SHAPES:
+        return ModelShape(key.lower(), opt_config(key.lower()))
+    if key.lower() in LLAMA_SHAPES:
+        return ModelShape(key.lower(), llama_config(key.lower()))
+    p = Path(key)
+    if p.exists():
+        cfg_path = p / "config.json" if p.is_dir() else p
+        try:
+            d = json.loads(cfg_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read model config {cfg_path}: {e}") from None
+        mt = d.get("model_type")
+        if not mt:
+            raise ValueError(f"{cfg_path} has no model_type")
+        cfg = AutoConfig.for_model(mt, **{k: v for k, v in d.items() if k != "model_type"})
+        return shape_from_config(cfg, p.stem if not p.is_dir() else p.name)
+    if ":" in key:
+        from localmodels import build as lm
+
+        arch, size = key.split(":", 1)
+        if arch not in lm.ARCHS or size not in lm.SIZES:
+            raise ValueError(f"unknown local model {key!r}; archs {lm.ARCHS}, sizes {tuple(lm.SIZES)}")
+        hidden, layers, heads, kv_heads, inter = lm.SIZES[size]
+        return ModelShape(key, local_config(arch, hidden, layers, heads, kv_heads, inter))
+    known = ", ".join(list(OPT_SHAPES) + list(LLAMA_SHAPES))
+    raise ValueError(
+        f"unknown model {spec!r}: use one of {known}, 'arch:size' (localmodels) or a config.json path"
+    )
+
+
+def local_config(
+    arch: str, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int = 8192
+):
+    """A config like ``localmodels.build_model`` makes (same shapes)."""
+    from transformers import GPT2Config
+
+    if arch == "llama":
+        return LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        )
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=2048)
+    return OPTConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        ffn_dim=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=hidden,
+    )

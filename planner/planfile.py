@@ -1,0 +1,174 @@
+"""The plan file (``plan.json``, schema version 1): written by the planner, read by the engines.
+
+Fields: ``version``, ``model`` (name + hidden, layers, heads, kv_heads, intermediate, vocab),
+``method``, ``devices`` (ordered: stage k runs on ``devices[stages[k].device_index]``),
+``stages`` (``layer_start``, ``layer_end`` exclusive, ``bits`` per layer, predicted memory and
+prefill/decode seconds), ``kv_bits``, micro-batch sizes, workload, ``theta``, ``total_omega``,
+predicted batch latency and throughput (generated tokens/s), ``solve_seconds``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PLAN_VERSION = 1
+MODEL_KEYS = ("name", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")
+
+
+class PlanError(ValueError):
+    """A plan file that does not follow the schema."""
+
+
+@dataclass
+class StagePlan:
+    device_index: int
+    layer_start: int
+    layer_end: int
+    bits: list[int]
+    predicted_memory_bytes: int
+    predicted_prefill_s: float
+    predicted_decode_s: float
+
+
+@dataclass
+class Plan:
+    model: dict[str, Any]
+    method: str
+    devices: list[dict[str, Any]]
+    stages: list[StagePlan]
+    kv_bits: int
+    prefill_micro_batch: int
+    decode_micro_batch: int
+    batch_size: int
+    prompt_len: int
+    expected_output_tokens: int
+    theta: float
+    total_omega: float
+    predicted_batch_latency_s: float
+    predicted_throughput_tokens_per_s: float
+    solve_seconds: float
+    version: int = PLAN_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def layer_bits(self) -> list[int]:
+        return [b for s in self.stages for b in s.bits]
+
+    def stage_of_layer(self, i: int) -> int:
+        for k, s in enumerate(self.stages):
+            if s.layer_start <= i < s.layer_end:
+                return k
+        raise IndexError(f"layer {i} is not in the plan (model has {self.model['layers']} layers)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def validate(self) -> None:
+        _validate(self.to_dict())
+
+
+def _need(d: dict, key: str, types: type | tuple, where: str) -> Any:
+    if key not in d:
+        raise PlanError(f"{where}: missing field {key!r}")
+    v = d[key]
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise PlanError(f"{where}: field {key!r} must be {types}, got {v!r}")
+    if not isinstance(v, types):
+        raise PlanError(
+            f"{where}: field {key!r} must be {getattr(types, '__name__', types)}, got {type(v).__name__}"
+        )
+    return v
+
+
+def _validate(d: dict) -> None:
+    if not isinstance(d, dict):
+        raise PlanError("plan must be a JSON object")
+    if d.get("version") != PLAN_VERSION:
+        raise PlanError(f"plan version {d.get('version')!r} is not supported (expected {PLAN_VERSION})")
+    model = _need(d, "model", dict, "plan")
+    for k in MODEL_KEYS:
+        _need(model, k, str if k == "name" else int, "plan.model")
+    devices = _need(d, "devices", list, "plan")
+    if not devices:
+        raise PlanError("plan: 'devices' is empty")
+    for i, dev in enumerate(devices):
+        if not isinstance(dev, dict):
+            raise PlanError(f"plan.devices[{i}] must be an object")
+        for k, t in (("name", str), ("type", str), ("memory_bytes", int), ("node", str)):
+            _need(dev, k, t, f"plan.devices[{i}]")
+    stages = _need(d, "stages", list, "plan")
+    if not stages:
+        raise PlanError("plan: 'stages' is empty")
+    expect = 0
+    num = (int, float)
+    for k, s in enumerate(stages):
+        w = f"plan.stages[{k}]"
+        if not isinstance(s, dict):
+            raise PlanError(f"{w} must be an object")
+        di = _need(s, "device_index", int, w)
+        if not 0 <= di < len(devices):
+            raise PlanError(f"{w}: device_index {di} out of range (0..{len(devices) - 1})")
+        lo, hi = _need(s, "layer_start", int, w), _need(s, "layer_end", int, w)
+        if lo != expect or hi <= lo:
+            raise PlanError(f"{w}: layers [{lo}, {hi}) do not continue from layer {expect}")
+        expect = hi
+        bits = _need(s, "bits", list, w)
+        if len(bits) != hi - lo or not all(isinstance(b, int) and b in (2, 3, 4, 8, 16) for b in bits):
+            raise PlanError(f"{w}: 'bits' must list one of 2/3/4/8/16 for each of its {hi - lo} layers")
+        for key in ("predicted_memory_bytes", "predicted_prefill_s", "predicted_decode_s"):
+            _need(s, key, num, w)
+    if expect != model["layers"]:
+        raise PlanError(f"plan: stages cover {expect} layers, model has {model['layers']}")
+    used = [s["device_index"] for s in stages]
+    if len(set(used)) != len(used):
+        raise PlanError("plan: a device is used by two stages")
+    for k in (
+        "kv_bits",
+        "prefill_micro_batch",
+        "decode_micro_batch",
+        "batch_size",
+        "prompt_len",
+        "expected_output_tokens",
+    ):
+        v = _need(d, k, int, "plan")
+        if v < 1:
+            raise PlanError(f"plan: {k} must be >= 1, got {v}")
+    if d["kv_bits"] not in (4, 8, 16):
+        raise PlanError(f"plan: kv_bits must be 4, 8 or 16, got {d['kv_bits']}")
+    _need(d, "method", str, "plan")
+    for k in (
+        "theta",
+        "total_omega",
+        "predicted_batch_latency_s",
+        "predicted_throughput_tokens_per_s",
+        "solve_seconds",
+    ):
+        _need(d, k, num, "plan")
+
+
+def plan_from_dict(d: dict) -> Plan:
+    _validate(d)
+    stages = [StagePlan(**{k: s[k] for k in StagePlan.__dataclass_fields__}) for s in d["stages"]]
+    kw = {k: d[k] for k in Plan.__dataclass_fields__ if k not in ("stages", "extra") and k in d}
+    return Plan(stages=stages, extra=dict(d.get("extra", {})), **kw)
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    plan.validate()
+    Path(path).write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+
+
+def load_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    if not p.exists():
+        raise PlanError(f"plan file {p} not found")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise PlanError(f"plan file {p} is not JSON: {e}") from None
+    try:
+        return plan_from_dict(d)
+    except PlanError as e:
+        raise PlanError(f"{p}: {e}") from None

@@ -1,0 +1,83 @@
+"""Assemble a planning ``Problem``: latency models (measured profiles or catalog rooflines) and the quality indicator."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from planner.cluster import Cluster
+from planner.costs import Problem, Workload
+from planner.latency import LatencyModel, Profile, fit_profile, roofline_profile
+from planner.modelshape import ModelShape
+from quant.indicator import load_indicator, synthetic_indicator
+
+log = logging.getLogger(__name__)
+
+
+def latency_models(
+    cluster: Cluster, shape: ModelShape, bits: tuple[int, ...], profiles: Mapping[str, Profile] | None = None
+) -> dict[str, LatencyModel]:
+    """One fitted model per device type: from a measured profile when one is given, else from the roofline."""
+    out: dict[str, LatencyModel] = {}
+    profiles = profiles or {}
+    for d in cluster.devices:
+        name = d.type.name
+        if name in out:
+            continue
+        prof = profiles.get(name)
+        if prof is not None:
+            if (
+                prof.model.get("hidden") != shape.hidden
+                or prof.model.get("intermediate") != shape.intermediate
+            ):
+                raise ValueError(
+                    f"profile for {name} was measured on model {prof.model.get('name')!r}, not {shape.name!r}; "
+                    "profile the same model shape or leave the profile out to use the roofline"
+                )
+            missing = [b for b in bits if b not in prof.samples]
+            if missing:
+                log.warning("profile for %s lacks bits %s: those come from the roofline", name, missing)
+                extra = roofline_profile(d.type, shape, missing)
+                prof = Profile(prof.device, prof.model, prof.source, {**prof.samples, **extra.samples})
+            out[name] = fit_profile(prof, bits)
+        else:
+            out[name] = fit_profile(roofline_profile(d.type, shape, bits), bits)
+    return out
+
+
+def quality_indicator(
+    shape: ModelShape, bits: tuple[int, ...], path: str | Path | None = None, seed: int = 0
+) -> dict[int, dict[int, float]]:
+    if path is None:
+        return synthetic_indicator(shape.config, list(bits), seed)
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"indicator file {p} not found")
+    omega, meta = load_indicator(p)
+    if len(omega) != shape.layers:
+        raise ValueError(f"indicator {p} has {len(omega)} layers, model {shape.name} has {shape.layers}")
+    for b in bits:
+        if b != 16 and any(b not in v for v in omega.values()):
+            raise ValueError(f"indicator {p} lacks {b}-bit values (has {meta.get('bits')})")
+    for v in omega.values():
+        v.setdefault(16, 0.0)
+    return omega
+
+
+def build_problem(
+    cluster: Cluster,
+    shape: ModelShape,
+    workload: Workload,
+    indicator: str | Path | None = None,
+    profiles: Mapping[str, Profile] | None = None,
+    seed: int = 0,
+) -> Problem:
+    bits = tuple(sorted(workload.bits))
+    return Problem(
+        cluster,
+        shape,
+        workload,
+        quality_indicator(shape, bits, indicator, seed),
+        latency_models(cluster, shape, bits, profiles),
+    )

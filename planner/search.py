@@ -1,0 +1,189 @@
+"""Outer search of the planner: device orders (up to symmetry), micro-batch sizes, and the methods
+that fill in layers and bit widths (ILP, bit-width transfer, adabits).
+
+Device orders are ordered subsets of the cluster's devices, deduplicated by their signature
+(device type of each stage, link bandwidth between consecutive stages), so devices of one type
+on one node are interchangeable. Orders that cannot hold the model at the lowest bit width are
+dropped. Each (order, prefill micro-batch, decode micro-batch) combination is scored with
+adabits; the ILP then runs on the best-ranked combinations, warm-started from the heuristic
+plan and bounded by the best objective found so far, under an overall time limit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from planner.costs import Assignment, Evaluation, Problem
+from planner.heuristics import adabits, bitwidth_transfer
+from planner.ilp import default_group_size, solve_order
+
+log = logging.getLogger(__name__)
+
+METHODS = ("ilp", "transfer", "adabits")
+MAX_ENUMERATED_DEVICES = 7
+
+
+def _signature(problem: Problem, order: tuple[int, ...]) -> tuple:
+    c = problem.cluster
+    types = tuple(c.devices[i].type.name for i in order)
+    links = tuple(c.bandwidth_bytes_per_s(a, b) for a, b in itertools.pairwise(order))
+    return types, links
+
+
+def device_orders(problem: Problem) -> list[tuple[int, ...]]:
+    """Distinct device orders (ordered subsets, up to symmetry) that could hold the model."""
+    n = len(problem.cluster.devices)
+    if n <= MAX_ENUMERATED_DEVICES:
+        raw = (p for k in range(1, n + 1) for p in itertools.permutations(range(n), k))
+    else:
+        log.warning("%d devices: searching only the listed order and its reverse", n)
+        raw = iter([tuple(range(n)), tuple(reversed(range(n)))])
+    lo = min(problem.bits)
+    need_layers = problem.layers * problem.layer_bytes(lo)
+    seen: set = set()
+    out = []
+    for order in raw:
+        if len(order) > problem.layers:
+            continue
+        sig = _signature(problem, order)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        S = len(order)
+        room = [problem.capacity(d) - problem.stage_memory_constant(S, k, 1, 1) for k, d in enumerate(order)]
+        if min(room) < problem.layer_bytes(lo) or sum(room) < need_layers:
+            continue
+        out.append(order)
+    return out
+
+
+def micro_batch_candidates(problem: Problem, stages: int) -> list[tuple[int, int]]:
+    """(prefill micro-batch size, decode micro-batch size) pairs to try for a ``stages``-stage pipeline."""
+    B = problem.workload.batch
+    vp = sorted({v for v in (1, 2, 4, 8, 16) if v <= B} | ({B} if B < 16 else set()))
+    counts = {m for m in (1, stages - 1, stages, stages + 1, 2 * stages) if 1 <= m <= B}
+    vd = sorted({math.ceil(B / m) for m in counts})
+    return [(p, d) for p in vp for d in vd]
+
+
+@dataclass
+class SearchResult:
+    method: str
+    assignment: Assignment
+    evaluation: Evaluation
+    solve_seconds: float
+    stats: dict = field(default_factory=dict)
+
+
+def _ok(e: Evaluation | None, budget: float | None) -> bool:
+    return e is not None and e.fits and (budget is None or e.omega <= budget * (1 + 1e-12))
+
+
+def plan(
+    problem: Problem,
+    method: str = "ilp",
+    time_limit_s: float = 6.0,
+    group_size: int | None = None,
+    top_k: int = 6,
+    omega_budget: float | None = None,
+    exhaustive: bool = False,
+    micro_batches: list[tuple[int, int]] | None = None,
+    starts: list[Assignment] | None = None,
+) -> SearchResult | None:
+    """Best plan by ``method``; ``None`` when nothing fits.
+
+    ``exhaustive`` runs the ILP on every (order, micro-batch) combination without the bound
+    pruning heuristic ranking (for tests against brute force); ``micro_batches`` fixes the pairs;
+    ``starts`` are extra candidate plans (e.g. the baselines') polished and kept as incumbents.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    t0 = time.perf_counter()
+    gs = group_size or default_group_size(problem.layers)
+    orders = device_orders(problem)
+    combos = [
+        (o, vp, vd) for o in orders for vp, vd in (micro_batches or micro_batch_candidates(problem, len(o)))
+    ]
+    stats: dict = {"orders": len(orders), "combos": len(combos), "group_size": gs, "ilp_solves": 0}
+    log.info(
+        "%s: %d device orders, %d (order, micro-batch) combinations",
+        problem.cluster.name,
+        len(orders),
+        len(combos),
+    )
+
+    # rank by the adabits plan: within the omega cap first, then by objective (repair comes later, top-k only)
+    scored: list[tuple[tuple[int, float], tuple, Assignment | None]] = []
+    for o, vp, vd in combos:
+        a = adabits(problem, o, vp, vd)
+        e = problem.evaluate(a) if a is not None else None
+        if e is None or not e.fits:
+            key = (2, math.inf)
+        else:
+            key = (int(omega_budget is not None and e.omega > omega_budget), e.objective)
+        scored.append((key, (o, vp, vd), a))
+    scored.sort(key=lambda t: t[0])
+
+    best: tuple[Assignment, Evaluation] | None = None
+
+    def offer(a: Assignment | None, until: float) -> tuple[Assignment, Evaluation] | None:
+        nonlocal best
+        if a is None:
+            return None
+        if method == "adabits":
+            a2, e2 = a, problem.evaluate(a)
+        else:
+            a2, e2 = bitwidth_transfer(problem, a, omega_budget, deadline=None if exhaustive else until)
+        if _ok(e2, omega_budget) and (best is None or e2.objective < best[1].objective):
+            best = (a2, e2)
+        return (a2, e2) if _ok(e2, omega_budget) else None
+
+    # time shares: heuristic polishing, ILP solves, final polish
+    t_heur = t0 + (0.35 if method == "ilp" else 1.0) * time_limit_s
+    t_ilp = t0 + 0.9 * time_limit_s
+    for a in starts or []:
+        offer(a, t_heur)
+
+    if method == "adabits":
+        for _, _, a in scored:
+            if a is not None:
+                offer(a, t_heur)
+        return _result(method, best, t0, stats)
+
+    hints: dict[tuple, Assignment] = {}
+    for _, key, a in scored[: max(top_k, 1)]:
+        r = offer(a, t_heur)
+        if r is not None:
+            hints[key] = r[0]
+    if method == "transfer":
+        return _result(method, best, t0, stats)
+
+    todo = scored if exhaustive else scored[:top_k]
+    deadline = t_ilp
+    for i, (_, key, a) in enumerate(todo):
+        left = deadline - time.perf_counter()
+        if left <= 0 and not exhaustive:
+            stats["stopped_early"] = True
+            break
+        per = left / max(1, min(len(todo) - i, 3)) if not exhaustive else time_limit_s
+        o, vp, vd = key
+        ub = None if (best is None or exhaustive) else best[1].objective
+        r = solve_order(problem, o, vp, vd, gs, per, hints.get(key, a), ub, omega_budget)
+        stats["ilp_solves"] += 1
+        if r.assignment is not None:
+            e = problem.evaluate(r.assignment)
+            if _ok(e, omega_budget) and (best is None or e.objective < best[1].objective):
+                best = (r.assignment, e)
+    if best is not None and not exhaustive:
+        offer(best[0], t0 + time_limit_s)  # polish the grouped ILP plan layer by layer
+    return _result(method, best, t0, stats)
+
+
+def _result(method: str, best, t0: float, stats: dict) -> SearchResult | None:
+    if best is None:
+        return None
+    return SearchResult(method, best[0], best[1], time.perf_counter() - t0, stats)
