@@ -1,0 +1,531 @@
+"""``predictor`` command line: train, eval, bench and retrain the response-length classifier.
+
+Every subcommand prints, as its last line, one JSON object with its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("predictor")
+
+DEFAULT_OUT = "runs/predictor"
+MICO_GSM8K_ACCURACY = 0.8069
+MICO_ALPACA_ACCURACY = 0.8537
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--data",
+        default="mixed",
+        help="dataset: 'mixed' (default; alpaca_eval llama-2-7b answers, gsm8k train, code_alpaca, "
+        "gpteacher roleplay and toolformer), one source name, 'alpaca_eval:<model>', or a JSONL file "
+        "with {prompt, response} or {prompt, length} per line",
+    )
+    p.add_argument(
+        "--data-dir", default=None, help="shared data directory (default $FLEETBATCH_DATA or ../shared/data)"
+    )
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: half the cores; on a shared, busy machine 1 is often fastest)",
+    )
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="predictor",
+        description="Response-length predictor: a DistilBERT classifier over length buckets (MICO), "
+        "predicting how many tokens the serving model will answer with. Lengths are counted in the "
+        "serving tokenizer (the project's default BPE unless --serving-tokenizer names a model directory).",
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser(
+        "train",
+        help="train a new model version",
+        description="Train a classifier and save it as DIR/v<N>/ with DIR/latest pointing at it.",
+    )
+    _data_args(t)
+    _common(t)
+    t.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"parent directory of model versions (default {DEFAULT_OUT})"
+    )
+    t.add_argument(
+        "--quick", action="store_true", help="small model on a subsample: about 3 minutes on 2 CPU cores"
+    )
+    t.add_argument(
+        "--pretrained", default=None, help="local pretrained DistilBERT directory (production path)"
+    )
+    t.add_argument(
+        "--scheme",
+        choices=("quantile", "uniform"),
+        default="quantile",
+        help="bucket edges: training-length quantiles (default) or MICO's uniform l_max/N",
+    )
+    t.add_argument(
+        "--buckets", type=int, default=None, help="number of buckets (default 16 quantile, 10 uniform)"
+    )
+    t.add_argument(
+        "--l-max",
+        type=float,
+        default=None,
+        help="l_max of uniform buckets (default: longest training answer)",
+    )
+    t.add_argument("--layers", type=int, default=None, help="transformer layers (default 4; quick 2)")
+    t.add_argument("--dim", type=int, default=None, help="hidden width (default 256; quick 128)")
+    t.add_argument("--heads", type=int, default=None, help="attention heads (default 4)")
+    t.add_argument("--max-len", type=int, default=None, help="prompt tokens kept (default 128; quick 64)")
+    t.add_argument("--vocab", type=int, default=None, help="WordPiece vocabulary size (default 8000)")
+    t.add_argument("--epochs", type=float, default=None, help="epochs (default 3)")
+    t.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
+    t.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (default 5e-5 pretrained, 5e-4 from scratch)",
+    )
+    t.add_argument(
+        "--patience", type=int, default=2, help="evaluations without validation improvement before stopping"
+    )
+    t.add_argument(
+        "--log-weight",
+        type=float,
+        default=1.0,
+        help="weight of the log-error term on expected tokens (0: cross-entropy only)",
+    )
+    t.add_argument(
+        "--limit", type=int, default=None, help="subsample the training split to this many examples"
+    )
+    t.add_argument(
+        "--max-minutes", type=float, default=None, help="stop training after about this many minutes"
+    )
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
+    )
+
+    e = sub.add_parser(
+        "eval",
+        help="evaluate a model on a held-out split, with baselines",
+        description="Accuracy, within-one, majority guess, Kendall tau and MAE of expected tokens, per-source figures, a confusion-matrix PNG, and TF-IDF baselines on the same split.",
+    )
+    _data_args(e)
+    _common(e)
+    e.add_argument(
+        "--model", default=DEFAULT_OUT, help=f"model version directory or parent (default {DEFAULT_OUT})"
+    )
+    e.add_argument(
+        "--split",
+        choices=("train", "val", "test", "all"),
+        default="test",
+        help="which split to score (default test)",
+    )
+    e.add_argument(
+        "--plot", default=None, help="confusion matrix PNG (default <model version>/confusion.png)"
+    )
+    e.add_argument("--report", default=None, help="also write the full report JSON here")
+    e.add_argument("--no-baselines", action="store_true", help="skip the TF-IDF baselines")
+    e.add_argument(
+        "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
+    )
+
+    b = sub.add_parser(
+        "bench",
+        help="batched inference latency and throughput",
+        description="Time batched predictions (the serving path) on real prompts.",
+    )
+    _data_args(b)
+    _common(b)
+    b.add_argument(
+        "--model", default=None, help="model directory (default: a random model of the --quick size)"
+    )
+    b.add_argument("--batch-size", type=int, default=64, help="queries per forward pass (default 64)")
+    b.add_argument("-n", "--queries", type=int, default=1024, help="queries to time (default 1024)")
+    b.add_argument("--warmup", type=int, default=2, help="untimed warm-up batches")
+
+    r = sub.add_parser(
+        "retrain",
+        help="fine-tune on observed lengths from Redis plus the original data",
+        description="MICO's continuous update: read (prompt, observed length) from the Redis list fb:observed, fine-tune the latest version on them plus the original training data, and save the next version.",
+    )
+    _data_args(r)
+    _common(r)
+    r.add_argument(
+        "--model", default=DEFAULT_OUT, help=f"parent directory of versions (default {DEFAULT_OUT})"
+    )
+    r.add_argument("--from-redis", required=True, metavar="URL", help="Redis URL holding fb:observed")
+    r.add_argument("--observed-limit", type=int, default=None, help="use only the newest N observations")
+    r.add_argument(
+        "--original",
+        type=int,
+        default=4000,
+        help="original training examples mixed in (default 4000; 0 for none)",
+    )
+    r.add_argument("--epochs", type=float, default=1.0)
+    r.add_argument("--lr", type=float, default=1e-4)
+    r.add_argument("--batch-size", type=int, default=32)
+    r.add_argument("--out", default=None, help="where to write the new version (default: the --model parent)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument(
+        "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
+    )
+    return ap
+
+
+def _serving_tokenizer(path: str | None):
+    if path:
+        from transformers import AutoTokenizer
+
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"serving tokenizer directory {path} not found")
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    from localmodels import default_tokenizer
+
+    return default_tokenizer()
+
+
+def _splits(args, limit: int | None = None):
+    from predictor.labeled import load_labeled, split
+
+    data = load_labeled(args.data, args.data_dir, _serving_tokenizer(args.serving_tokenizer))
+    sp = split(data)
+    if limit is not None:
+        sp["train"] = sp["train"].sample(limit, args.seed if hasattr(args, "seed") else 0)
+    return data, sp
+
+
+def cmd_train(args) -> dict:
+    from predictor.model import DEFAULT, QUICK, ModelConfig
+    from predictor.pipeline import fit, save_version
+    from predictor.training import TrainConfig
+
+    base = QUICK if args.quick else DEFAULT
+    mc = ModelConfig(
+        layers=args.layers or base.layers,
+        dim=args.dim or base.dim,
+        heads=args.heads or base.heads,
+        max_len=args.max_len or base.max_len,
+        vocab_size=args.vocab or base.vocab_size,
+    )
+    limit = args.limit if args.limit is not None else (6000 if args.quick else None)
+    n_buckets = args.buckets or (10 if args.scheme == "uniform" else 16)
+    tc = TrainConfig(
+        epochs=args.epochs or (2.0 if args.quick else 3.0),
+        batch_size=args.batch_size,
+        lr=args.lr or (5e-5 if args.pretrained else 5e-4),
+        patience=args.patience,
+        max_len=mc.max_len,
+        seed=args.seed,
+        max_minutes=args.max_minutes if args.max_minutes is not None else (2.5 if args.quick else None),
+        log_weight=args.log_weight,
+    )
+    t0 = time.monotonic()
+    _, sp = _splits(args, limit)
+    val = sp["val"].sample(1000, args.seed) if args.quick else sp["val"]
+    log.info("train %d, val %d examples", len(sp["train"]), len(val))
+    model, tok, buckets, result = fit(
+        sp["train"],
+        val,
+        args.scheme,
+        n_buckets,
+        mc,
+        tc,
+        args.pretrained,
+        args.device,
+        progress=True,
+        l_max=args.l_max,
+    )
+    extra = {
+        "data": args.data,
+        "model_config": mc.to_dict() if not args.pretrained else {"pretrained": str(args.pretrained)},
+        "train_examples": len(sp["train"]),
+    }
+    vdir = save_version(args.out, model, tok, buckets, result, tc, extra)
+    return {
+        "model_dir": str(vdir),
+        "version": vdir.name,
+        "scheme": buckets.scheme,
+        "buckets": buckets.n,
+        "train_examples": len(sp["train"]),
+        "initial_val_loss": round(result.initial_val_loss, 4),
+        "best_val_loss": round(result.best_val_loss, 4),
+        "steps": result.steps,
+        "calibration": round(buckets.calibration, 4),
+        "minutes": round((time.monotonic() - t0) / 60, 2),
+    }
+
+
+def _round(d):
+    if isinstance(d, dict):
+        return {k: _round(v) for k, v in d.items()}
+    if isinstance(d, float):
+        return round(d, 4)
+    return d
+
+
+def cmd_eval(args) -> dict:
+    from predictor import store
+    from predictor.baselines import prompt_length_heuristic, tfidf_logreg, tfidf_ridge
+    from predictor.evaluation import classifier_figures, confusion, per_source, plot_confusion, point_figures
+    from predictor.inference import predict_proba
+
+    loaded = store.load(args.model, args.device)
+    data, sp = _splits(args)
+    test = data if args.split == "all" else sp[args.split]
+    if not len(test):
+        raise ValueError(f"the {args.split} split of {args.data} is empty")
+    train = sp["train"]
+    b = loaded.buckets
+    log.info(
+        "evaluating %s (%s buckets: %d) on %d %s examples", loaded.path, b.scheme, b.n, len(test), args.split
+    )
+    probs = predict_proba(loaded.model, loaded.tokenizer, test.prompts, loaded.max_len, 128, progress=True)
+    train_labels = b.label(train.lengths)
+    report = classifier_figures(probs, test.lengths, b, train_labels)
+    report.update(
+        {
+            "model": str(loaded.path),
+            "version": loaded.version,
+            "scheme": b.scheme,
+            "buckets": b.n,
+            "split": args.split,
+        }
+    )
+    report["per_source"] = per_source(probs, test.lengths, test.sources, b, train_labels)
+    if "gsm8k" in report["per_source"]:
+        report["gsm8k_accuracy"] = report["per_source"]["gsm8k"]["accuracy"]
+        report["mico_gsm8k_accuracy"] = MICO_GSM8K_ACCURACY
+    heur = prompt_length_heuristic(np.array([len(p.split()) for p in test.prompts]))
+    report.update(
+        {
+            f"fallback_{k}": v
+            for k, v in point_figures(heur, test.lengths).items()
+            if k in ("kendall_tau", "mae_tokens")
+        }
+    )
+    if not args.no_baselines:
+        lr_probs = tfidf_logreg(train.prompts, train_labels, test.prompts, b.n)
+        lr = classifier_figures(lr_probs, test.lengths, b, train_labels)
+        report.update(
+            {f"tfidf_lr_{k}": lr[k] for k in ("accuracy", "within_one", "kendall_tau", "mae_tokens")}
+        )
+        ridge = point_figures(tfidf_ridge(train.prompts, train.lengths, test.prompts), test.lengths)
+        report.update({f"tfidf_ridge_{k}": ridge[k] for k in ("kendall_tau", "mae_tokens", "sum_ratio")})
+    plot = Path(args.plot) if args.plot else loaded.path / "confusion.png"
+    cm = confusion(b.label(test.lengths), probs.argmax(1), b.n)
+    report["confusion_png"] = str(
+        plot_confusion(cm, b, plot, f"{loaded.version}: {b.scheme} buckets, {args.data} {args.split}")
+    )
+    report["confusion"] = cm.tolist()
+    report = _round(report)
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    _print_eval(report)
+    report.pop("confusion")
+    return report
+
+
+def _print_eval(r: dict) -> None:
+    print(f"model {r['model']} ({r['scheme']} buckets: {r['buckets']}), {r['split']} split, n={r['n']}")
+    print(
+        f"  accuracy {r['accuracy']:.3f}  within one {r['within_one']:.3f}  majority guess {r['majority_accuracy']:.3f}"
+    )
+    print(
+        f"  expected tokens: Kendall tau {r['kendall_tau']:.3f}  MAE {r['mae_tokens']:.1f}  sum ratio {r['sum_ratio']:.3f}  batch-64 sum error {r['batch64_sum_error']:.3f}"
+    )
+    print(
+        f"  midpoint tokens: Kendall tau {r['midpoint_kendall_tau']:.3f}  MAE {r['midpoint_mae_tokens']:.1f}  sum ratio {r['midpoint_sum_ratio']:.3f}"
+    )
+    if "tfidf_ridge_kendall_tau" in r:
+        print(
+            f"  TF-IDF + logistic regression: accuracy {r['tfidf_lr_accuracy']:.3f}  Kendall tau {r['tfidf_lr_kendall_tau']:.3f}  MAE {r['tfidf_lr_mae_tokens']:.1f}"
+        )
+        print(
+            f"  TF-IDF + ridge (log length):  Kendall tau {r['tfidf_ridge_kendall_tau']:.3f}  MAE {r['tfidf_ridge_mae_tokens']:.1f}"
+        )
+    print(
+        f"  prompt-length heuristic:      Kendall tau {r['fallback_kendall_tau']:.3f}  MAE {r['fallback_mae_tokens']:.1f}"
+    )
+    for s, f in r["per_source"].items():
+        print(
+            f"  {s:12s} n={f['n']:5d}  acc {f['accuracy']:.3f}  within one {f['within_one']:.3f}  tau {f['kendall_tau']:.3f}  MAE {f['mae_tokens']:.1f}"
+        )
+    if "gsm8k_accuracy" in r:
+        print(
+            f"  gsm8k accuracy {r['gsm8k_accuracy']:.3f} (MICO reports {MICO_GSM8K_ACCURACY:.4f} with its own buckets)"
+        )
+    print(f"  confusion matrix: {r['confusion_png']}")
+
+
+def cmd_bench(args) -> dict:
+    import torch
+
+    from predictor import store
+    from predictor.labeled import records_for
+    from predictor.serving import LengthPredictor
+
+    if args.batch_size < 1 or args.queries < 1:
+        raise ValueError("--batch-size and --queries must be positive")
+    if args.model:
+        predictor = LengthPredictor(
+            store.load(args.model, args.device), Path(args.model), max_batch=args.batch_size
+        )
+    else:
+        from predictor.buckets import quantile_buckets
+        from predictor.model import QUICK, build_classifier, train_wordpiece
+        from predictor.store import LoadedModel
+
+        log.info("no --model: timing a random model of the --quick size")
+        prompts = [r.prompt for r in records_for(args.data, args.data_dir)]
+        tok = train_wordpiece(prompts[:5000], QUICK.vocab_size)
+        buckets = quantile_buckets(np.arange(1, 1000), 16)
+        model = build_classifier(QUICK, tok, buckets.n).to(args.device).eval()
+        loaded = LoadedModel(model, tok, buckets, {"version": "random", "max_len": QUICK.max_len}, Path("."))
+        predictor = LengthPredictor(loaded, None, max_batch=args.batch_size)
+    prompts = [r.prompt for r in records_for(args.data, args.data_dir)]
+    rng = np.random.default_rng(0)
+    prompts = [
+        prompts[i] for i in rng.choice(len(prompts), size=min(args.queries, len(prompts)), replace=False)
+    ]
+    batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    for bt in batches[: args.warmup]:
+        predictor.predict(bt)
+    times = []
+    from tqdm import tqdm
+
+    for bt in tqdm(batches, desc="bench", unit="batch"):
+        t = time.perf_counter()
+        predictor.predict(bt)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    single = []
+    for p in prompts[:32]:
+        t = time.perf_counter()
+        predictor.predict([p])
+        single.append(time.perf_counter() - t)
+    total = sum(times)
+    out = {
+        "model": predictor.version,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "batch_size": args.batch_size,
+        "queries": len(prompts),
+        "ms_per_query": round(1000 * total / len(prompts), 3),
+        "queries_per_s": round(len(prompts) / total, 1),
+        "batch_ms_p50": round(1000 * float(np.median(times)), 2),
+        "batch_ms_p90": round(1000 * float(np.percentile(times, 90)), 2),
+        "single_query_ms_p50": round(1000 * float(np.median(single)), 2),
+    }
+    print(
+        f"{out['ms_per_query']} ms per query at batch {args.batch_size} ({out['queries_per_s']} queries/s); one query alone {out['single_query_ms_p50']} ms"
+    )
+    return out
+
+
+def cmd_retrain(args) -> dict:
+    from predictor import store
+    from predictor.labeled import label
+    from predictor.observed import read_observed
+    from predictor.pipeline import retrain, save_version
+    from predictor.training import TrainConfig
+
+    loaded = store.load(args.model, args.device)
+    observed = read_observed(args.from_redis, args.observed_limit)
+    if not observed:
+        raise ValueError(f"no observed lengths in Redis at {args.from_redis}; nothing to retrain on")
+    obs = label(observed, _serving_tokenizer(args.serving_tokenizer))
+    _, sp = _splits(args)
+    original = sp["train"].sample(args.original, args.seed) if args.original else None
+    train_set = obs if original is None else original.concat(obs)
+    base = loaded.meta.get("train_config", {})
+    tc = replace(
+        TrainConfig(),
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        max_len=loaded.max_len,
+        seed=args.seed,
+        log_weight=float(base.get("log_weight", 1.0)),
+        warmup=0.0,
+    )
+    log.info(
+        "retraining %s on %d observed + %d original examples",
+        loaded.path,
+        len(obs),
+        len(train_set) - len(obs),
+    )
+    buckets, result = retrain(loaded, train_set, sp["val"], tc)
+    out = (
+        Path(args.out)
+        if args.out
+        else (Path(args.model).parent if store.is_version_dir(args.model) else Path(args.model))
+    )
+    extra = {
+        **{k: v for k, v in loaded.meta.items() if k not in ("version", "created", "train_config")},
+        "retrained_from": str(loaded.path),
+        "observed_examples": len(obs),
+        "original_examples": len(train_set) - len(obs),
+    }
+    vdir = save_version(out, loaded.model, loaded.tokenizer, buckets, result, tc, extra)
+    return {
+        "model_dir": str(vdir),
+        "version": vdir.name,
+        "retrained_from": loaded.version,
+        "observed_examples": len(obs),
+        "original_examples": len(train_set) - len(obs),
+        "initial_val_loss": round(result.initial_val_loss, 4),
+        "best_val_loss": round(result.best_val_loss, 4),
+        "steps": result.steps,
+    }
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "bench": cmd_bench, "retrain": cmd_retrain}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("transformers", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        import torch
+
+        threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 2) // 2)
+        if threads < 1:
+            raise ValueError("--threads must be at least 1")
+        torch.set_num_threads(threads)
+        result = COMMANDS[args.cmd](args)
+    except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
+        print(f"predictor {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("predictor: interrupted", file=sys.stderr)
+        return 130
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

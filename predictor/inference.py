@@ -1,0 +1,51 @@
+"""Batched forward passes: tokenise, pad per batch, return bucket probabilities."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def encode(tokenizer, prompts: Sequence[str], max_len: int) -> list[list[int]]:
+    """Token ids of each prompt, truncated to ``max_len`` (special tokens included)."""
+    return tokenizer(list(prompts), truncation=True, max_length=max_len)["input_ids"]
+
+
+def collate(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad a list of id lists into ``(input_ids, attention_mask)``."""
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, x in enumerate(ids):
+        input_ids[i, : len(x)] = torch.as_tensor(x, dtype=torch.long)
+        mask[i, : len(x)] = 1
+    return input_ids, mask
+
+
+@torch.inference_mode()
+def predict_proba(
+    model, tokenizer, prompts: Sequence[str], max_len: int, batch_size: int = 64, progress: bool = False
+) -> np.ndarray:
+    """Bucket probabilities ``(len(prompts), n_buckets)``; prompts are length-sorted into batches to cut padding."""
+    if not prompts:
+        return np.zeros((0, model.config.num_labels), dtype=np.float64)
+    ids = encode(tokenizer, prompts, max_len)
+    order = np.argsort([len(x) for x in ids], kind="stable")
+    out = np.zeros((len(ids), model.config.num_labels), dtype=np.float64)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    starts = range(0, len(ids), batch_size)
+    if progress:
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc="predict", unit="batch")
+    for start in starts:
+        idx = order[start : start + batch_size]
+        input_ids, mask = collate([ids[i] for i in idx], tokenizer.pad_token_id)
+        logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
+        out[idx] = torch.softmax(logits.float(), dim=-1).cpu().numpy()
+    model.train(was_training)
+    return out

@@ -1,0 +1,85 @@
+"""Observed response lengths in Redis, for retraining (MICO §3.2).
+
+Engines push one JSON object per finished query onto the Redis LIST :data:`OBSERVED_KEY`:
+``{"prompt": str, "length": int, "source": str, "cluster": str, "predicted": float | null}``,
+``length`` being completion tokens in the serving tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import redis
+
+from predictor.datasets import Record
+
+log = logging.getLogger(__name__)
+
+OBSERVED_KEY = "fb:observed"
+
+
+def encode_observed(
+    prompt: str, length: int, source: str = "", cluster: str = "", predicted: float | None = None
+) -> str:
+    """The JSON element for one finished query."""
+    if length < 0:
+        raise ValueError(f"observed length must be non-negative, not {length}")
+    return json.dumps(
+        {
+            "prompt": prompt,
+            "length": int(length),
+            "source": source,
+            "cluster": cluster,
+            "predicted": predicted,
+        }
+    )
+
+
+def record_observed(
+    client: redis.Redis,
+    prompt: str,
+    length: int,
+    source: str = "",
+    cluster: str = "",
+    predicted: float | None = None,
+) -> None:
+    """Append one observation (RPUSH, so the list runs oldest to newest)."""
+    client.rpush(OBSERVED_KEY, encode_observed(prompt, length, source, cluster, predicted))
+
+
+def read_observed(redis_url: str, limit: int | None = None) -> list[Record]:
+    """The observations (the newest ``limit`` when given) as records with ``length`` set; bad entries are skipped."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be positive, not {limit}")
+    client = redis.Redis.from_url(redis_url)
+    try:
+        raw = client.lrange(OBSERVED_KEY, -limit if limit else 0, -1)
+    except redis.exceptions.ConnectionError as e:
+        raise ConnectionError(f"cannot read {OBSERVED_KEY} from Redis at {redis_url}: {e}") from e
+    finally:
+        client.close()
+    out: list[Record] = []
+    bad = 0
+    for item in raw:
+        try:
+            d = json.loads(item)
+            prompt, length = d["prompt"], int(d["length"])
+            if not isinstance(prompt, str) or not prompt.strip() or length < 0:
+                raise ValueError("empty prompt or negative length")
+        except (ValueError, KeyError, TypeError):
+            bad += 1
+            continue
+        out.append(
+            Record(
+                prompt,
+                "",
+                d.get("source") or "observed",
+                length=length,
+                meta={"cluster": d.get("cluster", ""), "predicted": d.get("predicted")},
+            )
+        )
+    if bad:
+        log.warning("skipped %d malformed entries in %s", bad, OBSERVED_KEY)
+    log.info("read %d observed lengths from %s", len(out), OBSERVED_KEY)
+    return out

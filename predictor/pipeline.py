@@ -1,0 +1,127 @@
+"""Training and retraining end to end: buckets from the training lengths, tokenizer and model,
+the training loop, calibration of the expectation on validation data, and a saved version."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from predictor import store
+from predictor.buckets import Buckets, make_buckets
+from predictor.inference import predict_proba
+from predictor.labeled import LabeledSet
+from predictor.model import ModelConfig, build_classifier, load_pretrained, train_wordpiece
+from predictor.training import TrainConfig, TrainResult, train
+
+log = logging.getLogger(__name__)
+
+
+def calibrate(buckets: Buckets, probs: np.ndarray, lengths: np.ndarray) -> Buckets:
+    """Scale the expectation so that its sum over the validation set equals the true sum."""
+    raw = buckets.expected(probs, calibrated=False).sum()
+    true = float(np.asarray(lengths, dtype=np.float64).sum())
+    if raw <= 0 or true <= 0:
+        return buckets
+    return buckets.with_calibration(true / raw)
+
+
+def fit(
+    train_set: LabeledSet,
+    val_set: LabeledSet,
+    scheme: str = "quantile",
+    n_buckets: int = 10,
+    model_cfg: ModelConfig | None = None,
+    train_cfg: TrainConfig | None = None,
+    pretrained: str | os.PathLike | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+    l_max: float | None = None,
+):
+    """Build buckets, tokenizer and model from ``train_set`` and train; returns ``(model, tokenizer, buckets, result)``."""
+    model_cfg = model_cfg or ModelConfig()
+    train_cfg = train_cfg or TrainConfig(max_len=model_cfg.max_len)
+    buckets = make_buckets(train_set.lengths, scheme, n_buckets, l_max)
+    log.info("%s buckets (%d): edges %s", buckets.scheme, buckets.n, [round(e, 1) for e in buckets.edges])
+    if pretrained:
+        model, tok = load_pretrained(pretrained, buckets.n)
+    else:
+        t0 = time.monotonic()
+        tok = train_wordpiece(train_set.prompts, model_cfg.vocab_size)
+        log.info("trained a %d-token WordPiece tokenizer in %.1fs", len(tok), time.monotonic() - t0)
+        model = build_classifier(model_cfg, tok, buckets.n, seed=train_cfg.seed)
+    model.to(device)
+    log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
+    result = train(
+        model,
+        tok,
+        train_set.prompts,
+        buckets.label(train_set.lengths),
+        val_set.prompts,
+        buckets.label(val_set.lengths),
+        train_cfg,
+        progress,
+        train_lengths=train_set.lengths,
+        values=np.asarray(buckets.values),
+    )
+    probs = predict_proba(model, tok, val_set.prompts, train_cfg.max_len)
+    buckets = calibrate(buckets, probs, val_set.lengths)
+    log.info("calibration factor %.3f", buckets.calibration)
+    return model, tok, buckets, result
+
+
+def retrain(
+    loaded: store.LoadedModel,
+    train_set: LabeledSet,
+    val_set: LabeledSet,
+    train_cfg: TrainConfig,
+    progress: bool = True,
+) -> tuple[Buckets, TrainResult]:
+    """Fine-tune a loaded model in place on new data, keeping its tokenizer and bucket edges."""
+    buckets = loaded.buckets
+    result = train(
+        loaded.model,
+        loaded.tokenizer,
+        train_set.prompts,
+        buckets.label(train_set.lengths),
+        val_set.prompts,
+        buckets.label(val_set.lengths),
+        train_cfg,
+        progress,
+        train_lengths=train_set.lengths,
+        values=np.asarray(buckets.values),
+    )
+    probs = predict_proba(loaded.model, loaded.tokenizer, val_set.prompts, train_cfg.max_len)
+    return calibrate(buckets.with_calibration(1.0), probs, val_set.lengths), result
+
+
+def save_version(
+    out: str | os.PathLike,
+    model,
+    tokenizer,
+    buckets: Buckets,
+    result: TrainResult,
+    train_cfg: TrainConfig,
+    extra: dict | None = None,
+) -> Path:
+    meta = {
+        "max_len": train_cfg.max_len,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "train_config": asdict(train_cfg),
+        "torch": torch.__version__,
+        **(extra or {}),
+    }
+    metrics = {
+        "initial_val_loss": result.initial_val_loss,
+        "best_val_loss": result.best_val_loss,
+        "best_step": result.best_step,
+        "steps": result.steps,
+        "stopped_early": result.stopped_early,
+        "history": result.history,
+    }
+    return store.save(out, model.cpu(), tokenizer, buckets, meta, metrics)

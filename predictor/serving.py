@@ -1,0 +1,121 @@
+"""In-process batched length predictor for the gateway.
+
+One forward pass per :meth:`LengthPredictor.predict` call (chunked above ``max_batch``
+prompts), safe to call from several threads at once (the gateway uses
+``asyncio.to_thread``), hot reload of a new model version without a restart, and a
+logged prompt-length heuristic when no model is configured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from predictor import store
+from predictor.baselines import prompt_length_heuristic
+from predictor.inference import predict_proba
+
+log = logging.getLogger(__name__)
+
+FALLBACK_VERSION = "fallback"
+
+
+@dataclass(frozen=True)
+class LengthPrediction:
+    expected_tokens: float  # probability-weighted expectation over buckets (calibrated)
+    midpoint_tokens: float  # midpoint of the argmax bucket (MICO)
+    bucket: int  # argmax bucket (-1 for the heuristic fallback)
+
+
+class LengthPredictor:
+    """Thread-safe batched predictor; one forward pass per predict() call (chunked for huge batches)."""
+
+    def __init__(
+        self, loaded: store.LoadedModel | None, source: Path | None = None, max_batch: int = 512
+    ) -> None:
+        self._source = source
+        self._loaded = loaded
+        self._max_batch = max_batch
+        self._state_lock = threading.Lock()  # guards _loaded / _source swaps
+        self._run_lock = threading.Lock()  # one forward pass at a time: torch already uses all cores
+        self._warned = False
+        if loaded is None:
+            self._warn_fallback()
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike | None) -> LengthPredictor:
+        """Load a version directory, or a parent's latest version; ``None`` gives the heuristic fallback."""
+        if model_dir is None or str(model_dir) == "":
+            return cls(None, None)
+        source = Path(model_dir)
+        return cls(store.load(source), source)
+
+    def _warn_fallback(self) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "no predictor model configured: using the prompt-length heuristic "
+                "(expected tokens = clip(64 + prompt words, 16, 512)); train one with `predictor train`"
+            )
+
+    @property
+    def version(self) -> str:
+        loaded = self._loaded
+        return FALLBACK_VERSION if loaded is None else loaded.version
+
+    @property
+    def is_fallback(self) -> bool:
+        return self._loaded is None
+
+    @property
+    def model_path(self) -> Path | None:
+        loaded = self._loaded
+        return None if loaded is None else loaded.path
+
+    def predict(self, prompts: list[str]) -> list[LengthPrediction]:
+        """Predicted response length of each prompt, in serving-tokenizer tokens."""
+        if isinstance(prompts, str):
+            raise TypeError("predict() takes a list of prompts, not one string")
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        with self._state_lock:
+            loaded = self._loaded
+        if loaded is None:
+            words = np.array([len(p.split()) for p in prompts])
+            est = prompt_length_heuristic(words)
+            return [LengthPrediction(float(e), float(e), -1) for e in est]
+        with self._run_lock, torch.inference_mode():
+            probs = predict_proba(loaded.model, loaded.tokenizer, prompts, loaded.max_len, self._max_batch)
+        expected = loaded.buckets.expected(probs)
+        buckets = probs.argmax(1)
+        midpoint = loaded.buckets.midpoint(buckets)
+        return [
+            LengthPrediction(float(e), float(m), int(b))
+            for e, m, b in zip(expected, midpoint, buckets, strict=True)
+        ]
+
+    def reload(self, model_dir: str | os.PathLike | None = None) -> str:
+        """Load ``model_dir`` (or re-read the configured directory, picking up a newer version) and swap it in.
+
+        The new model is loaded before the swap, so predictions keep flowing from the old one
+        meanwhile; a failed load leaves the old model in place and raises.
+        """
+        with self._state_lock:
+            source = Path(model_dir) if model_dir is not None else self._source
+        if source is None:
+            self._warn_fallback()
+            return self.version
+        loaded = store.load(source)
+        with self._state_lock:
+            old = self.version
+            self._loaded, self._source = loaded, source
+        if loaded.version != old:
+            log.info("predictor reloaded: %s -> %s (%s)", old, loaded.version, loaded.path)
+        return loaded.version

@@ -1,0 +1,53 @@
+"""Shape-only Hugging Face configs of public models (no weights) for accounting and synthetic omega."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoConfig, LlamaConfig, OPTConfig
+
+_OPT = {  # name: (hidden, layers, heads, ffn)
+    "opt-125m": (768, 12, 12, 3072),
+    "opt-1.3b": (2048, 24, 32, 8192),
+    "opt-6.7b": (4096, 32, 32, 16384),
+    "opt-13b": (5120, 40, 40, 20480),
+    "opt-30b": (7168, 48, 56, 28672),
+    "opt-66b": (9216, 64, 72, 36864),
+}
+_LLAMA = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
+    "llama-2-7b": (4096, 32, 32, 32, 11008, 32000),
+    "llama-2-13b": (5120, 40, 40, 40, 13824, 32000),
+    "llama-2-70b": (8192, 80, 64, 8, 28672, 32000),
+    "llama-3-8b": (4096, 32, 32, 8, 14336, 128256),
+}
+NAMES = tuple(_OPT) + tuple(_LLAMA)
+
+
+def named_config(name: str) -> Any:
+    """A config by public model name (see :data:`NAMES`), or loaded from a local model directory."""
+    if name in _OPT:
+        h, n, heads, ffn = _OPT[name]
+        return OPTConfig(
+            hidden_size=h,
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            ffn_dim=ffn,
+            word_embed_proj_dim=h,
+            vocab_size=50272,
+        )
+    if name in _LLAMA:
+        h, n, heads, kv, inter, vocab = _LLAMA[name]
+        return LlamaConfig(
+            hidden_size=h,
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=inter,
+            vocab_size=vocab,
+        )
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"unknown model {name!r}: not one of {', '.join(NAMES)} nor a local model directory"
+        ) from e

@@ -1,0 +1,95 @@
+"""Bucketing: MICO's uniform buckets, quantile edges, representative values and expectations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from predictor.buckets import Buckets, make_buckets, quantile_buckets, uniform_buckets
+
+
+def test_uniform_labels_follow_mico_formula():
+    b = uniform_buckets([0, 1000], n=10, l_max=1000)
+    lengths = np.array([0, 99, 100, 101, 550, 999, 1000, 5000])
+    # label = floor(l / (l_max / N)), clipped into the last bucket
+    expected = np.minimum(np.floor(lengths / 100), 9).astype(int)
+    assert b.label(lengths).tolist() == expected.tolist()
+    assert b.label([100]).tolist() == [1]  # exactly on an edge goes to the upper bucket
+    assert b.midpoints.tolist() == [50 + 100 * i for i in range(10)]
+
+
+def test_uniform_l_max_defaults_to_longest_training_answer():
+    b = uniform_buckets([10, 20, 400], n=4)
+    assert b.edges[-1] == 400 and b.n == 4
+    assert b.label([400]).tolist() == [3]
+
+
+def test_quantile_buckets_balance_and_values():
+    lengths = np.arange(1, 1001)
+    b = quantile_buckets(lengths, n=10)
+    assert b.n == 10
+    counts = np.bincount(b.label(lengths), minlength=b.n)
+    assert counts.min() >= 95 and counts.max() <= 105
+    # representative value = mean training length of the bucket
+    lab = b.label(lengths)
+    assert np.allclose(b.values, [lengths[lab == i].mean() for i in range(b.n)])
+
+
+def test_quantile_ties_merge_buckets():
+    b = quantile_buckets([5] * 50 + [6] * 50, n=10)
+    assert 1 <= b.n <= 2
+    assert all(y > x for x, y in zip(b.edges, b.edges[1:], strict=False))
+    one = quantile_buckets([7, 7, 7], n=4)
+    assert one.n == 1 and one.label([0, 7, 100]).tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: uniform_buckets([1, 2], n=0),
+        lambda: uniform_buckets([], n=3),
+        lambda: uniform_buckets([1], n=3, l_max=0),
+        lambda: quantile_buckets([], n=3),
+        lambda: quantile_buckets([1, -2, 3], n=2),
+        lambda: make_buckets([1, 2], scheme="log"),
+        lambda: Buckets((0.0, 5.0, 5.0), (1.0, 2.0)),
+        lambda: Buckets((0.0, 5.0), (1.0, 2.0)),
+    ],
+)
+def test_bad_bucket_input_is_rejected(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+def test_expectation_midpoint_and_calibration():
+    b = uniform_buckets([10, 30, 50, 70], n=4, l_max=80)
+    probs = np.array([[1, 0, 0, 0], [0, 0, 0.5, 0.5]])
+    assert np.allclose(b.expected(probs), [10, 60])
+    assert np.allclose(b.midpoint(probs.argmax(1)), [10, 50])
+    assert np.allclose(b.with_calibration(2.0).expected(probs), [20, 120])
+    with pytest.raises(ValueError):
+        b.expected(np.ones((2, 3)) / 3)
+
+
+def test_round_trip_through_dict(tmp_path):
+    b = quantile_buckets(np.random.default_rng(0).integers(1, 500, 300), n=8).with_calibration(1.25)
+    b.save(tmp_path / "b.json")
+    assert Buckets.load(tmp_path / "b.json") == b
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.integers(0, 5000), min_size=1, max_size=200),
+    st.integers(1, 20),
+    st.sampled_from(["uniform", "quantile"]),
+)
+def test_labels_in_range_and_monotone(lengths, n, scheme):
+    if scheme == "uniform" and max(lengths) == 0:
+        return
+    b = make_buckets(lengths, scheme, n)
+    probe = np.sort(np.array(lengths + [0, 10_000]))
+    lab = b.label(probe)
+    assert lab.min() >= 0 and lab.max() < b.n
+    assert np.all(np.diff(lab) >= 0)

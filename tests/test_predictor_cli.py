@@ -1,0 +1,212 @@
+"""The ``predictor`` CLI end to end on a generated workload, observed lengths in real Redis, and retraining."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+import torch
+
+from predictor import store
+from predictor.cli import main
+from predictor.observed import OBSERVED_KEY, read_observed, record_observed
+from predictor.testing import save_small_tokenizer, synthetic, write_jsonl
+
+torch.set_num_threads(1)
+
+TINY_ARGS = [
+    "--layers",
+    "1",
+    "--dim",
+    "32",
+    "--heads",
+    "2",
+    "--max-len",
+    "32",
+    "--vocab",
+    "300",
+    "--lr",
+    "1e-2",
+    "--patience",
+    "10",
+]
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    tok_dir = d / "tok"
+    save_small_tokenizer(tok_dir)
+    return write_jsonl(synthetic(450), d / "w.jsonl"), tok_dir
+
+
+@pytest.fixture(scope="module")
+def model_parent(workload, tmp_path_factory):
+    jsonl, tok = workload
+    out = tmp_path_factory.mktemp("runs") / "predictor"
+    rc = main(
+        [
+            "train",
+            "--data",
+            str(jsonl),
+            "--serving-tokenizer",
+            str(tok),
+            "--out",
+            str(out),
+            "--epochs",
+            "6",
+            "--buckets",
+            "5",
+            *TINY_ARGS,
+        ]
+    )
+    assert rc == 0
+    return out
+
+
+def last_json(capsys) -> dict:
+    lines = capsys.readouterr().out.strip().splitlines()
+    return json.loads(lines[-1])
+
+
+def test_train_writes_versioned_directory(model_parent):
+    assert (model_parent / "latest").read_text().strip() == "v1"
+    v = model_parent / "v1"
+    for f in ("config.json", "buckets.json", "predictor.json", "metrics.json", "tokenizer.json"):
+        assert (v / f).is_file(), f
+    metrics = json.loads((v / "metrics.json").read_text())
+    assert metrics["best_val_loss"] < metrics["initial_val_loss"]
+
+
+def test_eval_prints_figures_and_plot(model_parent, workload, tmp_path, capsys):
+    jsonl, tok = workload
+    png = tmp_path / "cm.png"
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(model_parent),
+            "--data",
+            str(jsonl),
+            "--serving-tokenizer",
+            str(tok),
+            "--plot",
+            str(png),
+        ]
+    )
+    assert rc == 0
+    r = last_json(capsys)
+    for k in (
+        "accuracy",
+        "within_one",
+        "majority_accuracy",
+        "kendall_tau",
+        "mae_tokens",
+        "tfidf_lr_kendall_tau",
+        "tfidf_ridge_kendall_tau",
+        "tfidf_ridge_mae_tokens",
+        "per_source",
+    ):
+        assert k in r, k
+    assert r["accuracy"] > r["majority_accuracy"]
+    assert r["kendall_tau"] > 0.3
+    assert png.stat().st_size > 1000
+
+
+def test_bench_reports_ms_per_query(model_parent, workload, capsys):
+    jsonl, _ = workload
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(model_parent),
+                "--data",
+                str(jsonl),
+                "-n",
+                "64",
+                "--batch-size",
+                "32",
+                "--warmup",
+                "1",
+            ]
+        )
+        == 0
+    )
+    r = last_json(capsys)
+    assert r["ms_per_query"] > 0 and r["queries"] == 64 and r["batch_size"] == 32
+
+
+def test_bad_input_gives_clear_error(tmp_path, capsys):
+    assert main(["eval", "--model", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "error" in err and "missing" in err and "Traceback" not in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt"}\n')
+    assert main(["train", "--data", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "no 'prompt' field" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--scheme", "cubic"])
+
+
+def test_observed_lengths_round_trip(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    for i in range(5):
+        record_observed(client, f"prompt {i}", 10 * i, source="chat", cluster="a", predicted=1.5)
+    client.rpush(OBSERVED_KEY, "not json", json.dumps({"prompt": "", "length": 3}))
+    recs = read_observed(redis_url)
+    assert [r.length for r in recs] == [0, 10, 20, 30, 40]
+    assert recs[0].source == "chat" and recs[0].meta["cluster"] == "a"
+    newest = read_observed(redis_url, limit=4)  # the two bad entries are among the newest four
+    assert [r.prompt for r in newest] == ["prompt 3", "prompt 4"]
+
+
+def test_retrain_from_redis_writes_next_version(model_parent, workload, redis_url, capsys):
+    jsonl, tok = workload
+    client = redis.Redis.from_url(redis_url)
+    for i, (p, n) in enumerate(
+        zip(*[synthetic(120, seed=1).prompts, synthetic(120, seed=1).lengths], strict=True)
+    ):
+        record_observed(client, p, int(n), source="observed", cluster=f"c{i % 2}")
+    rc = main(
+        [
+            "retrain",
+            "--model",
+            str(model_parent),
+            "--from-redis",
+            redis_url,
+            "--data",
+            str(jsonl),
+            "--serving-tokenizer",
+            str(tok),
+            "--original",
+            "100",
+            "--epochs",
+            "1",
+        ]
+    )
+    assert rc == 0
+    r = last_json(capsys)
+    assert r["version"] == "v2" and r["observed_examples"] == 120 and r["original_examples"] == 100
+    assert store.resolve(model_parent).name == "v2"
+    assert json.loads((model_parent / "v2" / "predictor.json").read_text())["retrained_from"].endswith("v1")
+    # an empty list is a clear error, not a crash
+    client.delete(OBSERVED_KEY)
+    assert (
+        main(
+            [
+                "retrain",
+                "--model",
+                str(model_parent),
+                "--from-redis",
+                redis_url,
+                "--data",
+                str(jsonl),
+                "--serving-tokenizer",
+                str(tok),
+            ]
+        )
+        == 2
+    )
+    assert "no observed lengths" in capsys.readouterr().err

@@ -1,0 +1,143 @@
+"""Training, saving/loading versions, and the serving predictor (concurrency, reload, fallback)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from predictor import store
+from predictor.inference import predict_proba
+from predictor.labeled import split
+from predictor.pipeline import fit, save_version
+from predictor.serving import LengthPrediction, LengthPredictor
+from predictor.testing import TINY, synthetic
+from predictor.training import TrainConfig
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return split(synthetic(600))
+
+
+@pytest.fixture(scope="module")
+def trained(data):
+    cfg = TrainConfig(epochs=6, lr=1e-2, batch_size=32, max_len=TINY.max_len, patience=10)
+    return fit(data["train"], data["val"], "quantile", 6, TINY, cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def saved(trained, tmp_path_factory):
+    model, tok, buckets, result = trained
+    parent = tmp_path_factory.mktemp("models")
+    save_version(parent, model, tok, buckets, result, TrainConfig(max_len=TINY.max_len))
+    return parent
+
+
+def test_training_lowers_validation_loss_and_learns(trained, data):
+    model, tok, buckets, result = trained
+    assert result.best_val_loss < result.initial_val_loss - 0.3
+    assert result.history and result.steps > 0
+    probs = predict_proba(model, tok, data["test"].prompts, TINY.max_len)
+    exp = buckets.expected(probs)
+    kinds = np.array(data["test"].sources)
+    # the model has learnt that stories are long and brief answers short
+    assert exp[kinds == "story"].mean() > 3 * exp[kinds == "brief"].mean()
+    # calibration makes the validation sum match
+    assert 0.5 < buckets.calibration < 2.0
+
+
+def test_save_load_round_trip_gives_identical_predictions(trained, saved, data):
+    model, tok, buckets, _ = trained
+    pred = LengthPredictor.from_dir(saved)  # the parent: resolves to latest
+    assert pred.version == "v1" and not pred.is_fallback
+    prompts = data["test"].prompts[:50]
+    got = pred.predict(prompts)
+    probs = predict_proba(model, tok, prompts, TINY.max_len)
+    assert [p.bucket for p in got] == probs.argmax(1).tolist()
+    assert np.allclose([p.expected_tokens for p in got], buckets.expected(probs), rtol=1e-5)
+    assert np.allclose([p.midpoint_tokens for p in got], buckets.midpoint(probs.argmax(1)))
+    again = LengthPredictor.from_dir(saved / "v1").predict(prompts)  # the version dir itself
+    assert again == got
+
+
+def test_batching_does_not_change_answers(saved, data):
+    pred = LengthPredictor.from_dir(saved)
+    prompts = data["test"].prompts[:40]
+    whole = pred.predict(prompts)
+    single = [pred.predict([p])[0] for p in prompts]
+    assert [p.bucket for p in whole] == [p.bucket for p in single]
+    assert np.allclose([p.expected_tokens for p in whole], [p.expected_tokens for p in single], rtol=1e-4)
+
+
+def test_concurrent_inference_matches_serial(saved, data):
+    pred = LengthPredictor.from_dir(saved)
+    prompts = data["test"].prompts
+    chunks = [prompts[i : i + 7] for i in range(0, len(prompts), 7)]
+    serial = [pred.predict(c) for c in chunks]
+    with ThreadPoolExecutor(max_workers=8) as ex:
+        parallel = list(ex.map(pred.predict, chunks))
+    assert parallel == serial
+
+    async def gateway_like():
+        return await asyncio.gather(*(asyncio.to_thread(pred.predict, c) for c in chunks))
+
+    assert asyncio.run(gateway_like()) == serial
+
+
+def test_hot_reload_picks_up_new_version(trained, saved, data, tmp_path):
+    model, tok, buckets, result = trained
+    parent = tmp_path / "runs"
+    save_version(parent, model, tok, buckets, result, TrainConfig(max_len=TINY.max_len))
+    pred = LengthPredictor.from_dir(parent)
+    before = pred.predict(data["test"].prompts[:5])
+    assert pred.version == "v1"
+    # a new version with a different calibration: reload() on the parent swaps it in
+    save_version(
+        parent,
+        model,
+        tok,
+        buckets.with_calibration(2 * buckets.calibration),
+        result,
+        TrainConfig(max_len=TINY.max_len),
+    )
+    assert (parent / "latest").read_text().strip() == "v2"
+    assert pred.reload() == "v2" and pred.version == "v2"
+    after = pred.predict(data["test"].prompts[:5])
+    assert np.allclose([a.expected_tokens for a in after], [2 * b.expected_tokens for b in before], rtol=1e-5)
+    # a broken directory leaves the running model in place
+    with pytest.raises(FileNotFoundError):
+        pred.reload(tmp_path / "nowhere")
+    assert pred.version == "v2"
+
+
+def test_incomplete_version_is_ignored(saved, tmp_path):
+    parent = tmp_path / "p"
+    parent.mkdir()
+    (parent / "v1").symlink_to(saved / "v1", target_is_directory=True)
+    (parent / "v2").mkdir()  # half-written: no buckets.json
+    assert store.resolve(parent).name == "v1"
+    assert store.next_version_dir(parent).name == "v3"
+    with pytest.raises(FileNotFoundError):
+        store.resolve(tmp_path / "empty")
+
+
+def test_fallback_without_model_warns_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="predictor.serving"):
+        pred = LengthPredictor.from_dir(None)
+        out = pred.predict(["one two three", "a " * 1000])
+        pred.predict(["more"])
+    assert pred.is_fallback and pred.version == "fallback"
+    assert all(isinstance(p, LengthPrediction) and p.bucket == -1 for p in out)
+    assert out[0].expected_tokens < out[1].expected_tokens <= 512
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "heuristic" in warnings[0].getMessage()
+    assert pred.predict([]) == []
+    with pytest.raises(TypeError):
+        pred.predict("a single string")
