@@ -56,6 +56,8 @@ def make_plan(problem: Problem, a: Assignment, e: Evaluation, method: str, solve
             "predicted_prefill_s": float(e.prefill_s),
             "predicted_decode_s": float(e.decode_s),
             "objective": float(e.objective),
+            "prefill_chunks": a.kappa,
+            "prefill_chunk_tokens": -(-w.prompt_len // a.kappa),
             "throughput_counts": "generated tokens per second",
         },
     )

@@ -35,6 +35,18 @@ def _bits(text: str) -> tuple[int, ...]:
     return bits
 
 
+def _chunks(text: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"prefill chunks must be integers like 1,2,4, got {text!r}"
+        ) from None
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"prefill chunks must be >= 1, got {text!r}")
+    return ks
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -161,6 +173,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             group_size=args.group_size,
             omega_budget=args.omega_budget,
             starts=[base[0]] if base else None,
+            kappas=list(args.prefill_chunks) if args.prefill_chunks else None,
         )
         res = None if sr is None else (sr.assignment, sr.evaluation, sr.solve_seconds)
     if res is None:
@@ -180,6 +193,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "stages": len(pl.stages),
         "prefill_micro_batch": pl.prefill_micro_batch,
         "decode_micro_batch": pl.decode_micro_batch,
+        "prefill_chunks": res[0].kappa,
         "total_omega": pl.total_omega,
         "predicted_batch_latency_s": pl.predicted_batch_latency_s,
         "predicted_throughput_tokens_per_s": pl.predicted_throughput_tokens_per_s,
@@ -204,7 +218,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
         wl = _workload(args)
     except (ClusterSpecError, ValueError) as e:
         raise CliError(str(e)) from None
-    rows, summary = run_compare(clusters, models, wl, args.time_limit, progress=not args.quiet)
+    rows, summary = run_compare(
+        clusters,
+        models,
+        wl,
+        args.time_limit,
+        progress=not args.quiet,
+        group_size=args.group_size,
+        kappas=args.prefill_chunks,
+    )
     table = markdown_table(rows)
     print(table)
     if args.markdown:
@@ -234,7 +256,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
     grid = None
     if args.quick:
         grid = [(v, s) for v in (1, 2, 4) for s in (64, 128, 256)]
-    prof = profile_local(shape, args.device, args.threads, grid, grid, args.reps, progress=not args.quiet)
+    try:
+        prof = profile_local(
+            shape,
+            args.device,
+            args.threads,
+            grid,
+            grid,
+            args.reps,
+            progress=not args.quiet,
+            clock=args.clock,
+            min_time_s=args.min_time,
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from None
     prof.save(args.out)
     from planner.latency import fit_profile
 
@@ -248,6 +283,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 "prefill_coef": lm.prefill_coef[16],
                 "decode_coef": lm.decode_coef[16],
                 "points": len(prof.samples[16]["prefill"]) + len(prof.samples[16]["decode"]),
+                "clock": prof.meta["clock"],
+                "reps": prof.meta["reps"],
+                "median_spread": prof.meta["median_spread"],
+                "wall_s": prof.meta["wall_s"],
+                "process_cpu_s": prof.meta["process_cpu_s"],
             }
         )
     )
@@ -265,7 +305,17 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         mem_shape = load_shape(args.memory_model)
     except ValueError as e:
         raise CliError(str(e)) from None
-    prof = fidelity_profile(shape, args.threads, args.reps, progress=not args.quiet)
+    try:
+        prof = fidelity_profile(
+            shape,
+            args.threads,
+            args.reps,
+            progress=not args.quiet,
+            clock=args.clock,
+            min_time_s=args.min_time,
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from None
     if args.save_profile:
         prof.save(args.save_profile)
     lat = latency_errors(prof)
@@ -277,12 +327,20 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         "model": shape.name,
         "memory_model": mem_shape.name,
         "threads": args.threads,
+        "clock": prof.meta["clock"],
+        "reps": prof.meta["reps"],
+        "statistic": prof.meta["statistic"],
+        "median_spread": prof.meta["median_spread"],
+        "profile_wall_s": prof.meta["wall_s"],
+        "profile_process_cpu_s": prof.meta["process_cpu_s"],
         **lat,
         **mem,
         **ratios,
     }
     print(
-        f"latency: prefill mean error {lat['prefill_mean_error']:.2%}, decode {lat['decode_mean_error']:.2%}"
+        f"latency ({prof.meta['clock']} clock, min of {prof.meta['reps']} shuffled rounds): prefill mean error "
+        f"{lat['prefill_mean_error']:.2%}, decode {lat['decode_mean_error']:.2%}, "
+        f"mean {lat['mean_latency_error']:.2%}"
     )
     print(f"memory: weights error {mem['weights_error']:.3%}, KV error {mem['kv_error']:.3%}")
     print(
@@ -321,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--group-size", type=_positive, help="layers per ILP group (default: at most 16 groups)")
     p.add_argument("--omega-budget", type=float, help="cap on total omega (raw indicator units)")
+    p.add_argument(
+        "--prefill-chunks",
+        type=_chunks,
+        help="numbers of prefill chunks kappa to consider (SplitQuant's chunked prefill), e.g. 1,2,4,8; "
+        "1 = unchunked (default: 1,2,4,8 where a chunk keeps >= 64 prompt tokens)",
+    )
     p.add_argument("--indicator", help="omega file from quant (default: quant's synthetic indicator)")
     p.add_argument(
         "--profile", action="append", help="DEVICE_TYPE=profile.json measured profile (repeatable)"
@@ -333,6 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--clusters", help=f"comma-separated clusters (default: {','.join(PAPER_CLUSTERS)})")
     c.add_argument("--models", default="opt-13b,opt-30b,opt-66b", help="comma-separated models")
     c.add_argument("--time-limit", type=float, default=6.0, help="seconds of search per plan (default 6)")
+    c.add_argument("--group-size", type=_positive, help="layers per ILP group (default: at most 16 groups)")
+    c.add_argument(
+        "--prefill-chunks",
+        type=_chunks,
+        help="prefill chunk counts kappa our plan may use (default 1,2,4,8; 1 = no chunked prefill)",
+    )
     c.add_argument("--markdown", help="also write the table to this file")
     c.add_argument("--plot", help="save a bar chart of the speedups (PNG)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -345,7 +415,25 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--threads", type=int, default=1, help="CPU threads (default 1: steadier on a shared machine)"
     )
-    f.add_argument("--reps", type=_positive, default=3, help="repetitions per point; the minimum is kept")
+    f.add_argument(
+        "--reps",
+        type=_positive,
+        default=3,
+        help="rounds over the grid (shuffled); each point keeps its minimum",
+    )
+    f.add_argument(
+        "--clock",
+        choices=("thread", "process", "wall"),
+        help="timer: thread = CPU time of the profiling thread (default on CPU with 1 thread: blind to time "
+        "other jobs take on a shared machine), process, wall (default on GPU or with several threads)",
+    )
+
+    f.add_argument(
+        "--min-time",
+        type=float,
+        default=0.05,
+        help="seconds of calls per point and round (short calls repeat; the fastest is kept; default 0.05)",
+    )
     f.add_argument("--quick", action="store_true", help="a small grid (seconds)")
     f.add_argument("--quiet", action="store_true")
     f.add_argument("--out", default="profile.json")
@@ -357,7 +445,25 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="llama:small", help="shape whose layer is timed (default llama:small)")
     d.add_argument("--memory-model", default="llama:small", help="model built to check the memory model")
     d.add_argument("--threads", type=int, default=1)
-    d.add_argument("--reps", type=_positive, default=2)
+    d.add_argument(
+        "--reps",
+        type=_positive,
+        default=8,
+        help="rounds over the grid (shuffled); each point keeps its minimum",
+    )
+    d.add_argument(
+        "--clock",
+        choices=("thread", "process", "wall"),
+        help="timer: thread = CPU time of the profiling thread (default on CPU with 1 thread: blind to time "
+        "other jobs take on a shared machine), process, wall (default on GPU or with several threads)",
+    )
+
+    d.add_argument(
+        "--min-time",
+        type=float,
+        default=0.3,
+        help="seconds of calls per point and round (short calls repeat; the fastest is kept; default 0.3)",
+    )
     d.add_argument("--save-profile", help="also write the measured profile")
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=cmd_fidelity)

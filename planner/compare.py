@@ -2,7 +2,9 @@
 
 For each (cluster, model) the baselines are planned first; ours is then solved with the total
 omega capped at the smallest omega of the baselines that fit, so its quality is no worse than
-theirs, and its modelled throughput is divided by the best fitting baseline's.
+theirs, and its modelled throughput is divided by the best fitting baseline's. Each row also
+gives the most any pipeline-parallel plan could gain at that omega cap under the same cost model
+(``planner.bound``): the baseline's latency over a lower bound on any plan's latency.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from planner.baselines import het, uniform
+from planner.bound import pipeline_latency_bound
 from planner.cluster import load_cluster
 from planner.costs import Workload
 from planner.modelshape import load_shape
 from planner.problem import build_problem
-from planner.search import plan
+from planner.search import micro_batch_candidates, plan, prefill_chunk_candidates
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +41,47 @@ class CompareRow:
     ours_bits: str
     speedup: float | None
     solve_s: float
+    speedup_bound: float | None = None
+    kappa: int | None = None
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
 
 
 def compare_one(
-    cluster: str, model: str, workload: Workload, time_limit_s: float, seed: int = 0
+    cluster: str,
+    model: str,
+    workload: Workload,
+    time_limit_s: float,
+    seed: int = 0,
+    group_size: int | None = None,
+    kappas: Sequence[int] | None = None,
 ) -> CompareRow:
     problem = build_problem(load_cluster(cluster), load_shape(model), workload, seed=seed)
     base = {"uniform": uniform(problem), "het": het(problem)}
     fitting = {k: v for k, v in base.items() if v is not None}
     budget = min(e.omega for _, e in fitting.values()) if fitting else None
     starts = [a for a, _ in fitting.values()]
-    r = plan(problem, "ilp", time_limit_s=time_limit_s, omega_budget=budget, starts=starts)
+    r = plan(
+        problem,
+        "ilp",
+        time_limit_s=time_limit_s,
+        omega_budget=budget,
+        starts=starts,
+        group_size=group_size,
+        kappas=list(kappas) if kappas else None,
+    )
     best_base = max((e.throughput for _, e in fitting.values()), default=None)
     speedup = r.evaluation.throughput / best_base if (r is not None and best_base) else None
     bits = sorted(set(r.assignment.bits)) if r else []
+    bound = None
+    if best_base:
+        n_dev = len(problem.cluster.devices)
+        mbs = sorted({pr for S in range(1, n_dev + 1) for pr in micro_batch_candidates(problem, S)})
+        ks = list(kappas) if kappas else prefill_chunk_candidates(problem)
+        lb = pipeline_latency_bound(problem, budget, mbs, ks)
+        base_latency = workload.batch * workload.output_tokens / best_base
+        bound = base_latency / lb if lb > 0 else None
 
     def tput(k: str) -> float | None:
         return base[k][1].throughput if base[k] else None
@@ -75,6 +102,8 @@ def compare_one(
         "/".join(map(str, bits)),
         speedup,
         r.solve_seconds if r else 0.0,
+        bound,
+        r.assignment.kappa if r else None,
     )
 
 
@@ -84,14 +113,17 @@ def run_compare(
     workload: Workload,
     time_limit_s: float = 6.0,
     progress: bool = True,
+    group_size: int | None = None,
+    kappas: Sequence[int] | None = None,
 ) -> tuple[list[CompareRow], dict]:
     rows = []
     jobs = [(c, m) for c in clusters for m in models]
     for c, m in tqdm(jobs, desc="compare", disable=not progress):
-        row = compare_one(c, m, workload, time_limit_s)
+        row = compare_one(c, m, workload, time_limit_s, group_size=group_size, kappas=kappas)
         log.info("%s %s: speedup %s, solve %.2fs", c, m, row.speedup, row.solve_s)
         rows.append(row)
     speedups = [r.speedup for r in rows if r.speedup is not None]
+    bounds = [r.speedup_bound for r in rows if r.speedup is not None and r.speedup_bound is not None]
     summary = {
         "pairs": len(rows),
         "pairs_with_fitting_baseline": len(speedups),
@@ -105,6 +137,7 @@ def run_compare(
         "mean_speedup_vs_best_baseline": statistics.fmean(speedups) if speedups else None,
         "max_speedup_vs_best_baseline": max(speedups) if speedups else None,
         "min_speedup_vs_best_baseline": min(speedups) if speedups else None,
+        "mean_speedup_upper_bound": statistics.fmean(bounds) if bounds else None,
         "max_solve_seconds": max(r.solve_s for r in rows) if rows else 0.0,
         "mean_solve_seconds": statistics.fmean(r.solve_s for r in rows) if rows else 0.0,
         "batch": workload.batch,
@@ -121,7 +154,8 @@ def _f(x: float | None, fmt: str = "{:.1f}") -> str:
 def markdown_table(rows: Sequence[CompareRow]) -> str:
     head = (
         "| cluster | model | Uniform tok/s | Het tok/s | ours tok/s | ours bits | stages | "
-        "omega ours / best-base cap | speedup | solve s |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "omega ours / best-base cap | kappa | speedup | PP bound | solve s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -129,7 +163,8 @@ def markdown_table(rows: Sequence[CompareRow]) -> str:
         cap = min(caps) if caps else None
         lines.append(
             f"| {r.cluster} | {r.model} | {_f(r.uniform_tput)} | {_f(r.het_tput)} | {_f(r.ours_tput)} | {r.ours_bits or '-'} | "
-            f"{r.ours_stages or '-'} | {_f(r.ours_omega, '{:.0f}')} / {_f(cap, '{:.0f}')} | {_f(r.speedup, '{:.2f}x')} | {r.solve_s:.2f} |"
+            f"{r.ours_stages or '-'} | {_f(r.ours_omega, '{:.0f}')} / {_f(cap, '{:.0f}')} | {r.kappa or '-'} | "
+            f"{_f(r.speedup, '{:.2f}x')} | {_f(r.speedup_bound, '{:.2f}x')} | {r.solve_s:.2f} |"
         )
     return head + "\n".join(lines) + "\n"
 

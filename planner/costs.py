@@ -6,9 +6,16 @@ prefill and a decode micro-batch size. With ``m_p = ceil(B / v_p)`` prefill and
 ``m_d = ceil(B / v_d)`` decode micro-batches and per-stage times ``P_k`` (one prefill
 micro-batch) and ``D_k`` (one decode step of one micro-batch):
 
-    prefill = sum_k P_k + (m_p - 1) * max_k P_k
+    prefill = sum_k P_k + (m_p * kappa - 1) * max_k P_k
     decode  = (n - 1) * max(sum_k D_k, m_d * max_k D_k)
     objective = prefill + decode + theta * sum_l omega_norm[l][b_l]
+
+With chunked prefill (SplitQuant's kappa) every prefill micro-batch is cut into ``kappa``
+chunks of ``s / kappa`` prompt tokens that flow through the pipeline one after another, so the
+pipeline holds ``m_p * kappa`` prefill items and ``P_k`` is the time of one chunk (the layer
+work of a whole micro-batch / kappa, with the per-call overheads paid per chunk, see
+``LatencyModel.prefill_chunked_s``; its activations / kappa over the link; the LM head in full
+on every chunk). kappa = 1 is unchunked prefill.
 
 The decode term is the steady state of a pipeline whose micro-batches each need a token's
 round trip through all stages before their next step: it is right for any ``m_d`` (LLM-PQ's
@@ -67,6 +74,11 @@ class Assignment:
     bits: tuple[int, ...]
     v_prefill: int
     v_decode: int
+    kappa: int = 1  # prefill chunks per micro-batch (SplitQuant); 1 = unchunked
+
+    def __post_init__(self) -> None:
+        if self.kappa < 1:
+            raise ValueError(f"prefill chunks kappa must be >= 1, got {self.kappa}")
 
     def layer_ranges(self) -> list[tuple[int, int]]:
         out, start = [], 0
@@ -151,11 +163,14 @@ class Problem:
     def capacity(self, dev: int) -> int:
         return usable_bytes(self.cluster.devices[dev].type)
 
-    def layer_prefill_s(self, dev: int, bits: int, v: int) -> float:
-        key = ("p", self.cluster.devices[dev].type.name, bits, v)
+    def layer_prefill_s(self, dev: int, bits: int, v: int, kappa: int = 1) -> float:
+        """One layer's time for one prefill item: a micro-batch of ``v`` prompts, or one of its ``kappa`` chunks."""
+        key = ("p", self.cluster.devices[dev].type.name, bits, v, kappa)
         if key not in self._cache:
             lm = self.latency[key[1]]
-            self._cache[key] = max(0.0, lm.prefill_s(bits, v, self.workload.prompt_len))
+            s = self.workload.prompt_len
+            t = lm.prefill_s(bits, v, s) if kappa == 1 else lm.prefill_chunked_s(bits, v, s, kappa) / kappa
+            self._cache[key] = max(0.0, t)
         return self._cache[key]
 
     def layer_decode_s(self, dev: int, bits: int, v: int) -> float:
@@ -178,28 +193,30 @@ class Problem:
     def comm_decode_s(self, src: int, dst: int, v: int) -> float:
         return v * self.shape.hidden * 2 / self.cluster.bandwidth_bytes_per_s(src, dst)
 
-    def stage_constants(self, order: Sequence[int], k: int, v_p: int, v_d: int) -> tuple[float, float]:
-        """Non-layer prefill and decode seconds of stage ``k``: receiving activations, LM head on the last."""
+    def stage_constants(
+        self, order: Sequence[int], k: int, v_p: int, v_d: int, kappa: int = 1
+    ) -> tuple[float, float]:
+        """Non-layer prefill (per item) and decode seconds of stage ``k``: receiving activations, LM head on the last."""
         cp = cd = 0.0
         if k > 0:
-            cp += self.comm_prefill_s(order[k - 1], order[k], v_p)
+            cp += self.comm_prefill_s(order[k - 1], order[k], v_p) / kappa
             cd += self.comm_decode_s(order[k - 1], order[k], v_d)
         if k == len(order) - 1:
             cp += self.head_s(order[k], v_p)
             cd += self.head_s(order[k], v_d)
         return cp, cd
 
-    def stage_memory_constant(self, n_stages: int, k: int, v_p: int, v_d: int) -> int:
+    def stage_memory_constant(self, n_stages: int, k: int, v_p: int, v_d: int, kappa: int = 1) -> int:
         """Bytes of stage ``k`` besides its layers: embeddings, LM head, activations."""
-        key = ("m", n_stages == 1, k == 0, k == n_stages - 1, v_p, v_d)
+        key = ("m", n_stages == 1, k == 0, k == n_stages - 1, v_p, v_d, kappa)
         if key not in self._cache:
-            self._cache[key] = self._stage_memory_constant(n_stages, k, v_p, v_d)
+            self._cache[key] = self._stage_memory_constant(n_stages, k, v_p, v_d, kappa)
         return self._cache[key]
 
-    def _stage_memory_constant(self, n_stages: int, k: int, v_p: int, v_d: int) -> int:
+    def _stage_memory_constant(self, n_stages: int, k: int, v_p: int, v_d: int, kappa: int = 1) -> int:
         m = self.memory
         first, last = k == 0, k == n_stages - 1
-        total = m.activation_bytes(v_p, v_d, last)
+        total = m.activation_bytes(v_p, v_d, last, kappa)
         if first:
             total += m.embedding_bytes()
         if last:
@@ -225,16 +242,18 @@ class Problem:
         pre, dec, mem, cap = [], [], [], []
         for k, (lo, hi) in enumerate(a.layer_ranges()):
             dev = a.order[k]
-            cp, cd = self.stage_constants(a.order, k, a.v_prefill, a.v_decode)
-            pre.append(cp + sum(self.layer_prefill_s(dev, a.bits[i], a.v_prefill) for i in range(lo, hi)))
+            cp, cd = self.stage_constants(a.order, k, a.v_prefill, a.v_decode, a.kappa)
+            pre.append(
+                cp + sum(self.layer_prefill_s(dev, a.bits[i], a.v_prefill, a.kappa) for i in range(lo, hi))
+            )
             dec.append(cd + sum(self.layer_decode_s(dev, a.bits[i], a.v_decode) for i in range(lo, hi)))
             mem.append(
-                self.stage_memory_constant(S, k, a.v_prefill, a.v_decode)
+                self.stage_memory_constant(S, k, a.v_prefill, a.v_decode, a.kappa)
                 + sum(self.layer_bytes(a.bits[i]) for i in range(lo, hi))
             )
             cap.append(self.capacity(dev))
         m_p, m_d = self.micro_batches(a.v_prefill), self.micro_batches(a.v_decode)
-        prefill = sum(pre) + (m_p - 1) * max(pre)
+        prefill = sum(pre) + (m_p * a.kappa - 1) * max(pre)
         decode = (self.workload.output_tokens - 1) * max(sum(dec), m_d * max(dec))
         omega = sum(self.omega[i][b] for i, b in enumerate(a.bits))
         objective = prefill + decode + self.workload.theta * omega * self.omega_scale

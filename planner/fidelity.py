@@ -42,12 +42,19 @@ def latency_errors(profile: Profile, bits: int = 16) -> dict[str, float]:
     return out
 
 
-def fidelity_profile(shape: ModelShape, threads: int = 1, reps: int = 2, progress: bool = True) -> Profile:
-    """One profile holding the training grid and the unseen test shapes."""
+def fidelity_profile(
+    shape: ModelShape,
+    threads: int = 1,
+    reps: int = 8,
+    progress: bool = True,
+    clock: str | None = None,
+    min_time_s: float = 0.3,
+) -> Profile:
+    """One profile holding the training grid and the unseen test shapes (timed in shuffled rounds)."""
     pre = [(v, s) for v in TRAIN_BATCHES for s in TRAIN_LENGTHS] + [
         (v, s) for v in TEST_BATCHES for s in TEST_LENGTHS
     ]
-    return profile_local(shape, "cpu", threads, pre, pre, reps, progress)
+    return profile_local(shape, "cpu", threads, pre, pre, reps, progress, clock=clock, min_time_s=min_time_s)
 
 
 def memory_errors(

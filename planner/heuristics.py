@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from planner.costs import Assignment, Evaluation, Problem
 
 
-def _layer_weight(problem: Problem, dev: int, bits: int, v_p: int, v_d: int) -> float:
+def _layer_weight(problem: Problem, dev: int, bits: int, v_p: int, v_d: int, kappa: int = 1) -> float:
     """A layer's contribution to the pipeline bottleneck on ``dev`` (prefill and decode together)."""
     wl = problem.workload
-    return problem.micro_batches(v_p) * problem.layer_prefill_s(dev, bits, v_p) + (
+    return problem.micro_batches(v_p) * kappa * problem.layer_prefill_s(dev, bits, v_p, kappa) + (
         wl.output_tokens - 1
     ) * problem.micro_batches(v_d) * problem.layer_decode_s(dev, bits, v_d)
 
@@ -45,23 +46,27 @@ def balanced_split(weights: Sequence[float], max_layers: Sequence[int], layers: 
     return counts
 
 
-def _max_layers(problem: Problem, order: Sequence[int], k: int, bits: int, v_p: int, v_d: int) -> int:
-    room = problem.capacity(order[k]) - problem.stage_memory_constant(len(order), k, v_p, v_d)
+def _max_layers(
+    problem: Problem, order: Sequence[int], k: int, bits: int, v_p: int, v_d: int, kappa: int = 1
+) -> int:
+    room = problem.capacity(order[k]) - problem.stage_memory_constant(len(order), k, v_p, v_d, kappa)
     return max(0, room // problem.layer_bytes(bits))
 
 
-def adabits(problem: Problem, order: tuple[int, ...], v_p: int, v_d: int) -> Assignment | None:
+def adabits(
+    problem: Problem, order: tuple[int, ...], v_p: int, v_d: int, kappa: int = 1
+) -> Assignment | None:
     """One bit width per device, lowered where memory is short; layers split in proportion to speed."""
     bits = problem.bits
     level = [len(bits) - 1] * len(order)
     while True:
         b = [bits[i] for i in level]
-        maxl = [_max_layers(problem, order, k, b[k], v_p, v_d) for k in range(len(order))]
-        w = [_layer_weight(problem, order[k], b[k], v_p, v_d) for k in range(len(order))]
+        maxl = [_max_layers(problem, order, k, b[k], v_p, v_d, kappa) for k in range(len(order))]
+        w = [_layer_weight(problem, order[k], b[k], v_p, v_d, kappa) for k in range(len(order))]
         counts = balanced_split(w, maxl, problem.layers)
         if counts is not None:
             layer_bits = tuple(b[k] for k, n in enumerate(counts) for _ in range(n))
-            return Assignment(tuple(order), tuple(counts), layer_bits, v_p, v_d)
+            return Assignment(tuple(order), tuple(counts), layer_bits, v_p, v_d, kappa)
         # lower the device that is shortest of memory relative to its fair (speed) share
         speed = [1.0 / x if x > 0 else 1e12 for x in w]
         share = [problem.layers * s / sum(speed) for s in speed]
@@ -104,7 +109,7 @@ def bitwidth_transfer(
                 n[k] -= d
                 n[k + 1] += d
                 if min(n) >= 1:
-                    cands.append(Assignment(cur.order, tuple(n), cur.bits, cur.v_prefill, cur.v_decode))
+                    cands.append(replace(cur, stage_layers=tuple(n)))
         for lo, hi in cur.layer_ranges():
             for step in (1, -1):
                 options = []
@@ -118,9 +123,7 @@ def bitwidth_transfer(
                     _, i, nb = min(options)
                     nbits = list(cur.bits)
                     nbits[i] = nb
-                    cands.append(
-                        Assignment(cur.order, cur.stage_layers, tuple(nbits), cur.v_prefill, cur.v_decode)
-                    )
+                    cands.append(replace(cur, bits=tuple(nbits)))
         for c in cands:
             e = problem.evaluate(c)
             if ok(e) and (e.objective < best_e.objective - 1e-12 or not ok(best_e)):
@@ -129,6 +132,21 @@ def bitwidth_transfer(
             break
         cur, cur_e = best, best_e
     return cur, cur_e
+
+
+def best_kappa(
+    problem: Problem, a: Assignment, kappas: Sequence[int], omega_budget: float | None = None
+) -> tuple[Assignment, Evaluation]:
+    """``a`` with the number of prefill chunks (from ``kappas`` and its own) that scores best and fits."""
+    best = (a, problem.evaluate(a))
+    for k in kappas:
+        if k == a.kappa:
+            continue
+        c = replace(a, kappa=k)
+        e = problem.evaluate(c)
+        if e.fits and (not best[1].fits or e.objective < best[1].objective - 1e-12):
+            best = (c, e)
+    return best
 
 
 def _repair_budget(
@@ -148,7 +166,7 @@ def _repair_budget(
         for _, i, nb in sorted(options):
             nbits = list(a.bits)
             nbits[i] = nb
-            c = Assignment(a.order, a.stage_layers, tuple(nbits), a.v_prefill, a.v_decode)
+            c = replace(a, bits=tuple(nbits))
             ce = problem.evaluate(c)
             if ce.fits:
                 a, e, moved = c, ce, True

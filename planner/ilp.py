@@ -1,6 +1,7 @@
 """The phase-aware layer/bit-width assignment ILP for one device order, solved with OR-Tools CP-SAT.
 
-For a fixed device order (stage k runs on ``order[k]``) and fixed micro-batch sizes, with
+For a fixed device order (stage k runs on ``order[k]``), fixed micro-batch sizes and a fixed
+number of prefill chunks kappa (``m_p`` below counts prefill items: micro-batches x kappa), with
 layer groups g (runs of consecutive layers that share a device and a bit width):
 
     x[g,k,b] in {0,1}                      group g on stage k at b bits
@@ -65,6 +66,7 @@ def solve_order(
     upper_bound_s: float | None = None,
     omega_budget: float | None = None,
     workers: int = 1,
+    kappa: int = 1,
 ) -> IlpResult:
     """Optimal assignment for one order and micro-batch pair (``None`` when infeasible or not better than the bound)."""
     groups = layer_groups(problem.layers, group_size)
@@ -73,7 +75,7 @@ def solve_order(
     if G < S:
         return IlpResult(None, "too-few-groups", None, 0.0)
     wl = problem.workload
-    m_p, m_d = problem.micro_batches(v_prefill), problem.micro_batches(v_decode)
+    m_p, m_d = problem.micro_batches(v_prefill) * kappa, problem.micro_batches(v_decode)  # prefill items
     u = TIME_UNIT_S
 
     model = cp_model.CpModel()
@@ -90,7 +92,7 @@ def solve_order(
     pre_terms, dec_terms = [], []
     horizon = 0
     for k, dev in enumerate(order):
-        const_mem = problem.stage_memory_constant(S, k, v_prefill, v_decode)
+        const_mem = problem.stage_memory_constant(S, k, v_prefill, v_decode, kappa)
         room = problem.capacity(dev) - const_mem
         if room <= 0:
             return IlpResult(None, "infeasible", None, 0.0)
@@ -102,9 +104,9 @@ def solve_order(
             )
             <= room
         )
-        cp, cd = problem.stage_constants(order, k, v_prefill, v_decode)
+        cp, cd = problem.stage_constants(order, k, v_prefill, v_decode, kappa)
         pk = sum(
-            x[g, k, b] * round((hi - lo) * problem.layer_prefill_s(dev, b, v_prefill) / u)
+            x[g, k, b] * round((hi - lo) * problem.layer_prefill_s(dev, b, v_prefill, kappa) / u)
             for g, (lo, hi) in enumerate(groups)
             for b in bits
         ) + round(cp / u)
@@ -116,7 +118,7 @@ def solve_order(
         pre_terms.append(pk)
         dec_terms.append(dk)
         horizon += round(
-            (problem.layers * max(problem.layer_prefill_s(dev, b, v_prefill) for b in bits) + cp) / u
+            (problem.layers * max(problem.layer_prefill_s(dev, b, v_prefill, kappa) for b in bits) + cp) / u
         ) + round((problem.layers * max(problem.layer_decode_s(dev, b, v_decode) for b in bits) + cd) / u)
     horizon = max(1, horizon) * max(m_p, m_d, 1) + 1
     mp = model.NewIntVar(0, horizon, "Mp")
@@ -151,7 +153,11 @@ def solve_order(
         model.Add(objective <= math.ceil(upper_bound_s / u))
     model.Minimize(objective)
 
-    if hint is not None and hint.order == order and hint.v_prefill == v_prefill and hint.v_decode == v_decode:
+    if (
+        hint is not None
+        and hint.order == order
+        and (hint.v_prefill, hint.v_decode, hint.kappa) == (v_prefill, v_decode, kappa)
+    ):
         stage_of = [k for k, n in enumerate(hint.stage_layers) for _ in range(n)]
         for g, (lo, _) in enumerate(groups):
             for k in range(S):
@@ -174,5 +180,5 @@ def solve_order(
                     stage_layers[k] += hi - lo
                     for i in range(lo, hi):
                         layer_bits[i] = b
-    a = Assignment(tuple(order), tuple(stage_layers), tuple(layer_bits), v_prefill, v_decode)
+    a = Assignment(tuple(order), tuple(stage_layers), tuple(layer_bits), v_prefill, v_decode, kappa)
     return IlpResult(a, name.lower(), int(solver.ObjectiveValue()), solver.WallTime())

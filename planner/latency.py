@@ -124,6 +124,16 @@ class LatencyModel:
     def decode_s(self, bits: int, v: float, c: float) -> float:
         return float(np.dot(self.decode_coef[bits], decode_features(v, c)))
 
+    def prefill_chunked_s(self, bits: int, v: float, s: float, chunks: int) -> float:
+        """Whole prefill of ``v`` prompts of ``s`` tokens run as ``chunks`` chunks (SplitQuant's kappa).
+
+        Conservative: the per-call terms (c0 + c1*v) are paid once per chunk, the token terms
+        (c2*s + c3*v*s) once in all, and the attention term c4*v*s^2 in full (no saving is credited
+        for a chunk attending only to the tokens before it). ``chunks == 1`` is ``prefill_s``.
+        """
+        c = self.prefill_coef[bits]
+        return float(chunks * (c[0] + c[1] * v) + c[2] * s + c[3] * v * s + c[4] * v * s * s)
+
     def scaled(self, factor: float) -> LatencyModel:
         f = lambda d: {b: tuple(x * factor for x in c) for b, c in d.items()}  # noqa: E731
         return LatencyModel(self.device, f(self.prefill_coef), f(self.decode_coef))

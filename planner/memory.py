@@ -82,8 +82,12 @@ class MemoryModel:
         """Output side (last stage): final norm + LM head; a tied head is copied unless this stage is also the first."""
         return self._head_side_bytes(tied_copy=not also_first)
 
-    def activation_bytes(self, v_prefill: int, v_decode: int, last: bool) -> int:
-        """Peak transient bytes of one decoder layer's forward for the larger of the two micro-batches."""
+    def activation_bytes(self, v_prefill: int, v_decode: int, last: bool, prefill_chunks: int = 1) -> int:
+        """Peak transient bytes of one decoder layer's forward for the larger of the two micro-batches.
+
+        With chunked prefill (``prefill_chunks`` = kappa) a prefill call holds ``ceil(s / kappa)``
+        query tokens attending to up to ``s`` cached tokens.
+        """
         s = self.shape
         a = self.act_bytes
         h, hd = s.hidden, s.head_dim
@@ -98,16 +102,25 @@ class MemoryModel:
             return resid + max(attn, mlp)
 
         ctx = self.prompt_len + self.output_tokens
-        p = max(peak(v_prefill, self.prompt_len, self.prompt_len), peak(v_decode, 1, ctx))
+        chunk = -(-self.prompt_len // max(1, prefill_chunks))
+        p = max(peak(v_prefill, chunk, self.prompt_len), peak(v_decode, 1, ctx))
         if last:
             p += max(v_prefill, v_decode) * s.vocab * FP32
         return p
 
-    def stage_bytes(self, bits: Sequence[int], first: bool, last: bool, v_prefill: int, v_decode: int) -> int:
+    def stage_bytes(
+        self,
+        bits: Sequence[int],
+        first: bool,
+        last: bool,
+        v_prefill: int,
+        v_decode: int,
+        prefill_chunks: int = 1,
+    ) -> int:
         """Predicted bytes of a stage holding ``len(bits)`` layers at those bit widths."""
         total = sum(self.layer_weight_bytes(b) for b in bits) + len(bits) * self.layer_kv_bytes()
         if first:
             total += self.embedding_bytes()
         if last:
             total += self.head_bytes(also_first=first)
-        return total + self.activation_bytes(v_prefill, v_decode, last)
+        return total + self.activation_bytes(v_prefill, v_decode, last, prefill_chunks)

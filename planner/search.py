@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from planner.costs import Assignment, Evaluation, Problem
-from planner.heuristics import adabits, bitwidth_transfer
+from planner.heuristics import adabits, best_kappa, bitwidth_transfer
 from planner.ilp import default_group_size, solve_order
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,15 @@ def micro_batch_candidates(problem: Problem, stages: int) -> list[tuple[int, int
     return [(p, d) for p in vp for d in vd]
 
 
+MIN_CHUNK_TOKENS = 64
+
+
+def prefill_chunk_candidates(problem: Problem, options: tuple[int, ...] = (1, 2, 4, 8)) -> list[int]:
+    """Numbers of prefill chunks kappa to try: chunks of at least ``MIN_CHUNK_TOKENS`` prompt tokens."""
+    s = problem.workload.prompt_len
+    return sorted({1} | {k for k in options if k >= 1 and s / k >= MIN_CHUNK_TOKENS})
+
+
 @dataclass
 class SearchResult:
     method: str
@@ -93,12 +102,19 @@ def plan(
     exhaustive: bool = False,
     micro_batches: list[tuple[int, int]] | None = None,
     starts: list[Assignment] | None = None,
+    kappas: list[int] | None = None,
+    refine_top: int = 6,
 ) -> SearchResult | None:
     """Best plan by ``method``; ``None`` when nothing fits.
 
     ``exhaustive`` runs the ILP on every (order, micro-batch) combination without the bound
     pruning heuristic ranking (for tests against brute force); ``micro_batches`` fixes the pairs;
-    ``starts`` are extra candidate plans (e.g. the baselines') polished and kept as incumbents.
+    ``starts`` are extra candidate plans (e.g. the baselines') polished and kept as incumbents;
+    ``kappas`` the numbers of prefill chunks to consider (default ``prefill_chunk_candidates``;
+    ``[1]`` = no chunked prefill). kappa is chosen per (order, micro-batch) on the heuristic plan
+    (it changes only the prefill term and the activation memory), fixed in the ILP, and chosen
+    again on the final plan. With layer groups larger than one layer, the ``refine_top`` best
+    combinations are solved again layer by layer (group size 1), warm-started from their plans.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -108,7 +124,16 @@ def plan(
     combos = [
         (o, vp, vd) for o in orders for vp, vd in (micro_batches or micro_batch_candidates(problem, len(o)))
     ]
-    stats: dict = {"orders": len(orders), "combos": len(combos), "group_size": gs, "ilp_solves": 0}
+    ks = sorted(set(kappas)) if kappas else prefill_chunk_candidates(problem)
+    if any(k < 1 for k in ks):
+        raise ValueError(f"prefill chunks must be >= 1, got {ks}")
+    stats: dict = {
+        "orders": len(orders),
+        "combos": len(combos),
+        "group_size": gs,
+        "ilp_solves": 0,
+        "kappas": ks,
+    }
     log.info(
         "%s: %d device orders, %d (order, micro-batch) combinations",
         problem.cluster.name,
@@ -118,14 +143,19 @@ def plan(
 
     # rank by the adabits plan: within the omega cap first, then by objective (repair comes later, top-k only)
     scored: list[tuple[tuple[int, float], tuple, Assignment | None]] = []
+    # exhaustive: every kappa is its own combination; otherwise kappa is picked per combination
+    per_combo = [[k] for k in ks] if exhaustive else [ks]
     for o, vp, vd in combos:
-        a = adabits(problem, o, vp, vd)
-        e = problem.evaluate(a) if a is not None else None
-        if e is None or not e.fits:
-            key = (2, math.inf)
-        else:
-            key = (int(omega_budget is not None and e.omega > omega_budget), e.objective)
-        scored.append((key, (o, vp, vd), a))
+        for kk in per_combo:
+            a = adabits(problem, o, vp, vd, kk[0])
+            e = problem.evaluate(a) if a is not None else None
+            if a is not None and len(kk) > 1:
+                a, e = best_kappa(problem, a, kk)
+            if e is None or not e.fits:
+                key = (2, math.inf)
+            else:
+                key = (int(omega_budget is not None and e.omega > omega_budget), e.objective)
+            scored.append((key, (o, vp, vd, a.kappa if a is not None else kk[0]), a))
     scored.sort(key=lambda t: t[0])
 
     best: tuple[Assignment, Evaluation] | None = None
@@ -138,6 +168,8 @@ def plan(
             a2, e2 = a, problem.evaluate(a)
         else:
             a2, e2 = bitwidth_transfer(problem, a, omega_budget, deadline=None if exhaustive else until)
+        if len(ks) > 1 and not exhaustive and _ok(e2, omega_budget):
+            a2, e2 = best_kappa(problem, a2, ks, omega_budget)
         if _ok(e2, omega_budget) and (best is None or e2.objective < best[1].objective):
             best = (a2, e2)
         return (a2, e2) if _ok(e2, omega_budget) else None
@@ -163,21 +195,58 @@ def plan(
         return _result(method, best, t0, stats)
 
     todo = scored if exhaustive else scored[:top_k]
-    deadline = t_ilp
+    refine = not exhaustive and gs > 1 and refine_top > 0
+    deadline = t0 + 0.6 * time_limit_s if refine else t_ilp
+    # best known plan per combination (polished heuristic or grouped ILP): candidates to refine
+    per_key: dict[tuple, tuple[float, Assignment]] = {}
+    for key, h in hints.items():
+        per_key[key] = (problem.evaluate(h).objective, h)
     for i, (_, key, a) in enumerate(todo):
         left = deadline - time.perf_counter()
         if left <= 0 and not exhaustive:
             stats["stopped_early"] = True
             break
         per = left / max(1, min(len(todo) - i, 3)) if not exhaustive else time_limit_s
-        o, vp, vd = key
+        o, vp, vd, kap = key
+        h = hints.get(key, a)
+        if h is not None and not exhaustive:
+            kap = h.kappa  # polishing may have re-chosen kappa
         ub = None if (best is None or exhaustive) else best[1].objective
-        r = solve_order(problem, o, vp, vd, gs, per, hints.get(key, a), ub, omega_budget)
+        r = solve_order(problem, o, vp, vd, gs, per, h, ub, omega_budget, kappa=kap)
         stats["ilp_solves"] += 1
         if r.assignment is not None:
             e = problem.evaluate(r.assignment)
             if _ok(e, omega_budget) and (best is None or e.objective < best[1].objective):
                 best = (r.assignment, e)
+            if _ok(e, omega_budget) and (key not in per_key or e.objective < per_key[key][0]):
+                per_key[key] = (e.objective, r.assignment)
+    if refine:
+        # layer-granular ILP (group size 1) on the best few combinations, warm-started from their
+        # best known plans; combinations whose grouped ILP found nothing within the omega cap
+        # (coarse groups can make a tight cap infeasible) follow in heuristic rank order
+        if best is not None:
+            b = best[0]
+            k0 = (b.order, b.v_prefill, b.v_decode, b.kappa)
+            if k0 not in per_key or best[1].objective < per_key[k0][0]:
+                per_key[k0] = (best[1].objective, b)
+        ranked = [(k, v[1]) for k, v in sorted(per_key.items(), key=lambda kv: kv[1][0])]
+        ranked += [(key, a) for _, key, a in todo if key not in per_key and a is not None]
+        ranked = ranked[:refine_top]
+        for i, (key, h) in enumerate(ranked):
+            left = t_ilp - time.perf_counter()
+            if left <= 0:
+                stats["refine_stopped_early"] = True
+                break
+            o, vp, vd, _ = key
+            ub = best[1].objective if best is not None else None
+            r = solve_order(
+                problem, o, vp, vd, 1, left / (len(ranked) - i), h, ub, omega_budget, kappa=h.kappa
+            )
+            stats["refine_solves"] = stats.get("refine_solves", 0) + 1
+            if r.assignment is not None:
+                e = problem.evaluate(r.assignment)
+                if _ok(e, omega_budget) and (best is None or e.objective < best[1].objective):
+                    best = (r.assignment, e)
     if best is not None and not exhaustive:
         offer(best[0], t0 + time_limit_s)  # polish the grouped ILP plan layer by layer
     return _result(method, best, t0, stats)

@@ -40,7 +40,9 @@ def small_cluster(types_mem: list[tuple[str, float]], inter: float = 100.0):
     )
 
 
-def brute_force(problem: Problem, v_p: int, v_d: int, omega_budget: float | None = None) -> float:
+def brute_force(
+    problem: Problem, v_p: int, v_d: int, omega_budget: float | None = None, kappa: int = 1
+) -> float:
     """Minimum objective over every ordered device subset, contiguous split and per-layer bit width."""
     n, L = len(problem.cluster.devices), problem.layers
     best = math.inf
@@ -51,7 +53,7 @@ def brute_force(problem: Problem, v_p: int, v_d: int, omega_budget: float | None
                 bounds = (0, *cuts, L)
                 counts = tuple(bounds[i + 1] - bounds[i] for i in range(S))
                 for bits in all_bits:
-                    e = problem.evaluate(Assignment(order, counts, bits, v_p, v_d))
+                    e = problem.evaluate(Assignment(order, counts, bits, v_p, v_d, kappa))
                     if e.fits and (omega_budget is None or e.omega <= omega_budget) and e.objective < best:
                         best = e.objective
     return best
@@ -74,9 +76,23 @@ def test_ilp_equals_brute_force(case):
     )
     expected = brute_force(problem, vp, vd)
     assert math.isfinite(expected), "instance should be feasible"
-    r = plan(problem, "ilp", group_size=1, exhaustive=True, micro_batches=[(vp, vd)], time_limit_s=20)
+    r = plan(
+        problem, "ilp", group_size=1, exhaustive=True, micro_batches=[(vp, vd)], time_limit_s=20, kappas=[1]
+    )
     assert r is not None
     assert r.evaluation.fits
+    assert r.evaluation.objective == pytest.approx(expected, rel=1e-6)
+
+
+def test_ilp_with_prefill_chunks_equals_brute_force():
+    """kappa fixed at 2 (chunked prefill): the ILP still finds the brute-force optimum."""
+    devices, layers, bits, theta, (vp, vd) = CASES[2]
+    problem = build_problem(
+        small_cluster(devices), small_shape(layers), Workload(32, 512, 100, bits=bits, theta=theta)
+    )
+    expected = brute_force(problem, vp, vd, kappa=2)
+    r = plan(problem, "ilp", group_size=1, exhaustive=True, micro_batches=[(vp, vd)], kappas=[2])
+    assert r is not None and r.assignment.kappa == 2
     assert r.evaluation.objective == pytest.approx(expected, rel=1e-6)
 
 
@@ -87,7 +103,15 @@ def test_ilp_with_omega_budget_equals_brute_force():
     )
     budget = 2.5 * min(problem.omega[i][4] for i in range(layers))  # room for about two 4-bit layers
     expected = brute_force(problem, vp, vd, budget)
-    r = plan(problem, "ilp", group_size=1, exhaustive=True, micro_batches=[(vp, vd)], omega_budget=budget)
+    r = plan(
+        problem,
+        "ilp",
+        group_size=1,
+        exhaustive=True,
+        micro_batches=[(vp, vd)],
+        omega_budget=budget,
+        kappas=[1],
+    )
     assert r is not None and r.evaluation.omega <= budget
     assert r.evaluation.objective == pytest.approx(expected, rel=1e-6)
 
@@ -107,7 +131,7 @@ def test_larger_theta_never_gives_larger_omega():
         problem = build_problem(
             small_cluster(devices), small_shape(layers), Workload(32, 512, 100, bits=bits, theta=theta)
         )
-        r = plan(problem, "ilp", group_size=1, exhaustive=True, micro_batches=[(vp, vd)])
+        r = plan(problem, "ilp", group_size=1, exhaustive=True, micro_batches=[(vp, vd)], kappas=[1])
         omegas.append(r.evaluation.omega)
     assert all(b <= a * (1 + 1e-9) for a, b in itertools.pairwise(omegas)), omegas
     assert omegas[0] > omegas[-1]  # the knob does something on this instance
