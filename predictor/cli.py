@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dim", type=int, default=None, help="hidden width (default 256; quick 128)")
     t.add_argument("--heads", type=int, default=None, help="attention heads (default 4)")
     t.add_argument("--max-len", type=int, default=None, help="prompt tokens kept (default 128; quick 64)")
+    t.add_argument(
+        "--dropout", type=float, default=0.1, help="dropout of a model built from scratch (default 0.1)"
+    )
     t.add_argument("--vocab", type=int, default=None, help="WordPiece vocabulary size (default 8000)")
     t.add_argument("--epochs", type=float, default=None, help="epochs (default 3)")
     t.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
@@ -114,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--max-minutes", type=float, default=None, help="stop training after about this many minutes"
+    )
+    t.add_argument(
+        "--truncation",
+        choices=("head_tail", "head"),
+        default="head_tail",
+        help="how prompts longer than --max-len are cut: keep both ends (default) or the start",
     )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
@@ -222,6 +231,7 @@ def cmd_train(args) -> dict:
         heads=args.heads or base.heads,
         max_len=args.max_len or base.max_len,
         vocab_size=args.vocab or base.vocab_size,
+        dropout=args.dropout,
     )
     limit = args.limit if args.limit is not None else (6000 if args.quick else None)
     n_buckets = args.buckets or (10 if args.scheme == "uniform" else 16)
@@ -232,7 +242,8 @@ def cmd_train(args) -> dict:
         patience=args.patience,
         max_len=mc.max_len,
         seed=args.seed,
-        max_minutes=args.max_minutes if args.max_minutes is not None else (2.5 if args.quick else None),
+        truncation=args.truncation,
+        max_minutes=args.max_minutes if args.max_minutes is not None else (2.2 if args.quick else None),
         log_weight=args.log_weight,
     )
     t0 = time.monotonic()
@@ -295,7 +306,15 @@ def cmd_eval(args) -> dict:
     log.info(
         "evaluating %s (%s buckets: %d) on %d %s examples", loaded.path, b.scheme, b.n, len(test), args.split
     )
-    probs = predict_proba(loaded.model, loaded.tokenizer, test.prompts, loaded.max_len, 128, progress=True)
+    probs = predict_proba(
+        loaded.model,
+        loaded.tokenizer,
+        test.prompts,
+        loaded.max_len,
+        128,
+        progress=True,
+        truncation=loaded.truncation,
+    )
     train_labels = b.label(train.lengths)
     report = classifier_figures(probs, test.lengths, b, train_labels)
     report.update(
@@ -462,6 +481,7 @@ def cmd_retrain(args) -> dict:
         lr=args.lr,
         batch_size=args.batch_size,
         max_len=loaded.max_len,
+        truncation=loaded.truncation,
         seed=args.seed,
         log_weight=float(base.get("log_weight", 1.0)),
         warmup=0.0,

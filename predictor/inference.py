@@ -7,10 +7,25 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+TRUNCATIONS = ("head", "head_tail")
 
-def encode(tokenizer, prompts: Sequence[str], max_len: int) -> list[list[int]]:
-    """Token ids of each prompt, truncated to ``max_len`` (special tokens included)."""
-    return tokenizer(list(prompts), truncation=True, max_length=max_len)["input_ids"]
+
+def encode(tokenizer, prompts: Sequence[str], max_len: int, truncation: str = "head_tail") -> list[list[int]]:
+    """Token ids of each prompt, at most ``max_len`` of them (special tokens included).
+
+    ``head`` keeps the start of a long prompt; ``head_tail`` keeps its first and last halves,
+    since the actual question often comes last (after a tool description or a story).
+    """
+    if truncation == "head":
+        return tokenizer(list(prompts), truncation=True, max_length=max_len)["input_ids"]
+    if truncation != "head_tail":
+        raise ValueError(f"unknown truncation {truncation!r}; choose one of {', '.join(TRUNCATIONS)}")
+    head = max_len // 2
+    tail = max_len - head
+    return [
+        x if len(x) <= max_len else x[:head] + x[-tail:]
+        for x in tokenizer(list(prompts), verbose=False)["input_ids"]
+    ]
 
 
 def collate(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,12 +41,18 @@ def collate(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 @torch.inference_mode()
 def predict_proba(
-    model, tokenizer, prompts: Sequence[str], max_len: int, batch_size: int = 64, progress: bool = False
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    max_len: int,
+    batch_size: int = 64,
+    progress: bool = False,
+    truncation: str = "head_tail",
 ) -> np.ndarray:
     """Bucket probabilities ``(len(prompts), n_buckets)``; prompts are length-sorted into batches to cut padding."""
     if not prompts:
         return np.zeros((0, model.config.num_labels), dtype=np.float64)
-    ids = encode(tokenizer, prompts, max_len)
+    ids = encode(tokenizer, prompts, max_len, truncation)
     order = np.argsort([len(x) for x in ids], kind="stable")
     out = np.zeros((len(ids), model.config.num_labels), dtype=np.float64)
     device = next(model.parameters()).device

@@ -60,6 +60,11 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int = 8000) -> PreTrainedT
     tok.decoder = decoders.WordPiece()
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
+    # The trainer numbers tied tokens in a run-dependent order; renumber them (special tokens
+    # first, then sorted) so that the same learnt vocabulary always gets the same ids.
+    learnt = tok.get_vocab()
+    order = SPECIAL + sorted(t for t in learnt if t not in SPECIAL)
+    tok.model = models.WordPiece({t: i for i, t in enumerate(order)}, unk_token="[UNK]")
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",

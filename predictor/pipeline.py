@@ -69,7 +69,7 @@ def fit(
         train_lengths=train_set.lengths,
         values=np.asarray(buckets.values),
     )
-    probs = predict_proba(model, tok, val_set.prompts, train_cfg.max_len)
+    probs = predict_proba(model, tok, val_set.prompts, train_cfg.max_len, truncation=train_cfg.truncation)
     buckets = calibrate(buckets, probs, val_set.lengths)
     log.info("calibration factor %.3f", buckets.calibration)
     return model, tok, buckets, result
@@ -96,7 +96,9 @@ def retrain(
         train_lengths=train_set.lengths,
         values=np.asarray(buckets.values),
     )
-    probs = predict_proba(loaded.model, loaded.tokenizer, val_set.prompts, train_cfg.max_len)
+    probs = predict_proba(
+        loaded.model, loaded.tokenizer, val_set.prompts, train_cfg.max_len, truncation=train_cfg.truncation
+    )
     return calibrate(buckets.with_calibration(1.0), probs, val_set.lengths), result
 
 
@@ -111,6 +113,7 @@ def save_version(
 ) -> Path:
     meta = {
         "max_len": train_cfg.max_len,
+        "truncation": train_cfg.truncation,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "train_config": asdict(train_cfg),
         "torch": torch.__version__,

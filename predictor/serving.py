@@ -92,7 +92,14 @@ class LengthPredictor:
             est = prompt_length_heuristic(words)
             return [LengthPrediction(float(e), float(e), -1) for e in est]
         with self._run_lock, torch.inference_mode():
-            probs = predict_proba(loaded.model, loaded.tokenizer, prompts, loaded.max_len, self._max_batch)
+            probs = predict_proba(
+                loaded.model,
+                loaded.tokenizer,
+                prompts,
+                loaded.max_len,
+                self._max_batch,
+                truncation=loaded.truncation,
+            )
         expected = loaded.buckets.expected(probs)
         buckets = probs.argmax(1)
         midpoint = loaded.buckets.midpoint(buckets)

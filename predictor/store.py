@@ -46,6 +46,10 @@ class LoadedModel:
     def max_len(self) -> int:
         return int(self.meta.get("max_len", 128))
 
+    @property
+    def truncation(self) -> str:
+        return str(self.meta.get("truncation", "head"))
+
 
 def is_version_dir(path: str | os.PathLike) -> bool:
     p = Path(path)

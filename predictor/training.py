@@ -31,6 +31,7 @@ class TrainConfig:
     evals_per_epoch: int = 2
     patience: int = 2  # evaluations without validation improvement before stopping
     max_len: int = 128
+    truncation: str = "head_tail"  # how prompts longer than max_len are cut (see inference.encode)
     seed: int = 0
     max_minutes: float | None = None  # wall-clock cap; stops at the next evaluation after it
     log_weight: float = 1.0  # weight of the squared log error of the expected tokens (0: plain cross-entropy)
@@ -106,8 +107,8 @@ def train(
         raise ValueError("training needs non-empty train and validation sets")
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
-    tr_ids = encode(tokenizer, train_prompts, cfg.max_len)
-    va_ids = encode(tokenizer, val_prompts, cfg.max_len)
+    tr_ids = encode(tokenizer, train_prompts, cfg.max_len, cfg.truncation)
+    va_ids = encode(tokenizer, val_prompts, cfg.max_len, cfg.truncation)
     train_labels = np.asarray(train_labels, dtype=np.int64)
     use_exp = cfg.log_weight > 0 and train_lengths is not None and values is not None
     if use_exp:

@@ -141,3 +141,18 @@ def test_fallback_without_model_warns_once(caplog):
     assert pred.predict([]) == []
     with pytest.raises(TypeError):
         pred.predict("a single string")
+
+
+def test_head_tail_truncation_keeps_both_ends(trained):
+    from predictor.inference import encode
+
+    tok = trained[1]
+    prompt = "brief " + "city " * 50 + "story"
+    both = encode(tok, [prompt], 8, "head_tail")[0]
+    head = encode(tok, [prompt], 8, "head")[0]
+    assert len(both) == len(head) == 8
+    assert "brief" in tok.decode(both) and "story" in tok.decode(both)
+    assert "story" not in tok.decode(head)
+    assert encode(tok, ["brief city"], 8)[0] == encode(tok, ["brief city"], 8, "head")[0]
+    with pytest.raises(ValueError):
+        encode(tok, [prompt], 8, "middle")
