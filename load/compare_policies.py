@@ -207,6 +207,11 @@ def run(args: argparse.Namespace) -> dict:
     _validate(args)
     caps = _parse_capacities(args.capacities)
     records = load_mixed(Path(args.data_dir) if args.data_dir else None)
+    if args.predictor:
+        # a trained predictor has seen its train/val splits: draw the batch from its test split only
+        from predictor.labeled import split_of
+
+        records = [r for r in records if split_of(r.prompt) == "test"]
     if len(records) < args.n + 100:
         raise ValueError(
             f"--n {args.n} is too large for {len(records)} records (need room for a training split)"
