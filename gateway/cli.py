@@ -126,6 +126,7 @@ def _serve(args) -> int:
         admin_token=args.admin_token or "",
         policy=args.policy,
         predictor_dir=args.predictor,
+        predictor_threads=args.predictor_threads,
         tokenizer_dir=args.tokenizer,
         metrics_port=args.metrics_port,
         offload=not args.no_offload,

@@ -32,6 +32,7 @@ class GatewayConfig:
     admin_token: str = ""
     policy: str = "token"
     predictor_dir: str | None = None
+    predictor_threads: int = 1  # torch threads for length prediction (more threads slowed it on busy hosts)
     tokenizer_dir: str | None = None  # serving model directory whose tokenizer counts prompt tokens
     max_prompt_tokens: int = 2048
     default_max_tokens: int = 256

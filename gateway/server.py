@@ -36,8 +36,12 @@ def load_tokenizer(tokenizer_dir: str | None):
 
 def build_deps(config: GatewayConfig) -> GatewayDeps:
     """Connect to Redis, register configured clusters, load tokenizer, predictor and policy."""
+    import torch
+
     from predictor.serving import LengthPredictor
 
+    if config.predictor_threads > 0:
+        torch.set_num_threads(config.predictor_threads)
     if not config.redis_url:
         raise ValueError("no Redis URL configured")
     queue = WorkQueue(connect(config.redis_url))

@@ -134,6 +134,7 @@ async def up(args) -> int:
             admin_token=token,
             policy=args.policy,
             predictor_dir=args.predictor,
+            predictor_threads=args.predictor_threads,
             tokenizer_dir=args.tokenizer,
             metrics_port=args.metrics_port,
             offload=not args.no_offload,
