@@ -201,3 +201,33 @@ def test_health_and_reflection(gateway):
         )
         names = {s.name for s in answer.list_services_response.service}
         assert {"fleetbatch.v1.BatchService", "fleetbatch.v1.AdminService"} <= names
+
+
+def test_a_restarted_gateway_loses_nothing(redis_url):
+    config = GatewayConfig(
+        redis_url=redis_url, policy="round_robin", offload=False, clusters=[ClusterSpec("a")]
+    )
+    first = GatewayThread(config)
+    with grpc.insecure_channel(first.start()) as ch:
+        batch = pb_grpc.BatchServiceStub(ch).SubmitBatch(batch_of(4, batch_id="survivor"))
+    first.stop()
+    queue = WorkQueue(connect(redis_url))
+    (claimed, *_) = queue.claim("a", 1, "w", 30)
+    queue.complete(
+        claimed.query.gid, {"query_id": claimed.query.query_id, "text": "done before restart"}, "completed", 3
+    )
+    second = GatewayThread(GatewayConfig(redis_url=redis_url, policy="round_robin", offload=False))
+    try:
+        with grpc.insecure_channel(second.start()) as ch:
+            stub = pb_grpc.BatchServiceStub(ch)
+            info = stub.GetBatch(pb.GetBatchRequest(batch_id=batch.id))
+            assert (
+                info.status == pb.IN_PROGRESS
+                and info.request_counts.total == 4
+                and info.request_counts.completed == 1
+            )
+            (result,) = list(stub.StreamResults(pb.StreamResultsRequest(batch_id=batch.id)))
+            assert result.text == "done before restart"
+            assert queue.clusters(["a"])[0].queue_length == 3
+    finally:
+        second.stop()
