@@ -13,10 +13,11 @@ import logging
 import redis
 
 from predictor.datasets import Record
+from workqueue.keys import OBSERVED
 
 log = logging.getLogger(__name__)
 
-OBSERVED_KEY = "fb:observed"
+OBSERVED_KEY = OBSERVED  # the key schema lives in workqueue.keys
 
 
 def encode_observed(
