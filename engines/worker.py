@@ -57,6 +57,7 @@ class Worker:
         self._lock = threading.Lock()
         self.stop_event = threading.Event()
         self.finished = 0
+        self.removed = False  # the cluster was removed by `gateway rebalance --remove`: claim nothing
 
     # ------------------------------------------------------------------ main loop
 
@@ -83,10 +84,12 @@ class Worker:
                     if n:
                         log.warning("requeued %d queries whose worker stopped renewing its lease", n)
                     last_requeue = now
-                self._admit()
                 if now - last_cancel > c.cancel_check_s:
                     self._check_cancelled()
+                    self._check_removed()
                     last_cancel = now
+                if not self.removed:
+                    self._admit()
                 if not self.engine.has_unfinished():
                     self.stop_event.wait(idle_sleep)
                     idle_sleep = min(c.idle_poll_max_s, idle_sleep * 2)
@@ -156,6 +159,16 @@ class Worker:
                 victims = [g for g, cq in self.inflight.items() if cq.query.batch_id in cancelled]
             for g in victims:
                 self.engine.abort_request(g)
+
+    def _check_removed(self) -> None:
+        removed = self.queue.cluster_state(self.config.cluster) == "removed"
+        if removed != self.removed:
+            log.warning(
+                "cluster %s was %s",
+                self.config.cluster,
+                "removed: claiming nothing more" if removed else "re-added",
+            )
+        self.removed = removed
 
     def _finish(self, outputs: list[RequestOutput]) -> None:
         observed = []

@@ -303,11 +303,12 @@ class AdminService(pb_grpc.AdminServiceServicer):
         await self._authorize(context)
         if not request.name:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cluster name is empty")
-        resp = await self._run_rebalance(context, [request.name], request.dry_run)
-        if not request.dry_run:
+        if request.name not in await asyncio.to_thread(self.d.queue.cluster_names):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown cluster(s): {request.name}")
+        if not request.dry_run:  # stop new assignments first, then move the queue away
             await asyncio.to_thread(self.d.queue.set_cluster_state, request.name, "draining")
             log.info("cluster %s is draining", request.name)
-        return resp
+        return await self._run_rebalance(context, [request.name], request.dry_run)
 
     async def AddCluster(self, request: pb.AddClusterRequest, context) -> pb.ClusterStatus:
         await self._authorize(context)
@@ -343,8 +344,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"cluster {request.name} has {infos[0].inflight} running queries; drain it first or pass force",
             )
-        resp = await self._run_rebalance(context, [request.name], request.dry_run)
-        if not request.dry_run:
+        if not request.dry_run:  # stop new assignments first, then move the queue away
             await asyncio.to_thread(self.d.queue.set_cluster_state, request.name, "removed")
             log.info("cluster %s removed", request.name)
-        return resp
+        return await self._run_rebalance(context, [request.name], request.dry_run)

@@ -173,6 +173,10 @@ class WorkQueue:
             raise ValueError(f"unknown cluster state {state!r}")
         self.r.hset(keys.cluster_info(name), "state", state)
 
+    def cluster_state(self, name: str) -> str:
+        """``active``, ``draining`` or ``removed`` (``active`` for a cluster never configured)."""
+        return self.r.hget(keys.cluster_info(name), "state") or "active"
+
     def remove_cluster(self, name: str) -> None:
         pipe = self.r.pipeline(transaction=True)
         pipe.srem(keys.CLUSTERS, name)
