@@ -13,14 +13,17 @@ devices first):
     decode  >= (n - 1) * max(Sigma_d, m_d * T_d)         (min over the candidate v_d)
 
 No plan the search can return is faster; a speedup over a baseline of latency ``T_base`` is at
-most ``T_base / bound``.
+most ``T_base / bound``. With tensor parallelism the same relaxation runs on the stage units of
+every grouping of ``planner.search.tp_groupings`` (a TP group is one "device" with t times the
+layer room and its TP layer times) and the smallest is kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from planner.costs import Problem
+from planner.search import tp_groupings
 
 
 def _bottleneck(times: list[float], caps: list[float], layers: int) -> float:
@@ -53,9 +56,25 @@ def pipeline_latency_bound(
     omega_cap: float | None,
     micro_batches: list[tuple[int, int]],
     kappas: list[int],
+    tp_sizes: Sequence[int] = (1,),
+) -> float:
+    """Lower bound on any plan's batch latency; with ``tp_sizes`` beyond (1,), over every plan whose
+    stages are tensor-parallel groups of those sizes (the smallest bound over the groupings)."""
+    return min(
+        _bound_units(problem, omega_cap, micro_batches, kappas, units)
+        for units in tp_groupings(problem, tp_sizes)
+    )
+
+
+def _bound_units(
+    problem: Problem,
+    omega_cap: float | None,
+    micro_batches: list[tuple[int, int]],
+    kappas: list[int],
+    units: tuple[int, ...],
 ) -> float:
     L, wl = problem.layers, problem.workload
-    devs = range(len(problem.cluster.devices))
+    devs = units
     bits = [
         b
         for b in problem.bits
@@ -63,12 +82,12 @@ def pipeline_latency_bound(
     ]
     if not bits:
         return float("inf")
-    n_dev = len(problem.cluster.devices)
+    n_dev = len(units)
     S = max(n_dev, 3)
     kmax = max(kappas)
     const = min(problem.stage_memory_constant(S, k, 1, 1, kmax) for k in range(S))
     per_layer = min(problem.layer_bytes(b) for b in bits)
-    caps = [max(0.0, (problem.capacity(d) - const) / per_layer) for d in devs]
+    caps = [max(0.0, problem.unit_tp(d) * (problem.capacity(d) - const) / per_layer) for d in devs]
 
     def phase(t_of: Callable[[int, int], float]) -> tuple[float, float]:
         t = [min(t_of(d, b) for b in bits) for d in devs]

@@ -8,7 +8,10 @@ from planner.planfile import Plan, StagePlan
 
 def make_plan(problem: Problem, a: Assignment, e: Evaluation, method: str, solve_seconds: float) -> Plan:
     devs = problem.cluster.devices
-    # devices listed in stage order; unused devices are left out
+    # the first device of every stage, in stage order (device_index = k, as without tensor
+    # parallelism), then the other devices of tensor-parallel stages; unused devices are left out
+    groups = [problem.unit_devices(u) for u in a.order]
+    listed = [g[0] for g in groups] + [i for g in groups for i in g[1:]]
     devices = [
         {
             "name": devs[i].name,
@@ -16,8 +19,11 @@ def make_plan(problem: Problem, a: Assignment, e: Evaluation, method: str, solve
             "memory_bytes": devs[i].type.memory_bytes,
             "node": devs[i].node,
         }
-        for i in a.order
+        for i in listed
     ]
+    tp_idx: list[list[int] | None] = []
+    for k, g in enumerate(groups):
+        tp_idx.append([k] + [listed.index(i) for i in g[1:]] if len(g) > 1 else None)
     stages = [
         StagePlan(
             device_index=k,
@@ -27,6 +33,7 @@ def make_plan(problem: Problem, a: Assignment, e: Evaluation, method: str, solve
             predicted_memory_bytes=int(e.stage_memory_bytes[k]),
             predicted_prefill_s=float(e.stage_prefill_s[k]),
             predicted_decode_s=float(e.stage_decode_s[k]),
+            tp_device_indices=tp_idx[k],
         )
         for k, (lo, hi) in enumerate(a.layer_ranges())
     ]
@@ -57,6 +64,7 @@ def make_plan(problem: Problem, a: Assignment, e: Evaluation, method: str, solve
             "predicted_decode_s": float(e.decode_s),
             "objective": float(e.objective),
             "prefill_chunks": a.kappa,
+            "tensor_parallel": [len(g) for g in groups],
             "prefill_chunk_tokens": -(-w.prompt_len // a.kappa),
             "throughput_counts": "generated tokens per second",
         },

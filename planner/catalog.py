@@ -5,6 +5,14 @@ layer reaches in practice and ``layer_overhead_s`` the fixed launch cost of one 
 The defaults are typical for tensor-core GPUs; P100's are calibrated so that the roofline
 profile reproduces the P100/V100 ratios LLM-PQ measured on OPT-13b (14.53x prefill, 7.29x
 decode; see ``planner.latency.paper_ratio_check``).
+
+Intra-node links (assumptions, not measured here; used for tensor parallelism and as a node's
+default ``intra_node_gbps``): V100-32G and A100/A800/H100 are taken as SXM boards on NVLink,
+at roughly the bus bandwidth NCCL's ring all-reduce reaches on them (V100 NVLink2: 300 GB/s
+total per GPU, ~130 GB/s all-reduce bus bandwidth; A100 NVLink3: 600 GB/s, ~230 GB/s; A800:
+400 GB/s, ~150 GB/s; H100 NVLink4: 900 GB/s, ~360 GB/s) with ~10 us per small all-reduce;
+T4 and P100-12G exist only as PCIe cards: PCIe 3.0 x16, 128 Gb/s (the planner's previous
+default), ~25 us per all-reduce; L4 / A10: PCIe 4.0 x16, 256 Gb/s.
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ class DeviceType:
     mem_eff: float = 0.75
     layer_overhead_s: float = 60e-6
     is_cpu: bool = False
+    # link between devices of this type inside one node (Gb/s, per direction) and the fixed cost of
+    # one all-reduce on it; used as a node's default ``intra_node_gbps`` and for tensor parallelism
+    intra_node_gbps: float = 128.0  # PCIe 3.0 x16
+    allreduce_latency_s: float = 25e-6
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,12 +67,57 @@ CATALOG: MappingProxyType[str, DeviceType] = MappingProxyType(
                 mem_eff=0.169,
                 layer_overhead_s=150e-6,
             ),
-            _gpu("V100-32G", 32, 125.0, 900.0, True, False, compute_eff=0.5, mem_eff=0.78),
-            _gpu("A100-40G", 40, 312.0, 1555.0, True, True, compute_eff=0.55, mem_eff=0.8),
-            _gpu("A800-80G", 80, 312.0, 2039.0, True, True, compute_eff=0.55, mem_eff=0.8),
-            _gpu("L4", 24, 121.0, 300.0, True, True, compute_eff=0.45, mem_eff=0.75),
-            _gpu("A10", 24, 125.0, 600.0, True, True, compute_eff=0.45, mem_eff=0.75),
-            _gpu("H100", 80, 989.0, 3350.0, True, True, compute_eff=0.5, mem_eff=0.8, layer_overhead_s=40e-6),
+            _gpu(
+                "V100-32G",
+                32,
+                125.0,
+                900.0,
+                True,
+                False,
+                compute_eff=0.5,
+                mem_eff=0.78,
+                intra_node_gbps=1040.0,
+                allreduce_latency_s=10e-6,
+            ),
+            _gpu(
+                "A100-40G",
+                40,
+                312.0,
+                1555.0,
+                True,
+                True,
+                compute_eff=0.55,
+                mem_eff=0.8,
+                intra_node_gbps=1840.0,
+                allreduce_latency_s=10e-6,
+            ),
+            _gpu(
+                "A800-80G",
+                80,
+                312.0,
+                2039.0,
+                True,
+                True,
+                compute_eff=0.55,
+                mem_eff=0.8,
+                intra_node_gbps=1200.0,
+                allreduce_latency_s=10e-6,
+            ),
+            _gpu("L4", 24, 121.0, 300.0, True, True, compute_eff=0.45, mem_eff=0.75, intra_node_gbps=256.0),
+            _gpu("A10", 24, 125.0, 600.0, True, True, compute_eff=0.45, mem_eff=0.75, intra_node_gbps=256.0),
+            _gpu(
+                "H100",
+                80,
+                989.0,
+                3350.0,
+                True,
+                True,
+                compute_eff=0.5,
+                mem_eff=0.8,
+                layer_overhead_s=40e-6,
+                intra_node_gbps=2880.0,
+                allreduce_latency_s=10e-6,
+            ),
         )
     }
 )

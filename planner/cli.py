@@ -47,6 +47,18 @@ def _chunks(text: str) -> tuple[int, ...]:
     return ks
 
 
+def _tp_sizes(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"tensor-parallel sizes must be integers like 1,2,4, got {text!r}"
+        ) from None
+    if not vals or any(v not in (1, 2, 4) for v in vals):
+        raise argparse.ArgumentTypeError(f"tensor-parallel sizes must be among 1, 2, 4, got {text!r}")
+    return vals
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -174,6 +186,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             omega_budget=args.omega_budget,
             starts=[base[0]] if base else None,
             kappas=list(args.prefill_chunks) if args.prefill_chunks else None,
+            tp_sizes=args.tp_sizes,
         )
         res = None if sr is None else (sr.assignment, sr.evaluation, sr.solve_seconds)
     if res is None:
@@ -182,8 +195,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     save_plan(pl, args.out)
     for k, st in enumerate(pl.stages):
         d = pl.devices[st.device_index]
+        tp = len(st.devices_of_stage)
         print(
-            f"stage {k}: {d['type']:9s} layers [{st.layer_start:3d},{st.layer_end:3d}) bits {sorted(set(st.bits))} "
+            f"stage {k}: {d['type']:9s}{f' x{tp}' if tp > 1 else ''} layers [{st.layer_start:3d},{st.layer_end:3d}) bits {sorted(set(st.bits))} "
             f"mem {st.predicted_memory_bytes / 2**30:6.2f} GiB prefill {st.predicted_prefill_s * 1e3:8.2f} ms "
             f"decode {st.predicted_decode_s * 1e3:7.3f} ms"
         )
@@ -194,6 +208,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "prefill_micro_batch": pl.prefill_micro_batch,
         "decode_micro_batch": pl.decode_micro_batch,
         "prefill_chunks": res[0].kappa,
+        "tensor_parallel": [len(st.devices_of_stage) for st in pl.stages],
         "total_omega": pl.total_omega,
         "predicted_batch_latency_s": pl.predicted_batch_latency_s,
         "predicted_throughput_tokens_per_s": pl.predicted_throughput_tokens_per_s,
@@ -226,6 +241,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         group_size=args.group_size,
         kappas=args.prefill_chunks,
+        tp_sizes=args.tp_sizes,
     )
     table = markdown_table(rows)
     print(table)
@@ -385,6 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="numbers of prefill chunks kappa to consider (SplitQuant's chunked prefill), e.g. 1,2,4,8; "
         "1 = unchunked (default: 1,2,4,8 where a chunk keeps >= 64 prompt tokens)",
     )
+    p.add_argument(
+        "--tp-sizes",
+        type=_tp_sizes,
+        default=(1, 2, 4),
+        help="tensor-parallel group sizes a stage may use (same-type devices on one node; default 1,2,4; "
+        "1 = pipeline only)",
+    )
     p.add_argument("--indicator", help="omega file from quant (default: quant's synthetic indicator)")
     p.add_argument(
         "--profile", action="append", help="DEVICE_TYPE=profile.json measured profile (repeatable)"
@@ -402,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-chunks",
         type=_chunks,
         help="prefill chunk counts kappa our plan may use (default 1,2,4,8; 1 = no chunked prefill)",
+    )
+    c.add_argument(
+        "--tp-sizes",
+        type=_tp_sizes,
+        default=(1, 2, 4),
+        help="tensor-parallel group sizes a stage may use (same-type devices on one node; default 1,2,4; "
+        "1 = pipeline only)",
     )
     c.add_argument("--markdown", help="also write the table to this file")
     c.add_argument("--plot", help="save a bar chart of the speedups (PNG)")

@@ -6,7 +6,7 @@ A spec is YAML or JSON::
     inter_node_gbps: 100          # Gb/s between nodes
     nodes:
       - name: p100s
-        intra_node_gbps: 128      # Gb/s between devices of this node (default 128, PCIe 3 x16)
+        intra_node_gbps: 128      # Gb/s between devices of this node (default: the device type's, catalog)
         devices: [P100, P100, P100]
       - name: v100
         devices: [{type: V100, count: 1}]
@@ -77,10 +77,7 @@ def cluster_from_dict(spec: dict, default_name: str = "cluster") -> Cluster:
         nname = str(node.get("name", f"node{ni}"))
         if any(n == nname for n, _ in intra):
             raise ClusterSpecError(f"duplicate node name {nname!r}")
-        bw = float(node.get("intra_node_gbps", spec.get("intra_node_gbps", DEFAULT_INTRA_GBPS)))
-        if bw <= 0:
-            raise ClusterSpecError(f"node {nname!r}: intra_node_gbps must be positive")
-        intra.append((nname, bw))
+        first = len(devices)
         for entry in node["devices"]:
             if isinstance(entry, str):
                 tname, count, mem = entry, 1, None
@@ -100,6 +97,13 @@ def cluster_from_dict(spec: dict, default_name: str = "cluster") -> Cluster:
                 dt = with_memory(dt, int(float(mem) * GIB))
             for _ in range(count):
                 devices.append(Device(f"{nname}/{len(devices)}", dt, nname))
+        # explicit node value, else the spec's, else the slowest default link of the node's device types
+        types_bw = [d.type.intra_node_gbps for d in devices[first:]]
+        default_bw = min(types_bw) if types_bw else DEFAULT_INTRA_GBPS
+        bw = float(node.get("intra_node_gbps", spec.get("intra_node_gbps", default_bw)))
+        if bw <= 0:
+            raise ClusterSpecError(f"node {nname!r}: intra_node_gbps must be positive")
+        intra.append((nname, bw))
     if not devices:
         raise ClusterSpecError("cluster spec has no devices")
     inter = float(spec.get("inter_node_gbps", DEFAULT_INTER_GBPS))

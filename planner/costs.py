@@ -21,6 +21,15 @@ The decode term is the steady state of a pipeline whose micro-batches each need 
 round trip through all stages before their next step: it is right for any ``m_d`` (LLM-PQ's
 ``sum + (m-1) max`` form is right only when ``m_d`` >= number of stages). Stage times include
 receiving the activations from the previous stage over the link, and the LM head on the last.
+
+Tensor parallelism (SplitQuant): a stage may run on a *unit*, a group of ``t`` devices of one
+type on one node (``t`` in {1, 2, 4}, dividing the heads and KV heads). Unit ids ``0..n-1`` are
+the single devices; larger groups get ids ``n, n+1, ...`` (``Problem.tp_unit``), so
+``Assignment.order`` holds unit ids and the ILP and heuristics need no change. On a unit every
+device holds 1/t of the stage's layer weights and KV cache (embeddings, LM head and activations
+are counted in full on every device: conservative); a layer's time is its single-device time
+with the part above the fixed per-layer overhead divided by t, plus two ring all-reduces of the
+layer's output activations (``2 (t-1)/t * bytes / intra-node bandwidth + latency`` each).
 """
 
 from __future__ import annotations
@@ -67,7 +76,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Assignment:
-    """One candidate plan: ``order[k]`` is the cluster device of stage ``k``."""
+    """One candidate plan: ``order[k]`` is the unit of stage ``k``: a cluster device index, or the id of a
+    tensor-parallel group (``Problem.tp_unit`` / ``Problem.unit_devices``)."""
 
     order: tuple[int, ...]
     stage_layers: tuple[int, ...]
@@ -119,8 +129,10 @@ class Problem:
     omega: dict[int, dict[int, float]]
     latency: dict[str, LatencyModel]
     _cache: dict = field(default_factory=dict, repr=False)
+    _units: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        self._units = [(i,) for i in range(len(self.cluster.devices))]
         L = self.shape.layers
         missing = [i for i in range(L) if i not in self.omega]
         if missing:
@@ -160,38 +172,100 @@ class Problem:
     def micro_batches(self, v: int) -> int:
         return math.ceil(self.workload.batch / v)
 
+    # ---- stage units: single devices (ids 0..n-1) and tensor-parallel groups (ids n, n+1, ...)
+
+    def tp_allowed(self, t: int) -> bool:
+        """Whether the model's heads, KV heads and MLP width split evenly over ``t`` devices."""
+        sh = self.shape
+        return t >= 1 and sh.heads % t == 0 and sh.kv_heads % t == 0 and sh.intermediate % t == 0
+
+    def tp_unit(self, devices: Sequence[int]) -> int:
+        """Unit id of a tensor-parallel group (registered on first use); a single device is its own id."""
+        group = tuple(devices)
+        if len(group) == 1:
+            return group[0]
+        c = self.cluster.devices
+        if len(set(group)) != len(group) or not all(0 <= i < len(c) for i in group):
+            raise ValueError(f"bad tensor-parallel group {group}")
+        if len({(c[i].node, c[i].type.name) for i in group}) != 1:
+            raise ValueError(f"tensor-parallel group {group} mixes nodes or device types")
+        if not self.tp_allowed(len(group)):
+            raise ValueError(f"{self.shape.name} does not split over {len(group)} devices")
+        if group not in self._units:
+            self._units.append(group)
+        return self._units.index(group)
+
+    def unit_devices(self, u: int) -> tuple[int, ...]:
+        return self._units[u]
+
+    def unit_tp(self, u: int) -> int:
+        return len(self._units[u])
+
+    def _lead(self, u: int) -> int:
+        return self._units[u][0]
+
+    def _dtype(self, u: int):
+        return self.cluster.devices[self._units[u][0]].type
+
+    def allreduce_s(self, u: int, nbytes: float) -> float:
+        """One ring all-reduce of ``nbytes`` over the devices of unit ``u`` (0 for a single device)."""
+        g = self._units[u]
+        t = len(g)
+        if t == 1:
+            return 0.0
+        bw = self.cluster.bandwidth_bytes_per_s(g[0], g[1])
+        return 2 * (t - 1) / t * nbytes / bw + self._dtype(u).allreduce_latency_s
+
+    def _tp_layer_s(self, u: int, single_s: float, tokens: float) -> float:
+        """A layer's time on unit ``u`` from its single-device time: work / t + 2 all-reduces of ``tokens`` x hidden."""
+        t = self.unit_tp(u)
+        if t == 1:
+            return single_s
+        o = min(single_s, self._dtype(u).layer_overhead_s)
+        return (single_s - o) / t + o + 2 * self.allreduce_s(u, tokens * self.shape.hidden * 2)
+
     def capacity(self, dev: int) -> int:
-        return usable_bytes(self.cluster.devices[dev].type)
+        """Usable bytes of one device (of the unit's devices)."""
+        return usable_bytes(self._dtype(dev))
 
     def layer_prefill_s(self, dev: int, bits: int, v: int, kappa: int = 1) -> float:
         """One layer's time for one prefill item: a micro-batch of ``v`` prompts, or one of its ``kappa`` chunks."""
-        key = ("p", self.cluster.devices[dev].type.name, bits, v, kappa)
+        tp = self.unit_tp(dev)
+        key = ("p", self._dtype(dev).name if tp == 1 else ("u", dev), bits, v, kappa)
         if key not in self._cache:
-            lm = self.latency[key[1]]
+            lm = self.latency[self._dtype(dev).name]
             s = self.workload.prompt_len
             t = lm.prefill_s(bits, v, s) if kappa == 1 else lm.prefill_chunked_s(bits, v, s, kappa) / kappa
+            t = self._tp_layer_s(dev, max(0.0, t), v * math.ceil(s / kappa))
             self._cache[key] = max(0.0, t)
         return self._cache[key]
 
     def layer_decode_s(self, dev: int, bits: int, v: int) -> float:
-        key = ("d", self.cluster.devices[dev].type.name, bits, v)
+        tp = self.unit_tp(dev)
+        key = ("d", self._dtype(dev).name if tp == 1 else ("u", dev), bits, v)
         if key not in self._cache:
-            lm = self.latency[key[1]]
-            self._cache[key] = max(0.0, lm.decode_s(bits, v, self.workload.mean_context))
+            lm = self.latency[self._dtype(dev).name]
+            t = max(0.0, lm.decode_s(bits, v, self.workload.mean_context))
+            self._cache[key] = max(0.0, self._tp_layer_s(dev, t, v))
         return self._cache[key]
 
     def head_s(self, dev: int, v: int) -> float:
-        key = ("h", self.cluster.devices[dev].type.name, v)
+        """LM head on the stage's first device (not split over a tensor-parallel group: conservative)."""
+        key = ("h", self._dtype(dev).name, v)
         if key not in self._cache:
-            self._cache[key] = lm_head_s(self.cluster.devices[dev].type, self.shape, v)
+            self._cache[key] = lm_head_s(self._dtype(dev), self.shape, v)
         return self._cache[key]
+
+    def link_bytes_per_s(self, src: int, dst: int) -> float:
+        """Link between the first devices of two units."""
+        return self.cluster.bandwidth_bytes_per_s(self._lead(src), self._lead(dst))
 
     def comm_prefill_s(self, src: int, dst: int, v: int) -> float:
         nbytes = v * self.workload.prompt_len * self.shape.hidden * 2
-        return nbytes / self.cluster.bandwidth_bytes_per_s(src, dst)
+        return nbytes / self.link_bytes_per_s(src, dst)
 
     def comm_decode_s(self, src: int, dst: int, v: int) -> float:
-        return v * self.shape.hidden * 2 / self.cluster.bandwidth_bytes_per_s(src, dst)
+        return v * self.shape.hidden * 2 / self.link_bytes_per_s(src, dst)
 
     def stage_constants(
         self, order: Sequence[int], k: int, v_p: int, v_d: int, kappa: int = 1
@@ -223,6 +297,16 @@ class Problem:
             total += m.head_bytes(also_first=first)
         return total
 
+    def stage_room(self, unit: int, n_stages: int, k: int, v_p: int, v_d: int, kappa: int = 1) -> int:
+        """Bytes of layers (weights + KV, summed over the unit's devices) stage ``k`` on ``unit`` can hold.
+
+        Every device of a tensor-parallel unit holds 1/t of the layers and a full copy of the stage
+        constant, so t * (capacity - constant).
+        """
+        return self.unit_tp(unit) * (
+            self.capacity(unit) - self.stage_memory_constant(n_stages, k, v_p, v_d, kappa)
+        )
+
     def layer_bytes(self, bits: int) -> int:
         """Weights plus KV cache of one layer at ``bits``."""
         key = ("w", bits)
@@ -239,6 +323,9 @@ class Problem:
         if any(n < 1 for n in a.stage_layers) or len(a.stage_layers) != len(a.order):
             raise ValueError("every device in the order must hold at least one layer")
         S = len(a.order)
+        phys = [d for u in a.order for d in self.unit_devices(u)]
+        if len(set(phys)) != len(phys):
+            raise ValueError(f"order {a.order} uses a device twice")
         pre, dec, mem, cap = [], [], [], []
         for k, (lo, hi) in enumerate(a.layer_ranges()):
             dev = a.order[k]
@@ -247,9 +334,9 @@ class Problem:
                 cp + sum(self.layer_prefill_s(dev, a.bits[i], a.v_prefill, a.kappa) for i in range(lo, hi))
             )
             dec.append(cd + sum(self.layer_decode_s(dev, a.bits[i], a.v_decode) for i in range(lo, hi)))
-            mem.append(
+            mem.append(  # per device: the constant + 1/t of the layers
                 self.stage_memory_constant(S, k, a.v_prefill, a.v_decode, a.kappa)
-                + sum(self.layer_bytes(a.bits[i]) for i in range(lo, hi))
+                + -(-sum(self.layer_bytes(a.bits[i]) for i in range(lo, hi)) // self.unit_tp(dev))
             )
             cap.append(self.capacity(dev))
         m_p, m_d = self.micro_batches(a.v_prefill), self.micro_batches(a.v_decode)

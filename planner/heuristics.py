@@ -49,7 +49,7 @@ def balanced_split(weights: Sequence[float], max_layers: Sequence[int], layers: 
 def _max_layers(
     problem: Problem, order: Sequence[int], k: int, bits: int, v_p: int, v_d: int, kappa: int = 1
 ) -> int:
-    room = problem.capacity(order[k]) - problem.stage_memory_constant(len(order), k, v_p, v_d, kappa)
+    room = problem.stage_room(order[k], len(order), k, v_p, v_d, kappa)
     return max(0, room // problem.layer_bytes(bits))
 
 

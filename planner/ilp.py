@@ -92,8 +92,7 @@ def solve_order(
     pre_terms, dec_terms = [], []
     horizon = 0
     for k, dev in enumerate(order):
-        const_mem = problem.stage_memory_constant(S, k, v_prefill, v_decode, kappa)
-        room = problem.capacity(dev) - const_mem
+        room = problem.stage_room(dev, S, k, v_prefill, v_decode, kappa)
         if room <= 0:
             return IlpResult(None, "infeasible", None, 0.0)
         model.Add(

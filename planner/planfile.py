@@ -2,8 +2,9 @@
 
 Fields: ``version``, ``model`` (name + hidden, layers, heads, kv_heads, intermediate, vocab),
 ``method``, ``devices`` (ordered: stage k runs on ``devices[stages[k].device_index]``),
-``stages`` (``layer_start``, ``layer_end`` exclusive, ``bits`` per layer, predicted memory and
-prefill/decode seconds), ``kv_bits``, micro-batch sizes, workload, ``theta``, ``total_omega``,
+``stages`` (``layer_start``, ``layer_end`` exclusive, ``bits`` per layer, predicted memory (per
+device) and prefill/decode seconds, optional ``tp_device_indices``: the devices of a
+tensor-parallel stage, first = ``device_index``), ``kv_bits``, micro-batch sizes, workload, ``theta``, ``total_omega``,
 predicted batch latency and throughput (generated tokens/s), ``solve_seconds``.
 """
 
@@ -31,6 +32,13 @@ class StagePlan:
     predicted_memory_bytes: int
     predicted_prefill_s: float
     predicted_decode_s: float
+    # optional (tensor parallelism): every device of the stage's group, first = device_index;
+    # absent (None) = the stage runs on device_index alone
+    tp_device_indices: list[int] | None = None
+
+    @property
+    def devices_of_stage(self) -> list[int]:
+        return list(self.tp_device_indices) if self.tp_device_indices else [self.device_index]
 
 
 @dataclass
@@ -63,7 +71,11 @@ class Plan:
         raise IndexError(f"layer {i} is not in the plan (model has {self.model['layers']} layers)")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        for st in d["stages"]:  # optional field: left out when unused, so such plans read as before
+            if st.get("tp_device_indices") is None:
+                st.pop("tp_device_indices", None)
+        return d
 
     def validate(self) -> None:
         _validate(self.to_dict())
@@ -121,9 +133,33 @@ def _validate(d: dict) -> None:
             _need(s, key, num, w)
     if expect != model["layers"]:
         raise PlanError(f"plan: stages cover {expect} layers, model has {model['layers']}")
-    used = [s["device_index"] for s in stages]
+    used: list[int] = []
+    for k, s in enumerate(stages):
+        w = f"plan.stages[{k}]"
+        tp = s.get("tp_device_indices")
+        if tp is None:
+            used.append(s["device_index"])
+            continue
+        if (
+            not isinstance(tp, list)
+            or not tp
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in tp)
+        ):
+            raise PlanError(f"{w}: 'tp_device_indices' must be a non-empty list of device indices")
+        if tp[0] != s["device_index"]:
+            raise PlanError(
+                f"{w}: 'tp_device_indices' must start with the stage's device_index {s['device_index']}"
+            )
+        bad = [i for i in tp if not 0 <= i < len(devices)]
+        if bad:
+            raise PlanError(f"{w}: tp device index {bad[0]} out of range (0..{len(devices) - 1})")
+        if len({(devices[i]["node"], devices[i]["type"]) for i in tp}) != 1:
+            raise PlanError(f"{w}: tensor-parallel devices {tp} must be of one type on one node")
+        if model["heads"] % len(tp) or model["kv_heads"] % len(tp):
+            raise PlanError(f"{w}: {len(tp)} tensor-parallel devices do not divide the model's heads")
+        used.extend(tp)
     if len(set(used)) != len(used):
-        raise PlanError("plan: a device is used by two stages")
+        raise PlanError("plan: a device is used twice (by two stages or twice in one stage)")
     for k in (
         "kv_bits",
         "prefill_micro_batch",
@@ -150,7 +186,7 @@ def _validate(d: dict) -> None:
 
 def plan_from_dict(d: dict) -> Plan:
     _validate(d)
-    stages = [StagePlan(**{k: s[k] for k in StagePlan.__dataclass_fields__}) for s in d["stages"]]
+    stages = [StagePlan(**{k: s[k] for k in StagePlan.__dataclass_fields__ if k in s}) for s in d["stages"]]
     kw = {k: d[k] for k in Plan.__dataclass_fields__ if k not in ("stages", "extra") and k in d}
     return Plan(stages=stages, extra=dict(d.get("extra", {})), **kw)
 

@@ -1,5 +1,9 @@
-"""Outer search of the planner: device orders (up to symmetry), micro-batch sizes, and the methods
-that fill in layers and bit widths (ILP, bit-width transfer, adabits).
+"""Outer search of the planner: tensor-parallel groupings, device orders (up to symmetry),
+micro-batch sizes, and the methods that fill in layers and bit widths (ILP, bit-width transfer, adabits).
+
+Each node's same-type devices may be cut into tensor-parallel groups of 1, 2 or 4 devices
+(``tp_groupings``); each group is one stage unit, and the orders are ordered subsets of one
+grouping's units.
 
 Device orders are ordered subsets of the cluster's devices, deduplicated by their signature
 (device type of each stage, link bandwidth between consecutive stages), so devices of one type
@@ -15,6 +19,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from planner.costs import Assignment, Evaluation, Problem
@@ -29,19 +34,68 @@ MAX_ENUMERATED_DEVICES = 7
 
 def _signature(problem: Problem, order: tuple[int, ...]) -> tuple:
     c = problem.cluster
-    types = tuple(c.devices[i].type.name for i in order)
-    links = tuple(c.bandwidth_bytes_per_s(a, b) for a, b in itertools.pairwise(order))
+    types = tuple((c.devices[problem.unit_devices(u)[0]].type.name, problem.unit_tp(u)) for u in order)
+    links = tuple(problem.link_bytes_per_s(a, b) for a, b in itertools.pairwise(order))
     return types, links
 
 
-def device_orders(problem: Problem) -> list[tuple[int, ...]]:
-    """Distinct device orders (ordered subsets, up to symmetry) that could hold the model."""
-    n = len(problem.cluster.devices)
-    if n <= MAX_ENUMERATED_DEVICES:
-        raw = (p for k in range(1, n + 1) for p in itertools.permutations(range(n), k))
-    else:
-        log.warning("%d devices: searching only the listed order and its reverse", n)
-        raw = iter([tuple(range(n)), tuple(reversed(range(n)))])
+def _partitions(n: int, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Ways to write ``n`` as a non-increasing sum of ``sizes``."""
+    out: list[tuple[int, ...]] = []
+
+    def rec(left: int, top: int, acc: tuple[int, ...]) -> None:
+        if left == 0:
+            out.append(acc)
+            return
+        for t in sorted(sizes, reverse=True):
+            if t <= top and t <= left:
+                rec(left - t, t, (*acc, t))
+
+    rec(n, max(sizes), ())
+    return out
+
+
+def tp_groupings(problem: Problem, tp_sizes: Sequence[int] = (1,)) -> list[tuple[int, ...]]:
+    """Ways to cut the cluster into stage units: every node's devices of one type are split into
+    tensor-parallel groups of the sizes in ``tp_sizes`` (1 always allowed; larger only where the model
+    splits evenly). Devices of one type on one node are interchangeable, so one grouping per
+    multiset of sizes. Returns tuples of unit ids; the first is all single devices."""
+    sizes = tuple(sorted({1} | {t for t in tp_sizes if t > 1 and problem.tp_allowed(t)}))
+    pools: dict[tuple[str, str], list[int]] = {}
+    for i, d in enumerate(problem.cluster.devices):
+        pools.setdefault((d.node, d.type.name), []).append(i)
+    per_pool = []
+    for devs in pools.values():
+        opts = []
+        for part in sorted(_partitions(len(devs), sizes), key=len, reverse=True):
+            units, at = [], 0
+            for t in part:
+                units.append(problem.tp_unit(devs[at : at + t]))
+                at += t
+            opts.append(units)
+        per_pool.append(opts)
+    out = []
+    for combo in itertools.product(*per_pool):
+        units = sorted(u for pool in combo for u in pool)
+        out.append(tuple(units))
+    return out
+
+
+def device_orders(problem: Problem, tp_sizes: Sequence[int] = (1,)) -> list[tuple[int, ...]]:
+    """Distinct orders of stage units (ordered subsets, up to symmetry) that could hold the model.
+
+    ``tp_sizes`` = (1,) is pipeline parallelism only (every unit one device, as the baselines use);
+    with larger sizes every tensor-parallel grouping of ``tp_groupings`` contributes its orders.
+    """
+    raw_iters = []
+    for units in tp_groupings(problem, tp_sizes):
+        n = len(units)
+        if n <= MAX_ENUMERATED_DEVICES:
+            raw_iters.append(p for k in range(1, n + 1) for p in itertools.permutations(units, k))
+        else:
+            log.warning("%d stage units: searching only the listed order and its reverse", n)
+            raw_iters.append(iter([tuple(units), tuple(reversed(units))]))
+    raw = itertools.chain(*raw_iters)
     lo = min(problem.bits)
     need_layers = problem.layers * problem.layer_bytes(lo)
     seen: set = set()
@@ -54,7 +108,7 @@ def device_orders(problem: Problem) -> list[tuple[int, ...]]:
             continue
         seen.add(sig)
         S = len(order)
-        room = [problem.capacity(d) - problem.stage_memory_constant(S, k, 1, 1) for k, d in enumerate(order)]
+        room = [problem.stage_room(d, S, k, 1, 1) for k, d in enumerate(order)]
         if min(room) < problem.layer_bytes(lo) or sum(room) < need_layers:
             continue
         out.append(order)
@@ -104,6 +158,7 @@ def plan(
     starts: list[Assignment] | None = None,
     kappas: list[int] | None = None,
     refine_top: int = 6,
+    tp_sizes: Sequence[int] = (1, 2, 4),
 ) -> SearchResult | None:
     """Best plan by ``method``; ``None`` when nothing fits.
 
@@ -115,12 +170,13 @@ def plan(
     (it changes only the prefill term and the activation memory), fixed in the ILP, and chosen
     again on the final plan. With layer groups larger than one layer, the ``refine_top`` best
     combinations are solved again layer by layer (group size 1), warm-started from their plans.
+    ``tp_sizes`` are the tensor-parallel group sizes a stage may use (``(1,)``: pipeline only).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     t0 = time.perf_counter()
     gs = group_size or default_group_size(problem.layers)
-    orders = device_orders(problem)
+    orders = device_orders(problem, tp_sizes)
     combos = [
         (o, vp, vd) for o in orders for vp, vd in (micro_batches or micro_batch_candidates(problem, len(o)))
     ]
@@ -133,6 +189,7 @@ def plan(
         "group_size": gs,
         "ilp_solves": 0,
         "kappas": ks,
+        "tp_sizes": sorted(set(tp_sizes)),
     }
     log.info(
         "%s: %d device orders, %d (order, micro-batch) combinations",

@@ -146,6 +146,18 @@ def test_cli_compare_last_line_json(capsys):
         == 0
     )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for k in ("mean_speedup_vs_best_baseline", "max_speedup_vs_best_baseline", "max_solve_seconds"):
+    for k in (
+        "pairs",
+        "pairs_with_fitting_baseline",
+        "mean_speedup_vs_best_baseline",
+        "max_speedup_vs_best_baseline",
+        "min_speedup_vs_best_baseline",
+        "mean_speedup_upper_bound",
+        "max_solve_seconds",
+        "mean_solve_seconds",
+        "mean_speedup_upper_bound_tp",
+        "pairs_using_tp",
+        "tp_sizes",
+    ):
         assert k in summary
     assert summary["mean_speedup_vs_best_baseline"] >= 1.0
