@@ -56,6 +56,11 @@ def apply_plan(config: EngineConfig) -> list[str]:
         notes.append(f"max_running={decode} from the plan's decode micro-batch")
     if prefill:
         notes.append(f"prefill micro-batch {prefill} noted (prefill_chunk stays {config.prefill_chunk})")
+    stages = [st if isinstance(st, dict) else getattr(st, "__dict__", {}) for st in plan.get("stages") or []]
+    if any(st.get("tp_device_indices") for st in stages):
+        notes.append(
+            "tensor-parallel stages in the plan are not run by the native engine (one device per process)"
+        )
     for n in notes:
         log.info("plan %s: %s", config.plan_path, n)
     return notes

@@ -1,7 +1,8 @@
 """The vLLM backend (GPU only): a plan translated into vLLM engine arguments, driven step by step.
 
 :func:`plan_to_vllm` is pure and tested everywhere: pipeline stages become
-``pipeline_parallel_size`` and ``VLLM_PP_LAYER_PARTITION``; micro-batch sizes bound
+``pipeline_parallel_size`` and ``VLLM_PP_LAYER_PARTITION``, tensor-parallel groups
+``tensor_parallel_size`` (vLLM needs the same size in every stage); micro-batch sizes bound
 ``max_num_seqs`` / ``max_num_batched_tokens``; KV bits pick ``kv_cache_dtype``. vLLM has
 no per-layer mixed weight precision, so a mixed bit map is served at the *widest* bit
 width in the plan (never below the plan's quality), and the translation says so in its
@@ -39,13 +40,19 @@ def plan_to_vllm(
     if any(n <= 0 for n in layers):
         raise ValueError(f"plan has an empty stage: layers per stage {layers}")
     notes: list[str] = []
+    tp_sizes = sorted({len(s.devices_of_stage()) for s in stages})
+    if len(tp_sizes) > 1:
+        raise ValueError(
+            f"the plan mixes tensor-parallel sizes {tp_sizes} across stages; vLLM needs one size "
+            "for every pipeline stage: re-plan with `planner plan --tp-sizes N`"
+        )
     bits = sorted({b for s in stages for b in s.bits})
     widest = max(bits)
     args: dict[str, Any] = {
         "model": model_dir,
         "tokenizer": model_dir,
         "pipeline_parallel_size": len(stages),
-        "tensor_parallel_size": 1,
+        "tensor_parallel_size": tp_sizes[0],
         "gpu_memory_utilization": gpu_memory_utilization,
         "max_num_seqs": max(1, plan.batch_size),
         "max_num_batched_tokens": max(

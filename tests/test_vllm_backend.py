@@ -11,10 +11,12 @@ from engines.vllm_backend import plan_to_vllm, sampling_kwargs
 from planner.planfile import Plan, StagePlan
 
 
-def make_plan(stage_layers, bits, kv_bits=16, batch=32, prefill_mb=4, prompt=512) -> Plan:
+def make_plan(stage_layers, bits, kv_bits=16, batch=32, prefill_mb=4, prompt=512, tp=None) -> Plan:
     stages, start = [], 0
     for i, n in enumerate(stage_layers):
         stages.append(StagePlan(i, start, start + n, bits[start : start + n], 10**9, 0.1, 0.01))
+        if tp:
+            stages[-1].tp_device_indices = tp[i]
         start += n
     return Plan(
         model={"name": "opt-shaped", "layers": start},
@@ -46,6 +48,13 @@ def test_pipeline_stages_become_pp_size_and_layer_partition():
     assert t.engine_args["max_num_seqs"] == 32
     assert t.engine_args["max_num_batched_tokens"] == 4 * 512
     assert t.notes == []
+
+
+def test_tensor_parallel_groups_set_tp_size_and_must_agree():
+    t = plan_to_vllm(make_plan([8, 8], [16] * 16, tp=[[0, 2], [1, 3]]), "/m")
+    assert t.engine_args["tensor_parallel_size"] == 2 and t.engine_args["pipeline_parallel_size"] == 2
+    with pytest.raises(ValueError, match="tensor-parallel sizes"):
+        plan_to_vllm(make_plan([8, 8], [16] * 16, tp=[[0, 2], None]), "/m")
 
 
 def test_single_stage_sets_no_partition_and_int8_maps_to_fp8():
