@@ -40,7 +40,7 @@ def plan_to_vllm(
     if any(n <= 0 for n in layers):
         raise ValueError(f"plan has an empty stage: layers per stage {layers}")
     notes: list[str] = []
-    tp_sizes = sorted({len(s.devices_of_stage()) for s in stages})
+    tp_sizes = sorted({len(s.devices_of_stage) for s in stages})
     if len(tp_sizes) > 1:
         raise ValueError(
             f"the plan mixes tensor-parallel sizes {tp_sizes} across stages; vLLM needs one size "
