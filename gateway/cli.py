@@ -104,6 +104,7 @@ def _add_common(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--tokenizer", default=None, help="serving model directory whose tokenizer counts prompt tokens"
     )
+    s.add_argument("--predictor-threads", type=int, default=1, help="torch threads for length prediction")
     s.add_argument("--admin-token", default=None, help=f"admin API token (default: ${TOKEN_ENV})")
     s.add_argument(
         "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"

@@ -231,3 +231,34 @@ def test_a_restarted_gateway_loses_nothing(redis_url):
             assert queue.clusters(["a"])[0].queue_length == 3
     finally:
         second.stop()
+
+
+def test_gateway_serve_cli_starts_and_stops_cleanly(redis_url):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from tests.harness import REPO
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--listen", "127.0.0.1:0", "--redis-url", redis_url],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address = None
+        for line in proc.stderr:
+            m = re.search(r"gateway listening on (\S+)", line)
+            if m:
+                address = m.group(1)
+                break
+        assert address, "gateway serve never said where it listens"
+        with grpc.insecure_channel(address) as ch:
+            assert pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=10) is not None
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,23 @@
+"""The README's main job, small: `loadgen demo` runs `gateway up` (embedded Redis, 3 engines, gateway),
+submits a generated batch, prints the per-cluster summary and stops everything."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.harness import REPO
+
+
+def test_loadgen_demo_runs_the_local_deployment_end_to_end(tmp_path):
+    cmd = [sys.executable, "-m", "load.cli", "demo", "-n", "24", "--no-progress", "--run-dir", str(tmp_path / "run"),
+           "--gateway-arg=--size", "--gateway-arg=nano", "--gateway-arg=--engine-arg=--max-batch",
+           "--gateway-arg=--engine-arg=4"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["status"] == "completed" and summary["completed"] == 24 and summary["duplicates"] == 0
+    assert set(summary["clusters"]) <= {"fast", "medium", "slow"} and len(summary["clusters"]) >= 2
+    assert "cluster" in out.stdout and "output tok" in out.stdout  # the per-cluster table
+    assert not (tmp_path / "run" / "gateway.json").exists(), "gateway up did not clean up"
