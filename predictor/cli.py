@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--buckets", type=int, default=None, help="number of buckets (default 16 quantile, 10 uniform)"
     )
     t.add_argument(
+        "--max-ratio",
+        type=float,
+        default=None,
+        help="quantile scheme: split buckets whose upper/lower edge ratio exceeds this (log-spaced), "
+        "so the long tail is not one bucket (e.g. 1.5; default: none)",
+    )
+    t.add_argument(
         "--l-max",
         type=float,
         default=None,
@@ -113,6 +120,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight of the log-error term on expected tokens (0: cross-entropy only)",
     )
     t.add_argument(
+        "--mlm-epochs",
+        type=float,
+        default=0.0,
+        help="masked-language-model pre-training epochs on the training prompts before fine-tuning "
+        "(from-scratch models only; 0: none)",
+    )
+    t.add_argument(
+        "--ordinal-sigma",
+        type=float,
+        default=0.0,
+        help="soft ordinal targets: Gaussian of this width (in buckets) around the true bucket (0: hard labels)",
+    )
+    t.add_argument(
+        "--ema",
+        type=float,
+        default=0.0,
+        help="keep an exponential moving average of the weights with this decay per step, e.g. 0.998 (0: off)",
+    )
+    t.add_argument(
         "--limit", type=int, default=None, help="subsample the training split to this many examples"
     )
     t.add_argument(
@@ -132,7 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser(
         "eval",
         help="evaluate a model on a held-out split, with baselines",
-        description="Accuracy, within-one, majority guess, Kendall tau and MAE of expected tokens, per-source figures, a confusion-matrix PNG, and TF-IDF baselines on the same split.",
+        description="Accuracy, within-one, majority guess, Kendall tau and MAE of every point estimate "
+        "(expected, median, midpoint; the headline kendall_tau/mae_tokens are those of the estimate the "
+        "model declares, chosen on validation data at training time), per-source figures, a confusion-matrix "
+        "PNG, and TF-IDF baselines on the same split.",
     )
     _data_args(e)
     _common(e)
@@ -167,6 +196,37 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=64, help="queries per forward pass (default 64)")
     b.add_argument("-n", "--queries", type=int, default=1024, help="queries to time (default 1024)")
     b.add_argument("--warmup", type=int, default=2, help="untimed warm-up batches")
+
+    c = sub.add_parser(
+        "choose",
+        help="(re)choose a model's declared point estimate on the validation split",
+        description="Score the expected, median and midpoint estimates of a model version on the "
+        "validation split, pick the declared one by the rule of predictor.evaluation.choose_point_estimate "
+        "(lowest validation MAE) and record it in the version's predictor.json and metrics.json. "
+        "`predictor train` and `retrain` do this themselves; use it for models saved earlier.",
+    )
+    _data_args(c)
+    _common(c)
+    c.add_argument(
+        "--model", default=DEFAULT_OUT, help=f"model version directory or parent (default {DEFAULT_OUT})"
+    )
+    c.add_argument(
+        "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
+    )
+
+    x = sub.add_parser(
+        "export",
+        help="write a dataset's labels (prompt, length in serving tokens, source, split) as JSONL",
+        description="Count response lengths once with the serving tokenizer and write {prompt, length, "
+        "source, split} lines: `--data FILE.jsonl` then trains on exactly the same examples and splits "
+        "elsewhere (e.g. on an accelerator machine) without the raw data or the tokenizer.",
+    )
+    _data_args(x)
+    _common(x)
+    x.add_argument("--out", required=True, help="JSONL file to write")
+    x.add_argument(
+        "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
+    )
 
     r = sub.add_parser(
         "retrain",
@@ -212,7 +272,10 @@ def _serving_tokenizer(path: str | None):
 def _splits(args, limit: int | None = None):
     from predictor.labeled import load_labeled, split
 
-    data = load_labeled(args.data, args.data_dir, _serving_tokenizer(args.serving_tokenizer))
+    # the serving tokenizer is loaded only if some record needs its response counted
+    # (a JSONL of {prompt, length} lines, e.g. from `predictor export`, needs none)
+    tok = _serving_tokenizer(args.serving_tokenizer) if args.serving_tokenizer else None
+    data = load_labeled(args.data, args.data_dir, tok)
     sp = split(data)
     if limit is not None:
         sp["train"] = sp["train"].sample(limit, args.seed if hasattr(args, "seed") else 0)
@@ -245,6 +308,8 @@ def cmd_train(args) -> dict:
         truncation=args.truncation,
         max_minutes=args.max_minutes if args.max_minutes is not None else (2.2 if args.quick else None),
         log_weight=args.log_weight,
+        ordinal_sigma=args.ordinal_sigma,
+        ema=args.ema,
     )
     t0 = time.monotonic()
     _, sp = _splits(args, limit)
@@ -261,9 +326,13 @@ def cmd_train(args) -> dict:
         args.device,
         progress=True,
         l_max=args.l_max,
+        mlm_epochs=0.0 if args.pretrained else args.mlm_epochs,
+        max_ratio=args.max_ratio,
     )
     extra = {
         "data": args.data,
+        "mlm_epochs": 0.0 if args.pretrained else args.mlm_epochs,
+        "max_ratio": args.max_ratio,
         "model_config": mc.to_dict() if not args.pretrained else {"pretrained": str(args.pretrained)},
         "train_examples": len(sp["train"]),
     }
@@ -278,6 +347,8 @@ def cmd_train(args) -> dict:
         "best_val_loss": round(result.best_val_loss, 4),
         "steps": result.steps,
         "calibration": round(buckets.calibration, 4),
+        "point_estimate": result.point_estimate,
+        "val_estimates": _round(result.val_estimates),
         "minutes": round((time.monotonic() - t0) / 60, 2),
     }
 
@@ -316,7 +387,8 @@ def cmd_eval(args) -> dict:
         truncation=loaded.truncation,
     )
     train_labels = b.label(train.lengths)
-    report = classifier_figures(probs, test.lengths, b, train_labels)
+    point = loaded.point_estimate
+    report = classifier_figures(probs, test.lengths, b, train_labels, point)
     report.update(
         {
             "model": str(loaded.path),
@@ -326,7 +398,7 @@ def cmd_eval(args) -> dict:
             "split": args.split,
         }
     )
-    report["per_source"] = per_source(probs, test.lengths, test.sources, b, train_labels)
+    report["per_source"] = per_source(probs, test.lengths, test.sources, b, train_labels, point)
     if "gsm8k" in report["per_source"]:
         report["gsm8k_accuracy"] = report["per_source"]["gsm8k"]["accuracy"]
         report["mico_gsm8k_accuracy"] = MICO_GSM8K_ACCURACY
@@ -340,7 +412,7 @@ def cmd_eval(args) -> dict:
     )
     if not args.no_baselines:
         lr_probs = tfidf_logreg(train.prompts, train_labels, test.prompts, b.n)
-        lr = classifier_figures(lr_probs, test.lengths, b, train_labels)
+        lr = classifier_figures(lr_probs, test.lengths, b, train_labels, point)  # same point estimate
         report.update(
             {f"tfidf_lr_{k}": lr[k] for k in ("accuracy", "within_one", "kendall_tau", "mae_tokens")}
         )
@@ -367,11 +439,13 @@ def _print_eval(r: dict) -> None:
         f"  accuracy {r['accuracy']:.3f}  within one {r['within_one']:.3f}  majority guess {r['majority_accuracy']:.3f}"
     )
     print(
-        f"  expected tokens: Kendall tau {r['kendall_tau']:.3f}  MAE {r['mae_tokens']:.1f}  sum ratio {r['sum_ratio']:.3f}  batch-64 sum error {r['batch64_sum_error']:.3f}"
+        f"  headline ({r['point_estimate']} tokens, the model's declared point estimate): Kendall tau {r['kendall_tau']:.3f}  MAE {r['mae_tokens']:.1f}"
     )
-    print(
-        f"  midpoint tokens: Kendall tau {r['midpoint_kendall_tau']:.3f}  MAE {r['midpoint_mae_tokens']:.1f}  sum ratio {r['midpoint_sum_ratio']:.3f}"
-    )
+    for name in ("expected", "median", "midpoint"):
+        extra = f"  batch-64 sum error {r['expected_batch64_sum_error']:.3f}" if name == "expected" else ""
+        print(
+            f"  {name + ' tokens:':16s} Kendall tau {r[name + '_kendall_tau']:.3f}  MAE {r[name + '_mae_tokens']:.1f}  sum ratio {r[name + '_sum_ratio']:.3f}{extra}"
+        )
     if "tfidf_ridge_kendall_tau" in r:
         print(
             f"  TF-IDF + logistic regression: accuracy {r['tfidf_lr_accuracy']:.3f}  Kendall tau {r['tfidf_lr_kendall_tau']:.3f}  MAE {r['tfidf_lr_mae_tokens']:.1f}"
@@ -484,6 +558,7 @@ def cmd_retrain(args) -> dict:
         truncation=loaded.truncation,
         seed=args.seed,
         log_weight=float(base.get("log_weight", 1.0)),
+        ordinal_sigma=float(base.get("ordinal_sigma", 0.0)),
         warmup=0.0,
     )
     log.info(
@@ -514,10 +589,63 @@ def cmd_retrain(args) -> dict:
         "initial_val_loss": round(result.initial_val_loss, 4),
         "best_val_loss": round(result.best_val_loss, 4),
         "steps": result.steps,
+        "point_estimate": result.point_estimate,
     }
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "bench": cmd_bench, "retrain": cmd_retrain}
+def cmd_choose(args) -> dict:
+    from predictor import store
+    from predictor.inference import predict_proba
+    from predictor.pipeline import choose_estimate
+    from predictor.training import TrainResult
+
+    loaded = store.load(args.model, args.device)
+    _, sp = _splits(args)
+    val = sp["val"]
+    if not len(val):
+        raise ValueError(f"the validation split of {args.data} is empty")
+    probs = predict_proba(
+        loaded.model, loaded.tokenizer, val.prompts, loaded.max_len, 128, truncation=loaded.truncation
+    )
+    result = TrainResult()
+    choose_estimate(loaded.buckets, probs, val.lengths, result)
+    meta_path = loaded.path / store.META_FILE
+    meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+    meta["point_estimate"] = result.point_estimate
+    tmp = meta_path.with_name(meta_path.name + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    os.replace(tmp, meta_path)
+    metrics = store.read_metrics(loaded.path)
+    metrics.update({"point_estimate": result.point_estimate, "val_estimates": result.val_estimates})
+    store.write_metrics(loaded.path, metrics)
+    return {
+        "model": str(loaded.path),
+        "previous": loaded.point_estimate,
+        "point_estimate": result.point_estimate,
+        "val_estimates": _round(result.val_estimates),
+    }
+
+
+def cmd_export(args) -> dict:
+    from predictor.labeled import split_of
+
+    data, sp = _splits(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for p, n, s in zip(data.prompts, data.lengths, data.sources, strict=True):
+            f.write(json.dumps({"prompt": p, "length": int(n), "source": s, "split": split_of(p)}) + "\n")
+    return {"out": str(out), "examples": len(data), **{k: len(v) for k, v in sp.items()}}
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "eval": cmd_eval,
+    "bench": cmd_bench,
+    "choose": cmd_choose,
+    "export": cmd_export,
+    "retrain": cmd_retrain,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,13 @@
 """Evaluation figures: bucket accuracy (and within one bucket, and the majority guess), Kendall tau
-and MAE of expected tokens, batch-sum calibration, per-source figures, and the confusion matrix plot."""
+and MAE of each point estimate of tokens, batch-sum calibration, per-source figures, the choice of
+a model's point estimate on validation data, and the confusion matrix plot.
+
+Point estimates from the bucket probabilities (see :func:`estimates`):
+
+* ``expected``: the calibrated probability-weighted mean; what the gateway adds up (sums hold);
+* ``median``: the predictive median; minimises the expected absolute error (MAE);
+* ``midpoint``: the midpoint of the argmax bucket (MICO).
+"""
 
 from __future__ import annotations
 
@@ -49,26 +57,68 @@ def point_figures(pred: np.ndarray, true: np.ndarray) -> dict:
     }
 
 
+ESTIMATES = ("expected", "median", "midpoint")
+DEFAULT_ESTIMATE = "expected"  # models saved before the point estimate was chosen on validation data
+
+
+def estimates(buckets: Buckets, probs: np.ndarray) -> dict[str, np.ndarray]:
+    """Every point estimate of tokens (``ESTIMATES``) from bucket probabilities ``(batch, n)``."""
+    probs = np.asarray(probs, dtype=np.float64)
+    return {
+        "expected": buckets.expected(probs),
+        "median": buckets.median(probs),
+        "midpoint": buckets.midpoint(probs.argmax(1)),
+    }
+
+
+def choose_point_estimate(figures: dict[str, dict]) -> str:
+    """The point estimate a model declares, from its figures on the VALIDATION split.
+
+    ``figures`` maps each estimate name to :func:`point_figures`. Rule: the lowest MAE (ties: the
+    order of ``ESTIMATES``). Kendall tau-b cannot arbitrate between the estimates: the midpoint
+    takes only one value per bucket, and tau-b rises when predictions are tied (tied pairs leave
+    the denominator). Rounding the median to its bucket raised validation tau-b from 0.677 to
+    0.697 without ranking any pair better, the same gain the midpoint shows, so a tau-based rule
+    would reward coarseness, not ranking.
+    """
+    names = [n for n in ESTIMATES if n in figures]
+    if not names:
+        raise ValueError("no point-estimate figures to choose from")
+    return min(names, key=lambda n: (figures[n]["mae_tokens"], names.index(n)))
+
+
 def classifier_figures(
-    probs: np.ndarray, lengths: np.ndarray, buckets: Buckets, train_labels: np.ndarray | None = None
+    probs: np.ndarray,
+    lengths: np.ndarray,
+    buckets: Buckets,
+    train_labels: np.ndarray | None = None,
+    point: str = DEFAULT_ESTIMATE,
 ) -> dict:
-    """Bucket figures plus point figures of the expectation and of the argmax midpoint."""
+    """Bucket figures plus point figures of every estimate (``expected_*``, ``median_*``, ``midpoint_*``).
+
+    The unprefixed ``kendall_tau`` and ``mae_tokens`` are those of ``point`` (the model's declared
+    estimate); the unprefixed ``sum_ratio`` and ``batch64_sum_error`` are those of ``expected``,
+    the estimate the gateway adds up.
+    """
+    if point not in ESTIMATES:
+        raise ValueError(f"unknown point estimate {point!r}; choose one of {', '.join(ESTIMATES)}")
     lengths = np.asarray(lengths, dtype=np.float64)
     y = buckets.label(lengths)
     pred = probs.argmax(1)
     majority_ref = np.asarray(train_labels) if train_labels is not None and len(train_labels) else y
     majority = int(np.bincount(majority_ref, minlength=buckets.n).argmax())
-    expected = buckets.expected(probs)
-    midpoint = buckets.midpoint(pred)
     out = {
         "n": int(len(y)),
         "accuracy": float(np.mean(pred == y)) if len(y) else float("nan"),
         "within_one": float(np.mean(np.abs(pred - y) <= 1)) if len(y) else float("nan"),
         "majority_accuracy": float(np.mean(y == majority)) if len(y) else float("nan"),
+        "point_estimate": point,
     }
-    out.update(point_figures(expected, lengths))
-    mid = point_figures(midpoint, lengths)
-    out.update({f"midpoint_{k}": v for k, v in mid.items()})
+    figs = {name: point_figures(est, lengths) for name, est in estimates(buckets, probs).items()}
+    out.update({k: figs[point][k] for k in ("kendall_tau", "mae_tokens")})
+    out.update({k: figs["expected"][k] for k in ("sum_ratio", "batch64_sum_error")})
+    for name in ESTIMATES:
+        out.update({f"{name}_{k}": v for k, v in figs[name].items()})
     return out
 
 
@@ -78,10 +128,11 @@ def per_source(
     sources: Sequence[str],
     buckets: Buckets,
     train_labels: np.ndarray | None = None,
+    point: str = DEFAULT_ESTIMATE,
 ) -> dict[str, dict]:
     src = np.asarray(sources)
     return {
-        s: classifier_figures(probs[src == s], np.asarray(lengths)[src == s], buckets, train_labels)
+        s: classifier_figures(probs[src == s], np.asarray(lengths)[src == s], buckets, train_labels, point)
         for s in sorted(set(src.tolist()))
     }
 

@@ -86,7 +86,7 @@ def records_for(name: str, data_dir: str | os.PathLike | None = None) -> list[Re
 
 def label(records: Sequence[Record], tokenizer=None) -> LabeledSet:
     """Turn records into a :class:`LabeledSet` (lengths in ``tokenizer`` tokens; the serving tokenizer by default)."""
-    if tokenizer is None:
+    if tokenizer is None and any(r.length is None or r.response for r in records):
         from localmodels import default_tokenizer
 
         tokenizer = default_tokenizer()

@@ -103,6 +103,92 @@ def build_classifier(
     return DistilBertForSequenceClassification(config)
 
 
+def pretrain_mlm(
+    cfg: ModelConfig,
+    tokenizer: PreTrainedTokenizerFast,
+    texts: list[str],
+    epochs: float = 5.0,
+    lr: float = 1e-3,
+    batch_size: int = 64,
+    mask_prob: float = 0.15,
+    truncation: str = "head_tail",
+    seed: int = 0,
+    device: str = "cpu",
+    max_minutes: float | None = None,
+) -> dict:
+    """Masked-language-model pre-training of a from-scratch DistilBERT on ``texts`` (the training prompts).
+
+    MICO fine-tunes a pretrained DistilBERT; offline there is none, so this gives the encoder the
+    same kind of start on the only text at hand. BERT's masking: ``mask_prob`` of the non-special
+    tokens are predicted, 80% of them replaced by ``[MASK]``, 10% by a random token, 10% kept.
+    Returns the encoder weights (``distilbert.*`` keys) for :func:`build_classifier`'s model.
+    """
+    import math
+    import time
+
+    import numpy as np
+    from transformers import DistilBertForMaskedLM, get_linear_schedule_with_warmup
+
+    from predictor.inference import collate, encode
+
+    torch.manual_seed(seed)
+    config = DistilBertConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=max(cfg.max_len, 512),
+        n_layers=cfg.layers,
+        n_heads=cfg.heads,
+        dim=cfg.dim,
+        hidden_dim=4 * cfg.dim,
+        dropout=cfg.dropout,
+        attention_dropout=cfg.dropout,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    mlm = DistilBertForMaskedLM(config).to(device)
+    ids = [x for x in encode(tokenizer, texts, cfg.max_len, truncation) if len(x) > 2]
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=device)
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    steps_per_epoch = math.ceil(len(ids) / batch_size)
+    total = max(1, math.ceil(epochs * steps_per_epoch))
+    opt = torch.optim.AdamW(mlm.parameters(), lr=lr, weight_decay=0.01)
+    sched = get_linear_schedule_with_warmup(opt, int(0.06 * total), total)
+    mlm.train()
+    started, order, pos, losses = time.monotonic(), rng.permutation(len(ids)), 0, []
+    for step in range(total):
+        if pos >= len(order):
+            order, pos = rng.permutation(len(ids)), 0
+        idx = order[pos : pos + batch_size]
+        pos += batch_size
+        input_ids, mask = collate([ids[i] for i in idx], tokenizer.pad_token_id)
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        can = (mask == 1) & ~torch.isin(input_ids, special)
+        r = torch.rand(input_ids.shape, generator=gen, device=device)
+        chosen = can & (r < mask_prob)
+        labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+        how = torch.rand(input_ids.shape, generator=gen, device=device)
+        masked = input_ids.clone()
+        masked[chosen & (how < 0.8)] = tokenizer.mask_token_id
+        rand_pos = chosen & (how >= 0.8) & (how < 0.9)
+        masked[rand_pos] = torch.randint(len(tokenizer), (int(rand_pos.sum()),), generator=gen, device=device)
+        # the vocabulary projection only at the masked positions (most of the cost otherwise)
+        hidden = mlm.distilbert(input_ids=masked, attention_mask=mask)[0][chosen]
+        logits = mlm.vocab_projector(mlm.vocab_layer_norm(mlm.activation(mlm.vocab_transform(hidden))))
+        loss = torch.nn.functional.cross_entropy(logits, labels[chosen])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(mlm.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if (step + 1) % steps_per_epoch == 0 or step + 1 == total:
+            log.info("MLM step %d/%d: loss %.3f", step + 1, total, float(np.mean(losses)))
+            losses = []
+        if max_minutes is not None and time.monotonic() - started > 60 * max_minutes:
+            log.info("MLM pre-training stopped at step %d: time cap of %.1f minutes", step + 1, max_minutes)
+            break
+    return {k: v.detach().cpu() for k, v in mlm.state_dict().items() if k.startswith("distilbert.")}
+
+
 def load_pretrained(
     path: str | os.PathLike, num_labels: int
 ) -> tuple[DistilBertForSequenceClassification, PreTrainedTokenizerFast]:

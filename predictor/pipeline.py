@@ -14,9 +14,10 @@ import torch
 
 from predictor import store
 from predictor.buckets import Buckets, make_buckets
+from predictor.evaluation import choose_point_estimate, estimates, point_figures
 from predictor.inference import predict_proba
 from predictor.labeled import LabeledSet
-from predictor.model import ModelConfig, build_classifier, load_pretrained, train_wordpiece
+from predictor.model import ModelConfig, build_classifier, load_pretrained, pretrain_mlm, train_wordpiece
 from predictor.training import TrainConfig, TrainResult, train
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,35 @@ def calibrate(buckets: Buckets, probs: np.ndarray, lengths: np.ndarray) -> Bucke
     return buckets.with_calibration(true / raw)
 
 
+def _val_figures(buckets: Buckets, lengths: np.ndarray):
+    """History hook: Kendall tau and MAE of the median and expectation on the validation split."""
+
+    def evaluate(probs: np.ndarray) -> dict:
+        out = {}
+        for name, est in estimates(buckets, probs).items():
+            if name != "midpoint":
+                f = point_figures(est, lengths)
+                out[f"val_{name}_tau"], out[f"val_{name}_mae"] = f["kendall_tau"], f["mae_tokens"]
+        return out
+
+    return evaluate
+
+
+def choose_estimate(buckets: Buckets, probs: np.ndarray, lengths: np.ndarray, result: TrainResult) -> None:
+    """Score every point estimate on the validation split and record the declared one in ``result``."""
+    figs = {
+        name: {k: v for k, v in point_figures(est, lengths).items() if k in ("kendall_tau", "mae_tokens")}
+        for name, est in estimates(buckets, probs).items()
+    }
+    result.val_estimates = figs
+    result.point_estimate = choose_point_estimate(figs)
+    log.info(
+        "point estimate %s (validation: %s)",
+        result.point_estimate,
+        ", ".join(f"{n} tau {f['kendall_tau']:.3f} MAE {f['mae_tokens']:.1f}" for n, f in figs.items()),
+    )
+
+
 def fit(
     train_set: LabeledSet,
     val_set: LabeledSet,
@@ -42,11 +72,17 @@ def fit(
     device: str = "cpu",
     progress: bool = True,
     l_max: float | None = None,
+    mlm_epochs: float = 0.0,
+    max_ratio: float | None = None,
 ):
-    """Build buckets, tokenizer and model from ``train_set`` and train; returns ``(model, tokenizer, buckets, result)``."""
+    """Build buckets, tokenizer and model from ``train_set`` and train; returns ``(model, tokenizer, buckets, result)``.
+
+    ``mlm_epochs > 0`` first pre-trains a from-scratch encoder as a masked language model on the
+    training prompts (:func:`predictor.model.pretrain_mlm`).
+    """
     model_cfg = model_cfg or ModelConfig()
     train_cfg = train_cfg or TrainConfig(max_len=model_cfg.max_len)
-    buckets = make_buckets(train_set.lengths, scheme, n_buckets, l_max)
+    buckets = make_buckets(train_set.lengths, scheme, n_buckets, l_max, max_ratio)
     log.info("%s buckets (%d): edges %s", buckets.scheme, buckets.n, [round(e, 1) for e in buckets.edges])
     if pretrained:
         model, tok = load_pretrained(pretrained, buckets.n)
@@ -55,6 +91,21 @@ def fit(
         tok = train_wordpiece(train_set.prompts, model_cfg.vocab_size)
         log.info("trained a %d-token WordPiece tokenizer in %.1fs", len(tok), time.monotonic() - t0)
         model = build_classifier(model_cfg, tok, buckets.n, seed=train_cfg.seed)
+        if mlm_epochs > 0:
+            t0 = time.monotonic()
+            enc = pretrain_mlm(
+                model_cfg,
+                tok,
+                train_set.prompts,
+                mlm_epochs,
+                truncation=train_cfg.truncation,
+                seed=train_cfg.seed,
+                device=device,
+            )
+            missing = model.load_state_dict(enc, strict=False)
+            if any(k.startswith("distilbert.") for k in missing.missing_keys):
+                raise RuntimeError(f"MLM encoder weights do not fit the classifier: {missing.missing_keys}")
+            log.info("MLM pre-training: %.1f epochs in %.1fs", mlm_epochs, time.monotonic() - t0)
     model.to(device)
     log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
     result = train(
@@ -68,10 +119,12 @@ def fit(
         progress,
         train_lengths=train_set.lengths,
         values=np.asarray(buckets.values),
+        evaluate=_val_figures(buckets, val_set.lengths),
     )
     probs = predict_proba(model, tok, val_set.prompts, train_cfg.max_len, truncation=train_cfg.truncation)
     buckets = calibrate(buckets, probs, val_set.lengths)
     log.info("calibration factor %.3f", buckets.calibration)
+    choose_estimate(buckets, probs, val_set.lengths, result)
     return model, tok, buckets, result
 
 
@@ -99,7 +152,9 @@ def retrain(
     probs = predict_proba(
         loaded.model, loaded.tokenizer, val_set.prompts, train_cfg.max_len, truncation=train_cfg.truncation
     )
-    return calibrate(buckets.with_calibration(1.0), probs, val_set.lengths), result
+    buckets = calibrate(buckets.with_calibration(1.0), probs, val_set.lengths)
+    choose_estimate(buckets, probs, val_set.lengths, result)
+    return buckets, result
 
 
 def save_version(
@@ -118,6 +173,7 @@ def save_version(
         "train_config": asdict(train_cfg),
         "torch": torch.__version__,
         **(extra or {}),
+        "point_estimate": result.point_estimate,
     }
     metrics = {
         "initial_val_loss": result.initial_val_loss,
@@ -125,6 +181,8 @@ def save_version(
         "best_step": result.best_step,
         "steps": result.steps,
         "stopped_early": result.stopped_early,
+        "point_estimate": result.point_estimate,
+        "val_estimates": result.val_estimates,
         "history": result.history,
     }
     return store.save(out, model.cpu(), tokenizer, buckets, meta, metrics)

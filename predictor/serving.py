@@ -28,9 +28,17 @@ FALLBACK_VERSION = "fallback"
 
 @dataclass(frozen=True)
 class LengthPrediction:
-    expected_tokens: float  # probability-weighted expectation over buckets (calibrated)
+    expected_tokens: float  # probability-weighted expectation over buckets (calibrated): add these up
     midpoint_tokens: float  # midpoint of the argmax bucket (MICO)
     bucket: int  # argmax bucket (-1 for the heuristic fallback)
+    median_tokens: float | None = None  # predictive median (minimises absolute error); None if not computed
+
+    def estimate(self, name: str) -> float:
+        """The point estimate ``name`` (``expected``, ``median`` or ``midpoint``) in tokens."""
+        if name not in ("expected", "median", "midpoint"):
+            raise ValueError(f"unknown point estimate {name!r}")
+        value = getattr(self, f"{name}_tokens")
+        return self.expected_tokens if value is None else value
 
 
 class LengthPredictor:
@@ -74,6 +82,13 @@ class LengthPredictor:
         return self._loaded is None
 
     @property
+    def point_estimate(self) -> str:
+        """The estimate the model declares for per-query ranking/error (chosen on validation data);
+        token *sums* should use ``expected_tokens``, which is calibrated for them."""
+        loaded = self._loaded
+        return "expected" if loaded is None else loaded.point_estimate
+
+    @property
     def model_path(self) -> Path | None:
         loaded = self._loaded
         return None if loaded is None else loaded.path
@@ -90,7 +105,7 @@ class LengthPredictor:
         if loaded is None:
             words = np.array([len(p.split()) for p in prompts])
             est = prompt_length_heuristic(words)
-            return [LengthPrediction(float(e), float(e), -1) for e in est]
+            return [LengthPrediction(float(e), float(e), -1, float(e)) for e in est]
         with self._run_lock, torch.inference_mode():
             probs = predict_proba(
                 loaded.model,
@@ -103,9 +118,10 @@ class LengthPredictor:
         expected = loaded.buckets.expected(probs)
         buckets = probs.argmax(1)
         midpoint = loaded.buckets.midpoint(buckets)
+        median = loaded.buckets.median(probs)
         return [
-            LengthPrediction(float(e), float(m), int(b))
-            for e, m, b in zip(expected, midpoint, buckets, strict=True)
+            LengthPrediction(float(e), float(m), int(b), float(md))
+            for e, m, b, md in zip(expected, midpoint, buckets, median, strict=True)
         ]
 
     def reload(self, model_dir: str | os.PathLike | None = None) -> str:

@@ -50,6 +50,12 @@ class LoadedModel:
     def truncation(self) -> str:
         return str(self.meta.get("truncation", "head"))
 
+    @property
+    def point_estimate(self) -> str:
+        """``expected``, ``median`` or ``midpoint``: chosen on validation data at training time
+        (models saved without the field declare ``expected``)."""
+        return str(self.meta.get("point_estimate", "expected"))
+
 
 def is_version_dir(path: str | os.PathLike) -> bool:
     p = Path(path)

@@ -35,9 +35,13 @@ class TrainConfig:
     seed: int = 0
     max_minutes: float | None = None  # wall-clock cap; stops at the next evaluation after it
     log_weight: float = 1.0  # weight of the squared log error of the expected tokens (0: plain cross-entropy)
+    ordinal_sigma: float = 0.0  # >0: soft targets exp(-(k - y)^2 / (2 sigma^2)) over bucket indices k
+    ema: float = 0.0  # >0: evaluate and keep an exponential moving average of the weights (decay per step)
 
     def __post_init__(self) -> None:
         if self.epochs <= 0 or self.batch_size < 1 or self.lr <= 0 or self.evals_per_epoch < 1:
+            raise ValueError(f"training config out of range: {self}")
+        if self.ordinal_sigma < 0 or not 0 <= self.ema < 1:
             raise ValueError(f"training config out of range: {self}")
 
 
@@ -49,13 +53,20 @@ class TrainResult:
     best_step: int = 0
     steps: int = 0
     stopped_early: bool = False
+    point_estimate: str = "expected"  # the model's declared point estimate (chosen on validation data)
+    val_estimates: dict = field(default_factory=dict)  # validation figures of every point estimate
 
 
 @torch.no_grad()
 def val_loss(
-    model, ids: list[list[int]], labels: np.ndarray, pad_id: int, batch_size: int = 128
+    model,
+    ids: list[list[int]],
+    labels: np.ndarray,
+    pad_id: int,
+    batch_size: int = 128,
+    probs_out: np.ndarray | None = None,
 ) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy on pre-encoded examples."""
+    """Mean cross-entropy and accuracy on pre-encoded examples (bucket probabilities into ``probs_out``)."""
     was = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -68,6 +79,8 @@ def val_loss(
         logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
         total += F.cross_entropy(logits, y, reduction="sum").item()
         correct += (logits.argmax(-1) == y).sum().item()
+        if probs_out is not None:
+            probs_out[idx] = torch.softmax(logits.float(), -1).cpu().numpy()
     model.train(was)
     return total / max(len(ids), 1), correct / max(len(ids), 1)
 
@@ -82,6 +95,38 @@ def expectation_loss(logits: torch.Tensor, lengths: torch.Tensor, values: torch.
     return torch.mean((torch.log1p(expected) - torch.log1p(lengths.float())) ** 2)
 
 
+def soft_targets(labels: torch.Tensor, n: int, sigma: float) -> torch.Tensor:
+    """Ordinal soft labels: ``exp(-(k - y)^2 / (2 sigma^2))`` over bucket indices ``k``, normalised.
+
+    Buckets are ordered; a near miss should cost less than a far one. With quantile buckets the
+    index is the training-length quantile, so ``sigma`` is a width in quantile steps.
+    """
+    k = torch.arange(n, device=labels.device, dtype=torch.float32)
+    w = torch.exp(-((k[None, :] - labels[:, None].float()) ** 2) / (2 * sigma**2))
+    return w / w.sum(1, keepdim=True)
+
+
+class _Ema:
+    """Exponential moving average of a model's floating-point weights."""
+
+    def __init__(self, model, decay: float) -> None:
+        self.decay = decay
+        self.updates = 0
+        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+    @torch.no_grad()
+    def update(self, model) -> None:
+        # the effective decay ramps up, min(decay, (1 + t) / (10 + t)), so early weights fade fast
+        self.updates += 1
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for k, v in model.state_dict().items():
+            if k in self.shadow:
+                self.shadow[k].mul_(d).add_(v.detach(), alpha=1 - d)
+
+    def state_dict(self, model) -> dict:
+        return {k: self.shadow.get(k, v) for k, v in model.state_dict().items()}
+
+
 def train(
     model,
     tokenizer,
@@ -93,11 +138,13 @@ def train(
     progress: bool = True,
     train_lengths: np.ndarray | None = None,
     values: np.ndarray | None = None,
+    evaluate=None,
 ) -> TrainResult:
     """Train ``model`` in place; on return it holds the weights of the best validation loss.
 
     With ``train_lengths`` and the buckets' representative ``values`` given, the loss adds
     ``cfg.log_weight`` times :func:`expectation_loss`; early stopping watches cross-entropy.
+    ``evaluate(val_probs) -> dict``, if given, adds figures (e.g. Kendall tau) to each history entry.
     """
     import time
 
@@ -124,6 +171,7 @@ def train(
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = get_linear_schedule_with_warmup(opt, int(cfg.warmup * total_steps), total_steps)
 
+    ema = _Ema(model, cfg.ema) if cfg.ema > 0 else None
     result = TrainResult()
     result.initial_val_loss, acc0 = val_loss(model, va_ids, val_labels, pad)
     result.best_val_loss = result.initial_val_loss
@@ -144,7 +192,11 @@ def train(
         input_ids, mask = collate([tr_ids[i] for i in idx], pad)
         y = torch.as_tensor(train_labels[idx], device=device)
         logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
-        loss = F.cross_entropy(logits, y)
+        if cfg.ordinal_sigma > 0:
+            target = soft_targets(y, logits.shape[-1], cfg.ordinal_sigma)
+            loss = -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+        else:
+            loss = F.cross_entropy(logits, y)
         if use_exp:
             loss = loss + cfg.log_weight * expectation_loss(
                 logits, torch.as_tensor(tr_len[idx], device=device), vals
@@ -154,12 +206,18 @@ def train(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update(model)
         step += 1
         running.append(loss.item())
         bar.update(1)
         out_of_time = cfg.max_minutes is not None and time.monotonic() - started > 60 * cfg.max_minutes
         if step % eval_every == 0 or step == total_steps or out_of_time:
-            vl, vacc = val_loss(model, va_ids, val_labels, pad)
+            if ema is not None:  # evaluate (and keep) the averaged weights
+                live = copy.deepcopy(model.state_dict())
+                model.load_state_dict(ema.state_dict(model))
+            vprobs = np.zeros((len(va_ids), logits.shape[-1])) if evaluate is not None else None
+            vl, vacc = val_loss(model, va_ids, val_labels, pad, probs_out=vprobs)
             entry = {
                 "step": step,
                 "epoch": round(step / steps_per_epoch, 3),
@@ -167,21 +225,30 @@ def train(
                 "val_loss": vl,
                 "val_accuracy": vacc,
             }
+            if evaluate is not None:
+                entry.update(evaluate(vprobs))
             running = []
             result.history.append(entry)
             bar.set_postfix(val_loss=f"{vl:.3f}", val_acc=f"{vacc:.3f}")
             log.info(
-                "step %d epoch %.2f: train loss %.4f, val loss %.4f, val acc %.3f",
+                "step %d epoch %.2f: train loss %.4f, val loss %.4f, val acc %.3f%s",
                 step,
                 entry["epoch"],
                 entry["train_loss"],
                 vl,
                 vacc,
+                "".join(
+                    f", {k} {v:.4g}"
+                    for k, v in entry.items()
+                    if k.startswith("val_") and k not in ("val_loss", "val_accuracy")
+                ),
             )
             if vl < result.best_val_loss - 1e-4:
                 result.best_val_loss, result.best_step, bad = vl, step, 0
                 best_state = copy.deepcopy(model.state_dict())
-            else:
+            if ema is not None:
+                model.load_state_dict(live)
+            if result.best_step != step:
                 bad += 1
                 if bad >= cfg.patience:
                     log.info("early stop at step %d: no validation improvement in %d evaluations", step, bad)

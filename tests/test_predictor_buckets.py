@@ -93,3 +93,48 @@ def test_labels_in_range_and_monotone(lengths, n, scheme):
     lab = b.label(probe)
     assert lab.min() >= 0 and lab.max() < b.n
     assert np.all(np.diff(lab) >= 0)
+
+
+def test_predictive_median_interpolates_within_buckets():
+    # no within-bucket table: uniform between the edges
+    b = Buckets((0.0, 10.0, 30.0, 100.0), (5.0, 20.0, 60.0))
+    probs = np.array([[1.0, 0, 0], [0.25, 0.5, 0.25], [0.1, 0.2, 0.7], [0.5, 0.0, 0.5]])
+    # row 2: the median lies half way through the middle bucket; row 3: 0.2 of the way into the last
+    assert np.allclose(b.median(probs), [5.0, 20.0, 30.0 + 70.0 * 0.2 / 0.7, 10.0])
+    assert np.allclose(b.quantile(probs[:1], 0.9), [9.0])
+    with pytest.raises(ValueError):
+        b.quantile(probs, 1.0)
+    # with the training lengths' table: a bucket whose answers are all 20 tokens has its median at 20
+    lengths = np.array([3] * 10 + [20] * 10 + [40, 50, 90] * 3)
+    q = quantile_buckets(lengths, n=3)
+    assert q.within is not None and len(q.within) == q.n
+    one_hot = np.eye(q.n)
+    assert np.allclose(q.median(one_hot), [np.median(lengths[q.label(lengths) == k]) for k in range(q.n)])
+    # the median follows the probability mass monotonically
+    mix = np.array([[1 - t, t, 0.0] for t in np.linspace(0, 1, 11)])
+    assert np.all(np.diff(q.median(mix)) >= 0)
+
+
+def test_within_table_survives_round_trip_and_calibration(tmp_path):
+    b = quantile_buckets(np.random.default_rng(1).integers(1, 300, 200), n=6)
+    c = b.with_calibration(1.5)
+    assert c.within == b.within
+    c.save(tmp_path / "b.json")
+    assert Buckets.load(tmp_path / "b.json") == c
+    old = Buckets.from_dict({k: v for k, v in c.to_dict().items() if k != "within"})
+    assert old.within is None  # files written before the table existed still load
+
+
+def test_wide_tail_buckets_are_split_log_spaced():
+    lengths = np.concatenate([np.arange(1, 101).repeat(5), [150, 300, 600, 1200]])
+    plain = quantile_buckets(lengths, n=4)
+    split = quantile_buckets(lengths, n=4, max_ratio=1.5)
+    assert split.n > plain.n
+    e = np.asarray(split.edges)
+    assert e[0] == 0 and np.all(np.diff(e) > 0) and e[-1] == plain.edges[-1]
+    assert set(plain.edges) <= set(split.edges)  # the quantile edges stay
+    ratios = e[2:] / e[1:-1]
+    assert np.all(ratios <= 1.5 + 0.02)  # half-integer snapping may stretch a piece a little
+    assert split.within is not None and len(split.within) == split.n
+    with pytest.raises(ValueError):
+        quantile_buckets(lengths, n=4, max_ratio=1.0)

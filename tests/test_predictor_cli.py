@@ -107,11 +107,33 @@ def test_eval_prints_figures_and_plot(model_parent, workload, tmp_path, capsys):
         "tfidf_ridge_kendall_tau",
         "tfidf_ridge_mae_tokens",
         "per_source",
+        "point_estimate",
+        "expected_kendall_tau",
+        "median_mae_tokens",
+        "midpoint_kendall_tau",
     ):
         assert k in r, k
+    point = json.loads((model_parent / "v1" / "predictor.json").read_text())["point_estimate"]
+    assert r["point_estimate"] == point
+    assert r["kendall_tau"] == r[f"{point}_kendall_tau"] and r["mae_tokens"] == r[f"{point}_mae_tokens"]
     assert r["accuracy"] > r["majority_accuracy"]
     assert r["kendall_tau"] > 0.3
     assert png.stat().st_size > 1000
+
+
+def test_choose_records_the_point_estimate(model_parent, workload, capsys):
+    jsonl, tok = workload
+    meta = model_parent / "v1" / "predictor.json"
+    saved = json.loads(meta.read_text())
+    wrong = "midpoint" if saved["point_estimate"] != "midpoint" else "expected"
+    meta.write_text(json.dumps({**saved, "point_estimate": wrong}))
+    rc = main(["choose", "--model", str(model_parent), "--data", str(jsonl), "--serving-tokenizer", str(tok)])
+    assert rc == 0
+    r = last_json(capsys)
+    assert r["previous"] == wrong and r["point_estimate"] == saved["point_estimate"]
+    assert json.loads(meta.read_text())["point_estimate"] == saved["point_estimate"]
+    metrics = json.loads((model_parent / "v1" / "metrics.json").read_text())
+    assert metrics["point_estimate"] == saved["point_estimate"] and "history" in metrics
 
 
 def test_bench_reports_ms_per_query(model_parent, workload, capsys):
@@ -136,6 +158,21 @@ def test_bench_reports_ms_per_query(model_parent, workload, capsys):
     )
     r = last_json(capsys)
     assert r["ms_per_query"] > 0 and r["queries"] == 64 and r["batch_size"] == 32
+
+
+def test_export_writes_labels_that_train_elsewhere(workload, tmp_path, capsys):
+    jsonl, tok = workload
+    out = tmp_path / "labels.jsonl"
+    assert main(["export", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(out)]) == 0
+    r = last_json(capsys)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == r["examples"] == 450 and r["train"] + r["val"] + r["test"] == 450
+    assert {"prompt", "length", "source", "split"} <= set(rows[0])
+    from predictor.labeled import load_labeled, split
+
+    again = split(load_labeled(str(out)))  # no tokenizer needed: the lengths are in the file
+    assert len(again["test"]) == r["test"]
+    assert sorted(again["test"].prompts) == sorted(x["prompt"] for x in rows if x["split"] == "test")
 
 
 def test_bad_input_gives_clear_error(tmp_path, capsys):

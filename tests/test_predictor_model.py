@@ -44,6 +44,7 @@ def test_training_lowers_validation_loss_and_learns(trained, data):
     model, tok, buckets, result = trained
     assert result.best_val_loss < result.initial_val_loss - 0.3
     assert result.history and result.steps > 0
+    assert {"val_median_tau", "val_median_mae", "val_expected_tau"} <= set(result.history[-1])
     probs = predict_proba(model, tok, data["test"].prompts, TINY.max_len)
     exp = buckets.expected(probs)
     kinds = np.array(data["test"].sources)
@@ -63,6 +64,10 @@ def test_save_load_round_trip_gives_identical_predictions(trained, saved, data):
     assert [p.bucket for p in got] == probs.argmax(1).tolist()
     assert np.allclose([p.expected_tokens for p in got], buckets.expected(probs), rtol=1e-5)
     assert np.allclose([p.midpoint_tokens for p in got], buckets.midpoint(probs.argmax(1)))
+    assert np.allclose([p.median_tokens for p in got], buckets.median(probs))
+    assert pred.point_estimate in ("expected", "median", "midpoint")
+    assert pred.point_estimate == store.load(saved).point_estimate
+    assert got[0].estimate(pred.point_estimate) == getattr(got[0], f"{pred.point_estimate}_tokens")
     again = LengthPredictor.from_dir(saved / "v1").predict(prompts)  # the version dir itself
     assert again == got
 
@@ -89,6 +94,24 @@ def test_concurrent_inference_matches_serial(saved, data):
         return await asyncio.gather(*(asyncio.to_thread(pred.predict, c) for c in chunks))
 
     assert asyncio.run(gateway_like()) == serial
+
+
+def test_point_estimate_is_chosen_on_validation_and_saved(trained, saved):
+    from predictor.evaluation import choose_point_estimate
+
+    result = trained[3]
+    assert set(result.val_estimates) == {"expected", "median", "midpoint"}
+    assert result.point_estimate == choose_point_estimate(result.val_estimates)
+    assert store.load(saved).meta["point_estimate"] == result.point_estimate
+    # the rule: the lowest validation MAE, whatever the (tie-inflated) tau of the midpoint
+    figs = {
+        "expected": {"kendall_tau": 0.66, "mae_tokens": 30.0},
+        "median": {"kendall_tau": 0.68, "mae_tokens": 28.0},
+        "midpoint": {"kendall_tau": 0.70, "mae_tokens": 29.0},
+    }
+    assert choose_point_estimate(figs) == "median"
+    figs["expected"]["mae_tokens"] = 28.0
+    assert choose_point_estimate(figs) == "expected"
 
 
 def test_hot_reload_picks_up_new_version(trained, saved, data, tmp_path):
@@ -135,6 +158,8 @@ def test_fallback_without_model_warns_once(caplog):
         pred.predict(["more"])
     assert pred.is_fallback and pred.version == "fallback"
     assert all(isinstance(p, LengthPrediction) and p.bucket == -1 for p in out)
+    assert all(p.median_tokens == p.expected_tokens == p.midpoint_tokens for p in out)
+    assert pred.point_estimate == "expected"
     assert out[0].expected_tokens < out[1].expected_tokens <= 512
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "heuristic" in warnings[0].getMessage()
@@ -156,3 +181,26 @@ def test_head_tail_truncation_keeps_both_ends(trained):
     assert encode(tok, ["brief city"], 8)[0] == encode(tok, ["brief city"], 8, "head")[0]
     with pytest.raises(ValueError):
         encode(tok, [prompt], 8, "middle")
+
+
+def test_mlm_pretraining_gives_encoder_weights(data):
+    from predictor.model import build_classifier, pretrain_mlm, train_wordpiece
+
+    tok = train_wordpiece(data["train"].prompts, TINY.vocab_size)
+    enc = pretrain_mlm(TINY, tok, data["train"].prompts[:200], epochs=1, batch_size=50)
+    model = build_classifier(TINY, tok, 4)
+    before = model.distilbert.embeddings.word_embeddings.weight.detach().clone()
+    missing = model.load_state_dict(enc, strict=False).missing_keys
+    assert enc and all(k.startswith("distilbert.") for k in enc)
+    assert not [k for k in missing if k.startswith("distilbert.")]
+    assert not torch.equal(before, model.distilbert.embeddings.word_embeddings.weight)
+
+
+def test_soft_ordinal_targets_and_ema():
+    from predictor.training import TrainConfig, soft_targets
+
+    t = soft_targets(torch.tensor([0, 2]), 5, 1.0)
+    assert torch.allclose(t.sum(1), torch.ones(2))
+    assert t[1].argmax() == 2 and t[1, 1] == t[1, 3] and t[1, 0] < t[1, 1]
+    with pytest.raises(ValueError):
+        TrainConfig(ema=1.0)
