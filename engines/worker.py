@@ -53,7 +53,6 @@ class Worker:
         self.config = config
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.inflight: dict[str, ClaimedQuery] = {}
-        self._first_token: dict[str, float] = {}
         self._lock = threading.Lock()
         self.stop_event = threading.Event()
         self.finished = 0
