@@ -13,23 +13,7 @@ from typing import Any
 
 from transformers import AutoConfig, LlamaConfig, OPTConfig, PretrainedConfig
 
-from quant import accounting
-
-#: name -> (hidden, layers, ffn, heads)
-OPT_SHAPES = {
-    "opt-125m": (768, 12, 3072, 12),
-    "opt-1.3b": (2048, 24, 8192, 32),
-    "opt-13b": (5120, 40, 20480, 40),
-    "opt-30b": (7168, 48, 28672, 56),
-    "opt-66b": (9216, 64, 36864, 72),
-}
-#: name -> (hidden, layers, intermediate, heads, kv_heads)
-LLAMA_SHAPES = {
-    "llama-7b": (4096, 32, 11008, 32, 32),
-    "llama-13b": (5120, 40, 13824, 40, 40),
-    "llama3-8b": (4096, 32, 14336, 32, 8),
-    "llama3-70b": (8192, 80, 28672, 64, 8),
-}
+from quant import accounting, configs
 
 
 @dataclass(frozen=True)
@@ -92,31 +76,6 @@ class ModelShape:
         }
 
 
-def opt_config(name: str) -> OPTConfig:
-    h, n, ffn, heads = OPT_SHAPES[name]
-    return OPTConfig(
-        hidden_size=h,
-        num_hidden_layers=n,
-        ffn_dim=ffn,
-        num_attention_heads=heads,
-        word_embed_proj_dim=h,
-        vocab_size=50272,
-        max_position_embeddings=2048,
-    )
-
-
-def llama_config(name: str) -> LlamaConfig:
-    h, n, inter, heads, kv = LLAMA_SHAPES[name]
-    return LlamaConfig(
-        hidden_size=h,
-        num_hidden_layers=n,
-        intermediate_size=inter,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=128256 if name.startswith("llama3") else 32000,
-    )
-
-
 def shape_from_config(config: PretrainedConfig, name: str | None = None) -> ModelShape:
     accounting.model_family(config)  # raises for unsupported configs
     return ModelShape(name or getattr(config, "name_or_path", "") or config.model_type, config)
@@ -125,10 +84,8 @@ def shape_from_config(config: PretrainedConfig, name: str | None = None) -> Mode
 def load_shape(spec: str) -> ModelShape:
     """``opt-13b`` / ``llama3-8b`` / ``llama:tiny`` (localmodels) / path to a config.json or model dir."""
     key = spec.strip()
-    if key.lower() in OPT_SHAPES:
-        return ModelShape(key.lower(), opt_config(key.lower()))
-    if key.lower() in LLAMA_SHAPES:
-        return ModelShape(key.lower(), llama_config(key.lower()))
+    if configs.canonical_name(key):  # the shared table of public model shapes
+        return ModelShape(key.lower(), configs.named_config(key))
     p = Path(key)
     if p.exists():
         cfg_path = p / "config.json" if p.is_dir() else p
@@ -149,7 +106,7 @@ def load_shape(spec: str) -> ModelShape:
             raise ValueError(f"unknown local model {key!r}; archs {lm.ARCHS}, sizes {tuple(lm.SIZES)}")
         hidden, layers, heads, kv_heads, inter = lm.SIZES[size]
         return ModelShape(key, local_config(arch, hidden, layers, heads, kv_heads, inter))
-    known = ", ".join(list(OPT_SHAPES) + list(LLAMA_SHAPES))
+    known = ", ".join(configs.NAMES + tuple(configs.ALIASES))
     raise ValueError(
         f"unknown model {spec!r}: use one of {known}, 'arch:size' (localmodels) or a config.json path"
     )

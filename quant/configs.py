@@ -19,12 +19,27 @@ _LLAMA = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
     "llama-2-13b": (5120, 40, 40, 40, 13824, 32000),
     "llama-2-70b": (8192, 80, 64, 8, 28672, 32000),
     "llama-3-8b": (4096, 32, 32, 8, 14336, 128256),
+    "llama-3-70b": (8192, 80, 64, 8, 28672, 128256),
+}
+#: other spellings of the same shapes (LLaMA-1 7b/13b have the shapes of Llama-2 7b/13b)
+ALIASES = {
+    "llama-7b": "llama-2-7b",
+    "llama-13b": "llama-2-13b",
+    "llama3-8b": "llama-3-8b",
+    "llama3-70b": "llama-3-70b",
 }
 NAMES = tuple(_OPT) + tuple(_LLAMA)
 
 
+def canonical_name(name: str) -> str | None:
+    """The table name of a known public model (aliases resolved, case-insensitive), else None."""
+    key = ALIASES.get(name.lower(), name.lower())
+    return key if key in _OPT or key in _LLAMA else None
+
+
 def named_config(name: str) -> Any:
-    """A config by public model name (see :data:`NAMES`), or loaded from a local model directory."""
+    """A config by public model name (see :data:`NAMES` and :data:`ALIASES`), or from a local model directory."""
+    name = canonical_name(name) or name
     if name in _OPT:
         h, n, heads, ffn = _OPT[name]
         return OPTConfig(
