@@ -121,18 +121,8 @@ def _serve(args) -> int:
     url, embedded = resolve_url(args.redis_url)
     if embedded is not None:
         print(f"no Redis URL given: started an embedded Redis at {url}", flush=True)
-    config = GatewayConfig(
-        redis_url=url,
-        listen=args.listen,
-        admin_token=args.admin_token or "",
-        policy=args.policy,
-        predictor_dir=args.predictor,
-        predictor_threads=args.predictor_threads,
-        tokenizer_dir=args.tokenizer,
-        metrics_port=args.metrics_port,
-        offload=not args.no_offload,
-        max_prompt_tokens=args.max_prompt_tokens,
-        clusters=clusters,
+    config = GatewayConfig.from_args(
+        args, redis_url=url, admin_token=args.admin_token or "", clusters=clusters
     )
     try:
         run(config)

@@ -44,6 +44,25 @@ class GatewayConfig:
     clusters: list[ClusterSpec] = field(default_factory=list)
     bound_address: str = ""  # set by the server once it listens (port 0 picks a free one)
 
+    @classmethod
+    def from_args(
+        cls, args, *, redis_url: str, admin_token: str, clusters: list[ClusterSpec]
+    ) -> GatewayConfig:
+        """The config of ``gateway serve`` / ``gateway up`` from their shared command-line options."""
+        return cls(
+            redis_url=redis_url,
+            listen=args.listen,
+            admin_token=admin_token,
+            policy=args.policy,
+            predictor_dir=args.predictor,
+            predictor_threads=args.predictor_threads,
+            tokenizer_dir=args.tokenizer,
+            metrics_port=args.metrics_port,
+            offload=not args.no_offload,
+            max_prompt_tokens=args.max_prompt_tokens,
+            clusters=clusters,
+        )
+
     def token(self) -> str:
         return self.admin_token or os.environ.get(TOKEN_ENV, "")
 

@@ -128,19 +128,7 @@ async def up(args) -> int:
                 spec, url, run_dir / "logs", args.engine_threads, args.engine_arg or []
             )
             log.info("engine %s started (pid %d, backend %s)", spec.name, procs[spec.name].pid, spec.backend)
-        config = GatewayConfig(
-            redis_url=url,
-            listen=args.listen,
-            admin_token=token,
-            policy=args.policy,
-            predictor_dir=args.predictor,
-            predictor_threads=args.predictor_threads,
-            tokenizer_dir=args.tokenizer,
-            metrics_port=args.metrics_port,
-            offload=not args.no_offload,
-            max_prompt_tokens=args.max_prompt_tokens,
-            clusters=specs,
-        )
+        config = GatewayConfig.from_args(args, redis_url=url, admin_token=token, clusters=specs)
         ready = asyncio.Event()
         gateway = asyncio.create_task(serve(config, ready=ready, stop=stop))
         ready_wait = asyncio.create_task(ready.wait())

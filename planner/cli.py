@@ -366,6 +366,28 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_timing_arguments(p: argparse.ArgumentParser, reps: int, min_time: float) -> None:
+    """Options of ``profile`` and ``fidelity``: how each grid point is timed."""
+    p.add_argument(
+        "--reps",
+        type=_positive,
+        default=reps,
+        help="rounds over the grid (shuffled); each point keeps its minimum",
+    )
+    p.add_argument(
+        "--clock",
+        choices=("thread", "process", "wall"),
+        help="timer: thread = CPU time of the profiling thread (default on CPU with 1 thread: blind to time "
+        "other jobs take on a shared machine), process, wall (default on GPU or with several threads)",
+    )
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=min_time,
+        help=f"seconds of calls per point and round (short calls repeat; the fastest is kept; default {min_time})",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="planner",
@@ -445,25 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--threads", type=int, default=1, help="CPU threads (default 1: steadier on a shared machine)"
     )
-    f.add_argument(
-        "--reps",
-        type=_positive,
-        default=3,
-        help="rounds over the grid (shuffled); each point keeps its minimum",
-    )
-    f.add_argument(
-        "--clock",
-        choices=("thread", "process", "wall"),
-        help="timer: thread = CPU time of the profiling thread (default on CPU with 1 thread: blind to time "
-        "other jobs take on a shared machine), process, wall (default on GPU or with several threads)",
-    )
-
-    f.add_argument(
-        "--min-time",
-        type=float,
-        default=0.05,
-        help="seconds of calls per point and round (short calls repeat; the fastest is kept; default 0.05)",
-    )
+    _add_timing_arguments(f, reps=3, min_time=0.05)
     f.add_argument("--quick", action="store_true", help="a small grid (seconds)")
     f.add_argument("--quiet", action="store_true")
     f.add_argument("--out", default="profile.json")
@@ -475,25 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="llama:small", help="shape whose layer is timed (default llama:small)")
     d.add_argument("--memory-model", default="llama:small", help="model built to check the memory model")
     d.add_argument("--threads", type=int, default=1)
-    d.add_argument(
-        "--reps",
-        type=_positive,
-        default=8,
-        help="rounds over the grid (shuffled); each point keeps its minimum",
-    )
-    d.add_argument(
-        "--clock",
-        choices=("thread", "process", "wall"),
-        help="timer: thread = CPU time of the profiling thread (default on CPU with 1 thread: blind to time "
-        "other jobs take on a shared machine), process, wall (default on GPU or with several threads)",
-    )
-
-    d.add_argument(
-        "--min-time",
-        type=float,
-        default=0.3,
-        help="seconds of calls per point and round (short calls repeat; the fastest is kept; default 0.3)",
-    )
+    _add_timing_arguments(d, reps=8, min_time=0.3)
     d.add_argument("--save-profile", help="also write the measured profile")
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=cmd_fidelity)

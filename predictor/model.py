@@ -82,12 +82,9 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int = 8000) -> PreTrainedT
     )
 
 
-def build_classifier(
-    cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast, num_labels: int, seed: int = 0
-) -> DistilBertForSequenceClassification:
-    """A randomly initialised (seeded) DistilBERT classifier of size ``cfg``."""
-    torch.manual_seed(seed)
-    config = DistilBertConfig(
+def distilbert_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast, **extra) -> DistilBertConfig:
+    """The DistilBERT config of size ``cfg`` over ``tokenizer``'s vocabulary (shared by classifier and MLM)."""
+    return DistilBertConfig(
         vocab_size=len(tokenizer),
         max_position_embeddings=max(cfg.max_len, 512),
         n_layers=cfg.layers,
@@ -96,8 +93,20 @@ def build_classifier(
         hidden_dim=4 * cfg.dim,
         dropout=cfg.dropout,
         attention_dropout=cfg.dropout,
-        seq_classif_dropout=cfg.dropout,
         pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+
+
+def build_classifier(
+    cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast, num_labels: int, seed: int = 0
+) -> DistilBertForSequenceClassification:
+    """A randomly initialised (seeded) DistilBERT classifier of size ``cfg``."""
+    torch.manual_seed(seed)
+    config = distilbert_config(
+        cfg,
+        tokenizer,
+        seq_classif_dropout=cfg.dropout,
         num_labels=num_labels,
     )
     return DistilBertForSequenceClassification(config)
@@ -132,17 +141,7 @@ def pretrain_mlm(
     from predictor.inference import collate, encode
 
     torch.manual_seed(seed)
-    config = DistilBertConfig(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=max(cfg.max_len, 512),
-        n_layers=cfg.layers,
-        n_heads=cfg.heads,
-        dim=cfg.dim,
-        hidden_dim=4 * cfg.dim,
-        dropout=cfg.dropout,
-        attention_dropout=cfg.dropout,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = distilbert_config(cfg, tokenizer)
     mlm = DistilBertForMaskedLM(config).to(device)
     ids = [x for x in encode(tokenizer, texts, cfg.max_len, truncation) if len(x) > 2]
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=device)
