@@ -125,6 +125,53 @@ class Buckets:
         frac = pos - lo
         return table[k, lo] * (1 - frac) + table[k, lo + 1] * frac
 
+    def cdf(self, probs: np.ndarray, x: float) -> np.ndarray:
+        """``P(length < x)`` under each predictive distribution (the distribution of :meth:`quantile`)."""
+        probs = self._check(probs)
+        probs = probs / probs.sum(1, keepdims=True).clip(min=1e-300)
+        e = np.asarray(self.edges)
+        share = np.empty(self.n)  # fraction of each bucket's mass below x
+        levels = np.linspace(0.0, 1.0, len(self.within[0]) if self.within else 2)
+        for k in range(self.n):
+            if x <= e[k]:
+                share[k] = 0.0
+            elif x >= e[k + 1]:
+                share[k] = 1.0
+            elif self.within is None:
+                share[k] = (x - e[k]) / (e[k + 1] - e[k])
+            else:
+                table = np.asarray(self.within[k])
+                # inverse of the piecewise-linear quantile function; flat stretches are point masses
+                share[k] = 0.5 * (
+                    np.interp(x, table, levels, left=0.0, right=1.0)
+                    + np.interp(-x, -table[::-1], levels[::-1], left=1.0, right=0.0)
+                )
+        return probs @ share
+
+    def mass_in(self, probs: np.ndarray, edges: Sequence[float]) -> np.ndarray:
+        """Predictive probability of each interval of another bucketing ``edges`` ``(batch, len(edges) - 1)``.
+
+        The last interval takes everything above its lower edge, as a bucket label does, so a
+        fine-grained model answers for a coarser bucketing (e.g. MICO's uniform buckets).
+        """
+        edges = np.asarray(edges, dtype=np.float64)
+        if edges.ndim != 1 or len(edges) < 2 or np.any(np.diff(edges) <= 0):
+            raise ValueError(f"edges must be at least two strictly increasing numbers, not {edges}")
+        probs = self._check(probs)
+        below = (
+            np.stack([self.cdf(probs, x) for x in edges[1:-1]], 1)
+            if len(edges) > 2
+            else np.zeros((len(probs), 0))
+        )
+        cum = np.concatenate([np.zeros((len(probs), 1)), below, np.ones((len(probs), 1))], 1)
+        return np.clip(np.diff(cum, axis=1), 0.0, 1.0)
+
+    def _check(self, probs: np.ndarray) -> np.ndarray:
+        probs = np.asarray(probs, dtype=np.float64)
+        if probs.ndim != 2 or probs.shape[1] != self.n:
+            raise ValueError(f"probabilities must have shape (batch, {self.n}), not {probs.shape}")
+        return probs
+
     def median(self, probs: np.ndarray) -> np.ndarray:
         """The predictive median of each row of ``probs`` (see :meth:`quantile`)."""
         return self.quantile(probs, 0.5)

@@ -127,6 +127,26 @@ def build_parser() -> argparse.ArgumentParser:
         "(from-scratch models only; 0: none)",
     )
     t.add_argument(
+        "--extra-train",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated datasets added to the training split only, e.g. 'gsm8k_test,"
+        "alpaca_eval:llama-2-13b-chat-hf' (records whose prompt is in the validation or test split "
+        "are dropped, so nothing held out leaks in)",
+    )
+    t.add_argument(
+        "--mlm-responses",
+        action="store_true",
+        help="MLM pre-training reads the training split's recorded responses as well as its prompts "
+        "(more in-domain text for the encoder; never validation or test text)",
+    )
+    t.add_argument(
+        "--rank-weight",
+        type=float,
+        default=0.0,
+        help="weight of a pairwise ranking term (RankNet on expected log tokens) in the loss (0: off)",
+    )
+    t.add_argument(
         "--ordinal-sigma",
         type=float,
         default=0.0,
@@ -282,6 +302,37 @@ def _splits(args, limit: int | None = None):
     return data, sp
 
 
+def _extra_training(args, sp: dict):
+    """The ``--extra-train`` datasets, without any prompt of the validation or test split."""
+    from predictor.labeled import label, records_for
+
+    held_out = set(sp["val"].prompts) | set(sp["test"].prompts)
+    tok = _serving_tokenizer(args.serving_tokenizer) if args.serving_tokenizer else None
+    records = []
+    for name in (n.strip() for n in args.extra_train.split(",")):
+        if not name:
+            continue
+        got = [r for r in records_for(name, args.data_dir) if r.prompt.strip() and r.prompt not in held_out]
+        log.info("extra training data: %d examples from %s", len(got), name)
+        records.extend(got)
+    if not records:
+        raise ValueError(f"--extra-train {args.extra_train!r} gave no examples")
+    return label(records, tok)
+
+
+def _training_responses(args) -> list[str]:
+    """Recorded responses of the training split's prompts (unlabeled text for MLM pre-training)."""
+    from predictor.labeled import records_for, split_of
+
+    texts = [
+        r.response
+        for r in records_for(args.data, args.data_dir)
+        if r.response and split_of(r.prompt) == "train"
+    ]
+    log.info("MLM pre-training also reads %d training responses", len(texts))
+    return texts
+
+
 def cmd_train(args) -> dict:
     from predictor.model import DEFAULT, QUICK, ModelConfig
     from predictor.pipeline import fit, save_version
@@ -310,9 +361,12 @@ def cmd_train(args) -> dict:
         log_weight=args.log_weight,
         ordinal_sigma=args.ordinal_sigma,
         ema=args.ema,
+        rank_weight=args.rank_weight,
     )
     t0 = time.monotonic()
     _, sp = _splits(args, limit)
+    if args.extra_train:
+        sp["train"] = sp["train"].concat(_extra_training(args, sp))
     val = sp["val"].sample(1000, args.seed) if args.quick else sp["val"]
     log.info("train %d, val %d examples", len(sp["train"]), len(val))
     model, tok, buckets, result = fit(
@@ -328,10 +382,13 @@ def cmd_train(args) -> dict:
         l_max=args.l_max,
         mlm_epochs=0.0 if args.pretrained else args.mlm_epochs,
         max_ratio=args.max_ratio,
+        mlm_extra=_training_responses(args) if args.mlm_responses and not args.pretrained else None,
     )
     extra = {
         "data": args.data,
         "mlm_epochs": 0.0 if args.pretrained else args.mlm_epochs,
+        "mlm_responses": bool(args.mlm_responses and not args.pretrained),
+        "extra_train": args.extra_train,
         "max_ratio": args.max_ratio,
         "model_config": mc.to_dict() if not args.pretrained else {"pretrained": str(args.pretrained)},
         "train_examples": len(sp["train"]),
@@ -364,7 +421,14 @@ def _round(d):
 def cmd_eval(args) -> dict:
     from predictor import store
     from predictor.baselines import prompt_length_heuristic, tfidf_logreg, tfidf_ridge
-    from predictor.evaluation import classifier_figures, confusion, per_source, plot_confusion, point_figures
+    from predictor.evaluation import (
+        classifier_figures,
+        confusion,
+        mico_figures,
+        per_source,
+        plot_confusion,
+        point_figures,
+    )
     from predictor.inference import predict_proba
 
     loaded = store.load(args.model, args.device)
@@ -399,9 +463,10 @@ def cmd_eval(args) -> dict:
         }
     )
     report["per_source"] = per_source(probs, test.lengths, test.sources, b, train_labels, point)
+    report.update(mico_figures(b, probs, test.lengths, train.lengths, test.sources))
     if "gsm8k" in report["per_source"]:
         report["gsm8k_accuracy"] = report["per_source"]["gsm8k"]["accuracy"]
-        report["mico_gsm8k_accuracy"] = MICO_GSM8K_ACCURACY
+        report["mico_paper_gsm8k_accuracy"] = MICO_GSM8K_ACCURACY
     heur = prompt_length_heuristic(np.array([len(p.split()) for p in test.prompts]))
     report.update(
         {
@@ -460,9 +525,15 @@ def _print_eval(r: dict) -> None:
         print(
             f"  {s:12s} n={f['n']:5d}  acc {f['accuracy']:.3f}  within one {f['within_one']:.3f}  tau {f['kendall_tau']:.3f}  MAE {f['mae_tokens']:.1f}"
         )
-    if "gsm8k_accuracy" in r:
+    print(
+        f"  MICO's bucketing ({r['mico_buckets']} uniform buckets of {r['mico_l_max'] / r['mico_buckets']:.0f} tokens, "
+        f"the model's distribution summed into them): accuracy {r['mico_accuracy']:.3f}  within one "
+        f"{r['mico_within_one']:.3f}  majority guess {r['mico_majority_accuracy']:.3f}"
+    )
+    if "mico_gsm8k_accuracy" in r:
         print(
-            f"  gsm8k accuracy {r['gsm8k_accuracy']:.3f} (MICO reports {MICO_GSM8K_ACCURACY:.4f} with its own buckets)"
+            f"  gsm8k with MICO's bucketing: accuracy {r['mico_gsm8k_accuracy']:.3f}, majority guess "
+            f"{r['mico_gsm8k_majority_accuracy']:.3f} (MICO reports {MICO_GSM8K_ACCURACY:.4f})"
         )
     print(f"  confusion matrix: {r['confusion_png']}")
 

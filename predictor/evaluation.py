@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import kendalltau
 
-from predictor.buckets import Buckets
+from predictor.buckets import Buckets, uniform_buckets
 
 
 def tau(pred: np.ndarray, true: np.ndarray) -> float:
@@ -135,6 +135,42 @@ def per_source(
         s: classifier_figures(probs[src == s], np.asarray(lengths)[src == s], buckets, train_labels, point)
         for s in sorted(set(src.tolist()))
     }
+
+
+def mico_figures(
+    buckets: Buckets,
+    probs: np.ndarray,
+    lengths: np.ndarray,
+    train_lengths: np.ndarray,
+    sources: Sequence[str],
+    n: int = 10,
+    l_max: float | None = None,
+) -> dict:
+    """Bucket accuracy under MICO's bucketing, whatever buckets the model was trained on.
+
+    MICO's buckets are ``n`` uniform ones of ``l_max / n`` (``l_max``: the longest training answer).
+    The model's predictive distribution is summed into them (:meth:`Buckets.mass_in`) and the
+    most probable one is the guess; the majority guess is the most common training bucket.
+    Keys: ``mico_accuracy``, ``mico_within_one``, ``mico_majority_accuracy``, ``mico_l_max``, and
+    per source ``mico_<source>_accuracy`` / ``mico_<source>_majority_accuracy``.
+    """
+    mico = uniform_buckets(train_lengths, n, l_max)
+    y = mico.label(lengths)
+    guess = buckets.mass_in(probs, mico.edges).argmax(1)
+    majority = int(np.bincount(mico.label(train_lengths), minlength=n).argmax())
+    out = {
+        "mico_buckets": n,
+        "mico_l_max": float(mico.edges[-1]),
+        "mico_accuracy": float(np.mean(guess == y)) if len(y) else float("nan"),
+        "mico_within_one": float(np.mean(np.abs(guess - y) <= 1)) if len(y) else float("nan"),
+        "mico_majority_accuracy": float(np.mean(y == majority)) if len(y) else float("nan"),
+    }
+    src = np.asarray(sources)
+    for s in sorted(set(src.tolist())):
+        sel = src == s
+        out[f"mico_{s}_accuracy"] = float(np.mean(guess[sel] == y[sel]))
+        out[f"mico_{s}_majority_accuracy"] = float(np.mean(y[sel] == majority))
+    return out
 
 
 def confusion(y_true: np.ndarray, y_pred: np.ndarray, n: int) -> np.ndarray:

@@ -74,11 +74,13 @@ def fit(
     l_max: float | None = None,
     mlm_epochs: float = 0.0,
     max_ratio: float | None = None,
+    mlm_extra: list[str] | None = None,
 ):
     """Build buckets, tokenizer and model from ``train_set`` and train; returns ``(model, tokenizer, buckets, result)``.
 
     ``mlm_epochs > 0`` first pre-trains a from-scratch encoder as a masked language model on the
-    training prompts (:func:`predictor.model.pretrain_mlm`).
+    training prompts (:func:`predictor.model.pretrain_mlm`), plus ``mlm_extra`` texts when given
+    (e.g. the training split's responses; never validation or test text).
     """
     model_cfg = model_cfg or ModelConfig()
     train_cfg = train_cfg or TrainConfig(max_len=model_cfg.max_len)
@@ -96,7 +98,7 @@ def fit(
             enc = pretrain_mlm(
                 model_cfg,
                 tok,
-                train_set.prompts,
+                train_set.prompts + list(mlm_extra or []),
                 mlm_epochs,
                 truncation=train_cfg.truncation,
                 seed=train_cfg.seed,

@@ -37,11 +37,12 @@ class TrainConfig:
     log_weight: float = 1.0  # weight of the squared log error of the expected tokens (0: plain cross-entropy)
     ordinal_sigma: float = 0.0  # >0: soft targets exp(-(k - y)^2 / (2 sigma^2)) over bucket indices k
     ema: float = 0.0  # >0: evaluate and keep an exponential moving average of the weights (decay per step)
+    rank_weight: float = 0.0  # >0: weight of the pairwise ranking term on expected log tokens (rank_loss)
 
     def __post_init__(self) -> None:
         if self.epochs <= 0 or self.batch_size < 1 or self.lr <= 0 or self.evals_per_epoch < 1:
             raise ValueError(f"training config out of range: {self}")
-        if self.ordinal_sigma < 0 or not 0 <= self.ema < 1:
+        if self.ordinal_sigma < 0 or not 0 <= self.ema < 1 or self.rank_weight < 0:
             raise ValueError(f"training config out of range: {self}")
 
 
@@ -93,6 +94,25 @@ def expectation_loss(logits: torch.Tensor, lengths: torch.Tensor, values: torch.
     """
     expected = torch.softmax(logits.float(), dim=-1) @ values
     return torch.mean((torch.log1p(expected) - torch.log1p(lengths.float())) ** 2)
+
+
+def rank_loss(
+    logits: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor, margin: float = 0.1
+) -> torch.Tensor:
+    """Pairwise logistic (RankNet) loss on the expected log tokens of every pair in the batch.
+
+    Kendall tau counts ordered pairs; cross-entropy never compares two queries. For each pair whose
+    true log lengths differ by more than ``margin``, ``softplus(-(s_i - s_j))`` with ``s`` the
+    predictive mean of ``log(1 + tokens)`` and ``i`` the longer answer.
+    """
+    s = torch.softmax(logits.float(), dim=-1) @ torch.log1p(values)
+    t = torch.log1p(lengths.float())
+    diff_t = t[:, None] - t[None, :]
+    pairs = diff_t > margin
+    if not pairs.any():
+        return s.sum() * 0.0
+    diff_s = s[:, None] - s[None, :]
+    return F.softplus(-diff_s[pairs]).mean()
 
 
 def soft_targets(labels: torch.Tensor, n: int, sigma: float) -> torch.Tensor:
@@ -158,7 +178,8 @@ def train(
     va_ids = encode(tokenizer, val_prompts, cfg.max_len, cfg.truncation)
     train_labels = np.asarray(train_labels, dtype=np.int64)
     use_exp = cfg.log_weight > 0 and train_lengths is not None and values is not None
-    if use_exp:
+    use_rank = cfg.rank_weight > 0 and train_lengths is not None and values is not None
+    if use_exp or use_rank:
         tr_len = np.asarray(train_lengths, dtype=np.float32)
         vals = torch.as_tensor(np.asarray(values, dtype=np.float32), device=device)
     val_labels = np.asarray(val_labels, dtype=np.int64)
@@ -199,6 +220,10 @@ def train(
             loss = F.cross_entropy(logits, y)
         if use_exp:
             loss = loss + cfg.log_weight * expectation_loss(
+                logits, torch.as_tensor(tr_len[idx], device=device), vals
+            )
+        if use_rank:
+            loss = loss + cfg.rank_weight * rank_loss(
                 logits, torch.as_tensor(tr_len[idx], device=device), vals
             )
         loss.backward()

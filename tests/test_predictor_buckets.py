@@ -138,3 +138,28 @@ def test_wide_tail_buckets_are_split_log_spaced():
     assert split.within is not None and len(split.within) == split.n
     with pytest.raises(ValueError):
         quantile_buckets(lengths, n=4, max_ratio=1.0)
+
+
+def test_cdf_inverts_the_predictive_quantiles():
+    lengths = np.random.default_rng(2).integers(1, 400, 500)
+    b = quantile_buckets(lengths, n=8, max_ratio=1.5)
+    probs = np.random.default_rng(3).dirichlet(np.ones(b.n), size=20)
+    for q in (0.1, 0.5, 0.8):
+        x = b.quantile(probs, q)
+        assert np.allclose([b.cdf(probs[i : i + 1], x[i])[0] for i in range(len(x))], q, atol=1e-9)
+    assert np.allclose(b.cdf(probs, 0.0), 0.0) and np.allclose(b.cdf(probs, b.edges[-1]), 1.0)
+    # no within table: uniform between the edges
+    plain = Buckets((0.0, 10.0, 30.0), (5.0, 20.0))
+    assert np.allclose(plain.cdf(np.array([[0.5, 0.5]]), 20.0), [0.75])
+
+
+def test_mass_in_another_bucketing():
+    b = Buckets((0.0, 10.0, 30.0, 100.0), (5.0, 20.0, 60.0))
+    probs = np.array([[0.2, 0.4, 0.4], [1.0, 0.0, 0.0]])
+    m = b.mass_in(probs, (0.0, 20.0, 50.0))  # the last interval takes everything above 20
+    assert np.allclose(m, [[0.2 + 0.2, 0.2 + 0.4], [1.0, 0.0]])
+    assert np.allclose(b.mass_in(probs, b.edges), probs)  # its own edges give its own probabilities
+    with pytest.raises(ValueError):
+        b.mass_in(probs, (0.0, 20.0, 20.0))
+    with pytest.raises(ValueError):
+        b.mass_in(probs[:, :2], (0.0, 20.0))

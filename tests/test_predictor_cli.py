@@ -111,8 +111,12 @@ def test_eval_prints_figures_and_plot(model_parent, workload, tmp_path, capsys):
         "expected_kendall_tau",
         "median_mae_tokens",
         "midpoint_kendall_tau",
+        "mico_accuracy",
+        "mico_within_one",
+        "mico_majority_accuracy",
     ):
         assert k in r, k
+    assert 0.0 <= r["mico_majority_accuracy"] <= 1.0 and r["mico_within_one"] >= r["mico_accuracy"]
     point = json.loads((model_parent / "v1" / "predictor.json").read_text())["point_estimate"]
     assert r["point_estimate"] == point
     assert r["kendall_tau"] == r[f"{point}_kendall_tau"] and r["mae_tokens"] == r[f"{point}_mae_tokens"]

@@ -204,3 +204,20 @@ def test_soft_ordinal_targets_and_ema():
     assert t[1].argmax() == 2 and t[1, 1] == t[1, 3] and t[1, 0] < t[1, 1]
     with pytest.raises(ValueError):
         TrainConfig(ema=1.0)
+
+
+def test_rank_loss_rewards_the_right_order():
+    from predictor.training import rank_loss
+
+    values = torch.tensor([10.0, 100.0, 1000.0])
+    lengths = torch.tensor([8.0, 90.0, 1200.0])
+    right = torch.tensor([[4.0, 0, 0], [0, 4.0, 0], [0, 0, 4.0]], requires_grad=True)
+    wrong = right.detach().flip(0)
+    assert rank_loss(right, lengths, values) < rank_loss(wrong, lengths, values)
+    rank_loss(right, lengths, values).backward()
+    assert right.grad is not None and right.grad.abs().sum() > 0
+    # equal lengths form no pair: no loss, still a graph
+    flat = rank_loss(right.detach(), torch.tensor([5.0, 5.0, 5.0]), values)
+    assert float(flat) == 0.0
+    with pytest.raises(ValueError):
+        TrainConfig(rank_weight=-1.0)
