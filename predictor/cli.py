@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="quantile scheme: split buckets whose upper/lower edge ratio exceeds this (log-spaced), "
-        "so the long tail is not one bucket (e.g. 1.5; default: none)",
+        "so the long tail is not one bucket (default 1.5; 0: no splitting)",
     )
     t.add_argument(
         "--l-max",
@@ -94,24 +94,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="l_max of uniform buckets (default: longest training answer)",
     )
-    t.add_argument("--layers", type=int, default=None, help="transformer layers (default 4; quick 2)")
-    t.add_argument("--dim", type=int, default=None, help="hidden width (default 256; quick 128)")
+    t.add_argument("--layers", type=int, default=None, help="transformer layers (default 2)")
+    t.add_argument("--dim", type=int, default=None, help="hidden width (default 128)")
     t.add_argument("--heads", type=int, default=None, help="attention heads (default 4)")
-    t.add_argument("--max-len", type=int, default=None, help="prompt tokens kept (default 128; quick 64)")
+    t.add_argument("--max-len", type=int, default=None, help="prompt tokens kept (default 96; quick 64)")
     t.add_argument(
         "--dropout", type=float, default=0.1, help="dropout of a model built from scratch (default 0.1)"
     )
-    t.add_argument("--vocab", type=int, default=None, help="WordPiece vocabulary size (default 8000)")
-    t.add_argument("--epochs", type=float, default=None, help="epochs (default 3)")
+    t.add_argument("--vocab", type=int, default=None, help="WordPiece vocabulary size (default 6000)")
+    t.add_argument(
+        "--epochs",
+        type=float,
+        default=None,
+        help="epochs, an upper bound under early stopping (default 6 from scratch, 3 pretrained, 2 quick)",
+    )
     t.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
     t.add_argument(
         "--lr",
         type=float,
         default=None,
-        help="peak learning rate (default 5e-5 pretrained, 5e-4 from scratch)",
+        help="peak learning rate (default 1.5e-3 from scratch, 5e-5 pretrained as in MICO)",
     )
     t.add_argument(
-        "--patience", type=int, default=2, help="evaluations without validation improvement before stopping"
+        "--patience", type=int, default=3, help="evaluations without validation improvement before stopping"
     )
     t.add_argument(
         "--log-weight",
@@ -122,9 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--mlm-epochs",
         type=float,
-        default=0.0,
+        default=None,
         help="masked-language-model pre-training epochs on the training prompts before fine-tuning "
-        "(from-scratch models only; 0: none)",
+        "(from-scratch models only; default 2, quick 0; 0: none)",
     )
     t.add_argument(
         "--extra-train",
@@ -149,14 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--ordinal-sigma",
         type=float,
-        default=0.0,
-        help="soft ordinal targets: Gaussian of this width (in buckets) around the true bucket (0: hard labels)",
+        default=1.0,
+        help="soft ordinal targets: Gaussian of this width (in buckets) around the true bucket "
+        "(default 1.0; 0: hard labels, MICO's plain cross-entropy)",
     )
     t.add_argument(
         "--ema",
         type=float,
-        default=0.0,
-        help="keep an exponential moving average of the weights with this decay per step, e.g. 0.998 (0: off)",
+        default=0.998,
+        help="evaluate and keep an exponential moving average of the weights with this decay per step "
+        "(default 0.998; 0: off)",
     )
     t.add_argument(
         "--limit", type=int, default=None, help="subsample the training split to this many examples"
@@ -349,10 +356,16 @@ def cmd_train(args) -> dict:
     )
     limit = args.limit if args.limit is not None else (6000 if args.quick else None)
     n_buckets = args.buckets or (10 if args.scheme == "uniform" else 16)
+    if args.pretrained:
+        mlm_epochs = 0.0
+    else:
+        mlm_epochs = args.mlm_epochs if args.mlm_epochs is not None else (0.0 if args.quick else 2.0)
+    max_ratio = args.max_ratio if args.max_ratio is not None else 1.5
+    max_ratio = max_ratio if args.scheme == "quantile" and max_ratio > 0 else None
     tc = TrainConfig(
-        epochs=args.epochs or (2.0 if args.quick else 3.0),
+        epochs=args.epochs or (2.0 if args.quick else 3.0 if args.pretrained else 6.0),
         batch_size=args.batch_size,
-        lr=args.lr or (5e-5 if args.pretrained else 5e-4),
+        lr=args.lr or (5e-5 if args.pretrained else 1.5e-3),
         patience=args.patience,
         max_len=mc.max_len,
         seed=args.seed,
@@ -380,16 +393,16 @@ def cmd_train(args) -> dict:
         args.device,
         progress=True,
         l_max=args.l_max,
-        mlm_epochs=0.0 if args.pretrained else args.mlm_epochs,
-        max_ratio=args.max_ratio,
+        mlm_epochs=mlm_epochs,
+        max_ratio=max_ratio,
         mlm_extra=_training_responses(args) if args.mlm_responses and not args.pretrained else None,
     )
     extra = {
         "data": args.data,
-        "mlm_epochs": 0.0 if args.pretrained else args.mlm_epochs,
+        "mlm_epochs": mlm_epochs,
         "mlm_responses": bool(args.mlm_responses and not args.pretrained),
         "extra_train": args.extra_train,
-        "max_ratio": args.max_ratio,
+        "max_ratio": max_ratio,
         "model_config": mc.to_dict() if not args.pretrained else {"pretrained": str(args.pretrained)},
         "train_examples": len(sp["train"]),
     }
