@@ -221,3 +221,28 @@ def test_rank_loss_rewards_the_right_order():
     assert float(flat) == 0.0
     with pytest.raises(ValueError):
         TrainConfig(rank_weight=-1.0)
+
+
+def test_pretrained_checkpoint_path(data, tmp_path):
+    """The production path: a local DistilBERT checkpoint (MLM weights + tokenizer) gets a bucket head."""
+    from transformers import DistilBertForMaskedLM
+
+    from predictor.model import distilbert_config, load_pretrained, train_wordpiece
+
+    tok = train_wordpiece(data["train"].prompts, TINY.vocab_size)
+    checkpoint = DistilBertForMaskedLM(distilbert_config(TINY, tok))
+    checkpoint.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    model, tok2 = load_pretrained(tmp_path / "ckpt", 5)
+    assert model.config.num_labels == 5 and tok2.get_vocab() == tok.get_vocab()
+    assert torch.equal(
+        model.distilbert.embeddings.word_embeddings.weight,
+        checkpoint.distilbert.embeddings.word_embeddings.weight,
+    )
+    cfg = TrainConfig(epochs=6, lr=1e-2, max_len=TINY.max_len, patience=10)
+    model, tok3, buckets, result = fit(
+        data["train"], data["val"], "quantile", 5, TINY, cfg, pretrained=tmp_path / "ckpt", progress=False
+    )
+    assert buckets.n == 5 and result.best_val_loss < result.initial_val_loss
+    with pytest.raises(FileNotFoundError):
+        load_pretrained(tmp_path, 5)
