@@ -49,7 +49,7 @@ class ModelConfig:
 
 
 # DEFAULT: the measured recipe (docs/BENCHMARKS.md), within the 4.5 ms/query budget on 2 CPU cores;
-# 4 x 256 at 128 tokens cost about 20 ms/query there without ranking better.
+# 4 x 256 at 128 tokens costs about 20 ms/query there, and 4 x 128 ranked no better than 2 x 128.
 DEFAULT = ModelConfig()
 QUICK = ModelConfig(max_len=64)
 

@@ -251,3 +251,27 @@ def test_retrain_from_redis_writes_next_version(model_parent, workload, redis_ur
         == 2
     )
     assert "no observed lengths" in capsys.readouterr().err
+
+
+def test_extra_training_data_skips_held_out_prompts(workload, tmp_path, capsys):
+    from predictor.labeled import LabeledSet, load_labeled, split
+
+    jsonl, tok = workload
+    sp = split(load_labeled(str(jsonl)))
+    held_out = sp["val"].prompts[:5] + sp["test"].prompts[:5]  # must not enter training
+    fresh = synthetic(30, seed=7)
+    fresh = LabeledSet([f"extra {p}" for p in fresh.prompts], fresh.lengths, fresh.sources)
+    extra = write_jsonl(
+        fresh.concat(LabeledSet(held_out, [9] * len(held_out), ["x"] * len(held_out))), tmp_path / "e.jsonl"
+    )
+    args = ["train", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(tmp_path / "m")]
+    assert main([*args, "--epochs", "1", "--buckets", "4", *TINY_ARGS, "--extra-train", str(extra)]) == 0
+    r = last_json(capsys)
+    assert r["train_examples"] == len(sp["train"]) + 30
+    meta = json.loads((tmp_path / "m" / "v1" / "predictor.json").read_text())
+    assert meta["extra_train"] == str(extra)
+    empty = write_jsonl(
+        LabeledSet(held_out, [9] * len(held_out), ["x"] * len(held_out)), tmp_path / "h.jsonl"
+    )
+    assert main([*args, "--epochs", "1", *TINY_ARGS, "--extra-train", str(empty)]) == 2
+    assert "gave no examples" in capsys.readouterr().err

@@ -216,7 +216,7 @@ def test_rank_loss_rewards_the_right_order():
     assert rank_loss(right, lengths, values) < rank_loss(wrong, lengths, values)
     rank_loss(right, lengths, values).backward()
     assert right.grad is not None and right.grad.abs().sum() > 0
-    # equal lengths form no pair: no loss, still a graph
+    # equal lengths form no pair: no loss
     flat = rank_loss(right.detach(), torch.tensor([5.0, 5.0, 5.0]), values)
     assert float(flat) == 0.0
     with pytest.raises(ValueError):
