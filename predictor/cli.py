@@ -206,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--plot", default=None, help="confusion matrix PNG (default <model version>/confusion.png)"
     )
+    e.add_argument(
+        "--ensemble",
+        default=None,
+        metavar="DIRS",
+        help="comma-separated further model directories with the same bucket edges: evaluate the mean "
+        "of their bucket probabilities and --model's (costs one forward pass per model at serving time)",
+    )
     e.add_argument("--report", default=None, help="also write the full report JSON here")
     e.add_argument("--no-baselines", action="store_true", help="skip the TF-IDF baselines")
     e.add_argument(
@@ -456,14 +463,20 @@ def cmd_eval(args) -> dict:
     log.info(
         "evaluating %s (%s buckets: %d) on %d %s examples", loaded.path, b.scheme, b.n, len(test), args.split
     )
-    probs = predict_proba(
-        loaded.model,
-        loaded.tokenizer,
-        test.prompts,
-        loaded.max_len,
-        128,
-        progress=True,
-        truncation=loaded.truncation,
+    members = [loaded] + [
+        store.load(d.strip(), args.device) for d in (args.ensemble or "").split(",") if d.strip()
+    ]
+    for m in members[1:]:
+        if m.buckets.edges != b.edges:
+            raise ValueError(f"--ensemble: {m.path} has other bucket edges than {loaded.path}")
+    probs = np.mean(
+        [
+            predict_proba(
+                m.model, m.tokenizer, test.prompts, m.max_len, 128, progress=True, truncation=m.truncation
+            )
+            for m in members
+        ],
+        axis=0,
     )
     train_labels = b.label(train.lengths)
     point = loaded.point_estimate
@@ -471,6 +484,7 @@ def cmd_eval(args) -> dict:
     report.update(
         {
             "model": str(loaded.path),
+            "ensemble": [str(m.path) for m in members[1:]],
             "version": loaded.version,
             "scheme": b.scheme,
             "buckets": b.n,

@@ -275,3 +275,21 @@ def test_extra_training_data_skips_held_out_prompts(workload, tmp_path, capsys):
     )
     assert main([*args, "--epochs", "1", *TINY_ARGS, "--extra-train", str(empty)]) == 2
     assert "gave no examples" in capsys.readouterr().err
+
+
+def test_eval_of_an_ensemble(model_parent, workload, tmp_path, capsys):
+    jsonl, tok = workload
+    args = ["eval", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--no-baselines"]
+    assert main([*args, "--model", str(model_parent), "--plot", str(tmp_path / "a.png")]) == 0
+    single = last_json(capsys)
+    v1 = str(model_parent / "v1")
+    assert main([*args, "--model", v1, "--ensemble", v1, "--plot", str(tmp_path / "b.png")]) == 0
+    twice = last_json(capsys)  # the mean of two identical members is that member
+    assert twice["ensemble"] == [v1] and single["ensemble"] == []
+    assert twice["kendall_tau"] == single["kendall_tau"] and twice["mae_tokens"] == single["mae_tokens"]
+    other = tmp_path / "other"
+    train = ["train", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(other)]
+    assert main([*train, "--epochs", "1", "--buckets", "3", *TINY_ARGS]) == 0
+    capsys.readouterr()
+    assert main([*args, "--model", v1, "--ensemble", str(other), "--plot", str(tmp_path / "c.png")]) == 2
+    assert "other bucket edges" in capsys.readouterr().err
