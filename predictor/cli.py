@@ -23,7 +23,8 @@ MICO_GSM8K_ACCURACY = 0.8069
 MICO_ALPACA_ACCURACY = 0.8537
 
 
-def _data_args(p: argparse.ArgumentParser) -> None:
+def _data_args(p: argparse.ArgumentParser, lengths: bool = True) -> None:
+    """``--data``, ``--data-dir`` and, where response lengths are counted, ``--serving-tokenizer``."""
     p.add_argument(
         "--data",
         default="mixed",
@@ -34,6 +35,10 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data-dir", default=None, help="shared data directory (default $FLEETBATCH_DATA or ../shared/data)"
     )
+    if lengths:
+        p.add_argument(
+            "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
+        )
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -180,9 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="how prompts longer than --max-len are cut: keep both ends (default) or the start",
     )
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument(
-        "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
-    )
 
     e = sub.add_parser(
         "eval",
@@ -215,16 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--report", default=None, help="also write the full report JSON here")
     e.add_argument("--no-baselines", action="store_true", help="skip the TF-IDF baselines")
-    e.add_argument(
-        "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
-    )
 
     b = sub.add_parser(
         "bench",
         help="batched inference latency and throughput",
         description="Time batched predictions (the serving path) on real prompts.",
     )
-    _data_args(b)
+    _data_args(b, lengths=False)
     _common(b)
     b.add_argument(
         "--model", default=None, help="model directory (default: a random model of the --quick size)"
@@ -246,9 +245,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--model", default=DEFAULT_OUT, help=f"model version directory or parent (default {DEFAULT_OUT})"
     )
-    c.add_argument(
-        "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
-    )
 
     x = sub.add_parser(
         "export",
@@ -260,9 +256,6 @@ def build_parser() -> argparse.ArgumentParser:
     _data_args(x)
     _common(x)
     x.add_argument("--out", required=True, help="JSONL file to write")
-    x.add_argument(
-        "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
-    )
 
     r = sub.add_parser(
         "retrain",
@@ -287,9 +280,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-size", type=int, default=32)
     r.add_argument("--out", default=None, help="where to write the new version (default: the --model parent)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument(
-        "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
-    )
     return ap
 
 
@@ -305,13 +295,17 @@ def _serving_tokenizer(path: str | None):
     return default_tokenizer()
 
 
+def _length_tokenizer(args):
+    """The ``--serving-tokenizer`` if given, else None: ``labeled.label`` then loads the default only if
+    some record needs its response counted (a JSONL of {prompt, length} lines, e.g. from `predictor
+    export`, needs none)."""
+    return _serving_tokenizer(args.serving_tokenizer) if args.serving_tokenizer else None
+
+
 def _splits(args, limit: int | None = None):
     from predictor.labeled import load_labeled, split
 
-    # the serving tokenizer is loaded only if some record needs its response counted
-    # (a JSONL of {prompt, length} lines, e.g. from `predictor export`, needs none)
-    tok = _serving_tokenizer(args.serving_tokenizer) if args.serving_tokenizer else None
-    data = load_labeled(args.data, args.data_dir, tok)
+    data = load_labeled(args.data, args.data_dir, _length_tokenizer(args))
     sp = split(data)
     if limit is not None:
         sp["train"] = sp["train"].sample(limit, args.seed if hasattr(args, "seed") else 0)
@@ -323,7 +317,6 @@ def _extra_training(args, sp: dict):
     from predictor.labeled import label, records_for
 
     held_out = set(sp["val"].prompts) | set(sp["test"].prompts)
-    tok = _serving_tokenizer(args.serving_tokenizer) if args.serving_tokenizer else None
     records = []
     for name in (n.strip() for n in args.extra_train.split(",")):
         if not name:
@@ -333,7 +326,7 @@ def _extra_training(args, sp: dict):
         records.extend(got)
     if not records:
         raise ValueError(f"--extra-train {args.extra_train!r} gave no examples")
-    return label(records, tok)
+    return label(records, _length_tokenizer(args))
 
 
 def _training_responses(args) -> list[str]:
