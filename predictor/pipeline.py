@@ -110,9 +110,26 @@ def fit(
             log.info("MLM pre-training: %.1f epochs in %.1fs", mlm_epochs, time.monotonic() - t0)
     model.to(device)
     log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
+    buckets, result = _train_and_calibrate(
+        model, tok, buckets, train_set, val_set, train_cfg, progress, _val_figures(buckets, val_set.lengths)
+    )
+    return model, tok, buckets, result
+
+
+def _train_and_calibrate(
+    model,
+    tokenizer,
+    buckets: Buckets,
+    train_set: LabeledSet,
+    val_set: LabeledSet,
+    train_cfg: TrainConfig,
+    progress: bool,
+    evaluate=None,
+) -> tuple[Buckets, TrainResult]:
+    """Train on ``buckets``' labels, then fit the calibration and declare the point estimate on validation."""
     result = train(
         model,
-        tok,
+        tokenizer,
         train_set.prompts,
         buckets.label(train_set.lengths),
         val_set.prompts,
@@ -121,13 +138,15 @@ def fit(
         progress,
         train_lengths=train_set.lengths,
         values=np.asarray(buckets.values),
-        evaluate=_val_figures(buckets, val_set.lengths),
+        evaluate=evaluate,
     )
-    probs = predict_proba(model, tok, val_set.prompts, train_cfg.max_len, truncation=train_cfg.truncation)
+    probs = predict_proba(
+        model, tokenizer, val_set.prompts, train_cfg.max_len, truncation=train_cfg.truncation
+    )
     buckets = calibrate(buckets, probs, val_set.lengths)
     log.info("calibration factor %.3f", buckets.calibration)
     choose_estimate(buckets, probs, val_set.lengths, result)
-    return model, tok, buckets, result
+    return buckets, result
 
 
 def retrain(
@@ -138,25 +157,15 @@ def retrain(
     progress: bool = True,
 ) -> tuple[Buckets, TrainResult]:
     """Fine-tune a loaded model in place on new data, keeping its tokenizer and bucket edges."""
-    buckets = loaded.buckets
-    result = train(
+    return _train_and_calibrate(
         loaded.model,
         loaded.tokenizer,
-        train_set.prompts,
-        buckets.label(train_set.lengths),
-        val_set.prompts,
-        buckets.label(val_set.lengths),
+        loaded.buckets.with_calibration(1.0),  # re-fit from scratch on the new validation data
+        train_set,
+        val_set,
         train_cfg,
         progress,
-        train_lengths=train_set.lengths,
-        values=np.asarray(buckets.values),
     )
-    probs = predict_proba(
-        loaded.model, loaded.tokenizer, val_set.prompts, train_cfg.max_len, truncation=train_cfg.truncation
-    )
-    buckets = calibrate(buckets.with_calibration(1.0), probs, val_set.lengths)
-    choose_estimate(buckets, probs, val_set.lengths, result)
-    return buckets, result
 
 
 def save_version(
