@@ -83,9 +83,7 @@ class Buckets:
 
     def expected(self, probs: np.ndarray, calibrated: bool = True) -> np.ndarray:
         """Probability-weighted expectation of tokens, ``probs`` of shape ``(batch, n)``."""
-        probs = np.asarray(probs, dtype=np.float64)
-        if probs.ndim != 2 or probs.shape[1] != self.n:
-            raise ValueError(f"probabilities must have shape (batch, {self.n}), not {probs.shape}")
+        probs = self._check(probs)
         out = probs @ np.asarray(self.values)
         return out * self.calibration if calibrated else out
 
@@ -104,9 +102,7 @@ class Buckets:
         """
         if not 0.0 < q < 1.0:
             raise ValueError(f"quantile level must be in (0, 1), not {q}")
-        probs = np.asarray(probs, dtype=np.float64)
-        if probs.ndim != 2 or probs.shape[1] != self.n:
-            raise ValueError(f"probabilities must have shape (batch, {self.n}), not {probs.shape}")
+        probs = self._check(probs)
         if not len(probs):
             return np.zeros(0)
         probs = probs / probs.sum(1, keepdims=True)
@@ -167,6 +163,7 @@ class Buckets:
         return np.clip(np.diff(cum, axis=1), 0.0, 1.0)
 
     def _check(self, probs: np.ndarray) -> np.ndarray:
+        """``probs`` as a float64 ``(batch, n)`` array, or a ValueError naming the shape it has."""
         probs = np.asarray(probs, dtype=np.float64)
         if probs.ndim != 2 or probs.shape[1] != self.n:
             raise ValueError(f"probabilities must have shape (batch, {self.n}), not {probs.shape}")
