@@ -159,6 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight of a pairwise ranking term (RankNet on expected log tokens) in the loss (0: off)",
     )
     t.add_argument(
+        "--teacher",
+        default=None,
+        metavar="DIRS",
+        help="comma-separated model directories to distil from: the mean of their bucket probabilities on "
+        "each training prompt joins the label in the target (they need the new model's bucket edges: "
+        "same data, --scheme, --buckets and --max-ratio). An ensemble's ranking at one model's cost",
+    )
+    t.add_argument(
+        "--teacher-weight",
+        type=float,
+        default=0.5,
+        help="share of the teacher's probabilities in the target, 0 to 1 (default 0.5)",
+    )
+    t.add_argument(
         "--ordinal-sigma",
         type=float,
         default=1.0,
@@ -342,6 +356,48 @@ def _training_responses(args) -> list[str]:
     return texts
 
 
+def _check_same_edges(members: list, option: str) -> None:
+    """Models whose probabilities are averaged must share the first one's bucket edges."""
+    for m in members[1:]:
+        if m.buckets.edges != members[0].buckets.edges:
+            raise ValueError(f"{option}: {m.path} has other bucket edges than {members[0].path}")
+
+
+def _mean_probs(members: list, prompts: list[str]) -> np.ndarray:
+    """The mean of the members' bucket probabilities on ``prompts``."""
+    from predictor.inference import predict_proba
+
+    return np.mean(
+        [
+            predict_proba(
+                m.model, m.tokenizer, prompts, m.max_len, 128, progress=True, truncation=m.truncation
+            )
+            for m in members
+        ],
+        axis=0,
+    )
+
+
+def _split_dirs(text: str) -> list[str]:
+    return [d.strip() for d in text.split(",") if d.strip()]
+
+
+def _teacher(dirs: str, prompts: list[str], device: str):
+    """The ``--teacher`` models' mean probabilities on the training prompts."""
+    from predictor import store
+    from predictor.pipeline import Teacher
+
+    names = _split_dirs(dirs)
+    if not names:
+        raise ValueError("--teacher names no model directory")
+    members = [store.load(d, device) for d in names]
+    _check_same_edges(members, "--teacher")
+    log.info("distilling from %s on %d training prompts", ", ".join(names), len(prompts))
+    return Teacher(
+        list(members[0].buckets.edges), _mean_probs(members, prompts), [str(m.path) for m in members]
+    )
+
+
 def cmd_train(args) -> dict:
     from predictor.model import DEFAULT, QUICK, ModelConfig
     from predictor.pipeline import fit, save_version
@@ -377,11 +433,13 @@ def cmd_train(args) -> dict:
         ordinal_sigma=args.ordinal_sigma,
         ema=args.ema,
         rank_weight=args.rank_weight,
+        teacher_weight=args.teacher_weight,
     )
     t0 = time.monotonic()
     _, sp = _splits(args, limit)
     if args.extra_train:
         sp["train"] = sp["train"].concat(_extra_training(args, sp))
+    teacher = _teacher(args.teacher, sp["train"].prompts, args.device) if args.teacher else None
     val = sp["val"].sample(1000, args.seed) if args.quick else sp["val"]
     log.info("train %d, val %d examples", len(sp["train"]), len(val))
     model, tok, buckets, result = fit(
@@ -398,12 +456,14 @@ def cmd_train(args) -> dict:
         mlm_epochs=mlm_epochs,
         max_ratio=max_ratio,
         mlm_extra=_training_responses(args) if args.mlm_responses and not args.pretrained else None,
+        teacher=teacher,
     )
     extra = {
         "data": args.data,
         "mlm_epochs": mlm_epochs,
         "mlm_responses": bool(args.mlm_responses and not args.pretrained),
         "extra_train": args.extra_train,
+        "teacher": None if teacher is None else teacher.sources,
         "max_ratio": max_ratio,
         "model_config": mc.to_dict() if not args.pretrained else {"pretrained": str(args.pretrained)},
         "train_examples": len(sp["train"]),
@@ -444,7 +504,6 @@ def cmd_eval(args) -> dict:
         plot_confusion,
         point_figures,
     )
-    from predictor.inference import predict_proba
 
     loaded = store.load(args.model, args.device)
     data, sp = _splits(args)
@@ -456,21 +515,9 @@ def cmd_eval(args) -> dict:
     log.info(
         "evaluating %s (%s buckets: %d) on %d %s examples", loaded.path, b.scheme, b.n, len(test), args.split
     )
-    members = [loaded] + [
-        store.load(d.strip(), args.device) for d in (args.ensemble or "").split(",") if d.strip()
-    ]
-    for m in members[1:]:
-        if m.buckets.edges != b.edges:
-            raise ValueError(f"--ensemble: {m.path} has other bucket edges than {loaded.path}")
-    probs = np.mean(
-        [
-            predict_proba(
-                m.model, m.tokenizer, test.prompts, m.max_len, 128, progress=True, truncation=m.truncation
-            )
-            for m in members
-        ],
-        axis=0,
-    )
+    members = [loaded] + [store.load(d, args.device) for d in _split_dirs(args.ensemble or "")]
+    _check_same_edges(members, "--ensemble")
+    probs = _mean_probs(members, test.prompts)
     train_labels = b.label(train.lengths)
     point = loaded.point_estimate
     report = classifier_figures(probs, test.lengths, b, train_labels, point)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,16 @@ from predictor.model import ModelConfig, build_classifier, load_pretrained, pret
 from predictor.training import TrainConfig, TrainResult, train
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """What a student is distilled from: bucket probabilities (one model's, or the mean of an
+    ensemble's) on each training prompt, and the bucket edges they refer to."""
+
+    edges: list[float]
+    probs: np.ndarray
+    sources: list[str]  # model directories, for the record
 
 
 def calibrate(buckets: Buckets, probs: np.ndarray, lengths: np.ndarray) -> Buckets:
@@ -75,17 +85,24 @@ def fit(
     mlm_epochs: float = 0.0,
     max_ratio: float | None = None,
     mlm_extra: list[str] | None = None,
+    teacher: Teacher | None = None,
 ):
     """Build buckets, tokenizer and model from ``train_set`` and train; returns ``(model, tokenizer, buckets, result)``.
 
     ``mlm_epochs > 0`` first pre-trains a from-scratch encoder as a masked language model on the
     training prompts (:func:`predictor.model.pretrain_mlm`), plus ``mlm_extra`` texts when given
-    (e.g. the training split's responses; never validation or test text).
+    (e.g. the training split's responses; never validation or test text). A ``teacher`` (same
+    bucket edges) is distilled into the new model alongside the labels.
     """
     model_cfg = model_cfg or ModelConfig()
     train_cfg = train_cfg or TrainConfig(max_len=model_cfg.max_len)
     buckets = make_buckets(train_set.lengths, scheme, n_buckets, l_max, max_ratio)
     log.info("%s buckets (%d): edges %s", buckets.scheme, buckets.n, [round(e, 1) for e in buckets.edges])
+    if teacher is not None and list(teacher.edges) != list(buckets.edges):
+        raise ValueError(
+            f"the teacher's bucket edges ({', '.join(teacher.sources)}) differ from the new model's; "
+            "train the student on the same data with the same --scheme, --buckets and --max-ratio"
+        )
     if pretrained:
         model, tok = load_pretrained(pretrained, buckets.n)
     else:
@@ -111,7 +128,15 @@ def fit(
     model.to(device)
     log.info("model: %.2fM parameters", sum(p.numel() for p in model.parameters()) / 1e6)
     buckets, result = _train_and_calibrate(
-        model, tok, buckets, train_set, val_set, train_cfg, progress, _val_figures(buckets, val_set.lengths)
+        model,
+        tok,
+        buckets,
+        train_set,
+        val_set,
+        train_cfg,
+        progress,
+        _val_figures(buckets, val_set.lengths),
+        None if teacher is None else teacher.probs,
     )
     return model, tok, buckets, result
 
@@ -125,6 +150,7 @@ def _train_and_calibrate(
     train_cfg: TrainConfig,
     progress: bool,
     evaluate=None,
+    teacher_probs: np.ndarray | None = None,
 ) -> tuple[Buckets, TrainResult]:
     """Train on ``buckets``' labels, then fit the calibration and declare the point estimate on validation."""
     result = train(
@@ -139,6 +165,7 @@ def _train_and_calibrate(
         train_lengths=train_set.lengths,
         values=np.asarray(buckets.values),
         evaluate=evaluate,
+        teacher_probs=teacher_probs,
     )
     probs = predict_proba(
         model, tokenizer, val_set.prompts, train_cfg.max_len, truncation=train_cfg.truncation

@@ -38,11 +38,14 @@ class TrainConfig:
     ordinal_sigma: float = 0.0  # >0: soft targets exp(-(k - y)^2 / (2 sigma^2)) over bucket indices k
     ema: float = 0.0  # >0: evaluate and keep an exponential moving average of the weights (decay per step)
     rank_weight: float = 0.0  # >0: weight of the pairwise ranking term on expected log tokens (rank_loss)
+    teacher_weight: float = 0.5  # share of a teacher's bucket probabilities in the target, when one is given
 
     def __post_init__(self) -> None:
         if self.epochs <= 0 or self.batch_size < 1 or self.lr <= 0 or self.evals_per_epoch < 1:
             raise ValueError(f"training config out of range: {self}")
         if self.ordinal_sigma < 0 or not 0 <= self.ema < 1 or self.rank_weight < 0:
+            raise ValueError(f"training config out of range: {self}")
+        if not 0 <= self.teacher_weight <= 1:
             raise ValueError(f"training config out of range: {self}")
 
 
@@ -126,6 +129,22 @@ def soft_targets(labels: torch.Tensor, n: int, sigma: float) -> torch.Tensor:
     return w / w.sum(1, keepdim=True)
 
 
+def _target_loss(
+    logits: torch.Tensor, labels: torch.Tensor, cfg: TrainConfig, teacher: np.ndarray | None
+) -> torch.Tensor:
+    """Cross-entropy against the label target (hard, or ordinal-soft), mixed with a teacher's rows."""
+    if cfg.ordinal_sigma <= 0 and teacher is None:
+        return F.cross_entropy(logits, labels)
+    if cfg.ordinal_sigma > 0:
+        target = soft_targets(labels, logits.shape[-1], cfg.ordinal_sigma)
+    else:
+        target = F.one_hot(labels, logits.shape[-1]).float()
+    if teacher is not None:
+        w = cfg.teacher_weight
+        target = (1 - w) * target + w * torch.as_tensor(teacher, device=logits.device)
+    return -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+
+
 class _Ema:
     """Exponential moving average of a model's floating-point weights."""
 
@@ -159,12 +178,16 @@ def train(
     train_lengths: np.ndarray | None = None,
     values: np.ndarray | None = None,
     evaluate=None,
+    teacher_probs: np.ndarray | None = None,
 ) -> TrainResult:
     """Train ``model`` in place; on return it holds the weights of the best validation loss.
 
     With ``train_lengths`` and the buckets' representative ``values`` given, the loss adds
     ``cfg.log_weight`` times :func:`expectation_loss`; early stopping watches cross-entropy.
     ``evaluate(val_probs) -> dict``, if given, adds figures (e.g. Kendall tau) to each history entry.
+    ``teacher_probs`` (one row of bucket probabilities per training prompt, e.g. an ensemble's mean)
+    distils a teacher: the target becomes ``(1 - w) * label target + w * teacher row`` with
+    ``w = cfg.teacher_weight``.
     """
     import time
 
@@ -183,6 +206,14 @@ def train(
         tr_len = np.asarray(train_lengths, dtype=np.float32)
         vals = torch.as_tensor(np.asarray(values, dtype=np.float32), device=device)
     val_labels = np.asarray(val_labels, dtype=np.int64)
+    if teacher_probs is not None:
+        teacher_probs = np.asarray(teacher_probs, dtype=np.float32)
+        n_classes = model.config.num_labels
+        if teacher_probs.ndim != 2 or teacher_probs.shape != (len(tr_ids), n_classes):
+            raise ValueError(
+                f"teacher probabilities have shape {teacher_probs.shape}; need one row of {n_classes} "
+                "bucket probabilities per training prompt"
+            )
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
 
@@ -213,11 +244,7 @@ def train(
         input_ids, mask = collate([tr_ids[i] for i in idx], pad)
         y = torch.as_tensor(train_labels[idx], device=device)
         logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
-        if cfg.ordinal_sigma > 0:
-            target = soft_targets(y, logits.shape[-1], cfg.ordinal_sigma)
-            loss = -(target * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
-        else:
-            loss = F.cross_entropy(logits, y)
+        loss = _target_loss(logits, y, cfg, None if teacher_probs is None else teacher_probs[idx])
         if use_exp:
             loss = loss + cfg.log_weight * expectation_loss(
                 logits, torch.as_tensor(tr_len[idx], device=device), vals

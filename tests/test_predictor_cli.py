@@ -293,3 +293,17 @@ def test_eval_of_an_ensemble(model_parent, workload, tmp_path, capsys):
     capsys.readouterr()
     assert main([*args, "--model", v1, "--ensemble", str(other), "--plot", str(tmp_path / "c.png")]) == 2
     assert "other bucket edges" in capsys.readouterr().err
+
+
+def test_train_distils_a_teacher(model_parent, workload, tmp_path, capsys):
+    jsonl, tok = workload
+    v1 = str(model_parent / "v1")
+    train = ["train", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(tmp_path / "s")]
+    assert main([*train, "--epochs", "1", "--buckets", "5", *TINY_ARGS, "--teacher", f"{v1},{v1}"]) == 0
+    r = last_json(capsys)
+    meta = json.loads((tmp_path / "s" / r["version"] / "predictor.json").read_text())
+    assert meta["teacher"] == [v1, v1] and meta["train_config"]["teacher_weight"] == 0.5
+    # a teacher on other buckets cannot be distilled: a clear error, no model written
+    assert main([*train, "--epochs", "1", "--buckets", "3", *TINY_ARGS, "--teacher", v1]) == 2
+    assert "bucket edges" in capsys.readouterr().err
+    assert not (tmp_path / "s" / "v2").exists()

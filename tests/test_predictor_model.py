@@ -246,3 +246,39 @@ def test_pretrained_checkpoint_path(data, tmp_path):
     assert buckets.n == 5 and result.best_val_loss < result.initial_val_loss
     with pytest.raises(FileNotFoundError):
         load_pretrained(tmp_path, 5)
+
+
+def test_distilling_a_teacher_pulls_the_student_towards_it(data):
+    """With the teacher's rows in the target, the student follows a teacher that disagrees with the labels."""
+    from predictor.buckets import make_buckets
+    from predictor.labeled import LabeledSet
+    from predictor.pipeline import Teacher
+
+    train = data["train"].sample(200, 0)
+    # validation answers are all short too, so early stopping keeps what the teacher taught
+    val = LabeledSet(data["val"].prompts, [1] * len(data["val"]), data["val"].sources)
+    edges = make_buckets(train.lengths, "quantile", 4).edges
+    teacher = np.zeros((len(train), len(edges) - 1), dtype=np.float32)
+    teacher[:, 0] = 1.0  # "every answer is in the shortest bucket"
+    cfg = TrainConfig(epochs=2, lr=1e-2, max_len=TINY.max_len, patience=10, teacher_weight=1.0)
+    shares = []
+    for t in (None, Teacher(list(edges), teacher, ["t"])):
+        model, tok, _, _ = fit(train, val, "quantile", 4, TINY, cfg, progress=False, teacher=t)
+        shares.append(predict_proba(model, tok, val.prompts, TINY.max_len)[:, 0].mean())
+    assert shares[1] > shares[0] + 0.2 and shares[1] > 0.6
+    wrong_edges = Teacher([e + 1 for e in edges], teacher, ["t"])
+    with pytest.raises(ValueError, match="bucket edges"):
+        fit(train, val, "quantile", 4, TINY, cfg, progress=False, teacher=wrong_edges)
+    with pytest.raises(ValueError, match="one row"):
+        fit(
+            train,
+            val,
+            "quantile",
+            4,
+            TINY,
+            cfg,
+            progress=False,
+            teacher=Teacher(list(edges), teacher[:5], ["t"]),
+        )
+    with pytest.raises(ValueError):
+        TrainConfig(teacher_weight=1.5)
