@@ -104,6 +104,7 @@ def fit(
             "train the student on the same data with the same --scheme, --buckets and --max-ratio"
         )
     if pretrained:
+        torch.manual_seed(train_cfg.seed)  # the new bucket head's initial weights
         model, tok = load_pretrained(pretrained, buckets.n)
     else:
         t0 = time.monotonic()

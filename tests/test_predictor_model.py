@@ -230,6 +230,7 @@ def test_pretrained_checkpoint_path(data, tmp_path):
     from predictor.model import distilbert_config, load_pretrained, train_wordpiece
 
     tok = train_wordpiece(data["train"].prompts, TINY.vocab_size)
+    torch.manual_seed(0)  # fit seeds the new head; the stand-in checkpoint must not depend on earlier tests
     checkpoint = DistilBertForMaskedLM(distilbert_config(TINY, tok))
     checkpoint.save_pretrained(tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")
