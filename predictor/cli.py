@@ -379,6 +379,7 @@ def _mean_probs(members: list, prompts: list[str]) -> np.ndarray:
 
 
 def _split_dirs(text: str) -> list[str]:
+    """Directories of a comma-separated option value, blanks dropped."""
     return [d.strip() for d in text.split(",") if d.strip()]
 
 

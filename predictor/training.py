@@ -209,7 +209,7 @@ def train(
     if teacher_probs is not None:
         teacher_probs = np.asarray(teacher_probs, dtype=np.float32)
         n_classes = model.config.num_labels
-        if teacher_probs.ndim != 2 or teacher_probs.shape != (len(tr_ids), n_classes):
+        if teacher_probs.shape != (len(tr_ids), n_classes):
             raise ValueError(
                 f"teacher probabilities have shape {teacher_probs.shape}; need one row of {n_classes} "
                 "bucket probabilities per training prompt"
