@@ -343,15 +343,15 @@ def _extra_training(args, sp: dict):
     return label(records, _length_tokenizer(args))
 
 
-def _training_responses(args) -> list[str]:
-    """Recorded responses of the training split's prompts (unlabeled text for MLM pre-training)."""
-    from predictor.labeled import records_for, split_of
+def _training_responses(args, train_prompts: list[str]) -> list[str]:
+    """Recorded responses of the training prompts (unlabeled text for MLM pre-training).
 
-    texts = [
-        r.response
-        for r in records_for(args.data, args.data_dir)
-        if r.response and split_of(r.prompt) == "train"
-    ]
+    Only prompts actually in the training set count, so ``--limit`` limits these too.
+    """
+    from predictor.labeled import records_for
+
+    wanted = set(train_prompts)
+    texts = [r.response for r in records_for(args.data, args.data_dir) if r.response and r.prompt in wanted]
     log.info("MLM pre-training also reads %d training responses", len(texts))
     return texts
 
@@ -456,7 +456,11 @@ def cmd_train(args) -> dict:
         l_max=args.l_max,
         mlm_epochs=mlm_epochs,
         max_ratio=max_ratio,
-        mlm_extra=_training_responses(args) if args.mlm_responses and not args.pretrained else None,
+        mlm_extra=(
+            _training_responses(args, sp["train"].prompts)
+            if args.mlm_responses and not args.pretrained
+            else None
+        ),
         teacher=teacher,
     )
     extra = {

@@ -307,3 +307,24 @@ def test_train_distils_a_teacher(model_parent, workload, tmp_path, capsys):
     assert main([*train, "--epochs", "1", "--buckets", "3", *TINY_ARGS, "--teacher", v1]) == 2
     assert "bucket edges" in capsys.readouterr().err
     assert not (tmp_path / "s" / "v2").exists()
+
+
+def test_mlm_reads_the_responses_of_the_training_prompts_only(tmp_path, capsys, caplog):
+    import logging
+
+    from predictor.labeled import split
+
+    data = synthetic(300, seed=3)
+    lines = [
+        json.dumps({"prompt": p, "response": " ".join(["word"] * int(n)), "source": s})
+        for p, n, s in zip(data.prompts, data.lengths, data.sources, strict=True)
+    ]
+    jsonl = tmp_path / "r.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    caplog.set_level(logging.INFO, logger="predictor")
+    args = ["train", "--data", str(jsonl), "--out", str(tmp_path / "m"), "--epochs", "1", "--buckets", "3"]
+    assert main([*args, *TINY_ARGS, "--mlm-epochs", "0.5", "--mlm-responses", "--limit", "40"]) == 0
+    assert "MLM pre-training also reads 40 training responses" in caplog.text
+    assert len(split(data)["train"]) > 40  # the limit, not the whole training split
+    meta = json.loads((tmp_path / "m" / "v1" / "predictor.json").read_text())
+    assert meta["mlm_responses"] is True
