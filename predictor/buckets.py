@@ -123,10 +123,27 @@ class Buckets:
 
     def cdf(self, probs: np.ndarray, x: float) -> np.ndarray:
         """``P(length < x)`` under each predictive distribution (the distribution of :meth:`quantile`)."""
-        probs = self._check(probs)
-        probs = probs / probs.sum(1, keepdims=True).clip(min=1e-300)
+        return self._normalised(probs) @ self._share_below(x)
+
+    def mass_in(self, probs: np.ndarray, edges: Sequence[float]) -> np.ndarray:
+        """Predictive probability of each interval of another bucketing ``edges`` ``(batch, len(edges) - 1)``.
+
+        The last interval takes everything above its lower edge, as a bucket label does, so a
+        fine-grained model answers for a coarser bucketing (e.g. MICO's uniform buckets).
+        """
+        edges = np.asarray(edges, dtype=np.float64)
+        if edges.ndim != 1 or len(edges) < 2 or np.any(np.diff(edges) <= 0):
+            raise ValueError(f"edges must be at least two strictly increasing numbers, not {edges}")
+        probs = self._normalised(probs)
+        shares = np.array([self._share_below(x) for x in edges[1:-1]]).reshape(-1, self.n)  # (inner edges, n)
+        below = probs @ shares.T
+        cum = np.concatenate([np.zeros((len(probs), 1)), below, np.ones((len(probs), 1))], 1)
+        return np.clip(np.diff(cum, axis=1), 0.0, 1.0)
+
+    def _share_below(self, x: float) -> np.ndarray:
+        """The fraction of each bucket's mass below ``x``, ``(n,)``."""
         e = np.asarray(self.edges)
-        share = np.empty(self.n)  # fraction of each bucket's mass below x
+        share = np.empty(self.n)
         levels = np.linspace(0.0, 1.0, len(self.within[0]) if self.within else 2)
         for k in range(self.n):
             if x <= e[k]:
@@ -142,25 +159,12 @@ class Buckets:
                     np.interp(x, table, levels, left=0.0, right=1.0)
                     + np.interp(-x, -table[::-1], levels[::-1], left=1.0, right=0.0)
                 )
-        return probs @ share
+        return share
 
-    def mass_in(self, probs: np.ndarray, edges: Sequence[float]) -> np.ndarray:
-        """Predictive probability of each interval of another bucketing ``edges`` ``(batch, len(edges) - 1)``.
-
-        The last interval takes everything above its lower edge, as a bucket label does, so a
-        fine-grained model answers for a coarser bucketing (e.g. MICO's uniform buckets).
-        """
-        edges = np.asarray(edges, dtype=np.float64)
-        if edges.ndim != 1 or len(edges) < 2 or np.any(np.diff(edges) <= 0):
-            raise ValueError(f"edges must be at least two strictly increasing numbers, not {edges}")
+    def _normalised(self, probs: np.ndarray) -> np.ndarray:
+        """Checked ``probs`` with rows scaled to sum to one."""
         probs = self._check(probs)
-        below = (
-            np.stack([self.cdf(probs, x) for x in edges[1:-1]], 1)
-            if len(edges) > 2
-            else np.zeros((len(probs), 0))
-        )
-        cum = np.concatenate([np.zeros((len(probs), 1)), below, np.ones((len(probs), 1))], 1)
-        return np.clip(np.diff(cum, axis=1), 0.0, 1.0)
+        return probs / probs.sum(1, keepdims=True).clip(min=1e-300)
 
     def _check(self, probs: np.ndarray) -> np.ndarray:
         """``probs`` as a float64 ``(batch, n)`` array, or a ValueError naming the shape it has."""
