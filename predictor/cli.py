@@ -332,9 +332,7 @@ def _extra_training(args, sp: dict):
 
     held_out = set(sp["val"].prompts) | set(sp["test"].prompts)
     records = []
-    for name in (n.strip() for n in args.extra_train.split(",")):
-        if not name:
-            continue
+    for name in _comma_list(args.extra_train):
         got = [r for r in records_for(name, args.data_dir) if r.prompt.strip() and r.prompt not in held_out]
         log.info("extra training data: %d examples from %s", len(got), name)
         records.extend(got)
@@ -378,8 +376,8 @@ def _mean_probs(members: list, prompts: list[str]) -> np.ndarray:
     )
 
 
-def _split_dirs(text: str) -> list[str]:
-    """Directories of a comma-separated option value, blanks dropped."""
+def _comma_list(text: str) -> list[str]:
+    """Items of a comma-separated option value, stripped, blanks dropped."""
     return [d.strip() for d in text.split(",") if d.strip()]
 
 
@@ -388,7 +386,7 @@ def _teacher(dirs: str, prompts: list[str], device: str):
     from predictor import store
     from predictor.pipeline import Teacher
 
-    names = _split_dirs(dirs)
+    names = _comma_list(dirs)
     if not names:
         raise ValueError("--teacher names no model directory")
     members = [store.load(d, device) for d in names]
@@ -520,7 +518,7 @@ def cmd_eval(args) -> dict:
     log.info(
         "evaluating %s (%s buckets: %d) on %d %s examples", loaded.path, b.scheme, b.n, len(test), args.split
     )
-    members = [loaded] + [store.load(d, args.device) for d in _split_dirs(args.ensemble or "")]
+    members = [loaded] + [store.load(d, args.device) for d in _comma_list(args.ensemble or "")]
     _check_same_edges(members, "--ensemble")
     probs = _mean_probs(members, test.prompts)
     train_labels = b.label(train.lengths)
