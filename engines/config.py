@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PipelineConfig:
+    """How a multi-stage plan runs: one process per stage after the first, talking ``torch.distributed``.
+
+    ``init_method`` is the rendezvous (``tcp://HOST:PORT``; default a free loopback port).
+    ``backend`` ``auto`` picks NCCL on CUDA and gloo on CPU. ``stage_slowdowns`` override the
+    plan devices' ``slowdown`` (extra sleep as a multiple of a stage's compute time, emulating a
+    slower device); ``even_split`` ignores the plan's layer ranges and splits evenly (a baseline).
+    """
+
+    init_method: str | None = None
+    backend: str = "auto"
+    device: str = "cpu"
+    stage_slowdowns: list[float] | None = None
+    even_split: bool = False
+    start_timeout_s: float = 120.0
 
 
 @dataclass
@@ -23,7 +41,10 @@ class EngineConfig:
     default_predicted_tokens: int = 128  # used when a request has no prediction (capped by max_tokens)
     queue_depth: int = 2  # free_slots(): requests kept queued inside the engine beyond what fits
     kv_bits: int = 16  # 16: KV in the model dtype; 8: int8 KV (needs quant.kv)
-    plan_path: str | None = None  # plan.json from the planner (micro-batch sizes as step limits)
+    plan_path: str | None = None  # plan.json: stages, per-layer bits, micro-batch sizes
+    decode_micro_batch: int | None = None  # most decoding queries in one micro-batch (None: no limit)
+    prefill_micro_batch: int | None = None  # most prefilling queries in one micro-batch (None: no limit)
+    pipeline: PipelineConfig = field(default_factory=lambda: PipelineConfig())
     dtype: str = "float32"
     stats_window_s: float = 10.0  # window of the tokens/s figure in stats()
 
@@ -44,6 +65,14 @@ class EngineConfig:
                 f"default_predicted_tokens must be >= 1, got {self.default_predicted_tokens}",
             ),
             (self.queue_depth >= 0, f"queue_depth must be >= 0, got {self.queue_depth}"),
+            (
+                self.decode_micro_batch is None or self.decode_micro_batch >= 1,
+                f"decode_micro_batch must be >= 1, got {self.decode_micro_batch}",
+            ),
+            (
+                self.prefill_micro_batch is None or self.prefill_micro_batch >= 1,
+                f"prefill_micro_batch must be >= 1, got {self.prefill_micro_batch}",
+            ),
             (self.kv_bits in (16, 8), f"kv_bits must be 16 or 8, got {self.kv_bits}"),
             (
                 self.dtype in ("float32", "bfloat16", "float16"),

@@ -11,17 +11,20 @@ import logging
 import math
 import time
 from collections import deque
+from dataclasses import replace
 
 import torch
 
 from engines.config import EngineConfig
 from engines.interface import EngineStats, Request, RequestOutput
 from engines.kv_cache import KVCacheManager
-from engines.model_runner import ModelRunner
-from engines.plan import apply_plan, apply_plan_bits
+from engines.model_runner import ModelRunner, make_adapter
+from engines.pipeline import PipelineRunner, StageSpec
+from engines.plan import apply_plan, apply_plan_bits, plan_stages
 from engines.sampler import sample
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Sequence, SequenceStatus
+from engines.step_batch import StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +55,29 @@ class LLMEngine:
             budget = config.kv_budget_bytes // per_token
         num_blocks = max(1, budget // config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.kv_bits)
+        self.stages = self._stages(model, config)
+        self.pipeline: PipelineRunner | None = None
+        if len(self.stages) > 1:
+            pc = config.pipeline
+            self.pipeline = PipelineRunner(
+                model,
+                self.stages,
+                num_blocks,
+                config.block_size,
+                config.kv_bits,
+                pc.init_method,
+                pc.backend,
+                pc.device,
+                pc.start_timeout_s,
+            )
+            self.runner = self.pipeline.stage0
+        else:
+            self.runner = ModelRunner(model, num_blocks, config.block_size, config.kv_bits)
+        self.num_stages = len(self.stages)
         self.scheduler = Scheduler(config, self.kv)
+        self._inflight: deque[tuple[SchedulerOutput, torch.Tensor | None]] = deque()
+        self._busy: set[str] = set()  # queries in a micro-batch in flight
+        self._aborting: set[str] = set()  # aborted while in flight: finished when their micro-batch is back
         self.max_positions = self._max_positions(model)
         self._done: list[RequestOutput] = []  # aborted / rejected, returned by the next step()
         self._ids: set[str] = set()
@@ -86,6 +110,29 @@ class LLMEngine:
         config.validate()
         model, tok = load_or_build(model_dir, arch=arch, size=size, dtype=_DTYPES[config.dtype])
         return cls(model, tok, config)
+
+    @staticmethod
+    def _stages(model: torch.nn.Module, config: EngineConfig) -> list[StageSpec]:
+        """The plan's stages (one whole-model stage without a plan), with the pipeline's overrides."""
+        n_layers = make_adapter(model).num_layers
+        if not config.plan_path:
+            return [StageSpec(0, 0, n_layers)]
+        stages = plan_stages(config.plan_path, n_layers, config.pipeline.even_split)
+        if len(stages) == 1:  # in-process; a layer-count mismatch is reported by apply_plan_bits
+            stages = [replace(stages[0], layer_end=n_layers)]
+        elif stages[-1].layer_end != n_layers:
+            raise ValueError(f"plan stages cover {stages[-1].layer_end} layers, the model has {n_layers}")
+        slow = config.pipeline.stage_slowdowns
+        if slow is not None:
+            if len(slow) != len(stages):
+                raise ValueError(f"{len(slow)} stage slowdowns given for a plan of {len(stages)} stages")
+            stages = [replace(s, slowdown=float(x)) for s, x in zip(stages, slow, strict=True)]
+        return stages
+
+    def close(self) -> None:
+        """Stop the pipeline's stage processes (nothing to do for a one-process engine)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     @staticmethod
     def _max_positions(model: torch.nn.Module) -> int | None:
@@ -122,6 +169,9 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
+        if request_id in self._busy:  # its KV is being written by a stage: finish it when it is back
+            self._aborting.add(request_id)
+            return
         seq = self.scheduler.remove(request_id)
         if seq is not None:
             seq.status = SequenceStatus.FINISHED
@@ -132,23 +182,49 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._done)
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> run model -> update; returns the queries finished in it."""
+        """One iteration: schedule -> run model -> update; returns the queries finished in it.
+
+        With S pipeline stages, up to S micro-batches (disjoint sets of queries) are in flight:
+        the step schedules and submits micro-batches until S are in flight, then takes the
+        oldest one back, samples and updates. With one stage that is schedule -> run -> update.
+        """
         finished, self._done = self._done, []
-        plan = self.scheduler.schedule()
-        for seq in plan.out_of_memory:
-            self._ids.discard(seq.request_id)
-            seq.status = SequenceStatus.FINISHED
-            finished.append(self._output(seq, "length", "KV cache too small for this query"))
-        if plan.preempted:
-            self.num_preemptions += len(plan.preempted)
-            log.debug("preempted %s (KV blocks ran out)", [s.request_id for s in plan.preempted])
-        if not plan.chunks:
+        while len(self._inflight) < self.num_stages:
+            plan = self.scheduler.schedule(self._busy)
+            finished.extend(self._unschedulable(plan))
+            if not plan.chunks:
+                break
+            batch = StepBatch.from_chunks(plan.chunks, self.kv.block_size)
+            if self.pipeline is None:
+                self._inflight.append((plan, self.runner.run_batch(batch)))
+            else:
+                self.pipeline.submit(batch)
+                self._inflight.append((plan, None))
+            self._busy.update(c.seq.request_id for c in plan.chunks)
+        if not self._inflight:
             return finished
-        logits = self.runner.run(plan.chunks, self.kv)
+        plan, logits = self._inflight.popleft()
+        if logits is None:
+            logits = self.pipeline.result()
+        self._busy.difference_update(c.seq.request_id for c in plan.chunks)
         sampling = [c.seq for c in plan.chunks if c.samples]
         tokens = sample(logits, sampling) if sampling else []
         finished.extend(self._update(plan, sampling, tokens))
+        for rid in [r for r in self._aborting if r not in self._busy]:
+            self._aborting.discard(rid)
+            self.abort_request(rid)
         return finished
+
+    def _unschedulable(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        out = []
+        for seq in plan.out_of_memory:
+            self._ids.discard(seq.request_id)
+            seq.status = SequenceStatus.FINISHED
+            out.append(self._output(seq, "length", "KV cache too small for this query"))
+        if plan.preempted:
+            self.num_preemptions += len(plan.preempted)
+            log.debug("preempted %s (KV blocks ran out)", [s.request_id for s in plan.preempted])
+        return out
 
     def stats(self) -> EngineStats:
         now = time.monotonic()

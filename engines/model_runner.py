@@ -10,13 +10,12 @@ prefill chunk in its own causal call. Architectures: Llama family, GPT-2, OPT.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from engines.kv_cache import KVCacheManager
 from engines.scheduler import ScheduledChunk
+from engines.step_batch import AttentionMeta, StepBatch
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -58,8 +57,9 @@ class LlamaAdapter(DecoderAdapter):
         self.num_layers = len(self.layers)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = self.layers[0].self_attn.head_dim
-        self._scale = self.layers[0].self_attn.scaling
+        attn = next(layer.self_attn for layer in self.layers if hasattr(layer, "self_attn"))  # stage-safe
+        self.head_dim = attn.head_dim
+        self._scale = attn.scaling
 
     def embed(self, ids, pos):
         return self.m.embed_tokens(ids)
@@ -102,8 +102,8 @@ class GPT2Adapter(DecoderAdapter):
         self.hidden = cfg.n_embd
         self.head_dim = cfg.n_embd // cfg.n_head
         self._scales = []
-        for i, layer in enumerate(self.layers):
-            s = layer.attn.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
+        for i in range(self.num_layers):
+            s = self.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
             if cfg.scale_attn_by_inverse_layer_idx:
                 s /= float(i + 1)
             self._scales.append(s)
@@ -188,37 +188,47 @@ def make_adapter(model: torch.nn.Module) -> DecoderAdapter:
     )
 
 
-@dataclass
-class AttentionMeta:
-    """Index tensors for one step, shared by all layers."""
-
-    decode_rows: torch.Tensor | None  # rows of the flat batch that are decode tokens
-    decode_slots: torch.Tensor | None  # [B, L] cache slots of each decode query's context (padded)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] True where the slot is real
-    all_decode: bool
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (row0, n, slots [ctx], mask or None)
-
-
 class ModelRunner:
-    """Owns the model and the per-layer KV pools; ``run`` computes one step and returns logits to sample from."""
+    """Owns the model (or one stage's layers of it) and those layers' KV pools.
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_bits: int = 16) -> None:
+    ``run`` computes one step over all layers and returns logits to sample from; a pipeline
+    stage calls ``embed`` (first stage), ``forward`` over its ``layers`` and ``logits`` (last
+    stage) itself. Pools are keyed by global layer index, so a stage holds only its own.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        kv_bits: int = 16,
+        layers: range | None = None,
+    ) -> None:
         self.model = model.eval()
-        self.adapter = make_adapter(model)
+        self.adapter = a = make_adapter(model)
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
         self.kv_bits = kv_bits
-        a = self.adapter
+        self.layers = layers if layers is not None else range(a.num_layers)
         shape = (num_blocks * block_size, a.num_kv_heads, a.head_dim)
         store = torch.int8 if kv_bits == 8 else self.dtype
-        self.k_cache = [torch.zeros(shape, dtype=store) for _ in range(a.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=store) for _ in range(a.num_layers)]
-        self.k_scale: list[torch.Tensor] = []
-        self.v_scale: list[torch.Tensor] = []
+        self.k_cache = {i: torch.zeros(shape, dtype=store) for i in self.layers}
+        self.v_cache = {i: torch.zeros(shape, dtype=store) for i in self.layers}
+        self.k_scale: dict[int, torch.Tensor] = {}
+        self.v_scale: dict[int, torch.Tensor] = {}
         if kv_bits == 8:  # int8 codes with one fp16 scale per token and head (quant.kv)
             sshape = (shape[0], a.num_kv_heads, 1)
-            self.k_scale = [torch.ones(sshape, dtype=torch.float16) for _ in range(a.num_layers)]
-            self.v_scale = [torch.ones(sshape, dtype=torch.float16) for _ in range(a.num_layers)]
+            self.k_scale = {i: torch.ones(sshape, dtype=torch.float16) for i in self.layers}
+            self.v_scale = {i: torch.ones(sshape, dtype=torch.float16) for i in self.layers}
+
+    def kv_pool_bytes(self) -> int:
+        pools = [
+            *self.k_cache.values(),
+            *self.v_cache.values(),
+            *self.k_scale.values(),
+            *self.v_scale.values(),
+        ]
+        return sum(t.numel() * t.element_size() for t in pools)
 
     @staticmethod
     def kv_bytes_per_token(model: torch.nn.Module, kv_bits: int = 16) -> int:
@@ -249,45 +259,6 @@ class ModelRunner:
             return k, v
         return self.k_cache[i][idx], self.v_cache[i][idx]
 
-    def _block_slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
-        """[B, length] cache slots from block tables (padded with block 0; masked by the caller)."""
-        nb = -(-length // self.block_size)
-        bt = torch.zeros(len(tables), nb, dtype=torch.long)
-        for r, t in enumerate(tables):
-            k = min(nb, len(t))
-            bt[r, :k] = torch.tensor(t[:k], dtype=torch.long)
-        slots = bt[:, :, None] * self.block_size + torch.arange(self.block_size)
-        return slots.view(len(tables), -1)[:, :length]
-
-    def _meta(self, chunks: list[ScheduledChunk]) -> AttentionMeta:
-        dec_rows, dec_tables, dec_ctx, prefills = [], [], [], []
-        row = 0
-        for c in chunks:
-            ctx = c.start + c.num_tokens
-            if c.num_tokens == 1 and c.start > 0:
-                dec_rows.append(row)
-                dec_tables.append(c.seq.block_table)
-                dec_ctx.append(ctx)
-            else:
-                slots = self._block_slots([c.seq.block_table], ctx)[0]
-                mask = None
-                if c.start > 0:  # causal with an offset: query i sees keys 0..start+i
-                    mask = torch.arange(ctx)[None, :] <= (c.start + torch.arange(c.num_tokens))[:, None]
-                prefills.append((row, c.num_tokens, slots, mask))
-            row += c.num_tokens
-        if not dec_rows:
-            return AttentionMeta(None, None, None, False, prefills)
-        length = max(dec_ctx)
-        ctx = torch.tensor(dec_ctx)
-        mask = (torch.arange(length)[None, :] < ctx[:, None])[:, None, None, :]
-        return AttentionMeta(
-            torch.tensor(dec_rows),
-            self._block_slots(dec_tables, length),
-            mask,
-            len(dec_rows) == row,
-            prefills,
-        )
-
     def _attend(self, i: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         a = self.adapter
         t = q.shape[0]
@@ -315,29 +286,30 @@ class ModelRunner:
             out[row : row + n] = o[0].transpose(0, 1)
         return out.reshape(t, a.num_heads * a.head_dim)
 
+    # ---- one step: embed (first stage) -> this runner's layers -> logits (last stage) ----------------
+    def embed(self, batch: StepBatch) -> torch.Tensor:
+        return self.adapter.embed(torch.tensor(batch.token_ids), batch.positions)
+
+    def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Run this runner's layers over the flat hidden states ``h`` ``[T, hidden]``, filling their KV."""
+        a = self.adapter
+        aux = a.prepare(h, batch.positions)
+        for i in self.layers:
+            q, k, v = a.qkv(i, h, aux)
+            self._write(i, batch.slots, k, v)
+            h = a.post(i, h, self._attend(i, q, batch.meta))
+        return h
+
+    def logits(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Logits ``[n_sampled, vocab]`` of the rows after which a token is sampled."""
+        if not batch.sample_rows:
+            return h.new_empty(0, 0)
+        return self.adapter.logits(h[torch.tensor(batch.sample_rows)])
+
     @torch.inference_mode()
+    def run_batch(self, batch: StepBatch) -> torch.Tensor:
+        return self.logits(self.forward(self.embed(batch), batch), batch)
+
     def run(self, chunks: list[ScheduledChunk], kv: KVCacheManager) -> torch.Tensor:
         """Compute all scheduled tokens, fill their KV, return logits ``[n_sampling_chunks, vocab]``."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        last_rows: list[int] = []
-        for c in chunks:
-            end = c.start + c.num_tokens
-            ids.extend(c.seq.token_ids(c.start, end))
-            pos.extend(range(c.start, end))
-            slots.extend(kv.slots(c.seq, c.start, end))
-            if c.samples:
-                last_rows.append(len(ids) - 1)
-        a = self.adapter
-        ids_t, pos_t, slot_t = torch.tensor(ids), torch.tensor(pos), torch.tensor(slots)
-        meta = self._meta(chunks)
-        h = a.embed(ids_t, pos_t)
-        aux = a.prepare(h, pos_t)
-        for i in range(a.num_layers):
-            q, k, v = a.qkv(i, h, aux)
-            self._write(i, slot_t, k, v)
-            h = a.post(i, h, self._attend(i, q, meta))
-        if not last_rows:
-            return h.new_empty(0, 0)
-        return a.logits(h[torch.tensor(last_rows)])
+        return self.run_batch(StepBatch.from_chunks(chunks, kv.block_size))

@@ -1,4 +1,4 @@
-"""Optional plan file (``plan.json`` from the planner): micro-batch sizes become scheduler limits.
+"""Optional plan file (``plan.json`` from the planner): stages, per-layer bits, micro-batch limits.
 
 Reads the plan through ``planner.planfile.load_plan`` when that module exists (the one
 sanctioned import of planner code: reading plan files), else as plain JSON. Per-layer bit
@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from engines.config import EngineConfig
+from engines.pipeline import StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +46,68 @@ def _first_int(plan: dict, *keys: str) -> int | None:
     return None
 
 
+def _rows(plan: dict, key: str) -> list[dict]:
+    return [st if isinstance(st, dict) else getattr(st, "__dict__", {}) for st in plan.get(key) or []]
+
+
+def plan_stages(path: str, num_layers: int | None = None, even_split: bool = False) -> list[StageSpec]:
+    """The plan's stages in order: layer range, the device's ``slowdown`` and memory cap, predictions.
+
+    ``even_split`` keeps the plan's devices but splits the layers evenly over them (the baseline
+    a planned partition is measured against).
+    """
+    plan = _read(path)
+    devices = _rows(plan, "devices")
+    rows = sorted(_rows(plan, "stages"), key=lambda s: s.get("layer_start", 0))
+    if not rows:
+        raise ValueError(f"plan {path} has no stages")
+    layers = num_layers or max(int(r.get("layer_end", 0)) for r in rows)
+    if even_split:
+        if len(rows) > layers:
+            raise ValueError(f"cannot split {layers} layers evenly over {len(rows)} stages")
+        cuts = [round(k * layers / len(rows)) for k in range(len(rows) + 1)]
+        rows = [{**r, "layer_start": cuts[k], "layer_end": cuts[k + 1]} for k, r in enumerate(rows)]
+    out = []
+    for k, r in enumerate(rows):
+        dev = devices[r.get("device_index", k)] if r.get("device_index", k) < len(devices) else {}
+        mem = dev.get("memory_bytes")
+        out.append(
+            StageSpec(
+                index=k,
+                layer_start=int(r["layer_start"]),
+                layer_end=int(r["layer_end"]),
+                slowdown=float(dev.get("slowdown", 0.0) or 0.0),
+                memory_bytes=int(mem) if mem else None,
+                device_name=str(dev.get("type", dev.get("name", ""))),
+                predicted_prefill_s=float(r.get("predicted_prefill_s", 0.0)),
+                predicted_decode_s=float(r.get("predicted_decode_s", 0.0)),
+            )
+        )
+    return out
+
+
 def apply_plan(config: EngineConfig) -> list[str]:
-    """Apply the plan's micro-batch sizes to ``config`` in place; returns notes on what was applied or skipped."""
+    """Apply the plan's micro-batch sizes to ``config`` in place; returns notes on what was applied or skipped.
+
+    The decode micro-batch caps the decoding queries of one micro-batch and, times the number of
+    stages, the running batch (so every stage has a full micro-batch in flight); the prefill
+    micro-batch caps the prefilling queries of one micro-batch.
+    """
     plan = _read(config.plan_path or "")
     notes = []
+    num_stages = max(1, len(_rows(plan, "stages")))
     decode = _first_int(plan, "decode_micro_batch", "decode_batch_size", "decode_micro_batch_sizes")
     prefill = _first_int(plan, "prefill_micro_batch", "prefill_batch_size", "prefill_micro_batch_sizes")
     if decode:
-        config.max_running = decode
-        notes.append(f"max_running={decode} from the plan's decode micro-batch")
+        config.decode_micro_batch = decode
+        config.max_running = decode * num_stages
+        notes.append(
+            f"max_running={decode * num_stages} from the plan's decode micro-batch x {num_stages} stage(s)"
+        )
     if prefill:
-        notes.append(f"prefill micro-batch {prefill} noted (prefill_chunk stays {config.prefill_chunk})")
-    stages = [st if isinstance(st, dict) else getattr(st, "__dict__", {}) for st in plan.get("stages") or []]
+        config.prefill_micro_batch = prefill
+        notes.append(f"at most {prefill} prefilling queries per micro-batch (the plan's prefill micro-batch)")
+    stages = _rows(plan, "stages")
     if any(st.get("tp_device_indices") for st in stages):
         notes.append(
             "tensor-parallel stages in the plan are not run by the native engine (one device per process)"

@@ -99,18 +99,37 @@ class Scheduler:
         return sum(max(s.reserved_tokens, s.num_tokens) for s in self.running)
 
     # ---- the step ---------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
+        """The next step (or micro-batch): running queries not in ``busy`` first, then admissions.
+
+        ``busy`` holds the ids of queries in a micro-batch still in flight through the pipeline
+        stages; they are neither scheduled nor preempted (their KV is being written). Per
+        micro-batch at most ``decode_micro_batch`` decoding and ``prefill_micro_batch``
+        prefilling queries are taken when those limits are set (they come from the plan).
+        """
         cfg, kv = self.config, self.kv
         out = SchedulerOutput()
         budget = cfg.max_batch_tokens
+        room = {True: cfg.decode_micro_batch or math.inf, False: cfg.prefill_micro_batch or math.inf}
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.request_id in busy:
+                i += 1
+                continue
             n = seq.num_uncomputed
-            n = 1 if n == 1 else min(n, cfg.prefill_chunk, budget)
+            decode = n == 1
+            if room[decode] <= 0:
+                i += 1
+                continue
+            n = 1 if decode else min(n, cfg.prefill_chunk, budget)
             scheduled = True
             while not kv.allocate(seq, seq.num_computed + n):
-                victim = self.running.pop()  # the most recently admitted query gives way
+                victim = self._victim(busy)  # the most recently admitted idle query gives way
+                if victim is None:  # only queries in flight could give way: wait for them
+                    scheduled = False
+                    break
+                self.running.remove(victim)
                 if victim is seq and not self.running and not out.chunks:
                     out.out_of_memory.append(victim)  # alone and larger than the cache: cannot ever fit
                     kv.free(victim)
@@ -123,11 +142,12 @@ class Scheduler:
             if not scheduled:
                 break
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
+            room[decode] -= 1
             budget -= n
             i += 1
         if out.preempted:
             return out  # memory is short: admit nobody this step
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_running:
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_running and room[False] > 0:
             seq = self.waiting[0]
             reserve = self.reservation(seq)
             if self.running and self.committed_tokens() + reserve > kv.total_tokens:
@@ -141,8 +161,15 @@ class Scheduler:
             self.running.append(seq)
             out.admitted.append(seq)
             out.chunks.append(ScheduledChunk(seq, 0, n))
+            room[False] -= 1
             budget -= n
         return out
+
+    def _victim(self, busy: frozenset[str] | set[str]) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq.request_id not in busy:
+                return seq
+        return None
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)  # recompute later: prompt + generated tokens are prefilled again

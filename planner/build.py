@@ -18,6 +18,7 @@ def make_plan(problem: Problem, a: Assignment, e: Evaluation, method: str, solve
             "type": devs[i].type.name,
             "memory_bytes": devs[i].type.memory_bytes,
             "node": devs[i].node,
+            "slowdown": float(devs[i].type.slowdown),
         }
         for i in listed
     ]

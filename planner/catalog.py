@@ -17,6 +17,7 @@ default), ~25 us per all-reduce; L4 / A10: PCIe 4.0 x16, 256 Gb/s.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
@@ -26,7 +27,14 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class DeviceType:
-    """One kind of accelerator (or the local CPU)."""
+    """One kind of accelerator (or the local CPU).
+
+    ``slowdown`` emulates a slower device of this kind on the same hardware: it takes
+    ``1 + slowdown`` times as long for every layer and the LM head (the same meaning as
+    ``engine serve --slowdown``: extra time as a multiple of the compute time). Such copies come
+    from ``with_slowdown``; they carry a distinct ``name`` and keep the catalog name in ``base``
+    (read it as ``base_name``).
+    """
 
     name: str
     memory_bytes: int
@@ -42,6 +50,18 @@ class DeviceType:
     # one all-reduce on it; used as a node's default ``intra_node_gbps`` and for tensor parallelism
     intra_node_gbps: float = 128.0  # PCIe 3.0 x16
     allreduce_latency_s: float = 25e-6
+    slowdown: float = 0.0
+    base: str = ""  # catalog name of an emulated (slowed-down) copy; empty for catalog types
+
+    @property
+    def base_name(self) -> str:
+        """The catalog name this type derives from (its own name for catalog types)."""
+        return self.base or self.name
+
+    @property
+    def speed_factor(self) -> float:
+        """How many times longer this type takes than its base type: ``1 + slowdown``."""
+        return 1.0 + self.slowdown
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,3 +190,22 @@ def device_type(name: str) -> DeviceType:
 def with_memory(dev: DeviceType, memory_bytes: int) -> DeviceType:
     """A copy of ``dev`` with another memory size (e.g. a partly reserved GPU)."""
     return replace(dev, memory_bytes=int(memory_bytes))
+
+
+def with_slowdown(dev: DeviceType, slowdown: float) -> DeviceType:
+    """A copy of ``dev`` that runs ``1 + slowdown`` times slower, named e.g. ``CPU@x2`` for slowdown 1.
+
+    ``slowdown`` 0 returns ``dev`` itself; a negative (or non-finite) slowdown is a ``ValueError``.
+    Slowdowns compose: slowing an already slowed type multiplies the factors.
+    """
+    try:
+        s = float(slowdown)
+    except (TypeError, ValueError):
+        s = math.nan
+    if isinstance(slowdown, bool) or not math.isfinite(s) or s < 0:
+        raise ValueError(f"slowdown must be a finite number >= 0, got {slowdown!r}")
+    if s == 0:
+        return dev
+    total = (1.0 + dev.slowdown) * (1.0 + s) - 1.0
+    base = dev.base_name
+    return replace(dev, name=f"{base}@x{1 + total:.12g}", slowdown=total, base=base)

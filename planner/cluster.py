@@ -10,6 +10,15 @@ A spec is YAML or JSON::
         devices: [P100, P100, P100]
       - name: v100
         devices: [{type: V100, count: 1}]
+      - name: box                 # unlike devices emulated on one machine
+        devices:
+          - {type: CPU, count: 1}
+          - {type: CPU, count: 1, slowdown: 1.0, memory_gib: 2}
+
+A device entry is a type name or a mapping with ``type`` and optional ``count`` (default 1),
+``memory_gib`` (a memory cap) and ``slowdown`` (default 0: the device takes ``1 + slowdown``
+times as long, as with ``engine serve --slowdown``; its type is renamed e.g. ``CPU@x2`` and the
+planner scales the base type's profile, see ``planner.catalog.with_slowdown``).
 
 A shorthand string such as ``"3xT4+V100"`` gives one node per device type.
 """
@@ -23,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from planner.catalog import DeviceType, device_type
+from planner.catalog import GIB, DeviceType, device_type, with_memory, with_slowdown
 
 DEFAULT_INTRA_GBPS = 128.0
 DEFAULT_INTER_GBPS = 100.0
@@ -63,6 +72,50 @@ class ClusterSpecError(ValueError):
     """A cluster spec that cannot be read."""
 
 
+def _device_entry(entry: object, nname: str) -> tuple[DeviceType, int]:
+    """One device entry of node ``nname``: its device type (memory cap, slowdown applied) and count."""
+    if isinstance(entry, str):
+        tname, count, mem, slow = entry, 1, None, 0.0
+    elif isinstance(entry, dict) and "type" in entry:
+        tname, mem, slow = entry["type"], entry.get("memory_gib"), entry.get("slowdown", 0.0)
+        try:
+            count = int(entry.get("count", 1))
+        except (TypeError, ValueError):
+            raise ClusterSpecError(
+                f"node {nname!r}: device count must be an integer, got {entry.get('count')!r}"
+            ) from None
+    else:
+        raise ClusterSpecError(f"node {nname!r}: device entry {entry!r} needs a 'type'")
+    if count < 1:
+        raise ClusterSpecError(f"node {nname!r}: device count must be >= 1, got {count}")
+    try:
+        dt = device_type(str(tname))
+    except ValueError as e:
+        raise ClusterSpecError(str(e)) from None
+    if mem is not None:
+        dt = with_memory(dt, int(float(mem) * GIB))
+    try:
+        if isinstance(slow, bool) or not isinstance(slow, (int, float)):
+            raise ValueError
+        dt = with_slowdown(dt, slow)
+    except ValueError:
+        raise ClusterSpecError(
+            f"node {nname!r}: device {tname!r}: slowdown must be a number >= 0, got {slow!r}"
+        ) from None
+    return dt, count
+
+
+def _check_type_names(devices: list[Device]) -> None:
+    """Latency models are keyed by type name: one name must mean one speed."""
+    seen: dict[str, float] = {}
+    for d in devices:
+        if seen.setdefault(d.type.name, d.type.slowdown) != d.type.slowdown:
+            raise ClusterSpecError(
+                f"device type name {d.type.name!r} is used with slowdowns {seen[d.type.name]} and "
+                f"{d.type.slowdown}; use slowdowns that differ more"
+            )
+
+
 def cluster_from_dict(spec: dict, default_name: str = "cluster") -> Cluster:
     if not isinstance(spec, dict):
         raise ClusterSpecError("cluster spec must be a mapping with a 'nodes' list")
@@ -79,22 +132,7 @@ def cluster_from_dict(spec: dict, default_name: str = "cluster") -> Cluster:
             raise ClusterSpecError(f"duplicate node name {nname!r}")
         first = len(devices)
         for entry in node["devices"]:
-            if isinstance(entry, str):
-                tname, count, mem = entry, 1, None
-            elif isinstance(entry, dict) and "type" in entry:
-                tname, count, mem = entry["type"], int(entry.get("count", 1)), entry.get("memory_gib")
-            else:
-                raise ClusterSpecError(f"node {nname!r}: device entry {entry!r} needs a 'type'")
-            if count < 1:
-                raise ClusterSpecError(f"node {nname!r}: device count must be >= 1, got {count}")
-            try:
-                dt = device_type(str(tname))
-            except ValueError as e:
-                raise ClusterSpecError(str(e)) from None
-            if mem is not None:
-                from planner.catalog import GIB, with_memory
-
-                dt = with_memory(dt, int(float(mem) * GIB))
+            dt, count = _device_entry(entry, nname)
             for _ in range(count):
                 devices.append(Device(f"{nname}/{len(devices)}", dt, nname))
         # explicit node value, else the spec's, else the slowest default link of the node's device types
@@ -106,6 +144,7 @@ def cluster_from_dict(spec: dict, default_name: str = "cluster") -> Cluster:
         intra.append((nname, bw))
     if not devices:
         raise ClusterSpecError("cluster spec has no devices")
+    _check_type_names(devices)
     inter = float(spec.get("inter_node_gbps", DEFAULT_INTER_GBPS))
     if inter <= 0:
         raise ClusterSpecError("inter_node_gbps must be positive")

@@ -22,6 +22,11 @@ round trip through all stages before their next step: it is right for any ``m_d`
 ``sum + (m-1) max`` form is right only when ``m_d`` >= number of stages). Stage times include
 receiving the activations from the previous stage over the link, and the LM head on the last.
 
+Emulated slower devices (a device type's ``slowdown``, ``planner.catalog.with_slowdown``): the
+latency model of such a type is already scaled by ``1 + slowdown`` (``planner.problem``), and
+so are its LM head and the fixed per-layer overhead used for tensor parallelism; links,
+all-reduce latencies and memory are not slowed.
+
 Tensor parallelism (SplitQuant): a stage may run on a *unit*, a group of ``t`` devices of one
 type on one node (``t`` in {1, 2, 4}, dividing the heads and KV heads). Unit ids ``0..n-1`` are
 the single devices; larger groups get ids ``n, n+1, ...`` (``Problem.tp_unit``), so
@@ -221,7 +226,8 @@ class Problem:
         t = self.unit_tp(u)
         if t == 1:
             return single_s
-        o = min(single_s, self._dtype(u).layer_overhead_s)
+        dt = self._dtype(u)
+        o = min(single_s, dt.layer_overhead_s * dt.speed_factor)  # the fixed part, slowed like the rest
         return (single_s - o) / t + o + 2 * self.allreduce_s(u, tokens * self.shape.hidden * 2)
 
     def capacity(self, dev: int) -> int:
@@ -250,10 +256,12 @@ class Problem:
         return self._cache[key]
 
     def head_s(self, dev: int, v: int) -> float:
-        """LM head on the stage's first device (not split over a tensor-parallel group: conservative)."""
-        key = ("h", self._dtype(dev).name, v)
+        """LM head on the stage's first device (not split over a tensor-parallel group: conservative),
+        ``1 + slowdown`` times the base type's roofline on an emulated slower device."""
+        dt = self._dtype(dev)
+        key = ("h", dt.name, v)
         if key not in self._cache:
-            self._cache[key] = lm_head_s(self._dtype(dev), self.shape, v)
+            self._cache[key] = lm_head_s(dt, self.shape, v) * dt.speed_factor
         return self._cache[key]
 
     def link_bytes_per_s(self, src: int, dst: int) -> float:

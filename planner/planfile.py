@@ -1,7 +1,9 @@
 """The plan file (``plan.json``, schema version 1): written by the planner, read by the engines.
 
 Fields: ``version``, ``model`` (name + hidden, layers, heads, kv_heads, intermediate, vocab),
-``method``, ``devices`` (ordered: stage k runs on ``devices[stages[k].device_index]``),
+``method``, ``devices`` (ordered: stage k runs on ``devices[stages[k].device_index]``; each has
+``name``, ``type``, ``memory_bytes``, ``node`` and an optional ``slowdown`` >= 0, default 0: an
+emulated slower device that takes ``1 + slowdown`` times as long, as ``engine serve --slowdown``),
 ``stages`` (``layer_start``, ``layer_end`` exclusive, ``bits`` per layer, predicted memory (per
 device) and prefill/decode seconds, optional ``tp_device_indices``: the devices of a
 tensor-parallel stage, first = ``device_index``), ``kv_bits``, micro-batch sizes, workload, ``theta``, ``total_omega``,
@@ -11,6 +13,7 @@ predicted batch latency and throughput (generated tokens/s), ``solve_seconds``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +113,9 @@ def _validate(d: dict) -> None:
             raise PlanError(f"plan.devices[{i}] must be an object")
         for k, t in (("name", str), ("type", str), ("memory_bytes", int), ("node", str)):
             _need(dev, k, t, f"plan.devices[{i}]")
+        slow = dev.get("slowdown", 0.0)
+        if isinstance(slow, bool) or not isinstance(slow, (int, float)) or not 0 <= slow < math.inf:
+            raise PlanError(f"plan.devices[{i}]: 'slowdown' must be a number >= 0, got {slow!r}")
     stages = _need(d, "stages", list, "plan")
     if not stages:
         raise PlanError("plan: 'stages' is empty")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
+from planner.catalog import DeviceType
 from planner.cluster import Cluster
 from planner.costs import Problem, Workload
 from planner.latency import LatencyModel, Profile, fit_profile, roofline_profile
@@ -18,7 +20,13 @@ log = logging.getLogger(__name__)
 def latency_models(
     cluster: Cluster, shape: ModelShape, bits: tuple[int, ...], profiles: Mapping[str, Profile] | None = None
 ) -> dict[str, LatencyModel]:
-    """One fitted model per device type: from a measured profile when one is given, else from the roofline."""
+    """One fitted model per device type: from a measured profile when one is given, else from the roofline.
+
+    A type with a ``slowdown`` (``planner.catalog.with_slowdown``) takes its profile by its own
+    name, else by its base name (``CPU@x2`` -> ``CPU``); profiles are of the real hardware (the
+    profiler does not emulate slowdowns), so the fitted model, or the roofline one, is scaled by
+    ``1 + slowdown``.
+    """
     out: dict[str, LatencyModel] = {}
     profiles = profiles or {}
     for d in cluster.devices:
@@ -26,24 +34,31 @@ def latency_models(
         if name in out:
             continue
         prof = profiles.get(name)
-        if prof is not None:
-            if (
-                prof.model.get("hidden") != shape.hidden
-                or prof.model.get("intermediate") != shape.intermediate
-            ):
-                raise ValueError(
-                    f"profile for {name} was measured on model {prof.model.get('name')!r}, not {shape.name!r}; "
-                    "profile the same model shape or leave the profile out to use the roofline"
-                )
-            missing = [b for b in bits if b not in prof.samples]
-            if missing:
-                log.warning("profile for %s lacks bits %s: those come from the roofline", name, missing)
-                extra = roofline_profile(d.type, shape, missing)
-                prof = Profile(prof.device, prof.model, prof.source, {**prof.samples, **extra.samples})
-            out[name] = fit_profile(prof, bits)
-        else:
-            out[name] = fit_profile(roofline_profile(d.type, shape, bits), bits)
+        if prof is None:
+            prof = profiles.get(d.type.base_name)
+        lm = _fit(d.type, shape, bits, prof)
+        if d.type.slowdown > 0:
+            lm = replace(lm.scaled(d.type.speed_factor), device=name)
+        out[name] = lm
     return out
+
+
+def _fit(dev: DeviceType, shape: ModelShape, bits: tuple[int, ...], prof: Profile | None) -> LatencyModel:
+    """The unscaled latency model of ``dev``: ``prof`` fitted (missing bits from the roofline), else the roofline."""
+    if prof is None:
+        return fit_profile(roofline_profile(dev, shape, bits), bits)
+    name = dev.name
+    if prof.model.get("hidden") != shape.hidden or prof.model.get("intermediate") != shape.intermediate:
+        raise ValueError(
+            f"profile for {name} was measured on model {prof.model.get('name')!r}, not {shape.name!r}; "
+            "profile the same model shape or leave the profile out to use the roofline"
+        )
+    missing = [b for b in bits if b not in prof.samples]
+    if missing:
+        log.warning("profile for %s lacks bits %s: those come from the roofline", name, missing)
+        extra = roofline_profile(dev, shape, missing)
+        prof = Profile(prof.device, prof.model, prof.source, {**prof.samples, **extra.samples})
+    return fit_profile(prof, bits)
 
 
 def quality_indicator(

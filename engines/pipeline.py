@@ -1,0 +1,284 @@
+"""The driver's side of a multi-stage plan: stage 0 in this process, one process per further stage.
+
+The driver (rank 0) owns the scheduler, embeds, runs stage 0's layers, and samples; stages
+1..S-1 are spawned processes (:mod:`engines.stage_worker`) holding only their own layers and
+their layers' paged KV pools. ``submit`` runs stage 0 on a micro-batch and sends it on without
+waiting; ``result`` receives the logits of the oldest micro-batch in flight from the last
+stage. The engine keeps up to ``num_stages`` micro-batches in flight, so every stage works at
+once. KV blocks are numbered by the driver's block manager and mean the same slots in every
+stage, so freeing a finished query's blocks frees them in every stage at once.
+
+A watchdog notices a stage process that dies, names it, and stops the others; the blocked
+call then raises :class:`StageFailure` with that name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from engines.model_runner import ModelRunner
+from engines.stage_model import cut_stage, model_dtype, module_bytes, vocab_size
+from engines.stage_worker import (
+    COUNTERS,
+    NUM_COUNTERS,
+    STEP,
+    STOP,
+    StageArgs,
+    StageCounters,
+    backend_for,
+    emulate,
+    stage_main,
+    timed,
+)
+from engines.step_batch import StepBatch
+
+log = logging.getLogger(__name__)
+
+
+class StageFailure(RuntimeError):
+    """A pipeline stage process died or could not start; the message names the stage."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of a plan as the engine runs it."""
+
+    index: int
+    layer_start: int
+    layer_end: int
+    slowdown: float = 0.0
+    memory_bytes: int | None = None  # the device's memory cap (None: no cap)
+    device_name: str = ""
+    predicted_prefill_s: float = 0.0
+    predicted_decode_s: float = 0.0
+
+    def describe(self) -> str:
+        dev = f" on {self.device_name}" if self.device_name else ""
+        return f"stage {self.index} (layers [{self.layer_start}, {self.layer_end}){dev})"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+class PipelineRunner:
+    """Runs a plan's stages: stage 0 here, the rest in spawned processes linked by ``torch.distributed``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stages: list[StageSpec],
+        num_blocks: int,
+        block_size: int,
+        kv_bits: int = 16,
+        init_method: str | None = None,
+        backend: str = "auto",
+        device: str = "cpu",
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        if len(stages) < 2:
+            raise ValueError("a pipeline needs at least 2 stages (one stage runs in-process)")
+        self.stages = stages
+        self.num_stages = len(stages)
+        self.device = device
+        self.block_size = block_size
+        self.vocab = vocab_size(model)
+        self.dtype = model_dtype(model)
+        s0 = stages[0]
+        self.stage0 = ModelRunner(model, num_blocks, block_size, kv_bits, range(s0.layer_start, s0.layer_end))
+        parts = [cut_stage(model, s.layer_start, s.layer_end, s.index == 0, s is stages[-1]) for s in stages]
+        kv_per_stage = [
+            self.stage0.kv_pool_bytes() * (s.layer_end - s.layer_start) // (s0.layer_end - s0.layer_start)
+            for s in stages
+        ]
+        self.memory = [module_bytes(p) + kv for p, kv in zip(parts, kv_per_stage, strict=True)]
+        for s, need in zip(stages, self.memory, strict=True):
+            if s.memory_bytes is not None and need > s.memory_bytes:
+                raise ValueError(
+                    f"{s.describe()} needs {need / 2**20:.1f} MiB (weights + KV cache) but its device "
+                    f"caps memory at {s.memory_bytes / 2**20:.1f} MiB"
+                )
+        self.counters = StageCounters(memory_bytes=self.memory[0])
+        self.trailer = torch.zeros(self.num_stages, NUM_COUNTERS, dtype=torch.float64)
+        self.failure: str | None = None
+        self._closing = False
+        self._inflight: deque[StepBatch] = deque()
+        self._pending: list = []
+        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+        backend = backend_for(device, backend)
+        ctx = mp.get_context("spawn")
+        self.procs: list = []
+        conns = []
+        for s, part in zip(stages[1:], parts[1:], strict=True):
+            parent, child = ctx.Pipe()
+            args = StageArgs(
+                s.index,
+                self.num_stages,
+                init_method,
+                backend,
+                device,
+                part,
+                s.layer_start,
+                s.layer_end,
+                num_blocks,
+                block_size,
+                kv_bits,
+                s.slowdown,
+                self.memory[s.index],
+                torch.get_num_threads(),
+                os.getpid(),
+            )
+            p = ctx.Process(
+                target=stage_main, args=(args, child), name=f"fleetbatch-stage{s.index}", daemon=True
+            )
+            p.start()
+            self.procs.append(p)
+            conns.append(parent)
+        self._finalizer = weakref.finalize(self, _kill, list(self.procs))
+        try:
+            self._wait_ready(conns, start_timeout_s)
+            dist.init_process_group(
+                backend,
+                init_method=init_method,
+                rank=0,
+                world_size=self.num_stages,
+                timeout=timedelta(seconds=start_timeout_s),
+            )
+        except BaseException:
+            _kill(self.procs)
+            raise
+        self._watchdog = threading.Thread(target=self._watch, name="stage-watchdog", daemon=True)
+        self._watchdog.start()
+        log.info(
+            "pipeline of %d stages (%s): %s; stage pids %s",
+            self.num_stages,
+            backend,
+            ", ".join(s.describe() + (f" x{1 + s.slowdown:g} slower" if s.slowdown else "") for s in stages),
+            [p.pid for p in self.procs],
+        )
+
+    # ---- start and faults ---------------------------------------------------------------
+    def _wait_ready(self, conns: list, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for s, p, conn in zip(self.stages[1:], self.procs, conns, strict=True):
+            while not conn.poll(0.1):
+                if not p.is_alive():
+                    raise StageFailure(f"{s.describe()} exited while starting (exit code {p.exitcode})")
+                if time.monotonic() > deadline:
+                    raise StageFailure(f"{s.describe()} did not start within {timeout_s:.0f} s")
+            status, detail = conn.recv()
+            if status != "ready":
+                raise StageFailure(f"{s.describe()} could not start: {detail}")
+
+    @property
+    def stage_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def _watch(self) -> None:
+        while not self._closing:
+            for s, p in zip(self.stages[1:], self.procs, strict=True):
+                if not p.is_alive() and not self._closing:
+                    code = p.exitcode
+                    how = (
+                        f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                    )
+                    self.failure = f"{s.describe()}, pid {p.pid}, died ({how})"
+                    log.error("pipeline %s; stopping the other stages", self.failure)
+                    _kill(self.procs)  # unblocks the driver's pending receive
+                    return
+            time.sleep(0.2)
+
+    def _fail(self, e: Exception) -> StageFailure:
+        time.sleep(0.5)  # let the watchdog name the stage
+        return StageFailure(f"pipeline stopped: {self.failure or e}")
+
+    # ---- micro-batches --------------------------------------------------------------------
+    def submit(self, batch: StepBatch) -> None:
+        """Run stage 0 on ``batch`` (embedding and its layers) and send it to stage 1."""
+        if self.failure:
+            raise StageFailure(f"pipeline stopped: {self.failure}")
+
+        def compute():
+            with torch.inference_mode():
+                return self.stage0.forward(self.stage0.embed(batch), batch)
+
+        h, compute_s = timed(compute, self.device)
+        self.counters.record(batch, compute_s, emulate(self.stages[0].slowdown, compute_s))
+        self.trailer[0] = self.counters.row()
+        layout = batch.to_tensor()
+        header = torch.tensor([STEP, layout.numel(), batch.num_tokens, len(batch.sample_rows)])
+        try:
+            for w in self._pending:
+                w.wait()
+            self._pending = [dist.isend(t, 1) for t in (header, layout, h.contiguous(), self.trailer.clone())]
+        except RuntimeError as e:
+            raise self._fail(e) from e
+        self._inflight.append(batch)
+
+    def result(self) -> torch.Tensor:
+        """Logits ``[n_sampled, vocab]`` of the oldest micro-batch in flight."""
+        batch = self._inflight.popleft()
+        n = len(batch.sample_rows)
+        logits = torch.empty(max(1, n), self.vocab, dtype=self.dtype, device=self.device)
+        trailer = torch.empty(self.num_stages, NUM_COUNTERS, dtype=torch.float64)
+        t0 = time.perf_counter()
+        try:
+            dist.recv(logits, self.num_stages - 1)
+            dist.recv(trailer, self.num_stages - 1)
+        except RuntimeError as e:
+            raise self._fail(e) from e
+        self.counters.values["idle_s"] += time.perf_counter() - t0
+        trailer[0] = self.counters.row()
+        self.trailer = trailer
+        return logits[:n]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def stage_counters(self) -> list[dict[str, float]]:
+        """The latest counters of every stage (cumulative), as of the last micro-batch that came back."""
+        rows = self.trailer.tolist()
+        rows[0] = self.counters.row().tolist()
+        return [dict(zip(COUNTERS, r, strict=True)) for r in rows]
+
+    def close(self) -> None:
+        """Stop every stage (they exit on ``STOP``; stragglers are killed) and leave the process group."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.failure is None:
+            try:
+                for w in self._pending:
+                    w.wait()
+                dist.send(torch.tensor([STOP, 0, 0, 0]), 1)
+            except RuntimeError:
+                pass
+            for p in self.procs:
+                p.join(timeout=10)
+        _kill(self.procs)
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,198 @@
+"""The process of one pipeline stage after the first: receive a micro-batch, run its layers, pass it on.
+
+Wire protocol between consecutive ranks (``torch.distributed`` point-to-point, FIFO per pair):
+``header`` int64 ``[kind, layout_len, num_tokens, num_sampled]``, then for a ``STEP`` the
+:class:`~engines.step_batch.StepBatch` layout, the hidden states ``[num_tokens, hidden]`` and
+the per-stage counters ``[num_stages, NUM_COUNTERS]`` (float64; each stage fills its own row).
+The last stage computes the logits of the sampled rows and sends them, with the counters, back
+to rank 0 (the driver). ``STOP`` travels down the chain and every stage exits.
+
+A stage exits by itself when its parent (the driver) disappears, so no orphan outlives a
+killed engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engines.model_runner import ModelRunner
+from engines.stage_model import hidden_size, model_dtype, vocab_size
+from engines.step_batch import StepBatch
+
+log = logging.getLogger(__name__)
+
+STEP, STOP = 1, 2
+HEADER_LEN = 4
+#: per-stage counters, cumulative since the stage started (one row per stage in the trailer)
+COUNTERS = (
+    "micro_batches",
+    "compute_s",  # CPU time of the stage's thread (wall time with a CUDA sync on GPU)
+    "sleep_s",  # emulated extra time of a slower device
+    "idle_s",  # waiting for the previous stage (or, on rank 0, for results)
+    "decode_micro_batches",
+    "decode_latency_s",  # compute + sleep of decode-only micro-batches
+    "decode_rows",
+    "memory_bytes",  # weights + KV pools of the stage
+)
+NUM_COUNTERS = len(COUNTERS)
+
+
+@dataclass
+class StageCounters:
+    """The counters one stage keeps; ``row()`` is its row of the trailer."""
+
+    memory_bytes: int = 0
+    values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
+
+    def record(self, batch: StepBatch, compute_s: float, sleep_s: float) -> None:
+        v = self.values
+        v["micro_batches"] += 1
+        v["compute_s"] += compute_s
+        v["sleep_s"] += sleep_s
+        if batch.is_decode_only:
+            v["decode_micro_batches"] += 1
+            v["decode_latency_s"] += compute_s + sleep_s
+            v["decode_rows"] += batch.num_decode
+
+    def row(self) -> torch.Tensor:
+        self.values["memory_bytes"] = float(self.memory_bytes)
+        return torch.tensor([self.values[k] for k in COUNTERS], dtype=torch.float64)
+
+
+def backend_for(device: str, backend: str = "auto") -> str:
+    """NCCL for CUDA devices, gloo on CPU, unless named."""
+    if backend != "auto":
+        return backend
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def timed(fn, device: str):
+    """(result, seconds): CPU time of this thread on CPU (blind to other processes), synced wall time on GPU."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+    t0 = time.thread_time()
+    out = fn()
+    return out, time.thread_time() - t0
+
+
+def emulate(slowdown: float, compute_s: float) -> float:
+    """Sleep ``slowdown`` times the compute time (a slower device); returns the seconds slept."""
+    if slowdown <= 0:
+        return 0.0
+    t0 = time.perf_counter()
+    time.sleep(slowdown * compute_s)
+    return time.perf_counter() - t0
+
+
+@dataclass
+class StageArgs:
+    """Everything a stage process needs; picklable (the model part travels in shared memory)."""
+
+    rank: int
+    world_size: int
+    init_method: str
+    backend: str
+    device: str
+    model: nn.Module
+    layer_start: int
+    layer_end: int
+    num_blocks: int
+    block_size: int
+    kv_bits: int
+    slowdown: float
+    memory_bytes: int
+    threads: int
+    parent_pid: int
+    timeout_s: float = 1800.0
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(3)
+
+
+def stage_main(args: StageArgs, conn) -> None:
+    """Entry point of a stage process (``torch.multiprocessing`` spawn target)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s stage: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
+    torch.set_num_threads(max(1, args.threads))
+    try:
+        model = args.model.to(args.device)
+        runner = ModelRunner(
+            model, args.num_blocks, args.block_size, args.kv_bits, range(args.layer_start, args.layer_end)
+        )
+        conn.send(("ready", os.getpid()))
+    except Exception as e:  # reported to the driver, which names the stage
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    dist.init_process_group(
+        args.backend,
+        init_method=args.init_method,
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=timedelta(seconds=args.timeout_s),
+    )
+    try:
+        serve_stage(args, runner, model)
+    finally:
+        dist.destroy_process_group()
+
+
+def serve_stage(args: StageArgs, runner: ModelRunner, model: nn.Module) -> None:
+    """Receive, compute, forward until ``STOP``."""
+    prev, last = args.rank - 1, args.rank == args.world_size - 1
+    nxt = 0 if last else args.rank + 1
+    counters = StageCounters(memory_bytes=args.memory_bytes)
+    hidden, vocab, dtype = hidden_size(model), vocab_size(model), model_dtype(model)
+    header = torch.empty(HEADER_LEN, dtype=torch.long)
+    pending: list = []
+    while True:
+        t0 = time.perf_counter()
+        dist.recv(header, prev)
+        counters.values["idle_s"] += time.perf_counter() - t0
+        kind, layout_len, num_tokens, num_sampled = header.tolist()
+        if kind == STOP:
+            for w in pending:
+                w.wait()
+            if not last:
+                dist.send(header, nxt)
+            return
+        layout = torch.empty(layout_len, dtype=torch.long)
+        dist.recv(layout, prev)
+        h = torch.empty(num_tokens, hidden, dtype=dtype, device=args.device)
+        dist.recv(h, prev)
+        trailer = torch.empty(args.world_size, NUM_COUNTERS, dtype=torch.float64)
+        dist.recv(trailer, prev)
+        batch = StepBatch.from_tensor(layout)
+
+        def compute(h=h, batch=batch):
+            with torch.inference_mode():
+                out = runner.forward(h, batch)
+                return runner.logits(out, batch) if last else out
+
+        out, compute_s = timed(compute, args.device)
+        counters.record(batch, compute_s, emulate(args.slowdown, compute_s))
+        trailer[args.rank] = counters.row()
+        for w in pending:
+            w.wait()
+        if last:
+            if num_sampled == 0:
+                out = torch.zeros(1, vocab, dtype=dtype, device=args.device)
+            pending = [dist.isend(out.contiguous(), 0), dist.isend(trailer, 0)]
+        else:
+            pending = [dist.isend(t, nxt) for t in (header.clone(), layout, out.contiguous(), trailer)]

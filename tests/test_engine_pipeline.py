@@ -1,0 +1,201 @@
+"""Plans with several stages run as real processes (gloo): the same greedy tokens as one process.
+
+Queries join and leave mid-run, prompts are prefilled in chunks, and a small KV cache forces
+preemption; the pipelined engine (2 and 3 stages, a mixed bit map) must give token for token
+what the same quantized model gives in one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.config import EngineConfig
+from engines.engine import LLMEngine
+from engines.interface import Request, SamplingParams
+from engines.pipeline import StageFailure
+from localmodels import build_model, default_tokenizer, generated_corpus
+from planner.planfile import Plan, StagePlan, save_plan
+
+BITS = [8, 4, 16, 8]  # the tiny model's 4 layers
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return default_tokenizer(vocab_size=1024, texts=generated_corpus(400))
+
+
+def write_plan(path, cuts: list[int], bits=BITS, decode_mb=2, prefill_mb=2, slowdowns=None, memory=8 << 30):
+    """A plan whose stage k holds layers [cuts[k], cuts[k+1]) on device k."""
+    n = len(cuts) - 1
+    slowdowns = slowdowns or [0.0] * n
+    plan = Plan(
+        model={
+            "name": "llama:tiny",
+            "hidden": 256,
+            "layers": len(bits),
+            "heads": 8,
+            "kv_heads": 4,
+            "intermediate": 688,
+            "vocab": 1024,
+        },
+        method="ilp",
+        devices=[
+            {"name": f"cpu{k}", "type": "CPU", "memory_bytes": memory, "node": "local", "slowdown": slowdowns[k]}
+            for k in range(n)
+        ],
+        stages=[StagePlan(k, cuts[k], cuts[k + 1], bits[cuts[k] : cuts[k + 1]], 10**6, 0.01, 0.001) for k in range(n)],
+        kv_bits=16,
+        prefill_micro_batch=prefill_mb,
+        decode_micro_batch=decode_mb,
+        batch_size=8,
+        prompt_len=32,
+        expected_output_tokens=16,
+        theta=1.0,
+        total_omega=0.0,
+        predicted_batch_latency_s=0.1,
+        predicted_throughput_tokens_per_s=1000.0,
+        solve_seconds=0.01,
+    )
+    save_plan(plan, path)
+    return path
+
+
+PROMPTS = [
+    "Write a story about a river and the city beside it, with every detail of the scene",
+    "What is 2+2?",
+    "Explain the history of music in detail please, with examples from every century and place",
+    "hi",
+    "Sort a list in python",
+    "Give a short summary of the market price of energy this week and the reason for it",
+    "Describe the water cycle",
+]
+LENGTHS = [9, 4, 12, 7, 3, 10, 6]
+
+
+def _requests() -> list[Request]:
+    return [
+        Request(f"q{i}", p, SamplingParams(max_tokens=64, forced_length=n), predicted_tokens=1)
+        for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS, strict=True))
+    ]
+
+
+def _engine(tokenizer, plan, **kw) -> LLMEngine:
+    model = build_model("llama", "tiny", tokenizer=tokenizer, seed=3)
+    cfg = EngineConfig(plan_path=str(plan), prefill_chunk=8, block_size=4, **kw)
+    return LLMEngine(model, tokenizer, cfg)
+
+
+def _run(engine: LLMEngine) -> dict[str, list[int]]:
+    """Two queries start; one more joins every other step; all run to the end."""
+    pending = _requests()
+    for r in pending[:2]:
+        engine.add_request(r)
+    pending = pending[2:]
+    out, step = {}, 0
+    while engine.has_unfinished() or pending:
+        if pending and step % 2 == 1:
+            engine.add_request(pending.pop(0))
+        for o in engine.step():
+            assert o.finish_reason == "length", o
+            out[o.request_id] = o.token_ids
+        step += 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer, tmp_path_factory):
+    plan = write_plan(tmp_path_factory.mktemp("ref") / "plan.json", [0, 4])
+    engine = _engine(tokenizer, plan, kv_budget_tokens=64)
+    assert engine.num_stages == 1 and engine.pipeline is None
+    return _run(engine)
+
+
+@pytest.mark.parametrize("cuts", [[0, 2, 4], [0, 1, 3, 4]], ids=["2-stage", "3-stage"])
+def test_pipeline_equals_one_process(tokenizer, tmp_path, reference, cuts):
+    engine = _engine(tokenizer, write_plan(tmp_path / "plan.json", cuts), kv_budget_tokens=64)
+    try:
+        assert engine.num_stages == len(cuts) - 1
+        assert len(engine.pipeline.stage_pids) == len(cuts) - 2
+        out = _run(engine)
+        assert engine.num_preemptions > 0  # predictions of 1 token and a small cache force preemption
+        counters = engine.pipeline.stage_counters()
+    finally:
+        engine.close()
+    assert out == reference
+    assert {k: len(v) for k, v in out.items()} == {f"q{i}": n for i, n in enumerate(LENGTHS)}
+    # every stage computed micro-batches and reports its memory
+    assert all(c["micro_batches"] > 0 and c["compute_s"] > 0 and c["memory_bytes"] > 0 for c in counters)
+    assert not any(p.is_alive() for p in engine.pipeline.procs)
+
+
+def test_micro_batches_in_flight_are_disjoint_and_fill_the_pipeline(tokenizer, tmp_path):
+    engine = _engine(tokenizer, write_plan(tmp_path / "plan.json", [0, 2, 4], decode_mb=2), kv_budget_tokens=512)
+    schedule, submit = engine.scheduler.schedule, engine.pipeline.submit
+    seen = {"max_in_flight": 0, "max_decode": 0}
+
+    def checked_schedule(busy):
+        out = schedule(busy)
+        assert not {c.seq.request_id for c in out.chunks} & set(busy)  # disjoint from those in flight
+        seen["max_decode"] = max(seen["max_decode"], sum(c.num_tokens == 1 for c in out.chunks))
+        return out
+
+    def counted_submit(batch):
+        submit(batch)
+        seen["max_in_flight"] = max(seen["max_in_flight"], engine.pipeline.in_flight)
+
+    engine.scheduler.schedule, engine.pipeline.submit = checked_schedule, counted_submit
+    try:
+        for r in _requests()[:4]:
+            engine.add_request(r)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.close()
+    assert seen == {"max_in_flight": 2, "max_decode": 2}  # both stages busy; the plan's decode micro-batch
+
+
+def test_abort_of_a_query_in_flight(tokenizer, tmp_path):
+    engine = _engine(tokenizer, write_plan(tmp_path / "plan.json", [0, 2, 4]), kv_budget_tokens=512)
+    try:
+        reqs = _requests()[:3]
+        for r in reqs:
+            engine.add_request(r)
+        engine.step()
+        busy = next(iter(engine._busy))
+        engine.abort_request(busy)
+        reasons = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                reasons[o.request_id] = o.finish_reason
+        assert reasons[busy] == "abort"
+        assert sorted(reasons) == sorted(r.request_id for r in reqs)
+        assert engine.kv.used_blocks == 0
+    finally:
+        engine.close()
+
+
+def test_memory_cap_names_the_stage(tokenizer, tmp_path):
+    plan = write_plan(tmp_path / "plan.json", [0, 2, 4], memory=1 << 20)
+    with pytest.raises(ValueError, match=r"stage 0 \(layers \[0, 2\).*caps memory"):
+        _engine(tokenizer, plan)
+
+
+def test_killed_stage_is_named(tokenizer, tmp_path):
+    import os
+    import signal
+
+    engine = _engine(tokenizer, write_plan(tmp_path / "plan.json", [0, 1, 3, 4]), kv_budget_tokens=512)
+    try:
+        for r in _requests():
+            engine.add_request(r)
+        engine.step()
+        victim = engine.pipeline.stage_pids[0]
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(StageFailure, match=rf"stage 1 \(layers \[1, 3\).*pid {victim}.*signal 9"):
+            for _ in range(200):
+                engine.step()
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in engine.pipeline.procs)
+    assert torch.distributed.is_initialized() is False
