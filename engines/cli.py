@@ -140,9 +140,17 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from engines.bench import bench
+    if args.stages or args.plan:
+        from engines.bench_pipeline import bench_pipeline
 
-    print(json.dumps(bench(args)))
+        if args.repeats < 1 or args.prompt_len < 1 or args.gen_len < 1:
+            raise ValueError("--repeats, --prompt-len and --gen-len must be >= 1")
+        result = bench_pipeline(args)
+    else:
+        from engines.bench import bench
+
+        result = bench(args)
+    print(json.dumps(result))
     return 0
 
 
@@ -227,6 +235,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="clock of the headline figures: process CPU seconds (steady on a shared machine) or wall time",
     )
     b.add_argument("--out-dir", default=None, help="write engine_bench.json and PNG figures here")
+    pb = b.add_argument_group(
+        "pipeline stages (--stages or --plan)",
+        "Run a plan as one process per stage and compare it with one process (and, on unlike stages, "
+        "with an even layer split). Last line: stages, tokens_per_s, speedup_vs_one_process, "
+        "stage_latency_error, bubble_fraction[, speedup_vs_even_partition].",
+    )
+    pb.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="have the planner lay the model out over N emulated CPU devices (profiled here) and run it",
+    )
+    pb.add_argument(
+        "--stage-speeds",
+        default=None,
+        help="relative speeds of the N devices, e.g. 1,2: the second is twice as fast (the slower one "
+        "sleeps the extra time)",
+    )
+    pb.add_argument(
+        "--prompt-len", type=int, default=64, help="every prompt cut or cycled to this many tokens"
+    )
+    pb.add_argument("--gen-len", type=int, default=96, help="every response forced to this many tokens")
+    pb.add_argument("--bits", default="16", help="weight bit widths the planner may use (default 16)")
+    pb.add_argument("--repeats", type=int, default=2, help="runs of each configuration; the best counts")
     add_engine_arguments(b)
     b.set_defaults(size="small", threads=1)
     return p

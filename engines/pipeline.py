@@ -231,9 +231,10 @@ class PipelineRunner:
         layout = batch.to_tensor()
         header = torch.tensor([STEP, layout.numel(), batch.num_tokens, len(batch.sample_rows)])
         try:
-            for w in self._pending:
-                w.wait()
-            self._pending = [dist.isend(t, 1) for t in (header, layout, h.contiguous(), self.trailer.clone())]
+            self._pending = [w for w in self._pending if not w.is_completed()]
+            self._pending += [
+                dist.isend(t, 1) for t in (header, layout, h.contiguous(), self.trailer.clone())
+            ]
         except RuntimeError as e:
             raise self._fail(e) from e
         self._inflight.append(batch)

@@ -188,11 +188,10 @@ def serve_stage(args: StageArgs, runner: ModelRunner, model: nn.Module) -> None:
         out, compute_s = timed(compute, args.device)
         counters.record(batch, compute_s, emulate(args.slowdown, compute_s))
         trailer[args.rank] = counters.row()
-        for w in pending:
-            w.wait()
+        pending = [w for w in pending if not w.is_completed()]  # sent tensors stay referenced until done
         if last:
             if num_sampled == 0:
                 out = torch.zeros(1, vocab, dtype=dtype, device=args.device)
-            pending = [dist.isend(out.contiguous(), 0), dist.isend(trailer, 0)]
+            pending += [dist.isend(out.contiguous(), 0), dist.isend(trailer, 0)]
         else:
-            pending = [dist.isend(t, nxt) for t in (header.clone(), layout, out.contiguous(), trailer)]
+            pending += [dist.isend(t, nxt) for t in (header.clone(), layout, out.contiguous(), trailer)]

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass
 
 from engines.interface import Engine, Request, RequestOutput, SamplingParams
+from engines.metrics import serve_metrics
+from engines.pipeline import StageFailure
 from workqueue import ClaimedQuery, WorkQueue, connect
 from workqueue.embedded import URL_ENV
 
@@ -57,6 +59,7 @@ class Worker:
         self.stop_event = threading.Event()
         self.finished = 0
         self.removed = False  # the cluster was removed by `gateway rebalance --remove`: claim nothing
+        self.failure: str | None = None  # why the engine stopped, when it failed
 
     # ------------------------------------------------------------------ main loop
 
@@ -95,7 +98,11 @@ class Worker:
                     continue
                 idle_sleep = c.idle_poll_s
                 t0 = time.monotonic()
-                outputs = self.engine.step()
+                try:
+                    outputs = self.engine.step()
+                except StageFailure as e:
+                    self._give_back(str(e))
+                    break
                 if c.slowdown > 0:
                     self.stop_event.wait(c.slowdown * (time.monotonic() - t0))
                 self._finish(outputs)
@@ -109,6 +116,20 @@ class Worker:
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def _give_back(self, why: str) -> None:
+        """The engine cannot go on: every query it holds goes back to the queue at once, for another worker."""
+        self.failure = why
+        with self._lock:
+            gids = list(self.inflight)
+            self.inflight.clear()
+        n = self.queue.release(self.config.cluster, gids)
+        log.error(
+            "engine failed: %s; gave %d in-flight queries back to the queue of %s",
+            why,
+            n,
+            self.config.cluster,
+        )
 
     # ------------------------------------------------------------------ steps of the loop
 
@@ -282,6 +303,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics here (per pipeline stage: compute, idle, emulated time, memory, "
+        "measured and plan-predicted decode latency)",
+    )
     p.add_argument("--max-queries", type=int, default=None, help="exit after this many queries (tests)")
 
 
@@ -338,5 +366,16 @@ def run_serve(args: argparse.Namespace) -> int:
     worker = Worker(queue, engine, config)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     signal.signal(signal.SIGINT, lambda *_: worker.stop())
-    worker.run(max_queries=args.max_queries)
+    try:
+        if args.metrics_port is not None:
+            serve_metrics(engine, args.metrics_port)
+            log.info("Prometheus metrics on :%d/metrics", args.metrics_port)
+        worker.run(max_queries=args.max_queries)
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+    if worker.failure:
+        log.error("worker stopped: %s", worker.failure)
+        return 1
     return 0

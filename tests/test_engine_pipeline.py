@@ -41,10 +41,19 @@ def write_plan(path, cuts: list[int], bits=BITS, decode_mb=2, prefill_mb=2, slow
         },
         method="ilp",
         devices=[
-            {"name": f"cpu{k}", "type": "CPU", "memory_bytes": memory, "node": "local", "slowdown": slowdowns[k]}
+            {
+                "name": f"cpu{k}",
+                "type": "CPU",
+                "memory_bytes": memory,
+                "node": "local",
+                "slowdown": slowdowns[k],
+            }
             for k in range(n)
         ],
-        stages=[StagePlan(k, cuts[k], cuts[k + 1], bits[cuts[k] : cuts[k + 1]], 10**6, 0.01, 0.001) for k in range(n)],
+        stages=[
+            StagePlan(k, cuts[k], cuts[k + 1], bits[cuts[k] : cuts[k + 1]], 10**6, 0.01, 0.001)
+            for k in range(n)
+        ],
         kv_bits=16,
         prefill_micro_batch=prefill_mb,
         decode_micro_batch=decode_mb,
@@ -130,7 +139,9 @@ def test_pipeline_equals_one_process(tokenizer, tmp_path, reference, cuts):
 
 
 def test_micro_batches_in_flight_are_disjoint_and_fill_the_pipeline(tokenizer, tmp_path):
-    engine = _engine(tokenizer, write_plan(tmp_path / "plan.json", [0, 2, 4], decode_mb=2), kv_budget_tokens=512)
+    engine = _engine(
+        tokenizer, write_plan(tmp_path / "plan.json", [0, 2, 4], decode_mb=2), kv_budget_tokens=512
+    )
     schedule, submit = engine.scheduler.schedule, engine.pipeline.submit
     seen = {"max_in_flight": 0, "max_decode": 0}
 

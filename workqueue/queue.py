@@ -369,6 +369,15 @@ class WorkQueue:
             deadline = time.time() + lease_s
             self.r.zadd(keys.inflight(cluster), {g: deadline for g in gids}, xx=True)
 
+    def release(self, cluster: str, gids: Iterable[str]) -> int:
+        """Give claimed queries back now (their worker cannot finish them): their leases end and they
+        return to the head of the queue, as a lapsed lease would make them. Returns how many were requeued."""
+        gids = list(gids)
+        if not gids:
+            return 0
+        self.r.zadd(keys.inflight(cluster), dict.fromkeys(gids, 0), xx=True)
+        return self.requeue_expired(cluster)
+
     def requeue_expired(self, cluster: str) -> int:
         """Put queries whose lease expired (their worker died) back at the head of the queue."""
         return int(self._requeue(args=[cluster, time.time()]))

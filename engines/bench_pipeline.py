@@ -1,0 +1,224 @@
+"""``engine bench --stages N`` / ``--plan plan.json``: a plan run as pipeline stages, measured.
+
+Side by side in one run, on the same model and workload (real prompts from the dataset cut or
+cycled to exactly ``--prompt-len`` tokens, every response forced to ``--gen-len`` tokens, all
+queries submitted at once):
+
+* ``one_process``: the same model in one process with as many threads as one stage;
+* ``planned``: the plan's stages, one process each (gloo on CPU);
+* ``even``: with unlike stages, the same stages and micro-batches with the layers split evenly.
+
+Without ``--plan`` the planner lays the model out itself, through its CLI (``planner profile
+--quick`` measures this CPU's layer, ``planner plan`` solves the ILP over N ``CPU`` devices
+whose ``slowdown`` comes from ``--stage-speeds``), so nothing needs preparing.
+
+Contention on a small machine: every stage uses one thread, the one-process run uses one
+thread, stage compute is timed on the thread's CPU clock, and a slower device is emulated by
+sleeping (which takes no CPU). Each configuration runs ``--repeats`` times; the best
+throughput of each is compared.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from engines.config import EngineConfig, PipelineConfig
+from engines.engine import LLMEngine
+from engines.interface import Request, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def slowdowns_from_speeds(speeds: list[float]) -> list[float]:
+    """Relative speeds (``1,2``: the second stage is twice as fast) -> extra-time factors; the fastest runs at full speed."""
+    if not speeds or any(s <= 0 for s in speeds):
+        raise ValueError(f"stage speeds must be positive numbers, got {speeds}")
+    top = max(speeds)
+    return [top / s - 1.0 for s in speeds]
+
+
+def _planner(*argv: str) -> None:
+    cmd = [sys.executable, "-m", "planner.cli", *argv]
+    log.info("running %s", " ".join(cmd[2:]))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ValueError(f"planner {argv[0]} failed: {r.stderr.strip().splitlines()[-1:] or r.returncode}")
+
+
+def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
+    """Profile this CPU's layer and plan the model over ``len(slowdowns)`` emulated devices."""
+    model = f"{args.arch}:{args.size}"
+    spec = {
+        "name": f"{len(slowdowns)}xCPU",
+        "nodes": [
+            {"name": "local", "devices": [{"type": "CPU", "count": 1, "slowdown": s} for s in slowdowns]}
+        ],
+    }
+    cluster = workdir / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump(spec))
+    profile = workdir / "profile.json"
+    _planner("profile", "--model", model, "--quick", "--quiet", "--out", str(profile))
+    plan = workdir / "plan.json"
+    _planner(
+        "plan",
+        "--cluster",
+        str(cluster),
+        "--model",
+        model,
+        "--profile",
+        f"CPU={profile}",
+        "--bits",
+        args.bits,
+        "--tp-sizes",
+        "1",
+        "--prefill-chunks",
+        "1",
+        "--batch",
+        str(args.num_queries),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--output-tokens",
+        str(args.gen_len),
+        "--out",
+        str(plan),
+    )
+    return plan
+
+
+def _workload(tokenizer, args) -> list[Request]:
+    from engines.bench import load_queries
+
+    queries = load_queries(tokenizer, args.dataset, args.num_queries, 1, 10**6, args.seed, args.data_dir)
+    reqs = []
+    for q in queries:
+        ids = (q.prompt_ids * (args.prompt_len // max(1, len(q.prompt_ids)) + 1))[-args.prompt_len :]
+        sp = SamplingParams(max_tokens=args.gen_len, forced_length=args.gen_len)
+        reqs.append(Request(q.qid, "", sp, prompt_token_ids=ids, predicted_tokens=args.gen_len))
+    return reqs
+
+
+def _run(args, requests: list[Request], plan: Path | None, even: bool = False) -> dict:
+    from localmodels import load_or_build
+
+    model, tok = load_or_build(args.model_dir, arch=args.arch, size=args.size)
+    cfg = EngineConfig(
+        kv_budget_tokens=args.num_queries * (args.prompt_len + args.gen_len) + 64,
+        max_batch_tokens=max(args.max_batch_tokens, args.prompt_len),
+        prefill_chunk=max(args.prefill_chunk, args.prompt_len),
+        max_running=args.num_queries,
+        plan_path=str(plan) if plan else None,
+        pipeline=PipelineConfig(even_split=even),
+    )
+    engine = LLMEngine(model, tok, cfg)
+    try:
+        engine.generate(
+            [Request(f"w{i}", "", r.sampling, r.prompt_token_ids[:8]) for i, r in enumerate(requests[:2])]
+        )
+        before = engine.pipeline.stage_counters() if engine.pipeline else []
+        reqs = [
+            Request(r.request_id, "", r.sampling, list(r.prompt_token_ids), r.predicted_tokens)
+            for r in requests
+        ]
+        t0 = time.perf_counter()
+        outs = engine.generate(reqs)
+        wall = time.perf_counter() - t0
+        after = engine.pipeline.stage_counters() if engine.pipeline else []
+    finally:
+        engine.close()
+    tokens = sum(o.completion_tokens for o in outs)
+    stages = []
+    for s, b, a in zip(engine.stages, before, after, strict=False):
+        d = {k: a[k] - b[k] for k in a}
+        busy = d["compute_s"] + d["sleep_s"]
+        n_dec = d["decode_micro_batches"]
+        stages.append(
+            {
+                "layers": [s.layer_start, s.layer_end],
+                "slowdown": s.slowdown,
+                "micro_batches": int(d["micro_batches"]),
+                "compute_s": round(d["compute_s"], 4),
+                "emulated_s": round(d["sleep_s"], 4),
+                "idle_s": round(max(0.0, wall - busy), 4),
+                "memory_mib": round(a["memory_bytes"] / 2**20, 2),
+                "decode_latency_ms": round(1e3 * d["decode_latency_s"] / n_dec, 3) if n_dec else None,
+                "decode_rows_per_micro_batch": round(d["decode_rows"] / n_dec, 2) if n_dec else None,
+                "predicted_decode_ms": round(1e3 * s.predicted_decode_s, 3),
+            }
+        )
+    busy = sum(st["compute_s"] + st["emulated_s"] for st in stages)
+    return {
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 2),
+        "stages": stages,
+        "bubble_fraction": round(1 - busy / (len(stages) * wall), 4) if stages else 0.0,
+    }
+
+
+def _best(args, requests, plan, even=False) -> dict:
+    runs = [_run(args, requests, plan, even) for _ in range(args.repeats)]
+    best = max(runs, key=lambda r: r["tokens_per_s"])
+    best["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    return best
+
+
+def latency_error(run: dict) -> float:
+    """Mean over stages of |measured - predicted| / predicted decode-micro-batch latency."""
+    errs = [
+        abs(st["decode_latency_ms"] - st["predicted_decode_ms"]) / st["predicted_decode_ms"]
+        for st in run["stages"]
+        if st["decode_latency_ms"] and st["predicted_decode_ms"] > 0
+    ]
+    return round(sum(errs) / len(errs), 4) if errs else float("nan")
+
+
+def bench_pipeline(args) -> dict:
+    from localmodels import load_or_build
+
+    torch.set_num_threads(1)
+    speeds = [float(x) for x in args.stage_speeds.split(",")] if args.stage_speeds else [1.0] * args.stages
+    if args.plan is None and len(speeds) != args.stages:
+        raise ValueError(f"--stage-speeds lists {len(speeds)} speeds for --stages {args.stages}")
+    slowdowns = slowdowns_from_speeds(speeds)
+    with tempfile.TemporaryDirectory(prefix="fleetbatch-bench-") as tmp:
+        plan = Path(args.plan) if args.plan else make_plan(args, slowdowns, Path(tmp))
+        plan_doc = json.loads(plan.read_text())
+        _, tok = load_or_build(args.model_dir, arch=args.arch, size=args.size)
+        requests = _workload(tok, args)
+        one = _best(args, requests, None)
+        log.info("one process: %.1f tokens/s", one["tokens_per_s"])
+        planned = _best(args, requests, plan)
+        log.info("planned: %.1f tokens/s", planned["tokens_per_s"])
+        uneven = any(d.get("slowdown", 0) for d in plan_doc["devices"])
+        even = _best(args, requests, plan, even=True) if uneven else None
+    out = {
+        "stages": len(planned["stages"]),
+        "layers": [st["layers"] for st in planned["stages"]],
+        "stage_slowdowns": [st["slowdown"] for st in planned["stages"]],
+        "decode_micro_batch": plan_doc["decode_micro_batch"],
+        "prefill_micro_batch": plan_doc["prefill_micro_batch"],
+        "queries": len(requests),
+        "prompt_len": args.prompt_len,
+        "gen_len": args.gen_len,
+        "tokens_per_s": planned["tokens_per_s"],
+        "one_process_tokens_per_s": one["tokens_per_s"],
+        "speedup_vs_one_process": round(planned["tokens_per_s"] / one["tokens_per_s"], 3),
+        "stage_latency_error": latency_error(planned),
+        "bubble_fraction": planned["bubble_fraction"],
+        "planned": planned,
+        "one_process": one,
+    }
+    if even is not None:
+        out["even_tokens_per_s"] = even["tokens_per_s"]
+        out["speedup_vs_even_partition"] = round(planned["tokens_per_s"] / even["tokens_per_s"], 3)
+        out["even"] = even
+    return out

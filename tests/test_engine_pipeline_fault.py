@@ -1,0 +1,112 @@
+"""SIGKILL one stage process of a pipelined ``engine serve`` mid-batch: a clear error naming the stage,
+the worker's queries go back to the queue, another worker finishes them, each exactly once, no orphan."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections import Counter
+
+import pytest
+
+from planner.planfile import Plan, StagePlan, save_plan
+from tests.harness import start_engine, wait_until
+from workqueue import QueuedQuery, WorkQueue, connect
+
+N = 10
+
+
+def _plan(path) -> str:
+    """llama:nano (2 layers) over two devices, the second 3x slower (so queries stay in flight a while)."""
+    save_plan(
+        Plan(
+            model={
+                "name": "llama:nano",
+                "hidden": 64,
+                "layers": 2,
+                "heads": 4,
+                "kv_heads": 2,
+                "intermediate": 172,
+                "vocab": 8192,
+            },
+            method="ilp",
+            devices=[
+                {"name": "cpu0", "type": "CPU", "memory_bytes": 8 << 30, "node": "local", "slowdown": 0.0},
+                {"name": "cpu1", "type": "CPU@x4", "memory_bytes": 8 << 30, "node": "local", "slowdown": 3.0},
+            ],
+            stages=[
+                StagePlan(0, 0, 1, [16], 10**6, 0.01, 0.001),
+                StagePlan(1, 1, 2, [8], 10**6, 0.01, 0.001),
+            ],
+            kv_bits=16,
+            prefill_micro_batch=2,
+            decode_micro_batch=2,
+            batch_size=4,
+            prompt_len=16,
+            expected_output_tokens=60,
+            theta=1.0,
+            total_omega=0.0,
+            predicted_batch_latency_s=0.1,
+            predicted_throughput_tokens_per_s=1000.0,
+            solve_seconds=0.01,
+        ),
+        path,
+    )
+    return str(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_killed_stage_requeues_and_every_query_finishes_once(redis_url, tmp_path):
+    queue = WorkQueue(connect(redis_url))
+    queries = [
+        QueuedQuery("b1", f"q{i}", f"tell me about the river number {i}", 200, 8, 60.0, forced_length=60 + i)
+        for i in range(N)
+    ]
+    assert queue.create_batch("b1", [(q, "pp") for q in queries])
+    args = ("--backend", "native", "--size", "nano", "--lease-s", "30", "--heartbeat-s", "0.3")
+    engine = start_engine("pp", redis_url, tmp_path, *args, "--plan", _plan(tmp_path / "plan.json"))
+    log_path = tmp_path / "engine-pp.log"
+    try:
+        pids = wait_until(
+            lambda: re.search(r"stage pids \[(\d+)\]", log_path.read_text()), 180, "the stage process"
+        )
+        stage_pid = int(pids.group(1))
+        wait_until(
+            lambda: queue.result_count("b1") >= 1 and queue.inflight_ids("pp"), 180, "queries in flight"
+        )
+        os.kill(stage_pid, signal.SIGKILL)
+        assert engine.wait(timeout=60) == 1  # the worker stops with an error
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+    log = log_path.read_text()
+    assert re.search(
+        rf"stage 1 \(layers \[1, 2\) on CPU@x4\), pid {stage_pid}, died \(killed by signal 9\)", log
+    )
+    assert re.search(r"gave [1-9]\d* in-flight queries back to the queue of pp", log)
+    assert not _alive(stage_pid)
+    assert not queue.inflight_ids("pp")  # nothing left waiting for a lease to lapse
+    done_before = queue.result_count("b1")
+    assert done_before < N
+    # a one-process worker of the same cluster finishes the rest
+    rescue = start_engine("pp", redis_url, tmp_path, *args)
+    try:
+        wait_until(lambda: queue.result_count("b1") >= N, 240, "every result")
+    finally:
+        rescue.send_signal(signal.SIGTERM)
+        rescue.wait(timeout=60)
+    results = queue.results("b1")
+    counts = Counter(r["query_id"] for r in results)
+    assert sorted(counts) == sorted(q.query_id for q in queries) and set(counts.values()) == {1}
+    assert all(r["completion_tokens"] == 60 + int(r["query_id"][1:]) for r in results)
+    assert any(r["attempts"] > 1 for r in results)
