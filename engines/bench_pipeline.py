@@ -82,6 +82,8 @@ def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
         "1",
         "--prefill-chunks",
         "1",
+        "--stages",
+        str(len(slowdowns)),
         "--batch",
         str(args.num_queries),
         "--prompt-len",

@@ -69,6 +69,8 @@ class LLMEngine:
                 pc.backend,
                 pc.device,
                 pc.start_timeout_s,
+                max_tokens=config.max_batch_tokens,
+                max_sampled=min(config.max_batch_tokens, config.max_running),
             )
             self.runner = self.pipeline.stage0
         else:

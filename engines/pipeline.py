@@ -30,12 +30,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from engines.model_runner import ModelRunner
-from engines.stage_model import cut_stage, model_dtype, module_bytes, vocab_size
+from engines.stage_model import cut_stage, hidden_size, model_dtype, module_bytes, vocab_size
+from engines.stage_wire import STEP, STOP, Inbox, Outbox, capacity, pack, unpack
 from engines.stage_worker import (
     COUNTERS,
     NUM_COUNTERS,
-    STEP,
-    STOP,
     StageArgs,
     StageCounters,
     backend_for,
@@ -98,6 +97,8 @@ class PipelineRunner:
         backend: str = "auto",
         device: str = "cpu",
         start_timeout_s: float = 120.0,
+        max_tokens: int = 512,
+        max_sampled: int = 64,
     ) -> None:
         if len(stages) < 2:
             raise ValueError("a pipeline needs at least 2 stages (one stage runs in-process)")
@@ -126,7 +127,8 @@ class PipelineRunner:
         self.failure: str | None = None
         self._closing = False
         self._inflight: deque[StepBatch] = deque()
-        self._pending: list = []
+        self.hidden = hidden_size(model)
+        self.max_layout = 2 + 4 * max_tokens + num_blocks  # blocks of one micro-batch's queries are distinct
         init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
         backend = backend_for(device, backend)
         ctx = mp.get_context("spawn")
@@ -150,6 +152,8 @@ class PipelineRunner:
                 self.memory[s.index],
                 torch.get_num_threads(),
                 os.getpid(),
+                max_tokens,
+                self.max_layout,
             )
             p = ctx.Process(
                 target=stage_main, args=(args, child), name=f"fleetbatch-stage{s.index}", daemon=True
@@ -167,6 +171,9 @@ class PipelineRunner:
                 world_size=self.num_stages,
                 timeout=timedelta(seconds=start_timeout_s),
             )
+            S = self.num_stages
+            self.outbox = Outbox(1)
+            self.inbox = Inbox(S - 1, capacity(0, S, NUM_COUNTERS, max_sampled, self.vocab, self.dtype), S)
         except BaseException:
             _kill(self.procs)
             raise
@@ -228,33 +235,27 @@ class PipelineRunner:
         h, compute_s = timed(compute, self.device)
         self.counters.record(batch, compute_s, emulate(self.stages[0].slowdown, compute_s))
         self.trailer[0] = self.counters.row()
-        layout = batch.to_tensor()
-        header = torch.tensor([STEP, layout.numel(), batch.num_tokens, len(batch.sample_rows)])
         try:
-            self._pending = [w for w in self._pending if not w.is_completed()]
-            self._pending += [
-                dist.isend(t, 1) for t in (header, layout, h.contiguous(), self.trailer.clone())
-            ]
+            self.outbox.send(pack(STEP, batch.to_tensor(), self.trailer, h))
         except RuntimeError as e:
             raise self._fail(e) from e
         self._inflight.append(batch)
 
     def result(self) -> torch.Tensor:
         """Logits ``[n_sampled, vocab]`` of the oldest micro-batch in flight."""
-        batch = self._inflight.popleft()
-        n = len(batch.sample_rows)
-        logits = torch.empty(max(1, n), self.vocab, dtype=self.dtype, device=self.device)
-        trailer = torch.empty(self.num_stages, NUM_COUNTERS, dtype=torch.float64)
+        self._inflight.popleft()
         t0 = time.perf_counter()
         try:
-            dist.recv(logits, self.num_stages - 1)
-            dist.recv(trailer, self.num_stages - 1)
+            buf = self.inbox.get()
         except RuntimeError as e:
             raise self._fail(e) from e
         self.counters.values["idle_s"] += time.perf_counter() - t0
-        trailer[0] = self.counters.row()
-        self.trailer = trailer
-        return logits[:n]
+        msg = unpack(buf, self.num_stages, NUM_COUNTERS, self.vocab, self.dtype)
+        logits = msg.payload.to(self.device, copy=True)
+        self.trailer = msg.counters.clone()
+        self.trailer[0] = self.counters.row()
+        self.inbox.release()
+        return logits
 
     @property
     def in_flight(self) -> int:
@@ -273,9 +274,8 @@ class PipelineRunner:
         self._closing = True
         if self.failure is None:
             try:
-                for w in self._pending:
-                    w.wait()
-                dist.send(torch.tensor([STOP, 0, 0, 0]), 1)
+                self.outbox.send(pack(STOP, torch.zeros(0, dtype=torch.long), self.trailer, None))
+                self.outbox.flush()
             except RuntimeError:
                 pass
             for p in self.procs:

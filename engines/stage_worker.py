@@ -1,11 +1,10 @@
 """The process of one pipeline stage after the first: receive a micro-batch, run its layers, pass it on.
 
-Wire protocol between consecutive ranks (``torch.distributed`` point-to-point, FIFO per pair):
-``header`` int64 ``[kind, layout_len, num_tokens, num_sampled]``, then for a ``STEP`` the
-:class:`~engines.step_batch.StepBatch` layout, the hidden states ``[num_tokens, hidden]`` and
-the per-stage counters ``[num_stages, NUM_COUNTERS]`` (float64; each stage fills its own row).
-The last stage computes the logits of the sampled rows and sends them, with the counters, back
-to rank 0 (the driver). ``STOP`` travels down the chain and every stage exits.
+Messages (:mod:`engines.stage_wire`) go down the chain 0 -> 1 -> ... -> S-1 by
+``torch.distributed`` point-to-point, FIFO per pair; each carries the micro-batch layout, the
+hidden states and the per-stage counters (each stage fills in its own row). The last stage
+computes the logits of the sampled rows and sends them, with the counters, back to rank 0 (the
+driver). ``STOP`` travels down the chain and every stage exits.
 
 A stage exits by itself when its parent (the driver) disappears, so no orphan outlives a
 killed engine.
@@ -25,13 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from engines.model_runner import ModelRunner
-from engines.stage_model import hidden_size, model_dtype, vocab_size
+from engines.stage_model import hidden_size, model_dtype
+from engines.stage_wire import STEP, STOP, Inbox, Outbox, capacity, pack, unpack
 from engines.step_batch import StepBatch
 
 log = logging.getLogger(__name__)
 
-STEP, STOP = 1, 2
-HEADER_LEN = 4
 #: per-stage counters, cumulative since the stage started (one row per stage in the trailer)
 COUNTERS = (
     "micro_batches",
@@ -116,6 +114,8 @@ class StageArgs:
     memory_bytes: int
     threads: int
     parent_pid: int
+    max_tokens: int  # most tokens (rows) of one micro-batch
+    max_layout: int  # most int64s of one micro-batch's layout
     timeout_s: float = 1800.0
 
 
@@ -155,30 +155,23 @@ def stage_main(args: StageArgs, conn) -> None:
 
 def serve_stage(args: StageArgs, runner: ModelRunner, model: nn.Module) -> None:
     """Receive, compute, forward until ``STOP``."""
-    prev, last = args.rank - 1, args.rank == args.world_size - 1
-    nxt = 0 if last else args.rank + 1
+    last = args.rank == args.world_size - 1
     counters = StageCounters(memory_bytes=args.memory_bytes)
-    hidden, vocab, dtype = hidden_size(model), vocab_size(model), model_dtype(model)
-    header = torch.empty(HEADER_LEN, dtype=torch.long)
-    pending: list = []
+    hidden, dtype = hidden_size(model), model_dtype(model)
+    S = args.world_size
+    inbox = Inbox(args.rank - 1, capacity(args.max_layout, S, NUM_COUNTERS, args.max_tokens, hidden, dtype))
+    outbox = Outbox(0 if last else args.rank + 1)
     while True:
         t0 = time.perf_counter()
-        dist.recv(header, prev)
+        msg = unpack(inbox.get(), S, NUM_COUNTERS, hidden, dtype)
         counters.values["idle_s"] += time.perf_counter() - t0
-        kind, layout_len, num_tokens, num_sampled = header.tolist()
-        if kind == STOP:
-            for w in pending:
-                w.wait()
+        if msg.kind == STOP:
             if not last:
-                dist.send(header, nxt)
+                outbox.send(pack(STOP, msg.layout[:0], msg.counters, None))
+            outbox.flush()
             return
-        layout = torch.empty(layout_len, dtype=torch.long)
-        dist.recv(layout, prev)
-        h = torch.empty(num_tokens, hidden, dtype=dtype, device=args.device)
-        dist.recv(h, prev)
-        trailer = torch.empty(args.world_size, NUM_COUNTERS, dtype=torch.float64)
-        dist.recv(trailer, prev)
-        batch = StepBatch.from_tensor(layout)
+        batch = StepBatch.from_tensor(msg.layout)
+        h = msg.payload.to(args.device)
 
         def compute(h=h, batch=batch):
             with torch.inference_mode():
@@ -187,11 +180,6 @@ def serve_stage(args: StageArgs, runner: ModelRunner, model: nn.Module) -> None:
 
         out, compute_s = timed(compute, args.device)
         counters.record(batch, compute_s, emulate(args.slowdown, compute_s))
-        trailer[args.rank] = counters.row()
-        pending = [w for w in pending if not w.is_completed()]  # sent tensors stay referenced until done
-        if last:
-            if num_sampled == 0:
-                out = torch.zeros(1, vocab, dtype=dtype, device=args.device)
-            pending += [dist.isend(out.contiguous(), 0), dist.isend(trailer, 0)]
-        else:
-            pending += [dist.isend(t, nxt) for t in (header.clone(), layout, out.contiguous(), trailer)]
+        msg.counters[args.rank] = counters.row()
+        outbox.send(pack(STEP, msg.layout[:0] if last else msg.layout, msg.counters, out))
+        inbox.release()

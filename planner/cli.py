@@ -53,6 +53,14 @@ def _tp_sizes(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    """``--batches`` / ``--lengths`` of ``planner profile``: distinct positive integers."""
+    vals = _int_set(text, "grid sizes", "8,16,32")
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"grid sizes must be positive integers like 8,16,32, got {text!r}")
+    return vals
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -181,6 +189,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             starts=[base[0]] if base else None,
             kappas=list(args.prefill_chunks) if args.prefill_chunks else None,
             tp_sizes=args.tp_sizes,
+            stages=args.stages,
         )
         res = None if sr is None else (sr.assignment, sr.evaluation, sr.solve_seconds)
     if res is None:
@@ -263,16 +272,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise CliError("--device cuda given but no CUDA GPU is available")
-    grid = None
-    if args.quick:
-        grid = [(v, s) for v in (1, 2, 4) for s in (64, 128, 256)]
+    pre_grid, dec_grid = _profile_grids(args)
     try:
         prof = profile_local(
             shape,
             args.device,
             args.threads,
-            grid,
-            grid,
+            pre_grid,
+            dec_grid,
             args.reps,
             progress=not args.quiet,
             clock=args.clock,
@@ -281,18 +288,26 @@ def cmd_profile(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     prof.save(args.out)
-    from planner.latency import fit_profile
+    from planner.latency import fit_head, fit_profile
 
-    lm = fit_profile(prof)
+    ph = prof.samples[16]
+    try:
+        lm = fit_profile(prof)
+        pre, dec = lm.prefill_coef[16], lm.decode_coef[16]
+    except ValueError as e:  # a grid too small to fit the layer model: the profile is still written
+        print(f"planner profile: warning: {e}; `planner plan` cannot use this profile", file=sys.stderr)
+        pre = dec = None
     print(
         json.dumps(
             {
                 "profile": str(args.out),
                 "device": prof.device,
                 "model": shape.name,
-                "prefill_coef": lm.prefill_coef[16],
-                "decode_coef": lm.decode_coef[16],
-                "points": len(prof.samples[16]["prefill"]) + len(prof.samples[16]["decode"]),
+                "prefill_coef": pre,
+                "decode_coef": dec,
+                "head_coef": fit_head(ph.get("head", [])),
+                "points": len(ph["prefill"]) + len(ph["decode"]),
+                "head_points": len(ph.get("head", [])),
                 "clock": prof.meta["clock"],
                 "reps": prof.meta["reps"],
                 "median_spread": prof.meta["median_spread"],
@@ -302,6 +317,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+QUICK_BATCHES = (1, 2, 4)
+QUICK_LENGTHS = (64, 128, 256)
+
+
+def _profile_grids(args: argparse.Namespace) -> tuple[list | None, list | None]:
+    """Prefill (v x s) and decode (v x c) grids of ``planner profile``: ``--batches`` x ``--lengths``,
+    each defaulting to the ``--quick`` sizes, else to the profiler's; (None, None) for the full default."""
+    from planner import profiler
+
+    batches = args.batches or (QUICK_BATCHES if args.quick else None)
+    lengths = args.lengths or (QUICK_LENGTHS if args.quick else None)
+    if batches is None and lengths is None:
+        return None, None
+    pre = [(v, s) for v in batches or profiler.PREFILL_BATCHES for s in lengths or profiler.PREFILL_LENGTHS]
+    dec = [(v, c) for v in batches or profiler.DECODE_BATCHES for c in lengths or profiler.DECODE_CONTEXTS]
+    return pre, dec
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
@@ -424,6 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor-parallel group sizes a stage may use (same-type devices on one node; default 1,2,4; "
         "1 = pipeline only)",
     )
+    p.add_argument(
+        "--stages",
+        type=_positive,
+        help="exactly this many pipeline stages (default: any number; devices may be left unused)",
+    )
     p.add_argument("--indicator", help="omega file from quant (default: quant's synthetic indicator)")
     p.add_argument(
         "--profile", action="append", help="DEVICE_TYPE=profile.json measured profile (repeatable)"
@@ -455,16 +493,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload(c, theta=1.0)
     c.set_defaults(func=cmd_compare, output_tokens=100)
 
-    f = sub.add_parser("profile", help="time one decoder layer on this machine over a grid; write a profile")
+    f = sub.add_parser(
+        "profile",
+        help="time one decoder layer (prefill, decode) and the LM head on this machine over a grid; "
+        "write a profile",
+        description="Time one decoder layer of the model shape over a prefill grid (batch v x prompt "
+        "length s) and a decode grid (batch v x cached tokens c), and the LM head (final norm + "
+        "hidden -> vocab projection) on v tokens for every decode batch v; write the profile and print "
+        "the fitted coefficients as one JSON line.",
+    )
     f.add_argument("--model", default="llama:small", help="model shape to profile (default llama:small)")
     f.add_argument("--device", default="cpu", help="cpu or cuda")
     f.add_argument(
         "--threads", type=int, default=1, help="CPU threads (default 1: steadier on a shared machine)"
     )
     _add_timing_arguments(f, reps=3, min_time=0.05)
-    f.add_argument("--quick", action="store_true", help="a small grid (seconds)")
-    f.add_argument("--quiet", action="store_true")
-    f.add_argument("--out", default="profile.json")
+    f.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a small grid: batches {','.join(map(str, QUICK_BATCHES))} x lengths "
+        f"{','.join(map(str, QUICK_LENGTHS))} (seconds); --batches / --lengths override its sizes",
+    )
+    f.add_argument(
+        "--batches",
+        type=_sizes,
+        help="micro-batch sizes v of the prefill and decode grids (and the LM head), e.g. 8,16,32,64 "
+        "(default 1,2,4,8; with --quick 1,2,4)",
+    )
+    f.add_argument(
+        "--lengths",
+        type=_sizes,
+        help="prompt lengths s of the prefill grid and cached tokens c of the decode grid, e.g. "
+        "64,128,256 (default 128,256,512,1024; with --quick 64,128,256)",
+    )
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
+    f.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
     f.set_defaults(func=cmd_profile)
 
     d = sub.add_parser(

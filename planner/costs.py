@@ -20,12 +20,13 @@ on every chunk). kappa = 1 is unchunked prefill.
 The decode term is the steady state of a pipeline whose micro-batches each need a token's
 round trip through all stages before their next step: it is right for any ``m_d`` (LLM-PQ's
 ``sum + (m-1) max`` form is right only when ``m_d`` >= number of stages). Stage times include
-receiving the activations from the previous stage over the link, and the LM head on the last.
+receiving the activations from the previous stage over the link, and the LM head on the last
+(measured when the device's profile timed it, ``LatencyModel.head_s``, else the roofline).
 
 Emulated slower devices (a device type's ``slowdown``, ``planner.catalog.with_slowdown``): the
-latency model of such a type is already scaled by ``1 + slowdown`` (``planner.problem``), and
-so are its LM head and the fixed per-layer overhead used for tensor parallelism; links,
-all-reduce latencies and memory are not slowed.
+latency model of such a type is already scaled by ``1 + slowdown`` (``planner.problem``), measured
+LM head included, and so are the roofline LM head and the fixed per-layer overhead used for tensor
+parallelism; links, all-reduce latencies and memory are not slowed.
 
 Tensor parallelism (SplitQuant): a stage may run on a *unit*, a group of ``t`` devices of one
 type on one node (``t`` in {1, 2, 4}, dividing the heads and KV heads). Unit ids ``0..n-1`` are
@@ -256,12 +257,21 @@ class Problem:
         return self._cache[key]
 
     def head_s(self, dev: int, v: int) -> float:
-        """LM head on the stage's first device (not split over a tensor-parallel group: conservative),
-        ``1 + slowdown`` times the base type's roofline on an emulated slower device."""
+        """LM head of ``v`` tokens on the stage's first device (not split over a tensor-parallel group:
+        conservative).
+
+        The head measured with the device type's profile when its latency model has one (that model
+        is already scaled by ``1 + slowdown``, ``planner.problem.latency_models``), else the catalog
+        roofline times ``1 + slowdown``.
+        """
         dt = self._dtype(dev)
         key = ("h", dt.name, v)
         if key not in self._cache:
-            self._cache[key] = lm_head_s(dt, self.shape, v) * dt.speed_factor
+            measured = self.latency[dt.name].head_s(v)
+            if measured is None:
+                self._cache[key] = lm_head_s(dt, self.shape, v) * dt.speed_factor
+            else:
+                self._cache[key] = max(0.0, measured)
         return self._cache[key]
 
     def link_bytes_per_s(self, src: int, dst: int) -> float:

@@ -5,7 +5,10 @@ One decoder layer's time is
 * prefill:  c0 + c1*v + c2*s + c3*v*s + c4*v*s^2     (v micro-batch size, s prompt length)
 * decode:   d0 + d1*v + d2*v*c + d3*c                 (c = s + t tokens already in the cache)
 
-fitted by non-negative least squares on relative error. A *profile* is a set of timed
+fitted by non-negative least squares on relative error. A measured profile may also time the LM
+head (final norm + ``hidden -> vocab`` projection of ``v`` tokens, at 16 bits): h0 + h1*v, fitted
+the same way (``LatencyModel.head_coef``); without it the cost model uses the roofline
+``lm_head_s``. A *profile* is a set of timed
 samples per bit width: measured on the local device (``planner.profiler``) or derived from the
 catalog by a roofline (``roofline_profile``) for devices that are not here.
 """
@@ -37,6 +40,10 @@ def decode_features(v: float, c: float) -> np.ndarray:
     return np.array([1.0, v, v * c, c])
 
 
+def head_features(v: float) -> np.ndarray:
+    return np.array([1.0, v])
+
+
 def fit_linear(rows: Sequence[np.ndarray], seconds: Sequence[float]) -> np.ndarray:
     """Non-negative coefficients minimising the squared *relative* error."""
     a = np.vstack(rows)
@@ -53,7 +60,11 @@ def fit_linear(rows: Sequence[np.ndarray], seconds: Sequence[float]) -> np.ndarr
 
 @dataclass
 class Profile:
-    """Timed samples of one decoder layer: ``samples[bits]["prefill"] = [(v, s, seconds)]``, ``["decode"] = [(v, c, seconds)]``."""
+    """Timed samples of one decoder layer: ``samples[bits]["prefill"] = [(v, s, seconds)]``, ``["decode"] = [(v, c, seconds)]``.
+
+    Optionally the LM head too: ``samples[16]["head"] = [(v, 0, seconds)]`` (``v`` tokens through the
+    final norm and the ``hidden -> vocab`` projection); profiles without it still load.
+    """
 
     device: str
     model: dict
@@ -90,6 +101,8 @@ class Profile:
             for phase in ("prefill", "decode"):
                 if phase not in ph or not ph[phase]:
                     raise ValueError(f"profile has no {phase} samples for {b} bits")
+            if any(len(r) != 3 for rows in ph.values() for r in rows):
+                raise ValueError(f"profile samples at {b} bits must be (size, length, seconds) triples")
         return cls(d["device"], d["model"], d.get("source", "measured"), samples, d.get("meta", {}))
 
     def save(self, path: str | Path) -> None:
@@ -108,11 +121,16 @@ class Profile:
 
 @dataclass(frozen=True)
 class LatencyModel:
-    """Fitted per-layer latency of one device type for one model shape, per bit width."""
+    """Fitted per-layer latency of one device type for one model shape, per bit width.
+
+    ``head_coef`` (h0, h1): the measured LM head of ``v`` tokens takes h0 + h1*v seconds (fp16
+    head, whatever the layers' bit widths); ``None`` when the profile did not time it.
+    """
 
     device: str
     prefill_coef: dict[int, tuple[float, ...]]
     decode_coef: dict[int, tuple[float, ...]]
+    head_coef: tuple[float, float] | None = None
 
     @property
     def bits(self) -> tuple[int, ...]:
@@ -134,12 +152,35 @@ class LatencyModel:
         c = self.prefill_coef[bits]
         return float(chunks * (c[0] + c[1] * v) + c[2] * s + c[3] * v * s + c[4] * v * s * s)
 
+    def head_s(self, v: float) -> float | None:
+        """Measured LM head of ``v`` tokens (seconds), or ``None`` when the profile had no head samples."""
+        if self.head_coef is None:
+            return None
+        return float(np.dot(self.head_coef, head_features(v)))
+
     def scaled(self, factor: float) -> LatencyModel:
+        """Every time ``factor`` times as long (layers and the measured head)."""
         f = lambda d: {b: tuple(x * factor for x in c) for b, c in d.items()}  # noqa: E731
-        return LatencyModel(self.device, f(self.prefill_coef), f(self.decode_coef))
+        head = None if self.head_coef is None else (self.head_coef[0] * factor, self.head_coef[1] * factor)
+        return LatencyModel(self.device, f(self.prefill_coef), f(self.decode_coef), head)
+
+
+def fit_head(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """(h0, h1) of the LM head from ``(v, 0, seconds)`` samples; ``None`` without samples.
+
+    One batch size only: a constant (the mean), as nothing tells how the time grows with ``v``.
+    """
+    if not rows:
+        return None
+    if len({v for v, *_ in rows}) < 2:
+        return (float(np.mean([t for *_, t in rows])), 0.0)
+    c = fit_linear([head_features(v) for v, *_ in rows], [t for *_, t in rows])
+    return (float(c[0]), float(c[1]))
 
 
 def fit_profile(profile: Profile, bits: Iterable[int] | None = None) -> LatencyModel:
+    """Fitted layer models at ``bits`` (default: the profile's), and the LM head if the profile timed it
+    (at 16 bits, used whatever ``bits`` are)."""
     pre, dec = {}, {}
     for b in sorted(bits if bits is not None else profile.samples):
         if b not in profile.samples:
@@ -153,7 +194,8 @@ def fit_profile(profile: Profile, bits: Iterable[int] | None = None) -> LatencyM
         dec[b] = tuple(
             fit_linear([decode_features(v, c) for v, c, _ in ph["decode"]], [t for *_, t in ph["decode"]])
         )
-    return LatencyModel(profile.device, pre, dec)
+    head = fit_head(profile.samples.get(16, {}).get("head", []))
+    return LatencyModel(profile.device, pre, dec, head)
 
 
 def _kernel_factor(dev: DeviceType, bits: int) -> float:

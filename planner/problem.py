@@ -25,7 +25,8 @@ def latency_models(
     A type with a ``slowdown`` (``planner.catalog.with_slowdown``) takes its profile by its own
     name, else by its base name (``CPU@x2`` -> ``CPU``); profiles are of the real hardware (the
     profiler does not emulate slowdowns), so the fitted model, or the roofline one, is scaled by
-    ``1 + slowdown``.
+    ``1 + slowdown``: that scales a measured LM head (``LatencyModel.head_coef``) too, once, and
+    ``Problem.head_s`` uses it as it is.
     """
     out: dict[str, LatencyModel] = {}
     profiles = profiles or {}
@@ -44,7 +45,8 @@ def latency_models(
 
 
 def _fit(dev: DeviceType, shape: ModelShape, bits: tuple[int, ...], prof: Profile | None) -> LatencyModel:
-    """The unscaled latency model of ``dev``: ``prof`` fitted (missing bits from the roofline), else the roofline."""
+    """The unscaled latency model of ``dev``: ``prof`` fitted (missing bits from the roofline; its LM head
+    if it timed one for this vocabulary), else the roofline (no measured head)."""
     if prof is None:
         return fit_profile(roofline_profile(dev, shape, bits), bits)
     name = dev.name
@@ -53,12 +55,20 @@ def _fit(dev: DeviceType, shape: ModelShape, bits: tuple[int, ...], prof: Profil
             f"profile for {name} was measured on model {prof.model.get('name')!r}, not {shape.name!r}; "
             "profile the same model shape or leave the profile out to use the roofline"
         )
-    missing = [b for b in bits if b not in prof.samples]
+    samples = prof.samples
+    if samples.get(16, {}).get("head") and prof.model.get("vocab") != shape.vocab:
+        log.warning(
+            "profile for %s timed the LM head for vocabulary %s, not %s: the head comes from the roofline",
+            name,
+            prof.model.get("vocab"),
+            shape.vocab,
+        )
+        samples = {**samples, 16: {k: v for k, v in samples[16].items() if k != "head"}}
+    missing = [b for b in bits if b not in samples]
     if missing:
         log.warning("profile for %s lacks bits %s: those come from the roofline", name, missing)
-        extra = roofline_profile(dev, shape, missing)
-        prof = Profile(prof.device, prof.model, prof.source, {**prof.samples, **extra.samples})
-    return fit_profile(prof, bits)
+        samples = {**samples, **roofline_profile(dev, shape, missing).samples}  # keeps the measured head
+    return fit_profile(Profile(prof.device, prof.model, prof.source, samples, prof.meta), bits)
 
 
 def quality_indicator(

@@ -1,11 +1,12 @@
-"""Time one real decoder layer on the local device over a (batch x length) grid and write a profile.
+"""Time one real decoder layer and the LM head on the local device over a (batch x length) grid; write a profile.
 
 The layer is a one-layer Hugging Face model of the given shape with random weights (no
 embeddings or LM head in the timing: ``inputs_embeds`` in, hidden states out). Prefill times
 a forward over ``v x s`` tokens; decode times one new token per sequence on a cache already
-holding ``c`` tokens (the cache is cropped back after each step). Each point is the minimum over
-round of a grid timed several times in shuffled order; the minimum is the figure least
-disturbed by other processes on a shared machine. One thread and the thread's CPU time as the
+holding ``c`` tokens (the cache is cropped back after each step). The LM head (the final norm
+and the ``hidden -> vocab`` projection, ``lm_head_module``) is timed on ``v`` tokens for every
+decode batch size ``v``. Each point is the minimum over rounds of a grid timed several times in
+shuffled order; the minimum is the figure least disturbed by other processes on a shared machine. One thread and the thread's CPU time as the
 clock by default, for the same reason (see ``profile_local``).
 """
 
@@ -41,6 +42,15 @@ def one_layer_model(shape: ModelShape, dtype: torch.dtype, device: str, seed: in
         cfg.num_hidden_layers = 1
     torch.manual_seed(seed)
     return AutoModel.from_config(cfg).to(device=device, dtype=dtype).eval()
+
+
+def lm_head_module(shape: ModelShape, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
+    """The last stage's head: the final norm (RMSNorm for Llama, LayerNorm otherwise) and
+    ``Linear(hidden, vocab, bias=False)``, random weights."""
+    torch.manual_seed(seed)
+    norm = torch.nn.RMSNorm(shape.hidden) if shape.family == "llama" else torch.nn.LayerNorm(shape.hidden)
+    head = torch.nn.Linear(shape.hidden, shape.vocab, bias=False)
+    return torch.nn.Sequential(norm, head).to(device=device, dtype=dtype).eval()
 
 
 CLOCKS = ("thread", "process", "wall")
@@ -107,6 +117,18 @@ def _decode_runner(model, hidden: int, v: int, c: int, dtype, device: str):
     return run, cache
 
 
+def _head_runner(head, hidden: int, v: int, _length: int, dtype, device: str):
+    x = torch.randn(v, hidden, dtype=dtype, device=device)
+
+    def run() -> None:
+        head(x)
+
+    return run, None
+
+
+RUNNERS = {"prefill": _prefill_runner, "decode": _decode_runner, "head": _head_runner}
+
+
 def time_prefill(
     model, hidden: int, v: int, s: int, dtype, device: str, reps: int, inner: int = 1, clock: str = "wall"
 ) -> float:
@@ -152,8 +174,12 @@ def profile_local(
     clock: str | None = None,
     min_time_s: float = 0.05,
     seed: int = 0,
+    head: bool = True,
 ) -> Profile:
     """Measured profile of one decoder layer of ``shape`` at 16 bits (fp32 on CPU, fp16 on GPU).
+
+    With ``head`` the LM head is timed too, on ``v`` tokens for every batch size ``v`` of the decode
+    grid (``samples[16]["head"] = [(v, 0, seconds)]``), in the same rounds and by the same clock.
 
     Robust to a loaded machine: every point is warmed up, then the whole grid is timed ``reps``
     times in rounds, each round in a fresh random order (so a burst of load from other jobs hits
@@ -174,12 +200,19 @@ def profile_local(
         dtype = torch.float16 if device.startswith("cuda") else torch.float32
     pre_grid = list(prefill_grid or [(v, s) for v in PREFILL_BATCHES for s in PREFILL_LENGTHS])
     dec_grid = list(decode_grid or [(v, c) for v in DECODE_BATCHES for c in DECODE_CONTEXTS])
-    points = [("prefill", v, s) for v, s in pre_grid] + [("decode", v, c) for v, c in dec_grid]
+    head_batches = sorted({v for v, _ in dec_grid}) if head else []
+    points = (
+        [("prefill", v, s) for v, s in pre_grid]
+        + [("decode", v, c) for v, c in dec_grid]
+        + [("head", v, 0) for v in head_batches]
+    )
     rng = random.Random(seed)
     times: dict[tuple, list[float]] = {p: [] for p in points}
     wall0, cpu0 = time.perf_counter(), time.process_time()
     try:
-        model = one_layer_model(shape, dtype, device)
+        modules = {"layer": one_layer_model(shape, dtype, device)}
+        if head_batches:
+            modules["head"] = lm_head_module(shape, dtype, device)
         bar = tqdm(total=len(points) * reps, desc="profiling", disable=not progress)
         runners: dict = {}
         with torch.inference_mode():
@@ -189,12 +222,13 @@ def profile_local(
                 for p in order:
                     if p not in runners:
                         phase, v, x = p
-                        make = _prefill_runner if phase == "prefill" else _decode_runner
-                        runners[p] = make(model, shape.hidden, v, x, dtype, device)[0]
+                        mod = modules["head" if phase == "head" else "layer"]
+                        runners[p] = RUNNERS[phase](mod, shape.hidden, v, x, dtype, device)[0]
                         runners[p]()  # warm-up (allocator, caches)
                     times[p].append(_measure(runners[p], device, fn, min_time_s))
                     bar.update()
         runners.clear()
+        modules.clear()
         bar.close()
     finally:
         if threads:
@@ -203,11 +237,15 @@ def profile_local(
     spread = [statistics.median(t) / min(t) - 1 for t in times.values() if min(t) > 0]
     pre = [(v, s, min(times[("prefill", v, s)])) for v, s in pre_grid]
     dec = [(v, c, min(times[("decode", v, c)])) for v, c in dec_grid]
+    samples = {"prefill": pre, "decode": dec}
+    if head_batches:
+        samples["head"] = [(v, 0, min(times[("head", v, 0)])) for v in head_batches]
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else local_cpu(threads).name
     log.info(
-        "profiled %d prefill and %d decode points on %s (%s clock, %.0f s wall, %.0f s CPU)",
+        "profiled %d prefill, %d decode and %d head points on %s (%s clock, %.0f s wall, %.0f s CPU)",
         len(pre),
         len(dec),
+        len(head_batches),
         name,
         clock,
         wall,
@@ -217,7 +255,7 @@ def profile_local(
         name,
         shape.essentials(),
         "measured",
-        {16: {"prefill": pre, "decode": dec}},
+        {16: samples},
         {
             "dtype": str(dtype).replace("torch.", ""),
             "threads": threads,
@@ -228,6 +266,7 @@ def profile_local(
             "wall_s": wall,
             "process_cpu_s": cpu,
             "median_spread": statistics.median(spread) if spread else 0.0,
+            "head": "final norm + Linear(hidden, vocab)" if head_batches else None,
             "torch": torch.__version__,
         },
     )

@@ -81,7 +81,9 @@ def tp_groupings(problem: Problem, tp_sizes: Sequence[int] = (1,)) -> list[tuple
     return out
 
 
-def device_orders(problem: Problem, tp_sizes: Sequence[int] = (1,)) -> list[tuple[int, ...]]:
+def device_orders(
+    problem: Problem, tp_sizes: Sequence[int] = (1,), stages: int | None = None
+) -> list[tuple[int, ...]]:
     """Distinct orders of stage units (ordered subsets, up to symmetry) that could hold the model.
 
     ``tp_sizes`` = (1,) is pipeline parallelism only (every unit one device, as the baselines use);
@@ -101,7 +103,7 @@ def device_orders(problem: Problem, tp_sizes: Sequence[int] = (1,)) -> list[tupl
     seen: set = set()
     out = []
     for order in raw:
-        if len(order) > problem.layers:
+        if len(order) > problem.layers or (stages is not None and len(order) != stages):
             continue
         sig = _signature(problem, order)
         if sig in seen:
@@ -159,6 +161,7 @@ def plan(
     kappas: list[int] | None = None,
     refine_top: int = 6,
     tp_sizes: Sequence[int] = (1, 2, 4),
+    stages: int | None = None,
 ) -> SearchResult | None:
     """Best plan by ``method``; ``None`` when nothing fits.
 
@@ -170,13 +173,14 @@ def plan(
     (it changes only the prefill term and the activation memory), fixed in the ILP, and chosen
     again on the final plan. With layer groups larger than one layer, the ``refine_top`` best
     combinations are solved again layer by layer (group size 1), warm-started from their plans.
-    ``tp_sizes`` are the tensor-parallel group sizes a stage may use (``(1,)``: pipeline only).
+    ``tp_sizes`` are the tensor-parallel group sizes a stage may use (``(1,)``: pipeline only);
+    ``stages`` keeps only plans with exactly that many pipeline stages (``None``: any number).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     t0 = time.perf_counter()
     gs = group_size or default_group_size(problem.layers)
-    orders = device_orders(problem, tp_sizes)
+    orders = device_orders(problem, tp_sizes, stages)
     combos = [
         (o, vp, vd) for o in orders for vp, vd in (micro_batches or micro_batch_candidates(problem, len(o)))
     ]
@@ -235,7 +239,8 @@ def plan(
     t_heur = t0 + (0.35 if method == "ilp" else 1.0) * time_limit_s
     t_ilp = t0 + 0.9 * time_limit_s
     for a in starts or []:
-        offer(a, t_heur)
+        if stages is None or len(a.order) == stages:
+            offer(a, t_heur)
 
     if method == "adabits":
         for _, _, a in scored:

@@ -1,0 +1,90 @@
+"""``engine bench --stages``: the planner lays the model out, the stages run, one JSON object comes last;
+stage metrics reach Prometheus."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from prometheus_client import generate_latest
+
+from engines.bench_pipeline import latency_error, slowdowns_from_speeds
+from engines.config import EngineConfig
+from engines.engine import LLMEngine
+from engines.interface import Request, SamplingParams
+from engines.metrics import StageCollector
+from tests.harness import REPO
+from tests.test_engine_pipeline import write_plan
+
+
+def test_speeds_become_slowdowns():
+    assert slowdowns_from_speeds([1, 2]) == [1.0, 0.0]  # the first is half as fast: it sleeps 1x its compute
+    assert slowdowns_from_speeds([1, 2, 4]) == [3.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="positive"):
+        slowdowns_from_speeds([1, 0])
+
+
+def test_latency_error_is_the_mean_relative_error():
+    run = {
+        "stages": [
+            {"decode_latency_ms": 11.0, "predicted_decode_ms": 10.0},
+            {"decode_latency_ms": 7.0, "predicted_decode_ms": 10.0},
+        ]
+    }
+    assert latency_error(run) == pytest.approx(0.2)
+
+
+@pytest.mark.slow
+def test_bench_stages_prints_the_figures(data_root):
+    cmd = [
+        sys.executable,
+        "-m",
+        "engines.cli",
+        "bench",
+        "--stages",
+        "2",
+        "--stage-speeds",
+        "1,2",
+        "--size",
+        "nano",
+    ]
+    cmd += ["--num-queries", "8", "--prompt-len", "16", "--gen-len", "8", "--repeats", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("stages", "tokens_per_s", "speedup_vs_one_process", "stage_latency_error", "bubble_fraction"):
+        assert key in out
+    assert out["stages"] == 2 and "speedup_vs_even_partition" in out
+    assert sorted(out["stage_slowdowns"]) == [0.0, 1.0]
+    assert out["planned"]["tokens"] == out["one_process"]["tokens"] == out["even"]["tokens"] == 8 * 8
+    slow = next(s for s in out["planned"]["stages"] if s["slowdown"] == 1.0)
+    assert slow["emulated_s"] > 0 and 0 <= out["bubble_fraction"] < 1
+
+
+def test_stage_metrics_are_exported(tmp_path):
+    from localmodels import build_model, default_tokenizer, generated_corpus
+
+    tok = default_tokenizer(vocab_size=1024, texts=generated_corpus(400))
+    model = build_model("llama", "tiny", tokenizer=tok, seed=3)
+    plan = write_plan(tmp_path / "plan.json", [0, 1, 4], slowdowns=[0.0, 0.5])
+    engine = LLMEngine(model, tok, EngineConfig(plan_path=str(plan)))
+    try:
+        engine.generate([Request(f"r{i}", "hello there", SamplingParams(forced_length=5)) for i in range(3)])
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
+        registry.register(StageCollector(engine))
+        text = generate_latest(registry).decode()
+    finally:
+        engine.close()
+    assert 'fleetbatch_stage_compute_seconds_total{device="CPU",layers="1-4",stage="1"}' in text
+    emulated = [
+        line for line in text.splitlines() if line.startswith("fleetbatch_stage_emulated_seconds_total")
+    ]
+    assert float(emulated[1].split()[-1]) > 0 and float(emulated[0].split()[-1]) == 0
+    assert (
+        "fleetbatch_stage_memory_bytes" in text
+        and "fleetbatch_stage_predicted_decode_latency_seconds" in text
+    )
