@@ -8,14 +8,17 @@ queries submitted at once):
 * ``planned``: the plan's stages, one process each (gloo on CPU);
 * ``even``: with unlike stages, the same stages and micro-batches with the layers split evenly.
 
-Without ``--plan`` the planner lays the model out itself, through its CLI (``planner profile
---quick`` measures this CPU's layer, ``planner plan`` solves the ILP over N ``CPU`` devices
-whose ``slowdown`` comes from ``--stage-speeds``), so nothing needs preparing.
+Without ``--plan`` the planner lays the model out itself: ``engine profile --concurrent N``'s
+measurement of the engine's own layer and LM head on this CPU (N profilers at once, as the N
+stages will share the memory system) goes to ``planner plan`` (its CLI), which solves
+the ILP over N ``CPU`` devices whose ``slowdown`` comes from ``--stage-speeds``; nothing needs
+preparing.
 
 Contention on a small machine: every stage uses one thread, the one-process run uses one
 thread, stage compute is timed on the thread's CPU clock, and a slower device is emulated by
-sleeping (which takes no CPU). Each configuration runs ``--repeats`` times; the best
-throughput of each is compared.
+sleeping (which takes no CPU). The configurations run in ``--repeats`` interleaved rounds
+(one of each, back to back); a ratio is the median over rounds of that round's ratio, so a
+machine whose speed drifts between minutes does not favour whichever ran first.
 """
 
 from __future__ import annotations
@@ -46,16 +49,19 @@ def slowdowns_from_speeds(speeds: list[float]) -> list[float]:
     return [top / s - 1.0 for s in speeds]
 
 
-def _planner(*argv: str) -> None:
-    cmd = [sys.executable, "-m", "planner.cli", *argv]
+def _run_cli(cmd: list[str], what: str) -> None:
     log.info("running %s", " ".join(cmd[2:]))
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise ValueError(f"planner {argv[0]} failed: {r.stderr.strip().splitlines()[-1:] or r.returncode}")
+        raise ValueError(f"{what} failed: {r.stderr.strip().splitlines()[-1:] or r.returncode}")
+
+
+def _planner(*argv: str) -> None:
+    _run_cli([sys.executable, "-m", "planner.cli", *argv], f"planner {argv[0]}")
 
 
 def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
-    """Profile this CPU's layer and plan the model over ``len(slowdowns)`` emulated devices."""
+    """Profile the engine's layer on this CPU and plan the model over ``len(slowdowns)`` emulated devices."""
     model = f"{args.arch}:{args.size}"
     spec = {
         "name": f"{len(slowdowns)}xCPU",
@@ -66,7 +72,23 @@ def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
     cluster = workdir / "cluster.yaml"
     cluster.write_text(yaml.safe_dump(spec))
     profile = workdir / "profile.json"
-    _planner("profile", "--model", model, "--quick", "--quiet", "--out", str(profile))
+    p, g = args.prompt_len, args.gen_len
+    batches = ",".join(str(v) for v in sorted({1, 8, 16, 32, 64, args.num_queries}))
+    lengths = ",".join(str(c) for c in sorted({p, p + g // 2, p + g}))
+    cmd = [sys.executable, "-m", "engines.cli", "profile", "--arch", args.arch, "--size", args.size]
+    cmd += [
+        "--batches",
+        batches,
+        "--lengths",
+        lengths,
+        "--concurrent",
+        str(len(slowdowns)),
+        "--out",
+        str(profile),
+    ]
+    if args.model_dir:
+        cmd += ["--model-dir", args.model_dir]
+    _run_cli(cmd, "engine profile")
     plan = workdir / "plan.json"
     _planner(
         "plan",
@@ -166,11 +188,33 @@ def _run(args, requests: list[Request], plan: Path | None, even: bool = False) -
     }
 
 
-def _best(args, requests, plan, even=False) -> dict:
-    runs = [_run(args, requests, plan, even) for _ in range(args.repeats)]
-    best = max(runs, key=lambda r: r["tokens_per_s"])
-    best["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
-    return best
+def _rounds(args, requests, plan: Path, uneven: bool) -> dict[str, list[dict]]:
+    """``--repeats`` rounds, each running every configuration once, back to back (interleaved, so a
+    machine whose speed drifts over minutes slows all of a round's runs alike)."""
+    runs: dict[str, list[dict]] = {"one_process": [], "planned": [], "even": []}
+    for r in range(args.repeats):
+        runs["one_process"].append(_run(args, requests, None))
+        runs["planned"].append(_run(args, requests, plan))
+        if uneven:
+            runs["even"].append(_run(args, requests, plan, even=True))
+        log.info(
+            "round %d: %s tokens/s",
+            r + 1,
+            ", ".join(f"{k} {v[-1]['tokens_per_s']:.1f}" for k, v in runs.items() if v),
+        )
+    return runs
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _ratio(runs: dict[str, list[dict]], a: str, b: str) -> tuple[float, list[float]]:
+    """Median over rounds of a round's ``a`` / ``b`` throughput, and the per-round ratios."""
+    per = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[a], runs[b], strict=True)]
+    return round(_median(per), 3), [round(x, 3) for x in per]
 
 
 def latency_error(run: dict) -> float:
@@ -196,12 +240,11 @@ def bench_pipeline(args) -> dict:
         plan_doc = json.loads(plan.read_text())
         _, tok = load_or_build(args.model_dir, arch=args.arch, size=args.size)
         requests = _workload(tok, args)
-        one = _best(args, requests, None)
-        log.info("one process: %.1f tokens/s", one["tokens_per_s"])
-        planned = _best(args, requests, plan)
-        log.info("planned: %.1f tokens/s", planned["tokens_per_s"])
         uneven = any(d.get("slowdown", 0) for d in plan_doc["devices"])
-        even = _best(args, requests, plan, even=True) if uneven else None
+        runs = _rounds(args, requests, plan, uneven)
+    planned = max(runs["planned"], key=lambda r: r["tokens_per_s"])
+    one = max(runs["one_process"], key=lambda r: r["tokens_per_s"])
+    speedup, speedups = _ratio(runs, "planned", "one_process")
     out = {
         "stages": len(planned["stages"]),
         "layers": [st["layers"] for st in planned["stages"]],
@@ -211,16 +254,21 @@ def bench_pipeline(args) -> dict:
         "queries": len(requests),
         "prompt_len": args.prompt_len,
         "gen_len": args.gen_len,
+        "repeats": args.repeats,
         "tokens_per_s": planned["tokens_per_s"],
         "one_process_tokens_per_s": one["tokens_per_s"],
-        "speedup_vs_one_process": round(planned["tokens_per_s"] / one["tokens_per_s"], 3),
+        "speedup_vs_one_process": speedup,
+        "speedup_vs_one_process_rounds": speedups,
         "stage_latency_error": latency_error(planned),
         "bubble_fraction": planned["bubble_fraction"],
         "planned": planned,
         "one_process": one,
     }
-    if even is not None:
+    if uneven:
+        even = max(runs["even"], key=lambda r: r["tokens_per_s"])
         out["even_tokens_per_s"] = even["tokens_per_s"]
-        out["speedup_vs_even_partition"] = round(planned["tokens_per_s"] / even["tokens_per_s"], 3)
+        out["speedup_vs_even_partition"], out["speedup_vs_even_partition_rounds"] = _ratio(
+            runs, "planned", "even"
+        )
         out["even"] = even
     return out

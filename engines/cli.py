@@ -154,6 +154,88 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_concurrently(args: argparse.Namespace) -> int:
+    """``--concurrent N``: N profilers at once (as N stages share this machine's memory system); the mean."""
+    import subprocess
+    import tempfile
+
+    from engines.profile import merge_profiles
+
+    argv = [a for a in sys.argv[1:] if a != "-v"]
+    with tempfile.TemporaryDirectory(prefix="fleetbatch-profile-") as tmp:
+        outs = [f"{tmp}/p{k}.json" for k in range(args.concurrent)]
+        base = [sys.executable, "-m", "engines.cli", *_without(argv, ("--concurrent", "--out"))]
+        procs = [
+            subprocess.Popen(
+                [*base, "--concurrent", "1", "--out", o], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
+            for o in outs
+        ]
+        errs = [p.communicate()[1] for p in procs]
+        for p, err in zip(procs, errs, strict=True):
+            if p.returncode != 0:
+                raise ValueError(
+                    f"a concurrent profiler failed: {err.decode(errors='replace').strip()[-500:]}"
+                )
+        doc = merge_profiles([json.loads(Path(o).read_text()) for o in outs])
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(json.dumps({"profile": args.out, "model": doc["model"]["name"], **doc["meta"]}))
+    return 0
+
+
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` without the given options and their values (``--opt v`` or ``--opt=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in options:
+            skip = True
+            continue
+        if any(a.startswith(o + "=") for o in options):
+            continue
+        out.append(a)
+    return out
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from engines.profile import profile_engine
+    from localmodels import load_or_build
+
+    def ints(text: str, what: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+        except ValueError:
+            raise ValueError(f"--{what} must be comma-separated integers, got {text!r}") from None
+        if not vals or min(vals) < 1:
+            raise ValueError(f"--{what} must list positive integers, got {text!r}")
+        return vals
+
+    bits = ints(args.bits, "bits")
+    if set(bits) - {2, 3, 4, 8, 16}:
+        raise ValueError(f"--bits must be among 2,3,4,8,16, got {args.bits!r}")
+    if args.concurrent < 1:
+        raise ValueError(f"--concurrent must be >= 1, got {args.concurrent}")
+    if args.concurrent > 1:
+        return _profile_concurrently(args)
+    model, _ = load_or_build(args.model_dir, arch=args.arch, size=args.size)
+    name = args.model_dir or f"{args.arch}:{args.size}"
+    doc = profile_engine(
+        model,
+        name,
+        ints(args.batches, "batches"),
+        ints(args.lengths, "lengths"),
+        ints(args.prefill_batches, "prefill-batches"),
+        bits,
+        reps=args.reps,
+        min_time_s=args.min_time,
+    )
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(json.dumps({"profile": args.out, "model": name, **doc["meta"]}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="engine",
@@ -261,6 +343,33 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--repeats", type=int, default=2, help="runs of each configuration; the best counts")
     add_engine_arguments(b)
     b.set_defaults(size="small", threads=1)
+
+    pr = sub.add_parser(
+        "profile",
+        help="time the engine's own layer and LM head here; write a profile for `planner plan --profile`",
+        description=(
+            "Time one decoder layer of the native engine (paged KV cache, the engine's attention) and the "
+            "LM head on this machine, one thread, over decode batch x context and prefill batch x prompt "
+            "grids; write a planner profile (use it as `planner plan --profile CPU=profile.json`, so plans "
+            "predict the engine's stages). Prints a JSON summary as the last line."
+        ),
+    )
+    pr.add_argument("--batches", default="1,8,16,32,64", help="decode batch sizes (also the LM head's rows)")
+    pr.add_argument("--lengths", default="64,128,256", help="prompt lengths and decode contexts")
+    pr.add_argument("--prefill-batches", default="1,2,4", help="prefill batch sizes")
+    pr.add_argument("--bits", default="16", help="weight bit widths to time (e.g. 16,8,4)")
+    pr.add_argument("--reps", type=int, default=3, help="rounds over the grid; each point keeps its minimum")
+    pr.add_argument("--min-time", type=float, default=0.05, help="seconds of calls per point and round")
+    pr.add_argument(
+        "--concurrent",
+        type=int,
+        default=1,
+        help="run N profilers at once and keep each point's mean: the speed of a device while N-1 other "
+        "stages share this machine's caches and memory bandwidth (use the number of co-located stages)",
+    )
+    pr.add_argument("--out", default="profile.json", help="where to write the profile")
+    add_engine_arguments(pr)
+    pr.set_defaults(size="small", threads=1)
     return p
 
 
@@ -284,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "profile":
+            return run_profile(args)
         return run_bench(args)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"engine {args.command}: error: {e}", file=sys.stderr)
