@@ -288,6 +288,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plan", default=None, help="plan.json from `planner plan` (layer bits, micro-batch sizes)"
     )
+    p.add_argument(
+        "--rendezvous",
+        default=None,
+        help="torch.distributed rendezvous of a multi-stage plan's stage processes, tcp://HOST:PORT "
+        "(default: a free port on 127.0.0.1)",
+    )
     p.add_argument("--max-batch", type=int, default=8, help="most queries running at once")
     p.add_argument(
         "--capacity", type=float, default=0.0, help="capacity hint in tokens/s (default: measured)"
@@ -325,6 +331,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
         config = EngineConfig(max_running=args.max_batch)
         if args.plan:
             config.plan_path = args.plan
+            config.pipeline.init_method = args.rendezvous
         return LLMEngine.from_pretrained(args.model, arch=args.arch, size=args.size, config=config)
     from engines.static_engine import StaticBatchEngine
     from localmodels import load_or_build
