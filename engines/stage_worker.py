@@ -126,13 +126,23 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(3)
 
 
+def _private(model: nn.Module) -> nn.Module:
+    """Copy the weights out of the shared memory they arrived in, into this process's own memory
+    (shared-memory pages get no transparent huge pages: streaming weights from them was ~20 %
+    slower here)."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.data = t.data.clone()
+    return model
+
+
 def stage_main(args: StageArgs, conn) -> None:
     """Entry point of a stage process (``torch.multiprocessing`` spawn target)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s stage: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
     torch.set_num_threads(max(1, args.threads))
     try:
-        model = args.model.to(args.device)
+        model = _private(args.model).to(args.device)
         runner = ModelRunner(
             model, args.num_blocks, args.block_size, args.kv_bits, range(args.layer_start, args.layer_end)
         )
