@@ -154,88 +154,6 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profile_concurrently(args: argparse.Namespace) -> int:
-    """``--concurrent N``: N profilers at once (as N stages share this machine's memory system); the mean."""
-    import subprocess
-    import tempfile
-
-    from engines.profile import merge_profiles
-
-    argv = [a for a in sys.argv[1:] if a != "-v"]
-    with tempfile.TemporaryDirectory(prefix="fleetbatch-profile-") as tmp:
-        outs = [f"{tmp}/p{k}.json" for k in range(args.concurrent)]
-        base = [sys.executable, "-m", "engines.cli", *_without(argv, ("--concurrent", "--out"))]
-        procs = [
-            subprocess.Popen(
-                [*base, "--concurrent", "1", "--out", o], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-            )
-            for o in outs
-        ]
-        errs = [p.communicate()[1] for p in procs]
-        for p, err in zip(procs, errs, strict=True):
-            if p.returncode != 0:
-                raise ValueError(
-                    f"a concurrent profiler failed: {err.decode(errors='replace').strip()[-500:]}"
-                )
-        doc = merge_profiles([json.loads(Path(o).read_text()) for o in outs])
-    Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(json.dumps({"profile": args.out, "model": doc["model"]["name"], **doc["meta"]}))
-    return 0
-
-
-def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """``argv`` without the given options and their values (``--opt v`` or ``--opt=v``)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in options:
-            skip = True
-            continue
-        if any(a.startswith(o + "=") for o in options):
-            continue
-        out.append(a)
-    return out
-
-
-def run_profile(args: argparse.Namespace) -> int:
-    from engines.profile import profile_engine
-    from localmodels import load_or_build
-
-    def ints(text: str, what: str) -> tuple[int, ...]:
-        try:
-            vals = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-        except ValueError:
-            raise ValueError(f"--{what} must be comma-separated integers, got {text!r}") from None
-        if not vals or min(vals) < 1:
-            raise ValueError(f"--{what} must list positive integers, got {text!r}")
-        return vals
-
-    bits = ints(args.bits, "bits")
-    if set(bits) - {2, 3, 4, 8, 16}:
-        raise ValueError(f"--bits must be among 2,3,4,8,16, got {args.bits!r}")
-    if args.concurrent < 1:
-        raise ValueError(f"--concurrent must be >= 1, got {args.concurrent}")
-    if args.concurrent > 1:
-        return _profile_concurrently(args)
-    model, _ = load_or_build(args.model_dir, arch=args.arch, size=args.size)
-    name = args.model_dir or f"{args.arch}:{args.size}"
-    doc = profile_engine(
-        model,
-        name,
-        ints(args.batches, "batches"),
-        ints(args.lengths, "lengths"),
-        ints(args.prefill_batches, "prefill-batches"),
-        bits,
-        reps=args.reps,
-        min_time_s=args.min_time,
-    )
-    Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(json.dumps({"profile": args.out, "model": name, **doc["meta"]}))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="engine",
@@ -394,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return run_generate(args)
         if args.command == "profile":
+            from engines.profile import run_profile
+
             return run_profile(args)
         return run_bench(args)
     except (ValueError, FileNotFoundError, OSError) as e:

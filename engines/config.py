@@ -10,15 +10,14 @@ class PipelineConfig:
     """How a multi-stage plan runs: one process per stage after the first, talking ``torch.distributed``.
 
     ``init_method`` is the rendezvous (``tcp://HOST:PORT``; default a free loopback port).
-    ``backend`` ``auto`` picks NCCL on CUDA and gloo on CPU. ``stage_slowdowns`` override the
-    plan devices' ``slowdown`` (extra sleep as a multiple of a stage's compute time, emulating a
-    slower device); ``even_split`` ignores the plan's layer ranges and splits evenly (a baseline).
+    ``backend`` ``auto`` picks NCCL on CUDA and gloo on CPU. ``even_split`` ignores the plan's
+    layer ranges and splits the layers evenly over its stages (the baseline a plan is measured
+    against).
     """
 
     init_method: str | None = None
     backend: str = "auto"
     device: str = "cpu"
-    stage_slowdowns: list[float] | None = None
     even_split: bool = False
     start_timeout_s: float = 120.0
 

@@ -115,7 +115,7 @@ class LLMEngine:
 
     @staticmethod
     def _stages(model: torch.nn.Module, config: EngineConfig) -> list[StageSpec]:
-        """The plan's stages (one whole-model stage without a plan), with the pipeline's overrides."""
+        """The plan's stages (one whole-model stage without a plan)."""
         n_layers = make_adapter(model).num_layers
         if not config.plan_path:
             return [StageSpec(0, 0, n_layers)]
@@ -124,11 +124,6 @@ class LLMEngine:
             stages = [replace(stages[0], layer_end=n_layers)]
         elif stages[-1].layer_end != n_layers:
             raise ValueError(f"plan stages cover {stages[-1].layer_end} layers, the model has {n_layers}")
-        slow = config.pipeline.stage_slowdowns
-        if slow is not None:
-            if len(slow) != len(stages):
-                raise ValueError(f"{len(slow)} stage slowdowns given for a plan of {len(stages)} stages")
-            stages = [replace(s, slowdown=float(x)) for s, x in zip(stages, slow, strict=True)]
         return stages
 
     def close(self) -> None:

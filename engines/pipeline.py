@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from engines.model_runner import ModelRunner
-from engines.stage_model import cut_stage, hidden_size, model_dtype, module_bytes, vocab_size
+from engines.stage_model import cut_stage, model_dtype, module_bytes, vocab_size
 from engines.stage_wire import STEP, STOP, Inbox, Outbox, capacity, pack, unpack
 from engines.stage_worker import (
     COUNTERS,
@@ -102,6 +102,11 @@ class PipelineRunner:
     ) -> None:
         if len(stages) < 2:
             raise ValueError("a pipeline needs at least 2 stages (one stage runs in-process)")
+        if device != "cpu":
+            raise ValueError(
+                f"pipeline stages on {device!r} are not supported yet: the model runner builds its KV "
+                "pools and index tensors on the CPU (the NCCL backend is picked for CUDA once it can)"
+            )
         self.stages = stages
         self.num_stages = len(stages)
         self.device = device
@@ -111,56 +116,18 @@ class PipelineRunner:
         s0 = stages[0]
         self.stage0 = ModelRunner(model, num_blocks, block_size, kv_bits, range(s0.layer_start, s0.layer_end))
         parts = [cut_stage(model, s.layer_start, s.layer_end, s.index == 0, s is stages[-1]) for s in stages]
-        kv_per_stage = [
-            self.stage0.kv_pool_bytes() * (s.layer_end - s.layer_start) // (s0.layer_end - s0.layer_start)
-            for s in stages
-        ]
-        self.memory = [module_bytes(p) + kv for p, kv in zip(parts, kv_per_stage, strict=True)]
-        for s, need in zip(stages, self.memory, strict=True):
-            if s.memory_bytes is not None and need > s.memory_bytes:
-                raise ValueError(
-                    f"{s.describe()} needs {need / 2**20:.1f} MiB (weights + KV cache) but its device "
-                    f"caps memory at {s.memory_bytes / 2**20:.1f} MiB"
-                )
+        self.memory = self._check_memory(parts)
         self.counters = StageCounters(memory_bytes=self.memory[0])
         self.trailer = torch.zeros(self.num_stages, NUM_COUNTERS, dtype=torch.float64)
         self.failure: str | None = None
         self._closing = False
         self._inflight: deque[StepBatch] = deque()
-        self.hidden = hidden_size(model)
-        self.max_layout = 2 + 4 * max_tokens + num_blocks  # blocks of one micro-batch's queries are distinct
         init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
         backend = backend_for(device, backend)
-        ctx = mp.get_context("spawn")
-        self.procs: list = []
-        conns = []
-        for s, part in zip(stages[1:], parts[1:], strict=True):
-            parent, child = ctx.Pipe()
-            args = StageArgs(
-                s.index,
-                self.num_stages,
-                init_method,
-                backend,
-                device,
-                part,
-                s.layer_start,
-                s.layer_end,
-                num_blocks,
-                block_size,
-                kv_bits,
-                s.slowdown,
-                self.memory[s.index],
-                torch.get_num_threads(),
-                os.getpid(),
-                max_tokens,
-                self.max_layout,
-            )
-            p = ctx.Process(
-                target=stage_main, args=(args, child), name=f"fleetbatch-stage{s.index}", daemon=True
-            )
-            p.start()
-            self.procs.append(p)
-            conns.append(parent)
+        layout_cap = 2 + 4 * max_tokens + num_blocks  # the blocks of one micro-batch's queries are distinct
+        conns = self._spawn(
+            parts, init_method, backend, num_blocks, block_size, kv_bits, max_tokens, layout_cap
+        )
         self._finalizer = weakref.finalize(self, _kill, list(self.procs))
         try:
             self._wait_ready(conns, start_timeout_s)
@@ -186,6 +153,57 @@ class PipelineRunner:
             ", ".join(s.describe() + (f" x{1 + s.slowdown:g} slower" if s.slowdown else "") for s in stages),
             [p.pid for p in self.procs],
         )
+
+    def _check_memory(self, parts: list[nn.Module]) -> list[int]:
+        """Bytes of every stage (its weights + its layers' KV pools); a stage over its device's cap is an error."""
+        s0 = self.stages[0]
+        per_layer_kv = self.stage0.kv_pool_bytes() // (s0.layer_end - s0.layer_start)
+        memory = []
+        for s, part in zip(self.stages, parts, strict=True):
+            need = module_bytes(part) + per_layer_kv * (s.layer_end - s.layer_start)
+            if s.memory_bytes is not None and need > s.memory_bytes:
+                raise ValueError(
+                    f"{s.describe()} needs {need / 2**20:.1f} MiB (weights + KV cache) but its device "
+                    f"caps memory at {s.memory_bytes / 2**20:.1f} MiB"
+                )
+            memory.append(need)
+        return memory
+
+    def _spawn(
+        self, parts, init_method, backend, num_blocks, block_size, kv_bits, max_tokens, layout_cap
+    ) -> list:
+        """Start one process per stage after the first; returns the pipes they report readiness on."""
+        ctx = mp.get_context("spawn")
+        self.procs: list = []
+        conns = []
+        for s, part in zip(self.stages[1:], parts[1:], strict=True):
+            parent, child = ctx.Pipe()
+            args = StageArgs(
+                s.index,
+                self.num_stages,
+                init_method,
+                backend,
+                self.device,
+                part,
+                s.layer_start,
+                s.layer_end,
+                num_blocks,
+                block_size,
+                kv_bits,
+                s.slowdown,
+                self.memory[s.index],
+                torch.get_num_threads(),
+                os.getpid(),
+                max_tokens,
+                layout_cap,
+            )
+            p = ctx.Process(
+                target=stage_main, args=(args, child), name=f"fleetbatch-stage{s.index}", daemon=True
+            )
+            p.start()
+            self.procs.append(p)
+            conns.append(parent)
+        return conns
 
     # ---- start and faults ---------------------------------------------------------------
     def _wait_ready(self, conns: list, timeout_s: float) -> None:

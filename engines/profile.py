@@ -16,11 +16,17 @@ be timed faster than it runs.
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import math
 import random
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,6 +34,8 @@ from tqdm import tqdm
 
 from engines.model_runner import ModelRunner, make_adapter
 from engines.step_batch import ChunkLayout, StepBatch
+from localmodels import load_or_build
+from quant.apply import apply_bitmap
 
 PROFILE_VERSION = 1
 
@@ -101,8 +109,6 @@ def profile_engine(
     for b in bits:
         m = model
         if b != 16:
-            from quant.apply import apply_bitmap
-
             m = apply_bitmap(copy.deepcopy(model), {0: b})
         runners[b] = ModelRunner(m, top, block_size, 16, range(0, 1))
     calls: dict = {}
@@ -171,3 +177,65 @@ def merge_profiles(docs: list[dict]) -> dict:
     out["meta"]["concurrent"] = len(docs)
     out["meta"]["wall_s"] = max(d["meta"]["wall_s"] for d in docs)
     return out
+
+
+# ---- `engine profile` ----------------------------------------------------------------
+
+
+def _profile_concurrently(args: argparse.Namespace) -> int:
+    """``--concurrent N``: N profilers at once (as N stages share this machine's memory system); the mean."""
+    base = [sys.executable, "-m", "engines.cli", "profile", "--arch", args.arch, "--size", args.size]
+    base += ["--batches", args.batches, "--lengths", args.lengths, "--prefill-batches", args.prefill_batches]
+    base += ["--bits", args.bits, "--reps", str(args.reps), "--min-time", str(args.min_time)]
+    if args.model_dir:
+        base += ["--model-dir", args.model_dir]
+    with tempfile.TemporaryDirectory(prefix="fleetbatch-profile-") as tmp:
+        outs = [f"{tmp}/p{k}.json" for k in range(args.concurrent)]
+        procs = [
+            subprocess.Popen([*base, "--out", o], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            for o in outs
+        ]
+        errs = [p.communicate()[1] for p in procs]
+        for p, err in zip(procs, errs, strict=True):
+            if p.returncode != 0:
+                raise ValueError(
+                    f"a concurrent profiler failed: {err.decode(errors='replace').strip()[-500:]}"
+                )
+        doc = merge_profiles([json.loads(Path(o).read_text()) for o in outs])
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(json.dumps({"profile": args.out, "model": doc["model"]["name"], **doc["meta"]}))
+    return 0
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    def ints(text: str, what: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+        except ValueError:
+            raise ValueError(f"--{what} must be comma-separated integers, got {text!r}") from None
+        if not vals or min(vals) < 1:
+            raise ValueError(f"--{what} must list positive integers, got {text!r}")
+        return vals
+
+    bits = ints(args.bits, "bits")
+    if set(bits) - {2, 3, 4, 8, 16}:
+        raise ValueError(f"--bits must be among 2,3,4,8,16, got {args.bits!r}")
+    if args.concurrent < 1:
+        raise ValueError(f"--concurrent must be >= 1, got {args.concurrent}")
+    if args.concurrent > 1:
+        return _profile_concurrently(args)
+    model, _ = load_or_build(args.model_dir, arch=args.arch, size=args.size)
+    name = args.model_dir or f"{args.arch}:{args.size}"
+    doc = profile_engine(
+        model,
+        name,
+        ints(args.batches, "batches"),
+        ints(args.lengths, "lengths"),
+        ints(args.prefill_batches, "prefill-batches"),
+        bits,
+        reps=args.reps,
+        min_time_s=args.min_time,
+    )
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(json.dumps({"profile": args.out, "model": name, **doc["meta"]}))
+    return 0
