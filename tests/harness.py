@@ -90,3 +90,60 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+#: the random local models' shapes, as plan files name them
+LOCAL_MODELS = {
+    "nano": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 172},
+    "tiny": {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "intermediate": 688},
+}
+
+
+def write_plan(
+    path,
+    size: str,
+    cuts: list[int],
+    bits: list[int],
+    decode_mb: int = 2,
+    prefill_mb: int = 2,
+    slowdowns: list[float] | None = None,
+    memory: int = 8 << 30,
+    vocab: int = 8192,
+):
+    """A plan file for llama:``size`` whose stage k holds layers [cuts[k], cuts[k+1]) on CPU device k."""
+    from planner.planfile import Plan, StagePlan, save_plan
+
+    n = len(cuts) - 1
+    slowdowns = slowdowns or [0.0] * n
+    devices = [
+        {
+            "name": f"cpu{k}",
+            "type": "CPU" if not slowdowns[k] else f"CPU@x{1 + slowdowns[k]:g}",
+            "memory_bytes": memory,
+            "node": "local",
+            "slowdown": slowdowns[k],
+        }
+        for k in range(n)
+    ]
+    stages = [
+        StagePlan(k, cuts[k], cuts[k + 1], bits[cuts[k] : cuts[k + 1]], 10**6, 0.01, 0.001) for k in range(n)
+    ]
+    plan = Plan(
+        model={"name": f"llama:{size}", **LOCAL_MODELS[size], "layers": len(bits), "vocab": vocab},
+        method="ilp",
+        devices=devices,
+        stages=stages,
+        kv_bits=16,
+        prefill_micro_batch=prefill_mb,
+        decode_micro_batch=decode_mb,
+        batch_size=8,
+        prompt_len=32,
+        expected_output_tokens=16,
+        theta=1.0,
+        total_omega=0.0,
+        predicted_batch_latency_s=0.1,
+        predicted_throughput_tokens_per_s=1000.0,
+        solve_seconds=0.01,
+    )
+    save_plan(plan, path)
+    return path

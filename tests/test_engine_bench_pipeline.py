@@ -79,7 +79,7 @@ def test_stage_metrics_are_exported(tmp_path):
         text = generate_latest(registry).decode()
     finally:
         engine.close()
-    assert 'fleetbatch_stage_compute_seconds_total{device="CPU",layers="1-4",stage="1"}' in text
+    assert 'fleetbatch_stage_compute_seconds_total{device="CPU@x1.5",layers="1-4",stage="1"}' in text
     emulated = [
         line for line in text.splitlines() if line.startswith("fleetbatch_stage_emulated_seconds_total")
     ]

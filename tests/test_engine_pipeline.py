@@ -15,7 +15,7 @@ from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
 from engines.pipeline import StageFailure
 from localmodels import build_model, default_tokenizer, generated_corpus
-from planner.planfile import Plan, StagePlan, save_plan
+from tests import harness
 
 BITS = [8, 4, 16, 8]  # the tiny model's 4 layers
 
@@ -25,49 +25,8 @@ def tokenizer():
     return default_tokenizer(vocab_size=1024, texts=generated_corpus(400))
 
 
-def write_plan(path, cuts: list[int], bits=BITS, decode_mb=2, prefill_mb=2, slowdowns=None, memory=8 << 30):
-    """A plan whose stage k holds layers [cuts[k], cuts[k+1]) on device k."""
-    n = len(cuts) - 1
-    slowdowns = slowdowns or [0.0] * n
-    plan = Plan(
-        model={
-            "name": "llama:tiny",
-            "hidden": 256,
-            "layers": len(bits),
-            "heads": 8,
-            "kv_heads": 4,
-            "intermediate": 688,
-            "vocab": 1024,
-        },
-        method="ilp",
-        devices=[
-            {
-                "name": f"cpu{k}",
-                "type": "CPU",
-                "memory_bytes": memory,
-                "node": "local",
-                "slowdown": slowdowns[k],
-            }
-            for k in range(n)
-        ],
-        stages=[
-            StagePlan(k, cuts[k], cuts[k + 1], bits[cuts[k] : cuts[k + 1]], 10**6, 0.01, 0.001)
-            for k in range(n)
-        ],
-        kv_bits=16,
-        prefill_micro_batch=prefill_mb,
-        decode_micro_batch=decode_mb,
-        batch_size=8,
-        prompt_len=32,
-        expected_output_tokens=16,
-        theta=1.0,
-        total_omega=0.0,
-        predicted_batch_latency_s=0.1,
-        predicted_throughput_tokens_per_s=1000.0,
-        solve_seconds=0.01,
-    )
-    save_plan(plan, path)
-    return path
+def write_plan(path, cuts: list[int], bits=BITS, **kw):
+    return harness.write_plan(path, "tiny", cuts, bits, vocab=1024, **kw)
 
 
 PROMPTS = [

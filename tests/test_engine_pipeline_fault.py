@@ -10,50 +10,15 @@ from collections import Counter
 
 import pytest
 
-from planner.planfile import Plan, StagePlan, save_plan
-from tests.harness import start_engine, wait_until
+from tests.harness import start_engine, wait_until, write_plan
 from workqueue import QueuedQuery, WorkQueue, connect
 
 N = 10
 
 
 def _plan(path) -> str:
-    """llama:nano (2 layers) over two devices, the second 3x slower (so queries stay in flight a while)."""
-    save_plan(
-        Plan(
-            model={
-                "name": "llama:nano",
-                "hidden": 64,
-                "layers": 2,
-                "heads": 4,
-                "kv_heads": 2,
-                "intermediate": 172,
-                "vocab": 8192,
-            },
-            method="ilp",
-            devices=[
-                {"name": "cpu0", "type": "CPU", "memory_bytes": 8 << 30, "node": "local", "slowdown": 0.0},
-                {"name": "cpu1", "type": "CPU@x4", "memory_bytes": 8 << 30, "node": "local", "slowdown": 3.0},
-            ],
-            stages=[
-                StagePlan(0, 0, 1, [16], 10**6, 0.01, 0.001),
-                StagePlan(1, 1, 2, [8], 10**6, 0.01, 0.001),
-            ],
-            kv_bits=16,
-            prefill_micro_batch=2,
-            decode_micro_batch=2,
-            batch_size=4,
-            prompt_len=16,
-            expected_output_tokens=60,
-            theta=1.0,
-            total_omega=0.0,
-            predicted_batch_latency_s=0.1,
-            predicted_throughput_tokens_per_s=1000.0,
-            solve_seconds=0.01,
-        ),
-        path,
-    )
-    return str(path)
+    """llama:nano (2 layers) over two devices, the second 4x slower (so queries stay in flight a while)."""
+    return str(write_plan(path, "nano", [0, 1, 2], [16, 8], slowdowns=[0.0, 3.0]))
 
 
 def _alive(pid: int) -> bool:

@@ -5,37 +5,12 @@ from __future__ import annotations
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
-from planner.planfile import Plan, StagePlan, save_plan
 from quant.linear import QuantLinear
+from tests import harness
 
 
 def write_plan(path, bits, decode_mb=3):
-    plan = Plan(
-        model={
-            "name": "llama:nano",
-            "hidden": 64,
-            "layers": len(bits),
-            "heads": 4,
-            "kv_heads": 2,
-            "intermediate": 172,
-            "vocab": 8192,
-        },
-        method="ilp",
-        devices=[{"name": "cpu0", "type": "CPU", "memory_bytes": 8 << 30, "node": "local"}],
-        stages=[StagePlan(0, 0, len(bits), list(bits), 10**6, 0.01, 0.001)],
-        kv_bits=16,
-        prefill_micro_batch=2,
-        decode_micro_batch=decode_mb,
-        batch_size=8,
-        prompt_len=32,
-        expected_output_tokens=16,
-        theta=1.0,
-        total_omega=0.0,
-        predicted_batch_latency_s=0.1,
-        predicted_throughput_tokens_per_s=1000.0,
-        solve_seconds=0.01,
-    )
-    save_plan(plan, path)
+    return harness.write_plan(path, "nano", [0, len(bits)], bits, decode_mb=decode_mb)
 
 
 def test_mixed_bit_plan_quantizes_layers_and_still_generates(tmp_path):
