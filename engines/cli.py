@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from engines import worker
+from engines import serve
 
 log = logging.getLogger("engine")
 
@@ -165,12 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser(
+    serve_parser = sub.add_parser(
         "serve",
         help="serve one cluster: consume its Redis queue, generate, write results",
         description="Serve one cluster: take queries from its Redis queue, generate, write results once per query.",
     )
-    worker.add_serve_arguments(serve)
+    serve.add_serve_arguments(serve_parser)
 
     gen = sub.add_parser(
         "generate",
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "serve":
-        return worker.run_serve(args)
+        return serve.run_serve(args)
     if args.threads is not None:
         import torch
 

@@ -4,28 +4,31 @@ The loop takes only as many queries as the engine can admit soon (``free_slots``
 work that has not started stays in Redis where an idle cluster can take it. A background
 thread renews the leases of in-flight queries and publishes the cluster heartbeat
 (running, waiting, KV used/free, measured tokens/s), so a long engine step never lets a
-lease lapse, while a dead worker's leases do lapse and its queries are requeued.
+lease lapse, while a dead worker's leases do lapse and its queries are requeued. A Redis
+outage does not stop the worker: results wait in memory (still leased) and every call to Redis
+is retried with exponential backoff until it answers again.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import signal
 import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 
-from engines.interface import Engine, Request, RequestOutput, SamplingParams
-from engines.metrics import serve_metrics
+import redis
+
+from engines.interface import Engine, EngineStats, Request, RequestOutput, SamplingParams
 from engines.pipeline import StageFailure
-from workqueue import ClaimedQuery, WorkQueue, connect
-from workqueue.embedded import URL_ENV
+from workqueue import ClaimedQuery, WorkQueue
 
 log = logging.getLogger(__name__)
+
+#: errors after which Redis may answer again (down, restarting, loading its data)
+REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 @dataclass
@@ -42,6 +45,7 @@ class WorkerConfig:
     capacity_hint_tps: float = 0.0
     plan_tps: float = 0.0
     max_query_tokens: int = 0
+    redis_backoff_max_s: float = 5.0  # longest wait between retries while Redis is unreachable
     slowdown: float = 0.0  # extra sleep per step, as a multiple of the step's time (mimics a slower GPU)
     record_observed: bool = True
 
@@ -60,38 +64,33 @@ class Worker:
         self.finished = 0
         self.removed = False  # the cluster was removed by `gateway rebalance --remove`: claim nothing
         self.failure: str | None = None  # why the engine stopped, when it failed
+        self._unsent: list[tuple[ClaimedQuery, RequestOutput]] = []  # finished, result not yet written
+        self._stats = EngineStats()  # the engine's stats, taken on the main loop after each step
+        self._registered = False
+        self._last_requeue = self._last_cancel = 0.0
+        self._retry_at = 0.0  # when the loop may ask Redis again (backoff after an error)
+        self._backoff = 0.0
+        self._down_since: float | None = None
 
     # ------------------------------------------------------------------ main loop
 
     def run(self, max_queries: int | None = None) -> int:
-        """Serve until stopped (or until ``max_queries`` have finished); returns how many finished."""
+        """Serve until stopped (or until ``max_queries`` have finished); returns how many finished.
+
+        Redis errors never end the loop: the engine keeps stepping on what it holds, finished
+        results wait in memory, and the queue work is retried with exponential backoff until
+        Redis answers again (the lease keeper keeps trying on its own).
+        """
         c = self.config
-        self.queue.register_cluster(
-            c.cluster,
-            backend=c.backend,
-            capacity_hint_tps=c.capacity_hint_tps or None,
-            plan_tps=c.plan_tps or None,
-            max_query_tokens=c.max_query_tokens or None,
-        )
+        self._stats = self.engine.stats()
         keeper = threading.Thread(target=self._keep_alive, name="lease-keeper", daemon=True)
         keeper.start()
         log.info("worker %s serving cluster %r with the %s backend", self.worker_id, c.cluster, c.backend)
         idle_sleep = c.idle_poll_s
-        last_cancel = last_requeue = 0.0
         try:
             while not self.stop_event.is_set():
-                now = time.monotonic()
-                if now - last_requeue > c.requeue_check_s:
-                    n = self.queue.requeue_expired(c.cluster)
-                    if n:
-                        log.warning("requeued %d queries whose worker stopped renewing its lease", n)
-                    last_requeue = now
-                if now - last_cancel > c.cancel_check_s:
-                    self._check_cancelled()
-                    self._check_removed()
-                    last_cancel = now
-                if not self.removed:
-                    self._admit()
+                if time.monotonic() >= self._retry_at:
+                    self._guarded(self._queue_work)
                 if not self.engine.has_unfinished():
                     self.stop_event.wait(idle_sleep)
                     idle_sleep = min(c.idle_poll_max_s, idle_sleep * 2)
@@ -105,14 +104,64 @@ class Worker:
                     break
                 if c.slowdown > 0:
                     self.stop_event.wait(c.slowdown * (time.monotonic() - t0))
+                self._stats = self.engine.stats()  # taken here, read by the lease keeper
                 self._finish(outputs)
+                if self._unsent and time.monotonic() >= self._retry_at:
+                    self._guarded(self._flush)
                 if max_queries is not None and self.finished >= max_queries:
                     break
         finally:
             self.stop_event.set()
             keeper.join(timeout=2)
+            if self._unsent:  # one last try; what cannot be written is re-run after its lease lapses
+                self._guarded(self._flush)
         log.info("worker %s stopped after %d queries", self.worker_id, self.finished)
         return self.finished
+
+    def _queue_work(self) -> None:
+        """Everything the loop asks of Redis: register, requeue lapsed leases, cancellations, claims, results."""
+        c, now = self.config, time.monotonic()
+        if not self._registered:
+            self.queue.register_cluster(
+                c.cluster,
+                backend=c.backend,
+                capacity_hint_tps=c.capacity_hint_tps or None,
+                plan_tps=c.plan_tps or None,
+                max_query_tokens=c.max_query_tokens or None,
+            )
+            self._registered = True
+        if now - self._last_requeue > c.requeue_check_s:
+            n = self.queue.requeue_expired(c.cluster)
+            if n:
+                log.warning("requeued %d queries whose worker stopped renewing its lease", n)
+            self._last_requeue = now
+        if now - self._last_cancel > c.cancel_check_s:
+            self._check_cancelled()
+            self._check_removed()
+            self._last_cancel = now
+        self._flush()
+        if not self.removed:
+            self._admit()
+
+    def _guarded(self, fn) -> None:
+        """Run ``fn``; on a Redis error back off exponentially (the loop carries on without Redis)."""
+        try:
+            fn()
+        except REDIS_ERRORS as e:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning("Redis unavailable (%s); retrying with backoff, the engine carries on", e)
+            self._backoff = min(self.config.redis_backoff_max_s, max(0.1, self._backoff * 2))
+            self._retry_at = time.monotonic() + self._backoff
+            return
+        if self._down_since is not None:
+            log.warning(
+                "Redis is back after %.1f s; %d results were waiting",
+                time.monotonic() - self._down_since,
+                len(self._unsent),
+            )
+            self._down_since = None
+        self._backoff = 0.0
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -123,7 +172,11 @@ class Worker:
         with self._lock:
             gids = list(self.inflight)
             self.inflight.clear()
-        n = self.queue.release(self.config.cluster, gids)
+        try:
+            n = self.queue.release(self.config.cluster, gids)
+        except REDIS_ERRORS as e:  # their leases lapse instead
+            log.error("could not give queries back (%s); their leases will lapse", e)
+            n = 0
         log.error(
             "engine failed: %s; gave %d in-flight queries back to the queue of %s",
             why,
@@ -191,47 +244,64 @@ class Worker:
         self.removed = removed
 
     def _finish(self, outputs: list[RequestOutput]) -> None:
+        """Queue finished queries' results for writing (``_flush``); they stay leased until written."""
+        with self._lock:
+            for out in outputs:
+                cq = self.inflight.get(out.request_id)
+                if cq is not None:
+                    self._unsent.append((cq, out))
+
+    def _flush(self) -> None:
+        """Write waiting results, each once (a result already there is kept); stops at a Redis error."""
         observed = []
-        for out in outputs:
-            with self._lock:
-                cq = self.inflight.pop(out.request_id, None)
-            if cq is None:
-                continue
-            q = cq.query
-            kind = {"abort": "cancelled", "error": "failed"}.get(out.finish_reason, "completed")
-            result = {
-                "batch_id": q.batch_id,
-                "query_id": q.query_id,
-                "text": out.text,
-                "prompt_tokens": out.prompt_tokens,
-                "completion_tokens": out.completion_tokens,
-                "cluster": self.config.cluster,
-                "timings": {
-                    "enqueued_at": cq.enqueued_at,
-                    "started_at": cq.claimed_at,
-                    "first_token_at": out.first_token_time,
-                    "finished_at": out.finish_time or time.time(),
-                },
-                "finish_reason": "cancelled" if kind == "cancelled" else out.finish_reason,
-                "error": out.error,
-                "predicted_tokens": q.predicted_tokens,
-                "attempts": cq.attempts,
-            }
-            idx = self.queue.complete(q.gid, result, kind, out.completion_tokens)
-            if idx < 0:
-                log.info("query %s already had a result (it ran twice); kept the first", q.gid)
-            self.finished += 1
-            if kind == "completed" and self.config.record_observed and q.forced_length is None:
-                observed.append(
-                    {
-                        "prompt": q.prompt,
-                        "length": out.completion_tokens,
-                        "source": q.metadata.get("source", ""),
-                        "cluster": self.config.cluster,
-                        "predicted": q.predicted_tokens,
-                    }
+        try:
+            while self._unsent:
+                cq, out = self._unsent[0]
+                kind = {"abort": "cancelled", "error": "failed"}.get(out.finish_reason, "completed")
+                idx = self.queue.complete(
+                    cq.query.gid, self._result(cq, out, kind), kind, out.completion_tokens
                 )
-        self.queue.record_observed(observed)
+                self._unsent.pop(0)
+                with self._lock:
+                    self.inflight.pop(cq.query.gid, None)
+                self.finished += 1
+                q = cq.query
+                if idx < 0:
+                    log.info("query %s already had a result (it ran twice); kept the first", q.gid)
+                elif kind == "completed" and self.config.record_observed and q.forced_length is None:
+                    observed.append(
+                        {
+                            "prompt": q.prompt,
+                            "length": out.completion_tokens,
+                            "source": q.metadata.get("source", ""),
+                            "cluster": self.config.cluster,
+                            "predicted": q.predicted_tokens,
+                        }
+                    )
+        finally:
+            if observed:
+                self.queue.record_observed(observed)
+
+    def _result(self, cq: ClaimedQuery, out: RequestOutput, kind: str) -> dict:
+        q = cq.query
+        return {
+            "batch_id": q.batch_id,
+            "query_id": q.query_id,
+            "text": out.text,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cluster": self.config.cluster,
+            "timings": {
+                "enqueued_at": cq.enqueued_at,
+                "started_at": cq.claimed_at,
+                "first_token_at": out.first_token_time,
+                "finished_at": out.finish_time or time.time(),
+            },
+            "finish_reason": "cancelled" if kind == "cancelled" else out.finish_reason,
+            "error": out.error,
+            "predicted_tokens": q.predicted_tokens,
+            "attempts": cq.attempts,
+        }
 
     def _keep_alive(self) -> None:
         c = self.config
@@ -241,7 +311,7 @@ class Worker:
                 with self._lock:
                     gids = list(self.inflight)
                 self.queue.renew(c.cluster, gids, c.lease_s)
-                s = self.engine.stats()
+                s = self._stats
                 remaining = 0.0
                 with self._lock:
                     for cq in self.inflight.values():
@@ -264,125 +334,3 @@ class Worker:
                 )
             except Exception as e:  # Redis hiccup: keep trying, leases have slack
                 log.warning("heartbeat failed: %s", e)
-
-
-# ---------------------------------------------------------------------- CLI glue
-
-
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", required=True, help="cluster name (its Redis queue is fb:c:NAME:queue)")
-    p.add_argument("--redis-url", default=None, help=f"Redis URL (default: ${URL_ENV})")
-    p.add_argument(
-        "--backend",
-        choices=("native", "static", "vllm"),
-        default="native",
-        help="native: iteration-level engine; static: HF generate on padded batches; vllm: GPU only",
-    )
-    p.add_argument(
-        "--model", default=None, help="local Hugging Face model directory (default: a random model)"
-    )
-    p.add_argument(
-        "--arch", default="llama", choices=("llama", "gpt2", "opt"), help="architecture of the random model"
-    )
-    p.add_argument("--size", default="tiny", help="size of the random model: nano, tiny, small, base")
-    p.add_argument(
-        "--plan", default=None, help="plan.json from `planner plan` (layer bits, micro-batch sizes)"
-    )
-    p.add_argument(
-        "--rendezvous",
-        default=None,
-        help="torch.distributed rendezvous of a multi-stage plan's stage processes, tcp://HOST:PORT "
-        "(default: a free port on 127.0.0.1)",
-    )
-    p.add_argument("--max-batch", type=int, default=8, help="most queries running at once")
-    p.add_argument(
-        "--capacity", type=float, default=0.0, help="capacity hint in tokens/s (default: measured)"
-    )
-    p.add_argument(
-        "--slowdown",
-        type=float,
-        default=0.0,
-        help="sleep this multiple of each step's time (mimic a slower GPU)",
-    )
-    p.add_argument(
-        "--lease-s", type=float, default=15.0, help="lease of a claimed query; renewed while it runs"
-    )
-    p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics here (per pipeline stage: compute, idle, emulated time, memory, "
-        "measured and plan-predicted decode latency)",
-    )
-    p.add_argument("--max-queries", type=int, default=None, help="exit after this many queries (tests)")
-
-
-def build_engine(args: argparse.Namespace) -> Engine:
-    """The engine for ``args.backend``, with its model."""
-    if args.backend == "vllm":
-        from engines.vllm_backend import VLLMEngine
-
-        return VLLMEngine.from_args(args)
-    if args.backend == "native":
-        from engines.engine import EngineConfig, LLMEngine
-
-        config = EngineConfig(max_running=args.max_batch)
-        if args.plan:
-            config.plan_path = args.plan
-            config.pipeline.init_method = args.rendezvous
-        return LLMEngine.from_pretrained(args.model, arch=args.arch, size=args.size, config=config)
-    from engines.static_engine import StaticBatchEngine
-    from localmodels import load_or_build
-
-    model, tokenizer = load_or_build(args.model, arch=args.arch, size=args.size)
-    return StaticBatchEngine(model, tokenizer, max_batch=args.max_batch)
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    import torch
-
-    url = args.redis_url or os.environ.get(URL_ENV)
-    if not url:
-        log.error("no Redis URL: pass --redis-url or set $%s (`gateway up` sets it for its engines)", URL_ENV)
-        return 2
-    if args.max_batch < 1:
-        log.error("--max-batch must be >= 1")
-        return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        queue = WorkQueue(connect(url))
-    except ConnectionError as e:
-        log.error("%s", e)
-        return 1
-    try:
-        engine = build_engine(args)
-    except (FileNotFoundError, ValueError, ImportError) as e:
-        log.error("cannot build the %s engine: %s", args.backend, e)
-        return 2
-    config = WorkerConfig(
-        cluster=args.cluster,
-        lease_s=args.lease_s,
-        heartbeat_s=args.heartbeat_s,
-        backend=args.backend,
-        capacity_hint_tps=args.capacity,
-        slowdown=args.slowdown,
-    )
-    worker = Worker(queue, engine, config)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop())
-    try:
-        if args.metrics_port is not None:
-            serve_metrics(engine, args.metrics_port)
-            log.info("Prometheus metrics on :%d/metrics", args.metrics_port)
-        worker.run(max_queries=args.max_queries)
-    finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
-    if worker.failure:
-        log.error("worker stopped: %s", worker.failure)
-        return 1
-    return 0

@@ -1,0 +1,135 @@
+"""``engine serve``: its arguments, the engine of the chosen backend, and the worker run until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+from engines.interface import Engine
+from engines.metrics import serve_metrics
+from engines.worker import Worker, WorkerConfig
+from workqueue import WorkQueue, connect
+from workqueue.embedded import URL_ENV
+
+log = logging.getLogger(__name__)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", required=True, help="cluster name (its Redis queue is fb:c:NAME:queue)")
+    p.add_argument("--redis-url", default=None, help=f"Redis URL (default: ${URL_ENV})")
+    p.add_argument(
+        "--backend",
+        choices=("native", "static", "vllm"),
+        default="native",
+        help="native: iteration-level engine; static: HF generate on padded batches; vllm: GPU only",
+    )
+    p.add_argument(
+        "--model", default=None, help="local Hugging Face model directory (default: a random model)"
+    )
+    p.add_argument(
+        "--arch", default="llama", choices=("llama", "gpt2", "opt"), help="architecture of the random model"
+    )
+    p.add_argument("--size", default="tiny", help="size of the random model: nano, tiny, small, base")
+    p.add_argument(
+        "--plan", default=None, help="plan.json from `planner plan` (layer bits, micro-batch sizes)"
+    )
+    p.add_argument(
+        "--rendezvous",
+        default=None,
+        help="torch.distributed rendezvous of a multi-stage plan's stage processes, tcp://HOST:PORT "
+        "(default: a free port on 127.0.0.1)",
+    )
+    p.add_argument("--max-batch", type=int, default=8, help="most queries running at once")
+    p.add_argument(
+        "--capacity", type=float, default=0.0, help="capacity hint in tokens/s (default: measured)"
+    )
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=0.0,
+        help="sleep this multiple of each step's time (mimic a slower GPU)",
+    )
+    p.add_argument(
+        "--lease-s", type=float, default=15.0, help="lease of a claimed query; renewed while it runs"
+    )
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics here (per pipeline stage: compute, idle, emulated time, memory, "
+        "measured and plan-predicted decode latency)",
+    )
+    p.add_argument("--max-queries", type=int, default=None, help="exit after this many queries (tests)")
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    """The engine for ``args.backend``, with its model."""
+    if args.backend == "vllm":
+        from engines.vllm_backend import VLLMEngine
+
+        return VLLMEngine.from_args(args)
+    if args.backend == "native":
+        from engines.engine import EngineConfig, LLMEngine
+
+        config = EngineConfig(max_running=args.max_batch)
+        if args.plan:
+            config.plan_path = args.plan
+            config.pipeline.init_method = args.rendezvous
+        return LLMEngine.from_pretrained(args.model, arch=args.arch, size=args.size, config=config)
+    from engines.static_engine import StaticBatchEngine
+    from localmodels import load_or_build
+
+    model, tokenizer = load_or_build(args.model, arch=args.arch, size=args.size)
+    return StaticBatchEngine(model, tokenizer, max_batch=args.max_batch)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    url = args.redis_url or os.environ.get(URL_ENV)
+    if not url:
+        log.error("no Redis URL: pass --redis-url or set $%s (`gateway up` sets it for its engines)", URL_ENV)
+        return 2
+    if args.max_batch < 1:
+        log.error("--max-batch must be >= 1")
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        queue = WorkQueue(connect(url))
+    except ConnectionError as e:
+        log.error("%s", e)
+        return 1
+    try:
+        engine = build_engine(args)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        log.error("cannot build the %s engine: %s", args.backend, e)
+        return 2
+    config = WorkerConfig(
+        cluster=args.cluster,
+        lease_s=args.lease_s,
+        heartbeat_s=args.heartbeat_s,
+        backend=args.backend,
+        capacity_hint_tps=args.capacity,
+        slowdown=args.slowdown,
+    )
+    worker = Worker(queue, engine, config)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    try:
+        if args.metrics_port is not None:
+            serve_metrics(engine, args.metrics_port)
+            log.info("Prometheus metrics on :%d/metrics", args.metrics_port)
+        worker.run(max_queries=args.max_queries)
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+    if worker.failure:
+        log.error("worker stopped: %s", worker.failure)
+        return 1
+    return 0
