@@ -5,7 +5,9 @@ from the cluster's queue into its in-flight set with a lease deadline), renews t
 while it works, and *completes* each query once. A worker that dies stops renewing; its
 leases expire and :meth:`WorkQueue.requeue_expired` puts those queries back at the head
 of the queue. A second completion of the same query id is ignored, so a query that ran
-twice still has exactly one result.
+twice still has exactly one result. A late completion, by a worker whose lease lapsed after
+its query was requeued, counts and takes the query back out of its queue and its tokens out
+of the cluster's ``pending`` counter.
 """
 
 from __future__ import annotations

@@ -3,6 +3,15 @@
 The key names built here mirror :mod:`workqueue.keys` (the prelude below is the only
 other place that spells them). Scripts address keys by name inside Lua, so they suit a
 single Redis server (or a managed Redis); a Redis Cluster deployment would need hash tags.
+
+Rules the scripts keep:
+
+* **A late completion reconciles.** ``finish`` may run for a query that REQUEUE_EXPIRED
+  already put back (its worker was slow, not dead): the query's state is then ``queued``,
+  and ``finish`` takes its id out of the queue that holds it and its tokens out of that
+  cluster's ``pending`` counter, so nothing runs it again and the counter stays exact.
+* **Ids without a query hash are dropped.** CLAIM and MOVE_TAIL skip an id whose hash is
+  gone (a query finished while queued, under older code) and never recreate the hash.
 """
 
 from __future__ import annotations
@@ -24,17 +33,22 @@ end
 
 -- Record the final result of one query once; returns its index in the result list, or -1
 -- when the query already had a result (results are write-once per query id).
+-- A query still marked queued was requeued after its lease lapsed and is finished late by
+-- its old worker: its id leaves the queue holding it, and its tokens that queue's counter.
 local function finish(g, result, kind, actual, now)
   local bid, qid = split_gid(g)
   if redis.call('SADD', k_done(bid), qid) == 0 then return -1 end
   local q = k_query(g)
-  local cluster = redis.call('HGET', q, 'cluster')
-  local tokens = tonumber(redis.call('HGET', q, 'tokens') or '0')
+  local h = redis.call('HMGET', q, 'cluster', 'tokens', 'state')
+  local cluster, tokens, state = h[1], tonumber(h[2] or '0'), h[3]
   local idx = redis.call('RPUSH', k_results(bid), result) - 1
   local b = k_batch(bid)
   redis.call('HINCRBY', b, kind, 1)
   if cluster then
     redis.call('ZREM', k_inflight(cluster), g)
+    if state == 'queued' and redis.call('LREM', k_queue(cluster), 1, g) > 0 then
+      redis.call('INCRBYFLOAT', k_pending(cluster), -tokens)
+    end
     if kind == 'completed' then
       redis.call('HINCRBYFLOAT', k_stats(cluster), 'finished_predicted_tokens', tokens)
       redis.call('HINCRBY', k_stats(cluster), 'finished_actual_tokens', actual)
@@ -129,7 +143,8 @@ return n
 )
 
 # ARGV: src, dst, n. Moves up to n queries from the tail of src's queue to the tail of
-# dst's, keeping their order. Returns {moved, predicted tokens moved}.
+# dst's, keeping their order; ids without a query hash are dropped on the way.
+# Returns {moved, predicted tokens moved}.
 MOVE_TAIL = (
     PRELUDE
     + r"""
@@ -139,7 +154,7 @@ local tokens = 0
 while #moved < n do
   local g = redis.call('RPOP', k_queue(src))
   if not g then break end
-  moved[#moved + 1] = g
+  if redis.call('EXISTS', k_query(g)) == 1 then moved[#moved + 1] = g end
 end
 for i = #moved, 1, -1 do
   local g = moved[i]

