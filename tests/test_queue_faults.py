@@ -8,11 +8,18 @@ well under a second.
 
 from __future__ import annotations
 
+import time
+
 from workqueue import QueuedQuery, WorkQueue, connect, keys
 
 
 def make_queue(url: str, **kw) -> WorkQueue:
     return WorkQueue(connect(url), **kw)
+
+
+def skewed(url: str, skew_s: float) -> WorkQueue:
+    """A client whose clock is ``skew_s`` seconds off."""
+    return make_queue(url, clock=lambda: time.time() + skew_s)
 
 
 def queries(batch: str, n: int, tokens: float = 10.0) -> list[QueuedQuery]:
@@ -98,3 +105,44 @@ def test_ids_without_a_hash_are_skipped_never_recreated(redis_url):
     assert q.claim("a", 5, "w", 30) == []
     assert not q.r.exists(keys.query("b1:ghost2"))
     assert q.queued_ids("a") == []
+
+
+# ---------------------------------------------------------------------- R2: Redis time for leases
+
+
+def test_lease_deadlines_use_redis_time_not_client_clocks(redis_url):
+    behind = skewed(redis_url, -3600.0)  # a worker whose clock is an hour slow
+    ahead = skewed(redis_url, +3600.0)  # an offloader whose clock is an hour fast
+    assert behind.create_batch("b1", [(x, "a") for x in queries("b1", 2)])
+    (c,) = behind.claim("a", 1, "w-behind", lease_s=30)
+    assert ahead.requeue_expired("a") == 0, "a live lease was taken for expired"
+    assert make_queue(redis_url).requeue_expired("a") == 0
+    behind.renew("a", [c.query.gid], lease_s=30)
+    assert ahead.requeue_expired("a") == 0
+    assert behind.inflight_ids("a") == [c.query.gid]
+    # a fast clock does not make a lease last longer either
+    (d,) = ahead.claim("a", 1, "w-ahead", lease_s=0.2)
+    assert behind.requeue_expired("a") == 0
+    time.sleep(0.4)
+    assert behind.requeue_expired("a") == 1, "a lease past its Redis-time deadline was kept"
+    assert behind.queued_ids("a") == [d.query.gid]
+    assert behind.inflight_ids("a") == [c.query.gid]
+
+
+def test_lease_of_zero_lapses_at_once_and_release_requeues(redis_url):
+    q = make_queue(redis_url)
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 3)])
+    q.claim("a", 1, "w", lease_s=0)
+    assert q.requeue_expired("a") == 1
+    held = q.claim("a", 2, "w", lease_s=30)
+    assert q.release("a", [held[1].query.gid]) == 1
+    assert q.queued_ids("a") == [held[1].query.gid, "b1:q2"]
+    assert q.inflight_ids("a") == [held[0].query.gid]
+
+
+def test_claim_timestamps_come_from_the_injected_clock(redis_url):
+    q = skewed(redis_url, -3600.0)
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 1)])
+    (c,) = q.claim("a", 1, "w", 30)
+    assert abs(c.enqueued_at - (time.time() - 3600)) < 60
+    assert abs(c.claimed_at - (time.time() - 3600)) < 60

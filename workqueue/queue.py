@@ -5,139 +5,57 @@ from the cluster's queue into its in-flight set with a lease deadline), renews t
 while it works, and *completes* each query once. A worker that dies stops renewing; its
 leases expire and :meth:`WorkQueue.requeue_expired` puts those queries back at the head
 of the queue. A second completion of the same query id is ignored, so a query that ran
-twice still has exactly one result. A late completion, by a worker whose lease lapsed after
-its query was requeued, counts and takes the query back out of its queue and its tokens out
-of the cluster's ``pending`` counter.
+twice still has exactly one result. The claim side lives in :mod:`workqueue.leases`:
+
+* lease deadlines and their expiry are measured on the Redis server's clock, not the
+  clients' (a skewed client clock neither expires live leases nor keeps dead ones);
+* a late completion, by a worker whose lease lapsed after its query was requeued, counts
+  and takes the query back out of its queue and its tokens out of ``pending``.
+
+``clock`` (default :func:`time.time`) stamps what only ends up in records: creation,
+enqueue, claim and completion times, heartbeats.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict
 
 import redis
 
 from workqueue import keys, scripts
+from workqueue.leases import LeaseOps
+from workqueue.records import (
+    FINAL_STATES,
+    BatchInfo,
+    ClaimedQuery,
+    ClusterInfo,
+    QueuedQuery,
+    as_float,
+    as_int,
+)
 
-FINAL_STATES = ("completed", "failed", "cancelled")
-
-
-@dataclass
-class QueuedQuery:
-    """One query as the gateway enqueues it (``payload`` is what the engine needs)."""
-
-    batch_id: str
-    query_id: str
-    prompt: str
-    max_tokens: int
-    prompt_tokens: int
-    predicted_tokens: float
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    forced_length: int | None = None
-    metadata: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def gid(self) -> str:
-        return keys.gid(self.batch_id, self.query_id)
-
-    @property
-    def total_tokens(self) -> float:
-        return self.prompt_tokens + self.predicted_tokens
+__all__ = ["FINAL_STATES", "BatchInfo", "ClaimedQuery", "ClusterInfo", "QueuedQuery", "WorkQueue"]
 
 
-@dataclass
-class ClaimedQuery:
-    query: QueuedQuery
-    attempts: int
-    enqueued_at: float
-    claimed_at: float
+class WorkQueue(LeaseOps):
+    """All queue operations on one Redis connection (thread-safe: redis-py pools connections).
 
+    ``clock`` stamps records (lease deadlines use Redis time whatever it says); see
+    :mod:`workqueue.leases`.
+    """
 
-@dataclass
-class BatchInfo:
-    batch_id: str
-    status: str
-    total: int
-    completed: int
-    failed: int
-    cancelled: int
-    created_at: float
-    completed_at: float
-    policy: str = ""
-    metadata: dict[str, str] = field(default_factory=dict)
-    queries_per_cluster: dict[str, int] = field(default_factory=dict)
-    predicted_tokens_per_cluster: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def final(self) -> bool:
-        return self.status in FINAL_STATES
-
-
-@dataclass
-class ClusterInfo:
-    """Everything the gateway knows about one cluster: config, last heartbeat, queue state, counters."""
-
-    name: str
-    state: str = "active"  # active | draining | removed
-    backend: str = ""
-    capacity_hint_tps: float = 0.0
-    plan_tps: float = 0.0
-    max_query_tokens: int = 0
-    kv_budget_tokens: int = 0
-    alive: bool = False
-    last_heartbeat: float = 0.0
-    measured_tps: float = 0.0
-    running: int = 0
-    waiting: int = 0
-    kv_used_tokens: int = 0
-    kv_total_tokens: int = 0
-    running_remaining_tokens: float = 0.0
-    queue_length: int = 0
-    inflight: int = 0
-    pending_tokens: float = 0.0
-    assigned_predicted_tokens: float = 0.0
-    finished_predicted_tokens: float = 0.0
-    finished_actual_tokens: int = 0
-    finished_queries: int = 0
-
-    @property
-    def accepting(self) -> bool:
-        return self.state == "active"
-
-    @property
-    def kv_free_tokens(self) -> int:
-        return max(0, self.kv_total_tokens - self.kv_used_tokens)
-
-
-def _f(v, default: float = 0.0) -> float:
-    try:
-        return float(v) if v is not None else default
-    except (TypeError, ValueError):
-        return default
-
-
-def _i(v, default: int = 0) -> int:
-    return int(_f(v, default))
-
-
-class WorkQueue:
-    """All queue operations on one Redis connection (thread-safe: redis-py pools connections)."""
-
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: redis.Redis, *, clock: Callable[[], float] = time.time):
         self.r = client
-        self._complete = client.register_script(scripts.COMPLETE)
-        self._claim = client.register_script(scripts.CLAIM)
-        self._requeue = client.register_script(scripts.REQUEUE_EXPIRED)
+        self._init_leases(client, clock)
         self._move_tail = client.register_script(scripts.MOVE_TAIL)
         self._cancel = client.register_script(scripts.CANCEL)
 
     @classmethod
-    def from_url(cls, url: str) -> WorkQueue:
-        return cls(redis.Redis.from_url(url, decode_responses=True))
+    def from_url(cls, url: str, **kw) -> WorkQueue:
+        return cls(redis.Redis.from_url(url, decode_responses=True), **kw)
 
     # ------------------------------------------------------------------ clusters
 
@@ -190,7 +108,7 @@ class WorkQueue:
 
     def heartbeat(self, name: str, ttl_s: float, **fields: float | int | str) -> None:
         """Publish a worker's heartbeat; the cluster counts as alive until ``ttl_s`` passes without one."""
-        now = time.time()
+        now = self.clock()
         pipe = self.r.pipeline(transaction=True)
         pipe.sadd(keys.CLUSTERS, name)
         pipe.hsetnx(keys.cluster_info(name), "state", "active")
@@ -218,25 +136,25 @@ class WorkQueue:
                     name=n,
                     state=info.get("state", "active"),
                     backend=hb.get("backend") or info.get("backend", ""),
-                    capacity_hint_tps=_f(info.get("capacity_hint_tps") or hb.get("capacity_hint_tps")),
-                    plan_tps=_f(info.get("plan_tps") or hb.get("plan_tps")),
-                    max_query_tokens=_i(info.get("max_query_tokens") or hb.get("max_query_tokens")),
-                    kv_budget_tokens=_i(info.get("kv_budget_tokens") or hb.get("kv_total_tokens")),
+                    capacity_hint_tps=as_float(info.get("capacity_hint_tps") or hb.get("capacity_hint_tps")),
+                    plan_tps=as_float(info.get("plan_tps") or hb.get("plan_tps")),
+                    max_query_tokens=as_int(info.get("max_query_tokens") or hb.get("max_query_tokens")),
+                    kv_budget_tokens=as_int(info.get("kv_budget_tokens") or hb.get("kv_total_tokens")),
                     alive=bool(hb),
-                    last_heartbeat=_f(hb.get("ts") or info.get("last_seen")),
-                    measured_tps=_f(hb.get("tokens_per_s")),
-                    running=_i(hb.get("running")),
-                    waiting=_i(hb.get("waiting")),
-                    kv_used_tokens=_i(hb.get("kv_used_tokens")),
-                    kv_total_tokens=_i(hb.get("kv_total_tokens")),
-                    running_remaining_tokens=_f(hb.get("running_remaining_tokens")),
+                    last_heartbeat=as_float(hb.get("ts") or info.get("last_seen")),
+                    measured_tps=as_float(hb.get("tokens_per_s")),
+                    running=as_int(hb.get("running")),
+                    waiting=as_int(hb.get("waiting")),
+                    kv_used_tokens=as_int(hb.get("kv_used_tokens")),
+                    kv_total_tokens=as_int(hb.get("kv_total_tokens")),
+                    running_remaining_tokens=as_float(hb.get("running_remaining_tokens")),
                     queue_length=int(qlen),
                     inflight=int(infl),
-                    pending_tokens=max(0.0, _f(pend)),
-                    assigned_predicted_tokens=_f(stats.get("assigned_predicted_tokens")),
-                    finished_predicted_tokens=_f(stats.get("finished_predicted_tokens")),
-                    finished_actual_tokens=_i(stats.get("finished_actual_tokens")),
-                    finished_queries=_i(stats.get("finished_queries")),
+                    pending_tokens=max(0.0, as_float(pend)),
+                    assigned_predicted_tokens=as_float(stats.get("assigned_predicted_tokens")),
+                    finished_predicted_tokens=as_float(stats.get("finished_predicted_tokens")),
+                    finished_actual_tokens=as_int(stats.get("finished_actual_tokens")),
+                    finished_queries=as_int(stats.get("finished_queries")),
                 )
             )
         return out
@@ -257,7 +175,7 @@ class WorkQueue:
         """
         if ":" in batch_id or not batch_id:
             raise ValueError(f"bad batch id {batch_id!r}")
-        now = time.time()
+        now = self.clock()
         if not self.r.hsetnx(keys.batch(batch_id), "created_at", now):
             return False
         per_cluster: dict[str, int] = {}
@@ -312,12 +230,12 @@ class WorkQueue:
         return BatchInfo(
             batch_id=batch_id,
             status=h["status"],
-            total=_i(h.get("total")),
-            completed=_i(h.get("completed")),
-            failed=_i(h.get("failed")),
-            cancelled=_i(h.get("cancelled")),
-            created_at=_f(h.get("created_at")),
-            completed_at=_f(h.get("completed_at")),
+            total=as_int(h.get("total")),
+            completed=as_int(h.get("completed")),
+            failed=as_int(h.get("failed")),
+            cancelled=as_int(h.get("cancelled")),
+            created_at=as_float(h.get("created_at")),
+            completed_at=as_float(h.get("completed_at")),
             policy=h.get("policy", ""),
             metadata=json.loads(h.get("metadata") or "{}"),
             queries_per_cluster=json.loads(h.get("queries_per_cluster") or "{}"),
@@ -336,7 +254,7 @@ class WorkQueue:
 
     def cancel_batch(self, batch_id: str) -> int:
         """Mark the batch cancelling and cancel its queued queries; returns how many were removed (-1: unknown batch)."""
-        return int(self._cancel(args=[batch_id, time.time(), *self.cluster_names()]))
+        return int(self._cancel(args=[batch_id, self.clock(), *self.cluster_names()]))
 
     def results(self, batch_id: str, start: int = 0, end: int = -1) -> list[dict]:
         """Result records from index ``start`` (each with its ``index``)."""
@@ -351,46 +269,7 @@ class WorkQueue:
     def result_count(self, batch_id: str) -> int:
         return int(self.r.llen(keys.results(batch_id)))
 
-    # ------------------------------------------------------------------ workers
-
-    def claim(self, cluster: str, n: int, worker_id: str, lease_s: float) -> list[ClaimedQuery]:
-        """Take up to ``n`` queries from the head of the cluster's queue under a lease."""
-        if n <= 0:
-            return []
-        now = time.time()
-        flat = self._claim(args=[cluster, n, now + lease_s, worker_id, now])
-        out = []
-        for i in range(0, len(flat), 4):
-            _, payload, attempts, enqueued_at = flat[i : i + 4]
-            out.append(ClaimedQuery(QueuedQuery(**json.loads(payload)), int(attempts), _f(enqueued_at), now))
-        return out
-
-    def renew(self, cluster: str, gids: Iterable[str], lease_s: float) -> None:
-        gids = list(gids)
-        if gids:
-            deadline = time.time() + lease_s
-            self.r.zadd(keys.inflight(cluster), {g: deadline for g in gids}, xx=True)
-
-    def release(self, cluster: str, gids: Iterable[str]) -> int:
-        """Give claimed queries back now (their worker cannot finish them): their leases end and they
-        return to the head of the queue, as a lapsed lease would make them. Returns how many were requeued."""
-        gids = list(gids)
-        if not gids:
-            return 0
-        self.r.zadd(keys.inflight(cluster), dict.fromkeys(gids, 0), xx=True)
-        return self.requeue_expired(cluster)
-
-    def requeue_expired(self, cluster: str) -> int:
-        """Put queries whose lease expired (their worker died) back at the head of the queue."""
-        return int(self._requeue(args=[cluster, time.time()]))
-
-    def complete(self, gid: str, result: Mapping, kind: str = "completed", actual_tokens: int = 0) -> int:
-        """Write a query's result once. Returns its index in the batch's results, or -1 if it already had one."""
-        if kind not in FINAL_STATES:
-            raise ValueError(f"kind must be one of {FINAL_STATES}, not {kind!r}")
-        return int(
-            self._complete(args=[gid, json.dumps(dict(result)), kind, int(actual_tokens), time.time()])
-        )
+    # ------------------------------------------------------------------ workers (claims: LeaseOps)
 
     def record_observed(self, rows: Sequence[Mapping], cap: int = 1_000_000) -> None:
         """Append observed (prompt, length) records for predictor retraining; keeps the newest ``cap``."""
@@ -417,7 +296,7 @@ class WorkQueue:
         pipe = self.r.pipeline(transaction=False)
         for g in gids:
             pipe.hget(keys.query(g), "tokens")
-        return [(g, _f(t)) for g, t in zip(gids, pipe.execute(), strict=True)]
+        return [(g, as_float(t)) for g, t in zip(gids, pipe.execute(), strict=True)]
 
     def queued_ids(self, cluster: str) -> list[str]:
         return self.r.lrange(keys.queue(cluster), 0, -1)

@@ -6,6 +6,12 @@ single Redis server (or a managed Redis); a Redis Cluster deployment would need 
 
 Rules the scripts keep:
 
+* **Lease time is Redis time.** CLAIM, RENEW and REQUEUE_EXPIRED read the server clock
+  (``TIME``) for lease deadlines and for the expiry check, so clients whose clocks are
+  skewed neither expire live leases nor keep dead ones. Scripts replicate as effects
+  (``redis.replicate_commands()``: the default since Redis 5, a no-op in Redis 7), which
+  lets them call ``TIME`` before writing. Timestamps that only end up in records
+  (``enqueued_at``, ``started_at``, ``completed_at``) come from the caller.
 * **A late completion reconciles.** ``finish`` may run for a query that REQUEUE_EXPIRED
   already put back (its worker was slow, not dead): the query's state is then ``queued``,
   and ``finish`` takes its id out of the queue that holds it and its tokens out of that
@@ -17,6 +23,7 @@ Rules the scripts keep:
 from __future__ import annotations
 
 PRELUDE = r"""
+redis.replicate_commands()
 local P = 'fb:'
 local function k_queue(c) return P .. 'c:' .. c .. ':queue' end
 local function k_inflight(c) return P .. 'c:' .. c .. ':inflight' end
@@ -29,6 +36,11 @@ local function k_done(b) return P .. 'b:' .. b .. ':done' end
 local function split_gid(g)
   local i = string.find(g, ':', 1, true)
   return string.sub(g, 1, i - 1), string.sub(g, i + 1)
+end
+-- The Redis server's clock, in seconds: the only clock lease deadlines are measured on.
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
 -- Record the final result of one query once; returns its index in the result list, or -1
@@ -75,6 +87,7 @@ local function cancelled_result(g, cluster)
   return '{"batch_id":' .. cjson.encode(bid) .. ',"query_id":' .. cjson.encode(qid) ..
          ',"cluster":' .. cjson.encode(cluster or '') .. ',"finish_reason":"cancelled"}'
 end
+
 """
 
 # ARGV: gid, result JSON, kind (completed|failed|cancelled), actual tokens, now
@@ -85,12 +98,14 @@ return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5])
 """
 )
 
-# ARGV: cluster, n, lease deadline, worker id, now.
-# Returns a flat list: gid, payload, attempts, enqueued_at, ... for each claimed query.
+# ARGV: cluster, n, lease seconds, worker id, now (caller's clock: timestamps only).
+# Leases end at Redis time + lease seconds. Returns a flat list: gid, payload, attempts,
+# enqueued_at, ... for each claimed query.
 CLAIM = (
     PRELUDE
     + r"""
-local c, n, deadline, worker, now = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
+local c, n, worker, now = ARGV[1], tonumber(ARGV[2]), ARGV[4], ARGV[5]
+local deadline = server_now() + tonumber(ARGV[3])
 local out = {}
 local taken = 0
 while taken < n do
@@ -120,12 +135,27 @@ return out
 """
 )
 
-# ARGV: cluster, now. Leases past their deadline go back to the head of the queue.
+# ARGV: cluster, lease seconds, gid... Extends the leases of those of the gids still in
+# the cluster's in-flight set to Redis time + lease seconds. Returns how many it extended.
+RENEW = (
+    PRELUDE
+    + r"""
+local c = ARGV[1]
+local deadline = server_now() + tonumber(ARGV[2])
+local n = 0
+for i = 3, #ARGV do
+  n = n + redis.call('ZADD', k_inflight(c), 'XX', 'CH', deadline, ARGV[i])
+end
+return n
+"""
+)
+
+# ARGV: cluster. Leases past their deadline (in Redis time) go back to the head of the queue.
 REQUEUE_EXPIRED = (
     PRELUDE
     + r"""
-local c, now = ARGV[1], ARGV[2]
-local expired = redis.call('ZRANGEBYSCORE', k_inflight(c), '-inf', now)
+local c = ARGV[1]
+local expired = redis.call('ZRANGEBYSCORE', k_inflight(c), '-inf', server_now())
 local n = 0
 for i = #expired, 1, -1 do
   local g = expired[i]

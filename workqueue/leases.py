@@ -1,0 +1,87 @@
+"""The worker side of the queue: claims under leases, renewal, requeue of lapsed leases, results.
+
+A worker *claims* queries: they move from the cluster's queue into its in-flight set, scored
+by a lease deadline. Deadlines are **Redis time** (``TIME`` inside the scripts) plus the
+lease length, and expiry is checked against Redis time too, so skewed client clocks neither
+expire a live lease nor keep a dead one. The worker renews its leases while it works and
+*completes* each query once; a second completion of the same query id is ignored.
+
+A worker that dies stops renewing; :meth:`LeaseOps.requeue_expired` puts the queries whose
+lease lapsed back at the head of their queue. A worker that was only slow may still
+complete such a query: the completion counts (it is the first result) and *reconciles* the
+queue, taking the requeued id out of its queue and its tokens out of the cluster's
+``pending`` counter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+
+import redis
+
+from workqueue import keys, scripts
+from workqueue.records import FINAL_STATES, ClaimedQuery, QueuedQuery, as_float
+
+RENEW_CHUNK = 1000  # gids per RENEW call (one script call stays short)
+
+
+class LeaseOps:
+    """Claims, leases and results; mixed into :class:`workqueue.queue.WorkQueue`."""
+
+    r: redis.Redis
+
+    def _init_leases(self, client: redis.Redis, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._complete = client.register_script(scripts.COMPLETE)
+        self._claim = client.register_script(scripts.CLAIM)
+        self._renew = client.register_script(scripts.RENEW)
+        self._requeue = client.register_script(scripts.REQUEUE_EXPIRED)
+
+    def claim(self, cluster: str, n: int, worker_id: str, lease_s: float) -> list[ClaimedQuery]:
+        """Take up to ``n`` queries from the head of the cluster's queue under a lease of
+        ``lease_s`` seconds of Redis time (zero or less: already lapsed)."""
+        if n <= 0:
+            return []
+        now = self.clock()
+        flat = self._claim(args=[cluster, n, float(lease_s), worker_id, now])
+        out = []
+        for i in range(0, len(flat), 4):
+            _, payload, attempts, enqueued_at = flat[i : i + 4]
+            out.append(
+                ClaimedQuery(QueuedQuery(**json.loads(payload)), int(attempts), as_float(enqueued_at), now)
+            )
+        return out
+
+    def renew(self, cluster: str, gids: Iterable[str], lease_s: float) -> int:
+        """Extend the leases of those ``gids`` still in flight on ``cluster`` to Redis time +
+        ``lease_s``; returns how many it extended (ids requeued or finished meanwhile are left alone)."""
+        gids = list(gids)
+        n = 0
+        for i in range(0, len(gids), RENEW_CHUNK):
+            n += int(self._renew(args=[cluster, float(lease_s), *gids[i : i + RENEW_CHUNK]]))
+        return n
+
+    def release(self, cluster: str, gids: Iterable[str]) -> int:
+        """Give claimed queries back now (their worker cannot finish them): their leases end and they
+        return to the head of the queue, as a lapsed lease would make them. Returns how many were requeued."""
+        gids = list(gids)
+        if not gids:
+            return 0
+        self.r.zadd(keys.inflight(cluster), dict.fromkeys(gids, 0), xx=True)
+        return self.requeue_expired(cluster)
+
+    def requeue_expired(self, cluster: str) -> int:
+        """Put queries whose lease lapsed (in Redis time) back at the head of the queue; returns how many."""
+        return int(self._requeue(args=[cluster]))
+
+    def complete(self, gid: str, result: Mapping, kind: str = "completed", actual_tokens: int = 0) -> int:
+        """Write a query's result once. Returns its index in the batch's results, or -1 if it already had one.
+
+        A completion that comes after the query's lease lapsed and it was requeued still counts
+        (when first) and takes the query back out of its queue."""
+        if kind not in FINAL_STATES:
+            raise ValueError(f"kind must be one of {FINAL_STATES}, not {kind!r}")
+        return int(
+            self._complete(args=[gid, json.dumps(dict(result)), kind, int(actual_tokens), self.clock()])
+        )
