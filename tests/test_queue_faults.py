@@ -8,6 +8,7 @@ well under a second.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from workqueue import QueuedQuery, WorkQueue, connect, keys
@@ -146,3 +147,55 @@ def test_claim_timestamps_come_from_the_injected_clock(redis_url):
     (c,) = q.claim("a", 1, "w", 30)
     assert abs(c.enqueued_at - (time.time() - 3600)) < 60
     assert abs(c.claimed_at - (time.time() - 3600)) < 60
+
+
+# ---------------------------------------------------------------------- R3: idempotent create
+
+
+def test_concurrent_create_batch_with_one_id_creates_it_once(redis_url):
+    for round_ in range(3):
+        bid = f"b{round_}"
+        qs = queries(bid, 3000)
+        start = threading.Barrier(8)
+        outcomes: list[object] = []
+        lock = threading.Lock()
+
+        def submit(i: int, bid=bid, qs=qs, start=start, outcomes=outcomes, lock=lock) -> None:
+            wq = make_queue(redis_url)
+            start.wait()
+            try:
+                created = wq.create_batch(bid, [(x, "abc"[i % 3]) for x in qs])
+                # what the gateway does next: False must mean "this batch exists", readable now
+                out: object = (created, wq.batch(bid) is not None)
+            except Exception as e:  # noqa: BLE001 - the test reports any exception
+                out = e
+            with lock:
+                outcomes.append(out)
+
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not [o for o in outcomes if isinstance(o, Exception)], outcomes
+        assert sorted(outcomes) == [(False, True)] * 7 + [(True, True)], outcomes
+        q = make_queue(redis_url)
+        ids = q.queued_ids("a") + q.queued_ids("b") + q.queued_ids("c")
+        ids = [g for g in ids if g.startswith(bid + ":")]
+        assert sorted(ids) == sorted(x.gid for x in qs)
+        info = q.batch(bid)
+        assert info.total == 3000 and sum(info.queries_per_cluster.values()) == 3000
+
+
+def test_half_created_batch_is_overwritten(redis_url):
+    """A batch hash without ``status`` (the first of the old code's two writes) counts as absent."""
+    q = make_queue(redis_url)
+    q.r.hset(keys.batch("b1"), "created_at", 123.0)
+    assert q.batch("b1") is None
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 2)]) is True
+    info = q.batch("b1")
+    assert (info.status, info.total) == ("in_progress", 2)
+    assert info.created_at > 123.0
+    assert q.queued_ids("a") == ["b1:q0", "b1:q1"]
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 2)]) is False
+    assert q.queued_ids("a") == ["b1:q0", "b1:q1"]

@@ -12,6 +12,10 @@ twice still has exactly one result. The claim side lives in :mod:`workqueue.leas
 * a late completion, by a worker whose lease lapsed after its query was requeued, counts
   and takes the query back out of its queue and its tokens out of ``pending``.
 
+:meth:`WorkQueue.create_batch` is atomic and idempotent by batch id: concurrent calls with
+one new id create the batch once (one returns True, the others False, none raises), and a
+batch hash without ``status`` (a creation cut short under older code) counts as absent.
+
 ``clock`` (default :func:`time.time`) stamps what only ends up in records: creation,
 enqueue, claim and completion times, heartbeats.
 """
@@ -38,6 +42,8 @@ from workqueue.records import (
 )
 
 __all__ = ["FINAL_STATES", "BatchInfo", "ClaimedQuery", "ClusterInfo", "QueuedQuery", "WorkQueue"]
+
+CREATE_RETRIES = 20  # optimistic-transaction retries of create_batch (each lost race re-reads)
 
 
 class WorkQueue(LeaseOps):
@@ -171,28 +177,54 @@ class WorkQueue(LeaseOps):
     ) -> bool:
         """Create the batch and enqueue every query on its cluster in one transaction.
 
-        Returns False (and changes nothing) when a batch with this id already exists.
+        Atomic and idempotent by ``batch_id``: returns True when this call created the batch,
+        False (changing nothing) when a batch with this id exists, also when a concurrent call
+        created it first; the existing batch is readable as soon as False comes back. The
+        check and the writes are one optimistic transaction (WATCH on the batch hash, then
+        MULTI/EXEC), retried when another writer touched the hash in between. A batch hash
+        without ``status`` (all the older code had written when it died mid-creation) counts
+        as absent and is overwritten.
         """
         if ":" in batch_id or not batch_id:
             raise ValueError(f"bad batch id {batch_id!r}")
         now = self.clock()
-        if not self.r.hsetnx(keys.batch(batch_id), "created_at", now):
-            return False
         per_cluster: dict[str, int] = {}
         per_cluster_tokens: dict[str, float] = {}
         for q, c in assignments:
             per_cluster[c] = per_cluster.get(c, 0) + 1
             per_cluster_tokens[c] = per_cluster_tokens.get(c, 0.0) + q.total_tokens
-        pipe = self.r.pipeline(transaction=True)
+        rows = [(q.gid, json.dumps(asdict(q)), q.total_tokens, c) for q, c in assignments]
+        bkey = keys.batch(batch_id)
+        with self.r.pipeline(transaction=True) as pipe:
+            for _ in range(CREATE_RETRIES):
+                try:
+                    pipe.watch(bkey)
+                    if pipe.hexists(bkey, "status"):
+                        return False
+                    pipe.multi()
+                    self._write_batch(
+                        pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now
+                    )
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+        raise RuntimeError(f"batch {batch_id}: creation kept racing with other writers")
+
+    @staticmethod
+    def _write_batch(pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now) -> None:
+        bkey = keys.batch(batch_id)
+        pipe.delete(bkey)  # a hash without status is a creation cut short: start afresh
         pipe.hset(
-            keys.batch(batch_id),
+            bkey,
             mapping={
-                "status": "in_progress" if assignments else "completed",
-                "total": len(assignments),
+                "created_at": now,
+                "status": "in_progress" if rows else "completed",
+                "total": len(rows),
                 "completed": 0,
                 "failed": 0,
                 "cancelled": 0,
-                "completed_at": 0 if assignments else now,
+                "completed_at": 0 if rows else now,
                 "policy": policy,
                 "metadata": json.dumps(dict(metadata or {})),
                 "queries_per_cluster": json.dumps(per_cluster),
@@ -200,28 +232,25 @@ class WorkQueue(LeaseOps):
             },
         )
         pipe.zadd(keys.BATCHES, {batch_id: now})
-        for q, c in assignments:
-            payload = json.dumps(asdict(q))
+        for gid, payload, tokens, c in rows:
             pipe.hset(
-                keys.query(q.gid),
+                keys.query(gid),
                 mapping={
                     "payload": payload,
-                    "tokens": q.total_tokens,
+                    "tokens": tokens,
                     "cluster": c,
                     "state": "queued",
                     "attempts": 0,
                     "enqueued_at": now,
                 },
             )
-            pipe.rpush(keys.queue(c), q.gid)
+            pipe.rpush(keys.queue(c), gid)
         for c, t in per_cluster_tokens.items():
             pipe.sadd(keys.CLUSTERS, c)
             pipe.hsetnx(keys.cluster_info(c), "state", "active")
             pipe.incrbyfloat(keys.pending(c), t)
             pipe.hincrbyfloat(keys.cluster_stats(c), "assigned_predicted_tokens", t)
             pipe.hincrby(keys.cluster_stats(c), "assigned_queries", per_cluster[c])
-        pipe.execute()
-        return True
 
     def batch(self, batch_id: str) -> BatchInfo | None:
         h = self.r.hgetall(keys.batch(batch_id))
