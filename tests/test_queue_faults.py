@@ -199,3 +199,41 @@ def test_half_created_batch_is_overwritten(redis_url):
     assert q.queued_ids("a") == ["b1:q0", "b1:q1"]
     assert q.create_batch("b1", [(x, "a") for x in queries("b1", 2)]) is False
     assert q.queued_ids("a") == ["b1:q0", "b1:q1"]
+
+
+# ---------------------------------------------------------------------- R5: poison queries
+
+
+def test_poison_query_fails_after_max_attempts_and_the_batch_goes_on(redis_url):
+    q = make_queue(redis_url)  # max_attempts defaults to 3
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 3)])
+    for attempt in (1, 2, 3):
+        (c,) = q.claim("a", 1, f"crashing-worker-{attempt}", lease_s=-1.0)
+        assert (c.query.gid, c.attempts) == ("b1:q0", attempt)
+        q.requeue_expired("a")  # the worker died: its lease lapsed
+    assert q.queued_ids("a") == ["b1:q1", "b1:q2"], "the poison query was requeued again"
+    (row,) = q.results("b1")
+    assert row["query_id"] == "q0" and row["finish_reason"] == "error"
+    assert "failed 3 times" in row["error"] and row["attempts"] == 3
+    info = q.batch("b1")
+    assert (info.status, info.failed) == ("in_progress", 1)
+    for c in q.claim("a", 5, "good-worker", 30):
+        q.complete(c.query.gid, {"query_id": c.query.query_id}, "completed", 2)
+    info = q.batch("b1")
+    assert (info.status, info.completed, info.failed) == ("completed", 2, 1)
+    assert result_ids(q, "b1") == ["q0", "q1", "q2"]
+    assert abs(pending(q, "a")) < 1e-6 and query_keys(q) == []
+    # the last crashing worker coming back late changes nothing
+    assert q.complete("b1:q0", {"query_id": "q0"}) == -1
+
+
+def test_max_attempts_is_configurable_and_counts_released_queries(redis_url):
+    q = make_queue(redis_url, max_attempts=1)
+    assert q.max_attempts == 1
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 1)])
+    (c,) = q.claim("a", 1, "w", 30)
+    assert q.release("a", [c.query.gid]) == 0  # given back by a failing engine: no attempt left
+    info = q.batch("b1")
+    assert (info.status, info.failed) == ("failed", 1)
+    assert "failed 1 time " in q.results("b1")[0]["error"]
+    assert q.queued_ids("a") == [] and query_keys(q) == []

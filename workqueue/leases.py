@@ -11,11 +11,21 @@ lease lapsed back at the head of their queue. A worker that was only slow may st
 complete such a query: the completion counts (it is the first result) and *reconciles* the
 queue, taking the requeued id out of its queue and its tokens out of the cluster's
 ``pending`` counter.
+
+**max_attempts** (default 3; ``None`` or 0: no limit) bounds how often one query is run.
+The check is in the requeue, where a lost attempt is seen: when a lease lapses (or is given
+back by :meth:`LeaseOps.release`) and that claim was the query's ``max_attempts``-th, the
+query is not requeued but finished as ``failed``, with a result whose ``finish_reason`` is
+``error`` and whose ``error`` says it failed that many times. It counts in its batch's
+``failed`` count and the rest of the batch goes on. Deciding there (rather than at the
+next claim) keeps a poison query out of every queue, the ``pending`` counters and tail
+moves, and fails it as soon as its last attempt is known to be lost.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Mapping
 
 import redis
@@ -23,6 +33,9 @@ import redis
 from workqueue import keys, scripts
 from workqueue.records import FINAL_STATES, ClaimedQuery, QueuedQuery, as_float
 
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_ATTEMPTS = 3
 RENEW_CHUNK = 1000  # gids per RENEW call (one script call stays short)
 
 
@@ -31,8 +44,11 @@ class LeaseOps:
 
     r: redis.Redis
 
-    def _init_leases(self, client: redis.Redis, clock: Callable[[], float]) -> None:
+    def _init_leases(self, client: redis.Redis, clock: Callable[[], float], max_attempts: int | None) -> None:
+        if max_attempts is not None and max_attempts < 0:
+            raise ValueError(f"max_attempts must be >= 0 or None, not {max_attempts}")
         self.clock = clock
+        self.max_attempts = max_attempts or 0
         self._complete = client.register_script(scripts.COMPLETE)
         self._claim = client.register_script(scripts.CLAIM)
         self._renew = client.register_script(scripts.RENEW)
@@ -64,7 +80,8 @@ class LeaseOps:
 
     def release(self, cluster: str, gids: Iterable[str]) -> int:
         """Give claimed queries back now (their worker cannot finish them): their leases end and they
-        return to the head of the queue, as a lapsed lease would make them. Returns how many were requeued."""
+        return to the head of the queue, as a lapsed lease would make them (a query on its last
+        attempt fails instead). Returns how many were requeued."""
         gids = list(gids)
         if not gids:
             return 0
@@ -72,8 +89,17 @@ class LeaseOps:
         return self.requeue_expired(cluster)
 
     def requeue_expired(self, cluster: str) -> int:
-        """Put queries whose lease lapsed (in Redis time) back at the head of the queue; returns how many."""
-        return int(self._requeue(args=[cluster]))
+        """Put queries whose lease lapsed (in Redis time) back at the head of the queue; those that
+        used their ``max_attempts`` fail instead. Returns how many were requeued."""
+        requeued, failed = self._requeue(args=[cluster, self.max_attempts, self.clock()])
+        if int(failed):
+            log.warning(
+                "%s: %d queries failed after %d attempts (their workers died or lost their leases)",
+                cluster,
+                int(failed),
+                self.max_attempts,
+            )
+        return int(requeued)
 
     def complete(self, gid: str, result: Mapping, kind: str = "completed", actual_tokens: int = 0) -> int:
         """Write a query's result once. Returns its index in the batch's results, or -1 if it already had one.

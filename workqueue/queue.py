@@ -10,7 +10,9 @@ twice still has exactly one result. The claim side lives in :mod:`workqueue.leas
 * lease deadlines and their expiry are measured on the Redis server's clock, not the
   clients' (a skewed client clock neither expires live leases nor keeps dead ones);
 * a late completion, by a worker whose lease lapsed after its query was requeued, counts
-  and takes the query back out of its queue and its tokens out of ``pending``.
+  and takes the query back out of its queue and its tokens out of ``pending``;
+* a query whose ``max_attempts``-th claim lapses (default 3) fails with its error
+  recorded instead of running forever, and the rest of its batch goes on.
 
 :meth:`WorkQueue.create_batch` is atomic and idempotent by batch id: concurrent calls with
 one new id create the batch once (one returns True, the others False, none raises), and a
@@ -30,7 +32,7 @@ from dataclasses import asdict
 import redis
 
 from workqueue import keys, scripts
-from workqueue.leases import LeaseOps
+from workqueue.leases import DEFAULT_MAX_ATTEMPTS, LeaseOps
 from workqueue.records import (
     FINAL_STATES,
     BatchInfo,
@@ -49,13 +51,20 @@ CREATE_RETRIES = 20  # optimistic-transaction retries of create_batch (each lost
 class WorkQueue(LeaseOps):
     """All queue operations on one Redis connection (thread-safe: redis-py pools connections).
 
-    ``clock`` stamps records (lease deadlines use Redis time whatever it says); see
-    :mod:`workqueue.leases`.
+    ``clock`` stamps records (lease deadlines use Redis time whatever it says);
+    ``max_attempts`` is how many lapsed claims a query gets before it fails (None or 0: no
+    limit); see :mod:`workqueue.leases`.
     """
 
-    def __init__(self, client: redis.Redis, *, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        clock: Callable[[], float] = time.time,
+        max_attempts: int | None = DEFAULT_MAX_ATTEMPTS,
+    ):
         self.r = client
-        self._init_leases(client, clock)
+        self._init_leases(client, clock, max_attempts)
         self._move_tail = client.register_script(scripts.MOVE_TAIL)
         self._cancel = client.register_script(scripts.CANCEL)
 

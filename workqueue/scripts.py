@@ -18,6 +18,9 @@ Rules the scripts keep:
   cluster's ``pending`` counter, so nothing runs it again and the counter stays exact.
 * **Ids without a query hash are dropped.** CLAIM and MOVE_TAIL skip an id whose hash is
   gone (a query finished while queued, under older code) and never recreate the hash.
+* **Poison queries fail.** REQUEUE_EXPIRED gives up on a query whose lapsed lease was its
+  ``max_attempts``-th claim: it is finished as ``failed`` (``finish_reason`` ``error``) and
+  the rest of its batch goes on.
 """
 
 from __future__ import annotations
@@ -88,6 +91,16 @@ local function cancelled_result(g, cluster)
          ',"cluster":' .. cjson.encode(cluster or '') .. ',"finish_reason":"cancelled"}'
 end
 
+local function gave_up_result(g, cluster, attempts, max_attempts)
+  local bid, qid = split_gid(g)
+  local times = ' times'
+  if attempts == 1 then times = ' time' end
+  local why = 'failed ' .. attempts .. times .. ' (max_attempts ' .. max_attempts ..
+              '): its worker died or lost its lease each time'
+  return '{"batch_id":' .. cjson.encode(bid) .. ',"query_id":' .. cjson.encode(qid) ..
+         ',"cluster":' .. cjson.encode(cluster or '') .. ',"finish_reason":"error","error":' ..
+         cjson.encode(why) .. ',"attempts":' .. attempts .. '}'
+end
 """
 
 # ARGV: gid, result JSON, kind (completed|failed|cancelled), actual tokens, now
@@ -150,25 +163,35 @@ return n
 """
 )
 
-# ARGV: cluster. Leases past their deadline (in Redis time) go back to the head of the queue.
+# ARGV: cluster, max attempts (0: no limit), now (caller's clock: timestamps only).
+# Leases past their deadline (in Redis time) go back to the head of the queue, except a
+# query whose lapsed claim was its max_attempts-th: that one is finished as failed.
+# Returns {requeued, failed}.
 REQUEUE_EXPIRED = (
     PRELUDE
     + r"""
-local c = ARGV[1]
+local c, max_attempts, now = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local expired = redis.call('ZRANGEBYSCORE', k_inflight(c), '-inf', server_now())
-local n = 0
+local n, failed = 0, 0
 for i = #expired, 1, -1 do
   local g = expired[i]
   redis.call('ZREM', k_inflight(c), g)
   local q = k_query(g)
-  if redis.call('HGET', q, 'state') == 'running' then
-    redis.call('HSET', q, 'state', 'queued', 'cluster', c)
-    redis.call('LPUSH', k_queue(c), g)
-    redis.call('INCRBYFLOAT', k_pending(c), tonumber(redis.call('HGET', q, 'tokens') or '0'))
-    n = n + 1
+  local h = redis.call('HMGET', q, 'state', 'tokens', 'attempts')
+  if h[1] == 'running' then
+    local attempts = tonumber(h[3] or '0')
+    if max_attempts > 0 and attempts >= max_attempts then
+      finish(g, gave_up_result(g, c, attempts, max_attempts), 'failed', 0, now)
+      failed = failed + 1
+    else
+      redis.call('HSET', q, 'state', 'queued', 'cluster', c)
+      redis.call('LPUSH', k_queue(c), g)
+      redis.call('INCRBYFLOAT', k_pending(c), tonumber(h[2] or '0'))
+      n = n + 1
+    end
   end
 end
-return n
+return {n, failed}
 """
 )
 
