@@ -1,0 +1,116 @@
+"""Random interleavings of several clients on a real Redis keep the queue's invariants.
+
+Hypothesis drives submit, claim (with live or already-lapsed leases), renew, requeue of lapsed
+leases, completion (also late, by a worker whose lease lapsed), tail moves and cancel across
+three clients; :func:`workqueue.invariants.check` runs after every step. Lapsed leases come from
+negative lease times, not from sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+
+import redis
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+    run_state_machine_as_test,
+)
+
+from workqueue import QueuedQuery, WorkQueue, connect
+from workqueue.invariants import check
+
+CLUSTERS = ("a", "b", "c")
+
+
+def make_machine(url: str) -> type[RuleBasedStateMachine]:
+    class QueueMachine(RuleBasedStateMachine):
+        claimed = Bundle("claimed")  # (client, gid) of every claim, live or lapsed since
+
+        def __init__(self) -> None:
+            super().__init__()
+            redis.Redis.from_url(url).flushall()
+            self.clients = [WorkQueue(connect(url)) for _ in range(3)]
+            self.held: list[list[str]] = [[], [], []]  # gids each client claimed (maybe lapsed since)
+            self.batches = 0
+
+        @initialize()
+        def clusters(self) -> None:
+            for c in CLUSTERS:
+                self.clients[0].register_cluster(c, backend="native")
+
+        @rule(
+            who=st.integers(0, 2),
+            where=st.lists(st.sampled_from(CLUSTERS), min_size=1, max_size=4),
+            tokens=st.integers(1, 50),
+        )
+        def submit(self, who, where, tokens) -> None:
+            b = f"b{self.batches}"
+            self.batches += 1
+            qs = [(QueuedQuery(b, f"q{i}", "p", 8, tokens, float(i + 1)), c) for i, c in enumerate(where)]
+            assert self.clients[who].create_batch(b, qs)
+
+        @rule(
+            target=claimed,
+            who=st.integers(0, 2),
+            c=st.sampled_from(CLUSTERS),
+            n=st.integers(1, 3),
+            lapsed=st.booleans(),
+        )
+        def claim(self, who, c, n, lapsed):
+            got = self.clients[who].claim(c, n, f"w{who}", -5.0 if lapsed else 30.0)
+            self.held[who] += [cq.query.gid for cq in got]
+            return multiple(*[(who, cq.query.gid) for cq in got])
+
+        @rule(who=st.integers(0, 2))
+        def renew(self, who) -> None:
+            for c in CLUSTERS:
+                self.clients[who].renew(c, self.held[who], 30.0)
+
+        @rule(who=st.integers(0, 2), c=st.sampled_from(CLUSTERS))
+        def requeue_lapsed(self, who, c) -> None:
+            self.clients[who].requeue_expired(c)
+
+        @rule(item=consumes(claimed), kind=st.sampled_from(["completed", "failed"]))
+        def complete(self, item, kind) -> None:
+            who, g = item
+            if g in self.held[who]:
+                self.held[who].remove(g)
+            b, q = g.split(":", 1)
+            result = json.dumps({"batch_id": b, "query_id": q, "finish_reason": "length"})
+            self.clients[who].complete(g, json.loads(result), kind, 3)
+
+        @rule(
+            who=st.integers(0, 2),
+            src=st.sampled_from(CLUSTERS),
+            dst=st.sampled_from(CLUSTERS),
+            n=st.integers(1, 3),
+        )
+        def move(self, who, src, dst, n) -> None:
+            self.clients[who].move_tail(src, dst, n)
+
+        @rule(who=st.integers(0, 2), pick=st.integers(0, 20))
+        def cancel(self, who, pick) -> None:
+            if self.batches:
+                self.clients[who].cancel_batch(f"b{pick % self.batches}")
+
+        @invariant()
+        def holds(self) -> None:
+            violations = check(self.clients[0].r)
+            assert not violations, violations
+
+    return QueueMachine
+
+
+def test_random_interleavings_keep_the_invariants(redis_server):
+    run_state_machine_as_test(
+        make_machine(redis_server.url),
+        settings=settings(max_examples=200, stateful_step_count=25, deadline=None, print_blob=True),
+    )
