@@ -48,7 +48,7 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
 
         @rule(
             who=st.integers(0, 2),
-            where=st.lists(st.sampled_from(CLUSTERS), min_size=1, max_size=4),
+            where=st.lists(st.sampled_from(CLUSTERS), min_size=2, max_size=6),
             tokens=st.integers(1, 50),
         )
         def submit(self, who, where, tokens) -> None:
@@ -67,6 +67,13 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
         def claim(self, who, c, n, lapsed):
             got = self.clients[who].claim(c, n, f"w{who}", -5.0 if lapsed else 30.0)
             self.held[who] += [cq.query.gid for cq in got]
+            return multiple(*[(who, cq.query.gid) for cq in got])
+
+        @rule(target=claimed, who=st.integers(0, 2), c=st.sampled_from(CLUSTERS), n=st.integers(1, 3))
+        def claim_then_lapse(self, who, c, n):
+            """A worker claims and stops renewing: another client requeues the lapsed leases."""
+            got = self.clients[who].claim(c, n, f"w{who}", -5.0)
+            self.clients[(who + 1) % 3].requeue_expired(c)
             return multiple(*[(who, cq.query.gid) for cq in got])
 
         @rule(who=st.integers(0, 2))
@@ -112,5 +119,5 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
 def test_random_interleavings_keep_the_invariants(redis_server):
     run_state_machine_as_test(
         make_machine(redis_server.url),
-        settings=settings(max_examples=200, stateful_step_count=25, deadline=None, print_blob=True),
+        settings=settings(max_examples=200, stateful_step_count=40, deadline=None, print_blob=True),
     )
