@@ -171,7 +171,8 @@ def _run(args, requests: list[Request], plan: Path | None, even: bool = False) -
                 "micro_batches": int(d["micro_batches"]),
                 "compute_s": round(d["compute_s"], 4),
                 "emulated_s": round(d["sleep_s"], 4),
-                "idle_s": round(max(0.0, wall - busy), 4),
+                "not_computing_s": round(max(0.0, wall - busy), 4),  # wall - compute - emulated
+                "waiting_s": round(d["idle_s"], 4),  # blocked on a receive (measured)
                 "memory_mib": round(a["memory_bytes"] / 2**20, 2),
                 "decode_latency_ms": round(1e3 * d["decode_latency_s"] / n_dec, 3) if n_dec else None,
                 "decode_rows_per_micro_batch": round(d["decode_rows"] / n_dec, 2) if n_dec else None,
@@ -256,6 +257,7 @@ def bench_pipeline(args) -> dict:
         "prompt_len": args.prompt_len,
         "gen_len": args.gen_len,
         "repeats": args.repeats,
+        "figures": "speedups: median of per-round ratios; tokens_per_s: the best round",
         "tokens_per_s": planned["tokens_per_s"],
         "one_process_tokens_per_s": one["tokens_per_s"],
         "speedup_vs_one_process": speedup,

@@ -103,7 +103,10 @@ def run_generate(args: argparse.Namespace) -> int:
     reqs = _read_requests(args.input, args)
     engine = LLMEngine.from_pretrained(args.model_dir, args.arch, args.size, _config(args, args.max_running))
     start = time.perf_counter()
-    outs = engine.generate(reqs, progress=True)
+    try:
+        outs = engine.generate(reqs, progress=True)
+    finally:
+        engine.close()
     elapsed = time.perf_counter() - start
     rows = []
     for o in outs:

@@ -47,6 +47,11 @@ from engines.step_batch import StepBatch
 log = logging.getLogger(__name__)
 
 
+#: how long a blocked send or receive may wait once the pipeline runs: an idle engine waits for
+#: work indefinitely, and a dead stage is found by the watchdog, not by a timeout
+SESSION_TIMEOUT = timedelta(days=365)
+
+
 class StageFailure(RuntimeError):
     """A pipeline stage process died or could not start; the message names the stage."""
 
@@ -125,24 +130,23 @@ class PipelineRunner:
         init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
         backend = backend_for(device, backend)
         layout_cap = 2 + 4 * max_tokens + num_blocks  # the blocks of one micro-batch's queries are distinct
-        conns = self._spawn(
-            parts, init_method, backend, num_blocks, block_size, kv_bits, max_tokens, layout_cap
-        )
-        self._finalizer = weakref.finalize(self, _kill, list(self.procs))
+        self.procs: list = []
+        self._finalizer = weakref.finalize(self, _kill, self.procs)
         try:
+            conns = self._spawn(
+                parts, init_method, backend, num_blocks, block_size, kv_bits, max_tokens, layout_cap
+            )
             self._wait_ready(conns, start_timeout_s)
             dist.init_process_group(
-                backend,
-                init_method=init_method,
-                rank=0,
-                world_size=self.num_stages,
-                timeout=timedelta(seconds=start_timeout_s),
+                backend, init_method=init_method, rank=0, world_size=self.num_stages, timeout=SESSION_TIMEOUT
             )
             S = self.num_stages
             self.outbox = Outbox(1)
             self.inbox = Inbox(S - 1, capacity(0, S, NUM_COUNTERS, max_sampled, self.vocab, self.dtype), S)
         except BaseException:
             _kill(self.procs)
+            if dist.is_initialized():
+                dist.destroy_process_group()
             raise
         self._watchdog = threading.Thread(target=self._watch, name="stage-watchdog", daemon=True)
         self._watchdog.start()
@@ -174,7 +178,6 @@ class PipelineRunner:
     ) -> list:
         """Start one process per stage after the first; returns the pipes they report readiness on."""
         ctx = mp.get_context("spawn")
-        self.procs: list = []
         conns = []
         for s, part in zip(self.stages[1:], parts[1:], strict=True):
             parent, child = ctx.Pipe()

@@ -191,16 +191,15 @@ def _profile_concurrently(args: argparse.Namespace) -> int:
         base += ["--model-dir", args.model_dir]
     with tempfile.TemporaryDirectory(prefix="fleetbatch-profile-") as tmp:
         outs = [f"{tmp}/p{k}.json" for k in range(args.concurrent)]
-        procs = [
-            subprocess.Popen([*base, "--out", o], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            for o in outs
-        ]
-        errs = [p.communicate()[1] for p in procs]
-        for p, err in zip(procs, errs, strict=True):
-            if p.returncode != 0:
-                raise ValueError(
-                    f"a concurrent profiler failed: {err.decode(errors='replace').strip()[-500:]}"
-                )
+        logs = [Path(f"{o}.log") for o in outs]
+        procs = []
+        for o, log_file in zip(outs, logs, strict=True):
+            with open(log_file, "wb") as err:  # a file, not a pipe: a child never waits on a full pipe
+                procs.append(subprocess.Popen([*base, "--out", o], stdout=subprocess.DEVNULL, stderr=err))
+        for p, log_file in zip(procs, logs, strict=True):
+            if p.wait() != 0:
+                tail = log_file.read_text(errors="replace").strip()[-500:]
+                raise ValueError(f"a concurrent profiler failed: {tail}")
         doc = merge_profiles([json.loads(Path(o).read_text()) for o in outs])
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(json.dumps({"profile": args.out, "model": doc["model"]["name"], **doc["meta"]}))

@@ -1,7 +1,7 @@
 """Messages between pipeline stages: one packed byte buffer per hop, received into pre-posted buffers.
 
 A message is ``header | layout | counters | payload`` in one ``uint8`` tensor: the header is
-int64 ``[kind, layout_len, rows, sampled]``, the layout the micro-batch's
+int64 ``[kind, layout_len, rows, 0]`` (the last field is reserved), the layout the micro-batch's
 :class:`~engines.step_batch.StepBatch` (int64), the counters a float64 ``[stages, n]`` trailer
 that every stage fills in with its own row, and the payload the hidden states
 ``[rows, hidden]`` (or, back to the driver, the logits ``[sampled, vocab]``).

@@ -89,6 +89,10 @@ class Worker:
         idle_sleep = c.idle_poll_s
         try:
             while not self.stop_event.is_set():
+                failure = getattr(getattr(self.engine, "pipeline", None), "failure", None)
+                if failure:  # a stage died while the engine was idle
+                    self._give_back(f"pipeline stopped: {failure}")
+                    break
                 if time.monotonic() >= self._retry_at:
                     self._guarded(self._queue_work)
                 if not self.engine.has_unfinished():
@@ -130,7 +134,11 @@ class Worker:
                 max_query_tokens=c.max_query_tokens or None,
             )
             self._registered = True
+        self._flush()  # results first: after an outage they must not lose to the requeue below
         if now - self._last_requeue > c.requeue_check_s:
+            with self._lock:
+                mine = list(self.inflight)
+            self.queue.renew(c.cluster, mine, c.lease_s)  # ours lapsed during an outage: still ours
             n = self.queue.requeue_expired(c.cluster)
             if n:
                 log.warning("requeued %d queries whose worker stopped renewing its lease", n)
@@ -139,12 +147,12 @@ class Worker:
             self._check_cancelled()
             self._check_removed()
             self._last_cancel = now
-        self._flush()
         if not self.removed:
             self._admit()
 
     def _guarded(self, fn) -> None:
         """Run ``fn``; on a Redis error back off exponentially (the loop carries on without Redis)."""
+        waiting = len(self._unsent)
         try:
             fn()
         except REDIS_ERRORS as e:
@@ -158,7 +166,7 @@ class Worker:
             log.warning(
                 "Redis is back after %.1f s; %d results were waiting",
                 time.monotonic() - self._down_since,
-                len(self._unsent),
+                waiting,
             )
             self._down_since = None
         self._backoff = 0.0
@@ -169,9 +177,12 @@ class Worker:
     def _give_back(self, why: str) -> None:
         """The engine cannot go on: every query it holds goes back to the queue at once, for another worker."""
         self.failure = why
+        self._guarded(self._flush)  # finished queries keep their results
         with self._lock:
-            gids = list(self.inflight)
-            self.inflight.clear()
+            unsent = {cq.query.gid for cq, _ in self._unsent}
+            gids = [g for g in self.inflight if g not in unsent]
+            for g in gids:
+                del self.inflight[g]
         try:
             n = self.queue.release(self.config.cluster, gids)
         except REDIS_ERRORS as e:  # their leases lapse instead
