@@ -75,3 +75,23 @@ def test_killed_stage_requeues_and_every_query_finishes_once(redis_url, tmp_path
     assert sorted(counts) == sorted(q.query_id for q in queries) and set(counts.values()) == {1}
     assert all(r["completion_tokens"] == 60 + int(r["query_id"][1:]) for r in results)
     assert any(r["attempts"] > 1 for r in results)
+
+
+@pytest.mark.slow
+def test_a_stage_killed_while_idle_stops_the_worker(redis_url, tmp_path):
+    """No queries at all: the worker still notices the dead stage, says which, and exits 1."""
+    args = ("--backend", "native", "--size", "nano", "--heartbeat-s", "0.3")
+    engine = start_engine("idle", redis_url, tmp_path, *args, "--plan", _plan(tmp_path / "plan.json"))
+    log_path = tmp_path / "engine-idle.log"
+    try:
+        pids = wait_until(
+            lambda: re.search(r"stage pids \[(\d+)\]", log_path.read_text()), 180, "the stage process"
+        )
+        stage_pid = int(pids.group(1))
+        os.kill(stage_pid, signal.SIGKILL)
+        assert engine.wait(timeout=60) == 1
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+    assert re.search(rf"stage 1 \(layers \[1, 2\) on CPU@x4\), pid {stage_pid}, died", log_path.read_text())
