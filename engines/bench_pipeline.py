@@ -34,9 +34,11 @@ from pathlib import Path
 import torch
 import yaml
 
+from engines.bench import load_queries
 from engines.config import EngineConfig, PipelineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
+from localmodels import load_or_build
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +121,6 @@ def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
 
 
 def _workload(tokenizer, args) -> list[Request]:
-    from engines.bench import load_queries
-
     queries = load_queries(tokenizer, args.dataset, args.num_queries, 1, 10**6, args.seed, args.data_dir)
     reqs = []
     for q in queries:
@@ -131,8 +131,6 @@ def _workload(tokenizer, args) -> list[Request]:
 
 
 def _run(args, requests: list[Request], plan: Path | None, even: bool = False) -> dict:
-    from localmodels import load_or_build
-
     model, tok = load_or_build(args.model_dir, arch=args.arch, size=args.size)
     cfg = EngineConfig(
         kv_budget_tokens=args.num_queries * (args.prompt_len + args.gen_len) + 64,
@@ -230,8 +228,6 @@ def latency_error(run: dict) -> float:
 
 
 def bench_pipeline(args) -> dict:
-    from localmodels import load_or_build
-
     torch.set_num_threads(1)
     speeds = [float(x) for x in args.stage_speeds.split(",")] if args.stage_speeds else [1.0] * args.stages
     if args.plan is None and len(speeds) != args.stages:
