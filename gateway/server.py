@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.config import GatewayConfig
+from gateway.errors import RedisUnavailableInterceptor
 from gateway.metrics import GatewayMetrics
 from gateway.offloader import Offloader
 from gateway.policies import make_policy
@@ -97,7 +98,10 @@ async def serve(
     config: GatewayConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
 ) -> None:
     deps = await asyncio.to_thread(build_deps, config)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 512 * 1024 * 1024)])
+    server = grpc.aio.server(
+        interceptors=[RedisUnavailableInterceptor(pb.DESCRIPTOR.package)],
+        options=[("grpc.max_receive_message_length", 512 * 1024 * 1024)],
+    )
     pb_grpc.add_BatchServiceServicer_to_server(BatchService(deps), server)
     pb_grpc.add_AdminServiceServicer_to_server(AdminService(deps), server)
     health_servicer = health.aio.HealthServicer()
