@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -205,16 +206,10 @@ def _rounds(args, requests, plan: Path, uneven: bool) -> dict[str, list[dict]]:
     return runs
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
 def _ratio(runs: dict[str, list[dict]], a: str, b: str) -> tuple[float, list[float]]:
     """Median over rounds of a round's ``a`` / ``b`` throughput, and the per-round ratios."""
     per = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[a], runs[b], strict=True)]
-    return round(_median(per), 3), [round(x, 3) for x in per]
+    return round(statistics.median(per), 3), [round(x, 3) for x in per]
 
 
 def latency_error(run: dict) -> float:

@@ -12,6 +12,11 @@ from collections import deque
 from engines.sequence import Sequence
 
 
+def slot_ids(table, block_size: int, start: int, end: int) -> list[int]:
+    """Cache slots of token positions ``start..end-1`` of a query with block table ``table``."""
+    return [table[j // block_size] * block_size + j % block_size for j in range(start, end)]
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -63,5 +68,4 @@ class KVCacheManager:
 
     def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slots of token positions ``start..end-1`` of ``seq``."""
-        bs, table = self.block_size, seq.block_table
-        return [table[j // bs] * bs + j % bs for j in range(start, end)]
+        return slot_ids(seq.block_table, self.block_size, start, end)

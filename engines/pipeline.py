@@ -115,7 +115,6 @@ class PipelineRunner:
         self.stages = stages
         self.num_stages = len(stages)
         self.device = device
-        self.block_size = block_size
         self.vocab = vocab_size(model)
         self.dtype = model_dtype(model)
         s0 = stages[0]

@@ -95,7 +95,8 @@ def apply_plan(config: EngineConfig) -> list[str]:
     """
     plan = _read(config.plan_path or "")
     notes = []
-    num_stages = max(1, len(_rows(plan, "stages")))
+    stages = _rows(plan, "stages")
+    num_stages = max(1, len(stages))
     decode = _first_int(plan, "decode_micro_batch", "decode_batch_size", "decode_micro_batch_sizes")
     prefill = _first_int(plan, "prefill_micro_batch", "prefill_batch_size", "prefill_micro_batch_sizes")
     if decode:
@@ -107,7 +108,6 @@ def apply_plan(config: EngineConfig) -> list[str]:
     if prefill:
         config.prefill_micro_batch = prefill
         notes.append(f"at most {prefill} prefilling queries per micro-batch (the plan's prefill micro-batch)")
-    stages = _rows(plan, "stages")
     if any(st.get("tp_device_indices") for st in stages):
         notes.append(
             "tensor-parallel stages in the plan are not run by the native engine (one device per process)"

@@ -33,6 +33,7 @@ from torch import nn
 from tqdm import tqdm
 
 from engines.model_runner import ModelRunner, make_adapter
+from engines.stage_model import hidden_size
 from engines.step_batch import ChunkLayout, StepBatch
 from localmodels import load_or_build
 from quant.apply import apply_bitmap
@@ -43,7 +44,7 @@ PROFILE_VERSION = 1
 def model_entry(model: nn.Module, name: str) -> dict:
     """The ``model`` entry of a profile or plan: the shape the planner checks against."""
     cfg, a = model.config, make_adapter(model)
-    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    hidden = hidden_size(model)
     inter = (
         getattr(cfg, "intermediate_size", None)
         or getattr(cfg, "ffn_dim", None)
@@ -51,7 +52,7 @@ def model_entry(model: nn.Module, name: str) -> dict:
     )
     return {
         "name": name,
-        "hidden": int(hidden),
+        "hidden": hidden,
         "layers": a.num_layers,
         "heads": a.num_heads,
         "kv_heads": a.num_kv_heads,

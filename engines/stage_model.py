@@ -38,14 +38,10 @@ def _replace(module: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return clone
 
 
-def _get(module: nn.Module, path: str) -> nn.Module:
-    return module.get_submodule(path)
-
-
 def cut_stage(model: nn.Module, layer_start: int, layer_end: int, first: bool, last: bool) -> nn.Module:
     """The part of ``model`` that a stage holding layers ``[layer_start, layer_end)`` needs."""
     layers_path, embed_paths, head_paths = _paths(model)
-    layers = _get(model, layers_path)
+    layers = model.get_submodule(layers_path)
     if not 0 <= layer_start < layer_end <= len(layers):
         raise ValueError(
             f"stage layers [{layer_start}, {layer_end}) outside the model's {len(layers)} layers"
@@ -57,7 +53,7 @@ def cut_stage(model: nn.Module, layer_start: int, layer_end: int, first: bool, l
     drop = ([] if first else list(embed_paths)) + ([] if last else list(head_paths))
     for path in drop:
         try:
-            _get(out, path)
+            out.get_submodule(path)
         except AttributeError:
             continue
         out = _replace(out, path, nn.Identity())

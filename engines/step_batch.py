@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.kv_cache import slot_ids
 from engines.scheduler import ScheduledChunk
 
 
@@ -64,8 +65,7 @@ class StepBatch:
         for c in chunks:
             end = c.start + c.num_tokens
             pos.extend(range(c.start, end))
-            t = c.block_table
-            slots.extend(t[j // block_size] * block_size + j % block_size for j in range(c.start, end))
+            slots.extend(slot_ids(c.block_table, block_size, c.start, end))
             if c.samples:
                 self.sample_rows.append(len(pos) - 1)
         self.positions = torch.tensor(pos)

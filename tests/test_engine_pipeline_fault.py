@@ -14,11 +14,29 @@ from tests.harness import start_engine, wait_until, write_plan
 from workqueue import QueuedQuery, WorkQueue, connect
 
 N = 10
+ENGINE_ARGS = ("--backend", "native", "--size", "nano", "--heartbeat-s", "0.3")
 
 
 def _plan(path) -> str:
     """llama:nano (2 layers) over two devices, the second 4x slower (so queries stay in flight a while)."""
     return str(write_plan(path, "nano", [0, 1, 2], [16, 8], slowdowns=[0.0, 3.0]))
+
+
+def _start_pipelined(cluster: str, redis_url: str, tmp_path, *extra: str) -> tuple:
+    """``engine serve --plan`` for ``cluster``; returns the process and its stage process's pid (from its log)."""
+    engine = start_engine(
+        cluster, redis_url, tmp_path, *ENGINE_ARGS, *extra, "--plan", _plan(tmp_path / "plan.json")
+    )
+    log_path = tmp_path / f"engine-{cluster}.log"
+    try:
+        pids = wait_until(
+            lambda: re.search(r"stage pids \[(\d+)\]", log_path.read_text()), 180, "the stage process"
+        )
+    except BaseException:
+        engine.kill()
+        engine.wait()
+        raise
+    return engine, int(pids.group(1))
 
 
 def _alive(pid: int) -> bool:
@@ -37,14 +55,9 @@ def test_killed_stage_requeues_and_every_query_finishes_once(redis_url, tmp_path
         for i in range(N)
     ]
     assert queue.create_batch("b1", [(q, "pp") for q in queries])
-    args = ("--backend", "native", "--size", "nano", "--lease-s", "30", "--heartbeat-s", "0.3")
-    engine = start_engine("pp", redis_url, tmp_path, *args, "--plan", _plan(tmp_path / "plan.json"))
+    engine, stage_pid = _start_pipelined("pp", redis_url, tmp_path, "--lease-s", "30")
     log_path = tmp_path / "engine-pp.log"
     try:
-        pids = wait_until(
-            lambda: re.search(r"stage pids \[(\d+)\]", log_path.read_text()), 180, "the stage process"
-        )
-        stage_pid = int(pids.group(1))
         wait_until(
             lambda: queue.result_count("b1") >= 1 and queue.inflight_ids("pp"), 180, "queries in flight"
         )
@@ -64,7 +77,7 @@ def test_killed_stage_requeues_and_every_query_finishes_once(redis_url, tmp_path
     done_before = queue.result_count("b1")
     assert done_before < N
     # a one-process worker of the same cluster finishes the rest
-    rescue = start_engine("pp", redis_url, tmp_path, *args)
+    rescue = start_engine("pp", redis_url, tmp_path, *ENGINE_ARGS, "--lease-s", "30")
     try:
         wait_until(lambda: queue.result_count("b1") >= N, 240, "every result")
     finally:
@@ -80,14 +93,9 @@ def test_killed_stage_requeues_and_every_query_finishes_once(redis_url, tmp_path
 @pytest.mark.slow
 def test_a_stage_killed_while_idle_stops_the_worker(redis_url, tmp_path):
     """No queries at all: the worker still notices the dead stage, says which, and exits 1."""
-    args = ("--backend", "native", "--size", "nano", "--heartbeat-s", "0.3")
-    engine = start_engine("idle", redis_url, tmp_path, *args, "--plan", _plan(tmp_path / "plan.json"))
+    engine, stage_pid = _start_pipelined("idle", redis_url, tmp_path)
     log_path = tmp_path / "engine-idle.log"
     try:
-        pids = wait_until(
-            lambda: re.search(r"stage pids \[(\d+)\]", log_path.read_text()), 180, "the stage process"
-        )
-        stage_pid = int(pids.group(1))
         os.kill(stage_pid, signal.SIGKILL)
         assert engine.wait(timeout=60) == 1
     finally:
