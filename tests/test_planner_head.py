@@ -121,7 +121,8 @@ def test_cli_profile_rejects_bad_sizes(bad, capsys):
 
 
 def test_profile_grids_from_options():
-    from planner.cli import _profile_grids, build_parser
+    from planner.cli import build_parser
+    from planner.cli_measure import _profile_grids
     from planner.profiler import DECODE_CONTEXTS, PREFILL_LENGTHS
 
     def grids(*opts: str):

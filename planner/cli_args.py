@@ -1,0 +1,56 @@
+"""Option parsing shared by the ``planner`` subcommands: the error type and comma-separated integer sets."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class CliError(Exception):
+    """Bad input: reported as one line, exit status 2."""
+
+
+def _int_set(text: str, what: str, example: str) -> tuple[int, ...]:
+    """Sorted distinct integers of a comma-separated option value (``what``/``example`` name it in errors)."""
+    try:
+        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be integers like {example}, got {text!r}") from None
+
+
+def _bits(text: str) -> tuple[int, ...]:
+    bits = _int_set(text, "bit widths", "3,4,8,16")
+    if not bits or any(b not in (2, 3, 4, 8, 16) for b in bits):
+        raise argparse.ArgumentTypeError(f"bit widths must be among 2,3,4,8,16, got {text!r}")
+    return bits
+
+
+def _chunks(text: str) -> tuple[int, ...]:
+    ks = _int_set(text, "prefill chunks", "1,2,4")
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"prefill chunks must be >= 1, got {text!r}")
+    return ks
+
+
+def _tp_sizes(text: str) -> tuple[int, ...]:
+    vals = _int_set(text, "tensor-parallel sizes", "1,2,4")
+    if not vals or any(v not in (1, 2, 4) for v in vals):
+        raise argparse.ArgumentTypeError(f"tensor-parallel sizes must be among 1, 2, 4, got {text!r}")
+    return vals
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """``--batches`` / ``--lengths`` of ``planner profile``: distinct positive integers."""
+    vals = _int_set(text, "grid sizes", "8,16,32")
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"grid sizes must be positive integers like 8,16,32, got {text!r}")
+    return vals
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
