@@ -1,4 +1,5 @@
-"""``planner`` command line: ``plan``, ``compare``, ``profile``, ``fidelity``.
+"""``planner`` command line: ``plan``, ``compare``, ``profile``, ``fidelity`` (the last two in
+:mod:`planner.cli_measure`, option parsing in :mod:`planner.cli_args`).
 
 Benchmarks (``compare``, ``fidelity``) print one JSON object as their last line.
 """
