@@ -12,9 +12,12 @@ from workqueue import ClusterInfo, WorkQueue
 
 
 def cluster_views(infos: Sequence[ClusterInfo], alpha: float = 0.5) -> list[ClusterView]:
-    """Assigner views. A cluster accepts work while it is active and alive, or active and not
-    yet started (no heartbeat ever: its engine is still loading). A cluster whose heartbeats
-    stopped does not accept work."""
+    """Assigner views. A cluster accepts work while it is active and alive (its heartbeat has not
+    expired). A cluster never seen alive (its engine is still loading, or there is none) accepts
+    work only while no cluster is alive, so a batch submitted at start-up waits durably in Redis;
+    once some engine is alive, the offloader evacuates such queues to live clusters. A cluster
+    whose heartbeats stopped does not accept work."""
+    any_alive = any(i.alive and i.state == "active" for i in infos)
     views = []
     for i in infos:
         measured = i.measured_tps if (i.running > 0 or i.inflight > 0) else None
@@ -28,7 +31,7 @@ def cluster_views(infos: Sequence[ClusterInfo], alpha: float = 0.5) -> list[Clus
                 queue_length=i.queue_length,
                 max_query_tokens=i.max_query_tokens or None,
                 kv_budget_tokens=i.kv_budget_tokens or None,
-                accepting=i.state == "active" and (i.alive or i.last_heartbeat == 0),
+                accepting=i.state == "active" and (i.alive or (i.last_heartbeat == 0 and not any_alive)),
             )
         )
     return views
