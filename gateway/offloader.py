@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 class OffloadConfig:
     lookahead_s: float = 2.0  # "nearly idle": held work it can finish within this many seconds
     tail_len: int = 256  # queries looked at from the back of each donor queue
+    evacuate_chunk: int = 2000  # most queries moved off one dead/draining queue per tick
     links: LinkCost = field(default_factory=LinkCost)
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
@@ -101,7 +102,8 @@ class Offloader:
         stuck = [v.name for v, i in zip(views, infos, strict=True) if not v.accepting and i.queue_length > 0]
         if not stuck or not any(v.usable for v in views):
             return 0
-        queued = {i.name: queued_loads(self.queue, i.name) for i in infos}
+        # bounded reads: only the stuck queues' tails, a chunk per tick (the rest moves next tick)
+        queued = {name: queued_loads(self.queue, name, self.config.evacuate_chunk) for name in stuck}
         try:
             moves = plan_rebalance(views, queued, drain=stuck, links=self.config.links)
         except NoClusterError as e:

@@ -74,7 +74,11 @@ def view_proto(view: ClusterView) -> pb.ClusterStatus:
     )
 
 
-def queued_loads(queue: WorkQueue, cluster: str, limit: int | None = None) -> list[QueryLoad]:
-    """The queued queries of a cluster as assigner loads (front first), read from Redis."""
-    n = limit if limit is not None else 1 << 30
-    return [QueryLoad(g, 0, t) for g, t in queue.tail(cluster, n)]
+MAX_TAIL_READ = 20_000  # most queued ids read from one queue at a time (queues may hold millions)
+
+
+def queued_loads(queue: WorkQueue, cluster: str, limit: int = MAX_TAIL_READ) -> list[QueryLoad]:
+    """The last ``limit`` queued queries of a cluster as assigner loads (front first), read from
+    Redis. Reads are bounded: a plan made from them moves at most ``limit`` queries per queue,
+    and the rest move on a later round."""
+    return [QueryLoad(g, 0, t) for g, t in queue.tail(cluster, min(limit, MAX_TAIL_READ))]

@@ -6,11 +6,11 @@ import grpc
 import pytest
 
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.offloader import Offloader
+from gateway.offloader import OffloadConfig, Offloader
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread
-from workqueue import WorkQueue, connect
+from workqueue import QueuedQuery, WorkQueue, connect
 
 
 @pytest.fixture
@@ -56,3 +56,22 @@ def test_at_start_up_work_waits_and_then_goes_to_the_first_live_cluster(gateway)
     assert by_name["a"].queue_length == 30
     assert by_name["b"].queue_length == by_name["ghost"].queue_length == 0
     assert by_name["b"].pending_tokens == by_name["ghost"].pending_tokens == 0
+
+
+def test_evacuation_reads_and_moves_a_bounded_chunk_per_tick(redis_url):
+    queue = WorkQueue(connect(redis_url))
+    queue.register_cluster("a", capacity_hint_tps=100)
+    queue.register_cluster("gone", capacity_hint_tps=100)
+    queue.heartbeat("a", ttl_s=60, tokens_per_s=100)
+    rows = [(QueuedQuery("b", f"q{i}", "p", 8, 4, 10.0), "gone") for i in range(500)]
+    queue.create_batch("b", rows)
+    offloader = Offloader(queue, OffloadConfig(evacuate_chunk=200))
+    left = []
+    for _ in range(3):
+        offloader.tick()
+        left.append(queue.clusters(["gone"])[0].queue_length)
+    assert left == [300, 100, 0]
+    moved = queue.queued_ids("a")  # each chunk keeps its order; chunks arrive back of the queue first
+    assert sorted(moved) == sorted(f"b:q{i}" for i in range(500))
+    assert moved[:200] == [f"b:q{i}" for i in range(300, 500)]
+    assert queue.clusters(["a"])[0].pending_tokens == 500 * 14
