@@ -27,6 +27,7 @@ class OffloadConfig:
     lookahead_s: float = 2.0  # "nearly idle": held work it can finish within this many seconds
     tail_len: int = 256  # queries looked at from the back of each donor queue
     evacuate_chunk: int = 2000  # most queries moved off one dead/draining queue per tick
+    mover_ttl_s: float = 30.0  # the mover lease lapses this long after a holder died mid-tick
     links: LinkCost = field(default_factory=LinkCost)
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
@@ -58,13 +59,24 @@ class Offloader:
         return moved
 
     def tick(self) -> int:
-        """One round; returns how many queries moved."""
+        """One round; returns how many queries moved. Moves happen only under the mover lease,
+        so offloaders of several gateway replicas and admin rebalance never plan from the same
+        snapshot; a tick that finds the lease held requeues lapsed leases and moves nothing."""
         q = self.queue
         infos = q.clusters()
         for i in infos:
             n = q.requeue_expired(i.name)
             if n:
                 log.warning("requeued %d queries of %s whose worker stopped renewing", n, i.name)
+        with q.mover_lease("offloader", ttl_s=self.config.mover_ttl_s) as held:
+            if not held:
+                if self.metrics is not None:
+                    self.metrics.observe_clusters(infos, cluster_views(infos))
+                return 0
+            return self._offload(infos)
+
+    def _offload(self, infos) -> int:
+        q = self.queue
         if n_moved := self._evacuate(infos):
             infos = q.clusters()
         views = cluster_views(infos)

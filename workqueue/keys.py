@@ -15,6 +15,7 @@ Keys (prefix ``fb:``)::
     fb:b:{batch}:results        LIST  finished-query result JSON, in completion order
     fb:b:{batch}:done           SET   query ids with a result (makes results write-once)
     fb:observed                 LIST  observed (prompt, length) records for predictor retraining
+    fb:mover                    STR   the mover lease: who may move queued work now (expires)
 
 A query's global id ``gid`` is ``{batch_id}:{query_id}``; batch ids never contain ``:``.
 """
@@ -25,6 +26,7 @@ PREFIX = "fb:"
 CLUSTERS = PREFIX + "clusters"
 BATCHES = PREFIX + "batches"
 OBSERVED = PREFIX + "observed"
+MOVER = PREFIX + "mover"
 
 
 def cluster_info(name: str) -> str:

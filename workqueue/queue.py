@@ -33,6 +33,7 @@ import redis
 
 from workqueue import keys, scripts
 from workqueue.leases import DEFAULT_MAX_ATTEMPTS, LeaseOps
+from workqueue.mover import MoverLease
 from workqueue.records import (
     FINAL_STATES,
     BatchInfo,
@@ -318,6 +319,11 @@ class WorkQueue(LeaseOps):
             pipe.execute()
 
     # ------------------------------------------------------------------ moving work
+
+    def mover_lease(self, owner: str, ttl_s: float = 30.0, wait_s: float = 0.0) -> MoverLease:
+        """The lease every mover (offloader, rebalance, any gateway replica) holds while it plans and
+        moves: ``with queue.mover_lease("offloader") as held: ...`` (see :mod:`workqueue.mover`)."""
+        return MoverLease(self.r, owner, ttl_s, wait_s)
 
     def move_tail(self, src: str, dst: str, n: int) -> tuple[int, float]:
         """Atomically move up to ``n`` not-yet-started queries from the back of ``src``'s queue to ``dst``'s."""

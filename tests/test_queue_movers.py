@@ -1,0 +1,73 @@
+"""One mover at a time (R7): offloaders of several gateway replicas and admin rebalance share a lease."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from gateway.offloader import Offloader
+from tests.harness import wait_until
+from workqueue import QueuedQuery, WorkQueue, connect
+from workqueue.invariants import check
+
+
+def test_the_lease_is_exclusive_lapses_and_is_released_only_by_its_holder(redis_url):
+    a, b = WorkQueue(connect(redis_url)), WorkQueue(connect(redis_url))
+    with a.mover_lease("a") as held_a:
+        assert held_a
+        with b.mover_lease("b") as held_b:
+            assert not held_b
+    with b.mover_lease("b") as held_b:  # a gave it back
+        assert held_b
+    short = a.mover_lease("a", ttl_s=0.05)
+    assert short.acquire()
+    other = b.mover_lease("b", wait_s=10)
+    assert other.acquire()  # a's lease lapsed (a died holding it): b gets it after waiting
+    short.release()  # a comes back late: it must not delete b's lease
+    assert other.holder() == other.token
+    other.release()
+    assert other.holder() is None
+
+
+class SlowMoves(WorkQueue):
+    """A queue whose moves take a while and record how many run at once."""
+
+    active = 0
+    most = 0
+    lock = threading.Lock()
+
+    def move_tail(self, src: str, dst: str, n: int) -> tuple[int, float]:
+        with SlowMoves.lock:
+            SlowMoves.active += 1
+            SlowMoves.most = max(SlowMoves.most, SlowMoves.active)
+        time.sleep(0.2)
+        try:
+            return super().move_tail(src, dst, n)
+        finally:
+            with SlowMoves.lock:
+                SlowMoves.active -= 1
+
+
+def test_two_offloaders_ticking_at_once_do_not_both_move_the_same_surplus(redis_url):
+    setup = WorkQueue(connect(redis_url))
+    for name in ("busy", "idle"):
+        setup.register_cluster(name, capacity_hint_tps=100)
+        setup.heartbeat(name, ttl_s=60, tokens_per_s=100)
+    setup.create_batch("b", [(QueuedQuery("b", f"q{i}", "p", 8, 4, 96.0), "busy") for i in range(200)])
+    offloaders = [Offloader(SlowMoves(connect(redis_url))) for _ in range(2)]
+    start = threading.Barrier(2)
+    moved = [0, 0]
+
+    def run(k: int) -> None:
+        start.wait()
+        moved[k] = offloaders[k].tick()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert SlowMoves.most == 1
+    assert 0 in moved and 90 <= sum(moved) <= 110  # one planner moved about half, not twice that
+    wait_until(lambda: setup.mover_lease("check").holder() is None, 10, "the lease given back")
+    assert check(setup.r) == []
