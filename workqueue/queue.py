@@ -46,6 +46,7 @@ from workqueue.records import (
 
 __all__ = ["FINAL_STATES", "BatchInfo", "ClaimedQuery", "ClusterInfo", "QueuedQuery", "WorkQueue"]
 
+SWEEP_CHUNK = 1000  # queued ids one cancel-sweep call looks at (keeps each script call short)
 CREATE_RETRIES = 20  # optimistic-transaction retries of create_batch (each lost race re-reads)
 
 
@@ -68,6 +69,7 @@ class WorkQueue(LeaseOps):
         self._init_leases(client, clock, max_attempts)
         self._move_tail = client.register_script(scripts.MOVE_TAIL)
         self._cancel = client.register_script(scripts.CANCEL)
+        self._sweep = client.register_script(scripts.SWEEP_CANCELLED)
 
     @classmethod
     def from_url(cls, url: str, **kw) -> WorkQueue:
@@ -291,9 +293,30 @@ class WorkQueue(LeaseOps):
             pipe.hget(keys.batch(b), "status")
         return dict(zip(ids, pipe.execute(), strict=True))
 
-    def cancel_batch(self, batch_id: str) -> int:
-        """Mark the batch cancelling and cancel its queued queries; returns how many were removed (-1: unknown batch)."""
-        return int(self._cancel(args=[batch_id, self.clock(), *self.cluster_names()]))
+    def cancel_batch(self, batch_id: str, chunk: int = SWEEP_CHUNK) -> int:
+        """Cancel a batch; returns how many of its queued queries this call cancelled (-1: unknown batch).
+
+        Lazy, with a bounded sweep: one O(1) script marks the batch ``cancelling`` (claims from
+        then on drop its queries and workers abort its running ones), then each queue is swept
+        in calls that look at most ``chunk`` ids, so Redis is never blocked for long whatever
+        the queues hold. Ids that claims or moves shift past the sweep are dropped by the claim
+        that reaches them.
+        """
+        marked = int(self._cancel(args=[batch_id, self.clock()]))
+        if marked <= 0:
+            return marked
+        return sum(self.sweep_cancelled(c, chunk) for c in self.cluster_names())
+
+    def sweep_cancelled(self, cluster: str, chunk: int = SWEEP_CHUNK) -> int:
+        """Take the queued queries of cancelling batches out of one queue, ``chunk`` ids per call."""
+        if chunk <= 0:
+            raise ValueError(f"chunk must be > 0, not {chunk}")
+        start, total = 0, 0
+        while True:
+            n, looked, start = self._sweep(args=[cluster, start, chunk, self.clock()])
+            total += int(n)
+            if int(looked) < chunk:
+                return total
 
     def results(self, batch_id: str, start: int = 0, end: int = -1) -> list[dict]:
         """Result records from index ``start`` (each with its ``index``)."""

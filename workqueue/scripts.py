@@ -227,8 +227,9 @@ return {#moved, tostring(tokens)}
 """
 )
 
-# ARGV: batch id, now, cluster names... Removes the batch's queued queries everywhere and
-# records them as cancelled; running ones are aborted by their workers.
+# ARGV: batch id, now. Marks the batch cancelling: O(1), whatever the queues hold. Its queued
+# queries are then cancelled by SWEEP_CANCELLED (bounded chunks) or when a CLAIM reaches them;
+# running ones are aborted by their workers. Returns -1 (unknown batch), 0 (already final) or 1.
 CANCEL = (
     PRELUDE
     + r"""
@@ -238,24 +239,42 @@ local status = redis.call('HGET', b, 'status')
 if not status then return -1 end
 if status == 'completed' or status == 'failed' or status == 'cancelled' then return 0 end
 redis.call('HSET', b, 'status', 'cancelling')
-local prefix = bid .. ':'
-local n = 0
-for i = 3, #ARGV do
-  local c = ARGV[i]
-  local items = redis.call('LRANGE', k_queue(c), 0, -1)
-  for _, g in ipairs(items) do
-    if string.sub(g, 1, #prefix) == prefix then
-      redis.call('LREM', k_queue(c), 1, g)
-      redis.call('INCRBYFLOAT', k_pending(c), -tonumber(redis.call('HGET', k_query(g), 'tokens') or '0'))
-      finish(g, cancelled_result(g, c), 'cancelled', 0, now)
-      n = n + 1
-    end
-  end
-end
 local h = redis.call('HMGET', b, 'total', 'completed', 'failed', 'cancelled')
 if tonumber(h[2] or '0') + tonumber(h[3] or '0') + tonumber(h[4] or '0') >= tonumber(h[1] or '0') then
   redis.call('HSET', b, 'status', 'cancelled', 'completed_at', now)
 end
-return n
+return 1
+"""
+)
+
+# ARGV: cluster, start, count, now. Looks at most `count` queued ids of the cluster's queue
+# from index `start` and cancels those whose batch is cancelling: their slots are overwritten
+# with a tombstone (LSET) and removed in one LREM that stops at the last of them, so one call
+# costs O(start + count), never a scan of a whole million-query queue per id.
+# Returns {cancelled, looked at, next start}.
+SWEEP_CANCELLED = (
+    PRELUDE
+    + r"""
+local c, start, count, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local TOMB = '\0cancelled'
+local ids = redis.call('LRANGE', k_queue(c), start, start + count - 1)
+local statuses = {}
+local n, tokens = 0, 0
+for i, g in ipairs(ids) do
+  local bid = split_gid(g)
+  if statuses[bid] == nil then statuses[bid] = redis.call('HGET', k_batch(bid), 'status') or '' end
+  if statuses[bid] == 'cancelling' or statuses[bid] == 'cancelled' then
+    redis.call('LSET', k_queue(c), start + i - 1, TOMB)
+    tokens = tokens + tonumber(redis.call('HGET', k_query(g), 'tokens') or '0')
+    redis.call('HSET', k_query(g), 'state', 'cancelling')
+    finish(g, cancelled_result(g, c), 'cancelled', 0, now)
+    n = n + 1
+  end
+end
+if n > 0 then
+  redis.call('LREM', k_queue(c), n, TOMB)
+  redis.call('INCRBYFLOAT', k_pending(c), -tokens)
+end
+return {n, #ids, start + #ids - n}
 """
 )
