@@ -46,6 +46,8 @@ from workqueue.records import (
 
 __all__ = ["FINAL_STATES", "BatchInfo", "ClaimedQuery", "ClusterInfo", "QueuedQuery", "WorkQueue"]
 
+DEFAULT_RETENTION_S = 7 * 24 * 3600  # finished batches (status, results) are kept a week
+PRUNE_CHUNK = 1000  # batch ids one prune call looks at
 SWEEP_CHUNK = 1000  # queued ids one cancel-sweep call looks at (keeps each script call short)
 CREATE_RETRIES = 20  # optimistic-transaction retries of create_batch (each lost race re-reads)
 
@@ -64,8 +66,12 @@ class WorkQueue(LeaseOps):
         *,
         clock: Callable[[], float] = time.time,
         max_attempts: int | None = DEFAULT_MAX_ATTEMPTS,
+        retention_s: float = DEFAULT_RETENTION_S,
     ):
+        if not retention_s >= 0:
+            raise ValueError(f"retention_s must be >= 0 (0: keep forever), not {retention_s}")
         self.r = client
+        self.retention_s = int(retention_s)
         self._init_leases(client, clock, max_attempts)
         self._move_tail = client.register_script(scripts.MOVE_TAIL)
         self._cancel = client.register_script(scripts.CANCEL)
@@ -217,14 +223,18 @@ class WorkQueue(LeaseOps):
                     self._write_batch(
                         pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now
                     )
+                    if not rows and self.retention_s:  # final at birth
+                        for key in (bkey, keys.results(batch_id), keys.done(batch_id)):
+                            pipe.expire(key, self.retention_s)
                     pipe.execute()
                     return True
                 except redis.WatchError:
                     continue
         raise RuntimeError(f"batch {batch_id}: creation kept racing with other writers")
 
-    @staticmethod
-    def _write_batch(pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now) -> None:
+    def _write_batch(
+        self, pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now
+    ) -> None:
         bkey = keys.batch(batch_id)
         pipe.delete(bkey)  # a hash without status is a creation cut short: start afresh
         pipe.hset(
@@ -241,6 +251,7 @@ class WorkQueue(LeaseOps):
                 "metadata": json.dumps(dict(metadata or {})),
                 "queries_per_cluster": json.dumps(per_cluster),
                 "predicted_tokens_per_cluster": json.dumps(per_cluster_tokens),
+                "retention_s": self.retention_s,
             },
         )
         pipe.zadd(keys.BATCHES, {batch_id: now})
@@ -282,6 +293,24 @@ class WorkQueue(LeaseOps):
             queries_per_cluster=json.loads(h.get("queries_per_cluster") or "{}"),
             predicted_tokens_per_cluster=json.loads(h.get("predicted_tokens_per_cluster") or "{}"),
         )
+
+    def batch_ids(self, limit: int = 100, newest_first: bool = True) -> list[str]:
+        """Ids of batches not yet expired, by creation time."""
+        self.prune_batches()
+        return self.r.zrange(keys.BATCHES, 0, limit - 1, desc=newest_first)
+
+    def prune_batches(self, chunk: int = PRUNE_CHUNK) -> int:
+        """Forget up to ``chunk`` of the oldest batch ids whose batch expired; returns how many."""
+        ids = self.r.zrange(keys.BATCHES, 0, chunk - 1)
+        if not ids:
+            return 0
+        pipe = self.r.pipeline(transaction=False)
+        for b in ids:
+            pipe.exists(keys.batch(b))
+        gone = [b for b, alive in zip(ids, pipe.execute(), strict=True) if not alive]
+        if gone:
+            self.r.zrem(keys.BATCHES, *gone)
+        return len(gone)
 
     def batch_status(self, batch_id: str) -> str | None:
         return self.r.hget(keys.batch(batch_id), "status")

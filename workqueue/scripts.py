@@ -18,6 +18,9 @@ Rules the scripts keep:
   cluster's ``pending`` counter, so nothing runs it again and the counter stays exact.
 * **Ids without a query hash are dropped.** CLAIM and MOVE_TAIL skip an id whose hash is
   gone (a query finished while queued, under older code) and never recreate the hash.
+* **Finished batches expire.** When a batch reaches a final state, its hash, results and
+  done set get a TTL of the batch's ``retention_s`` (set at creation; 0 keeps them forever).
+  A late completion for a batch that already expired records nothing.
 * **Poison queries fail.** REQUEUE_EXPIRED gives up on a query whose lapsed lease was its
   ``max_attempts``-th claim: it is finished as ``failed`` (``finish_reason`` ``error``) and
   the rest of its batch goes on.
@@ -46,12 +49,26 @@ local function server_now()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
+-- A batch that reached a final state keeps its keys for its retention_s (0: forever).
+local function retire(bid)
+  local keep = tonumber(redis.call('HGET', k_batch(bid), 'retention_s') or '0')
+  if keep and keep > 0 then
+    redis.call('EXPIRE', k_batch(bid), keep)
+    redis.call('EXPIRE', k_results(bid), keep)
+    redis.call('EXPIRE', k_done(bid), keep)
+  end
+end
+
 -- Record the final result of one query once; returns its index in the result list, or -1
 -- when the query already had a result (results are write-once per query id).
 -- A query still marked queued was requeued after its lease lapsed and is finished late by
 -- its old worker: its id leaves the queue holding it, and its tokens that queue's counter.
 local function finish(g, result, kind, actual, now)
   local bid, qid = split_gid(g)
+  if redis.call('HEXISTS', k_batch(bid), 'status') == 0 then  -- its batch expired: nothing to record
+    redis.call('DEL', k_query(g))
+    return -1
+  end
   if redis.call('SADD', k_done(bid), qid) == 0 then return -1 end
   local q = k_query(g)
   local h = redis.call('HMGET', q, 'cluster', 'tokens', 'state')
@@ -81,6 +98,7 @@ local function finish(g, result, kind, actual, now)
       status = 'failed'
     end
     redis.call('HSET', b, 'status', status, 'completed_at', now)
+    retire(bid)
   end
   return idx
 end
@@ -242,6 +260,7 @@ redis.call('HSET', b, 'status', 'cancelling')
 local h = redis.call('HMGET', b, 'total', 'completed', 'failed', 'cancelled')
 if tonumber(h[2] or '0') + tonumber(h[3] or '0') + tonumber(h[4] or '0') >= tonumber(h[1] or '0') then
   redis.call('HSET', b, 'status', 'cancelled', 'completed_at', now)
+  retire(bid)
 end
 return 1
 """
