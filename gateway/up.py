@@ -3,7 +3,9 @@
 Starts an embedded Redis, one ``engine serve`` process per cluster (by default three
 clusters whose engines run at different speeds, to mimic unlike GPUs) and the gateway in
 this process. It writes ``<run-dir>/gateway.json`` (address, Redis URL, admin token file,
-engine pids) once everything is up, and stops everything cleanly on Ctrl-C / SIGTERM.
+engine pids) once everything is up, and stops everything cleanly on Ctrl-C / SIGTERM. An
+engine that dies is restarted (:mod:`gateway.supervisor`); a SIGKILL of ``gateway up``
+leaves no engine or Redis process behind.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from gateway.config import ClusterSpec, GatewayConfig, load_clusters
 from gateway.server import serve
+from gateway.supervisor import EngineSupervisor
 from workqueue import WorkQueue, connect
 from workqueue.embedded import URL_ENV, EmbeddedRedis
 
@@ -49,41 +52,8 @@ def default_clusters(n: int, backend: str, size: str) -> list[ClusterSpec]:
     return specs
 
 
-def start_engine(
-    spec: ClusterSpec, redis_url: str, log_dir: Path, threads: int, extra: list[str]
-) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "engines.cli", "serve",
-        "--cluster", spec.name,
-        "--redis-url", redis_url,
-        "--backend", spec.backend,
-        "--threads", str(threads),
-        "--capacity", str(spec.capacity_tps),
-        *(["--plan", spec.plan] if spec.plan else []),
-        *spec.engine_args,
-        *extra,
-    ]  # fmt: skip
-    logfile = open(log_dir / f"engine-{spec.name}.log", "ab")  # noqa: SIM115 - handed to the child
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def stop_processes(procs: dict[str, subprocess.Popen], timeout_s: float = 15.0) -> None:
-    for p in procs.values():
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for name, p in procs.items():
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("engine %s did not stop in time; killing it", name)
-            p.kill()
-            p.wait()
-
-
 async def wait_for_engines(
-    queue: WorkQueue, names: list[str], procs: dict[str, subprocess.Popen], timeout_s: float
+    queue: WorkQueue, names: list[str], procs: Mapping[str, subprocess.Popen], timeout_s: float
 ) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -116,18 +86,22 @@ async def up(args) -> int:
     if not url:
         redis_server = EmbeddedRedis(run_dir / "redis")
         url = redis_server.url
-    procs: dict[str, subprocess.Popen] = {}
     stop = asyncio.Event()
+    engines: EngineSupervisor | None = None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         queue = WorkQueue(connect(url))
-        for spec in specs:
-            procs[spec.name] = start_engine(
-                spec, url, run_dir / "logs", args.engine_threads, args.engine_arg or []
-            )
-            log.info("engine %s started (pid %d, backend %s)", spec.name, procs[spec.name].pid, spec.backend)
+        engines = EngineSupervisor(
+            specs,
+            url,
+            run_dir / "logs",
+            threads=args.engine_threads,
+            extra=args.engine_arg or [],
+            max_restarts=getattr(args, "engine_restarts", 5),
+        )
+        engines.start_all()
         config = GatewayConfig.from_args(args, redis_url=url, admin_token=token, clusters=specs)
         ready = asyncio.Event()
         gateway = asyncio.create_task(serve(config, ready=ready, stop=stop))
@@ -135,22 +109,28 @@ async def up(args) -> int:
         await asyncio.wait([gateway, ready_wait], return_when=asyncio.FIRST_COMPLETED)
         if gateway.done():
             gateway.result()  # raises the startup error
-        await wait_for_engines(queue, [s.name for s in specs], procs, args.engine_timeout)
+        await wait_for_engines(queue, [s.name for s in specs], engines.procs, args.engine_timeout)
         info = {
             "address": config.bound_address,
             "redis_url": url,
             "admin_token_file": str(token_file),
             "clusters": [s.name for s in specs],
-            "engine_pids": {n: p.pid for n, p in procs.items()},
+            "engine_pids": engines.pids,
+            "pid": os.getpid(),
+            "redis_pid": redis_server.pid if redis_server is not None else None,
             "logs": str(run_dir / "logs"),
         }
-        (run_dir / "gateway.json").write_text(json.dumps(info, indent=2))
+        info_file = run_dir / "gateway.json"
+        info_file.write_text(json.dumps(info, indent=2))
+        engines.on_change = lambda pids: info_file.write_text(
+            json.dumps({**info, "engine_pids": pids}, indent=2)
+        )
         print(f"gateway listening on {config.bound_address}", flush=True)
         print(f"  Redis: {url}", flush=True)
         print(f"  clusters: {', '.join(s.name for s in specs)} (logs in {run_dir / 'logs'})", flush=True)
         print(f"  admin token: {token_file}", flush=True)
         print("  Ctrl-C stops everything", flush=True)
-        watcher = asyncio.create_task(_watch_engines(procs, stop))
+        watcher = asyncio.create_task(engines.watch(stop))
         await gateway
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -158,23 +138,10 @@ async def up(args) -> int:
         return 0
     finally:
         stop.set()
-        await asyncio.to_thread(stop_processes, procs)
+        if engines is not None:
+            await asyncio.to_thread(engines.stop)
         with contextlib.suppress(FileNotFoundError):
             (run_dir / "gateway.json").unlink()
         if redis_server is not None:
             redis_server.close()
         log.info("local deployment stopped")
-
-
-async def _watch_engines(procs: dict[str, subprocess.Popen], stop: asyncio.Event) -> None:
-    reported: set[str] = set()
-    while not stop.is_set():
-        for n, p in procs.items():
-            if p.poll() is not None and n not in reported:
-                reported.add(n)
-                log.error(
-                    "engine %s exited with code %s; its queued work will be moved to the others",
-                    n,
-                    p.returncode,
-                )
-        await asyncio.sleep(1.0)

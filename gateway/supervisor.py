@@ -1,0 +1,150 @@
+"""The engine processes of ``gateway up``: start them, restart one that dies, stop them all.
+
+* **Restarts.** An engine that exits while the deployment runs is started again after a
+  backoff (1 s, doubling up to 30 s; reset once it has run for a minute), at most
+  ``max_restarts`` times per engine. Its claimed queries come back through their leases and
+  its queued work is moved by the offloader meanwhile, so a restart loses nothing.
+* **No orphans.** Every child (engines here, the embedded Redis in
+  :mod:`workqueue.embedded`) asks the kernel for SIGTERM when its parent dies
+  (``PR_SET_PDEATHSIG``), so a SIGKILL of ``gateway up`` leaves no engine or Redis behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.config import ClusterSpec
+from workqueue.embedded import die_with_parent
+
+log = logging.getLogger(__name__)
+
+
+def engine_command(spec: ClusterSpec, redis_url: str, threads: int, extra: Sequence[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "engines.cli", "serve",
+        "--cluster", spec.name,
+        "--redis-url", redis_url,
+        "--backend", spec.backend,
+        "--threads", str(threads),
+        "--capacity", str(spec.capacity_tps),
+        *(["--plan", spec.plan] if spec.plan else []),
+        *spec.engine_args,
+        *extra,
+    ]  # fmt: skip
+
+
+@dataclass
+class EngineSupervisor:
+    """One ``engine serve`` process per cluster spec, kept running until :meth:`stop`."""
+
+    specs: Sequence[ClusterSpec]
+    redis_url: str
+    log_dir: Path
+    threads: int = 1
+    extra: Sequence[str] = ()
+    max_restarts: int = 5
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 30.0
+    stable_s: float = 60.0  # an engine up this long has its backoff reset
+    on_change: Callable[[dict[str, int]], None] | None = None  # told the pids after a restart
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    _started_at: dict[str, float] = field(default_factory=dict)
+    _due: dict[str, float] = field(default_factory=dict)
+
+    def start_all(self) -> None:
+        for spec in self.specs:
+            self._start(spec)
+
+    def _start(self, spec: ClusterSpec) -> None:
+        logfile = open(self.log_dir / f"engine-{spec.name}.log", "ab")  # noqa: SIM115 - handed to the child
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.procs[spec.name] = subprocess.Popen(
+            engine_command(spec, self.redis_url, self.threads, self.extra),
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        logfile.close()
+        self._started_at[spec.name] = time.monotonic()
+        log.info("engine %s started (pid %d, backend %s)", spec.name, self.procs[spec.name].pid, spec.backend)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {n: p.pid for n, p in self.procs.items()}
+
+    def exited(self) -> dict[str, int]:
+        """Engines that have exited, with their exit codes."""
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+
+    def check(self, now: float | None = None) -> list[str]:
+        """Restart engines that died and whose backoff is over; returns the names restarted."""
+        now = time.monotonic() if now is None else now
+        restarted = []
+        for spec in self.specs:
+            name, p = spec.name, self.procs[spec.name]
+            if p.poll() is None:
+                if now - self._started_at[name] > self.stable_s:
+                    self.restarts[name] = 0
+                continue
+            if name not in self._due:
+                n = self.restarts.get(name, 0)
+                if n >= self.max_restarts:
+                    continue
+                delay = min(self.backoff_max_s, self.backoff_base_s * 2**n)
+                self._due[name] = now + delay
+                log.error(
+                    "engine %s exited with code %s; restarting it in %.0f s (restart %d of %d); "
+                    "its queued work moves to the others meanwhile",
+                    name, p.returncode, delay, n + 1, self.max_restarts,
+                )  # fmt: skip
+            if now >= self._due[name]:
+                del self._due[name]
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                self._start(spec)
+                restarted.append(name)
+        if restarted and self.on_change is not None:
+            self.on_change(self.pids)
+        return restarted
+
+    async def watch(self, stop: asyncio.Event, interval_s: float = 0.5) -> None:
+        given_up: set[str] = set()
+        while not stop.is_set():
+            self.check()
+            for name, code in self.exited().items():
+                if self.restarts.get(name, 0) >= self.max_restarts and name not in given_up:
+                    given_up.add(name)
+                    log.error(
+                        "engine %s exited with code %s after %d restarts; not restarting it",
+                        name,
+                        code,
+                        self.max_restarts,
+                    )
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+            except TimeoutError:
+                pass
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name, p in self.procs.items():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("engine %s did not stop in time; killing it", name)
+                p.kill()
+                p.wait()

@@ -1,0 +1,68 @@
+"""`gateway up` under faults: a killed engine is restarted, and a killed `gateway up` leaves no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import REPO, wait_until
+from workqueue import WorkQueue, connect
+
+pytestmark = pytest.mark.fault
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan reparented to a pid 1 that does not reap stays a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
+
+
+def read_info(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "gateway.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def test_a_killed_engine_is_restarted_and_a_killed_gateway_up_leaves_no_process(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gateway.cli", "up", "--listen", "127.0.0.1:0", "--clusters", "2",
+           "--size", "nano", "--run-dir", str(run_dir), "--engine-arg=--max-batch", "--engine-arg=4"]  # fmt: skip
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
+    up = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        info = wait_until(lambda: read_info(run_dir), 300, "gateway up to start")
+        queue = WorkQueue(connect(info["redis_url"]))
+        old = info["engine_pids"]["fast"]
+        os.kill(old, signal.SIGKILL)
+        info = wait_until(
+            lambda: (i := read_info(run_dir)) and i["engine_pids"]["fast"] != old and i, 120, "a new engine"
+        )
+        new = info["engine_pids"]["fast"]
+        assert running(new)
+        wait_until(
+            lambda: (c := queue.clusters(["fast"])[0]).alive and c.last_heartbeat > 0 and running(new),
+            300,
+            "the restarted engine's heartbeat",
+        )
+        children = [*info["engine_pids"].values(), info["redis_pid"]]
+        assert all(running(p) for p in children)
+        os.kill(up.pid, signal.SIGKILL)  # no clean-up code runs in gateway up
+        up.wait(timeout=30)
+        wait_until(lambda: not any(running(p) for p in children), 60, "engines and Redis to exit with it")
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+        log.close()
+    text = (tmp_path / "up.log").read_text()
+    assert "engine fast exited with code -9; restarting it" in text
