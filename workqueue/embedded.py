@@ -134,6 +134,12 @@ class EmbeddedRedis:
     def tcp_url(self) -> str | None:
         return f"redis://127.0.0.1:{self.port}/0" if self.port else None
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would (no final save: what the AOF holds survives)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
     def close(self) -> None:
         if self._proc.poll() is None:
             try:

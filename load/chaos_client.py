@@ -1,0 +1,104 @@
+"""A client that outlives gateway and Redis restarts: idempotent submit, resumable stream.
+
+It submits with a fixed ``batch_id`` (a retried submit returns the existing batch) and
+streams with ``start_index`` from the next index it has not seen, switching replica on
+errors. Results are kept by query id. At the end it re-reads from index 0 whenever it holds
+fewer distinct queries than the batch counts as finished: after Redis lost its last second
+of writes (AOF ``everysec``) the rewritten results can land at indices it already passed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+
+RETRY_S = 0.5
+
+
+class ResilientClient:
+    def __init__(self, targets: Sequence[str], request: pb.SubmitBatchRequest, stop: threading.Event):
+        if not request.batch_id:
+            raise ValueError("a resilient client needs a batch_id (retried submits must be idempotent)")
+        self.targets = list(targets)
+        self.request = request
+        self.batch_id = request.batch_id
+        self.stop = stop
+        self.results: dict[str, dict] = {}
+        self.rows_seen = 0
+        self.duplicates_dropped = 0
+        self.errors: dict[str, int] = {}
+        self.final: pb.Batch | None = None
+        self._turn = 0
+
+    def _channel(self) -> grpc.Channel:
+        target = self.targets[self._turn % len(self.targets)]
+        return grpc.insecure_channel(target)
+
+    def _failed(self, e: grpc.RpcError) -> None:
+        code = e.code().name if hasattr(e, "code") else type(e).__name__
+        self.errors[code] = self.errors.get(code, 0) + 1
+        self._turn += 1  # try the other replica next
+        self.stop.wait(RETRY_S)
+
+    def _call(self, fn):
+        while not self.stop.is_set():
+            with self._channel() as ch:
+                try:
+                    return fn(pb_grpc.BatchServiceStub(ch))
+                except grpc.RpcError as e:
+                    self._failed(e)
+        return None
+
+    def _keep(self, r: pb.QueryResult) -> None:
+        self.rows_seen += 1
+        if r.query_id in self.results:
+            self.duplicates_dropped += 1
+            return
+        self.results[r.query_id] = MessageToDict(r, preserving_proto_field_name=True)
+
+    def _stream(self, stub, start: int, follow: bool) -> int:
+        req = pb.StreamResultsRequest(batch_id=self.batch_id, follow=follow, start_index=start)
+        for r in stub.StreamResults(req, timeout=3600):
+            self._keep(r)
+            start = r.index + 1
+        return start
+
+    def run(self) -> None:
+        """Submit, then stream until the batch is final (or ``stop``)."""
+        if self._call(lambda s: s.SubmitBatch(self.request, timeout=120)) is None:
+            return
+        next_index = 0
+        while not self.stop.is_set():
+            with self._channel() as ch:
+                stub = pb_grpc.BatchServiceStub(ch)
+                try:
+                    next_index = self._stream(stub, next_index, follow=True)
+                    batch = stub.GetBatch(pb.GetBatchRequest(batch_id=self.batch_id), timeout=30)
+                except grpc.RpcError as e:
+                    self._failed(e)
+                    continue
+            c = batch.request_counts
+            if len(self.results) < c.completed + c.failed + c.cancelled:
+                next_index = 0  # results were rewritten behind us: read them all again
+                continue
+            self.final = batch
+            return
+
+    def start(self) -> threading.Thread:
+        t = threading.Thread(target=self.run, name="chaos-client", daemon=True)
+        t.start()
+        return t
+
+
+def wait_s(seconds: float, stop: threading.Event) -> None:
+    """Sleep that a stop cuts short."""
+    end = time.monotonic() + seconds
+    while not stop.is_set() and time.monotonic() < end:
+        stop.wait(min(0.1, end - time.monotonic()))

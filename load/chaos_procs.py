@@ -1,0 +1,88 @@
+"""The processes `loadgen chaos` runs and breaks: an embedded Redis it can kill and restart
+(same data directory and socket) and gateway replicas it can kill and restart (same port)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from workqueue.embedded import EmbeddedRedis, die_with_parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RestartableRedis:
+    """The embedded Redis (AOF, ``appendfsync everysec``) that comes back with its data after a SIGKILL."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.server = EmbeddedRedis(run_dir, persist=True)
+        self.url = self.server.url
+
+    def kill(self) -> None:
+        self.server.kill()
+
+    def restart(self) -> None:
+        self.server = EmbeddedRedis(self.run_dir, persist=True)
+        assert self.server.url == self.url
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class GatewayProcess:
+    """One ``gateway serve`` replica on a fixed loopback port."""
+
+    def __init__(self, name: str, redis_url: str, clusters_file: Path, token: str, log_dir: Path):
+        self.name = name
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "gateway.cli", "serve", "--listen", self.address,
+                    "--redis-url", redis_url, "--clusters", str(clusters_file), "--admin-token", token]  # fmt: skip
+        self.log_path = log_dir / f"gateway-{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=die_with_parent, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as ch:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"gateway {self.name} exited with {self.proc.returncode}; see {self.log_path}"
+                    )
+                try:
+                    grpc.channel_ready_future(ch).result(timeout=1.0)
+                    return
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"gateway {self.name} did not listen within {timeout_s:.0f} s"
+                        ) from None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
