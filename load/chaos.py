@@ -59,7 +59,7 @@ TOKEN = "chaos-admin-token"
 @dataclass
 class ChaosConfig:
     run_dir: Path
-    queries: int = 600
+    queries: int = 1000
     clusters: int = 2
     size: str = "nano"
     max_tokens: int = 48
@@ -237,7 +237,7 @@ class Chaos:
         thread = client.start()
         last_heal = time.monotonic()
         for k, fault in enumerate(c.faults):
-            at = int(c.queries * (0.04 + 0.08 * k))  # progress at which this fault fires
+            at = int(c.queries * (0.03 + 0.06 * k))  # progress at which this fault fires
             if not self._wait(
                 lambda at=at: self._results(batch_id) >= at or self._batch_final(batch_id), 600
             ):
@@ -274,6 +274,7 @@ class Chaos:
             "failed": b.failed if b else 0,
             "client_received": len(client.results),
             "client_duplicates_dropped": client.duplicates_dropped,
+            "client_rereads": client.rereads,
             "client_errors": client.errors,
             "engines_alive": sum(i.alive for i in infos),
             "engine_restarts": sum(self.engines.restarts.values()),
@@ -292,7 +293,7 @@ def run_chaos(config: ChaosConfig) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--num", "-n", type=int, default=600, help="queries in the batch")
+    p.add_argument("--num", "-n", type=int, default=1000, help="queries in the batch")
     p.add_argument("--slowdown", type=float, default=3.0, help="engines sleep this x their compute per step")
     p.add_argument("--clusters", type=int, default=2, help="clusters (engine processes) of the default fleet")
     p.add_argument("--size", default="nano", help="size of the random local model")

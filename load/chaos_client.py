@@ -10,7 +10,6 @@ of writes (AOF ``everysec``) the rewritten results can land at indices it alread
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 
 import grpc
@@ -33,6 +32,8 @@ class ResilientClient:
         self.results: dict[str, dict] = {}
         self.rows_seen = 0
         self.duplicates_dropped = 0
+        self.next_index = 0  # the first result index not yet received
+        self.rereads = 0  # times it read the results again from index 0
         self.errors: dict[str, int] = {}
         self.final: pb.Batch | None = None
         self._turn = 0
@@ -63,30 +64,30 @@ class ResilientClient:
             return
         self.results[r.query_id] = MessageToDict(r, preserving_proto_field_name=True)
 
-    def _stream(self, stub, start: int, follow: bool) -> int:
-        req = pb.StreamResultsRequest(batch_id=self.batch_id, follow=follow, start_index=start)
+    def _stream(self, stub) -> None:
+        """Stream from ``next_index`` on; ``next_index`` follows every row, so a broken stream resumes exactly."""
+        req = pb.StreamResultsRequest(batch_id=self.batch_id, follow=True, start_index=self.next_index)
         for r in stub.StreamResults(req, timeout=3600):
             self._keep(r)
-            start = r.index + 1
-        return start
+            self.next_index = r.index + 1
 
     def run(self) -> None:
         """Submit, then stream until the batch is final (or ``stop``)."""
         if self._call(lambda s: s.SubmitBatch(self.request, timeout=120)) is None:
             return
-        next_index = 0
         while not self.stop.is_set():
             with self._channel() as ch:
                 stub = pb_grpc.BatchServiceStub(ch)
                 try:
-                    next_index = self._stream(stub, next_index, follow=True)
+                    self._stream(stub)
                     batch = stub.GetBatch(pb.GetBatchRequest(batch_id=self.batch_id), timeout=30)
                 except grpc.RpcError as e:
                     self._failed(e)
                     continue
             c = batch.request_counts
             if len(self.results) < c.completed + c.failed + c.cancelled:
-                next_index = 0  # results were rewritten behind us: read them all again
+                self.next_index = 0  # results were rewritten behind us: read them all again
+                self.rereads += 1
                 continue
             self.final = batch
             return
@@ -95,10 +96,3 @@ class ResilientClient:
         t = threading.Thread(target=self.run, name="chaos-client", daemon=True)
         t.start()
         return t
-
-
-def wait_s(seconds: float, stop: threading.Event) -> None:
-    """Sleep that a stop cuts short."""
-    end = time.monotonic() + seconds
-    while not stop.is_set() and time.monotonic() < end:
-        stop.wait(min(0.1, end - time.monotonic()))
