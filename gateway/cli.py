@@ -86,8 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="stop assigning to CLUSTER and move its queue away",
     )
-    r.add_argument("--add", metavar="CLUSTER", help="register a new cluster (its engine may start later)")
-    r.add_argument("--capacity", type=float, default=0.0, help="with --add: capacity hint in tokens/s")
+    r.add_argument(
+        "--add", metavar="CLUSTER", help="register a new cluster (its engine may start later; needs --apply)"
+    )
+    r.add_argument(
+        "--capacity", type=float, default=0.0, help="with --add: capacity hint in tokens/s (finite, >= 0)"
+    )
+    r.add_argument("--update", action="store_true", help="with --add: change an existing cluster")
     r.add_argument("--remove", metavar="CLUSTER", help="drain and remove CLUSTER")
     r.add_argument("--force", action="store_true", help="with --remove: even while it still runs queries")
     r.add_argument("--json", action="store_true", help="print the response as JSON")
@@ -111,6 +116,36 @@ def _add_common(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--no-offload", action="store_true", help="disable backoff offloading between clusters")
     s.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted")
+    s.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=256 * 1024,
+        help="longest prompt in UTF-8 bytes, checked before tokenizing",
+    )
+    s.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=256.0,
+        help="gRPC receive limit in MiB: larger requests are RESOURCE_EXHAUSTED",
+    )
+    s.add_argument(
+        "--max-positions",
+        type=int,
+        default=0,
+        help="the model's positions (start token counted; 0: from --tokenizer's config, else 2048)",
+    )
+    s.add_argument(
+        "--on-bad-query",
+        choices=("reject", "fail-row"),
+        default="reject",
+        help="a bad query rejects its batch, or fails alone (when the request does not choose)",
+    )
+    s.add_argument(
+        "--max-queued-per-client",
+        type=int,
+        default=0,
+        help="queries one client (x-client-id header, else its address) may have unfinished (0: no cap)",
+    )
 
 
 def _serve(args) -> int:
@@ -184,11 +219,7 @@ def _rebalance(args) -> int:
         admin = pb_grpc.AdminServiceStub(ch)
         try:
             if args.add:
-                resp = admin.AddCluster(
-                    pb.AddClusterRequest(name=args.add, capacity_tokens_per_s=args.capacity), metadata=md
-                )
-                print(f"added cluster {resp.name} (capacity {resp.capacity_tokens_per_s:.1f} tokens/s)")
-                return 0
+                return _add(admin, args, md)
             if args.remove:
                 resp = admin.RemoveCluster(
                     pb.RemoveClusterRequest(name=args.remove, force=args.force, dry_run=not args.apply),
@@ -214,6 +245,38 @@ def _rebalance(args) -> int:
         print(f"applied: moved {sum(m.moved for m in resp.moves)} queries")
     else:
         print("dry run: nothing moved (pass --apply to carry it out)")
+    return 0
+
+
+def _add(admin, args, md) -> int:
+    """``rebalance --add``: validated here first; a dry run (nothing written) unless --apply."""
+    import math
+
+    from protos import fleetbatch_pb2 as pb
+
+    if not math.isfinite(args.capacity) or args.capacity < 0:
+        print(
+            f"gateway rebalance: --capacity must be a finite number >= 0 (0: no hint), not {args.capacity}",
+            file=sys.stderr,
+        )
+        return 1
+    what = "update" if args.update else "add"
+    if not args.apply:
+        known = {c.name for c in admin.GetClusterStatus(pb.ListClustersRequest(), metadata=md).clusters}
+        if args.add in known and not args.update:
+            print(
+                f"gateway rebalance: cluster {args.add} exists; pass --update to change it", file=sys.stderr
+            )
+            return 1
+        print(
+            f"dry run: would {what} cluster {args.add} (capacity {args.capacity:.1f} tokens/s); "
+            "pass --apply to carry it out"
+        )
+        return 0
+    req = pb.AddClusterRequest(name=args.add, capacity_tokens_per_s=args.capacity, update=args.update)
+    resp = admin.AddCluster(req, metadata=md)
+    done = "updated" if args.update else "added"
+    print(f"{done} cluster {resp.name} (capacity {resp.capacity_tokens_per_s:.1f} tokens/s)")
     return 0
 
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
 TOKEN_ENV = "FLEETBATCH_ADMIN_TOKEN"
+#: positions of the project's default serving model (``localmodels.build_model``'s default)
+DEFAULT_MAX_POSITIONS = 2048
+#: cluster names (and every other id that becomes part of a Redis key)
+NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
 @dataclass
@@ -38,6 +45,12 @@ class GatewayConfig:
     default_max_tokens: int = 256
     max_max_tokens: int = 4096
     max_batch_queries: int = 1_000_000
+    max_prompt_bytes: int = 256 * 1024  # checked before tokenizing
+    max_metadata_bytes: int = 16 * 1024  # per metadata map (keys + values, UTF-8)
+    max_request_bytes: int = 256 * 1024 * 1024  # gRPC receive limit: larger is RESOURCE_EXHAUSTED
+    max_positions: int = 0  # the model's positions (start token counted); 0: from the tokenizer dir
+    on_bad_query: str = "reject"  # reject | fail-row: what a bad query does when the request leaves it open
+    max_queued_per_client: int = 0  # queries a client may have queued or running at once (0: no cap)
     offload: bool = True
     offload_interval_s: float = 0.5
     metrics_port: int = 0  # 0: no Prometheus endpoint
@@ -60,11 +73,44 @@ class GatewayConfig:
             metrics_port=args.metrics_port,
             offload=not args.no_offload,
             max_prompt_tokens=args.max_prompt_tokens,
+            max_prompt_bytes=args.max_prompt_bytes,
+            max_request_bytes=int(args.max_request_mb * 1024 * 1024),
+            max_positions=args.max_positions,
+            on_bad_query=args.on_bad_query,
+            max_queued_per_client=args.max_queued_per_client,
             clusters=clusters,
         )
 
     def token(self) -> str:
         return self.admin_token or os.environ.get(TOKEN_ENV, "")
+
+    def model_positions(self) -> int:
+        """The serving model's positions: ``max_positions``, else the tokenizer dir's config, else the default."""
+        if self.max_positions > 0:
+            return self.max_positions
+        if self.tokenizer_dir:
+            try:
+                cfg = json.loads((Path(self.tokenizer_dir) / "config.json").read_text())
+            except (OSError, ValueError):
+                cfg = {}
+            for key in ("max_position_embeddings", "n_positions"):
+                if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                    return cfg[key]
+        return DEFAULT_MAX_POSITIONS
+
+
+def redact_url(url: str | None) -> str:
+    """``url`` with its password (``redis://user:secret@host``, ``?password=secret``) as ``***``, for logs."""
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        url = urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
 
 
 def load_clusters(path: str | os.PathLike) -> list[ClusterSpec]:
@@ -87,6 +133,14 @@ def load_clusters(path: str | os.PathLike) -> list[ClusterSpec]:
         unknown = set(row) - known
         if unknown:
             raise ValueError(f"{p}: cluster {row['name']!r} has unknown fields {sorted(unknown)}")
+        if not NAME_RE.match(str(row["name"])):
+            raise ValueError(f"{p}: cluster name {row['name']!r} must be 1-128 characters of [A-Za-z0-9_.-]")
+        for key in ("capacity_tps", "max_query_tokens", "kv_budget_tokens"):
+            value = row.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+                raise ValueError(
+                    f"{p}: cluster {row['name']!r}: {key} must be a finite number >= 0, not {value!r}"
+                )
         if row["name"] in seen:
             raise ValueError(f"{p}: cluster name {row['name']!r} appears twice")
         seen.add(row["name"])

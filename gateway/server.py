@@ -11,12 +11,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.config import GatewayConfig
-from gateway.errors import RedisUnavailableInterceptor
+from gateway.admin import AdminService
+from gateway.config import GatewayConfig, redact_url
+from gateway.errors import MalformedRequestInterceptor, RedisUnavailableInterceptor
 from gateway.metrics import GatewayMetrics
 from gateway.offloader import Offloader
 from gateway.policies import make_policy
-from gateway.service import AdminService, BatchService, GatewayDeps
+from gateway.service import BatchService, GatewayDeps
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from workqueue import WorkQueue, connect
@@ -63,9 +64,10 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
     )
 
     def count_tokens(prompts: list[str]) -> list[int]:
+        """Prompt tokens as the engine counts them: the start token included."""
         if not prompts:
             return []
-        return [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+        return [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
 
     def predict_tokens(prompts: list[str]) -> list[float]:
         return [p.expected_tokens for p in predictor.predict(prompts)] if prompts else []
@@ -99,8 +101,11 @@ async def serve(
 ) -> None:
     deps = await asyncio.to_thread(build_deps, config)
     server = grpc.aio.server(
-        interceptors=[RedisUnavailableInterceptor(pb.DESCRIPTOR.package)],
-        options=[("grpc.max_receive_message_length", 512 * 1024 * 1024)],
+        interceptors=[
+            RedisUnavailableInterceptor(pb.DESCRIPTOR.package),
+            MalformedRequestInterceptor(pb.DESCRIPTOR),
+        ],
+        options=[("grpc.max_receive_message_length", config.max_request_bytes)],
     )
     pb_grpc.add_BatchServiceServicer_to_server(BatchService(deps), server)
     pb_grpc.add_AdminServiceServicer_to_server(AdminService(deps), server)
@@ -126,7 +131,12 @@ async def serve(
     host = config.listen.rsplit(":", 1)[0]
     config.bound_address = f"{host}:{port}"
     log.info(
-        "gateway listening on %s (policy %s, Redis %s)", config.bound_address, config.policy, config.redis_url
+        "gateway listening on %s (policy %s, Redis %s, positions %d, request limit %d bytes)",
+        config.bound_address,
+        config.policy,
+        redact_url(config.redis_url),
+        config.model_positions(),
+        config.max_request_bytes,
     )
     stop = stop or asyncio.Event()
     tasks = []

@@ -1,4 +1,4 @@
-"""gRPC servicers: the client batch API and the token-guarded admin API.
+"""The client batch API's gRPC servicer (the admin API is :mod:`gateway.admin`).
 
 Blocking work (tokenizing, predicting, Redis round trips) runs in worker threads via
 ``asyncio.to_thread`` so the event loop keeps serving streams while a large batch is
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.config import GatewayConfig
+from gateway.listing import read_clusters
 from gateway.metrics import GatewayMetrics
 from gateway.offload import LinkCost
 from gateway.policies import AssignmentPolicy, NoClusterError, QueryLoad
-from gateway.rebalance import format_plan, plan_rebalance, simulate_moves
-from gateway.validation import InvalidBatch, validate_batch
-from gateway.views import cluster_proto, cluster_views, queued_loads, view_proto
+from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
+from gateway.views import cluster_proto, cluster_views
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from workqueue import BatchInfo, QueuedQuery, WorkQueue
@@ -93,6 +93,19 @@ def result_proto(r: dict) -> pb.QueryResult:
     )
 
 
+def fail_rows(queue: WorkQueue, batch_id: str, request: pb.SubmitBatchRequest, bad: dict[int, str]) -> None:
+    """Finish each bad query of a fail-row batch as failed, its problem in ``error``."""
+    for i, problem in sorted(bad.items()):
+        qid = request.queries[i].id
+        result = {
+            "batch_id": batch_id,
+            "query_id": qid,
+            "finish_reason": "error",
+            "error": f"invalid query: {problem}",
+        }
+        queue.complete(QueuedQuery(batch_id, qid, "", 0, 0, 0.0).gid, result, "failed")
+
+
 class BatchService(pb_grpc.BatchServiceServicer):
     def __init__(self, deps: GatewayDeps):
         self.d = deps
@@ -103,53 +116,25 @@ class BatchService(pb_grpc.BatchServiceServicer):
     ) -> pb.Batch:
         d, cfg = self.d, self.d.config
         t0 = time.perf_counter()
-        prompts = [q.prompt for q in request.queries]
-        prompt_tokens = await asyncio.to_thread(d.count_tokens, prompts) if prompts else []
-        try:
-            validate_batch(
+        mode = request.on_bad_query or ON_BAD_QUERY[cfg.on_bad_query]
+        try:  # sizes first, then tokenizing: off the event loop
+            checked = await asyncio.to_thread(
+                check_batch,
                 request,
-                prompt_tokens,
-                max_prompt_tokens=cfg.max_prompt_tokens,
-                max_max_tokens=cfg.max_max_tokens,
-                max_batch_queries=cfg.max_batch_queries,
+                d.count_tokens,
+                Limits.of(cfg),
+                fail_row=mode == pb.ON_BAD_QUERY_FAIL_ROW,
             )
         except InvalidBatch as e:
             d.metrics.rejected.inc()
-            log.info("rejected a batch of %d queries: %s", len(prompts), e)
+            log.info("rejected a batch of %d queries: %s", len(request.queries), e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         batch_id = request.batch_id or uuid.uuid4().hex
         if request.batch_id:
             existing = await asyncio.to_thread(d.queue.batch, batch_id)
             if existing is not None:
                 return await self._resubmitted(existing, request, context)
-        predicted = await asyncio.to_thread(d.predict_tokens, prompts)
-        max_tokens = [q.max_tokens or cfg.default_max_tokens for q in request.queries]
-        loads = [
-            QueryLoad(q.id, pt, float(min(p, mt)))
-            for q, pt, p, mt in zip(request.queries, prompt_tokens, predicted, max_tokens, strict=True)
-        ]
-        infos = await asyncio.to_thread(d.queue.clusters)
-        views = cluster_views(infos)
-        try:
-            names = await asyncio.to_thread(self._assign, loads, views)
-        except NoClusterError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot assign the batch: {e}")
-        queued = [
-            QueuedQuery(
-                batch_id=batch_id,
-                query_id=q.id,
-                prompt=q.prompt,
-                max_tokens=mt,
-                prompt_tokens=load.prompt_tokens,
-                predicted_tokens=load.predicted_tokens,
-                temperature=q.sampling.temperature,
-                top_p=q.sampling.top_p or 1.0,
-                seed=q.sampling.seed if q.sampling.HasField("seed") else None,
-                forced_length=q.forced_length if q.HasField("forced_length") else None,
-                metadata=dict(q.metadata),
-            )
-            for q, load, mt in zip(request.queries, loads, max_tokens, strict=True)
-        ]
+        queued, names = await self._assign_all(request, checked, batch_id, context)
         created = await asyncio.to_thread(
             d.queue.create_batch,
             batch_id,
@@ -157,6 +142,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
             policy=d.policy.name,
             metadata=dict(request.metadata),
         )
+        if created and checked.bad:
+            await asyncio.to_thread(fail_rows, d.queue, batch_id, request, checked.bad)
         info = await asyncio.to_thread(d.queue.batch, batch_id)
         if not created:  # a concurrent submission with the same id won
             return await self._resubmitted(info, request, context)
@@ -166,14 +153,60 @@ class BatchService(pb_grpc.BatchServiceServicer):
         elapsed = time.perf_counter() - t0
         d.metrics.assign_seconds.observe(elapsed)
         log.info(
-            "batch %s: %d queries assigned by %s in %.3f s: %s",
+            "batch %s: %d queries assigned by %s in %.3f s (%d bad, failed alone): %s",
             batch_id,
             len(queued),
             d.policy.name,
             elapsed,
+            len(checked.bad),
             ", ".join(f"{c}={n}" for c, n in sorted(info.queries_per_cluster.items())),
         )
         return batch_proto(info)
+
+    async def _assign_all(
+        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context
+    ) -> tuple[list[QueuedQuery], list[str]]:
+        """Predict and assign the good queries; bad ones (fail-row) go last, inert, on the last cluster used."""
+        d = self.d
+        good = [i for i in range(len(request.queries)) if i not in checked.bad]
+        prompts = [request.queries[i].prompt for i in good]
+        predicted = await asyncio.to_thread(d.predict_tokens, prompts)
+        loads = [
+            QueryLoad(
+                request.queries[i].id,
+                checked.prompt_tokens[i],
+                float(min(p, checked.max_tokens[i])),
+            )
+            for i, p in zip(good, predicted, strict=True)
+        ]
+        views = cluster_views(await asyncio.to_thread(read_clusters, d.queue))
+        try:
+            names = await asyncio.to_thread(self._assign, loads, views)
+        except NoClusterError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot assign the batch: {e}")
+        queued = []
+        for i, load in zip(good, loads, strict=True):
+            q = request.queries[i]
+            queued.append(
+                QueuedQuery(
+                    batch_id=batch_id,
+                    query_id=q.id,
+                    prompt=q.prompt,
+                    max_tokens=checked.max_tokens[i],
+                    prompt_tokens=load.prompt_tokens,
+                    predicted_tokens=load.predicted_tokens,
+                    temperature=q.sampling.temperature,
+                    top_p=q.sampling.top_p or 1.0,
+                    seed=q.sampling.seed if q.sampling.HasField("seed") else None,
+                    forced_length=q.forced_length if q.HasField("forced_length") else None,
+                    metadata=dict(q.metadata),
+                )
+            )
+        for i in sorted(checked.bad):  # inert: an engine that claimed one first would refuse max_tokens 0
+            q = request.queries[i]
+            queued.append(QueuedQuery(batch_id, q.id, "", 0, 0, 0.0))
+            names.append(names[-1])
+        return queued, names
 
     def _assign(self, loads: Sequence[QueryLoad], views) -> list[str]:
         with self._policy_lock:
@@ -188,8 +221,9 @@ class BatchService(pb_grpc.BatchServiceServicer):
         return batch_proto(existing)
 
     async def _get(self, batch_id: str, context) -> BatchInfo:
-        if not batch_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "batch_id is empty")
+        problem = id_problem(batch_id, "batch_id")
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         info = await asyncio.to_thread(self.d.queue.batch, batch_id)
         if info is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no batch {batch_id!r}")
@@ -227,124 +261,9 @@ class BatchService(pb_grpc.BatchServiceServicer):
             await asyncio.sleep(0.05)
 
     async def ListClusters(self, request, context) -> pb.ListClustersResponse:
-        infos = await asyncio.to_thread(self.d.queue.clusters)
+        infos = await asyncio.to_thread(read_clusters, self.d.queue, listed=True)
         views = cluster_views(infos)
         self.d.metrics.observe_clusters(infos, views)
         return pb.ListClustersResponse(
             clusters=[cluster_proto(i, v) for i, v in zip(infos, views, strict=True)]
         )
-
-
-class AdminService(pb_grpc.AdminServiceServicer):
-    """Rebalance, drain, add and remove clusters. Every call needs ``authorization: Bearer <token>``."""
-
-    def __init__(self, deps: GatewayDeps):
-        self.d = deps
-
-    async def _authorize(self, context) -> None:
-        token = self.d.config.token()
-        if not token:
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, "the admin API is disabled: no admin token configured"
-            )
-        given = dict(context.invocation_metadata()).get("authorization", "")
-        if given != f"Bearer {token}":
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin token")
-
-    async def GetClusterStatus(self, request, context) -> pb.ListClustersResponse:
-        await self._authorize(context)
-        infos = await asyncio.to_thread(self.d.queue.clusters)
-        views = cluster_views(infos)
-        return pb.ListClustersResponse(
-            clusters=[cluster_proto(i, v) for i, v in zip(infos, views, strict=True)]
-        )
-
-    def _rebalance(self, drain: Sequence[str], dry_run: bool) -> pb.RebalanceResponse:
-        q = self.d.queue
-        infos = q.clusters()
-        names = {i.name for i in infos}
-        unknown = [n for n in drain if n not in names]
-        if unknown:
-            raise KeyError(f"unknown cluster(s): {', '.join(unknown)}")
-        views = cluster_views(infos)
-        queued = {i.name: queued_loads(q, i.name) for i in infos}
-        moves = plan_rebalance(views, queued, drain=drain, links=self.d.links)
-        after, _ = simulate_moves(views, queued, moves)
-        resp = pb.RebalanceResponse(
-            before=[cluster_proto(i, v) for i, v in zip(infos, views, strict=True)],
-            after=[view_proto(v) for v in after],
-            applied=not dry_run,
-            message=format_plan(views, after, moves),
-        )
-        for m in moves:
-            moved = 0
-            if not dry_run:
-                moved, _ = q.move_tail(m.src, m.dst, m.count)
-                self.d.metrics.moves.labels(m.src, m.dst).inc(moved)
-                log.info("rebalance: moved %d/%d queries %s -> %s", moved, m.count, m.src, m.dst)
-            resp.moves.append(
-                pb.Move(src=m.src, dst=m.dst, count=m.count, predicted_tokens=m.tokens, moved=moved)
-            )
-        return resp
-
-    async def _run_rebalance(self, context, drain: Sequence[str], dry_run: bool) -> pb.RebalanceResponse:
-        try:
-            return await asyncio.to_thread(self._rebalance, drain, dry_run)
-        except KeyError as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
-        except NoClusterError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-
-    async def Rebalance(self, request: pb.RebalanceRequest, context) -> pb.RebalanceResponse:
-        await self._authorize(context)
-        return await self._run_rebalance(context, list(request.drain), request.dry_run)
-
-    async def DrainCluster(self, request: pb.DrainClusterRequest, context) -> pb.RebalanceResponse:
-        await self._authorize(context)
-        if not request.name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cluster name is empty")
-        if request.name not in await asyncio.to_thread(self.d.queue.cluster_names):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown cluster(s): {request.name}")
-        if not request.dry_run:  # stop new assignments first, then move the queue away
-            await asyncio.to_thread(self.d.queue.set_cluster_state, request.name, "draining")
-            log.info("cluster %s is draining", request.name)
-        return await self._run_rebalance(context, [request.name], request.dry_run)
-
-    async def AddCluster(self, request: pb.AddClusterRequest, context) -> pb.ClusterStatus:
-        await self._authorize(context)
-        try:
-            await asyncio.to_thread(
-                self.d.queue.register_cluster,
-                request.name,
-                capacity_hint_tps=request.capacity_tokens_per_s or None,
-                backend=request.backend or None,
-                max_query_tokens=request.max_query_tokens or None,
-                kv_budget_tokens=request.kv_budget_tokens or None,
-                state="active",
-            )
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        log.info(
-            "cluster %s added (capacity hint %.1f tokens/s)", request.name, request.capacity_tokens_per_s
-        )
-        infos = await asyncio.to_thread(self.d.queue.clusters, [request.name])
-        return cluster_proto(infos[0], cluster_views(infos)[0])
-
-    async def RemoveCluster(self, request: pb.RemoveClusterRequest, context) -> pb.RebalanceResponse:
-        await self._authorize(context)
-        infos = await asyncio.to_thread(self.d.queue.clusters, [request.name])
-        if (
-            not request.name
-            or infos[0].state == "removed"
-            or request.name not in await asyncio.to_thread(self.d.queue.cluster_names)
-        ):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no cluster {request.name!r}")
-        if infos[0].inflight > 0 and not request.force and not request.dry_run:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"cluster {request.name} has {infos[0].inflight} running queries; drain it first or pass force",
-            )
-        if not request.dry_run:  # stop new assignments first, then move the queue away
-            await asyncio.to_thread(self.d.queue.set_cluster_state, request.name, "removed")
-            log.info("cluster %s removed", request.name)
-        return await self._run_rebalance(context, [request.name], request.dry_run)

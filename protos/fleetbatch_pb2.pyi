@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class OnBadQuery(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ON_BAD_QUERY_UNSPECIFIED: _ClassVar[OnBadQuery]
+    ON_BAD_QUERY_REJECT: _ClassVar[OnBadQuery]
+    ON_BAD_QUERY_FAIL_ROW: _ClassVar[OnBadQuery]
+
 class BatchStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BATCH_STATUS_UNSPECIFIED: _ClassVar[BatchStatus]
@@ -16,6 +22,9 @@ class BatchStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILED: _ClassVar[BatchStatus]
     CANCELLING: _ClassVar[BatchStatus]
     CANCELLED: _ClassVar[BatchStatus]
+ON_BAD_QUERY_UNSPECIFIED: OnBadQuery
+ON_BAD_QUERY_REJECT: OnBadQuery
+ON_BAD_QUERY_FAIL_ROW: OnBadQuery
 BATCH_STATUS_UNSPECIFIED: BatchStatus
 VALIDATING: BatchStatus
 IN_PROGRESS: BatchStatus
@@ -58,7 +67,7 @@ class Query(_message.Message):
     def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., forced_length: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SubmitBatchRequest(_message.Message):
-    __slots__ = ("queries", "metadata", "batch_id")
+    __slots__ = ("queries", "metadata", "batch_id", "on_bad_query")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,10 +78,12 @@ class SubmitBatchRequest(_message.Message):
     QUERIES_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    ON_BAD_QUERY_FIELD_NUMBER: _ClassVar[int]
     queries: _containers.RepeatedCompositeFieldContainer[Query]
     metadata: _containers.ScalarMap[str, str]
     batch_id: str
-    def __init__(self, queries: _Optional[_Iterable[_Union[Query, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ...) -> None: ...
+    on_bad_query: OnBadQuery
+    def __init__(self, queries: _Optional[_Iterable[_Union[Query, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ..., on_bad_query: _Optional[_Union[OnBadQuery, str]] = ...) -> None: ...
 
 class RequestCounts(_message.Message):
     __slots__ = ("total", "completed", "failed", "cancelled")
@@ -290,18 +301,20 @@ class DrainClusterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class AddClusterRequest(_message.Message):
-    __slots__ = ("name", "capacity_tokens_per_s", "backend", "max_query_tokens", "kv_budget_tokens")
+    __slots__ = ("name", "capacity_tokens_per_s", "backend", "max_query_tokens", "kv_budget_tokens", "update")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MAX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_tokens_per_s: float
     backend: str
     max_query_tokens: int
     kv_budget_tokens: int
-    def __init__(self, name: _Optional[str] = ..., capacity_tokens_per_s: _Optional[float] = ..., backend: _Optional[str] = ..., max_query_tokens: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ...) -> None: ...
+    update: bool
+    def __init__(self, name: _Optional[str] = ..., capacity_tokens_per_s: _Optional[float] = ..., backend: _Optional[str] = ..., max_query_tokens: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., update: _Optional[bool] = ...) -> None: ...
 
 class RemoveClusterRequest(_message.Message):
     __slots__ = ("name", "force", "dry_run")

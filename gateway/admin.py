@@ -1,0 +1,166 @@
+"""The token-guarded admin API: rebalance, drain, add and remove clusters.
+
+Every call needs ``authorization: Bearer <token>``, compared in constant time. Admin input
+(names, capacities, limits) is validated before anything is written: a bad value is
+``INVALID_ARGUMENT`` and leaves Redis as it was. Adding a cluster that exists is
+``ALREADY_EXISTS`` unless the request asks to ``update`` it. Removed clusters leave the
+listing once nothing of theirs is queued or running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+
+from gateway.listing import read_clusters
+from gateway.policies import NoClusterError
+from gateway.rebalance import format_plan, plan_rebalance, simulate_moves
+from gateway.validation import cluster_problems, id_problem
+from gateway.views import cluster_proto, cluster_views, queued_loads, view_proto
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from gateway.service import GatewayDeps
+
+log = logging.getLogger(__name__)
+
+
+class AdminService(pb_grpc.AdminServiceServicer):
+    """Rebalance, drain, add and remove clusters. Every call needs ``authorization: Bearer <token>``."""
+
+    def __init__(self, deps: GatewayDeps):
+        self.d = deps
+
+    async def _authorize(self, context) -> None:
+        token = self.d.config.token()
+        if not token:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "the admin API is disabled: no admin token configured"
+            )
+        given = dict(context.invocation_metadata()).get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin token")
+
+    async def _check_name(self, name: str, context, what: str = "cluster name") -> None:
+        problem = id_problem(name, what)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+    async def GetClusterStatus(self, request, context) -> pb.ListClustersResponse:
+        await self._authorize(context)
+        infos = await asyncio.to_thread(read_clusters, self.d.queue, listed=True)
+        views = cluster_views(infos)
+        return pb.ListClustersResponse(
+            clusters=[cluster_proto(i, v) for i, v in zip(infos, views, strict=True)]
+        )
+
+    def _rebalance(self, drain: Sequence[str], dry_run: bool) -> pb.RebalanceResponse:
+        q = self.d.queue
+        infos = read_clusters(q, listed=True, keep=drain)
+        names = {i.name for i in infos}
+        unknown = [n for n in drain if n not in names]
+        if unknown:
+            raise KeyError(f"unknown cluster(s): {', '.join(unknown)}")
+        views = cluster_views(infos)
+        queued = {i.name: queued_loads(q, i.name) for i in infos}
+        moves = plan_rebalance(views, queued, drain=drain, links=self.d.links)
+        after, _ = simulate_moves(views, queued, moves)
+        resp = pb.RebalanceResponse(
+            before=[cluster_proto(i, v) for i, v in zip(infos, views, strict=True)],
+            after=[view_proto(v) for v in after],
+            applied=not dry_run,
+            message=format_plan(views, after, moves),
+        )
+        for m in moves:
+            moved = 0
+            if not dry_run:
+                moved, _ = q.move_tail(m.src, m.dst, m.count)
+                self.d.metrics.moves.labels(m.src, m.dst).inc(moved)
+                log.info("rebalance: moved %d/%d queries %s -> %s", moved, m.count, m.src, m.dst)
+            resp.moves.append(
+                pb.Move(src=m.src, dst=m.dst, count=m.count, predicted_tokens=m.tokens, moved=moved)
+            )
+        return resp
+
+    async def _run_rebalance(self, context, drain: Sequence[str], dry_run: bool) -> pb.RebalanceResponse:
+        try:
+            return await asyncio.to_thread(self._rebalance, drain, dry_run)
+        except KeyError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+        except NoClusterError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    async def Rebalance(self, request: pb.RebalanceRequest, context) -> pb.RebalanceResponse:
+        await self._authorize(context)
+        for name in request.drain:
+            await self._check_name(name, context, "drain: cluster name")
+        return await self._run_rebalance(context, list(request.drain), request.dry_run)
+
+    async def DrainCluster(self, request: pb.DrainClusterRequest, context) -> pb.RebalanceResponse:
+        await self._authorize(context)
+        await self._check_name(request.name, context)
+        if request.name not in await asyncio.to_thread(self.d.queue.cluster_names):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown cluster(s): {request.name}")
+        if not request.dry_run:  # stop new assignments first, then move the queue away
+            await asyncio.to_thread(self.d.queue.set_cluster_state, request.name, "draining")
+            log.info("cluster %s is draining", request.name)
+        return await self._run_rebalance(context, [request.name], request.dry_run)
+
+    async def _exists(self, name: str) -> bool:
+        """A registered cluster that was not removed."""
+        if name not in await asyncio.to_thread(self.d.queue.cluster_names):
+            return False
+        return await asyncio.to_thread(self.d.queue.cluster_state, name) != "removed"
+
+    async def AddCluster(self, request: pb.AddClusterRequest, context) -> pb.ClusterStatus:
+        await self._authorize(context)
+        problems = cluster_problems(request)
+        if problems:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
+        exists = await self._exists(request.name)
+        if exists and not request.update:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"cluster {request.name!r} exists; set update (gateway rebalance --add --update) to change it",
+            )
+        if request.update and not exists:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no cluster {request.name!r} to update")
+        await asyncio.to_thread(
+            self.d.queue.register_cluster,
+            request.name,
+            capacity_hint_tps=request.capacity_tokens_per_s or None,
+            backend=request.backend or None,
+            max_query_tokens=request.max_query_tokens or None,
+            kv_budget_tokens=request.kv_budget_tokens or None,
+            state="active",
+        )
+        log.info(
+            "cluster %s %s (capacity hint %.1f tokens/s)",
+            request.name,
+            "updated" if exists else "added",
+            request.capacity_tokens_per_s,
+        )
+        infos = await asyncio.to_thread(read_clusters, self.d.queue, [request.name])
+        return cluster_proto(infos[0], cluster_views(infos)[0])
+
+    async def RemoveCluster(self, request: pb.RemoveClusterRequest, context) -> pb.RebalanceResponse:
+        await self._authorize(context)
+        await self._check_name(request.name, context)
+        if not await self._exists(request.name):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no cluster {request.name!r}")
+        infos = await asyncio.to_thread(read_clusters, self.d.queue, [request.name])
+        if infos[0].inflight > 0 and not request.force and not request.dry_run:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"cluster {request.name} has {infos[0].inflight} running queries; drain it first or pass force",
+            )
+        if not request.dry_run:  # stop new assignments first, then move the queue away
+            await asyncio.to_thread(self.d.queue.set_cluster_state, request.name, "removed")
+            log.info("cluster %s removed", request.name)
+        return await self._run_rebalance(context, [request.name], request.dry_run)
