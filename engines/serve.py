@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", required=True, help="cluster name (its Redis queue is fb:c:NAME:queue)")
+    p.add_argument("--cluster", required=True, help="cluster name (its Redis queue is {fb}:c:NAME:queue)")
     p.add_argument("--redis-url", default=None, help=f"Redis URL (default: ${URL_ENV})")
     p.add_argument(
         "--backend",

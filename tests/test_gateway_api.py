@@ -11,7 +11,7 @@ from gateway.config import ClusterSpec, GatewayConfig
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread
-from workqueue import WorkQueue, connect
+from workqueue import WorkQueue, connect, keys
 
 TOKEN = "test-admin-token"
 
@@ -75,7 +75,7 @@ def test_bad_batches_are_rejected_and_nothing_is_enqueued(gateway):
     assert "max_tokens" in invalid(client, req)
     req = batch_of(1, batch_id="bad:id")
     assert "batch_id" in invalid(client, req)
-    assert queue.r.keys("fb:q:*") == [] and queue.r.keys("fb:b:*") == []
+    assert queue.r.keys(keys.query("*")) == [] and queue.r.keys(keys.batch("*")) == []
     assert all(c.queue_length == 0 for c in queue.clusters())
 
 

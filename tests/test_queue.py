@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from workqueue import QueuedQuery, WorkQueue, connect
+from workqueue import QueuedQuery, WorkQueue, connect, keys
 
 
 def make_queue(url: str) -> WorkQueue:
@@ -132,7 +132,7 @@ def test_cancel_removes_queued_and_finishes_batch(redis_url):
 def test_claim_skips_queries_of_a_cancelling_batch(redis_url):
     q = make_queue(redis_url)
     q.create_batch("b1", [(x, "a") for x in queries("b1", 2)])
-    q.r.hset("fb:b:b1", "status", "cancelling")  # as if cancelled between two claims
+    q.r.hset(keys.batch("b1"), "status", "cancelling")  # as if cancelled between two claims
     assert q.claim("a", 5, "w", 30) == []
     assert q.batch("b1").status == "cancelled"
     assert {r["finish_reason"] for r in q.results("b1")} == {"cancelled"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from workqueue import QueuedQuery, WorkQueue, connect
+from workqueue import keys as wq_keys
 from workqueue.invariants import check
 
 
@@ -16,8 +17,8 @@ def test_cancel_sweeps_in_bounded_calls_and_leaves_other_batches_alone(redis_url
     looked: list[int] = []
     sweep = q._sweep
 
-    def recording_sweep(*, args):
-        n, seen, nxt = sweep(args=args)
+    def recording_sweep(*, keys, args):
+        n, seen, nxt = sweep(keys=keys, args=args)
         looked.append(int(seen))
         return n, seen, nxt
 
@@ -37,7 +38,9 @@ def test_a_claim_drops_queries_of_a_cancelling_batch_that_the_sweep_missed(redis
     q = WorkQueue(connect(redis_url))
     q.register_cluster("a")
     q.create_batch("x", [(QueuedQuery("x", f"q{i}", "p", 8, 4, 6.0), "a") for i in range(5)])
-    assert q._cancel(args=["x", 0.0]) == 1  # marked, not swept yet (as if the sweep missed them)
+    assert (
+        q._cancel(keys=[wq_keys.batch("x")], args=["x", 0.0]) == 1
+    )  # marked, not swept yet (as if the sweep missed them)
     assert q.claim("a", 5, "w", 30) == []
     assert q.batch("x").status == "cancelled" and q.batch("x").cancelled == 5
     assert check(q.r) == []

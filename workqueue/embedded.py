@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import redis
+import redis.cluster
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +174,25 @@ def resolve_url(
     return server.url, server
 
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
 def connect(url: str) -> redis.Redis:
-    """A client with string responses; fails fast with a clear message when Redis is unreachable."""
-    client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5)
+    """A client with string responses; fails fast with a clear message when Redis is unreachable.
+
+    ``redis+cluster://host:port`` (or ``rediss+cluster://``) connects to a Redis Cluster through
+    any of its nodes; every key carries the ``{fb}`` hash tag, so scripts and transactions work
+    there as on a single server (:mod:`workqueue.keys`).
+    """
+    scheme, sep, rest = url.partition("://")
     try:
+        if sep and scheme in CLUSTER_SCHEMES:
+            client = redis.cluster.RedisCluster.from_url(
+                f"{CLUSTER_SCHEMES[scheme]}://{rest}", decode_responses=True, socket_connect_timeout=5
+            )
+        else:
+            client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5)
         client.ping()
-    except (redis.exceptions.ConnectionError, FileNotFoundError) as e:
+    except (redis.exceptions.ConnectionError, redis.exceptions.RedisClusterException, FileNotFoundError) as e:
         raise ConnectionError(f"cannot reach Redis at {url}: {e}") from e
     return client

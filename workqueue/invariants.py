@@ -6,7 +6,7 @@
 * every query of a batch is in exactly one place: a cluster's queue (state ``queued``), a
   cluster's in-flight set (state ``running``), or its batch's ``done`` set (it has a result);
 * a queued or running query has its hash, and its hash names the cluster that holds it;
-  a query with a result has no hash left (no orphan ``fb:q:*`` keys);
+  a query with a result has no hash left (no orphan query keys);
 * a batch counts ``completed + failed + cancelled`` = its ``done`` set = its result list, and
   ``total`` = done + queued + running;
 * each cluster's ``pending`` counter equals the predicted tokens of its queued queries (the

@@ -1,72 +1,99 @@
-"""The Redis key schema. No other module builds key strings.
+"""The Redis key schema. No other module spells a key name: the Lua scripts get theirs from here.
 
-Keys (prefix ``fb:``)::
+Keys (prefix ``{fb}:``)::
 
-    fb:clusters                 SET   names of registered clusters
-    fb:c:{cluster}:info         HASH  static config: capacity hint, plan tokens/s, backend, state, limits
-    fb:c:{cluster}:hb           HASH  last heartbeat (expires: alive = exists)
-    fb:c:{cluster}:queue        LIST  query ids waiting, head = next to run, tail = newest
-    fb:c:{cluster}:inflight     ZSET  query ids taken by a worker, scored by lease deadline
-    fb:c:{cluster}:pending      STR   predicted tokens (prompt + response) of the queued queries
-    fb:c:{cluster}:stats        HASH  assigned/finished counters (predicted and actual tokens)
-    fb:q:{gid}                  HASH  one query: payload JSON, cluster, state, attempts, times
-    fb:batches                  ZSET  batch ids by creation time
-    fb:b:{batch}                HASH  batch status and request counts
-    fb:b:{batch}:results        LIST  finished-query result JSON, in completion order
-    fb:b:{batch}:done           SET   query ids with a result (makes results write-once)
-    fb:observed                 LIST  observed (prompt, length) records for predictor retraining
-    fb:mover                    STR   the mover lease: who may move queued work now (expires)
+    {fb}:clusters                 SET   names of registered clusters
+    {fb}:c:{cluster}:info         HASH  static config: capacity hint, plan tokens/s, backend, state, limits
+    {fb}:c:{cluster}:hb           HASH  last heartbeat (expires: alive = exists)
+    {fb}:c:{cluster}:queue        LIST  query ids waiting, head = next to run, tail = newest
+    {fb}:c:{cluster}:inflight     ZSET  query ids taken by a worker, scored by lease deadline
+    {fb}:c:{cluster}:pending      STR   predicted tokens (prompt + response) of the queued queries
+    {fb}:c:{cluster}:stats        HASH  assigned/finished counters (predicted and actual tokens)
+    {fb}:q:{gid}                  HASH  one query: payload JSON, cluster, state, attempts, times
+    {fb}:batches                  ZSET  batch ids by creation time
+    {fb}:b:{batch}                HASH  batch status and request counts
+    {fb}:b:{batch}:results        LIST  finished-query result JSON, in completion order
+    {fb}:b:{batch}:done           SET   query ids with a result (makes results write-once)
+    {fb}:observed                 LIST  observed (prompt, length) records for predictor retraining
+    {fb}:mover                    STR   the mover lease: who may move queued work now (expires)
 
 A query's global id ``gid`` is ``{batch_id}:{query_id}``; batch ids never contain ``:``.
+
+**Redis Cluster.** ``{fb}`` is a hash tag: every key of a deployment hashes to one slot, so
+the scripts and transactions that touch several keys stay atomic on a Redis Cluster too
+(the queue is one consistency domain, served by one shard and its replicas). Scripts get the
+keys they know up front as ``KEYS`` (which routes them to that shard); the ones they find on
+the way (a popped query id's hash, its batch) are built in Lua by functions generated here
+from the same templates (:func:`lua_functions`).
 """
 
 from __future__ import annotations
 
-PREFIX = "fb:"
+TAG = "{fb}"
+PREFIX = TAG + ":"
+
+#: name -> template of the key, ``%s`` standing for the one variable part
+TEMPLATES = {
+    "cluster_info": "c:%s:info",
+    "heartbeat": "c:%s:hb",
+    "queue": "c:%s:queue",
+    "inflight": "c:%s:inflight",
+    "pending": "c:%s:pending",
+    "cluster_stats": "c:%s:stats",
+    "query": "q:%s",
+    "batch": "b:%s",
+    "results": "b:%s:results",
+    "done": "b:%s:done",
+}
+
 CLUSTERS = PREFIX + "clusters"
 BATCHES = PREFIX + "batches"
 OBSERVED = PREFIX + "observed"
 MOVER = PREFIX + "mover"
 
 
+def _key(name: str, part: str) -> str:
+    return PREFIX + TEMPLATES[name] % part
+
+
 def cluster_info(name: str) -> str:
-    return f"{PREFIX}c:{name}:info"
+    return _key("cluster_info", name)
 
 
 def heartbeat(name: str) -> str:
-    return f"{PREFIX}c:{name}:hb"
+    return _key("heartbeat", name)
 
 
 def queue(name: str) -> str:
-    return f"{PREFIX}c:{name}:queue"
+    return _key("queue", name)
 
 
 def inflight(name: str) -> str:
-    return f"{PREFIX}c:{name}:inflight"
+    return _key("inflight", name)
 
 
 def pending(name: str) -> str:
-    return f"{PREFIX}c:{name}:pending"
+    return _key("pending", name)
 
 
 def cluster_stats(name: str) -> str:
-    return f"{PREFIX}c:{name}:stats"
+    return _key("cluster_stats", name)
 
 
 def query(gid: str) -> str:
-    return f"{PREFIX}q:{gid}"
+    return _key("query", gid)
 
 
 def batch(batch_id: str) -> str:
-    return f"{PREFIX}b:{batch_id}"
+    return _key("batch", batch_id)
 
 
 def results(batch_id: str) -> str:
-    return f"{PREFIX}b:{batch_id}:results"
+    return _key("results", batch_id)
 
 
 def done(batch_id: str) -> str:
-    return f"{PREFIX}b:{batch_id}:done"
+    return _key("done", batch_id)
 
 
 def gid(batch_id: str, query_id: str) -> str:
@@ -76,3 +103,12 @@ def gid(batch_id: str, query_id: str) -> str:
 def split_gid(g: str) -> tuple[str, str]:
     batch_id, _, query_id = g.partition(":")
     return batch_id, query_id
+
+
+def lua_functions() -> str:
+    """``local function k_<name>(x) ... end`` for every template: the scripts' key builders."""
+    lines = []
+    for name, template in TEMPLATES.items():
+        head, tail = (PREFIX + template).split("%s")
+        lines.append(f"local function k_{name}(x) return '{head}' .. x .. '{tail}' end")
+    return "\n".join(lines) + "\n"

@@ -60,7 +60,10 @@ class LeaseOps:
         if n <= 0:
             return []
         now = self.clock()
-        flat = self._claim(args=[cluster, n, float(lease_s), worker_id, now])
+        flat = self._claim(
+            keys=[keys.queue(cluster), keys.inflight(cluster), keys.pending(cluster)],
+            args=[cluster, n, float(lease_s), worker_id, now],
+        )
         out = []
         for i in range(0, len(flat), 4):
             _, payload, attempts, enqueued_at = flat[i : i + 4]
@@ -75,7 +78,11 @@ class LeaseOps:
         gids = list(gids)
         n = 0
         for i in range(0, len(gids), RENEW_CHUNK):
-            n += int(self._renew(args=[cluster, float(lease_s), *gids[i : i + RENEW_CHUNK]]))
+            n += int(
+                self._renew(
+                    keys=[keys.inflight(cluster)], args=[cluster, float(lease_s), *gids[i : i + RENEW_CHUNK]]
+                )
+            )
         return n
 
     def release(self, cluster: str, gids: Iterable[str]) -> int:
@@ -91,7 +98,10 @@ class LeaseOps:
     def requeue_expired(self, cluster: str) -> int:
         """Put queries whose lease lapsed (in Redis time) back at the head of the queue; those that
         used their ``max_attempts`` fail instead. Returns how many were requeued."""
-        requeued, failed = self._requeue(args=[cluster, self.max_attempts, self.clock()])
+        requeued, failed = self._requeue(
+            keys=[keys.inflight(cluster), keys.queue(cluster), keys.pending(cluster)],
+            args=[cluster, self.max_attempts, self.clock()],
+        )
         if int(failed):
             log.warning(
                 "%s: %d queries failed after %d attempts (their workers died or lost their leases)",
@@ -109,5 +119,8 @@ class LeaseOps:
         if kind not in FINAL_STATES:
             raise ValueError(f"kind must be one of {FINAL_STATES}, not {kind!r}")
         return int(
-            self._complete(args=[gid, json.dumps(dict(result)), kind, int(actual_tokens), self.clock()])
+            self._complete(
+                keys=[keys.query(gid), keys.batch(keys.split_gid(gid)[0])],
+                args=[gid, json.dumps(dict(result)), kind, int(actual_tokens), self.clock()],
+            )
         )

@@ -331,7 +331,7 @@ class WorkQueue(LeaseOps):
         the queues hold. Ids that claims or moves shift past the sweep are dropped by the claim
         that reaches them.
         """
-        marked = int(self._cancel(args=[batch_id, self.clock()]))
+        marked = int(self._cancel(keys=[keys.batch(batch_id)], args=[batch_id, self.clock()]))
         if marked <= 0:
             return marked
         return sum(self.sweep_cancelled(c, chunk) for c in self.cluster_names())
@@ -342,7 +342,9 @@ class WorkQueue(LeaseOps):
             raise ValueError(f"chunk must be > 0, not {chunk}")
         start, total = 0, 0
         while True:
-            n, looked, start = self._sweep(args=[cluster, start, chunk, self.clock()])
+            n, looked, start = self._sweep(
+                keys=[keys.queue(cluster), keys.pending(cluster)], args=[cluster, start, chunk, self.clock()]
+            )
             total += int(n)
             if int(looked) < chunk:
                 return total
@@ -381,7 +383,9 @@ class WorkQueue(LeaseOps):
         """Atomically move up to ``n`` not-yet-started queries from the back of ``src``'s queue to ``dst``'s."""
         if src == dst or n <= 0:
             return 0, 0.0
-        moved, tokens = self._move_tail(args=[src, dst, n])
+        moved, tokens = self._move_tail(
+            keys=[keys.queue(src), keys.queue(dst), keys.pending(src), keys.pending(dst)], args=[src, dst, n]
+        )
         return int(moved), float(tokens)
 
     def tail(self, cluster: str, n: int) -> list[tuple[str, float]]:

@@ -1,8 +1,9 @@
 """Lua scripts: every change that touches several keys runs atomically inside Redis.
 
-The key names built here mirror :mod:`workqueue.keys` (the prelude below is the only
-other place that spells them). Scripts address keys by name inside Lua, so they suit a
-single Redis server (or a managed Redis); a Redis Cluster deployment would need hash tags.
+Key names come from :mod:`workqueue.keys`: each script is called with the keys it knows up
+front as ``KEYS`` (documented above it), and builds the ones it meets on the way (a popped
+id's query hash, its batch) with Lua functions generated from the same templates. All keys
+share the ``{fb}`` hash tag, so the scripts run unchanged on a Redis Cluster.
 
 Rules the scripts keep:
 
@@ -28,17 +29,14 @@ Rules the scripts keep:
 
 from __future__ import annotations
 
-PRELUDE = r"""
+from workqueue import keys
+
+PRELUDE = (
+    """
 redis.replicate_commands()
-local P = 'fb:'
-local function k_queue(c) return P .. 'c:' .. c .. ':queue' end
-local function k_inflight(c) return P .. 'c:' .. c .. ':inflight' end
-local function k_pending(c) return P .. 'c:' .. c .. ':pending' end
-local function k_stats(c) return P .. 'c:' .. c .. ':stats' end
-local function k_query(g) return P .. 'q:' .. g end
-local function k_batch(b) return P .. 'b:' .. b end
-local function k_results(b) return P .. 'b:' .. b .. ':results' end
-local function k_done(b) return P .. 'b:' .. b .. ':done' end
+"""
+    + keys.lua_functions()
+    + r"""
 local function split_gid(g)
   local i = string.find(g, ':', 1, true)
   return string.sub(g, 1, i - 1), string.sub(g, i + 1)
@@ -82,9 +80,9 @@ local function finish(g, result, kind, actual, now)
       redis.call('INCRBYFLOAT', k_pending(cluster), -tokens)
     end
     if kind == 'completed' then
-      redis.call('HINCRBYFLOAT', k_stats(cluster), 'finished_predicted_tokens', tokens)
-      redis.call('HINCRBY', k_stats(cluster), 'finished_actual_tokens', actual)
-      redis.call('HINCRBY', k_stats(cluster), 'finished_queries', 1)
+      redis.call('HINCRBYFLOAT', k_cluster_stats(cluster), 'finished_predicted_tokens', tokens)
+      redis.call('HINCRBY', k_cluster_stats(cluster), 'finished_actual_tokens', actual)
+      redis.call('HINCRBY', k_cluster_stats(cluster), 'finished_queries', 1)
     end
   end
   redis.call('DEL', q)
@@ -120,8 +118,9 @@ local function gave_up_result(g, cluster, attempts, max_attempts)
          cjson.encode(why) .. ',"attempts":' .. attempts .. '}'
 end
 """
+)
 
-# ARGV: gid, result JSON, kind (completed|failed|cancelled), actual tokens, now
+# KEYS: the query's hash, its batch's hash. ARGV: gid, result JSON, kind (completed|failed|cancelled), actual tokens, now
 COMPLETE = (
     PRELUDE
     + r"""
@@ -129,7 +128,7 @@ return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5])
 """
 )
 
-# ARGV: cluster, n, lease seconds, worker id, now (caller's clock: timestamps only).
+# KEYS: queue, inflight, pending of the cluster. ARGV: cluster, n, lease seconds, worker id, now (caller's clock: timestamps only).
 # Leases end at Redis time + lease seconds. Returns a flat list: gid, payload, attempts,
 # enqueued_at, ... for each claimed query.
 CLAIM = (
@@ -140,12 +139,12 @@ local deadline = server_now() + tonumber(ARGV[3])
 local out = {}
 local taken = 0
 while taken < n do
-  local g = redis.call('LPOP', k_queue(c))
+  local g = redis.call('LPOP', KEYS[1])
   if not g then break end
   local q = k_query(g)
   local fields = redis.call('HMGET', q, 'payload', 'tokens', 'enqueued_at')
   if fields[1] then
-    redis.call('INCRBYFLOAT', k_pending(c), -tonumber(fields[2] or '0'))
+    redis.call('INCRBYFLOAT', KEYS[3], -tonumber(fields[2] or '0'))
     local bid = split_gid(g)
     local status = redis.call('HGET', k_batch(bid), 'status')
     if status == 'cancelling' or status == 'cancelled' then
@@ -153,7 +152,7 @@ while taken < n do
     else
       local attempts = redis.call('HINCRBY', q, 'attempts', 1)
       redis.call('HSET', q, 'state', 'running', 'worker', worker, 'started_at', now, 'cluster', c)
-      redis.call('ZADD', k_inflight(c), deadline, g)
+      redis.call('ZADD', KEYS[2], deadline, g)
       out[#out + 1] = g
       out[#out + 1] = fields[1]
       out[#out + 1] = tostring(attempts)
@@ -166,7 +165,7 @@ return out
 """
 )
 
-# ARGV: cluster, lease seconds, gid... Extends the leases of those of the gids still in
+# KEYS: the cluster's inflight. ARGV: cluster, lease seconds, gid... Extends the leases of those of the gids still in
 # the cluster's in-flight set to Redis time + lease seconds. Returns how many it extended.
 RENEW = (
     PRELUDE
@@ -175,13 +174,13 @@ local c = ARGV[1]
 local deadline = server_now() + tonumber(ARGV[2])
 local n = 0
 for i = 3, #ARGV do
-  n = n + redis.call('ZADD', k_inflight(c), 'XX', 'CH', deadline, ARGV[i])
+  n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', deadline, ARGV[i])
 end
 return n
 """
 )
 
-# ARGV: cluster, max attempts (0: no limit), now (caller's clock: timestamps only).
+# KEYS: inflight, queue, pending of the cluster. ARGV: cluster, max attempts (0: no limit), now (caller's clock: timestamps only).
 # Leases past their deadline (in Redis time) go back to the head of the queue, except a
 # query whose lapsed claim was its max_attempts-th: that one is finished as failed.
 # Returns {requeued, failed}.
@@ -189,11 +188,11 @@ REQUEUE_EXPIRED = (
     PRELUDE
     + r"""
 local c, max_attempts, now = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local expired = redis.call('ZRANGEBYSCORE', k_inflight(c), '-inf', server_now())
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', server_now())
 local n, failed = 0, 0
 for i = #expired, 1, -1 do
   local g = expired[i]
-  redis.call('ZREM', k_inflight(c), g)
+  redis.call('ZREM', KEYS[1], g)
   local q = k_query(g)
   local h = redis.call('HMGET', q, 'state', 'tokens', 'attempts')
   if h[1] == 'running' then
@@ -203,8 +202,8 @@ for i = #expired, 1, -1 do
       failed = failed + 1
     else
       redis.call('HSET', q, 'state', 'queued', 'cluster', c)
-      redis.call('LPUSH', k_queue(c), g)
-      redis.call('INCRBYFLOAT', k_pending(c), tonumber(h[2] or '0'))
+      redis.call('LPUSH', KEYS[2], g)
+      redis.call('INCRBYFLOAT', KEYS[3], tonumber(h[2] or '0'))
       n = n + 1
     end
   end
@@ -213,7 +212,7 @@ return {n, failed}
 """
 )
 
-# ARGV: src, dst, n. Moves up to n queries from the tail of src's queue to the tail of
+# KEYS: queue of src, queue of dst, pending of src, pending of dst. ARGV: src, dst, n. Moves up to n queries from the tail of src's queue to the tail of
 # dst's, keeping their order; ids without a query hash are dropped on the way.
 # Returns {moved, predicted tokens moved}.
 MOVE_TAIL = (
@@ -223,7 +222,7 @@ local src, dst, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local moved = {}
 local tokens = 0
 while #moved < n do
-  local g = redis.call('RPOP', k_queue(src))
+  local g = redis.call('RPOP', KEYS[1])
   if not g then break end
   if redis.call('EXISTS', k_query(g)) == 1 then moved[#moved + 1] = g end
 end
@@ -233,26 +232,26 @@ for i = #moved, 1, -1 do
   local t = tonumber(redis.call('HGET', q, 'tokens') or '0')
   tokens = tokens + t
   redis.call('HSET', q, 'cluster', dst)
-  redis.call('RPUSH', k_queue(dst), g)
-  redis.call('HINCRBYFLOAT', k_stats(src), 'assigned_predicted_tokens', -t)
-  redis.call('HINCRBYFLOAT', k_stats(dst), 'assigned_predicted_tokens', t)
-  redis.call('HINCRBY', k_stats(src), 'moved_out', 1)
-  redis.call('HINCRBY', k_stats(dst), 'moved_in', 1)
+  redis.call('RPUSH', KEYS[2], g)
+  redis.call('HINCRBYFLOAT', k_cluster_stats(src), 'assigned_predicted_tokens', -t)
+  redis.call('HINCRBYFLOAT', k_cluster_stats(dst), 'assigned_predicted_tokens', t)
+  redis.call('HINCRBY', k_cluster_stats(src), 'moved_out', 1)
+  redis.call('HINCRBY', k_cluster_stats(dst), 'moved_in', 1)
 end
-redis.call('INCRBYFLOAT', k_pending(src), -tokens)
-redis.call('INCRBYFLOAT', k_pending(dst), tokens)
+redis.call('INCRBYFLOAT', KEYS[3], -tokens)
+redis.call('INCRBYFLOAT', KEYS[4], tokens)
 return {#moved, tostring(tokens)}
 """
 )
 
-# ARGV: batch id, now. Marks the batch cancelling: O(1), whatever the queues hold. Its queued
+# KEYS: the batch's hash. ARGV: batch id, now. Marks the batch cancelling: O(1), whatever the queues hold. Its queued
 # queries are then cancelled by SWEEP_CANCELLED (bounded chunks) or when a CLAIM reaches them;
 # running ones are aborted by their workers. Returns -1 (unknown batch), 0 (already final) or 1.
 CANCEL = (
     PRELUDE
     + r"""
 local bid, now = ARGV[1], ARGV[2]
-local b = k_batch(bid)
+local b = KEYS[1]
 local status = redis.call('HGET', b, 'status')
 if not status then return -1 end
 if status == 'completed' or status == 'failed' or status == 'cancelled' then return 0 end
@@ -266,7 +265,7 @@ return 1
 """
 )
 
-# ARGV: cluster, start, count, now. Looks at most `count` queued ids of the cluster's queue
+# KEYS: queue, pending of the cluster. ARGV: cluster, start, count, now. Looks at most `count` queued ids of the cluster's queue
 # from index `start` and cancels those whose batch is cancelling: their slots are overwritten
 # with a tombstone (LSET) and removed in one LREM that stops at the last of them, so one call
 # costs O(start + count), never a scan of a whole million-query queue per id.
@@ -276,14 +275,14 @@ SWEEP_CANCELLED = (
     + r"""
 local c, start, count, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local TOMB = '\0cancelled'
-local ids = redis.call('LRANGE', k_queue(c), start, start + count - 1)
+local ids = redis.call('LRANGE', KEYS[1], start, start + count - 1)
 local statuses = {}
 local n, tokens = 0, 0
 for i, g in ipairs(ids) do
   local bid = split_gid(g)
   if statuses[bid] == nil then statuses[bid] = redis.call('HGET', k_batch(bid), 'status') or '' end
   if statuses[bid] == 'cancelling' or statuses[bid] == 'cancelled' then
-    redis.call('LSET', k_queue(c), start + i - 1, TOMB)
+    redis.call('LSET', KEYS[1], start + i - 1, TOMB)
     tokens = tokens + tonumber(redis.call('HGET', k_query(g), 'tokens') or '0')
     redis.call('HSET', k_query(g), 'state', 'cancelling')
     finish(g, cancelled_result(g, c), 'cancelled', 0, now)
@@ -291,8 +290,8 @@ for i, g in ipairs(ids) do
   end
 end
 if n > 0 then
-  redis.call('LREM', k_queue(c), n, TOMB)
-  redis.call('INCRBYFLOAT', k_pending(c), -tokens)
+  redis.call('LREM', KEYS[1], n, TOMB)
+  redis.call('INCRBYFLOAT', KEYS[2], -tokens)
 end
 return {n, #ids, start + #ids - n}
 """
