@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from load.client import format_summary, run_batch, summarise
-from load.workload import from_dataset, from_openai_jsonl, generated, write_jsonl
+from load.workload import from_dataset, from_openai_jsonl, generated
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--target", default="127.0.0.1:50051", help="gateway address host:port")
     s.add_argument("--batch-id", default="", help="client-chosen batch id (makes retries idempotent)")
+    s.add_argument(
+        "--resume",
+        metavar="BATCH_ID",
+        default=None,
+        help="submit nothing: stream on from the results of BATCH_ID already in --out (appended, no duplicates)",
+    )
+    s.add_argument(
+        "--on-bad-query",
+        choices=("reject", "fail-row"),
+        default=None,
+        help="a bad query rejects the batch, or fails alone (default: the gateway's setting)",
+    )
     _add_workload_args(s)
 
     d = sub.add_parser(
@@ -92,12 +104,20 @@ def _workload(args):
 
 
 def _submit(args, target: str) -> int:
-    items = _workload(args)
+    resume = getattr(args, "resume", None)
+    if resume and not args.out:
+        raise ValueError("--resume needs --out: the file that holds the results seen so far")
+    items = [] if resume else _workload(args)
     batch, results, wall = run_batch(
-        target, items, batch_id=getattr(args, "batch_id", ""), progress=not args.no_progress
+        target,
+        items,
+        batch_id=resume or getattr(args, "batch_id", ""),
+        progress=not args.no_progress,
+        out=args.out,
+        resume=bool(resume),
+        on_bad_query=getattr(args, "on_bad_query", None) or "",
     )
     if args.out:
-        write_jsonl(results, args.out)
         print(f"results written to {args.out}")
     summary = summarise(batch, results, wall)
     print(format_summary(summary))

@@ -1,10 +1,21 @@
-"""Submit a workload to the gateway over gRPC, stream its results, and summarise them."""
+"""Submit a workload to the gateway over gRPC, stream its results, and summarise them.
+
+Results are appended to ``out`` (JSONL) as they arrive, so a run cut short (the gateway
+restarted, the client was stopped) leaves every result it saw on disk; ``resume`` streams on
+from the results already in ``out`` (``start_index`` after the last one, duplicates skipped).
+A stream broken by a gateway restart (``UNAVAILABLE``) is resumed the same way, for up to
+``retry_s`` seconds.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -14,11 +25,20 @@ from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+ON_BAD_QUERY = {
+    "": pb.ON_BAD_QUERY_UNSPECIFIED,
+    "reject": pb.ON_BAD_QUERY_REJECT,
+    "fail-row": pb.ON_BAD_QUERY_FAIL_ROW,
+}
+
 
 def to_request(
-    items: Sequence[WorkItem], batch_id: str = "", metadata: dict | None = None
+    items: Sequence[WorkItem], batch_id: str = "", metadata: dict | None = None, on_bad_query: str = ""
 ) -> pb.SubmitBatchRequest:
-    req = pb.SubmitBatchRequest(batch_id=batch_id, metadata=metadata or {})
+    req = pb.SubmitBatchRequest(
+        batch_id=batch_id, metadata=metadata or {}, on_bad_query=ON_BAD_QUERY[on_bad_query]
+    )
     for it in items:
         q = req.queries.add(id=it.id, prompt=it.prompt, max_tokens=it.max_tokens, metadata=it.metadata)
         q.sampling.temperature = it.temperature
@@ -30,6 +50,75 @@ def to_request(
     return req
 
 
+def read_results(path: str | Path) -> list[dict]:
+    """Result rows already in a JSONL file (none if it is missing). A torn last line (the writer was
+    killed mid-row) is cut off the file, so appending goes on from a whole row."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    data = p.read_bytes()
+    rows, good = [], 0
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        if line.strip():
+            rows.append(row)
+        good += len(line)
+    if good < len(data):
+        with open(p, "r+b") as f:
+            f.truncate(good)
+    return rows
+
+
+def _row(r: pb.QueryResult) -> dict:
+    return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def stream_results(
+    stub: pb_grpc.BatchServiceStub,
+    batch_id: str,
+    results: list[dict],
+    *,
+    on_row: Callable[[dict], None] = lambda row: None,
+    timeout_s: float | None = None,
+    retry_s: float = 60.0,
+) -> None:
+    """Append the batch's results after those in ``results`` until it is final (no duplicates).
+
+    A stream that breaks with ``UNAVAILABLE`` (gateway restarting) is opened again from the next
+    index, with back-off, until ``retry_s`` passes without progress."""
+    seen = {r.get("query_id") for r in results}
+    next_index = max((int(r.get("index", -1)) for r in results), default=-1) + 1
+    last_progress = time.monotonic()
+    delay = 0.2
+    while True:
+        req = pb.StreamResultsRequest(batch_id=batch_id, follow=True, start_index=next_index)
+        try:
+            for r in stub.StreamResults(req, timeout=timeout_s):
+                next_index = max(next_index, r.index + 1)
+                last_progress = time.monotonic()
+                if r.query_id in seen:
+                    continue
+                seen.add(r.query_id)
+                row = _row(r)
+                results.append(row)
+                on_row(row)
+            return
+        except grpc.RpcError as e:
+            if e.code() not in RETRYABLE or time.monotonic() - last_progress > retry_s:
+                raise
+            print(
+                f"stream of batch {batch_id} broke ({e.code().name}); resuming at {next_index}",
+                file=sys.stderr,
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
 def run_batch(
     target: str,
     items: Sequence[WorkItem],
@@ -37,25 +126,52 @@ def run_batch(
     batch_id: str = "",
     progress: bool = True,
     timeout_s: float | None = None,
+    out: str | Path | None = None,
+    resume: bool = False,
+    on_bad_query: str = "",
+    retry_s: float = 60.0,
 ) -> tuple[pb.Batch, list[dict], float]:
-    """Submit, stream every result until the batch is final; returns (batch, results, wall seconds)."""
-    results: list[dict] = []
-    with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 512 * 1024 * 1024)]) as ch:
+    """Submit (or with ``resume``, find ``batch_id``), stream every result until the batch is final.
+
+    Returns (batch, results, wall seconds); with ``out``, results are appended there as they come
+    (the file is started afresh unless resuming). The batch id goes to stderr at once."""
+    results: list[dict] = read_results(out) if (out and resume) else []
+    if out and not resume:
+        Path(out).write_text("")
+    options = [("grpc.max_send_message_length", 512 * 1024 * 1024)]
+    with grpc.insecure_channel(target, options=options) as ch:
         stub = pb_grpc.BatchServiceStub(ch)
         t0 = time.time()
-        batch = stub.SubmitBatch(to_request(items, batch_id), timeout=600)
-        bar = tqdm(total=len(items), desc=f"batch {batch.id[:8]}", unit="q", disable=not progress)
-        stream = stub.StreamResults(
-            pb.StreamResultsRequest(batch_id=batch.id, follow=True), timeout=timeout_s
+        if resume:
+            batch = stub.GetBatch(pb.GetBatchRequest(batch_id=batch_id), timeout=30, wait_for_ready=True)
+        else:
+            batch = stub.SubmitBatch(to_request(items, batch_id, on_bad_query=on_bad_query), timeout=600)
+        print(f"batch {batch.id} ({batch.request_counts.total} queries)", file=sys.stderr, flush=True)
+        bar = tqdm(
+            total=batch.request_counts.total,
+            initial=len(results),
+            desc=f"batch {batch.id[:8]}",
+            unit="q",
+            disable=not progress,
         )
-        for r in stream:
-            results.append(
-                MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-            )
+        # line-buffered: every row is in the file once written, for a later --resume
+        sink = open(out, "a", encoding="utf-8", buffering=1) if out else None  # noqa: SIM115 - closed below
+
+        def on_row(row: dict) -> None:
             bar.update(1)
-        bar.close()
+            if sink is not None:
+                sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+        try:
+            stream_results(stub, batch.id, results, on_row=on_row, timeout_s=timeout_s, retry_s=retry_s)
+        finally:
+            bar.close()
+            if sink is not None:
+                sink.flush()
+                os.fsync(sink.fileno())
+                sink.close()
         wall = time.time() - t0
-        batch = stub.GetBatch(pb.GetBatchRequest(batch_id=batch.id), timeout=30)
+        batch = stub.GetBatch(pb.GetBatchRequest(batch_id=batch.id), timeout=30, wait_for_ready=True)
     return batch, results, wall
 
 
@@ -70,7 +186,7 @@ def summarise(batch: pb.Batch, results: Sequence[dict], wall_s: float) -> dict:
         c["queries"] += 1
         c["completion_tokens"] += int(r.get("completion_tokens", 0))
         c["prompt_tokens"] += int(r.get("prompt_tokens", 0))
-        c["last_finish"] = max(c["last_finish"], float(r["timings"].get("finished_at", 0)))
+        c["last_finish"] = max(c["last_finish"], float((r.get("timings") or {}).get("finished_at", 0)))
     clusters = {}
     for name, c in sorted(per.items()):
         clusters[name] = {
