@@ -31,6 +31,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+MOVER_WAIT_S = 10.0  # how long an applied rebalance waits for the mover lease
+
+
+class MoverBusy(RuntimeError):
+    """The mover lease stayed taken (an offloader or another rebalance is moving work)."""
+
+
 class AdminService(pb_grpc.AdminServiceServicer):
     """Rebalance, drain, add and remove clusters. Every call needs ``authorization: Bearer <token>``."""
 
@@ -61,6 +68,19 @@ class AdminService(pb_grpc.AdminServiceServicer):
         )
 
     def _rebalance(self, drain: Sequence[str], dry_run: bool) -> pb.RebalanceResponse:
+        """Plan (and unless ``dry_run``, apply) under the mover lease: one mover at a time, across
+        the offloaders of every replica and other rebalances (:mod:`workqueue.mover`)."""
+        if dry_run:
+            return self._plan_and_apply(drain, dry_run)
+        lease = self.d.queue.mover_lease("rebalance", wait_s=MOVER_WAIT_S)
+        with lease as held:
+            if not held:
+                raise MoverBusy(
+                    f"another mover holds the lease ({lease.holder()}) after {MOVER_WAIT_S:g} s; retry"
+                )
+            return self._plan_and_apply(drain, dry_run)
+
+    def _plan_and_apply(self, drain: Sequence[str], dry_run: bool) -> pb.RebalanceResponse:
         q = self.d.queue
         infos = read_clusters(q, listed=True, keep=drain)
         names = {i.name for i in infos}
@@ -95,6 +115,8 @@ class AdminService(pb_grpc.AdminServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
         except NoClusterError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except MoverBusy as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def Rebalance(self, request: pb.RebalanceRequest, context) -> pb.RebalanceResponse:
         await self._authorize(context)

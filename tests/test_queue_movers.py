@@ -5,8 +5,14 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
+import pytest
+
+from gateway.config import ClusterSpec, GatewayConfig
 from gateway.offloader import Offloader
-from tests.harness import wait_until
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+from tests.harness import GatewayThread, wait_until
 from workqueue import QueuedQuery, WorkQueue, connect
 from workqueue.invariants import check
 
@@ -71,3 +77,30 @@ def test_two_offloaders_ticking_at_once_do_not_both_move_the_same_surplus(redis_
     assert 0 in moved and 90 <= sum(moved) <= 110  # one planner moved about half, not twice that
     wait_until(lambda: setup.mover_lease("check").holder() is None, 10, "the lease given back")
     assert check(setup.r) == []
+
+
+def test_an_applied_rebalance_waits_for_the_mover_lease_and_says_who_holds_it(redis_url):
+    config = GatewayConfig(
+        redis_url=redis_url,
+        admin_token="t",
+        offload=False,
+        clusters=[ClusterSpec("a", capacity_tps=100), ClusterSpec("b", capacity_tps=100)],
+    )
+    g = GatewayThread(config)
+    channel = grpc.insecure_channel(g.start())
+    admin = pb_grpc.AdminServiceStub(channel)
+    md = [("authorization", "Bearer t")]
+    try:
+        lease = WorkQueue(connect(redis_url)).mover_lease("offloader-elsewhere", ttl_s=60)
+        assert lease.acquire()
+        assert (
+            admin.Rebalance(pb.RebalanceRequest(dry_run=True), metadata=md).applied is False
+        )  # no lease needed
+        with pytest.raises(grpc.RpcError) as e:
+            admin.Rebalance(pb.RebalanceRequest(dry_run=False), metadata=md)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "offloader-elsewhere" in e.value.details()
+        lease.release()
+        assert admin.Rebalance(pb.RebalanceRequest(dry_run=False), metadata=md).applied
+    finally:
+        channel.close()
+        g.stop()
