@@ -146,6 +146,12 @@ def _add_common(s: argparse.ArgumentParser) -> None:
         default=0,
         help="queries one client (x-client-id header, else its address) may have unfinished (0: no cap)",
     )
+    s.add_argument(
+        "--retention-hours",
+        type=float,
+        default=168.0,
+        help="keep a finished batch's status and results this long, then Redis drops them (0: forever)",
+    )
 
 
 def _serve(args) -> int:

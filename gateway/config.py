@@ -51,6 +51,7 @@ class GatewayConfig:
     max_positions: int = 0  # the model's positions (start token counted); 0: from the tokenizer dir
     on_bad_query: str = "reject"  # reject | fail-row: what a bad query does when the request leaves it open
     max_queued_per_client: int = 0  # queries a client may have queued or running at once (0: no cap)
+    retention_s: float = 7 * 24 * 3600  # finished batches expire from Redis after this long (0: never)
     offload: bool = True
     offload_interval_s: float = 0.5
     metrics_port: int = 0  # 0: no Prometheus endpoint
@@ -78,6 +79,7 @@ class GatewayConfig:
             max_positions=args.max_positions,
             on_bad_query=args.on_bad_query,
             max_queued_per_client=args.max_queued_per_client,
+            retention_s=args.retention_hours * 3600,
             clusters=clusters,
         )
 

@@ -46,7 +46,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
         torch.set_num_threads(config.predictor_threads)
     if not config.redis_url:
         raise ValueError("no Redis URL configured")
-    queue = WorkQueue(connect(config.redis_url))
+    queue = WorkQueue(connect(config.redis_url), retention_s=config.retention_s)
     for c in config.clusters:
         queue.register_cluster(
             c.name,

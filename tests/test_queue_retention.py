@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from tests.harness import wait_until
+import grpc
+
+from gateway.config import ClusterSpec, GatewayConfig
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+from tests.harness import GatewayThread, wait_until
 from workqueue import QueuedQuery, WorkQueue, connect, keys
 from workqueue.invariants import check
 
@@ -49,3 +54,31 @@ def test_an_expired_batch_is_gone_and_a_late_completion_records_nothing(redis_ur
     assert q.r.exists(keys.results("old"), keys.done("old"), keys.batch("old")) == 0
     assert q.batch_ids() == [] and q.r.zcard(keys.BATCHES) == 0
     assert check(q.r) == []
+
+
+def test_the_gateway_applies_its_retention_setting(redis_url):
+    config = GatewayConfig(
+        redis_url=redis_url, offload=False, retention_s=1, clusters=[ClusterSpec("a", capacity_tps=100)]
+    )
+    g = GatewayThread(config)
+    channel = grpc.insecure_channel(g.start())
+    client = pb_grpc.BatchServiceStub(channel)
+    try:
+        req = pb.SubmitBatchRequest(batch_id="short")
+        req.queries.add(id="q0", prompt="Say something.", max_tokens=4)
+        client.SubmitBatch(req)
+        q = WorkQueue(connect(redis_url))
+        finish_all(q, 1)
+        assert client.GetBatch(pb.GetBatchRequest(batch_id="short")).status == pb.COMPLETED
+
+        def gone() -> bool:
+            try:
+                client.GetBatch(pb.GetBatchRequest(batch_id="short"))
+            except grpc.RpcError as e:
+                return e.code() == grpc.StatusCode.NOT_FOUND
+            return False
+
+        wait_until(gone, 20, "the batch to expire")
+    finally:
+        channel.close()
+        g.stop()
