@@ -78,6 +78,7 @@ class LLMEngine:
         self.num_stages = len(self.stages)
         self.scheduler = Scheduler(config, self.kv)
         self._inflight: deque[tuple[SchedulerOutput, torch.Tensor | None]] = deque()
+        self._kv_step = 0  # KV tokens held during the last step (stats: kv_step_tokens)
         self._busy: set[str] = set()  # queries in a micro-batch in flight
         self._aborting: set[str] = set()  # aborted while in flight: finished when their micro-batch is back
         self.max_positions = self._max_positions(model)
@@ -200,6 +201,7 @@ class LLMEngine:
             self._busy.update(c.seq.request_id for c in plan.chunks)
         if not self._inflight:
             return finished
+        self._kv_step = self.kv.used_blocks * self.kv.block_size  # held while this step runs
         plan, logits = self._inflight.popleft()
         if logits is None:
             logits = self.pipeline.result()
@@ -239,6 +241,7 @@ class LLMEngine:
             kv_total_tokens=self.kv.total_tokens,
             tokens_per_s=rate,
             generated_tokens=self.generated_tokens,
+            kv_step_tokens=self._kv_step,
         )
 
     def free_slots(self) -> int:

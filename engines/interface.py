@@ -70,6 +70,7 @@ class EngineStats:
     kv_total_tokens: int = 0
     tokens_per_s: float = 0.0  # measured generation throughput (recent window)
     generated_tokens: int = 0  # since start
+    kv_step_tokens: int = 0  # KV tokens held while the last step ran (what the step paid for)
 
     @property
     def kv_free_tokens(self) -> int:

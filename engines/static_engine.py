@@ -26,6 +26,7 @@ class StaticBatchEngine:
         self._aborted: set[str] = set()
         self._running = 0
         self._kv_used = 0
+        self._kv_step = 0  # KV of the last batch while it ran: the whole batch's, until its longest ends
         self._generated = 0
         self._window: deque[tuple[float, int]] = deque(maxlen=32)  # (seconds, tokens) of recent steps
 
@@ -57,12 +58,14 @@ class StaticBatchEngine:
             kv_total_tokens=self.max_batch * (self.max_prompt_tokens + 1024),
             tokens_per_s=toks / secs if secs > 0 else 0.0,
             generated_tokens=self._generated,
+            kv_step_tokens=self._kv_step,
         )
 
     def step(self) -> list[RequestOutput]:
         outputs = self._drop_aborted()
         batch = self._take_batch()
         if not batch:
+            self._kv_step = 0
             return outputs
         self._running = len(batch)
         start = time.time()
@@ -120,7 +123,7 @@ class StaticBatchEngine:
         s = batch[0].sampling
         forced = s.forced_length is not None
         new_tokens = max(r.sampling.target_tokens for r in batch)
-        self._kv_used = len(batch) * (longest + new_tokens)
+        self._kv_used = self._kv_step = len(batch) * (longest + new_tokens)
         kwargs = dict(max_new_tokens=new_tokens, pad_token_id=pad)
         if forced:
             kwargs["min_new_tokens"] = new_tokens

@@ -66,6 +66,7 @@ class Worker:
         self.failure: str | None = None  # why the engine stopped, when it failed
         self._unsent: list[tuple[ClaimedQuery, RequestOutput]] = []  # finished, result not yet written
         self._stats = EngineStats()  # the engine's stats, taken on the main loop after each step
+        self.kv_token_seconds = 0.0  # KV held x wall time of each step (emulated slowdown included)
         self._registered = False
         self._last_requeue = self._last_cancel = 0.0
         self._retry_at = 0.0  # when the loop may ask Redis again (backoff after an error)
@@ -109,6 +110,7 @@ class Worker:
                 if c.slowdown > 0:
                     self.stop_event.wait(c.slowdown * (time.monotonic() - t0))
                 self._stats = self.engine.stats()  # taken here, read by the lease keeper
+                self.kv_token_seconds += self._stats.kv_step_tokens * (time.monotonic() - t0)
                 self._finish(outputs)
                 if self._unsent and time.monotonic() >= self._retry_at:
                     self._guarded(self._flush)
@@ -337,6 +339,8 @@ class Worker:
                     inflight=len(gids),
                     kv_used_tokens=s.kv_used_tokens,
                     kv_total_tokens=s.kv_total_tokens,
+                    kv_step_tokens=s.kv_step_tokens,
+                    kv_token_seconds=round(self.kv_token_seconds, 3),
                     tokens_per_s=round(s.tokens_per_s / (1.0 + c.slowdown), 3),
                     generated_tokens=s.generated_tokens,
                     running_remaining_tokens=remaining,

@@ -171,6 +171,8 @@ class WorkQueue(LeaseOps):
                     waiting=as_int(hb.get("waiting")),
                     kv_used_tokens=as_int(hb.get("kv_used_tokens")),
                     kv_total_tokens=as_int(hb.get("kv_total_tokens")),
+                    kv_step_tokens=as_int(hb.get("kv_step_tokens")),
+                    kv_token_seconds=as_float(hb.get("kv_token_seconds")),
                     running_remaining_tokens=as_float(hb.get("running_remaining_tokens")),
                     queue_length=int(qlen),
                     inflight=int(infl),

@@ -80,6 +80,8 @@ class ClusterInfo:
     waiting: int = 0
     kv_used_tokens: int = 0
     kv_total_tokens: int = 0
+    kv_step_tokens: int = 0  # KV the engine held during its last step
+    kv_token_seconds: float = 0.0  # the engine's KV tokens x seconds since it started (MICO's cumulative KV)
     running_remaining_tokens: float = 0.0
     queue_length: int = 0
     inflight: int = 0
