@@ -25,6 +25,7 @@ from pathlib import Path
 from gateway.config import ClusterSpec, GatewayConfig, load_clusters
 from gateway.server import serve
 from gateway.supervisor import EngineSupervisor
+from predictor.shipped import choose as choose_predictor
 from workqueue import WorkQueue, connect
 from workqueue.embedded import URL_ENV, EmbeddedRedis
 
@@ -69,6 +70,14 @@ async def wait_for_engines(
         await asyncio.sleep(0.2)
 
 
+def gateway_config(args, redis_url: str, admin_token: str, specs: list[ClusterSpec]) -> GatewayConfig:
+    """The gateway's settings; the length predictor is the learned model shipped with the project
+    unless ``--predictor`` names a model directory or ``heuristic``."""
+    config = GatewayConfig.from_args(args, redis_url=redis_url, admin_token=admin_token, clusters=specs)
+    config.predictor_dir = choose_predictor(args.predictor)
+    return config
+
+
 async def up(args) -> int:
     run_dir = Path(args.run_dir).resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -102,7 +111,7 @@ async def up(args) -> int:
             max_restarts=getattr(args, "engine_restarts", 5),
         )
         engines.start_all()
-        config = GatewayConfig.from_args(args, redis_url=url, admin_token=token, clusters=specs)
+        config = gateway_config(args, url, token, specs)
         ready = asyncio.Event()
         gateway = asyncio.create_task(serve(config, ready=ready, stop=stop))
         ready_wait = asyncio.create_task(ready.wait())

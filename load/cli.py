@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--run-dir", default="runs/demo", help="where `gateway up` keeps Redis data and logs")
     d.add_argument("--gateway-arg", action="append", help="extra argument for `gateway up` (repeatable)")
     d.add_argument(
+        "--predictor",
+        default="shipped",
+        help="length predictor: shipped (the learned model shipped with the project), heuristic, or a model dir",
+    )
+    d.add_argument(
         "--timeout", type=float, default=600, help="seconds to wait for the deployment and the batch"
     )
     _add_workload_args(d)
@@ -130,7 +135,7 @@ def _demo(args) -> int:
     info_file = run_dir / "gateway.json"
     info_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "gateway.cli", "up", "--listen", "127.0.0.1:0", "--run-dir", str(run_dir)]
-    cmd += args.gateway_arg or []
+    cmd += ["--predictor", args.predictor, *(args.gateway_arg or [])]
     print("starting:", " ".join(cmd[2:]), flush=True)
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:

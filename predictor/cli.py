@@ -555,7 +555,12 @@ def cmd_eval(args) -> dict:
         )
         ridge = point_figures(tfidf_ridge(train.prompts, train.lengths, test.prompts), test.lengths)
         report.update({f"tfidf_ridge_{k}": ridge[k] for k in ("kendall_tau", "mae_tokens", "sum_ratio")})
-    plot = Path(args.plot) if args.plot else loaded.path / "confusion.png"
+    shipped = loaded.path.resolve() == store.SHIPPED_DIR  # package data: keep the plot out of it
+    plot = (
+        Path(args.plot)
+        if args.plot
+        else Path("runs/shipped-confusion.png" if shipped else loaded.path / "confusion.png")
+    )
     cm = confusion(b.label(test.lengths), probs.argmax(1), b.n)
     report["confusion_png"] = str(
         plot_confusion(cm, b, plot, f"{loaded.version}: {b.scheme} buckets, {args.data} {args.split}")

@@ -91,12 +91,22 @@ def _read_jsonl(path: Path) -> Iterator[dict]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
 
 
+def alpaca_eval_models(root: Path | None = None) -> list[str]:
+    """The models with an answer file (``alpaca_eval/<model>.json``) in the data directory."""
+    return sorted(p.stem for p in (data_dir(root) / "alpaca_eval").glob("*.json"))
+
+
 def load_alpaca_eval(model: str = "llama-2-7b-chat-hf", root: Path | None = None) -> list[Record]:
-    if model not in ALPACA_EVAL_MODELS:
-        raise ValueError(
-            f"unknown alpaca_eval model {model!r}; choose one of {', '.join(ALPACA_EVAL_MODELS)}"
+    """alpaca_eval prompts with the answers of ``model``: any ``alpaca_eval/<model>.json`` in the data directory."""
+    if not model or "/" in model or "\\" in model or model.startswith("."):
+        raise ValueError(f"{model!r} is not an alpaca_eval model name")
+    path = data_dir(root) / "alpaca_eval" / f"{model}.json"
+    if not path.is_file():
+        present = alpaca_eval_models(root) or list(ALPACA_EVAL_MODELS)
+        raise FileNotFoundError(
+            f"no alpaca_eval answers of {model!r} ({path}); choose one of {', '.join(present)}"
         )
-    rows = _read_json(data_dir(root) / "alpaca_eval" / f"{model}.json")
+    rows = _read_json(path)
     return [
         Record(r["instruction"], r["output"] or "", "alpaca_eval", meta={"generator": model}) for r in rows
     ]

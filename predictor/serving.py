@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from predictor import store
+from predictor import shipped, store
 from predictor.baselines import prompt_length_heuristic
 from predictor.inference import predict_proba
 
@@ -58,11 +58,27 @@ class LengthPredictor:
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike | None) -> LengthPredictor:
-        """Load a version directory, or a parent's latest version; ``None`` gives the heuristic fallback."""
+        """Load a version directory, or a parent's latest version; ``None`` gives the heuristic fallback.
+
+        ``shipped`` names the model shipped with the project and ``heuristic`` the fallback
+        (:func:`predictor.shipped.choose`). If the shipped model fails to load, the heuristic
+        serves and an error is logged; any other directory that fails to load raises.
+        """
         if model_dir is None or str(model_dir) == "":
             return cls(None, None)
-        source = Path(model_dir)
-        return cls(store.load(source), source)
+        path = shipped.choose(model_dir)
+        if path is None:
+            return cls(None, None)
+        source = Path(path)
+        try:
+            loaded = store.load(source)
+        except Exception as e:
+            if not shipped.is_shipped(source):
+                raise
+            log.error("the shipped length predictor %s failed to load (%s); using the heuristic", source, e)
+            return cls(None, None)
+        log.info("length predictor: %s", shipped.describe(loaded))
+        return cls(loaded, source)
 
     def _warn_fallback(self) -> None:
         if not self._warned:

@@ -28,6 +28,9 @@ META_FILE = "predictor.json"
 METRICS_FILE = "metrics.json"
 LATEST_FILE = "latest"
 _VERSION_RE = re.compile(r"^v(\d+)$")
+#: The model shipped with the project (package data); ``shipped`` names it wherever a model directory is asked for.
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped_model"
+SHIPPED_NAME = "shipped"
 
 
 @dataclass
@@ -76,8 +79,9 @@ def versions(parent: str | os.PathLike) -> list[int]:
 
 
 def resolve(path: str | os.PathLike) -> Path:
-    """A version directory itself, or the one a parent's ``latest`` names (else its highest ``v<N>``)."""
-    p = Path(path)
+    """A version directory itself, or the one a parent's ``latest`` names (else its highest ``v<N>``);
+    ``shipped``: the model shipped with the project."""
+    p = SHIPPED_DIR if str(path) == SHIPPED_NAME else Path(path)
     if is_version_dir(p):
         return p
     latest = p / LATEST_FILE
@@ -134,7 +138,10 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedM
     meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
     meta.setdefault("version", vdir.name)
     tok = AutoTokenizer.from_pretrained(str(vdir), local_files_only=True)
-    model = DistilBertForSequenceClassification.from_pretrained(str(vdir), local_files_only=True)
+    # float32 whatever the file holds (the shipped model is stored in float16)
+    model = DistilBertForSequenceClassification.from_pretrained(
+        str(vdir), local_files_only=True, dtype=torch.float32
+    )
     model.to(device).eval()
     buckets = Buckets.load(vdir / BUCKETS_FILE)
     if model.config.num_labels != buckets.n:

@@ -1,0 +1,241 @@
+"""The length predictor shipped with the project, and how a deployment chooses its predictor.
+
+``predictor/shipped_model/`` (package data) is an ordinary version directory (see
+:mod:`predictor.store`) with the weights in fp16 safetensors (under 5 MB), its WordPiece
+tokenizer, ``buckets.json`` and ``predictor.json``, whose ``shipped`` entry names the serving
+tokenizer its lengths were counted in, the model it was exported from and its test figures;
+``reference.json`` holds the fp32 source model's predictions on a few fixed prompts, so a test
+can check that the fp16 copy predicts the same.
+
+``gateway up`` (and ``loadgen demo``, which starts it) use it unless ``--predictor`` says
+otherwise: :func:`choose` maps ``shipped`` to this directory and ``heuristic`` to no model.
+
+Rebuild it (the commands are in ``docs/predictor.md``)::
+
+    predictor train --threads 1 --max-minutes 20 --out /tmp/pred_ship/model
+    python -m predictor.shipped export --from /tmp/pred_ship/model
+    predictor eval --model predictor/shipped_model --plot /tmp/pred_ship/cm.png --report /tmp/pred_ship/eval.json
+    python -m predictor.shipped record-eval /tmp/pred_ship/eval.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from predictor import store
+
+log = logging.getLogger(__name__)
+
+SHIPPED_DIR = store.SHIPPED_DIR
+SHIPPED = store.SHIPPED_NAME
+HEURISTIC = "heuristic"
+REFERENCE_FILE = "reference.json"
+MAX_BYTES = 5 * 1024 * 1024
+#: What the serving engines of ``gateway up`` count tokens with (``engine serve`` without ``--model-dir``).
+DEFAULT_SERVING_TOKENIZER = "localmodels.default_tokenizer"
+EVAL_KEYS = (
+    "n",
+    "split",
+    "kendall_tau",
+    "mae_tokens",
+    "sum_ratio",
+    "accuracy",
+    "tfidf_ridge_kendall_tau",
+    "tfidf_ridge_mae_tokens",
+    "tfidf_lr_kendall_tau",
+    "tfidf_lr_mae_tokens",
+    "fallback_kendall_tau",
+    "fallback_mae_tokens",
+)
+
+#: Fixed prompts whose fp32 predictions are stored with the shipped model (``reference.json``).
+REFERENCE_PROMPTS = (
+    "What is 7 times 8?",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Write a SQL query that lists the ten customers with the highest total order value.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain the difference between TCP and UDP.",
+    "Give me three tips for staying focused while working from home.",
+    "Translate 'good morning' into French.",
+    "You are a pirate captain. Greet your new crew and tell them about the voyage ahead.",
+    "Summarise the causes of the First World War in a few paragraphs.",
+    "Is 97 a prime number? Answer yes or no.",
+    "Compose a poem about autumn leaves.",
+    "List the planets of the solar system in order from the sun.",
+    "Describe how a refrigerator works, step by step, for a ten-year-old.",
+    "Create a weekly meal plan for a vegetarian athlete, with a shopping list.",
+    "Fix the bug: def add(a, b): return a - b",
+)
+
+
+def choose(spec: str | os.PathLike | None) -> str | None:
+    """The model directory a ``--predictor`` value names: ``None`` or ``shipped`` -> the shipped model,
+    ``heuristic`` (or ``none``) -> ``None`` (the prompt-length heuristic), anything else -> itself."""
+    if spec is None or str(spec) == SHIPPED:
+        return str(SHIPPED_DIR)
+    if str(spec).lower() in (HEURISTIC, "none", ""):
+        return None
+    return str(spec)
+
+
+def is_shipped(path: str | os.PathLike | None) -> bool:
+    return path is not None and Path(path).resolve() == SHIPPED_DIR
+
+
+def vocab_sha1(tokenizer) -> str:
+    """A fingerprint of a tokenizer's vocabulary (sorted ``token -> id`` pairs)."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha1(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def serving_tokenizer_info(tokenizer=None, name: str = DEFAULT_SERVING_TOKENIZER) -> dict:
+    """Which tokenizer the labels' lengths were counted in (the default serving one unless given)."""
+    if tokenizer is None:
+        from localmodels import default_tokenizer
+
+        tokenizer = default_tokenizer()
+    return {"name": name, "vocab_size": len(tokenizer), "vocab_sha1": vocab_sha1(tokenizer)}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def reference_predictions(loaded: store.LoadedModel, prompts=REFERENCE_PROMPTS) -> dict:
+    """Bucket probabilities, argmax buckets and expected tokens of ``loaded`` on ``prompts``."""
+    from predictor.inference import predict_proba
+
+    probs = predict_proba(
+        loaded.model, loaded.tokenizer, list(prompts), loaded.max_len, truncation=loaded.truncation
+    )
+    return {
+        "prompts": list(prompts),
+        "probs": probs.round(6).tolist(),
+        "bucket": probs.argmax(1).tolist(),
+        "expected_tokens": loaded.buckets.expected(probs).round(4).tolist(),
+    }
+
+
+def export(
+    source: str | os.PathLike,
+    dest: str | os.PathLike = SHIPPED_DIR,
+    serving_tokenizer: dict | None = None,
+    prompts=REFERENCE_PROMPTS,
+    max_bytes: int = MAX_BYTES,
+) -> Path:
+    """Copy the model at ``source`` (a version or parent directory) to ``dest`` with fp16 weights.
+
+    Writes ``reference.json`` (the fp32 predictions on ``prompts``) and records the source, the
+    serving tokenizer (``serving_tokenizer``, by default :func:`serving_tokenizer_info`) and the
+    source's validation history in ``predictor.json``. Replaces ``dest`` only once complete.
+    """
+    loaded = store.load(source)
+    reference = reference_predictions(loaded, prompts)
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    loaded.model.half().save_pretrained(str(tmp), safe_serialization=True)
+    loaded.model.float()
+    loaded.tokenizer.save_pretrained(str(tmp))
+    for junk in ("special_tokens_map.json",):  # duplicated in tokenizer_config.json
+        (tmp / junk).unlink(missing_ok=True)
+    meta = dict(loaded.meta)
+    meta["version"] = f"shipped-{loaded.version}"
+    meta["shipped"] = {
+        "from": str(loaded.path),
+        "from_version": loaded.version,
+        "exported": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "dtype": "float16",
+        "serving_tokenizer": serving_tokenizer or serving_tokenizer_info(),
+        "test": {},
+    }
+    (tmp / store.META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    if (loaded.path / store.METRICS_FILE).is_file():
+        shutil.copy(loaded.path / store.METRICS_FILE, tmp / store.METRICS_FILE)
+    (tmp / REFERENCE_FILE).write_text(json.dumps(reference), encoding="utf-8")
+    loaded.buckets.save(tmp / store.BUCKETS_FILE)
+    size = _dir_bytes(tmp)
+    if size > max_bytes:
+        shutil.rmtree(tmp)
+        raise ValueError(
+            f"the exported model takes {size / 2**20:.2f} MiB, over the {max_bytes / 2**20:.2f} MiB limit"
+        )
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    log.info("exported %s -> %s (%.2f MiB)", loaded.path, dest, size / 2**20)
+    return dest
+
+
+def record_eval(report: str | os.PathLike | dict, dest: str | os.PathLike = SHIPPED_DIR) -> dict:
+    """Store the headline figures of a ``predictor eval --report`` file in the shipped ``predictor.json``."""
+    r = report if isinstance(report, dict) else json.loads(Path(report).read_text(encoding="utf-8"))
+    meta_path = Path(dest) / store.META_FILE
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    figures = {k: r[k] for k in EVAL_KEYS if k in r}
+    meta.setdefault("shipped", {})["test"] = figures
+    meta_path.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    return figures
+
+
+def describe(loaded: store.LoadedModel) -> str:
+    """One line for the gateway log: ``learned (shipped-v1, test tau 0.68, MAE 27.0 tokens, ...)``."""
+    shipped = loaded.meta.get("shipped") or {}
+    test = shipped.get("test") or {}
+    parts = [loaded.version]
+    if "kendall_tau" in test:
+        parts.append(f"test tau {test['kendall_tau']:.3f}, MAE {test['mae_tokens']:.1f} tokens")
+    if shipped.get("serving_tokenizer"):
+        parts.append(f"lengths in {shipped['serving_tokenizer'].get('name')} tokens")
+    where = "shipped with the project" if is_shipped(loaded.path) else str(loaded.path)
+    return f"learned ({', '.join(parts)}; {where})"
+
+
+def load_shipped(path: str | os.PathLike = SHIPPED_DIR):
+    """The shipped model as a :class:`predictor.serving.LengthPredictor`."""
+    from predictor.serving import LengthPredictor
+
+    return LengthPredictor.from_dir(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m predictor.shipped", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="copy a trained model into the package with fp16 weights")
+    e.add_argument("--from", dest="source", required=True, help="model directory (version or parent)")
+    e.add_argument("--out", default=str(SHIPPED_DIR), help="destination (default: the shipped model)")
+    e.add_argument(
+        "--serving-tokenizer", default=None, help="model directory whose tokenizer counted lengths"
+    )
+    r = sub.add_parser("record-eval", help="store `predictor eval --report` figures in predictor.json")
+    r.add_argument("report")
+    r.add_argument("--out", default=str(SHIPPED_DIR))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "export":
+        info = None
+        if args.serving_tokenizer:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(args.serving_tokenizer, local_files_only=True)
+            info = serving_tokenizer_info(tok, name=str(args.serving_tokenizer))
+        out = export(args.source, args.out, info)
+        print(json.dumps({"model_dir": str(out), "bytes": _dir_bytes(out)}))
+    else:
+        print(json.dumps(record_eval(args.report, args.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
