@@ -22,6 +22,7 @@ from gateway.listing import read_clusters
 from gateway.metrics import GatewayMetrics
 from gateway.offload import LinkCost
 from gateway.policies import AssignmentPolicy, NoClusterError, QueryLoad
+from gateway.quota import ClientLocks, client_of, header_problem, remember, unfinished
 from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.views import cluster_proto, cluster_views
 from protos import fleetbatch_pb2 as pb
@@ -110,6 +111,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
     def __init__(self, deps: GatewayDeps):
         self.d = deps
         self._policy_lock = threading.Lock()  # policies may keep state (round robin's cursor)
+        self._limits = Limits.of(deps.config)
+        self._client_lock = ClientLocks()
 
     async def SubmitBatch(
         self, request: pb.SubmitBatchRequest, context: grpc.aio.ServicerContext
@@ -122,7 +125,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
                 check_batch,
                 request,
                 d.count_tokens,
-                Limits.of(cfg),
+                self._limits,
                 fail_row=mode == pb.ON_BAD_QUERY_FAIL_ROW,
             )
         except InvalidBatch as e:
@@ -134,6 +137,30 @@ class BatchService(pb_grpc.BatchServiceServicer):
             existing = await asyncio.to_thread(d.queue.batch, batch_id)
             if existing is not None:
                 return await self._resubmitted(existing, request, context)
+        if cfg.max_queued_per_client <= 0:
+            return await self._create(request, checked, batch_id, context, t0)
+        md = dict(context.invocation_metadata())
+        problem = header_problem(md)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        client = client_of(md, context.peer())
+        async with self._client_lock(client):
+            left = await asyncio.to_thread(unfinished, d.queue, client)
+            if left + len(request.queries) > cfg.max_queued_per_client:
+                d.metrics.rejected.inc()
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"client {client!r} has {left} queries queued or running and submits "
+                    f"{len(request.queries)}; the cap is max_queued_per_client={cfg.max_queued_per_client}",
+                )
+            batch = await self._create(request, checked, batch_id, context, t0)
+            await asyncio.to_thread(remember, d.queue, client, batch.id)
+            return batch
+
+    async def _create(
+        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float
+    ) -> pb.Batch:
+        d = self.d
         queued, names = await self._assign_all(request, checked, batch_id, context)
         created = await asyncio.to_thread(
             d.queue.create_batch,

@@ -1,0 +1,64 @@
+"""A per-client cap on queued queries (``max_queued_per_client``).
+
+A client is named by its ``x-client-id`` request header, else by its address (the host of
+the gRPC peer). The gateway keeps each client's batch ids in a Redis set; a submission is
+refused with ``RESOURCE_EXHAUSTED`` when the client's unfinished queries (total minus
+completed, failed and cancelled, over its batches not yet final) plus the new batch's would
+exceed the cap. Final or expired batches leave the set as they are seen. Submissions of one
+client are checked one at a time within a gateway, so concurrent batches cannot both slip in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+from gateway.validation import id_problem
+from workqueue import WorkQueue
+
+CLIENT_HEADER = "x-client-id"
+
+
+def client_key(client: str) -> str:
+    return f"fb:gw:client:{client}:batches"
+
+
+def client_of(metadata: dict[str, str], peer: str) -> str:
+    """The client's name: its ``x-client-id`` header, else the host part of ``peer`` (``ipv4:1.2.3.4:5``)."""
+    if metadata.get(CLIENT_HEADER):
+        return metadata[CLIENT_HEADER]
+    host = peer.split(":", 1)[1] if ":" in peer else peer  # drop the ipv4:/ipv6: scheme
+    host = host.rsplit(":", 1)[0]  # and the port
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in host)[:128] or "unknown"
+
+
+def header_problem(metadata: dict[str, str]) -> str | None:
+    value = metadata.get(CLIENT_HEADER)
+    return id_problem(value, f"{CLIENT_HEADER} header") if value is not None else None
+
+
+def unfinished(queue: WorkQueue, client: str) -> int:
+    """Queries of ``client``'s batches not yet finished; forgets its final and expired batches."""
+    key = client_key(client)
+    left = 0
+    for bid in queue.r.smembers(key):
+        info = queue.batch(bid)
+        if info is None or info.final:
+            queue.r.srem(key, bid)
+            continue
+        left += max(0, info.total - info.completed - info.failed - info.cancelled)
+    return left
+
+
+def remember(queue: WorkQueue, client: str, batch_id: str) -> None:
+    queue.r.sadd(client_key(client), batch_id)
+
+
+class ClientLocks:
+    """One asyncio lock per client name, so a client's submissions are checked one at a time."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def __call__(self, client: str) -> asyncio.Lock:
+        return self._locks[client]
