@@ -15,12 +15,13 @@ from collections import defaultdict
 
 from gateway.validation import id_problem
 from workqueue import WorkQueue
+from workqueue.keys import PREFIX
 
 CLIENT_HEADER = "x-client-id"
 
 
 def client_key(client: str) -> str:
-    return f"fb:gw:client:{client}:batches"
+    return f"{PREFIX}gw:client:{client}:batches"  # the deployment's hash tag: one slot with the queue
 
 
 def client_of(metadata: dict[str, str], peer: str) -> str:

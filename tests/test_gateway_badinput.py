@@ -18,7 +18,7 @@ from gateway.config import ClusterSpec, GatewayConfig
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread
-from workqueue import WorkQueue, connect
+from workqueue import WorkQueue, connect, keys
 
 TOKEN = "badinput-admin-token"
 MD = [("authorization", f"Bearer {TOKEN}")]
@@ -75,7 +75,7 @@ def rpc_error(call, *args, **kw) -> grpc.RpcError:
 
 
 def nothing_enqueued(queue: WorkQueue) -> bool:
-    return queue.r.keys("fb:q:*") == [] and all(c.queue_length == 0 for c in queue.clusters())
+    return queue.r.keys(keys.query("*")) == [] and all(c.queue_length == 0 for c in queue.clusters())
 
 
 # ---------------------------------------------------------------- sizes
@@ -243,7 +243,7 @@ def test_bad_admin_input_is_invalid_argument_and_writes_nothing(start, field, va
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.details()
     assert "bad" not in queue.cluster_names()
-    assert queue.r.exists("fb:c:bad:info") == 0
+    assert queue.r.exists(keys.cluster_info("bad")) == 0
     # the deployment still works
     assert [c.name for c in client.ListClusters(pb.ListClustersRequest()).clusters] == ["a", "b"]
     assert client.SubmitBatch(batch_of(2)).request_counts.total == 2
@@ -252,9 +252,9 @@ def test_bad_admin_input_is_invalid_argument_and_writes_nothing(start, field, va
 def test_bad_values_already_in_redis_do_not_brick_the_gateway(start, redis_url):
     """What an older gateway wrote for `--add bad --capacity -5` (or NaN) is read as 0, with a warning."""
     queue = WorkQueue(connect(redis_url))
-    queue.r.sadd("fb:clusters", "neg", "nan")
-    queue.r.hset("fb:c:neg:info", mapping={"state": "active", "capacity_hint_tps": "-5"})
-    queue.r.hset("fb:c:nan:info", mapping={"state": "active", "capacity_hint_tps": "nan"})
+    queue.r.sadd(keys.CLUSTERS, "neg", "nan")
+    queue.r.hset(keys.cluster_info("neg"), mapping={"state": "active", "capacity_hint_tps": "-5"})
+    queue.r.hset(keys.cluster_info("nan"), mapping={"state": "active", "capacity_hint_tps": "nan"})
     client, admin, *_ = start()
     names = [c.name for c in client.ListClusters(pb.ListClustersRequest()).clusters]
     assert names == ["a", "b", "nan", "neg"]

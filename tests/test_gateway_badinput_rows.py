@@ -9,6 +9,7 @@ from gateway.config import ClusterSpec
 from protos import fleetbatch_pb2 as pb
 from tests import test_gateway_badinput as base
 from tests.test_gateway_badinput import batch_of, rpc_error
+from workqueue import keys
 
 start = base.start  # the fixture: a gateway with config overrides
 
@@ -46,7 +47,7 @@ def test_fail_row_still_rejects_what_cannot_be_a_row(start):
     for q in req.queries:
         q.max_tokens = -1
     assert "every query of the batch is bad" in rpc_error(client.SubmitBatch, req).details()
-    assert queue.r.keys("fb:q:*") == []
+    assert queue.r.keys(keys.query("*")) == []
 
 
 def test_reject_is_the_default_and_the_gateway_default_can_be_fail_row(start):
