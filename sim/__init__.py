@@ -1,0 +1,23 @@
+"""Discrete-event simulator of a fleetbatch fleet in cost-model time, driving the real code.
+
+What runs for real (imported from the project, not copied):
+
+* assignment: :mod:`gateway.policies` (``round_robin``, the capacity-weighted ``token`` policy)
+  on :class:`~gateway.policies.ClusterView` / :class:`~gateway.policies.QueryLoad`, as
+  :mod:`gateway.service` calls it;
+* backoff offloading: :func:`gateway.offload.plan_offload` and :class:`gateway.offload.Backoff`
+  with the simulator's clock, ticked like :class:`gateway.offloader.Offloader`;
+* iteration-level engines: :class:`engines.scheduler.Scheduler` with
+  :class:`engines.kv_cache.KVCacheManager` and :class:`engines.sequence.Sequence`, pulled like
+  :mod:`engines.worker` does with the real ``LLMEngine.free_slots``;
+* static batching: the batch choice and ``free_slots`` of :class:`engines.static_engine.StaticBatchEngine`.
+
+What is modelled: the time a step takes (:mod:`sim.costs`: a linear per-cluster cost model,
+or one linearised from a planner profile), the model's tokens (forced lengths), Redis (plain
+per-cluster deques) and the network (moves are instant; their cost enters only the decision).
+
+Modules: :mod:`sim.costs` (step times), :mod:`sim.workload` (queries and arrivals),
+:mod:`sim.engines` (simulated engines around the real scheduler), :mod:`sim.core` (the event
+loop), :mod:`sim.study` (MICO's four combinations, the cluster sweep, the scale run) and
+:mod:`sim.cli` (``python -m sim.cli study|scale``). See ``docs/sim.md``.
+"""

@@ -1,0 +1,347 @@
+"""The event loop: arrivals, engine step completions and offloader ticks in cost-model time.
+
+Per cluster there is a queue (a deque standing in for its Redis list) and a simulated engine
+(:mod:`sim.engines`). Arriving queries are assigned by the real policy of
+:mod:`gateway.policies` from :class:`~gateway.policies.ClusterView` objects built as
+:func:`gateway.views.cluster_views` does (pending = queued prompt + predicted tokens plus the
+predicted tokens of queries the engine holds, the capacity being the configured hint). Before
+every step an engine takes ``free_slots()`` queries from the front of its queue (the worker's
+loop); an idle engine takes work the moment it appears. Every ``offload_interval_s`` the
+offloader runs :class:`gateway.offloader.Offloader`'s round with the real
+:func:`gateway.offload.plan_offload` and one :class:`gateway.offload.Backoff` per cluster on the
+simulated clock; a move takes queries from the back of the donor's queue to the back of the
+recipient's, at once (the link cost only enters the decision, as in the real system).
+
+Events at the same instant run in the order: step completions, arrivals, offloader ticks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engines.config import EngineConfig
+from gateway.offload import Backoff, LinkCost, plan_offload
+from gateway.policies import ClusterView, QueryLoad, make_policy
+from sim.costs import LinearCost
+from sim.engines import IterationEngine, StaticEngine
+from sim.workload import Workload
+
+STEP, ARRIVE, TICK = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One simulated cluster: its cost model, engine kind and engine limits."""
+
+    name: str
+    cost: LinearCost
+    backend: str = "iteration"  # "iteration" (native scheduler) or "static"
+    batch: int = 8  # max_running (iteration) or max_batch (static)
+    kv_budget_tokens: int = 16384
+    capacity_tps: float | None = None  # capacity hint; None: from the cost model and the workload's means
+
+
+@dataclass
+class SimConfig:
+    policy: str = "token"
+    offload: bool = True
+    offload_interval_s: float = 0.5  # gateway default
+    lookahead_s: float = 2.0  # OffloadConfig defaults from here down
+    tail_len: int = 256
+    links: LinkCost = field(default_factory=LinkCost)
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    max_tokens: int = 256
+    block_size: int = 16
+    max_batch_tokens: int = 512
+    prefill_chunk: int = 256
+    safety_margin: float = 0.10
+    bulk: bool = True
+
+
+@dataclass
+class SimResult:
+    makespan_s: float
+    queries: int
+    generated_tokens: int
+    kv_token_seconds: float
+    cumulative_kv_tokens: int
+    moved: int
+    finish_s: list[float]
+    per_cluster: dict[str, dict]
+    wall_s: float
+
+    @property
+    def throughput_tokens_per_s(self) -> float:
+        return self.generated_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "makespan_s": round(self.makespan_s, 3),
+            "throughput_tokens_per_s": round(self.throughput_tokens_per_s, 3),
+            "queries_per_s": round(self.queries / self.makespan_s, 4) if self.makespan_s else 0.0,
+            "kv_token_seconds": round(self.kv_token_seconds, 1),
+            "cumulative_kv_tokens": self.cumulative_kv_tokens,
+            "moved": self.moved,
+            "wall_s": round(self.wall_s, 3),
+        }
+
+
+class _Cluster:
+    def __init__(self, spec: ClusterSpec, engine, capacity: float) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.engine = engine
+        self.capacity = capacity
+        self.queue: deque[int] = deque()
+        self.queued_tokens = 0.0  # prompt + predicted of queued queries (Redis "pending")
+        self.inflight_pred = 0.0  # predicted tokens of queries the engine holds (heartbeat)
+        self.busy = False
+        self.step_start = 0.0
+        self.version = 0
+        self.finished = 0
+        self.moved_in = 0
+        self.moved_out = 0
+        self.busy_s = 0.0
+
+    def view(self) -> ClusterView:
+        return ClusterView(
+            self.name,
+            self.capacity,
+            pending_tokens=max(0.0, self.queued_tokens + self.inflight_pred),
+            queue_length=len(self.queue),
+        )
+
+
+class Simulator:
+    def __init__(self, specs: list[ClusterSpec], work: Workload, config: SimConfig | None = None) -> None:
+        if not specs:
+            raise ValueError("need at least one cluster")
+        self.config = cfg = config or SimConfig()
+        self.work = work
+        self.policy = make_policy(cfg.policy)
+        self.total = [p + r for p, r in zip(work.prompt_tokens, work.predicted_tokens, strict=True)]
+        n = max(1, len(work))
+        mean_p = sum(work.prompt_tokens) / n
+        mean_r = sum(work.predicted_tokens) / n
+        self.clusters: list[_Cluster] = []
+        for s in specs:
+            if s.backend == "iteration":
+                ec = EngineConfig(
+                    kv_budget_tokens=s.kv_budget_tokens,
+                    block_size=cfg.block_size,
+                    max_batch_tokens=cfg.max_batch_tokens,
+                    prefill_chunk=cfg.prefill_chunk,
+                    max_running=s.batch,
+                    safety_margin=cfg.safety_margin,
+                )
+                engine = IterationEngine(ec, s.cost, work, cfg.max_tokens, bulk=cfg.bulk)
+            elif s.backend == "static":
+                engine = StaticEngine(s.batch, s.cost, work, cfg.max_tokens)
+            else:
+                raise ValueError(f"unknown backend {s.backend!r}; choose iteration or static")
+            cap = s.capacity_tps or s.cost.tokens_per_s(s.batch, mean_p, mean_r)
+            self.clusters.append(_Cluster(s, engine, cap))
+        self.backoffs: dict[str, Backoff] = {}
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._order = 0
+        self.moved = 0
+
+    # ---- events -----------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, idx: int, version: int = 0) -> None:
+        self._order += 1
+        heapq.heappush(self._heap, (t, kind, self._order, idx, version))
+
+    def _clock(self) -> float:
+        return self.now
+
+    def run(self, progress: bool = False) -> SimResult:
+        from tqdm import tqdm
+
+        t_wall = time.perf_counter()
+        w, n = self.work, len(self.work)
+        order = sorted(range(n), key=w.arrival_s.__getitem__)
+        groups: list[tuple[float, list[int]]] = []
+        for q in order:
+            t = w.arrival_s[q]
+            if groups and groups[-1][0] == t:
+                groups[-1][1].append(q)
+            else:
+                groups.append((t, [q]))
+        for gi, (t, _) in enumerate(groups):
+            self._push(t, ARRIVE, gi)
+        if self.config.offload and len(self.clusters) > 1:
+            self._push(groups[0][0] if groups else 0.0, TICK, 0)
+        finish = [0.0] * n
+        done = 0
+        bar = tqdm(total=n, disable=not progress, desc="simulate", unit="query", mininterval=0.5)
+        heap = self._heap
+        while heap and done < n:
+            t, kind, _, idx, version = heapq.heappop(heap)
+            self.now = t
+            if kind == STEP:
+                c = self.clusters[idx]
+                if version != c.version:
+                    continue
+                c.busy = False
+                c.busy_s += t - c.step_start
+                fin = c.engine.end_step() + [q for q in c.engine.failed]
+                c.engine.failed.clear()
+                pred = w.predicted_tokens
+                for q in fin:
+                    finish[q] = t
+                    c.inflight_pred -= pred[q]
+                c.finished += len(fin)
+                done += len(fin)
+                if fin and progress:
+                    bar.update(len(fin))
+                self._kick(idx)
+            elif kind == ARRIVE:
+                self._arrive(groups[idx][1])
+            else:
+                if self._tick():
+                    pass
+                if done < n:
+                    self._push(t + self.config.offload_interval_s, TICK, 0)
+        bar.close()
+        if done < n:
+            raise RuntimeError(f"simulation stalled with {n - done} of {n} queries unfinished")
+        start = groups[0][0] if groups else 0.0
+        per = {
+            c.name: {
+                "queries": c.finished,
+                "steps": c.engine.num_steps,
+                "generated_tokens": c.engine.generated_tokens,
+                "busy_s": round(c.busy_s, 3),
+                "kv_token_seconds": round(c.engine.kv_token_seconds, 1),
+                "moved_in": c.moved_in,
+                "moved_out": c.moved_out,
+                "capacity_tps": round(c.capacity, 2),
+            }
+            for c in self.clusters
+        }
+        return SimResult(
+            makespan_s=max(finish, default=start) - start,
+            queries=n,
+            generated_tokens=sum(c.engine.generated_tokens for c in self.clusters),
+            kv_token_seconds=sum(c.engine.kv_token_seconds for c in self.clusters),
+            cumulative_kv_tokens=sum(c.engine.cumulative_kv_tokens for c in self.clusters),
+            moved=self.moved,
+            finish_s=finish,
+            per_cluster=per,
+            wall_s=time.perf_counter() - t_wall,
+        )
+
+    # ---- clusters ---------------------------------------------------------------------------
+    def _kick(self, idx: int) -> None:
+        """Start the cluster's next step if it is idle; cut a bulk short if it would take new work."""
+        c = self.clusters[idx]
+        e = c.engine
+        if c.busy:
+            if e.in_bulk and c.queue and e.free_slots() > 0:
+                d = e.cut_bulk(self.now - c.step_start)
+                if d is not None:
+                    c.version += 1
+                    self._push(c.step_start + d, STEP, idx, c.version)
+            return
+        self._pull(c)
+        d = e.start_step()
+        if d is None:
+            return
+        c.busy = True
+        c.step_start = self.now
+        c.version += 1
+        self._push(self.now + d, STEP, idx, c.version)
+
+    def _pull(self, c: _Cluster) -> None:
+        if not c.queue:
+            return
+        n = min(c.engine.free_slots(), len(c.queue))
+        total, pred = self.total, self.work.predicted_tokens
+        for _ in range(n):
+            q = c.queue.popleft()
+            c.queued_tokens -= total[q]
+            c.inflight_pred += pred[q]
+            c.engine.add(q)
+
+    def _arrive(self, qids: list[int]) -> None:
+        w = self.work
+        loads = [QueryLoad(str(q), w.prompt_tokens[q], w.predicted_tokens[q]) for q in qids]
+        names = self.policy.assign(loads, [c.view() for c in self.clusters])
+        index = {c.name: i for i, c in enumerate(self.clusters)}
+        touched = set()
+        for q, name in zip(qids, names, strict=True):
+            i = index[name]
+            c = self.clusters[i]
+            c.queue.append(q)
+            c.queued_tokens += self.total[q]
+            touched.add(i)
+        for i in sorted(touched):
+            self._kick(i)
+
+    # ---- the offloader ----------------------------------------------------------------------
+    def _backoff(self, name: str) -> Backoff:
+        b = self.backoffs.get(name)
+        if b is None:
+            cfg = self.config
+            b = self.backoffs[name] = Backoff(cfg.backoff_base_s, max_s=cfg.backoff_max_s, clock=self._clock)
+        return b
+
+    def _tick(self) -> int:
+        """One round of :meth:`gateway.offloader.Offloader._offload` (no dead clusters to evacuate here)."""
+        cfg = self.config
+        candidates = [
+            c
+            for c in self.clusters
+            if not c.queue
+            and c.queued_tokens + c.inflight_pred <= c.capacity * cfg.lookahead_s
+            and self._backoff(c.name).ready()
+        ]
+        if not candidates:
+            return 0
+        views = {c.name: c.view() for c in self.clusters}
+        busy = [c for c in self.clusters if c.queue]
+        moved = 0
+        for c in candidates:
+            v = views[c.name]
+            threshold = v.capacity_tps * cfg.lookahead_s
+            backoff = self._backoff(c.name)
+            tails = {b.name: self._tail(b) for b in busy if b is not c}
+            move = plan_offload(
+                v, [views[n] for n in tails], tails, cfg.links, idle_threshold_tokens=threshold
+            )
+            if move is None:
+                backoff.failed()
+                continue
+            if self._move(move.src, move.dst, move.count) > 0:
+                backoff.succeeded()
+                moved += move.count
+            else:
+                backoff.failed()
+        return moved
+
+    def _tail(self, c: _Cluster) -> list[QueryLoad]:
+        n = min(self.config.tail_len, len(c.queue))
+        q = c.queue
+        total = self.total
+        return [QueryLoad(str(q[i]), 0, total[q[i]]) for i in range(len(q) - n, len(q))]
+
+    def _move(self, src: str, dst: str, count: int) -> int:
+        by = {c.name: i for i, c in enumerate(self.clusters)}
+        s, di = self.clusters[by[src]], by[dst]
+        d = self.clusters[di]
+        taken = [s.queue.pop() for _ in range(min(count, len(s.queue)))]
+        for q in reversed(taken):
+            d.queue.append(q)
+            s.queued_tokens -= self.total[q]
+            d.queued_tokens += self.total[q]
+        s.moved_out += len(taken)
+        d.moved_in += len(taken)
+        self.moved += len(taken)
+        if taken:
+            self._kick(di)
+        return len(taken)

@@ -1,0 +1,272 @@
+"""Simulated engines: the real iteration-level scheduler, and the real static batcher, in cost-model time.
+
+:class:`IterationEngine` holds a real :class:`engines.scheduler.Scheduler` and
+:class:`engines.kv_cache.KVCacheManager` and does what :meth:`engines.engine.LLMEngine.step`
+does with one stage -- ``schedule()``, "run" (the step's time from :mod:`sim.costs`), update:
+computed tokens become cached, a sampling chunk appends a token, a query that reached its
+forced length finishes and ``Scheduler.finish`` frees its blocks. How many queries it takes
+from its queue before a step is the real ``LLMEngine.free_slots`` (called on this object,
+which has the ``config``, ``scheduler`` and ``kv`` it reads), as :mod:`engines.worker` does.
+
+**Bulk decode.** A step after which (1) nobody was admitted, preempted or finished, (2) every
+running query decoded one token and (3) nothing was added to the waiting line is *steady*: the
+scheduler will repeat it exactly until the next query finishes. Admission stays blocked
+(committed KV and block use only grow, the running count and the step's token budget stay,
+the head of the waiting line stays), ``free_slots`` only shrinks, and no query is preempted as
+long as the free blocks cover every query's growth (checked). So the next ``k`` steps, ``k``
+being the fewest tokens any running query still has to generate, are applied at once: the
+same block allocations, token counts and finishes the real scheduler would make one step at a
+time (``tests/test_sim_exact.py`` compares step by step with the real ``LLMEngine``). A bulk is
+cut short at the next step boundary when work arrives for an engine that would take it.
+
+:class:`StaticEngine` is :class:`engines.static_engine.StaticBatchEngine`'s own queue, batch
+choice (``_take_batch``) and ``free_slots``; its ``model.generate`` is modelled: prompts padded
+to the longest, every query of the batch decoding until the longest forced length is reached.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engines.config import EngineConfig
+from engines.engine import LLMEngine
+from engines.interface import Request, SamplingParams
+from engines.kv_cache import KVCacheManager, blocks_for
+from engines.scheduler import Scheduler, SchedulerOutput
+from engines.sequence import Sequence
+from engines.static_engine import StaticBatchEngine
+from sim.costs import LinearCost
+from sim.workload import Workload
+
+Trace = list[tuple[list[str], list[str], int]]  # per step: admitted ids, finished ids, tokens computed
+
+
+class IterationEngine:
+    """The native engine's scheduling in cost-model time (see the module docstring)."""
+
+    def __init__(
+        self, config: EngineConfig, cost: LinearCost, work: Workload, max_tokens: int = 256, bulk: bool = True
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.cost = cost
+        self.work = work
+        self.max_tokens = max_tokens
+        self.bulk = bulk
+        self.kv = KVCacheManager(max(1, config.kv_budget_tokens // config.block_size), config.block_size)
+        self.scheduler = Scheduler(config, self.kv)
+        self.trace: Trace | None = None
+        self.num_steps = 0
+        self.generated_tokens = 0
+        self.cumulative_kv_tokens = 0  # LLMEngine's figure: sum over steps of cached tokens of the batch
+        self.kv_token_seconds = 0.0  # the same, each step weighted by its duration (MICO's cumulative KV)
+        self.failed: list[int] = []  # queries larger than the whole cache
+        self.num_preemptions = 0
+        self._plan: SchedulerOutput | None = None
+        self._dt = 0.0
+        self._bulk_k = 0
+        self._steady = False
+        self._added = False
+
+    # ---- the worker side ------------------------------------------------------------------
+    def free_slots(self) -> int:
+        return LLMEngine.free_slots(self)  # the real method, on this object's config/scheduler/kv
+
+    def add(self, qid: int) -> None:
+        w = self.work
+        pred = int(w.predicted_tokens[qid])
+        self.scheduler.add(
+            Sequence(
+                str(qid),
+                [0] * w.prompt_tokens[qid],
+                SamplingParams(max_tokens=self.max_tokens, forced_length=w.true_tokens[qid]),
+                predicted_tokens=pred or None,
+            )
+        )
+        self._added = True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return self.kv.used_blocks * self.kv.block_size
+
+    # ---- steps ----------------------------------------------------------------------------
+    def start_step(self) -> float | None:
+        """Plan the next step (or bulk of steps); its duration in seconds, or None when there is nothing to run."""
+        if self._steady and not self._added and self.bulk:
+            k = self._bulk_steps()
+            if k >= 2:
+                self._bulk_k = k
+                self._dt = self.cost.step_s(0, len(self.scheduler.running))
+                return k * self._dt
+        self._added = False
+        plan = self.scheduler.schedule()
+        self.failed.extend(int(s.request_id) for s in plan.out_of_memory)
+        self.num_preemptions += len(plan.preempted)
+        if not plan.chunks:
+            self._plan = None
+            return None
+        prefill, decode = 0, 0
+        for c in plan.chunks:
+            if c.num_tokens == 1 and c.seq.output_token_ids and c.samples:
+                decode += 1
+            else:
+                prefill += c.num_tokens
+        self._plan = plan
+        self._dt = self.cost.step_s(prefill, decode)
+        return self._dt
+
+    def _bulk_steps(self) -> int:
+        running = self.scheduler.running
+        k = min(s.sampling.forced_length - len(s.output_token_ids) for s in running)
+        bs = self.kv.block_size
+        need = sum(max(0, blocks_for(s.num_computed + k, bs) - len(s.block_table)) for s in running)
+        return k if need <= self.kv.num_free_blocks else 0
+
+    def cut_bulk(self, elapsed: float) -> float | None:
+        """Work arrived ``elapsed`` s into a bulk: end it at the next step boundary; the new duration, or None."""
+        if not self._bulk_k:
+            return None
+        m = max(1, math.ceil(elapsed / self._dt - 1e-9))
+        if m >= self._bulk_k:
+            return None
+        self._bulk_k = m
+        return m * self._dt
+
+    @property
+    def in_bulk(self) -> bool:
+        return self._bulk_k > 0
+
+    def end_step(self) -> list[int]:
+        """Apply the planned step(s); the queries finished, in the engine's order."""
+        if self._bulk_k:
+            return self._end_bulk()
+        plan, sched = self._plan, self.scheduler
+        self._plan = None
+        cached = 0
+        for c in plan.chunks:
+            c.seq.num_computed += c.num_tokens
+            cached += c.seq.num_computed
+        self.cumulative_kv_tokens += cached
+        self.kv_token_seconds += cached * self._dt
+        self.num_steps += 1
+        done: list[Sequence] = []
+        sampled = 0
+        for c in plan.chunks:
+            if c.samples:
+                seq = c.seq
+                seq.output_token_ids.append(0)
+                sampled += 1
+                if len(seq.output_token_ids) >= seq.sampling.forced_length:
+                    sched.finish(seq)
+                    done.append(seq)
+        self.generated_tokens += sampled
+        self._steady = (
+            not done
+            and not plan.admitted
+            and not plan.preempted
+            and len(plan.chunks) == sampled == len(sched.running)
+            and all(c.num_tokens == 1 for c in plan.chunks)
+        )
+        if self.trace is not None:
+            self.trace.append(
+                ([s.request_id for s in plan.admitted], [s.request_id for s in done], plan.num_tokens)
+            )
+        return [int(s.request_id) for s in done]
+
+    def _end_bulk(self) -> list[int]:
+        k, running, sched = self._bulk_k, self.scheduler.running, self.scheduler
+        self._bulk_k = 0
+        r = len(running)
+        cached0 = sum(s.num_computed for s in running)
+        step_sums = k * cached0 + r * k * (k + 1) // 2
+        self.cumulative_kv_tokens += step_sums
+        self.kv_token_seconds += step_sums * self._dt
+        self.num_steps += k
+        self.generated_tokens += r * k
+        pad = [0] * k
+        done = []
+        for seq in running:
+            seq.num_computed += k
+            seq.output_token_ids.extend(pad)
+            if not self.kv.allocate(seq, seq.num_computed):  # checked before the bulk; cannot fail
+                raise RuntimeError("bulk decode ran out of KV blocks")
+            if len(seq.output_token_ids) >= seq.sampling.forced_length:
+                done.append(seq)
+        for seq in done:
+            sched.finish(seq)
+        self._steady = not done
+        if self.trace is not None:
+            r_ids = [s.request_id for s in done]
+            self.trace.extend([([], [], r)] * (k - 1))
+            self.trace.append(([], r_ids, r))
+        return [int(s.request_id) for s in done]
+
+
+class _NoModel:
+    """Stands in for the Hugging Face model of :class:`StaticBatchEngine` (only ``eval()`` is called)."""
+
+    def eval(self) -> _NoModel:
+        return self
+
+
+class StaticEngine:
+    """Static batching (MICO's baseline): the real static engine's batching, ``generate`` modelled."""
+
+    def __init__(self, max_batch: int, cost: LinearCost, work: Workload, max_tokens: int = 256) -> None:
+        self.engine = StaticBatchEngine(_NoModel(), None, max_batch=max_batch)
+        self.cost = cost
+        self.work = work
+        self.max_tokens = max_tokens
+        self.trace: Trace | None = None
+        self.num_steps = 0
+        self.generated_tokens = 0
+        self.cumulative_kv_tokens = 0
+        self.kv_token_seconds = 0.0
+        self.failed: list[int] = []
+        self.kv_used_tokens = 0
+        self._batch: list[Request] = []
+        self.in_bulk = False
+
+    def free_slots(self) -> int:
+        return self.engine.free_slots()
+
+    def add(self, qid: int) -> None:
+        w = self.work
+        sampling = SamplingParams(max_tokens=self.max_tokens, forced_length=w.true_tokens[qid])
+        self.engine.add_request(Request(str(qid), "", sampling, prompt_token_ids=[0] * w.prompt_tokens[qid]))
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished() or bool(self._batch)
+
+    def start_step(self) -> float | None:
+        batch = self.engine._take_batch()
+        if not batch:
+            return None
+        self._batch = batch
+        b = len(batch)
+        longest = max(len(r.prompt_token_ids) for r in batch)
+        new = max(r.sampling.target_tokens for r in batch)
+        prefill = self.cost.step_s(b * longest, 0)
+        decode = self.cost.step_s(0, b)
+        # Hugging Face generate keeps every row (padded) until the longest is done
+        cached_sum = b * longest + b * (new * longest + new * (new + 1) // 2)
+        self.cumulative_kv_tokens += cached_sum
+        self.kv_token_seconds += b * longest * prefill + decode * b * (new * longest + new * (new + 1) // 2)
+        self.kv_used_tokens = b * (longest + new)
+        self.num_steps += 1 + new
+        return prefill + new * decode
+
+    def cut_bulk(self, elapsed: float) -> float | None:
+        return None
+
+    def end_step(self) -> list[int]:
+        batch, self._batch = self._batch, []
+        self.kv_used_tokens = 0
+        self.generated_tokens += sum(min(r.sampling.target_tokens, self.max_tokens) for r in batch)
+        if self.trace is not None:
+            ids = [r.request_id for r in batch]
+            self.trace.append((ids, ids, 0))
+        return [int(r.request_id) for r in batch]
