@@ -96,10 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--remove", metavar="CLUSTER", help="drain and remove CLUSTER")
     r.add_argument("--force", action="store_true", help="with --remove: even while it still runs queries")
     r.add_argument("--json", action="store_true", help="print the response as JSON")
+    r.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect over TLS")
 
     st = sub.add_parser("status", help="list clusters: liveness, capacity, queue, expected finish")
     st.add_argument("--target", default=DEFAULT_TARGET, help="gateway address host:port")
     st.add_argument("--json", action="store_true", help="print JSON")
+    st.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect over TLS")
     return p
 
 
@@ -140,6 +142,8 @@ def _add_common(s: argparse.ArgumentParser) -> None:
         default="reject",
         help="a bad query rejects its batch, or fails alone (when the request does not choose)",
     )
+    s.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
+    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     s.add_argument(
         "--max-queued-per-client",
         type=int,
@@ -221,7 +225,9 @@ def _rebalance(args) -> int:
     from protos import fleetbatch_pb2_grpc as pb_grpc
 
     md = [("authorization", f"Bearer {_token(args)}")]
-    with grpc.insecure_channel(args.target) as ch:
+    from gateway.tls import channel
+
+    with channel(args.target, args.tls_ca) as ch:
         admin = pb_grpc.AdminServiceStub(ch)
         try:
             if args.add:
@@ -290,10 +296,11 @@ def _status(args) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
+    from gateway.tls import channel
     from protos import fleetbatch_pb2 as pb
     from protos import fleetbatch_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(args.target) as ch:
+    with channel(args.target, args.tls_ca) as ch:
         try:
             resp = pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=10)
         except grpc.RpcError as e:

@@ -50,6 +50,8 @@ class GatewayConfig:
     max_request_bytes: int = 256 * 1024 * 1024  # gRPC receive limit: larger is RESOURCE_EXHAUSTED
     max_positions: int = 0  # the model's positions (start token counted); 0: from the tokenizer dir
     on_bad_query: str = "reject"  # reject | fail-row: what a bad query does when the request leaves it open
+    tls_cert: str | None = None  # PEM certificate chain: serve gRPC over TLS (with tls_key)
+    tls_key: str | None = None
     max_queued_per_client: int = 0  # queries a client may have queued or running at once (0: no cap)
     retention_s: float = 7 * 24 * 3600  # finished batches expire from Redis after this long (0: never)
     offload: bool = True
@@ -79,6 +81,8 @@ class GatewayConfig:
             max_positions=args.max_positions,
             on_bad_query=args.on_bad_query,
             max_queued_per_client=args.max_queued_per_client,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
             retention_s=args.retention_hours * 3600,
             clusters=clusters,
         )

@@ -18,6 +18,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.offloader import Offloader
 from gateway.policies import make_policy
 from gateway.service import BatchService, GatewayDeps
+from gateway.tls import server_credentials
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from workqueue import WorkQueue, connect
@@ -118,7 +119,10 @@ async def serve(
         reflection.SERVICE_NAME,
     ]
     reflection.enable_server_reflection(services, server)
-    port = server.add_insecure_port(config.listen)
+    if config.tls_cert or config.tls_key:
+        port = server.add_secure_port(config.listen, server_credentials(config.tls_cert, config.tls_key))
+    else:
+        port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
     await server.start()
@@ -131,8 +135,9 @@ async def serve(
     host = config.listen.rsplit(":", 1)[0]
     config.bound_address = f"{host}:{port}"
     log.info(
-        "gateway listening on %s (policy %s, Redis %s, positions %d, request limit %d bytes)",
+        "gateway listening on %s%s (policy %s, Redis %s, positions %d, request limit %d bytes)",
         config.bound_address,
+        " with TLS" if config.tls_cert else "",
         config.policy,
         redact_url(config.redis_url),
         config.model_positions(),

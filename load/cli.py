@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a bad query rejects the batch, or fails alone (default: the gateway's setting)",
     )
+    s.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect to the gateway over TLS")
     _add_workload_args(s)
 
     d = sub.add_parser(
@@ -121,6 +122,7 @@ def _submit(args, target: str) -> int:
         out=args.out,
         resume=bool(resume),
         on_bad_query=getattr(args, "on_bad_query", None) or "",
+        tls_ca=getattr(args, "tls_ca", None),
     )
     if args.out:
         print(f"results written to {args.out}")

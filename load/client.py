@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
+from gateway.tls import channel
 from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -130,6 +131,7 @@ def run_batch(
     resume: bool = False,
     on_bad_query: str = "",
     retry_s: float = 60.0,
+    tls_ca: str | None = None,
 ) -> tuple[pb.Batch, list[dict], float]:
     """Submit (or with ``resume``, find ``batch_id``), stream every result until the batch is final.
 
@@ -139,7 +141,7 @@ def run_batch(
     if out and not resume:
         Path(out).write_text("")
     options = [("grpc.max_send_message_length", 512 * 1024 * 1024)]
-    with grpc.insecure_channel(target, options=options) as ch:
+    with channel(target, tls_ca, options) as ch:
         stub = pb_grpc.BatchServiceStub(ch)
         t0 = time.time()
         if resume:
