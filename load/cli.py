@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from load import bench_offload, chaos, compare_policies, report, study
 from load.client import format_summary, run_batch, summarise
 from load.workload import from_dataset, from_openai_jsonl, generated
 
@@ -84,8 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
         "compare-policies",
         help="benchmark: per-cluster token imbalance and makespan of each assignment policy on real lengths",
     )
-    from load import bench_offload, compare_policies
-
     compare_policies.add_arguments(c)
     b = sub.add_parser(
         "bench-offload",
@@ -93,7 +92,29 @@ def build_parser() -> argparse.ArgumentParser:
         description=bench_offload.__doc__,
     )
     bench_offload.add_arguments(b)
+    for name, module, help_text in (
+        (
+            "chaos",
+            chaos,
+            "fault injection: kill engines, gateway and Redis under a running batch; count lost queries",
+        ),
+        (
+            "study",
+            study,
+            "MICO's study for real: {round robin, token} x {static, iteration-level} through gateway up",
+        ),
+        (
+            "report",
+            report,
+            "a run directory's throughput, makespan, tokens per cluster, completion CDF and plots",
+        ),
+    ):
+        sp = sub.add_parser(name, help=help_text, description=module.__doc__, formatter_class=RAW)
+        module.add_arguments(sp)
     return p
+
+
+RAW = argparse.RawDescriptionHelpFormatter
 
 
 def _workload(args):
@@ -172,10 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             return _submit(args, args.target)
         if args.command == "demo":
             return _demo(args)
-        from load import bench_offload, compare_policies
-
-        module = bench_offload if args.command == "bench-offload" else compare_policies
-        print(json.dumps(module.run(args)))
+        modules = {"bench-offload": bench_offload, "compare-policies": compare_policies}
+        modules.update(chaos=chaos, study=study, report=report)
+        print(json.dumps(modules[args.command].run(args)))
         return 0
     except grpc.RpcError as e:
         print(f"loadgen {args.command}: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -11,6 +11,7 @@ commands, so it is only a last resort and a warning says so.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import shutil
@@ -71,6 +72,21 @@ def find_redis_server() -> str:
     raise FileNotFoundError("no redis-server binary found: install redis-server or set $" + SERVER_ENV)
 
 
+SOCKET_PATH_MAX = 100  # the kernel's limit for a unix socket path is 107 bytes
+
+
+def socket_path(run_dir: Path) -> str:
+    """``run_dir/redis.sock``, or, when that is too long for a unix socket, a short path under the
+    temp directory derived from ``run_dir`` (the same one again after a restart)."""
+    path = str(run_dir / "redis.sock")
+    if len(path.encode()) < SOCKET_PATH_MAX:
+        return path
+    digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:16]
+    short = Path(tempfile.gettempdir()) / f"fleetbatch-{digest}"
+    short.mkdir(mode=0o700, exist_ok=True)
+    return str(short / "redis.sock")
+
+
 class EmbeddedRedis:
     """A private redis-server on a unix socket (and optionally a loopback TCP port).
 
@@ -85,7 +101,7 @@ class EmbeddedRedis:
         self._tmp = None if run_dir else tempfile.TemporaryDirectory(prefix="fleetbatch-redis-")
         self.run_dir = Path(run_dir or self._tmp.name).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.socket_file = str(self.run_dir / "redis.sock")
+        self.socket_file = socket_path(self.run_dir)
         self.port = port
         self.binary = find_redis_server()
         args = [

@@ -1,0 +1,179 @@
+"""``loadgen report RUN``: throughput, makespan, tokens per cluster (predicted against actual), the
+completion-time CDF, cumulative KV, and MICO-style plots, from a run directory (:mod:`load.runrecord`).
+
+Plots (PNG, next to the data): ``kv.png`` -- KV-cache tokens per cluster over time (the mean
+KV each engine held between two samples, from its cumulative KV token-seconds, so static
+batches that hold KV for a whole ``generate`` call show as they are); ``finished.png`` --
+cumulative finished queries per cluster over time; ``cdf.png`` -- completion-time CDF.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from load.runrecord import META, RESULTS, TIMESERIES, read_jsonl  # noqa: E402
+
+REPORT = "report.json"
+
+
+def _t(r: dict, key: str) -> float:
+    return float((r.get("timings") or {}).get(key) or 0.0)
+
+
+def kv_series(rows: list[dict], t0: float) -> dict[str, tuple[list[float], list[float]]]:
+    """Per cluster: sample times (s after ``t0``) and the mean KV tokens held since the previous sample."""
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by[r["cluster"]].append(r)
+    out = {}
+    for c, rs in sorted(by.items()):
+        rs.sort(key=lambda r: r["t"])
+        ts, kv = [], []
+        for a, b in zip(rs, rs[1:], strict=False):
+            dt = b["t"] - a["t"]
+            if dt > 0:
+                ts.append(b["t"] - t0)
+                kv.append(max(0.0, (b["kv_token_seconds"] - a["kv_token_seconds"]) / dt))
+        out[c] = (ts, kv)
+    return out
+
+
+def cumulative_kv(rows: list[dict], start: float, end: float) -> dict[str, float]:
+    """KV token-seconds each cluster's engine accumulated between ``start`` and ``end`` (wall clock)."""
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by[r["cluster"]].append(r)
+    out = {}
+    for c, rs in by.items():
+        rs.sort(key=lambda r: r["t"])
+        before = [r for r in rs if r["t"] <= start] or rs[:1]
+        out[c] = max(0.0, rs[-1]["kv_token_seconds"] - before[-1]["kv_token_seconds"])
+    return out
+
+
+def build_report(run_dir: str | Path, plots: bool = True) -> dict:
+    run = Path(run_dir)
+    results = read_jsonl(run / RESULTS)
+    if not results:
+        raise FileNotFoundError(f"{run / RESULTS}: no results to report on")
+    meta = json.loads((run / META).read_text()) if (run / META).exists() else {}
+    series = read_jsonl(run / TIMESERIES)
+    t0 = min(_t(r, "enqueued_at") for r in results)
+    end = max(_t(r, "finished_at") for r in results)
+    makespan = max(end - t0, 1e-9)
+    done = sorted(_t(r, "finished_at") - t0 for r in results)
+    per: dict[str, dict] = defaultdict(lambda: {"queries": 0, "predicted_tokens": 0.0, "actual_tokens": 0})
+    for r in results:
+        c = per[r.get("cluster") or "-"]
+        c["queries"] += 1
+        c["predicted_tokens"] += float(r.get("predicted_tokens") or 0.0)
+        c["actual_tokens"] += int(r.get("completion_tokens") or 0)
+    tokens = sum(c["actual_tokens"] for c in per.values())
+    kv = cumulative_kv(series, t0, end) if series else {}
+    report = {
+        "run": str(run),
+        **{k: meta[k] for k in ("policy", "backend", "fleet", "batch_id") if k in meta},
+        "queries": len(results),
+        "makespan_s": round(makespan, 3),
+        "completion_tokens": tokens,
+        "tokens_per_s": round(tokens / makespan, 2),
+        "completion_s": {
+            f"p{p}": round(done[min(len(done) - 1, int(p / 100 * len(done)))], 3) for p in (50, 90, 99)
+        },
+        "cumulative_kv_token_s": round(sum(kv.values()), 1),
+        "clusters": {
+            name: {
+                "queries": c["queries"],
+                "predicted_tokens": round(c["predicted_tokens"], 1),
+                "actual_tokens": c["actual_tokens"],
+                "kv_token_s": round(kv.get(name, 0.0), 1),
+            }
+            for name, c in sorted(per.items())
+        },
+    }
+    if plots:
+        report["plots"] = draw(run, results, series, t0)
+    (run / REPORT).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def draw(run: Path, results: list[dict], series: list[dict], t0: float) -> list[str]:
+    title = run.name
+    paths = []
+    if series:
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for c, (ts, kv) in kv_series(series, t0).items():
+            ax.step(ts, kv, where="pre", label=c, linewidth=1.2)  # each value: the mean since the last sample
+        ax.set(
+            xlabel="seconds since submit",
+            ylabel="KV-cache tokens held",
+            title=f"KV cache per cluster: {title}",
+        )
+        ax.legend()
+        ax.grid(alpha=0.3)
+        paths.append(_save(fig, run / "kv.png"))
+    by: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        by[r.get("cluster") or "-"].append(_t(r, "finished_at") - t0)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for c, ts in sorted(by.items()):
+        ts.sort()
+        ax.step([0.0, *ts], range(len(ts) + 1), where="post", label=c)
+    ax.set(
+        xlabel="seconds since submit",
+        ylabel="finished queries",
+        title=f"Finished queries per cluster: {title}",
+    )
+    ax.legend()
+    ax.grid(alpha=0.3)
+    paths.append(_save(fig, run / "finished.png"))
+    done = sorted(t for ts in by.values() for t in ts)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.step(done, [(i + 1) / len(done) for i in range(len(done))], where="post")
+    ax.set(
+        xlabel="completion time (s since submit)",
+        ylabel="fraction of queries",
+        title=f"Completion-time CDF: {title}",
+    )
+    ax.grid(alpha=0.3)
+    paths.append(_save(fig, run / "cdf.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def format_report(r: dict) -> str:
+    lines = [
+        f"{r['run']}: {r['queries']} queries, makespan {r['makespan_s']} s, {r['tokens_per_s']} tokens/s, "
+        f"completion p50/p90/p99 {r['completion_s']['p50']}/{r['completion_s']['p90']}/{r['completion_s']['p99']} s, "
+        f"cumulative KV {r['cumulative_kv_token_s']} token-s",
+        f"{'cluster':<12} {'queries':>8} {'predicted tok':>14} {'actual tok':>11} {'KV token-s':>11}",
+    ]
+    for name, c in r["clusters"].items():
+        lines.append(
+            f"{name:<12} {c['queries']:>8} {c['predicted_tokens']:>14.0f} {c['actual_tokens']:>11} {c['kv_token_s']:>11.0f}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("run", help="run directory (written by `loadgen study`, or by `loadgen submit --run-dir`)")
+    p.add_argument("--no-plots", action="store_true", help="figures only, no PNGs")
+
+
+def run(args) -> dict:
+    r = build_report(args.run, plots=not args.no_plots)
+    print(format_report(r), flush=True)
+    return r

@@ -1,0 +1,204 @@
+"""``loadgen study``: MICO's four combinations measured for real, on the same workload, clusters and seed.
+
+{round robin, token} x {static batches, iteration-level}, each a real ``gateway up`` (embedded
+Redis, one engine process per cluster, the ``static`` backend for static batching), on
+three equal clusters; then the capacity-weighted ``token`` policy against round robin, both
+iteration-level, on clusters at speeds 1:2:4. Every run is a directory that
+``loadgen report`` reads (results, the engines' KV over time, plots).
+
+**Two cores, three engines.** The engines run the small random model and emulate their
+device with ``--slowdown``: each step sleeps ``slowdown`` x its compute time, so most of an
+engine's step is emulated device time rather than CPU it fights for. Equal clusters all
+run at ``base_slowdown`` (b); the 1:2:4 fleet runs at b, 2b+1 and 4b+3 (step times 1+b,
+2(1+b), 4(1+b)). ``--repeats`` runs the whole study again and reports each ratio per repeat.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import yaml
+from tqdm import tqdm
+
+from load.client import to_request
+from load.deployment import LocalDeployment
+from load.report import build_report
+from load.runrecord import Sampler, write_run
+from load.workload import WorkItem, from_dataset, generated
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    policy: str  # round_robin | token
+    backend: str  # static | native
+    speeds: tuple[float, ...]  # relative step times per cluster (1 = fastest)
+
+
+def setups(clusters: int) -> list[Setup]:
+    equal = (1.0,) * clusters
+    unequal = tuple(float(2 ** (i % 3)) for i in range(clusters))  # 1:2:4 (repeated past 3)
+    return [
+        Setup("rr_static_equal", "round_robin", "static", equal),
+        Setup("token_static_equal", "token", "static", equal),
+        Setup("rr_iteration_equal", "round_robin", "native", equal),
+        Setup("token_iteration_equal", "token", "native", equal),
+        Setup("rr_iteration_unequal", "round_robin", "native", unequal),
+        Setup("token_iteration_unequal", "token", "native", unequal),
+    ]
+
+
+def fleet_yaml(s: Setup, base_slowdown: float, batch: int, size: str) -> dict:
+    rows = []
+    for i, speed in enumerate(s.speeds):
+        slowdown = speed * (1 + base_slowdown) - 1
+        rows.append(
+            {
+                "name": f"c{i + 1}",
+                "capacity_tps": round(100.0 / speed, 3),
+                "backend": s.backend,
+                "engine_args": ["--size", size, "--slowdown", str(slowdown), "--max-batch", str(batch)],
+            }
+        )
+    return {"clusters": rows}
+
+
+def run_one(s: Setup, items: list[WorkItem], run_dir: Path, args) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "clusters.yaml").write_text(
+        yaml.safe_dump(fleet_yaml(s, args.base_slowdown, args.batch, args.size))
+    )
+    up_args = ["--config", str(run_dir / "clusters.yaml"), "--policy", s.policy, "--no-offload"]
+    with (
+        LocalDeployment(run_dir / "deploy", [*up_args, *args.gateway_arg]) as info,
+        grpc.insecure_channel(info["address"]) as ch,
+    ):
+        stub = pb_grpc.BatchServiceStub(ch)
+        with Sampler(info["redis_url"], run_dir, interval_s=0.5):
+            batch = stub.SubmitBatch(to_request(items, f"study-{s.name}"), timeout=600)
+            rows = [
+                json.loads(json.dumps(_as_dict(r)))
+                for r in stub.StreamResults(
+                    pb.StreamResultsRequest(batch_id=batch.id, follow=True), timeout=3600
+                )
+            ]
+            time.sleep(2.5)  # the engines' last heartbeats carry their final KV figures
+    write_run(
+        run_dir,
+        rows,
+        {"batch_id": batch.id, "policy": s.policy, "backend": s.backend, "fleet": list(s.speeds)},
+    )
+    return build_report(run_dir)
+
+
+def _as_dict(r: pb.QueryResult) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def workload(args) -> list[WorkItem]:
+    if args.dataset:
+        from localmodels import default_tokenizer
+
+        return from_dataset(args.dataset, args.num, args.seed, args.max_tokens, True, default_tokenizer())
+    return generated(args.num, args.seed, args.max_tokens, True)
+
+
+RATIOS = {  # name: (numerator setup, denominator setup, measure)
+    "qi_over_rr_static": ("token_iteration_equal", "rr_static_equal", "tokens_per_s"),
+    "qi_over_rr_iteration_unequal": ("token_iteration_unequal", "rr_iteration_unequal", "tokens_per_s"),
+    "kv_ratio_iteration_vs_static": ("token_iteration_equal", "token_static_equal", "cumulative_kv_token_s"),
+}
+
+
+def ratios(r: dict[str, dict]) -> dict[str, float]:
+    """The study's ratios, for those whose two setups ran."""
+    out = {}
+    for name, (num, den, measure) in RATIOS.items():
+        if num in r and den in r:
+            out[name] = round(r[num][measure] / max(r[den][measure], 1e-9), 3)
+    return out
+
+
+def run(args) -> dict:
+    items = workload(args)
+    root = Path(args.out)
+    per_repeat = []
+    all_reports: dict[str, dict] = {}
+    chosen = [s for s in setups(args.clusters) if not args.only or s.name in args.only.split(",")]
+    if not chosen:
+        raise ValueError(f"--only names no setup; known: {', '.join(s.name for s in setups(args.clusters))}")
+    bar = tqdm(total=len(chosen) * args.repeats, desc="study", unit="run", disable=args.no_progress)
+    for rep in range(args.repeats):
+        reports = {}
+        for s in chosen:
+            bar.set_postfix_str(s.name)
+            reports[s.name] = run_one(s, items, root / f"r{rep}" / s.name, args)
+            bar.update(1)
+        per_repeat.append(ratios(reports))
+        all_reports = reports
+    bar.close()
+    print(format_table(all_reports))
+    keys = per_repeat[0].keys() if per_repeat else ()
+    out = {k: round(statistics.median(p[k] for p in per_repeat), 3) for k in keys}
+    out["per_repeat"] = per_repeat
+    out["runs"] = {
+        k: {
+            "tokens_per_s": v["tokens_per_s"],
+            "makespan_s": v["makespan_s"],
+            "cumulative_kv_token_s": v["cumulative_kv_token_s"],
+        }
+        for k, v in all_reports.items()
+    }
+    out.update(
+        queries=len(items),
+        clusters=args.clusters,
+        batch=args.batch,
+        base_slowdown=args.base_slowdown,
+        out=str(root),
+    )
+    return out
+
+
+def format_table(reports: dict[str, dict]) -> str:
+    lines = [f"{'setup':<26} {'makespan s':>10} {'tokens/s':>9} {'cum. KV token-s':>16}"]
+    for name, r in reports.items():
+        lines.append(
+            f"{name:<26} {r['makespan_s']:>10.1f} {r['tokens_per_s']:>9.1f} {r['cumulative_kv_token_s']:>16.0f}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--num", "-n", type=int, default=300, help="queries per run (MICO: 200-1000)")
+    p.add_argument(
+        "--dataset", default="mixed", help="real workload with forced lengths ('' for the generated mix)"
+    )
+    p.add_argument("--max-tokens", type=int, default=256, help="cap on forced response lengths")
+    p.add_argument("--clusters", type=int, default=3, help="clusters per fleet")
+    p.add_argument("--batch", type=int, default=8, help="engine batch size (MICO: 2-10)")
+    p.add_argument(
+        "--base-slowdown", type=float, default=3.0, help="emulated device time per step, x compute"
+    )
+    p.add_argument("--size", default="nano", help="random local model size")
+    p.add_argument("--repeats", type=int, default=1, help="run the whole study this many times")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out", default="runs/study", help="one run directory per setup (loadgen report reads them)"
+    )
+    p.add_argument(
+        "--gateway-arg", action="append", default=[], help="extra `gateway up` argument (repeatable)"
+    )
+    p.add_argument("--only", default="", help="comma-separated setups to run (default: all six)")
+    p.add_argument("--no-progress", action="store_true")

@@ -1,0 +1,35 @@
+"""`loadgen study` on a real (tiny) deployment writes run directories that `loadgen report` reads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path):
+    out = tmp_path / "study"
+    cmd = [sys.executable, "-m", "load.cli", "study", "-n", "16", "--max-tokens", "24", "--dataset", "",
+           "--only", "token_static_equal,token_iteration_equal", "--out", str(out), "--no-progress"]  # fmt: skip
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["kv_ratio_iteration_vs_static"] > 0
+    assert set(summary["runs"]) == {"token_static_equal", "token_iteration_equal"}
+    for name in summary["runs"]:
+        d = out / "r0" / name
+        report = json.loads((d / "report.json").read_text())
+        assert report["queries"] == 16 and sum(c["queries"] for c in report["clusters"].values()) == 16
+        assert report["cumulative_kv_token_s"] > 0 and report["makespan_s"] > 0
+        assert all((d / f).stat().st_size > 5000 for f in ("kv.png", "finished.png", "cdf.png"))
+    again = subprocess.run(
+        [sys.executable, "-m", "load.cli", "report", str(out / "r0" / "token_static_equal"), "--no-plots"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1])["queries"] == 16
