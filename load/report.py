@@ -105,49 +105,37 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict:
 
 
 def draw(run: Path, results: list[dict], series: list[dict], t0: float) -> list[str]:
-    title = run.name
+    """The three PNGs (``kv.png`` only when there is a time series); returns their paths."""
     paths = []
     if series:
-        fig, ax = plt.subplots(figsize=(6.4, 3.6))
-        for c, (ts, kv) in kv_series(series, t0).items():
-            ax.step(ts, kv, where="pre", label=c, linewidth=1.2)  # each value: the mean since the last sample
-        ax.set(
-            xlabel="seconds since submit",
-            ylabel="KV-cache tokens held",
-            title=f"KV cache per cluster: {title}",
+        kv = {
+            c: (ts, v) for c, (ts, v) in kv_series(series, t0).items()
+        }  # each value: the mean since the last sample
+        paths.append(
+            _plot(run / "kv.png", f"KV cache per cluster: {run.name}", "KV-cache tokens held", kv, "pre")
         )
-        ax.legend()
-        ax.grid(alpha=0.3)
-        paths.append(_save(fig, run / "kv.png"))
     by: dict[str, list[float]] = defaultdict(list)
     for r in results:
         by[r.get("cluster") or "-"].append(_t(r, "finished_at") - t0)
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for c, ts in sorted(by.items()):
-        ts.sort()
-        ax.step([0.0, *ts], range(len(ts) + 1), where="post", label=c)
-    ax.set(
-        xlabel="seconds since submit",
-        ylabel="finished queries",
-        title=f"Finished queries per cluster: {title}",
+    finished = {c: ([0.0, *sorted(ts)], list(range(len(ts) + 1))) for c, ts in sorted(by.items())}
+    paths.append(
+        _plot(run / "finished.png", f"Finished queries per cluster: {run.name}", "finished queries", finished)
     )
-    ax.legend()
-    ax.grid(alpha=0.3)
-    paths.append(_save(fig, run / "finished.png"))
     done = sorted(t for ts in by.values() for t in ts)
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    ax.step(done, [(i + 1) / len(done) for i in range(len(done))], where="post")
-    ax.set(
-        xlabel="completion time (s since submit)",
-        ylabel="fraction of queries",
-        title=f"Completion-time CDF: {title}",
-    )
-    ax.grid(alpha=0.3)
-    paths.append(_save(fig, run / "cdf.png"))
+    cdf = {"": (done, [(i + 1) / len(done) for i in range(len(done))])}
+    paths.append(_plot(run / "cdf.png", f"Completion-time CDF: {run.name}", "fraction of queries", cdf))
     return paths
 
 
-def _save(fig, path: Path) -> str:
+def _plot(path: Path, title: str, ylabel: str, lines: dict, where: str = "post") -> str:
+    """Step lines (label -> (x, y)) against seconds since submit, saved as a PNG."""
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for label, (x, y) in lines.items():
+        ax.step(x, y, where=where, label=label or None, linewidth=1.2)
+    ax.set(xlabel="seconds since submit", ylabel=ylabel, title=title)
+    if any(lines):
+        ax.legend()
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
