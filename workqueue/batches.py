@@ -1,0 +1,219 @@
+"""Batches in Redis: creation (atomic, idempotent), status, results, lazy cancel, retention.
+
+:meth:`BatchOps.create_batch` is atomic and idempotent by batch id: concurrent calls with
+one new id create the batch once (one returns True, the others False, none raises), and a
+batch hash without ``status`` (a creation cut short under older code) counts as absent.
+
+**Cancel** is lazy with a bounded sweep: one O(1) script marks the batch ``cancelling``,
+then each queue is swept in script calls that look at most ``SWEEP_CHUNK`` ids; a claim
+drops whatever a sweep missed. **Retention**: a batch that reaches a final state keeps its
+hash, results and done set for ``retention_s`` (0: forever), then Redis expires them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict
+
+import redis
+
+from workqueue import keys, scripts
+from workqueue.records import BatchInfo, QueuedQuery, as_float, as_int
+
+DEFAULT_RETENTION_S = 7 * 24 * 3600  # finished batches (status, results) are kept a week
+PRUNE_CHUNK = 1000  # batch ids one prune call looks at
+SWEEP_CHUNK = 1000  # queued ids one cancel-sweep call looks at (keeps each script call short)
+CREATE_RETRIES = 20  # optimistic-transaction retries of create_batch (each lost race re-reads)
+
+
+class BatchOps:
+    """Batch lifecycle; mixed into :class:`workqueue.queue.WorkQueue`."""
+
+    r: redis.Redis
+    clock: Callable[[], float]
+    cluster_names: Callable[[], list[str]]
+
+    def _init_batches(self, client: redis.Redis, retention_s: float) -> None:
+        if not retention_s >= 0:
+            raise ValueError(f"retention_s must be >= 0 (0: keep forever), not {retention_s}")
+        self.retention_s = int(retention_s)
+        self._cancel = client.register_script(scripts.CANCEL)
+        self._sweep = client.register_script(scripts.SWEEP_CANCELLED)
+
+    def create_batch(
+        self,
+        batch_id: str,
+        assignments: Sequence[tuple[QueuedQuery, str]],
+        *,
+        policy: str = "",
+        metadata: Mapping[str, str] | None = None,
+    ) -> bool:
+        """Create the batch and enqueue every query on its cluster in one transaction.
+
+        Atomic and idempotent by ``batch_id``: returns True when this call created the batch,
+        False (changing nothing) when a batch with this id exists, also when a concurrent call
+        created it first; the existing batch is readable as soon as False comes back. The
+        check and the writes are one optimistic transaction (WATCH on the batch hash, then
+        MULTI/EXEC), retried when another writer touched the hash in between. A batch hash
+        without ``status`` (all the older code had written when it died mid-creation) counts
+        as absent and is overwritten.
+        """
+        if ":" in batch_id or not batch_id:
+            raise ValueError(f"bad batch id {batch_id!r}")
+        now = self.clock()
+        per_cluster: dict[str, int] = {}
+        per_cluster_tokens: dict[str, float] = {}
+        for q, c in assignments:
+            per_cluster[c] = per_cluster.get(c, 0) + 1
+            per_cluster_tokens[c] = per_cluster_tokens.get(c, 0.0) + q.total_tokens
+        rows = [(q.gid, json.dumps(asdict(q)), q.total_tokens, c) for q, c in assignments]
+        bkey = keys.batch(batch_id)
+        with self.r.pipeline(transaction=True) as pipe:
+            for _ in range(CREATE_RETRIES):
+                try:
+                    pipe.watch(bkey)
+                    if pipe.hexists(bkey, "status"):
+                        return False
+                    pipe.multi()
+                    self._write_batch(
+                        pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now
+                    )
+                    if not rows and self.retention_s:  # final at birth
+                        for key in (bkey, keys.results(batch_id), keys.done(batch_id)):
+                            pipe.expire(key, self.retention_s)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+        raise RuntimeError(f"batch {batch_id}: creation kept racing with other writers")
+
+    def _write_batch(
+        self, pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now
+    ) -> None:
+        bkey = keys.batch(batch_id)
+        pipe.delete(bkey)  # a hash without status is a creation cut short: start afresh
+        pipe.hset(
+            bkey,
+            mapping={
+                "created_at": now,
+                "status": "in_progress" if rows else "completed",
+                "total": len(rows),
+                "completed": 0,
+                "failed": 0,
+                "cancelled": 0,
+                "completed_at": 0 if rows else now,
+                "policy": policy,
+                "metadata": json.dumps(dict(metadata or {})),
+                "queries_per_cluster": json.dumps(per_cluster),
+                "predicted_tokens_per_cluster": json.dumps(per_cluster_tokens),
+                "retention_s": self.retention_s,
+            },
+        )
+        pipe.zadd(keys.BATCHES, {batch_id: now})
+        for gid, payload, tokens, c in rows:
+            pipe.hset(
+                keys.query(gid),
+                mapping={
+                    "payload": payload,
+                    "tokens": tokens,
+                    "cluster": c,
+                    "state": "queued",
+                    "attempts": 0,
+                    "enqueued_at": now,
+                },
+            )
+            pipe.rpush(keys.queue(c), gid)
+        for c, t in per_cluster_tokens.items():
+            pipe.sadd(keys.CLUSTERS, c)
+            pipe.hsetnx(keys.cluster_info(c), "state", "active")
+            pipe.incrbyfloat(keys.pending(c), t)
+            pipe.hincrbyfloat(keys.cluster_stats(c), "assigned_predicted_tokens", t)
+            pipe.hincrby(keys.cluster_stats(c), "assigned_queries", per_cluster[c])
+
+    def batch(self, batch_id: str) -> BatchInfo | None:
+        h = self.r.hgetall(keys.batch(batch_id))
+        if not h or "status" not in h:
+            return None
+        return BatchInfo(
+            batch_id=batch_id,
+            status=h["status"],
+            total=as_int(h.get("total")),
+            completed=as_int(h.get("completed")),
+            failed=as_int(h.get("failed")),
+            cancelled=as_int(h.get("cancelled")),
+            created_at=as_float(h.get("created_at")),
+            completed_at=as_float(h.get("completed_at")),
+            policy=h.get("policy", ""),
+            metadata=json.loads(h.get("metadata") or "{}"),
+            queries_per_cluster=json.loads(h.get("queries_per_cluster") or "{}"),
+            predicted_tokens_per_cluster=json.loads(h.get("predicted_tokens_per_cluster") or "{}"),
+        )
+
+    def batch_ids(self, limit: int = 100, newest_first: bool = True) -> list[str]:
+        """Ids of batches not yet expired, by creation time."""
+        self.prune_batches()
+        return self.r.zrange(keys.BATCHES, 0, limit - 1, desc=newest_first)
+
+    def prune_batches(self, chunk: int = PRUNE_CHUNK) -> int:
+        """Forget up to ``chunk`` of the oldest batch ids whose batch expired; returns how many."""
+        ids = self.r.zrange(keys.BATCHES, 0, chunk - 1)
+        if not ids:
+            return 0
+        pipe = self.r.pipeline(transaction=False)
+        for b in ids:
+            pipe.exists(keys.batch(b))
+        gone = [b for b, alive in zip(ids, pipe.execute(), strict=True) if not alive]
+        if gone:
+            self.r.zrem(keys.BATCHES, *gone)
+        return len(gone)
+
+    def batch_status(self, batch_id: str) -> str | None:
+        return self.r.hget(keys.batch(batch_id), "status")
+
+    def batch_statuses(self, batch_ids: Iterable[str]) -> dict[str, str | None]:
+        ids = list(batch_ids)
+        pipe = self.r.pipeline(transaction=False)
+        for b in ids:
+            pipe.hget(keys.batch(b), "status")
+        return dict(zip(ids, pipe.execute(), strict=True))
+
+    def cancel_batch(self, batch_id: str, chunk: int = SWEEP_CHUNK) -> int:
+        """Cancel a batch; returns how many of its queued queries this call cancelled (-1: unknown batch).
+
+        Lazy, with a bounded sweep: one O(1) script marks the batch ``cancelling`` (claims from
+        then on drop its queries and workers abort its running ones), then each queue is swept
+        in calls that look at most ``chunk`` ids, so Redis is never blocked for long whatever
+        the queues hold. Ids that claims or moves shift past the sweep are dropped by the claim
+        that reaches them.
+        """
+        marked = int(self._cancel(keys=[keys.batch(batch_id)], args=[batch_id, self.clock()]))
+        if marked <= 0:
+            return marked
+        return sum(self.sweep_cancelled(c, chunk) for c in self.cluster_names())
+
+    def sweep_cancelled(self, cluster: str, chunk: int = SWEEP_CHUNK) -> int:
+        """Take the queued queries of cancelling batches out of one queue, ``chunk`` ids per call."""
+        if chunk <= 0:
+            raise ValueError(f"chunk must be > 0, not {chunk}")
+        start, total = 0, 0
+        while True:
+            n, looked, start = self._sweep(
+                keys=[keys.queue(cluster), keys.pending(cluster)], args=[cluster, start, chunk, self.clock()]
+            )
+            total += int(n)
+            if int(looked) < chunk:
+                return total
+
+    def results(self, batch_id: str, start: int = 0, end: int = -1) -> list[dict]:
+        """Result records from index ``start`` (each with its ``index``)."""
+        rows = self.r.lrange(keys.results(batch_id), start, end)
+        out = []
+        for i, row in enumerate(rows):
+            d = json.loads(row)
+            d["index"] = start + i
+            out.append(d)
+        return out
+
+    def result_count(self, batch_id: str) -> int:
+        return int(self.r.llen(keys.results(batch_id)))
