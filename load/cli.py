@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from load import bench_offload, chaos, compare_policies, report, study
+from load import bench_offload, chaos, compare_policies, report, soak, study
 from load.client import format_summary, run_batch, summarise
 from load.workload import from_dataset, from_openai_jsonl, generated
 
@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
             report,
             "a run directory's throughput, makespan, tokens per cluster, completion CDF and plots",
         ),
+        (
+            "soak",
+            soak,
+            "one large batch submitted and streamed back through one gateway, predictor off and on",
+        ),
     ):
         sp = sub.add_parser(name, help=help_text, description=module.__doc__, formatter_class=RAW)
         module.add_arguments(sp)
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         modules = {"bench-offload": bench_offload, "compare-policies": compare_policies}
-        modules.update(chaos=chaos, study=study, report=report)
+        modules.update(chaos=chaos, study=study, report=report, soak=soak)
         print(json.dumps(modules[args.command].run(args)))
         return 0
     except grpc.RpcError as e:

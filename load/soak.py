@@ -1,0 +1,196 @@
+"""`loadgen soak`: one large batch submitted and streamed back through one gateway, predictor off and on.
+
+For each predictor setting (the prompt-length heuristic, then the learned one) a fresh
+``gateway serve`` process (own process, so its memory is its own) on an embedded Redis takes
+one ``-n``-query generated batch. The soak measures:
+
+* ``accepted_queries_per_s``: queries / ``SubmitBatch`` wall seconds, predictor off;
+* ``predictor_intake_ratio``: the same with the learned predictor on, divided by the
+  learned predictor's own queries/s on the same prompts and torch threads, timed in this
+  process in the same run (what ``predictor bench`` times);
+* ``first_enqueue_s``: seconds from the submit to the first query on a cluster queue
+  (Redis polled every 5 ms), predictor on;
+* ``peak_rss_growth_mb``: the gateway's peak resident memory (``VmHWM``) minus its resident
+  memory before the submit, the larger of the two runs;
+* ``lost`` and ``duplicated``: results streamed back through the gateway's
+  ``StreamResults`` (resumable, :func:`load.client.stream_results`) against the queries sent.
+
+Engines are stood in by drain threads that claim and complete queries directly in Redis:
+the soak measures the gateway, not the model. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from load.client import stream_results, to_request
+from load.workload import generated
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+from workqueue import WorkQueue, connect, keys
+from workqueue.embedded import EmbeddedRedis
+
+CLUSTERS = ("fast", "medium", "slow")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--num", type=int, default=100_000, help="queries in the soak batch")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
+    p.add_argument("--predictor", default="shipped", help="the learned predictor: shipped or a model dir")
+    p.add_argument("--predictor-threads", type=int, default=1, help="torch threads for prediction")
+    p.add_argument("--drainers", type=int, default=3, help="threads standing in for engines")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
+
+
+def _memory(pid: int) -> dict[str, float]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            out[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return out
+
+
+def _start_gateway(
+    redis_url: str, predictor: str, threads: int, run_dir: Path
+) -> tuple[subprocess.Popen, str]:
+    (run_dir / "clusters.yaml").write_text(
+        "clusters:\n" + "".join(f"  - {{name: {c}, capacity_tps: 100}}\n" for c in CLUSTERS)
+    )
+    cmd = [
+        sys.executable, "-m", "gateway.cli", "serve", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
+        "--clusters", str(run_dir / "clusters.yaml"), "--no-offload", "--predictor", predictor,
+        "--predictor-threads", str(threads), "--max-request-mb", "1024",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        m = re.search(r"gateway listening on (\S+)", line)
+        if m:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+            return proc, m.group(1)
+    raise RuntimeError(f"gateway serve exited with {proc.wait()} before listening")
+
+
+def _drain(queue: WorkQueue, stop: threading.Event, cluster: str) -> None:
+    while not stop.is_set():
+        claimed = queue.claim(cluster, 256, f"soak-{cluster}", 120)
+        if not claimed:
+            time.sleep(0.01)
+            continue
+        for c in claimed:
+            q = c.query
+            result = {"batch_id": q.batch_id, "query_id": q.query_id, "text": "", "completion_tokens": 1}
+            queue.complete(q.gid, result, "completed", 1)
+
+
+def _first_enqueue(queue: WorkQueue, t0: float, done: threading.Event, out: list[float]) -> None:
+    names = [keys.queue(c) for c in CLUSTERS]
+    while not done.is_set():
+        pipe = queue.r.pipeline(transaction=False)
+        for n in names:
+            pipe.llen(n)
+        if any(pipe.execute()):
+            out.append(time.perf_counter() - t0)
+            return
+        time.sleep(0.005)
+
+
+def _one_run(predictor: str, args, items, run_dir: Path) -> dict:
+    with EmbeddedRedis(run_dir / f"redis-{predictor.replace('/', '_')}", persist=False) as server:
+        queue = WorkQueue(connect(server.url), retention_s=0)
+        proc, address = _start_gateway(server.url, predictor, args.predictor_threads, run_dir)
+        stop, done = threading.Event(), threading.Event()
+        try:
+            base = _memory(proc.pid)["VmRSS"]
+            request = to_request(items, batch_id="soak")
+            first: list[float] = []
+            options = [("grpc.max_send_message_length", 1 << 30)]
+            with grpc.insecure_channel(address, options=options) as ch:
+                stub = pb_grpc.BatchServiceStub(ch)
+                t0 = time.perf_counter()
+                watcher = threading.Thread(target=_first_enqueue, args=(queue, t0, done, first), daemon=True)
+                watcher.start()
+                batch = stub.SubmitBatch(request, timeout=args.timeout)
+                submit_s = time.perf_counter() - t0
+                drainers = [
+                    threading.Thread(
+                        target=_drain, args=(queue, stop, CLUSTERS[i % len(CLUSTERS)]), daemon=True
+                    )
+                    for i in range(max(args.drainers, len(CLUSTERS)))
+                ]
+                for t in drainers:
+                    t.start()
+                results: list[dict] = []
+                stream_results(stub, batch.id, results, timeout_s=args.timeout)
+                stream_s = time.perf_counter() - t0 - submit_s
+                final = stub.GetBatch(pb.GetBatchRequest(batch_id=batch.id), timeout=30)
+            mem = _memory(proc.pid)
+        finally:
+            stop.set()
+            done.set()
+            proc.terminate()
+            proc.wait(timeout=30)
+    ids = [r["query_id"] for r in results]
+    sent = {it.id for it in items}
+    return {
+        "predictor": predictor,
+        "queries": len(items),
+        "submit_s": round(submit_s, 3),
+        "accepted_queries_per_s": round(len(items) / submit_s, 1),
+        "first_enqueue_s": round(first[0], 3) if first else round(submit_s, 3),
+        "stream_s": round(stream_s, 2),
+        "status": pb.BatchStatus.Name(final.status).lower(),
+        "peak_rss_growth_mb": round(mem["VmHWM"] - base, 1),
+        "lost": len(sent - set(ids)),
+        "duplicated": len(ids) - len(set(ids)),
+    }
+
+
+def predictor_qps(predictor: str, prompts: list[str], threads: int) -> float:
+    """Queries/s of the learned predictor alone on ``prompts``, on ``threads`` torch threads."""
+    import torch
+
+    from predictor.serving import LengthPredictor
+
+    torch.set_num_threads(threads)
+    p = LengthPredictor.from_dir(predictor)
+    if p.is_fallback:
+        raise ValueError(f"predictor {predictor!r} did not load a learned model")
+    sample = prompts[: min(len(prompts), 4096)]
+    p.predict(sample[:64])  # warm-up
+    t0 = time.perf_counter()
+    p.predict(sample)
+    return len(sample) / (time.perf_counter() - t0)
+
+
+def run(args) -> dict:
+    if args.num < 1:
+        raise ValueError("--num must be >= 1")
+    items = generated(args.num, args.seed, 64, forced=False)
+    with tempfile.TemporaryDirectory(prefix="fleetbatch-soak-") as tmp:
+        off = _one_run("heuristic", args, items, Path(tmp))
+        print(f"predictor off: {off}", file=sys.stderr, flush=True)
+        on = _one_run(args.predictor, args, items, Path(tmp))
+        print(f"predictor on: {on}", file=sys.stderr, flush=True)
+    bench = predictor_qps(args.predictor, [it.prompt for it in items], args.predictor_threads)
+    return {
+        "queries": args.num,
+        "accepted_queries_per_s": off["accepted_queries_per_s"],
+        "accepted_queries_per_s_predictor_on": on["accepted_queries_per_s"],
+        "predictor_bench_queries_per_s": round(bench, 1),
+        "predictor_intake_ratio": round(on["accepted_queries_per_s"] / bench, 3),
+        "first_enqueue_s": on["first_enqueue_s"],
+        "first_enqueue_s_predictor_off": off["first_enqueue_s"],
+        "peak_rss_growth_mb": max(off["peak_rss_growth_mb"], on["peak_rss_growth_mb"]),
+        "lost": off["lost"] + on["lost"],
+        "duplicated": off["duplicated"] + on["duplicated"],
+        "runs": [off, on],
+    }
