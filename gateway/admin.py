@@ -127,7 +127,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
     async def DrainCluster(self, request: pb.DrainClusterRequest, context) -> pb.RebalanceResponse:
         await self._authorize(context)
         await self._check_name(request.name, context)
-        if request.name not in await asyncio.to_thread(self.d.queue.cluster_names):
+        if not await self._exists(request.name):  # a removed cluster stays removed
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown cluster(s): {request.name}")
         if not request.dry_run:  # stop new assignments first, then move the queue away
             await asyncio.to_thread(self.d.queue.set_cluster_state, request.name, "draining")

@@ -305,6 +305,9 @@ def test_removed_clusters_leave_the_listing(start):
     assert sum(x.queue_length for x in queue.clusters(["a", "b"])) == 6
     err = rpc_error(admin.RemoveCluster, pb.RemoveClusterRequest(name="c"), metadata=MD)
     assert err.code() == grpc.StatusCode.NOT_FOUND
+    err = rpc_error(admin.DrainCluster, pb.DrainClusterRequest(name="c"), metadata=MD)
+    assert err.code() == grpc.StatusCode.NOT_FOUND  # draining must not bring it back
+    assert queue.clusters(["c"])[0].state == "removed"
     # a removed name can be added again
     again = admin.AddCluster(pb.AddClusterRequest(name="c", capacity_tokens_per_s=10), metadata=MD)
     assert again.state == "active"
