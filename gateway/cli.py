@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
 
-from gateway.config import TOKEN_ENV, GatewayConfig, load_clusters
+from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
 from gateway.policies import POLICIES
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -262,13 +263,17 @@ def _rebalance(args) -> int:
 
 def _add(admin, args, md) -> int:
     """``rebalance --add``: validated here first; a dry run (nothing written) unless --apply."""
-    import math
-
     from protos import fleetbatch_pb2 as pb
 
     if not math.isfinite(args.capacity) or args.capacity < 0:
         print(
             f"gateway rebalance: --capacity must be a finite number >= 0 (0: no hint), not {args.capacity}",
+            file=sys.stderr,
+        )
+        return 1
+    if not NAME_RE.match(args.add):
+        print(
+            f"gateway rebalance: cluster name {args.add!r} must be 1-128 characters of [A-Za-z0-9_.-]",
             file=sys.stderr,
         )
         return 1

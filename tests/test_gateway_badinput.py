@@ -291,6 +291,8 @@ def test_rebalance_cli_add_is_a_dry_run_by_default(start, capsys):
     assert main([*argv, "--apply", "--update", "--capacity", "50"]) == 0
     assert queue.clusters(["c"])[0].capacity_hint_tps == 50
     assert main(["rebalance", "--target", address, "--token", TOKEN, "--add", "d", "--capacity", "nan"]) == 1
+    assert main(["rebalance", "--target", address, "--token", TOKEN, "--add", "d:queue", "--apply"]) == 1
+    assert "d:queue" not in queue.cluster_names()
 
 
 def test_removed_clusters_leave_the_listing(start):

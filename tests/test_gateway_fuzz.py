@@ -222,20 +222,20 @@ def test_malformed_requests_get_named_errors_and_the_server_stays_healthy(api):
 
     one_request()
     assert sum(counts.values()) >= EXAMPLES, counts
-    outcomes = {k.split()[1] for k in counts}  # every kind of answer was exercised
-    assert {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED"} <= outcomes, (
-        counts
-    )
+    outcomes = {k.split()[1] for k in counts}  # every common kind of answer was exercised
+    assert {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED"} <= outcomes, counts
+    oversized = pb.SubmitBatchRequest(queries=[pb.Query(id="big", prompt="z" * (REQUEST_LIMIT + 1000))])
+    with pytest.raises(grpc.RpcError) as e:
+        _call(ch, "/fleetbatch.v1.BatchService/SubmitBatch", oversized.SerializeToString(), [])
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     stub = pb_grpc.BatchServiceStub(ch)
-    assert [c.name for c in stub.ListClusters(pb.ListClustersRequest(), timeout=10).clusters][:2] == [
-        "a",
-        "b",
-    ]
+    names = {c.name for c in stub.ListClusters(pb.ListClustersRequest(), timeout=10).clusters}
+    assert {"a", "b"} <= names  # the fuzzing may have added clusters with valid names
     req = pb.SubmitBatchRequest()
     req.queries.add(id="after", prompt="Still serving?", max_tokens=4)
     assert stub.SubmitBatch(req, timeout=10).request_counts.total == 1
