@@ -9,6 +9,7 @@ cumulative finished queries per cluster over time; ``cdf.png`` -- completion-tim
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -28,19 +29,18 @@ def _t(r: dict, key: str) -> float:
 
 
 def kv_series(rows: list[dict], t0: float) -> dict[str, tuple[list[float], list[float]]]:
-    """Per cluster: sample times (s after ``t0``) and the mean KV tokens held since the previous sample."""
-    by: dict[str, list[dict]] = defaultdict(list)
+    """Per cluster: heartbeat times (s after ``t0``) and the mean KV tokens held since the previous
+    heartbeat (from the engine's cumulative KV token-seconds; samples of one heartbeat count once)."""
+    by: dict[str, dict[float, float]] = defaultdict(dict)
     for r in rows:
-        by[r["cluster"]].append(r)
+        by[r["cluster"]][r.get("hb_t") or r["t"]] = r["kv_token_seconds"]
     out = {}
-    for c, rs in sorted(by.items()):
-        rs.sort(key=lambda r: r["t"])
+    for c, beats in sorted(by.items()):
+        times = sorted(beats)
         ts, kv = [], []
-        for a, b in zip(rs, rs[1:], strict=False):
-            dt = b["t"] - a["t"]
-            if dt > 0:
-                ts.append(b["t"] - t0)
-                kv.append(max(0.0, (b["kv_token_seconds"] - a["kv_token_seconds"]) / dt))
+        for a, b in itertools.pairwise(times):
+            ts.append(b - t0)
+            kv.append(max(0.0, (beats[b] - beats[a]) / (b - a)))
         out[c] = (ts, kv)
     return out
 

@@ -5,7 +5,8 @@ A run directory holds:
 * ``results.jsonl`` -- one result per query (cluster, tokens, predicted tokens, timings);
 * ``timeseries.jsonl`` -- per cluster, every ``interval_s``: the KV held during its engine's
   last step, the engine's cumulative KV token-seconds, queue length and running count, as
-  the engines' heartbeats reported them (:class:`Sampler` reads them from Redis);
+  the engines' heartbeats reported them, with the heartbeat's own time (:class:`Sampler`
+  reads them from Redis);
 * ``meta.json`` -- what ran: batch id, policy, backend, fleet, workload.
 """
 
@@ -45,6 +46,7 @@ class Sampler:
                 for i in infos:
                     row = {
                         "t": round(t, 3),
+                        "hb_t": i.last_heartbeat,  # when the engine sent these figures
                         "cluster": i.name,
                         "kv_step_tokens": i.kv_step_tokens,
                         "kv_token_seconds": i.kv_token_seconds,
