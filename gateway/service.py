@@ -8,6 +8,7 @@ being assigned.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -39,6 +40,15 @@ STATUS = {
     "cancelling": pb.CANCELLING,
     "cancelled": pb.CANCELLED,
 }
+
+
+def fingerprint(request: pb.SubmitBatchRequest) -> str:
+    """Digest of a submission's queries (ids, prompts, limits, sampling, metadata), in order."""
+    h = hashlib.sha256()
+    for q in request.queries:
+        h.update(q.SerializeToString(deterministic=True))
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 @dataclass
@@ -168,6 +178,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             list(zip(queued, names, strict=True)),
             policy=d.policy.name,
             metadata=dict(request.metadata),
+            fingerprint=fingerprint(request),
         )
         if created and checked.bad:
             await asyncio.to_thread(fail_rows, d.queue, batch_id, request, checked.bad)
@@ -240,10 +251,17 @@ class BatchService(pb_grpc.BatchServiceServicer):
             return self.d.policy.assign(loads, views)
 
     async def _resubmitted(self, existing: BatchInfo, request, context) -> pb.Batch:
+        """A retry of the same submission gets the existing batch; anything else with its id is refused."""
         if existing.total != len(request.queries):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"batch {existing.batch_id} exists with {existing.total} queries, this submission has {len(request.queries)}",
+            )
+        if existing.fingerprint and existing.fingerprint != fingerprint(request):
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"batch {existing.batch_id} exists with other queries (same count, different ids, prompts "
+                "or settings); choose a new batch_id",
             )
         return batch_proto(existing)
 

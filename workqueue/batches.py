@@ -48,6 +48,7 @@ class BatchOps:
         *,
         policy: str = "",
         metadata: Mapping[str, str] | None = None,
+        fingerprint: str = "",
     ) -> bool:
         """Create the batch and enqueue every query on its cluster in one transaction.
 
@@ -79,6 +80,8 @@ class BatchOps:
                     self._write_batch(
                         pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now
                     )
+                    if fingerprint:
+                        pipe.hset(bkey, "fingerprint", fingerprint)
                     if not rows and self.retention_s:  # final at birth
                         for key in (bkey, keys.results(batch_id), keys.done(batch_id)):
                             pipe.expire(key, self.retention_s)
@@ -146,6 +149,7 @@ class BatchOps:
             completed_at=as_float(h.get("completed_at")),
             policy=h.get("policy", ""),
             metadata=json.loads(h.get("metadata") or "{}"),
+            fingerprint=h.get("fingerprint", ""),
             queries_per_cluster=json.loads(h.get("queries_per_cluster") or "{}"),
             predicted_tokens_per_cluster=json.loads(h.get("predicted_tokens_per_cluster") or "{}"),
         )

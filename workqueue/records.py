@@ -56,6 +56,7 @@ class BatchInfo:
     metadata: dict[str, str] = field(default_factory=dict)
     queries_per_cluster: dict[str, int] = field(default_factory=dict)
     predicted_tokens_per_cluster: dict[str, float] = field(default_factory=dict)
+    fingerprint: str = ""  # digest of the submitted queries: a retry with other queries is refused
 
     @property
     def final(self) -> bool:
