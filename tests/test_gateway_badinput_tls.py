@@ -162,6 +162,10 @@ def test_grpc_and_redis_over_tls(tls_redis, capsys):
 
 
 def test_tls_needs_cert_and_key(redis_url):
-    g = GatewayThread(GatewayConfig(redis_url=redis_url, tls_cert="/nonexistent.pem"))
+    import asyncio
+
+    from gateway.server import serve
+
+    config = GatewayConfig(redis_url=redis_url, listen="127.0.0.1:0", tls_cert="/nonexistent.pem")
     with pytest.raises(ValueError, match="--tls-key"):
-        g.start()
+        asyncio.run(serve(config))
