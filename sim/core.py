@@ -150,6 +150,7 @@ class Simulator:
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._order = 0
         self.moved = 0
+        self._tails: dict[str, list[QueryLoad]] = {}
 
     # ---- events -----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, idx: int, version: int = 0) -> None:
@@ -306,11 +307,12 @@ class Simulator:
         views = {c.name: c.view() for c in self.clusters}
         busy = [c for c in self.clusters if c.queue]
         moved = 0
+        self._tails = {}  # read once per tick; a move drops its source's entry (the real one re-reads Redis)
         for c in candidates:
             v = views[c.name]
             threshold = v.capacity_tps * cfg.lookahead_s
             backoff = self._backoff(c.name)
-            tails = {b.name: self._tail(b) for b in busy if b is not c}
+            tails = {b.name: self._tail(b) for b in busy if b is not c and b.queue}
             move = plan_offload(
                 v, [views[n] for n in tails], tails, cfg.links, idle_threshold_tokens=threshold
             )
@@ -325,10 +327,15 @@ class Simulator:
         return moved
 
     def _tail(self, c: _Cluster) -> list[QueryLoad]:
-        n = min(self.config.tail_len, len(c.queue))
-        q = c.queue
-        total = self.total
-        return [QueryLoad(str(q[i]), 0, total[q[i]]) for i in range(len(q) - n, len(q))]
+        """:func:`gateway.views.queued_loads` of ``c``: its last ``tail_len`` queued queries, front first."""
+        tail = self._tails.get(c.name)
+        if tail is None:
+            n = min(self.config.tail_len, len(c.queue))
+            q = c.queue
+            total = self.total
+            tail = [QueryLoad(str(q[i]), 0, total[q[i]]) for i in range(len(q) - n, len(q))]
+            self._tails[c.name] = tail
+        return tail
 
     def _move(self, src: str, dst: str, count: int) -> int:
         by = {c.name: i for i, c in enumerate(self.clusters)}
@@ -339,6 +346,8 @@ class Simulator:
             d.queue.append(q)
             s.queued_tokens -= self.total[q]
             d.queued_tokens += self.total[q]
+        self._tails.pop(src, None)
+        self._tails.pop(dst, None)
         s.moved_out += len(taken)
         d.moved_in += len(taken)
         self.moved += len(taken)

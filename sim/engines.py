@@ -31,7 +31,7 @@ import math
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
-from engines.kv_cache import KVCacheManager, blocks_for
+from engines.kv_cache import KVCacheManager
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Sequence
 from engines.static_engine import StaticBatchEngine
@@ -41,8 +41,23 @@ from sim.workload import Workload
 Trace = list[tuple[list[str], list[str], int]]  # per step: admitted ids, finished ids, tokens computed
 
 
+class SimSequence(Sequence):
+    """The real :class:`Sequence`, compared by identity.
+
+    The dataclass's generated ``__eq__`` compares all 18 fields, and ``Scheduler.finish`` /
+    ``remove`` find a query with ``list.remove``, which compares it with every query ahead of it.
+    Live queries have unique ids, so no two are ever equal field by field: identity gives the same
+    answers, without building two 18-field tuples per comparison.
+    """
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+
 class IterationEngine:
     """The native engine's scheduling in cost-model time (see the module docstring)."""
+
+    AUDIT = False  # tests: compare every free_slots shortcut with the real method
 
     def __init__(
         self, config: EngineConfig, cost: LinearCost, work: Workload, max_tokens: int = 256, bulk: bool = True
@@ -66,17 +81,41 @@ class IterationEngine:
         self._dt = 0.0
         self._bulk_k = 0
         self._steady = False
+        self._full = False
         self._added = False
 
     # ---- the worker side ------------------------------------------------------------------
     def free_slots(self) -> int:
-        return LLMEngine.free_slots(self)  # the real method, on this object's config/scheduler/kv
+        """``LLMEngine.free_slots`` (the real method, on this object's config, scheduler and KV).
+
+        It is ``max(0, min(room, floor(free_kv / typical)) + queue_depth - waiting)``, ``typical``
+        being the mean reservation of the running queries. Two cases give it without the mean
+        (which costs a ``reservation()`` call per running query, once per pull): ``room <= 0``, and
+        ``free_kv >= room * bound`` with ``bound = (committed + R) / R >= typical`` (a running query's
+        reservation is ``max(base, tokens + 1) <= max(reserved, tokens) + 1``). ``AUDIT`` checks both.
+        """
+        s, cfg = self.scheduler, self.config
+        room = cfg.max_running - len(s.running)
+        quick = None
+        if room <= 0:
+            quick = max(0, room + cfg.queue_depth - len(s.waiting))
+        elif s.running:
+            committed = s.committed_tokens()
+            bound = max(1.0, (committed + len(s.running)) / len(s.running))
+            if self.kv.total_tokens - committed >= room * bound:
+                quick = max(0, room + cfg.queue_depth - len(s.waiting))
+        if quick is None or self.AUDIT:
+            real = LLMEngine.free_slots(self)
+            if quick is not None and quick != real:
+                raise AssertionError(f"free_slots shortcut {quick} != real {real}")
+            return real
+        return quick
 
     def add(self, qid: int) -> None:
         w = self.work
         pred = int(w.predicted_tokens[qid])
         self.scheduler.add(
-            Sequence(
+            SimSequence(
                 str(qid),
                 [0] * w.prompt_tokens[qid],
                 SamplingParams(max_tokens=self.max_tokens, forced_length=w.true_tokens[qid]),
@@ -95,7 +134,7 @@ class IterationEngine:
     # ---- steps ----------------------------------------------------------------------------
     def start_step(self) -> float | None:
         """Plan the next step (or bulk of steps); its duration in seconds, or None when there is nothing to run."""
-        if self._steady and not self._added and self.bulk:
+        if self.bulk and (self._full or (self._steady and not self._added)):
             k = self._bulk_steps()
             if k >= 2:
                 self._bulk_k = k
@@ -120,9 +159,13 @@ class IterationEngine:
 
     def _bulk_steps(self) -> int:
         running = self.scheduler.running
-        k = min(s.sampling.forced_length - len(s.output_token_ids) for s in running)
+        k = min([s.sampling.forced_length - len(s.output_token_ids) for s in running])
         bs = self.kv.block_size
-        need = sum(max(0, blocks_for(s.num_computed + k, bs) - len(s.block_table)) for s in running)
+        need = 0
+        for s in running:
+            extra = -(-(s.num_computed + k) // bs) - len(s.block_table)  # blocks_for(...) - held
+            if extra > 0:
+                need += extra
         return k if need <= self.kv.num_free_blocks else 0
 
     def cut_bulk(self, elapsed: float) -> float | None:
@@ -163,12 +206,13 @@ class IterationEngine:
                     sched.finish(seq)
                     done.append(seq)
         self.generated_tokens += sampled
-        self._steady = (
-            not done
-            and not plan.admitted
-            and not plan.preempted
-            and len(plan.chunks) == sampled == len(sched.running)
-            and all(c.num_tokens == 1 for c in plan.chunks)
+        # every running query sampled: all of them decode next step
+        decoding = not done and not plan.preempted and len(plan.chunks) == sampled == len(sched.running)
+        self._steady = decoding and not plan.admitted and all(c.num_tokens == 1 for c in plan.chunks)
+        # A full batch of decoding queries admits nobody until one finishes, whatever waits.
+        cfg = self.config
+        self._full = (
+            decoding and cfg.max_running <= sampled <= cfg.max_batch_tokens and cfg.decode_micro_batch is None
         )
         if self.trace is not None:
             self.trace.append(
@@ -180,24 +224,28 @@ class IterationEngine:
         k, running, sched = self._bulk_k, self.scheduler.running, self.scheduler
         self._bulk_k = 0
         r = len(running)
-        cached0 = sum(s.num_computed for s in running)
+        pad = [0] * k
+        done = []
+        kv, bs = self.kv, self.kv.block_size
+        cached0 = 0
+        for seq in running:
+            cached0 += seq.num_computed
+            seq.num_computed += k
+            seq.output_token_ids.extend(pad)
+            # the blocks the k steps' allocations took (checked free before the bulk; cannot fail)
+            if -(-seq.num_computed // bs) > len(seq.block_table) and not kv.allocate(seq, seq.num_computed):
+                raise RuntimeError("bulk decode ran out of KV blocks")
+            if len(seq.output_token_ids) >= seq.sampling.forced_length:
+                done.append(seq)
         step_sums = k * cached0 + r * k * (k + 1) // 2
         self.cumulative_kv_tokens += step_sums
         self.kv_token_seconds += step_sums * self._dt
         self.num_steps += k
         self.generated_tokens += r * k
-        pad = [0] * k
-        done = []
-        for seq in running:
-            seq.num_computed += k
-            seq.output_token_ids.extend(pad)
-            if not self.kv.allocate(seq, seq.num_computed):  # checked before the bulk; cannot fail
-                raise RuntimeError("bulk decode ran out of KV blocks")
-            if len(seq.output_token_ids) >= seq.sampling.forced_length:
-                done.append(seq)
         for seq in done:
             sched.finish(seq)
         self._steady = not done
+        self._full = self._full and not done
         if self.trace is not None:
             r_ids = [s.request_id for s in done]
             self.trace.extend([([], [], r)] * (k - 1))

@@ -25,9 +25,17 @@ from engines.interface import Request, SamplingParams  # noqa: E402
 from localmodels import build_model, default_tokenizer, generated_corpus  # noqa: E402
 from sim.core import ClusterSpec, SimConfig, Simulator  # noqa: E402
 from sim.costs import LinearCost  # noqa: E402
+from sim.engines import IterationEngine  # noqa: E402
 from sim.workload import Workload  # noqa: E402
 
 KV, BLOCK, STEP_TOKENS, CHUNK, RUNNING, MARGIN = 96, 4, 24, 12, 5, 0.1
+
+
+@pytest.fixture(autouse=True)
+def audit(monkeypatch):
+    monkeypatch.setattr(
+        IterationEngine, "AUDIT", True
+    )  # every free_slots shortcut checked against the real one
 
 
 @pytest.fixture(scope="module")
