@@ -150,6 +150,7 @@ class Simulator:
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._order = 0
         self.moved = 0
+        self.assigned = [-1] * len(work)  # cluster index the policy chose for each query (before any move)
         self._tails: dict[str, list[QueryLoad]] = {}
 
     # ---- events -----------------------------------------------------------------------------
@@ -277,6 +278,7 @@ class Simulator:
         touched = set()
         for q, name in zip(qids, names, strict=True):
             i = index[name]
+            self.assigned[q] = i
             c = self.clusters[i]
             c.queue.append(q)
             c.queued_tokens += self.total[q]

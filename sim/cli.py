@@ -1,0 +1,154 @@
+"""``python -m sim.cli study|scale``: MICO's study and the scale run in cost-model time.
+
+The last line of the output is one JSON object (see ``docs/sim.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sim.costs import LinearCost, parse_speeds
+from sim.study import StudySetup, make_workloads, scale, study
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, not {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, not {text!r}")
+    return vals
+
+
+def _cost_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "cost model (seconds of a speed-1 cluster; a step = overhead + prefill + decode)"
+    )
+    g.add_argument("--prefill-per-token", type=float, default=LinearCost.prefill_per_token_s, metavar="S")
+    g.add_argument("--decode-per-seq", type=float, default=LinearCost.decode_per_seq_s, metavar="S")
+    g.add_argument("--step-overhead", type=float, default=LinearCost.step_overhead_s, metavar="S")
+    g.add_argument(
+        "--profile",
+        default=None,
+        metavar="PROFILE.json",
+        help="linearise a planner/engine profile of one decoder layer instead (with --layers)",
+    )
+    g.add_argument(
+        "--layers", type=int, default=32, help="decoder layers of the model, with --profile (default 32)"
+    )
+    p.add_argument("--speeds", default="1,2,4", help="speeds of the unequal fleet, repeated (default 1,2,4)")
+    p.add_argument("--kv-budget", type=int, default=16384, help="KV tokens per iteration-level engine")
+    p.add_argument("--max-tokens", type=int, default=256, help="response cap of the workload (default 256)")
+    p.add_argument("--no-offload", action="store_true", help="turn the backoff offloader off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _setup(args: argparse.Namespace) -> StudySetup:
+    if args.profile:
+        cost = LinearCost.from_profile(args.profile, args.layers)
+    else:
+        cost = LinearCost(args.prefill_per_token, args.decode_per_seq, args.step_overhead)
+    return StudySetup(
+        cost=cost,
+        kv_budget_tokens=args.kv_budget,
+        offload=not args.no_offload,
+        speeds=tuple(parse_speeds(args.speeds)),
+        max_tokens=args.max_tokens,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sim.cli",
+        description="Discrete-event simulation of a fleet in cost-model time, driving the real assigner, "
+        "offloading decision and engine scheduler.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser(
+        "study",
+        help="MICO's four combinations {round_robin, token} x {static, iteration} and the 3/6/9-cluster replay",
+        description="Runs {round_robin, token} x {static batches, iteration-level} on 3 equal clusters and on "
+        "3 clusters at --speeds, for every engine batch size of --batches and batch length of --queries; "
+        "then the four combinations at each of --cluster-counts. Prints a table; the last line is JSON.",
+    )
+    s.add_argument(
+        "--workload", choices=("generated", "mixed"), default="mixed", help="query source (default mixed)"
+    )
+    s.add_argument(
+        "--queries", type=_ints, default=[200, 500, 1000], help="batch lengths (default 200,500,1000)"
+    )
+    s.add_argument(
+        "--batches", type=_ints, default=[2, 4, 6, 8, 10], help="engine batch sizes (default 2,4,6,8,10)"
+    )
+    s.add_argument("--reference-batch", type=int, default=8, help="engine batch size of the cluster replay")
+    s.add_argument(
+        "--cluster-counts", type=_ints, default=[3, 6, 9], help="fleet sizes replayed (default 3,6,9)"
+    )
+    s.add_argument("--arrivals", choices=("all", "poisson"), default="all", help="all at once, or Poisson")
+    s.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals per second (default 20)")
+    _cost_args(s)
+    c = sub.add_parser(
+        "scale",
+        help="time the simulator: 100 clusters x 1,000,000 queries by default",
+        description="Simulates --queries queries (resampled from the generated workload, all at once) on "
+        "--clusters iteration-level clusters at --speeds with the token policy and offloading, and reports "
+        "the wall-clock seconds of the simulation (sim_seconds_100x1m for the default size).",
+    )
+    c.add_argument("--clusters", type=int, default=100)
+    c.add_argument("--queries", type=int, default=1_000_000)
+    c.add_argument("--batch", type=int, default=8, help="engine batch size (max_running; default 8)")
+    c.add_argument("--policy", choices=("token", "round_robin"), default="token")
+    _cost_args(c)
+    return parser
+
+
+def _table(out: dict) -> str:
+    lines = [
+        f"{'clusters':>8} {'fleet':>7} {'combination':<24} {'makespan s':>11} {'tokens/s':>10} {'KV tok*s':>12}"
+    ]
+    for k, d in out["clusters"].items():
+        for fleet_name in ("equal", "unequal"):
+            for combo, s in d[fleet_name].items():
+                lines.append(
+                    f"{k:>8} {fleet_name:>7} {combo:<24} {s['makespan_s']:>11.2f} "
+                    f"{s['throughput_tokens_per_s']:>10.1f} {s['kv_token_seconds']:>12.0f}"
+                )
+        lines.append(
+            f"{k:>8} ratios: qi/rr_static {d['qi_over_rr_static']:.2f}, token/rr iteration 1:2:4 "
+            f"{d['qi_over_rr_iteration_unequal']:.2f}, KV iteration/static {d['kv_ratio_iteration_vs_static']:.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        setup = _setup(args)
+        if args.command == "study":
+            works = make_workloads(
+                args.workload, args.queries, args.seed, args.max_tokens, args.arrivals, args.rate
+            )
+            out = study(
+                works, args.batches, args.cluster_counts, setup, args.reference_batch, not args.no_progress
+            )
+            out.update(workload=args.workload, arrivals=args.arrivals, offload=setup.offload)
+            print(_table(out))
+        else:
+            if args.clusters < 1 or args.queries < 1 or args.batch < 1:
+                raise ValueError("--clusters, --queries and --batch must be >= 1")
+            out = scale(
+                args.clusters, args.queries, args.batch, setup, args.seed, args.policy, not args.no_progress
+            )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The simulator's assignment is the real policy's; the study and scale commands print their JSON."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent)
+)  # `sim` is not in pyproject's package list yet
+
+from gateway.policies import ClusterView, QueryLoad, make_policy  # noqa: E402
+from sim.cli import main  # noqa: E402
+from sim.core import ClusterSpec, SimConfig, Simulator  # noqa: E402
+from sim.costs import LinearCost  # noqa: E402
+from sim.workload import Workload, generated_workload, poisson_arrivals  # noqa: E402
+
+
+def small_workload(n: int = 400, seed: int = 3) -> Workload:
+    rng = random.Random(seed)
+    true = [max(1, int(rng.lognormvariate(3.5, 1.0))) for _ in range(n)]
+    pred = [t * rng.uniform(0.5, 1.5) for t in true]
+    return Workload([rng.randint(5, 300) for _ in range(n)], [min(t, 256) for t in true], pred, [0.0] * n)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "token"])
+def test_assignment_is_what_the_real_policy_returns(policy):
+    w = small_workload()
+    specs = [ClusterSpec(f"c{i}", LinearCost(speed=s), "iteration", 6) for i, s in enumerate((1, 2, 4))]
+    sim = Simulator(specs, w, SimConfig(policy=policy, offload=False))
+    sim.run()
+    loads = [QueryLoad(str(q), w.prompt_tokens[q], w.predicted_tokens[q]) for q in range(len(w))]
+    views = [ClusterView(c.name, c.capacity) for c in sim.clusters]
+    expected = make_policy(policy).assign(loads, views)
+    got = [sim.clusters[i].name for i in sim.assigned]
+    assert got == expected
+    per = {c.name: c.finished for c in sim.clusters}
+    assert per == {n: expected.count(n) for n in per}  # no offloading: each query ran where it was assigned
+    if policy == "token":  # capacity-weighted: the fast cluster got the most predicted tokens
+        tokens = {n: 0.0 for n in per}
+        for q, n in zip(loads, expected, strict=True):
+            tokens[n] += q.total_tokens
+        assert tokens["c0"] < tokens["c1"] < tokens["c2"]
+
+
+def test_offloading_moves_work_to_idle_clusters_and_every_query_finishes_once():
+    w = small_workload(600)
+    specs = [ClusterSpec(f"c{i}", LinearCost(speed=s), "iteration", 4) for i, s in enumerate((1, 2, 4))]
+    off = Simulator(specs, w, SimConfig(policy="round_robin", offload=False)).run()
+    on = Simulator(specs, w, SimConfig(policy="round_robin", offload=True)).run()
+    assert on.moved > 0 and off.moved == 0
+    assert sum(c["moved_in"] for c in on.per_cluster.values()) == on.moved
+    assert on.per_cluster["c2"]["moved_in"] > 0  # the fastest cluster runs dry first and takes work
+    assert on.makespan_s < off.makespan_s
+    assert on.generated_tokens == off.generated_tokens == sum(w.true_tokens)
+    assert all(t > 0 for t in on.finish_s)
+
+
+def test_poisson_arrivals_finish_after_they_arrive():
+    w = generated_workload(300, seed=2)
+    w = w.with_arrivals(poisson_arrivals(len(w), 5.0, seed=2))
+    specs = [ClusterSpec(f"c{i}", LinearCost(), "iteration", 8) for i in range(3)]
+    r = Simulator(specs, w, SimConfig(policy="token")).run()
+    assert all(f > a for f, a in zip(r.finish_s, w.arrival_s, strict=True))
+    assert r.makespan_s >= w.arrival_s[-1] - w.arrival_s[0]
+
+
+def test_static_batches_hold_kv_longer_than_iteration_level():
+    w = small_workload(300)
+    out = {}
+    for backend in ("static", "iteration"):
+        specs = [ClusterSpec(f"c{i}", LinearCost(), backend, 8) for i in range(3)]
+        out[backend] = Simulator(specs, w, SimConfig(policy="token", offload=False)).run()
+    assert out["iteration"].kv_token_seconds < out["static"].kv_token_seconds
+    assert out["iteration"].makespan_s < out["static"].makespan_s
+
+
+def test_study_cli_prints_the_ratios_as_its_last_line(capsys):
+    rc = main(
+        "study --workload generated --queries 60,120 --batches 2,8 --cluster-counts 3,6 --no-progress".split()
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("qi_over_rr_static", "qi_over_rr_iteration_unequal", "kv_ratio_iteration_vs_static"):
+        assert out[key] > 0
+    assert set(out["clusters"]) == {"3", "6"}
+    assert len(out["grid"]) == 4
+    assert out["makespan_s[token+iteration]"] > 0
+    assert out["kv_token_seconds[round_robin+static]"] > out["kv_token_seconds[token+iteration]"]
+
+
+def test_scale_cli_reports_its_time(capsys):
+    assert main("scale --clusters 4 --queries 3000 --no-progress".split()) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["queries"] == 3000 and out["clusters"] == 4
+    assert out["sim_seconds"] > 0 and out["makespan_s"] > 0
+    assert "sim_seconds_100x1m" not in out  # only measured at that size
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["study", "--batches", "0"])
+    assert main("scale --speeds 1,-2 --no-progress".split()) == 2
+    assert "speeds" in capsys.readouterr().err
