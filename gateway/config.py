@@ -7,9 +7,10 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import yaml
+
+from workqueue.embedded import redact_url  # noqa: F401 - re-exported: the gateway logs URLs through it
 
 TOKEN_ENV = "FLEETBATCH_ADMIN_TOKEN"
 #: positions of the project's default serving model (``localmodels.build_model``'s default)
@@ -103,20 +104,6 @@ class GatewayConfig:
                 if isinstance(cfg.get(key), int) and cfg[key] > 0:
                     return cfg[key]
         return DEFAULT_MAX_POSITIONS
-
-
-def redact_url(url: str | None) -> str:
-    """``url`` with its password (``redis://user:secret@host``, ``?password=secret``) as ``***``, for logs."""
-    if not url:
-        return ""
-    parts = urlsplit(url)
-    if parts.password is not None:
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if parts.port:
-            host = f"{host}:{parts.port}"
-        url = urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
 
 
 def load_clusters(path: str | os.PathLike) -> list[ClusterSpec]:

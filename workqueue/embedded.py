@@ -14,6 +14,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.cluster
@@ -190,6 +192,20 @@ def resolve_url(
     return server.url, server
 
 
+def redact_url(url: str | None) -> str:
+    """``url`` with its password (``redis://user:secret@host``, ``?password=secret``) as ``***``, for logs."""
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        url = urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
+
+
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
@@ -210,5 +226,5 @@ def connect(url: str) -> redis.Redis:
             client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5)
         client.ping()
     except (redis.exceptions.ConnectionError, redis.exceptions.RedisClusterException, FileNotFoundError) as e:
-        raise ConnectionError(f"cannot reach Redis at {url}: {e}") from e
+        raise ConnectionError(f"cannot reach Redis at {redact_url(url)}: {e}") from e
     return client
