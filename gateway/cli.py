@@ -108,7 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_common(s: argparse.ArgumentParser) -> None:
     s.add_argument("--policy", default="token", choices=sorted(POLICIES), help="assignment policy")
-    s.add_argument("--predictor", default=None, help="length-predictor model directory (default: heuristic)")
+    s.add_argument(
+        "--predictor",
+        default=None,
+        help="length predictor: a model directory, 'shipped' (the default: the learned model shipped "
+        "with fleetbatch) or 'heuristic' (prompt-length heuristic)",
+    )
     s.add_argument(
         "--tokenizer", default=None, help="serving model directory whose tokenizer counts prompt tokens"
     )

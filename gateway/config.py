@@ -71,7 +71,7 @@ class GatewayConfig:
             listen=args.listen,
             admin_token=admin_token,
             policy=args.policy,
-            predictor_dir=args.predictor,
+            predictor_dir=args.predictor or "shipped",  # the learned model shipped with us; 'heuristic' too
             predictor_threads=args.predictor_threads,
             tokenizer_dir=args.tokenizer,
             metrics_port=args.metrics_port,

@@ -25,7 +25,6 @@ from pathlib import Path
 from gateway.config import ClusterSpec, GatewayConfig, load_clusters
 from gateway.server import serve
 from gateway.supervisor import EngineSupervisor
-from predictor.shipped import choose as choose_predictor
 from workqueue import WorkQueue, connect
 from workqueue.embedded import URL_ENV, EmbeddedRedis
 
@@ -73,9 +72,7 @@ async def wait_for_engines(
 def gateway_config(args, redis_url: str, admin_token: str, specs: list[ClusterSpec]) -> GatewayConfig:
     """The gateway's settings; the length predictor is the learned model shipped with the project
     unless ``--predictor`` names a model directory or ``heuristic``."""
-    config = GatewayConfig.from_args(args, redis_url=redis_url, admin_token=admin_token, clusters=specs)
-    config.predictor_dir = choose_predictor(args.predictor)
-    return config
+    return GatewayConfig.from_args(args, redis_url=redis_url, admin_token=admin_token, clusters=specs)
 
 
 async def up(args) -> int:

@@ -113,13 +113,13 @@ def test_record_eval_stores_the_test_figures(tiny_shipped):
 def test_gateway_up_uses_the_shipped_predictor_by_default(caplog):
     args = gateway_parser().parse_args(["up"])
     config = gateway_config(args, "redis://127.0.0.1:1/0", "token", [])
-    assert config.predictor_dir == str(shipped.SHIPPED_DIR)
+    assert config.predictor_dir == "shipped"
     with caplog.at_level(logging.INFO, logger="predictor.serving"):
         pred = LengthPredictor.from_dir(config.predictor_dir)
     assert not pred.is_fallback and pred.version.startswith("shipped-")
     assert any("length predictor: learned (shipped-" in r.getMessage() for r in caplog.records)
     heuristic = gateway_config(gateway_parser().parse_args(["up", "--predictor", "heuristic"]), "r", "t", [])
-    assert heuristic.predictor_dir is None and LengthPredictor.from_dir(heuristic.predictor_dir).is_fallback
+    assert LengthPredictor.from_dir(heuristic.predictor_dir).is_fallback
     other = gateway_config(gateway_parser().parse_args(["up", "--predictor", "/models/p"]), "r", "t", [])
     assert other.predictor_dir == "/models/p"
 
