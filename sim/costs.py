@@ -81,9 +81,9 @@ class LinearCost:
         model = fit_profile(Profile.load(path))
         if bits not in model.prefill_coef:
             raise ValueError(f"profile {path} has no fit at {bits} bits (has {list(model.bits)})")
-        c0, c1, c2, c3, c4 = model.prefill_coef[bits]
-        d0, d1, d2, d3 = model.decode_coef[bits]
-        h0, h1 = model.head_coef or (0.0, 0.0)
+        c0, c1, c2, c3, c4 = map(float, model.prefill_coef[bits])
+        d0, d1, d2, d3 = map(float, model.decode_coef[bits])
+        h0, h1 = map(float, model.head_coef or (0.0, 0.0))
         return cls(
             prefill_per_token_s=layers * (c2 + c3 + c4 * prompt_ref),
             decode_per_seq_s=layers * (d1 + d2 * context_ref) + h1,

@@ -52,6 +52,7 @@ class SimSequence(Sequence):
 
     __eq__ = object.__eq__
     __hash__ = object.__hash__
+    upper: int = 0  # max(reserved, prompt + forced length), set at admission (IterationEngine.free_slots)
 
 
 class IterationEngine:
@@ -83,16 +84,19 @@ class IterationEngine:
         self._steady = False
         self._full = False
         self._added = False
+        self._upper = 0  # U of free_slots: sum over running of max(reserved, prompt + forced length)
 
     # ---- the worker side ------------------------------------------------------------------
     def free_slots(self) -> int:
         """``LLMEngine.free_slots`` (the real method, on this object's config, scheduler and KV).
 
         It is ``max(0, min(room, floor(free_kv / typical)) + queue_depth - waiting)``, ``typical``
-        being the mean reservation of the running queries. Two cases give it without the mean
-        (which costs a ``reservation()`` call per running query, once per pull): ``room <= 0``, and
-        ``free_kv >= room * bound`` with ``bound = (committed + R) / R >= typical`` (a running query's
-        reservation is ``max(base, tokens + 1) <= max(reserved, tokens) + 1``). ``AUDIT`` checks both.
+        being the mean reservation of the running queries. Two cases give it without the sums over
+        the batch (a ``reservation()`` call per running query, once per pull): ``room <= 0``, and
+        ``total - U >= room * (U + R) / R``, where ``U`` (kept up to date on admission, finish and
+        preemption) sums ``max(reserved, prompt + forced length)`` over the ``R`` running queries, so
+        ``U >= committed`` and ``(U + R) / R >= typical`` (a running query's reservation is
+        ``max(base, tokens + 1) <= max(reserved, tokens) + 1``). ``AUDIT`` checks both.
         """
         s, cfg = self.scheduler, self.config
         room = cfg.max_running - len(s.running)
@@ -100,9 +104,8 @@ class IterationEngine:
         if room <= 0:
             quick = max(0, room + cfg.queue_depth - len(s.waiting))
         elif s.running:
-            committed = s.committed_tokens()
-            bound = max(1.0, (committed + len(s.running)) / len(s.running))
-            if self.kv.total_tokens - committed >= room * bound:
+            u, r = self._upper, len(s.running)
+            if self.kv.total_tokens - u >= room * max(1.0, (u + r) / r):
                 quick = max(0, room + cfg.queue_depth - len(s.waiting))
         if quick is None or self.AUDIT:
             real = LLMEngine.free_slots(self)
@@ -142,6 +145,11 @@ class IterationEngine:
                 return k * self._dt
         self._added = False
         plan = self.scheduler.schedule()
+        for seq in plan.admitted:
+            seq.upper = max(seq.reserved_tokens, seq.num_prompt_tokens + seq.sampling.forced_length)
+            self._upper += seq.upper
+        for seq in plan.preempted + plan.out_of_memory:
+            self._upper -= seq.upper
         self.failed.extend(int(s.request_id) for s in plan.out_of_memory)
         self.num_preemptions += len(plan.preempted)
         if not plan.chunks:
@@ -149,7 +157,8 @@ class IterationEngine:
             return None
         prefill, decode = 0, 0
         for c in plan.chunks:
-            if c.num_tokens == 1 and c.seq.output_token_ids and c.samples:
+            seq = c.seq
+            if c.num_tokens == 1 and seq.output_token_ids and c.start + 1 == seq.num_tokens:
                 decode += 1
             else:
                 prefill += c.num_tokens
@@ -189,22 +198,25 @@ class IterationEngine:
         plan, sched = self._plan, self.scheduler
         self._plan = None
         cached = 0
-        for c in plan.chunks:
-            c.seq.num_computed += c.num_tokens
-            cached += c.seq.num_computed
+        sampling: list[Sequence] = []
+        for c in plan.chunks:  # a chunk samples when it reaches the end of its query (ScheduledChunk.samples)
+            seq = c.seq
+            seq.num_computed += c.num_tokens
+            cached += seq.num_computed
+            if seq.num_computed == len(seq.prompt_token_ids) + len(seq.output_token_ids):
+                sampling.append(seq)
         self.cumulative_kv_tokens += cached
         self.kv_token_seconds += cached * self._dt
         self.num_steps += 1
         done: list[Sequence] = []
-        sampled = 0
-        for c in plan.chunks:
-            if c.samples:
-                seq = c.seq
-                seq.output_token_ids.append(0)
-                sampled += 1
-                if len(seq.output_token_ids) >= seq.sampling.forced_length:
-                    sched.finish(seq)
-                    done.append(seq)
+        for seq in sampling:
+            out = seq.output_token_ids
+            out.append(0)
+            if len(out) >= seq.sampling.forced_length:
+                sched.finish(seq)
+                self._upper -= seq.upper
+                done.append(seq)
+        sampled = len(sampling)
         self.generated_tokens += sampled
         # every running query sampled: all of them decode next step
         decoding = not done and not plan.preempted and len(plan.chunks) == sampled == len(sched.running)
@@ -244,6 +256,7 @@ class IterationEngine:
         self.generated_tokens += r * k
         for seq in done:
             sched.finish(seq)
+            self._upper -= seq.upper
         self._steady = not done
         self._full = self._full and not done
         if self.trace is not None:

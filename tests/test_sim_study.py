@@ -106,3 +106,21 @@ def test_cli_rejects_bad_arguments(capsys):
         main(["study", "--batches", "0"])
     assert main("scale --speeds 1,-2 --no-progress".split()) == 2
     assert "speeds" in capsys.readouterr().err
+
+
+def test_cost_from_a_planner_profile(tmp_path):
+    from planner.catalog import device_type
+    from planner.latency import roofline_profile
+    from planner.modelshape import load_shape
+
+    shape = load_shape("llama:small")
+    costs = {}
+    for dev in ("T4", "A100"):
+        path = tmp_path / f"{dev}.json"
+        roofline_profile(device_type(dev), shape, [16]).save(path)
+        costs[dev] = LinearCost.from_profile(path, layers=8)
+    t4, a100 = costs["T4"], costs["A100"]
+    assert t4.step_s(256, 8) > a100.step_s(256, 8) > 0  # the slower GPU takes longer per step
+    assert t4.step_s(0, 16) > t4.step_s(0, 8) > t4.step_s(0, 0)
+    with pytest.raises(ValueError, match="bits"):
+        LinearCost.from_profile(tmp_path / "T4.json", layers=8, bits=4)
