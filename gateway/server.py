@@ -108,7 +108,8 @@ async def serve(
         ],
         options=[("grpc.max_receive_message_length", config.max_request_bytes)],
     )
-    pb_grpc.add_BatchServiceServicer_to_server(BatchService(deps), server)
+    batches = BatchService(deps)
+    pb_grpc.add_BatchServiceServicer_to_server(batches, server)
     pb_grpc.add_AdminServiceServicer_to_server(AdminService(deps), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -150,6 +151,7 @@ async def serve(
             asyncio.create_task(_offload_loop(Offloader(deps.queue, metrics=deps.metrics), config, stop))
         )
     tasks.append(asyncio.create_task(_reload_loop(deps, stop)))
+    tasks.append(asyncio.create_task(batches.intake.loop(stop)))  # large batches, accepted, enqueue here
     if ready is not None:
         ready.set()
     await stop.wait()

@@ -14,11 +14,12 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from gateway.config import GatewayConfig
+from gateway.intake import Intake, IntakeSettings, encode_rows
 from gateway.listing import read_clusters
 from gateway.metrics import GatewayMetrics
 from gateway.offload import LinkCost
@@ -63,6 +64,7 @@ class GatewayDeps:
     metrics: GatewayMetrics
     links: LinkCost = LinkCost()
     predictor: object | None = None  # the LengthPredictor, kept for hot reload
+    intake: IntakeSettings = field(default_factory=IntakeSettings.from_env)
 
 
 def batch_proto(b: BatchInfo) -> pb.Batch:
@@ -123,6 +125,11 @@ class BatchService(pb_grpc.BatchServiceServicer):
         self._policy_lock = threading.Lock()  # policies may keep state (round robin's cursor)
         self._limits = Limits.of(deps.config)
         self._client_lock = ClientLocks()
+        self.intake = Intake(deps.queue, deps.predict_tokens, self._assign, deps.intake, self._count_assigned)
+
+    def _count_assigned(self, names: list[str]) -> None:
+        for n in names:
+            self.d.metrics.queries.labels(n).inc()
 
     async def SubmitBatch(
         self, request: pb.SubmitBatchRequest, context: grpc.aio.ServicerContext
@@ -171,6 +178,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
         self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float
     ) -> pb.Batch:
         d = self.d
+        if len(request.queries) >= d.intake.sync_max_queries:
+            return await self._accept(request, checked, batch_id, context, t0)
         queued, names = await self._assign_all(request, checked, batch_id, context)
         created = await asyncio.to_thread(
             d.queue.create_batch,
@@ -198,6 +207,40 @@ class BatchService(pb_grpc.BatchServiceServicer):
             elapsed,
             len(checked.bad),
             ", ".join(f"{c}={n}" for c, n in sorted(info.queries_per_cluster.items())),
+        )
+        return batch_proto(info)
+
+    async def _accept(
+        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float
+    ) -> pb.Batch:
+        """A large batch: store its validated rows and answer VALIDATING; :mod:`gateway.intake` enqueues it."""
+        d = self.d
+        views = cluster_views(await asyncio.to_thread(read_clusters, d.queue))
+        if not any(v.usable for v in views):
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "cannot assign the batch: no cluster accepts work (all draining, dead or with zero capacity)",
+            )
+        rows = await asyncio.to_thread(encode_rows, request, checked)
+        created = await asyncio.to_thread(
+            d.queue.accept_batch,
+            batch_id,
+            rows,
+            policy=d.policy.name,
+            metadata=dict(request.metadata),
+            fingerprint=fingerprint(request),
+        )
+        info = await asyncio.to_thread(d.queue.batch, batch_id)
+        if not created:
+            return await self._resubmitted(info, request, context)
+        self.intake.wake()
+        d.metrics.batches.inc()
+        log.info(
+            "batch %s: %d queries accepted in %.3f s (%d bad, failed alone); intake in the background",
+            batch_id,
+            len(rows),
+            time.perf_counter() - t0,
+            len(checked.bad),
         )
         return batch_proto(info)
 

@@ -4,6 +4,11 @@
 one new id create the batch once (one returns True, the others False, none raises), and a
 batch hash without ``status`` (a creation cut short under older code) counts as absent.
 
+**Background intake** (:meth:`BatchOps.accept_batch`, :meth:`BatchOps.enqueue_chunk`): a large
+batch is accepted durably first, its validated rows stored in Redis, and enqueued chunk by
+chunk afterwards (see :mod:`gateway.intake`); until its last chunk lands, ``total`` counts
+the rows still in its intake list too.
+
 **Cancel** is lazy with a bounded sweep: one O(1) script marks the batch ``cancelling``,
 then each queue is swept in script calls that look at most ``SWEEP_CHUNK`` ids; a claim
 drops whatever a sweep missed. **Retention**: a batch that reaches a final state keeps its
@@ -13,6 +18,7 @@ hash, results and done set for ``retention_s`` (0: forever), then Redis expires 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
 
@@ -25,6 +31,28 @@ DEFAULT_RETENTION_S = 7 * 24 * 3600  # finished batches (status, results) are ke
 PRUNE_CHUNK = 1000  # batch ids one prune call looks at
 SWEEP_CHUNK = 1000  # queued ids one cancel-sweep call looks at (keeps each script call short)
 CREATE_RETRIES = 20  # optimistic-transaction retries of create_batch (each lost race re-reads)
+STAGE_CHUNK = 5000  # rows one staging transaction of accept_batch writes
+STAGE_TTL_S = 3600  # a staging list left by a gateway that died while accepting expires after this
+
+#: batch ids whose background intake is unfinished (ZSET, scored by acceptance time)
+INTAKE = keys.PREFIX + "intake"
+# Release the intake lease only when it is still this token's.
+RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def intake_key(batch_id: str) -> str:
+    """LIST of the batch's accepted rows not yet enqueued (JSON, in submission order)."""
+    return keys.batch(batch_id) + ":intake"
+
+
+def intake_lease_key(batch_id: str) -> str:
+    """STR: who enqueues the batch's rows now (``SET NX PX``; expires)."""
+    return keys.batch(batch_id) + ":intake-lease"
+
+
+def staging_key(batch_id: str, token: str) -> str:
+    """LIST: rows of one submission being stored, before its batch exists (expires)."""
+    return keys.batch(batch_id) + ":staging:" + token
 
 
 class BatchOps:
@@ -40,6 +68,8 @@ class BatchOps:
         self.retention_s = int(retention_s)
         self._cancel = client.register_script(scripts.CANCEL)
         self._sweep = client.register_script(scripts.SWEEP_CANCELLED)
+        self._enqueue_chunk = client.register_script(scripts.ENQUEUE_CHUNK)
+        self._release_intake = client.register_script(RELEASE)
 
     def create_batch(
         self,
@@ -133,6 +163,114 @@ class BatchOps:
             pipe.incrbyfloat(keys.pending(c), t)
             pipe.hincrbyfloat(keys.cluster_stats(c), "assigned_predicted_tokens", t)
             pipe.hincrby(keys.cluster_stats(c), "assigned_queries", per_cluster[c])
+
+    def accept_batch(
+        self,
+        batch_id: str,
+        rows: Sequence[str],
+        *,
+        policy: str = "",
+        metadata: Mapping[str, str] | None = None,
+        fingerprint: str = "",
+        chunk: int = STAGE_CHUNK,
+    ) -> bool:
+        """Accept a batch for background intake: store its ``rows`` durably, then create it ``validating``.
+
+        Same contract as :meth:`create_batch` (atomic, idempotent by ``batch_id``; True when this
+        call created it). The rows go to a staging list of this call in transactions of ``chunk``
+        rows (a gateway that dies here leaves only that list, which expires); then one optimistic
+        transaction checks that no batch has the id, creates the batch hash (``total`` =
+        ``intake_total`` = the rows, ``intake_done`` 0), renames the staging list to the batch's
+        intake list and puts the id in the intake set. Nothing is queued yet.
+        """
+        if ":" in batch_id or not batch_id:
+            raise ValueError(f"bad batch id {batch_id!r}")
+        if not rows:
+            raise ValueError("a batch accepted for intake needs rows")
+        bkey, token = keys.batch(batch_id), uuid.uuid4().hex
+        stage = staging_key(batch_id, token)
+        for i in range(0, len(rows), chunk):
+            pipe = self.r.pipeline(transaction=True)
+            pipe.rpush(stage, *rows[i : i + chunk])
+            pipe.expire(stage, STAGE_TTL_S)
+            pipe.execute()
+        try:
+            with self.r.pipeline(transaction=True) as pipe:
+                for _ in range(CREATE_RETRIES):
+                    try:
+                        pipe.watch(bkey)
+                        if pipe.hexists(bkey, "status"):
+                            return False
+                        now = self.clock()
+                        pipe.multi()
+                        self._write_batch(pipe, batch_id, [], {}, {}, policy, metadata, now)
+                        pipe.hset(
+                            bkey,
+                            mapping={
+                                "status": "validating",
+                                "total": len(rows),
+                                "completed_at": 0,
+                                "intake_total": len(rows),
+                                "intake_done": 0,
+                                "fingerprint": fingerprint,
+                            },
+                        )
+                        pipe.rename(stage, intake_key(batch_id))
+                        pipe.persist(intake_key(batch_id))
+                        pipe.zadd(INTAKE, {batch_id: now})
+                        pipe.execute()
+                        return True
+                    except redis.WatchError:
+                        continue
+            raise RuntimeError(f"batch {batch_id}: acceptance kept racing with other writers")
+        finally:
+            self.r.delete(stage)  # renamed away when this call created the batch
+
+    def intake_batches(self, limit: int = 100) -> list[str]:
+        """Ids of accepted batches whose intake is unfinished, oldest first."""
+        return self.r.zrange(INTAKE, 0, limit - 1)
+
+    def take_intake(self, batch_id: str, token: str, ttl_s: float) -> bool:
+        """Take the batch's intake lease (True: this token may enqueue its rows for ``ttl_s``)."""
+        return bool(self.r.set(intake_lease_key(batch_id), token, nx=True, px=max(1, int(ttl_s * 1000))))
+
+    def drop_intake(self, batch_id: str, token: str) -> None:
+        """Give the intake lease back, if ``token`` still holds it."""
+        self._release_intake(keys=[intake_lease_key(batch_id)], args=[token])
+
+    def intake_state(self, batch_id: str, n: int) -> tuple[str | None, int, int, list[str]]:
+        """``(status, intake_done, intake_total, the next n rows)`` of a batch in intake."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hmget(keys.batch(batch_id), "status", "intake_done", "intake_total")
+        pipe.lrange(intake_key(batch_id), 0, n - 1)
+        (status, done, total), rows = pipe.execute()
+        return status, as_int(done), as_int(total), rows
+
+    def enqueue_chunk(
+        self,
+        batch_id: str,
+        token: str,
+        cursor: int,
+        rows: Sequence[tuple[str, str, float, str]],
+        ttl_s: float,
+    ) -> int:
+        """Land one chunk of rows ``(gid, payload, predicted tokens, cluster)`` (see ``scripts.ENQUEUE_CHUNK``).
+
+        Cluster ``''`` fails the row at once (its payload is its result JSON). Returns the rows
+        handled, or -1 (the lease is not ``token``'s), -2 (no such batch), -3 (``cursor`` is stale).
+        """
+        args: list = [batch_id, token, cursor, self.clock(), max(1, int(ttl_s * 1000))]
+        for g, payload, tokens, c in rows:
+            args += [g, payload, tokens, c]
+        k = [keys.batch(batch_id), intake_lease_key(batch_id), intake_key(batch_id), INTAKE, keys.CLUSTERS]
+        return int(self._enqueue_chunk(keys=k, args=args))
+
+    def forget_intake(self, batch_id: str) -> None:
+        """Drop the intake of a batch that no longer exists (expired or never created)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.zrem(INTAKE, batch_id)
+        pipe.delete(intake_key(batch_id))
+        pipe.execute()
 
     def batch(self, batch_id: str) -> BatchInfo | None:
         h = self.r.hgetall(keys.batch(batch_id))

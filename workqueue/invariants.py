@@ -8,7 +8,10 @@
 * a queued or running query has its hash, and its hash names the cluster that holds it;
   a query with a result has no hash left (no orphan query keys);
 * a batch counts ``completed + failed + cancelled`` = its ``done`` set = its result list, and
-  ``total`` = done + queued + running;
+  ``total`` = done + queued + running + not yet enqueued (rows still in its intake list, for a
+  batch accepted for background intake: ``intake_total - intake_done`` of them, exactly);
+* a batch is in the intake set exactly while its intake is unfinished, and a batch still
+  ``validating`` has nothing enqueued, nothing running and nothing done;
 * each cluster's ``pending`` counter equals the predicted tokens of its queued queries (the
   tokens of running queries leave the counter when they are claimed).
 """
@@ -20,6 +23,7 @@ from collections import Counter
 import redis
 
 from workqueue import keys
+from workqueue.batches import INTAKE, intake_key
 
 TOLERANCE = 1e-6
 
@@ -39,6 +43,21 @@ def _where(r: redis.Redis) -> tuple[dict[str, list[str]], dict[str, dict[str, li
     return places, clusters
 
 
+def _intake_problems(r: redis.Redis, b: str, h: dict[str, str], waiting: int, seen: int) -> list[str]:
+    """A batch's background intake: its list holds exactly its rows not yet enqueued, and the
+    intake set holds the batch exactly while some are left."""
+    bad = []
+    stored = r.llen(intake_key(b))
+    if stored != waiting:
+        bad.append(f"batch {b}: intake list has {stored} rows, {waiting} are not yet enqueued")
+    listed = r.zscore(INTAKE, b) is not None
+    if listed != (waiting > 0):
+        bad.append(f"batch {b}: {'in' if listed else 'not in'} the intake set with {waiting} rows left")
+    if h.get("status") == "validating" and seen:
+        bad.append(f"batch {b}: validating with {seen} queries already enqueued or finished")
+    return bad
+
+
 def check(r: redis.Redis) -> list[str]:
     """Every invariant violation in the Redis behind ``r`` (empty: all hold)."""
     bad: list[str] = []
@@ -56,8 +75,13 @@ def check(r: redis.Redis) -> list[str]:
         if n_results != len(done[b]):
             bad.append(f"batch {b}: {n_results} results for {len(done[b])} done queries")
         live = sum(1 for g in places if keys.split_gid(g)[0] == b)
-        if int(h.get("total", 0) or 0) != len(done[b]) + live:
-            bad.append(f"batch {b}: total {h.get('total')} != {len(done[b])} done + {live} queued or running")
+        waiting = int(h.get("intake_total", 0) or 0) - int(h.get("intake_done", 0) or 0)
+        if int(h.get("total", 0) or 0) != len(done[b]) + live + waiting:
+            bad.append(
+                f"batch {b}: total {h.get('total')} != {len(done[b])} done + {live} queued or running"
+                f" + {waiting} not yet enqueued"
+            )
+        bad += _intake_problems(r, b, h, waiting, live + len(done[b]))
     for g, where in places.items():
         b, q = keys.split_gid(g)
         if len(where) > 1:

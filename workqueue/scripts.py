@@ -296,3 +296,71 @@ end
 return {n, #ids, start + #ids - n}
 """
 )
+
+# KEYS: the batch's hash, its intake lease, its intake list, the intake set, the clusters set. ARGV: batch id, lease token,
+# cursor (rows of the batch enqueued before this chunk), now, lease ms, then four per row of the chunk:
+# gid, payload JSON, predicted tokens, cluster (cluster '': the row fails at once, its payload being
+# its result JSON). One chunk of a batch accepted by the background intake lands atomically: only
+# while the caller holds the batch's intake lease (which the call extends) and the batch's
+# ``intake_done`` still equals the cursor, so a chunk is never enqueued twice. The chunk's rows
+# leave the head of the intake list; each is queued on its cluster, or (batch cancelling) finished
+# as cancelled. The first chunk turns a ``validating`` batch ``in_progress``; the last one takes
+# the batch out of the intake set. Returns rows handled, or -1 (lease lost), -2 (no batch),
+# -3 (cursor moved on: another replica enqueued it).
+ENQUEUE_CHUNK = (
+    PRELUDE
+    + r"""
+local bid, token, cursor, now, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
+if redis.call('GET', KEYS[2]) ~= token then return -1 end
+local b = KEYS[1]
+local h = redis.call('HMGET', b, 'status', 'intake_done', 'intake_total', 'queries_per_cluster',
+                     'predicted_tokens_per_cluster')
+if not h[1] then return -2 end
+if tonumber(h[2] or '-1') ~= cursor then return -3 end
+local n = (#ARGV - 5) / 4
+local cancelled = h[1] == 'cancelling' or h[1] == 'cancelled'
+local per_q = cjson.decode(h[4] or '{}')
+local per_t = cjson.decode(h[5] or '{}')
+local touched = {}
+local total = tonumber(h[3] or '0')
+local done_after = cursor + n
+-- counters first: finish() below may finalize the batch and must see every row as enqueued
+redis.call('HSET', b, 'intake_done', done_after)
+if done_after >= total then
+  redis.call('ZREM', KEYS[4], bid)
+  redis.call('DEL', KEYS[3])
+else
+  redis.call('LTRIM', KEYS[3], n, -1)
+end
+for i = 0, n - 1 do
+  local g, payload, tokens, c = ARGV[6 + 4 * i], ARGV[7 + 4 * i], tonumber(ARGV[8 + 4 * i]), ARGV[9 + 4 * i]
+  if cancelled then
+    finish(g, cancelled_result(g, c), 'cancelled', 0, now)
+  elseif c == '' then
+    finish(g, payload, 'failed', 0, now)
+  else
+    redis.call('HSET', k_query(g), 'payload', payload, 'tokens', tokens, 'cluster', c, 'state', 'queued',
+               'attempts', 0, 'enqueued_at', now)
+    redis.call('RPUSH', k_queue(c), g)
+    per_q[c] = (per_q[c] or 0) + 1
+    per_t[c] = (per_t[c] or 0) + tokens
+    if not touched[c] then touched[c] = {0, 0} end
+    touched[c][1] = touched[c][1] + 1
+    touched[c][2] = touched[c][2] + tokens
+  end
+end
+for c, t in pairs(touched) do
+  redis.call('SADD', KEYS[5], c)
+  redis.call('HSETNX', k_cluster_info(c), 'state', 'active')
+  redis.call('INCRBYFLOAT', k_pending(c), t[2])
+  redis.call('HINCRBYFLOAT', k_cluster_stats(c), 'assigned_predicted_tokens', t[2])
+  redis.call('HINCRBY', k_cluster_stats(c), 'assigned_queries', t[1])
+end
+if next(touched) ~= nil then
+  redis.call('HSET', b, 'queries_per_cluster', cjson.encode(per_q), 'predicted_tokens_per_cluster', cjson.encode(per_t))
+end
+if redis.call('HGET', b, 'status') == 'validating' then redis.call('HSET', b, 'status', 'in_progress') end
+redis.call('PEXPIRE', KEYS[2], lease_ms)
+return n
+"""
+)

@@ -1,0 +1,264 @@
+"""Background intake: a large batch is accepted durably at once, then predicted, assigned and enqueued in chunks.
+
+``SubmitBatch`` validates a batch (sizes, ids, token counts) and, for a batch of at least
+``sync_max_queries`` queries, stores its validated rows in Redis
+(:meth:`workqueue.WorkQueue.accept_batch`: one atomic, idempotent creation, the batch
+``VALIDATING``) and answers. Every gateway replica runs :meth:`Intake.loop`: it takes the
+intake lease of an unfinished batch (``SET NX PX``, one replica per batch at a time, lapsing
+when its holder dies), then chunk by chunk reads the next rows, predicts their lengths,
+assigns them with the gateway's policy and lands them with one script call
+(``ENQUEUE_CHUNK``): queued on their clusters, the batch ``IN_PROGRESS`` from its first chunk
+on. A chunk lands only while its lease holds and its cursor is current, so a replica that
+lost its lease (or died mid-chunk) never enqueues a row twice, and another replica resumes
+where it stopped. A batch cancelled during intake gets its remaining rows finished as
+cancelled, none enqueued. Engines start on the first chunk; intake then runs at the
+predictor's own pace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+from gateway.listing import read_clusters
+from gateway.policies import NoClusterError, QueryLoad
+from gateway.validation import Checked
+from gateway.views import cluster_views
+from protos import fleetbatch_pb2 as pb
+from workqueue import QueuedQuery, WorkQueue
+from workqueue.keys import gid
+
+log = logging.getLogger(__name__)
+
+CANCELLING = ("cancelling", "cancelled")
+
+
+@dataclass(frozen=True)
+class IntakeSettings:
+    """When and how batches go through background intake (env ``FLEETBATCH_INTAKE_*`` overrides)."""
+
+    sync_max_queries: int = 2000  # batches with fewer queries are created in SubmitBatch, as before
+    chunk: int = 1000  # rows predicted, assigned and enqueued per step
+    lease_ttl_s: float = 30.0  # a replica that dies holding a batch's intake blocks it this long
+    poll_s: float = 0.5  # how often an idle replica looks for unfinished intakes
+    pause_s: float = 0.0  # pause between chunks (yields CPU and Redis to other work)
+
+    @classmethod
+    def from_env(cls) -> IntakeSettings:
+        env = os.environ.get
+        return cls(
+            sync_max_queries=int(env("FLEETBATCH_INTAKE_SYNC_MAX", cls.sync_max_queries)),
+            chunk=max(1, int(env("FLEETBATCH_INTAKE_CHUNK", cls.chunk))),
+            lease_ttl_s=float(env("FLEETBATCH_INTAKE_LEASE_S", cls.lease_ttl_s)),
+            poll_s=float(env("FLEETBATCH_INTAKE_POLL_S", cls.poll_s)),
+            pause_s=float(env("FLEETBATCH_INTAKE_PAUSE_S", cls.pause_s)),
+        )
+
+
+def encode_rows(request: pb.SubmitBatchRequest, checked: Checked) -> list[str]:
+    """One JSON row per query: what enqueueing needs later (the validated limits and token counts)."""
+    rows = []
+    for i, q in enumerate(request.queries):
+        row = {"id": q.id, "prompt": q.prompt, "max_tokens": checked.max_tokens[i]}
+        if i in checked.bad:
+            row["bad"] = checked.bad[i]
+        else:
+            row["prompt_tokens"] = checked.prompt_tokens[i]
+            row["temperature"] = q.sampling.temperature
+            row["top_p"] = q.sampling.top_p or 1.0
+            if q.sampling.HasField("seed"):
+                row["seed"] = q.sampling.seed
+            if q.HasField("forced_length"):
+                row["forced_length"] = q.forced_length
+            if q.metadata:
+                row["metadata"] = dict(q.metadata)
+        rows.append(json.dumps(row, separators=(",", ":")))
+    return rows
+
+
+def _queued(batch_id: str, row: dict, predicted: float) -> QueuedQuery:
+    return QueuedQuery(
+        batch_id=batch_id,
+        query_id=row["id"],
+        prompt=row["prompt"],
+        max_tokens=row["max_tokens"],
+        prompt_tokens=row["prompt_tokens"],
+        predicted_tokens=predicted,
+        temperature=row["temperature"],
+        top_p=row["top_p"],
+        seed=row.get("seed"),
+        forced_length=row.get("forced_length"),
+        metadata=row.get("metadata", {}),
+    )
+
+
+def _failed(batch_id: str, query_id: str, why: str) -> str:
+    result = {"batch_id": batch_id, "query_id": query_id, "finish_reason": "error", "error": why}
+    return json.dumps(result)
+
+
+class Intake:
+    """Runs the background intake of one gateway replica (see the module docstring)."""
+
+    def __init__(
+        self,
+        queue: WorkQueue,
+        predict_tokens: Callable[[list[str]], list[float]],
+        assign: Callable[[Sequence[QueryLoad], list], list[str]],
+        settings: IntakeSettings,
+        on_assigned: Callable[[list[str]], None] = lambda names: None,
+    ) -> None:
+        self.queue = queue
+        self.predict_tokens = predict_tokens
+        self.assign = assign
+        self.settings = settings
+        self.on_assigned = on_assigned
+        self.owner = f"intake:{uuid.uuid4().hex[:12]}"
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ one chunk
+
+    def step(self, batch_id: str, token: str) -> int:
+        """Enqueue the next chunk of ``batch_id`` under the lease ``token``; returns the rows landed
+        (0: the intake is finished or gone; negative: the lease or cursor was lost, stop)."""
+        q, s = self.queue, self.settings
+        status, done, total, raw = q.intake_state(batch_id, s.chunk)
+        if status is None or done >= total:  # expired, never was, or finished: nothing to enqueue
+            q.forget_intake(batch_id)
+            return 0
+        if not raw:
+            log.error("batch %s: intake list lost with %d of %d rows left", batch_id, total - done, total)
+            return 0
+        rows = [json.loads(r) for r in raw]
+        if status in CANCELLING:
+            out = [(gid(batch_id, r["id"]), "", 0.0, "") for r in rows]
+        else:
+            out = self._assigned(batch_id, rows)
+        n = q.enqueue_chunk(batch_id, token, done, out, s.lease_ttl_s)
+        if n > 0:
+            self.on_assigned([c for _, _, _, c in out if c])
+        return n
+
+    def _assigned(self, batch_id: str, rows: list[dict]) -> list[tuple[str, str, float, str]]:
+        good = [r for r in rows if "bad" not in r]
+        predicted = self.predict_tokens([r["prompt"] for r in good]) if good else []
+        loads = [
+            QueryLoad(r["id"], r["prompt_tokens"], float(min(p, r["max_tokens"])))
+            for r, p in zip(good, predicted, strict=True)
+        ]
+        names = self._names(loads) if loads else []
+        where = {load.key: (load, c) for load, c in zip(loads, names, strict=True)}
+        out = []
+        for r in rows:
+            g = gid(batch_id, r["id"])
+            if "bad" in r:
+                out.append((g, _failed(batch_id, r["id"], f"invalid query: {r['bad']}"), 0.0, ""))
+                continue
+            load, c = where[r["id"]]
+            if c is None:
+                out.append(
+                    (g, _failed(batch_id, r["id"], "no accepting cluster can take this query"), 0.0, "")
+                )
+                continue
+            qq = _queued(batch_id, r, load.predicted_tokens)
+            out.append((g, json.dumps(asdict(qq)), qq.total_tokens, c))
+        return out
+
+    def _names(self, loads: list[QueryLoad]) -> list[str | None]:
+        """Assign the chunk; if one query fits nowhere, assign one by one and leave the misfits None.
+        Raises :class:`NoClusterError` while no cluster accepts work at all (the chunk waits)."""
+        views = cluster_views(read_clusters(self.queue))
+        try:
+            return list(self.assign(loads, views))
+        except NoClusterError:
+            if not any(v.usable for v in views):
+                raise
+        names: list[str | None] = []
+        for load in loads:
+            try:
+                names.append(self.assign([load], views)[0])
+            except NoClusterError as e:
+                log.warning("%s", e)
+                names.append(None)
+        return names
+
+    # ------------------------------------------------------------------ whole batches
+
+    def run_batch(self, batch_id: str, stop: threading.Event | None = None) -> bool:
+        """Take the batch's lease and enqueue chunks until its intake is done (True), the lease is
+        held elsewhere or lost, or ``stop`` is set (False)."""
+        token = f"{self.owner}:{uuid.uuid4().hex[:8]}"
+        if not self.queue.take_intake(batch_id, token, self.settings.lease_ttl_s):
+            return False
+        try:
+            while stop is None or not stop.is_set():
+                n = self.step(batch_id, token)
+                if n == 0:
+                    return True
+                if n < 0:
+                    log.warning("batch %s: intake lease or cursor lost (%d); leaving it", batch_id, n)
+                    return False
+                if self.settings.pause_s:
+                    time.sleep(self.settings.pause_s)
+            return False
+        finally:
+            self.queue.drop_intake(batch_id, token)
+
+    def tick(self, stop: threading.Event | None = None) -> int:
+        """One pass over the unfinished intakes; returns how many this replica finished."""
+        finished = 0
+        for batch_id in self.queue.intake_batches():
+            if stop is not None and stop.is_set():
+                break
+            try:
+                t0 = time.perf_counter()
+                if self.run_batch(batch_id, stop):
+                    finished += 1
+                    log.info("batch %s: intake finished (%.2f s here)", batch_id, time.perf_counter() - t0)
+            except NoClusterError as e:
+                log.warning("batch %s: intake waits: %s", batch_id, e)
+        return finished
+
+    # ------------------------------------------------------------------ the replica's loop
+
+    def wake(self) -> None:
+        """Start on a newly accepted batch now rather than at the next poll (any thread)."""
+        if self._wake is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def loop(self, stop: asyncio.Event) -> None:
+        """Until ``stop``: run :meth:`tick` in a worker thread, then wait for a wake-up or ``poll_s``."""
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        halt = threading.Event()  # the worker thread's view of ``stop``: it stops after its current chunk
+        relay = asyncio.ensure_future(_relay(stop, halt))
+        try:
+            while not stop.is_set():
+                self._wake.clear()
+                try:
+                    await asyncio.to_thread(self.tick, halt)
+                except Exception:
+                    log.exception("intake tick failed")
+                waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+                try:
+                    await asyncio.wait(
+                        waits, timeout=self.settings.poll_s, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    for w in waits:
+                        w.cancel()
+        finally:
+            halt.set()
+            relay.cancel()
+
+
+async def _relay(stop: asyncio.Event, halt: threading.Event) -> None:
+    await stop.wait()
+    halt.set()
