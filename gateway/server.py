@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,6 +38,28 @@ def load_tokenizer(tokenizer_dir: str | None):
     return default_tokenizer()
 
 
+def token_counter(tokenizer) -> Callable[[list[str]], list[int]]:
+    """Prompt tokens as the engine counts them (the start token included), as ``tokenizer(prompts)``
+    counts them. A fast tokenizer whose backend neither truncates nor pads is asked for counts
+    directly (``encode_batch_fast``: no offsets, no Python id lists), several times faster on
+    a large batch; the counts are the same."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    encode = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+    if encode is not None and backend.truncation is None and backend.padding is None:
+
+        def count(prompts: list[str]) -> list[int]:
+            return [len(e) for e in encode(prompts, add_special_tokens=True)] if prompts else []
+
+        return count
+
+    def count_slow(prompts: list[str]) -> list[int]:
+        if not prompts:
+            return []
+        return [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+
+    return count_slow
+
+
 def build_deps(config: GatewayConfig) -> GatewayDeps:
     """Connect to Redis, register configured clusters, load tokenizer, predictor and policy."""
     import torch
@@ -64,11 +87,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
         "prompt-length heuristic (no model configured)" if predictor.is_fallback else predictor.version,
     )
 
-    def count_tokens(prompts: list[str]) -> list[int]:
-        """Prompt tokens as the engine counts them: the start token included."""
-        if not prompts:
-            return []
-        return [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+    count_tokens = token_counter(tokenizer)
 
     def predict_tokens(prompts: list[str]) -> list[float]:
         return [p.expected_tokens for p in predictor.predict(prompts)] if prompts else []

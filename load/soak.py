@@ -4,7 +4,10 @@ For each predictor setting (the prompt-length heuristic, then the learned one) a
 ``gateway serve`` process (own process, so its memory is its own) on an embedded Redis takes
 one ``-n``-query generated batch. The soak measures:
 
-* ``accepted_queries_per_s``: queries / ``SubmitBatch`` wall seconds, predictor off;
+* ``accepted_queries_per_s``: queries / seconds from the submit until every query of the
+  batch is on a cluster queue (the intake's end: the answer for a batch created in
+  ``SubmitBatch``, the last chunk for one the gateway enqueues in the background), predictor
+  off; ``answer_s`` is how long ``SubmitBatch`` itself took;
 * ``predictor_intake_ratio``: the same with the learned predictor on, divided by the
   learned predictor's own queries/s on the same prompts and torch threads, timed in this
   process in the same run (what ``predictor bench`` times);
@@ -15,8 +18,9 @@ one ``-n``-query generated batch. The soak measures:
 * ``lost`` and ``duplicated``: results streamed back through the gateway's
   ``StreamResults`` (resumable, :func:`load.client.stream_results`) against the queries sent.
 
-Engines are stood in by drain threads that claim and complete queries directly in Redis:
-the soak measures the gateway, not the model. The last line printed is one JSON object.
+Engines are stood in by drain threads that claim and complete queries directly in Redis,
+started once the intake is over (on a small host they would otherwise take the CPU the
+intake is measured on): the soak measures the gateway, not the model. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -103,6 +107,20 @@ def _first_enqueue(queue: WorkQueue, t0: float, done: threading.Event, out: list
         time.sleep(0.005)
 
 
+def _intake_over(queue: WorkQueue, batch_id: str) -> bool:
+    """Every query of the batch is enqueued (or finished): its background intake, if any, is done."""
+    done, total = queue.r.hmget(keys.batch(batch_id), "intake_done", "intake_total")
+    return total is None or int(done or 0) >= int(total)
+
+
+def _wait_intake(queue: WorkQueue, batch_id: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not _intake_over(queue, batch_id):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"batch {batch_id}: intake not over after {timeout:g} s")
+        time.sleep(0.005)
+
+
 def _one_run(predictor: str, args, items, run_dir: Path) -> dict:
     with EmbeddedRedis(run_dir / f"redis-{predictor.replace('/', '_')}", persist=False) as server:
         queue = WorkQueue(connect(server.url), retention_s=0)
@@ -119,6 +137,8 @@ def _one_run(predictor: str, args, items, run_dir: Path) -> dict:
                 watcher = threading.Thread(target=_first_enqueue, args=(queue, t0, done, first), daemon=True)
                 watcher.start()
                 batch = stub.SubmitBatch(request, timeout=args.timeout)
+                answer_s = time.perf_counter() - t0
+                _wait_intake(queue, batch.id, args.timeout)
                 submit_s = time.perf_counter() - t0
                 drainers = [
                     threading.Thread(
@@ -143,7 +163,9 @@ def _one_run(predictor: str, args, items, run_dir: Path) -> dict:
     return {
         "predictor": predictor,
         "queries": len(items),
-        "submit_s": round(submit_s, 3),
+        "answer_s": round(answer_s, 3),
+        "answered_status": pb.BatchStatus.Name(batch.status).lower(),
+        "intake_s": round(submit_s, 3),
         "accepted_queries_per_s": round(len(items) / submit_s, 1),
         "first_enqueue_s": round(first[0], 3) if first else round(submit_s, 3),
         "stream_s": round(stream_s, 2),
