@@ -297,7 +297,9 @@ class StaticEngine:
     def add(self, qid: int) -> None:
         w = self.work
         sampling = SamplingParams(max_tokens=self.max_tokens, forced_length=w.true_tokens[qid])
-        self.engine.add_request(Request(str(qid), "", sampling, prompt_token_ids=[0] * w.prompt_tokens[qid]))
+        # the worker hands over text, which the static engine tokenizes and cuts to its last max_prompt_tokens
+        ids = [0] * min(w.prompt_tokens[qid], self.engine.max_prompt_tokens)
+        self.engine.add_request(Request(str(qid), "", sampling, prompt_token_ids=ids))
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished() or bool(self._batch)
