@@ -49,7 +49,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--slowdown",
         type=float,
         default=0.0,
-        help="sleep this multiple of each step's time (mimic a slower GPU)",
+        help="emulate a device this many times slower than this CPU: each step lasts (1 + SLOWDOWN) x its "
+        "compute (CPU) time, so contention on a shared CPU does not change the emulated device",
     )
     p.add_argument(
         "--lease-s", type=float, default=15.0, help="lease of a claimed query; renewed while it runs"

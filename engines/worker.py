@@ -46,7 +46,10 @@ class WorkerConfig:
     plan_tps: float = 0.0
     max_query_tokens: int = 0
     redis_backoff_max_s: float = 5.0  # longest wait between retries while Redis is unreachable
-    slowdown: float = 0.0  # extra sleep per step, as a multiple of the step's time (mimics a slower GPU)
+    # Emulated device: each step lasts (1 + slowdown) x its compute time, sleeping the rest. Compute
+    # time is the process's CPU time (wall time when threads ran in parallel), so a busy shared CPU,
+    # which stretches wall time but not CPU time, does not slow the emulated device down.
+    slowdown: float = 0.0
     record_observed: bool = True
 
 
@@ -101,14 +104,16 @@ class Worker:
                     idle_sleep = min(c.idle_poll_max_s, idle_sleep * 2)
                     continue
                 idle_sleep = c.idle_poll_s
-                t0 = time.monotonic()
+                t0, cpu0 = time.monotonic(), time.process_time()
                 try:
                     outputs = self.engine.step()
                 except StageFailure as e:
                     self._give_back(str(e))
                     break
                 if c.slowdown > 0:
-                    self.stop_event.wait(c.slowdown * (time.monotonic() - t0))
+                    wall = time.monotonic() - t0
+                    device_s = (1.0 + c.slowdown) * min(wall, time.process_time() - cpu0)
+                    self.stop_event.wait(max(0.0, device_s - wall))
                 self._stats = self.engine.stats()  # taken here, read by the lease keeper
                 self.kv_token_seconds += self._stats.kv_step_tokens * (time.monotonic() - t0)
                 self._finish(outputs)

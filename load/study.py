@@ -7,10 +7,12 @@ iteration-level, on clusters at speeds 1:2:4. Every run is a directory that
 ``loadgen report`` reads (results, the engines' KV over time, plots).
 
 **Two cores, three engines.** The engines run the small random model and emulate their
-device with ``--slowdown``: each step sleeps ``slowdown`` x its compute time, so most of an
-engine's step is emulated device time rather than CPU it fights for. Equal clusters all
-run at ``base_slowdown`` (b); the 1:2:4 fleet runs at b, 2b+1 and 4b+3 (step times 1+b,
-2(1+b), 4(1+b)). ``--repeats`` runs the whole study again and reports each ratio per repeat.
+device with ``--slowdown``: each step lasts (1 + slowdown) x its compute time, measured as
+CPU time, and sleeps the rest. A shared CPU stretches wall time but not CPU time, so the
+emulated device keeps its speed when the engines contend, and most of a step is sleep.
+Equal clusters all run at ``base_slowdown`` (b); the 1:2:4 fleet runs at b, 2b+1 and 4b+3
+(step times 1+b, 2(1+b), 4(1+b)). ``--repeats`` runs the whole study again and reports
+each ratio per repeat.
 """
 
 from __future__ import annotations
