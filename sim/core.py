@@ -104,6 +104,7 @@ class _Cluster:
         self.step_start = 0.0
         self.version = 0
         self.finished = 0
+        self.failed = 0
         self.moved_in = 0
         self.moved_out = 0
         self.busy_s = 0.0
@@ -190,11 +191,11 @@ class Simulator:
             self._push(t, ARRIVE, gi)
         if self.config.offload and len(self.clusters) > 1:
             self._push(groups[0][0] if groups else 0.0, TICK, 0)
-        finish = [0.0] * n
-        done = 0
-        bar = tqdm(total=n, disable=not progress, desc="simulate", unit="query", mininterval=0.5)
+        self.finish_s = finish = [0.0] * n
+        self.done = 0
+        self._bar = bar = tqdm(total=n, disable=not progress, desc="simulate", unit="query", mininterval=0.5)
         heap = self._heap
-        while heap and done < n:
+        while heap and self.done < n:
             t, kind, _, idx, version = heapq.heappop(heap)
             self.now = t
             if kind == STEP:
@@ -203,32 +204,22 @@ class Simulator:
                     continue
                 c.busy = False
                 c.busy_s += t - c.step_start
-                fin = c.engine.end_step()
-                if c.engine.failed:
-                    fin += c.engine.failed
-                    c.engine.failed.clear()
-                pred = w.predicted_tokens
-                for q in fin:
-                    finish[q] = t
-                    c.inflight_pred -= pred[q]
-                c.finished += len(fin)
-                done += len(fin)
-                if fin and progress:
-                    bar.update(len(fin))
+                self._finished(c, c.engine.end_step())
                 self._kick(idx)
             elif kind == ARRIVE:
                 self._arrive(groups[idx][1])
             else:
                 self._tick()
-                if done < n:
+                if self.done < n:
                     self._push(t + self.config.offload_interval_s, TICK, 0)
         bar.close()
-        if done < n:
-            raise RuntimeError(f"simulation stalled with {n - done} of {n} queries unfinished")
+        if self.done < n:
+            raise RuntimeError(f"simulation stalled with {n - self.done} of {n} queries unfinished")
         start = groups[0][0] if groups else 0.0
         per = {
             c.name: {
                 "queries": c.finished,
+                "failed": c.failed,
                 "steps": c.engine.num_steps,
                 "generated_tokens": c.engine.generated_tokens,
                 "busy_s": round(c.busy_s, 3),
@@ -252,6 +243,23 @@ class Simulator:
         )
 
     # ---- clusters ---------------------------------------------------------------------------
+    def _finished(self, c: _Cluster, qids: list[int]) -> None:
+        """Record queries that finished now, and those the engine failed (larger than its whole KV cache)."""
+        e = c.engine
+        if e.failed:
+            c.failed += len(e.failed)
+            qids = qids + e.failed
+            e.failed.clear()
+        if not qids:
+            return
+        pred, finish, t = self.work.predicted_tokens, self.finish_s, self.now
+        for q in qids:
+            finish[q] = t
+            c.inflight_pred -= pred[q]
+        c.finished += len(qids)
+        self.done += len(qids)
+        self._bar.update(len(qids))
+
     def _kick(self, idx: int) -> None:
         """Start the cluster's next step if it is idle; cut a bulk short if it would take new work."""
         c = self.clusters[idx]
@@ -265,6 +273,8 @@ class Simulator:
             return
         self._pull(c)
         d = e.start_step()
+        if e.failed:
+            self._finished(c, [])
         if d is None:
             return
         c.busy = True

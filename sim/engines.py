@@ -116,6 +116,9 @@ class IterationEngine:
 
     def add(self, qid: int) -> None:
         w = self.work
+        if w.prompt_tokens[qid] + 1 > self.kv.total_tokens:  # LLMEngine.add_request answers with an error
+            self.failed.append(qid)
+            return
         pred = int(w.predicted_tokens[qid])
         self.scheduler.add(
             SimSequence(

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(
     0, str(Path(__file__).resolve().parent.parent)
@@ -42,6 +43,17 @@ def audit(monkeypatch):
 def parts():
     tok = default_tokenizer(vocab_size=1024, texts=generated_corpus(400))
     return build_model("llama", "nano", tokenizer=tok, seed=3), tok
+
+
+@pytest.fixture(scope="module")
+def real(parts):
+    """The real engine's trace, run once for both parametrizations (one torch thread: the CPU is shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return real_trace(parts, workload())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def workload(n: int = 40, seed: int = 2) -> Workload:
@@ -117,9 +129,9 @@ def sim_trace(w: Workload, bulk: bool):
 
 
 @pytest.mark.parametrize("bulk", [False, True], ids=["step-by-step", "bulk-decode"])
-def test_simulator_matches_the_real_engine_step_by_step(parts, bulk):
+def test_simulator_matches_the_real_engine_step_by_step(real, bulk):
     w = workload()
-    real, engine = real_trace(parts, w)
+    real, engine = real
     assert engine.num_preemptions > 0, "the case must exercise preemption"
     assert any(not adm for adm, _, _ in real[:20]), "admission must block at some step"
     simulated, sim_engine, result = sim_trace(w, bulk)

@@ -124,3 +124,11 @@ def test_cost_from_a_planner_profile(tmp_path):
     assert t4.step_s(0, 16) > t4.step_s(0, 8) > t4.step_s(0, 0)
     with pytest.raises(ValueError, match="bits"):
         LinearCost.from_profile(tmp_path / "T4.json", layers=8, bits=4)
+
+
+def test_a_query_larger_than_the_kv_cache_fails_alone():
+    w = Workload([10, 5000, 12, 8], [5, 5, 7, 3], [5.0, 5.0, 7.0, 3.0], [0.0] * 4)
+    spec = ClusterSpec("c0", LinearCost(), "iteration", 4, kv_budget_tokens=1024)
+    r = Simulator([spec], w, SimConfig(policy="round_robin", offload=False)).run()
+    assert r.per_cluster["c0"]["failed"] == 1 and r.per_cluster["c0"]["queries"] == 4
+    assert r.generated_tokens == 5 + 7 + 3
