@@ -26,6 +26,8 @@ from workqueue import WorkQueue, connect
 
 log = logging.getLogger(__name__)
 
+COUNT_SLICE = 8192  # prompts tokenized per call when counting a large batch's tokens
+
 
 def load_tokenizer(tokenizer_dir: str | None):
     """The serving model's tokenizer (a model directory), or the project's default tokenizer."""
@@ -42,13 +44,16 @@ def token_counter(tokenizer) -> Callable[[list[str]], list[int]]:
     """Prompt tokens as the engine counts them (the start token included), as ``tokenizer(prompts)``
     counts them. A fast tokenizer whose backend neither truncates nor pads is asked for counts
     directly (``encode_batch_fast``: no offsets, no Python id lists), several times faster on
-    a large batch; the counts are the same."""
+    a large batch, ``COUNT_SLICE`` prompts at a time; the counts are the same."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     encode = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
     if encode is not None and backend.truncation is None and backend.padding is None:
 
         def count(prompts: list[str]) -> list[int]:
-            return [len(e) for e in encode(prompts, add_special_tokens=True)] if prompts else []
+            out: list[int] = []
+            for i in range(0, len(prompts), COUNT_SLICE):  # bounded memory: encodings are large
+                out += [len(e) for e in encode(prompts[i : i + COUNT_SLICE], add_special_tokens=True)]
+            return out
 
         return count
 

@@ -9,6 +9,9 @@ after every step, and no row is ever enqueued twice.
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import redis
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -17,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from gateway.intake import Intake, IntakeSettings, encode_rows
 from gateway.validation import Checked
 from protos import fleetbatch_pb2 as pb
-from workqueue import QueuedQuery, WorkQueue, connect
+from workqueue import QueuedQuery, WorkQueue, connect, keys
 from workqueue.batches import intake_lease_key
 from workqueue.invariants import check
 
@@ -147,5 +150,7 @@ def test_a_finished_intake_leaves_nothing_behind(redis_url):
     info = q.batch("x")
     assert info.status == "in_progress" and info.failed == 1 and info.queries_per_cluster == {"a": 6}
     assert q.results("x")[0]["error"] == "invalid query: too long"
+    payload = json.loads(q.r.hget(keys.query("x:q0"), "payload"))  # what engines read: a QueuedQuery
+    assert json.dumps(asdict(QueuedQuery(**payload))) == q.r.hget(keys.query("x:q0"), "payload")
     assert not check(q.r)
     assert not [k for k in q.r.keys("*") if "intake" in k or "staging" in k]
