@@ -27,9 +27,27 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "cost model (seconds of a speed-1 cluster; a step = overhead + prefill + decode)"
     )
-    g.add_argument("--prefill-per-token", type=float, default=LinearCost.prefill_per_token_s, metavar="S")
-    g.add_argument("--decode-per-seq", type=float, default=LinearCost.decode_per_seq_s, metavar="S")
-    g.add_argument("--step-overhead", type=float, default=LinearCost.step_overhead_s, metavar="S")
+    g.add_argument(
+        "--prefill-per-token",
+        type=float,
+        default=LinearCost.prefill_per_token_s,
+        metavar="S",
+        help=f"seconds per prompt token prefilled (default {LinearCost.prefill_per_token_s})",
+    )
+    g.add_argument(
+        "--decode-per-seq",
+        type=float,
+        default=LinearCost.decode_per_seq_s,
+        metavar="S",
+        help=f"seconds per query decoding one token (default {LinearCost.decode_per_seq_s})",
+    )
+    g.add_argument(
+        "--step-overhead",
+        type=float,
+        default=LinearCost.step_overhead_s,
+        metavar="S",
+        help=f"fixed seconds per engine step (default {LinearCost.step_overhead_s})",
+    )
     g.add_argument(
         "--profile",
         default=None,
@@ -40,10 +58,12 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
         "--layers", type=int, default=32, help="decoder layers of the model, with --profile (default 32)"
     )
     p.add_argument("--speeds", default="1,2,4", help="speeds of the unequal fleet, repeated (default 1,2,4)")
-    p.add_argument("--kv-budget", type=int, default=16384, help="KV tokens per iteration-level engine")
+    p.add_argument(
+        "--kv-budget", type=int, default=16384, help="KV tokens per iteration-level engine (default 16384)"
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="response cap of the workload (default 256)")
     p.add_argument("--no-offload", action="store_true", help="turn the backoff offloader off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -98,10 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--clusters iteration-level clusters at --speeds with the token policy and offloading, and reports "
         "the wall-clock seconds of the simulation (sim_seconds_100x1m for the default size).",
     )
-    c.add_argument("--clusters", type=int, default=100)
-    c.add_argument("--queries", type=int, default=1_000_000)
+    c.add_argument("--clusters", type=int, default=100, help="iteration-level clusters (default 100)")
+    c.add_argument("--queries", type=int, default=1_000_000, help="queries, all at once (default 1,000,000)")
     c.add_argument("--batch", type=int, default=8, help="engine batch size (max_running; default 8)")
-    c.add_argument("--policy", choices=("token", "round_robin"), default="token")
+    c.add_argument(
+        "--policy",
+        choices=("token", "round_robin"),
+        default="token",
+        help="assignment policy (default token)",
+    )
     _cost_args(c)
     return parser
 
