@@ -27,7 +27,7 @@ from localmodels import build_model, default_tokenizer, generated_corpus  # noqa
 from sim.core import ClusterSpec, SimConfig, Simulator  # noqa: E402
 from sim.costs import LinearCost  # noqa: E402
 from sim.engines import IterationEngine  # noqa: E402
-from sim.workload import Workload  # noqa: E402
+from sim.workload import Workload, poisson_arrivals  # noqa: E402
 
 KV, BLOCK, STEP_TOKENS, CHUNK, RUNNING, MARGIN = 96, 4, 24, 12, 5, 0.1
 
@@ -144,8 +144,11 @@ def test_simulator_matches_the_real_engine_step_by_step(real, bulk):
     assert result.queries == len(w)
 
 
-def test_bulk_decode_changes_nothing_but_the_work():
-    """A bigger case without a model: bulk decode and single steps give the same finish times and KV."""
+@pytest.mark.parametrize("arrivals", ["all-at-once", "poisson"])
+def test_bulk_decode_changes_nothing_but_the_work(arrivals):
+    """A bigger case without a model: bulk decode and single steps give the same finish times and KV.
+
+    With Poisson arrivals, work reaches engines in the middle of a bulk (~120 bulks are cut short)."""
     rng = random.Random(5)
     n = 300
     w = Workload(
@@ -154,6 +157,8 @@ def test_bulk_decode_changes_nothing_but_the_work():
         [float(rng.randint(1, 200)) for _ in range(n)],
         [0.0] * n,
     )
+    if arrivals == "poisson":
+        w = w.with_arrivals(poisson_arrivals(n, 3.0, seed=1))
     specs = [ClusterSpec(f"c{i}", LinearCost(speed=s), "iteration", 8, 4096) for i, s in enumerate((1, 2, 4))]
     out = {}
     for bulk in (False, True):
