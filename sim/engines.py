@@ -160,11 +160,11 @@ class IterationEngine:
             return None
         prefill, decode = 0, 0
         for c in plan.chunks:
-            seq = c.seq
-            if c.num_tokens == 1 and seq.output_token_ids and c.start + 1 == seq.num_tokens:
+            n, out = c.num_tokens, c.seq.output_token_ids
+            if n == 1 and out and c.start + 1 == len(c.seq.prompt_token_ids) + len(out):
                 decode += 1
             else:
-                prefill += c.num_tokens
+                prefill += n
         self._plan = plan
         self._dt = self.cost.step_s(prefill, decode)
         return self._dt
