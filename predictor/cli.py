@@ -294,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-size", type=int, default=32)
     r.add_argument("--out", default=None, help="where to write the new version (default: the --model parent)")
     r.add_argument("--seed", type=int, default=0)
+    from predictor import adapt  # here, not at the top: predictor.adapt imports this module
+
+    a = sub.add_parser("adapt", help="benchmark: retrain from observed lengths of another served model")
+    _data_args(a)
+    _common(a)
+    adapt.add_arguments(a)
     return ap
 
 
@@ -741,6 +747,12 @@ def cmd_retrain(args) -> dict:
     }
 
 
+def cmd_adapt(args) -> dict:
+    from predictor import adapt
+
+    return adapt.run(args)
+
+
 def cmd_choose(args) -> dict:
     from predictor import store
     from predictor.inference import predict_proba
@@ -793,6 +805,7 @@ COMMANDS = {
     "choose": cmd_choose,
     "export": cmd_export,
     "retrain": cmd_retrain,
+    "adapt": cmd_adapt,
 }
 
 
