@@ -4,7 +4,8 @@ The real :class:`engines.engine.LLMEngine` (a nano model, forced lengths) is fed
 worker feeds it -- ``free_slots()`` queries from a queue before every ``step()`` -- and the
 scheduler's plans are recorded. The simulator runs the same queries on one cluster, with bulk
 decode on and off. A small KV cache makes admission block, queries outgrow their predictions
-and get preempted, so the comparison covers the paths where a shortcut could go wrong.
+and get preempted; a roomy cache with a batch of 3 keeps the batch full (20 bulks start from a
+full batch there), so the comparison covers the paths where a shortcut could go wrong.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from sim.costs import LinearCost  # noqa: E402
 from sim.engines import IterationEngine  # noqa: E402
 from sim.workload import Workload, poisson_arrivals  # noqa: E402
 
-KV, BLOCK, STEP_TOKENS, CHUNK, RUNNING, MARGIN = 96, 4, 24, 12, 5, 0.1
+BLOCK, STEP_TOKENS, CHUNK, MARGIN = 4, 24, 12, 0.1
+# (KV tokens, max_running): a tight cache (admission blocks, preemptions) and a roomy one with a
+# small batch (the batch fills up: the full-batch bulk path)
+CASES = {"tight-kv": (96, 5), "full-batch": (1024, 3)}
 
 
 @pytest.fixture(autouse=True)
@@ -45,13 +49,14 @@ def parts():
     return build_model("llama", "nano", tokenizer=tok, seed=3), tok
 
 
-@pytest.fixture(scope="module")
-def real(parts):
-    """The real engine's trace, run once for both parametrizations (one torch thread: the CPU is shared)."""
+@pytest.fixture(scope="module", params=list(CASES))
+def real(request, parts):
+    """The real engine's trace per case, run once for both bulk settings (one torch thread: the CPU is shared)."""
+    kv, running = CASES[request.param]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return real_trace(parts, workload())
+        return request.param, real_trace(parts, workload(), kv, running)
     finally:
         torch.set_num_threads(threads)
 
@@ -64,14 +69,14 @@ def workload(n: int = 40, seed: int = 2) -> Workload:
     return Workload(prompts, true, pred, [0.0] * n)
 
 
-def real_trace(parts, w: Workload) -> tuple[list, LLMEngine]:
+def real_trace(parts, w: Workload, kv: int, running: int) -> tuple[list, LLMEngine]:
     model, tok = parts
     cfg = EngineConfig(
-        kv_budget_tokens=KV,
+        kv_budget_tokens=kv,
         block_size=BLOCK,
         max_batch_tokens=STEP_TOKENS,
         prefill_chunk=CHUNK,
-        max_running=RUNNING,
+        max_running=running,
         safety_margin=MARGIN,
     )
     engine = LLMEngine(model, tok, cfg)
@@ -110,8 +115,8 @@ def real_trace(parts, w: Workload) -> tuple[list, LLMEngine]:
     return trace, engine
 
 
-def sim_trace(w: Workload, bulk: bool):
-    spec = ClusterSpec("c0", LinearCost(), "iteration", batch=RUNNING, kv_budget_tokens=KV)
+def sim_trace(w: Workload, bulk: bool, kv: int, running: int):
+    spec = ClusterSpec("c0", LinearCost(), "iteration", batch=running, kv_budget_tokens=kv)
     cfg = SimConfig(
         policy="round_robin",
         offload=False,
@@ -131,10 +136,12 @@ def sim_trace(w: Workload, bulk: bool):
 @pytest.mark.parametrize("bulk", [False, True], ids=["step-by-step", "bulk-decode"])
 def test_simulator_matches_the_real_engine_step_by_step(real, bulk):
     w = workload()
-    real, engine = real
-    assert engine.num_preemptions > 0, "the case must exercise preemption"
-    assert any(not adm for adm, _, _ in real[:20]), "admission must block at some step"
-    simulated, sim_engine, result = sim_trace(w, bulk)
+    case, (real, engine) = real
+    kv, running = CASES[case]
+    if case == "tight-kv":
+        assert engine.num_preemptions > 0, "the case must exercise preemption"
+        assert any(not adm for adm, _, _ in real[:20]), "admission must block at some step"
+    simulated, sim_engine, result = sim_trace(w, bulk, kv, running)
     assert len(simulated) == len(real)
     for i, (a, b) in enumerate(zip(real, simulated, strict=True)):
         assert a == b, f"step {i}: real {a} != simulated {b}"
