@@ -132,3 +132,18 @@ def test_a_query_larger_than_the_kv_cache_fails_alone():
     r = Simulator([spec], w, SimConfig(policy="round_robin", offload=False)).run()
     assert r.per_cluster["c0"]["failed"] == 1 and r.per_cluster["c0"]["queries"] == 4
     assert r.generated_tokens == 5 + 7 + 3
+
+
+def test_mixed_workload_has_real_lengths_and_a_fitted_prediction(data_root, monkeypatch):
+    from sim.workload import mixed_workload
+
+    monkeypatch.setenv("FLEETBATCH_DATA", str(data_root))
+    w = mixed_workload(60, seed=0, max_tokens=256, tokenizer=None, train_max=500)  # lengths in words here
+    assert len(w) == 60 and w.source == "mixed"
+    assert 1 <= min(w.true_tokens) and max(w.true_tokens) <= 256
+    assert len(set(w.true_tokens)) > 20  # recorded lengths, not a formula
+    assert all(1.0 <= p <= 256 for p in w.predicted_tokens)
+    r = Simulator(
+        [ClusterSpec(f"c{i}", LinearCost(), "iteration", 4) for i in range(3)], w, SimConfig(policy="token")
+    ).run()
+    assert r.generated_tokens == sum(w.true_tokens)
