@@ -62,10 +62,23 @@ class IntakeSettings:
         )
 
 
-def encode_rows(request: pb.SubmitBatchRequest, checked: Checked) -> list[str]:
-    """One JSON row per query: what enqueueing needs later (the validated limits and token counts)."""
-    rows = []
-    for i, q in enumerate(request.queries):
+class EncodedRows(Sequence[str]):
+    """The batch's rows as JSON, one per query, encoded when a slice is read (the whole batch is
+    never held as JSON at once): what enqueueing needs later, the validated limits and token counts."""
+
+    def __init__(self, request: pb.SubmitBatchRequest, checked: Checked) -> None:
+        self.request, self.checked = request, checked
+
+    def __len__(self) -> int:
+        return len(self.request.queries)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self._row(k) for k in range(*i.indices(len(self)))]
+        return self._row(i if i >= 0 else len(self) + i)
+
+    def _row(self, i: int) -> str:
+        q, checked = self.request.queries[i], self.checked
         row = {"id": q.id, "prompt": q.prompt, "max_tokens": checked.max_tokens[i]}
         if i in checked.bad:
             row["bad"] = checked.bad[i]
@@ -79,8 +92,12 @@ def encode_rows(request: pb.SubmitBatchRequest, checked: Checked) -> list[str]:
                 row["forced_length"] = q.forced_length
             if q.metadata:
                 row["metadata"] = dict(q.metadata)
-        rows.append(json.dumps(row, separators=(",", ":")))
-    return rows
+        return json.dumps(row, separators=(",", ":"))
+
+
+def encode_rows(request: pb.SubmitBatchRequest, checked: Checked) -> EncodedRows:
+    """One JSON row per query (see :class:`EncodedRows`)."""
+    return EncodedRows(request, checked)
 
 
 def payload(batch_id: str, row: dict, predicted: float) -> str:

@@ -221,7 +221,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 "cannot assign the batch: no cluster accepts work (all draining, dead or with zero capacity)",
             )
-        rows = await asyncio.to_thread(encode_rows, request, checked)
+        rows = encode_rows(request, checked)  # encoded slice by slice while stored
         created = await asyncio.to_thread(
             d.queue.accept_batch,
             batch_id,
