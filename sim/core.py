@@ -69,6 +69,7 @@ class SimResult:
     queries: int
     generated_tokens: int
     kv_token_seconds: float
+    kv_cached_token_seconds: float
     cumulative_kv_tokens: int
     moved: int
     finish_s: list[float]
@@ -85,6 +86,7 @@ class SimResult:
             "throughput_tokens_per_s": round(self.throughput_tokens_per_s, 3),
             "queries_per_s": round(self.queries / self.makespan_s, 4) if self.makespan_s else 0.0,
             "kv_token_seconds": round(self.kv_token_seconds, 1),
+            "kv_cached_token_seconds": round(self.kv_cached_token_seconds, 1),
             "cumulative_kv_tokens": self.cumulative_kv_tokens,
             "moved": self.moved,
             "wall_s": round(self.wall_s, 3),
@@ -224,6 +226,7 @@ class Simulator:
                 "generated_tokens": c.engine.generated_tokens,
                 "busy_s": round(c.busy_s, 3),
                 "kv_token_seconds": round(c.engine.kv_token_seconds, 1),
+                "kv_cached_token_seconds": round(c.engine.kv_cached_token_seconds, 1),
                 "moved_in": c.moved_in,
                 "moved_out": c.moved_out,
                 "capacity_tps": round(c.capacity, 2),
@@ -235,6 +238,7 @@ class Simulator:
             queries=n,
             generated_tokens=sum(c.engine.generated_tokens for c in self.clusters),
             kv_token_seconds=sum(c.engine.kv_token_seconds for c in self.clusters),
+            kv_cached_token_seconds=sum(c.engine.kv_cached_token_seconds for c in self.clusters),
             cumulative_kv_tokens=sum(c.engine.cumulative_kv_tokens for c in self.clusters),
             moved=self.moved,
             finish_s=finish,

@@ -38,7 +38,15 @@ from engines.static_engine import StaticBatchEngine
 from sim.costs import LinearCost
 from sim.workload import Workload
 
-Trace = list[tuple[list[str], list[str], int]]  # per step: admitted ids, finished ids, tokens computed
+Trace = list[
+    tuple[list[str], list[str], int, int]
+]  # per step: admitted, finished ids, tokens computed, KV held
+
+
+def _ceil_sum(n: int, bs: int) -> int:
+    """``sum(ceil(x / bs) for x in 1..n)``: blocks held, summed over the steps of a query's growth."""
+    q, r = divmod(n, bs)
+    return bs * q * (q + 1) // 2 + r * (q + 1)
 
 
 class SimSequence(Sequence):
@@ -75,9 +83,13 @@ class IterationEngine:
         self.num_steps = 0
         self.generated_tokens = 0
         self.cumulative_kv_tokens = 0  # LLMEngine's figure: sum over steps of cached tokens of the batch
-        self.kv_token_seconds = 0.0  # the same, each step weighted by its duration (MICO's cumulative KV)
+        self.kv_cached_token_seconds = 0.0  # the same, each step weighted by its duration
+        # the worker's kv_token_seconds (MICO's cumulative KV): KV held while a step runs (the engine's
+        # kv_step_tokens: used blocks x block size once the step is scheduled) x the step's seconds
+        self.kv_token_seconds = 0.0
         self.failed: list[int] = []  # queries larger than the whole cache
         self.num_preemptions = 0
+        self._kv_step = 0
         self._plan: SchedulerOutput | None = None
         self._dt = 0.0
         self._bulk_k = 0
@@ -148,6 +160,7 @@ class IterationEngine:
                 return k * self._dt
         self._added = False
         plan = self.scheduler.schedule()
+        self._kv_step = self.kv.used_blocks * self.kv.block_size  # LLMEngine.step: held while this step runs
         for seq in plan.admitted:
             seq.upper = max(seq.reserved_tokens, seq.num_prompt_tokens + seq.sampling.forced_length)
             self._upper += seq.upper
@@ -209,7 +222,8 @@ class IterationEngine:
             if seq.num_computed == len(seq.prompt_token_ids) + len(seq.output_token_ids):
                 sampling.append(seq)
         self.cumulative_kv_tokens += cached
-        self.kv_token_seconds += cached * self._dt
+        self.kv_cached_token_seconds += cached * self._dt
+        self.kv_token_seconds += self._kv_step * self._dt
         self.num_steps += 1
         done: list[Sequence] = []
         for seq in sampling:
@@ -231,7 +245,12 @@ class IterationEngine:
         )
         if self.trace is not None:
             self.trace.append(
-                ([s.request_id for s in plan.admitted], [s.request_id for s in done], plan.num_tokens)
+                (
+                    [s.request_id for s in plan.admitted],
+                    [s.request_id for s in done],
+                    plan.num_tokens,
+                    self._kv_step,
+                )
             )
         return [int(s.request_id) for s in done]
 
@@ -243,8 +262,12 @@ class IterationEngine:
         done = []
         kv, bs = self.kv, self.kv.block_size
         cached0 = 0
+        held = 0  # sum over the k steps of blocks held: step j holds ceil((computed + j) / bs) per query
+        start = [s.num_computed for s in running] if self.trace is not None else []
         for seq in running:
-            cached0 += seq.num_computed
+            a = seq.num_computed
+            cached0 += a
+            held += _ceil_sum(a + k, bs) - _ceil_sum(a, bs)
             seq.num_computed += k
             seq.output_token_ids.extend(pad)
             # the blocks the k steps' allocations took (checked free before the bulk; cannot fail)
@@ -254,7 +277,8 @@ class IterationEngine:
                 done.append(seq)
         step_sums = k * cached0 + r * k * (k + 1) // 2
         self.cumulative_kv_tokens += step_sums
-        self.kv_token_seconds += step_sums * self._dt
+        self.kv_cached_token_seconds += step_sums * self._dt
+        self.kv_token_seconds += held * bs * self._dt
         self.num_steps += k
         self.generated_tokens += r * k
         for seq in done:
@@ -263,9 +287,9 @@ class IterationEngine:
         self._steady = not done
         self._full = self._full and not done
         if self.trace is not None:
-            r_ids = [s.request_id for s in done]
-            self.trace.extend([([], [], r)] * (k - 1))
-            self.trace.append(([], r_ids, r))
+            for j in range(1, k + 1):
+                kv_j = bs * sum(-(-(a + j) // bs) for a in start)
+                self.trace.append(([], [s.request_id for s in done] if j == k else [], r, kv_j))
         return [int(s.request_id) for s in done]
 
 
@@ -288,9 +312,11 @@ class StaticEngine:
         self.num_steps = 0
         self.generated_tokens = 0
         self.cumulative_kv_tokens = 0
+        self.kv_cached_token_seconds = 0.0
         self.kv_token_seconds = 0.0
         self.failed: list[int] = []
         self.kv_used_tokens = 0
+        self._kv_step = 0
         self._batch: list[Request] = []
         self.in_bulk = False
 
@@ -317,11 +343,15 @@ class StaticEngine:
         new = max(r.sampling.target_tokens for r in batch)
         prefill = self.cost.step_s(b * longest, 0)
         decode = self.cost.step_s(0, b)
-        # Hugging Face generate keeps every row (padded) until the longest is done
+        # Hugging Face generate keeps every row (padded) until the longest is done; the engine reports
+        # (kv_step_tokens) and the worker charges the batch's whole size for the whole step
         cached_sum = b * longest + b * (new * longest + new * (new + 1) // 2)
         self.cumulative_kv_tokens += cached_sum
-        self.kv_token_seconds += b * longest * prefill + decode * b * (new * longest + new * (new + 1) // 2)
-        self.kv_used_tokens = b * (longest + new)
+        self.kv_cached_token_seconds += b * longest * prefill + decode * b * (
+            new * longest + new * (new + 1) // 2
+        )
+        self.kv_used_tokens = self._kv_step = b * (longest + new)
+        self.kv_token_seconds += self._kv_step * (prefill + new * decode)
         self.num_steps += 1 + new
         return prefill + new * decode
 
@@ -334,5 +364,5 @@ class StaticEngine:
         self.generated_tokens += sum(min(r.sampling.target_tokens, self.max_tokens) for r in batch)
         if self.trace is not None:
             ids = [r.request_id for r in batch]
-            self.trace.append((ids, ids, 0))
+            self.trace.append((ids, ids, 0, self._kv_step))
         return [int(r.request_id) for r in batch]

@@ -84,6 +84,8 @@ def ratios(equal: dict[str, dict], unequal: dict[str, dict]) -> dict[str, float]
         / tput(unequal, "round_robin+iteration"),
         "kv_ratio_iteration_vs_static": equal["token+iteration"]["kv_token_seconds"]
         / equal["token+static"]["kv_token_seconds"],
+        "kv_ratio_iteration_vs_static_cached": equal["token+iteration"]["kv_cached_token_seconds"]
+        / equal["token+static"]["kv_cached_token_seconds"],
     }
 
 
@@ -121,7 +123,12 @@ def study(
         }
         bar.update(1)
     bar.close()
-    keys = ("qi_over_rr_static", "qi_over_rr_iteration_unequal", "kv_ratio_iteration_vs_static")
+    keys = (
+        "qi_over_rr_static",
+        "qi_over_rr_iteration_unequal",
+        "kv_ratio_iteration_vs_static",
+        "kv_ratio_iteration_vs_static_cached",
+    )
     out: dict = {k: round(_geomean(g[k] for g in grid), 4) for k in keys}
     for k in keys:
         out[f"{k}_range"] = [min(g[k] for g in grid), max(g[k] for g in grid)]
@@ -131,6 +138,7 @@ def study(
         out[f"makespan_s[{combo}]"] = s["makespan_s"]
         out[f"throughput_tokens_per_s[{combo}]"] = s["throughput_tokens_per_s"]
         out[f"kv_token_seconds[{combo}]"] = s["kv_token_seconds"]
+        out[f"kv_cached_token_seconds[{combo}]"] = s["kv_cached_token_seconds"]
     out["grid"] = grid
     out["clusters"] = per_k
     out["study_seconds"] = round(time.perf_counter() - t0, 2)

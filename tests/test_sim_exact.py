@@ -2,7 +2,7 @@
 
 The real :class:`engines.engine.LLMEngine` (a nano model, forced lengths) is fed as the Redis
 worker feeds it -- ``free_slots()`` queries from a queue before every ``step()`` -- and the
-scheduler's plans are recorded. The simulator runs the same queries on one cluster, with bulk
+scheduler's plans and the KV it reports per step (``kv_step_tokens``) are recorded. The simulator runs the same queries on one cluster, with bulk
 decode on and off. A small KV cache makes admission block, queries outgrow their predictions
 and get preempted; a roomy cache with a batch of 3 keeps the batch full (20 bulks start from a
 full batch there), so the comparison covers the paths where a shortcut could go wrong.
@@ -110,7 +110,10 @@ def real_trace(parts, w: Workload, kv: int, running: int) -> tuple[list, LLMEngi
         outs = engine.step()
         assert len(plans) == before + 1
         p = plans[-1]
-        trace.append(([s.request_id for s in p.admitted], [o.request_id for o in outs], p.num_tokens))
+        kv_step = engine.stats().kv_step_tokens  # KV held while the step ran (what the worker integrates)
+        trace.append(
+            ([s.request_id for s in p.admitted], [o.request_id for o in outs], p.num_tokens, kv_step)
+        )
         assert all(len(o.token_ids) == w.true_tokens[int(o.request_id)] for o in outs)
     return trace, engine
 
@@ -140,7 +143,7 @@ def test_simulator_matches_the_real_engine_step_by_step(real, bulk):
     kv, running = CASES[case]
     if case == "tight-kv":
         assert engine.num_preemptions > 0, "the case must exercise preemption"
-        assert any(not adm for adm, _, _ in real[:20]), "admission must block at some step"
+        assert any(not step[0] for step in real[:20]), "admission must block at some step"
     simulated, sim_engine, result = sim_trace(w, bulk, kv, running)
     assert len(simulated) == len(real)
     for i, (a, b) in enumerate(zip(real, simulated, strict=True)):
@@ -174,5 +177,6 @@ def test_bulk_decode_changes_nothing_but_the_work(arrivals):
     assert a.finish_s == pytest.approx(b.finish_s, rel=1e-9, abs=1e-9)
     assert a.cumulative_kv_tokens == b.cumulative_kv_tokens
     assert a.kv_token_seconds == pytest.approx(b.kv_token_seconds, rel=1e-9)
+    assert a.kv_cached_token_seconds == pytest.approx(b.kv_cached_token_seconds, rel=1e-9)
     assert a.moved == b.moved
     assert sum(c["steps"] for c in a.per_cluster.values()) == sum(c["steps"] for c in b.per_cluster.values())
