@@ -45,7 +45,9 @@ class IntakeSettings:
     """When and how batches go through background intake (env ``FLEETBATCH_INTAKE_*`` overrides)."""
 
     sync_max_queries: int = 2000  # batches with fewer queries are created in SubmitBatch, as before
-    chunk: int = 1000  # rows predicted, assigned and enqueued per step
+    chunk: int = 4096  # rows predicted and assigned per step (the predictor batches them sorted by length)
+    land: int = 1000  # rows per enqueue script call (keeps each call short for Redis)
+    first_chunk: int = 64  # a batch's first step is this small (engines start sooner), then sizes double
     lease_ttl_s: float = 30.0  # a replica that dies holding a batch's intake blocks it this long
     poll_s: float = 0.5  # how often an idle replica looks for unfinished intakes
     pause_s: float = 0.0  # pause between chunks (yields CPU and Redis to other work)
@@ -56,6 +58,8 @@ class IntakeSettings:
         return cls(
             sync_max_queries=int(env("FLEETBATCH_INTAKE_SYNC_MAX", cls.sync_max_queries)),
             chunk=max(1, int(env("FLEETBATCH_INTAKE_CHUNK", cls.chunk))),
+            first_chunk=max(1, int(env("FLEETBATCH_INTAKE_FIRST_CHUNK", cls.first_chunk))),
+            land=max(1, int(env("FLEETBATCH_INTAKE_LAND", cls.land))),
             lease_ttl_s=float(env("FLEETBATCH_INTAKE_LEASE_S", cls.lease_ttl_s)),
             poll_s=float(env("FLEETBATCH_INTAKE_POLL_S", cls.poll_s)),
             pause_s=float(env("FLEETBATCH_INTAKE_PAUSE_S", cls.pause_s)),
@@ -147,11 +151,12 @@ class Intake:
 
     # ------------------------------------------------------------------ one chunk
 
-    def step(self, batch_id: str, token: str) -> int:
-        """Enqueue the next chunk of ``batch_id`` under the lease ``token``; returns the rows landed
-        (0: the intake is finished or gone; negative: the lease or cursor was lost, stop)."""
+    def step(self, batch_id: str, token: str, size: int | None = None) -> int:
+        """Enqueue the next chunk (``size`` rows, default ``chunk``) of ``batch_id`` under the lease
+        ``token``; returns the rows landed (0: the intake is finished or gone; negative: the lease
+        or cursor was lost, stop)."""
         q, s = self.queue, self.settings
-        status, done, total, raw = q.intake_state(batch_id, s.chunk)
+        status, done, total, raw = q.intake_state(batch_id, size or s.chunk)
         if status is None or done >= total:  # expired, never was, or finished: nothing to enqueue
             q.forget_intake(batch_id)
             return 0
@@ -163,10 +168,15 @@ class Intake:
             out = [(gid(batch_id, r["id"]), "", 0.0, "") for r in rows]
         else:
             out = self._assigned(batch_id, rows)
-        n = q.enqueue_chunk(batch_id, token, done, out, s.lease_ttl_s)
-        if n > 0:
-            self.on_assigned([c for _, _, _, c in out if c])
-        return n
+        landed = 0
+        for i in range(0, len(out), s.land):  # each part lands alone: a cancel or a lost lease stops the rest
+            part = out[i : i + s.land]
+            n = q.enqueue_chunk(batch_id, token, done + landed, part, s.lease_ttl_s)
+            if n < 0:
+                return n
+            landed += n
+            self.on_assigned([c for _, _, _, c in part if c])
+        return landed
 
     def _assigned(self, batch_id: str, rows: list[dict]) -> list[tuple[str, str, float, str]]:
         good = [r for r in rows if "bad" not in r]
@@ -218,9 +228,11 @@ class Intake:
         token = f"{self.owner}:{uuid.uuid4().hex[:8]}"
         if not self.queue.take_intake(batch_id, token, self.settings.lease_ttl_s):
             return False
+        size = min(self.settings.first_chunk, self.settings.chunk)
         try:
             while stop is None or not stop.is_set():
-                n = self.step(batch_id, token)
+                n = self.step(batch_id, token, size)
+                size = min(2 * size, self.settings.chunk)
                 if n == 0:
                     return True
                 if n < 0:

@@ -38,9 +38,9 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
                     q,
                     lambda prompts: [float(len(p)) for p in prompts],
                     lambda loads, views: [CLUSTERS[len(ld.key) % 3] for ld in loads],
-                    IntakeSettings(chunk=2),
+                    IntakeSettings(chunk=2 + k, land=1 + k),
                 )
-                for q in self.clients
+                for k, q in enumerate(self.clients)
             ]
             self.batches = 0
             self.enqueued: set[str] = set()  # gids ever queued by an intake step
