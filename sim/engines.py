@@ -43,12 +43,6 @@ Trace = list[
 ]  # per step: admitted, finished ids, tokens computed, KV held
 
 
-def _ceil_sum(n: int, bs: int) -> int:
-    """``sum(ceil(x / bs) for x in 1..n)``: blocks held, summed over the steps of a query's growth."""
-    q, r = divmod(n, bs)
-    return bs * q * (q + 1) // 2 + r * (q + 1)
-
-
 class SimSequence(Sequence):
     """The real :class:`Sequence`, compared by identity.
 
@@ -267,7 +261,10 @@ class IterationEngine:
         for seq in running:
             a = seq.num_computed
             cached0 += a
-            held += _ceil_sum(a + k, bs) - _ceil_sum(a, bs)
+            # held += F(a + k) - F(a), F(n) = sum(ceil(x / bs) for x in 1..n) = bs q (q + 1) / 2 + r (q + 1)
+            q0, r0 = divmod(a, bs)
+            q1, r1 = divmod(a + k, bs)
+            held += (bs * q1 * (q1 + 1) >> 1) + r1 * (q1 + 1) - (bs * q0 * (q0 + 1) >> 1) - r0 * (q0 + 1)
             seq.num_computed += k
             seq.output_token_ids.extend(pad)
             # the blocks the k steps' allocations took (checked free before the bulk; cannot fail)
