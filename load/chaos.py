@@ -10,14 +10,14 @@ Faults fire in turn as the batch progresses (each after the previous one healed)
 * ``kill_engine``: SIGKILL the engine holding the most leases; the supervisor restarts it.
 * ``stop_engine``: SIGSTOP an engine past its lease, then SIGCONT: its leases lapse, its
   queries run elsewhere, and its late completions must not count twice (R1 live).
-* ``kill_gateway``: SIGKILL a gateway replica while the client streams from it; it is
-  restarted on the same port (as a process manager would) and the client resumes.
 * ``kill_redis``: SIGKILL Redis and restart it on its data directory; engines and gateways
   reconnect by themselves. With ``appendfsync everysec`` an acknowledged write may be lost
   if Redis dies within a second of it: a lost result is re-run (its lease or queue entry
   is restored with it), a lost submit would be repeated by the idempotent client.
 * ``racing_movers``: admin rebalance ``--apply`` on both replicas at once, repeatedly,
   while both offloaders run (one mover at a time, by the mover lease).
+* ``kill_gateway``: SIGKILL the gateway replica the client streams from; it is restarted on
+  the same port (as a process manager would) and the client resumes with ``start_index``.
 
 Then: ``lost`` (queries without a result), ``duplicated`` (result rows beyond one per
 query, in Redis), ``stuck`` (queries not final ``settle_s`` after the last fault healed)
@@ -52,7 +52,9 @@ from workqueue.invariants import check
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("kill_engine", "stop_engine", "kill_gateway", "kill_redis", "racing_movers")
+# in the order they fire; the gateway restart goes last (a slow restart must not let the batch
+# finish before the other faults had their turn)
+FAULTS = ("kill_engine", "stop_engine", "kill_redis", "racing_movers", "kill_gateway")
 TOKEN = "chaos-admin-token"
 
 
@@ -80,6 +82,7 @@ class Chaos:
         self.redis: RestartableRedis | None = None
         self.gateways: list[GatewayProcess] = []
         self.engines: EngineSupervisor | None = None
+        self.client: ResilientClient | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -188,7 +191,8 @@ class Chaos:
         self._wait(lambda: self._all_engines_back(resumed_at), 120)
 
     def kill_gateway(self) -> None:
-        g = self.gateways[0]
+        """SIGKILL the replica the client is streaming from, then restart it on its port."""
+        g = next(g for g in self.gateways if g.address == self.client.target)
         g.kill()
         log.warning("chaos: SIGKILL gateway %s", g.name)
         time.sleep(1.0)
@@ -233,7 +237,9 @@ class Chaos:
         t0 = time.monotonic()
         batch_id = f"chaos-{c.seed}"
         items = generated(c.queries, seed=c.seed, max_tokens=c.max_tokens)
-        client = ResilientClient([g.address for g in self.gateways], to_request(items, batch_id), self.stop)
+        client = self.client = ResilientClient(
+            [g.address for g in self.gateways], to_request(items, batch_id), self.stop
+        )
         thread = client.start()
         last_heal = time.monotonic()
         for k, fault in enumerate(c.faults):

@@ -38,9 +38,13 @@ class ResilientClient:
         self.final: pb.Batch | None = None
         self._turn = 0
 
+    @property
+    def target(self) -> str:
+        """The replica it talks to now (it moves to the next one after an error)."""
+        return self.targets[self._turn % len(self.targets)]
+
     def _channel(self) -> grpc.Channel:
-        target = self.targets[self._turn % len(self.targets)]
-        return grpc.insecure_channel(target)
+        return grpc.insecure_channel(self.target)
 
     def _failed(self, e: grpc.RpcError) -> None:
         code = e.code().name if hasattr(e, "code") else type(e).__name__

@@ -47,8 +47,22 @@ class GatewayProcess:
         self.name = name
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "gateway.cli", "serve", "--listen", self.address,
-                    "--redis-url", redis_url, "--clusters", str(clusters_file), "--admin-token", token]  # fmt: skip
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--listen",
+            self.address,
+            "--redis-url",
+            redis_url,
+            "--clusters",
+            str(clusters_file),
+            "--admin-token",
+            token,
+            "--predictor",
+            "heuristic",
+        ]  # fmt: skip  (restarts fast; the predictor is not under test)
         self.log_path = log_dir / f"gateway-{name}.log"
         self.proc: subprocess.Popen | None = None
 
