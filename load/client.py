@@ -180,7 +180,13 @@ def run_batch(
 def summarise(batch: pb.Batch, results: Sequence[dict], wall_s: float) -> dict:
     """Per-cluster and total figures of a finished batch."""
     per: dict[str, dict] = defaultdict(
-        lambda: {"queries": 0, "completion_tokens": 0, "prompt_tokens": 0, "last_finish": 0.0}
+        lambda: {
+            "queries": 0,
+            "completion_tokens": 0,
+            "prompt_tokens": 0,
+            "predicted": 0.0,
+            "last_finish": 0.0,
+        }
     )
     first_enqueue = min((r["timings"]["enqueued_at"] for r in results if r.get("timings")), default=0.0)
     for r in results:
@@ -188,6 +194,7 @@ def summarise(batch: pb.Batch, results: Sequence[dict], wall_s: float) -> dict:
         c["queries"] += 1
         c["completion_tokens"] += int(r.get("completion_tokens", 0))
         c["prompt_tokens"] += int(r.get("prompt_tokens", 0))
+        c["predicted"] += float(r.get("predicted_tokens") or 0.0)
         c["last_finish"] = max(c["last_finish"], float((r.get("timings") or {}).get("finished_at", 0)))
     clusters = {}
     for name, c in sorted(per.items()):
@@ -195,6 +202,7 @@ def summarise(batch: pb.Batch, results: Sequence[dict], wall_s: float) -> dict:
             "queries": c["queries"],
             "prompt_tokens": c["prompt_tokens"],
             "completion_tokens": c["completion_tokens"],
+            "predicted_completion_tokens": round(c["predicted"], 1),
             "finished_after_s": round(c["last_finish"] - first_enqueue, 2) if first_enqueue else None,
         }
     total_tokens = sum(c["completion_tokens"] for c in per.values())
@@ -223,10 +231,11 @@ def format_summary(s: dict) -> str:
         f"batch {s['batch_id']}: {s['status']}, {s['completed']}/{s['queries']} completed, "
         f"{s['failed']} failed, {s['cancelled']} cancelled in {s['wall_s']} s "
         f"({s['completion_tokens']} tokens, {s['tokens_per_s']} tokens/s)",
-        f"{'cluster':<12} {'queries':>8} {'prompt tok':>11} {'output tok':>11} {'done after s':>13}",
+        f"{'cluster':<12} {'queries':>8} {'prompt tok':>11} {'predicted out':>14} {'output tok':>11} {'done after s':>13}",
     ]
     for name, c in s["clusters"].items():
         lines.append(
-            f"{name:<12} {c['queries']:>8} {c['prompt_tokens']:>11} {c['completion_tokens']:>11} {c['finished_after_s'] or 0:>13.1f}"
+            f"{name:<12} {c['queries']:>8} {c['prompt_tokens']:>11} {c.get('predicted_completion_tokens', 0):>14.0f} "
+            f"{c['completion_tokens']:>11} {c['finished_after_s'] or 0:>13.1f}"
         )
     return "\n".join(lines)

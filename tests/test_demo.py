@@ -20,4 +20,7 @@ def test_loadgen_demo_runs_the_local_deployment_end_to_end(tmp_path):
     assert summary["status"] == "completed" and summary["completed"] == 24 and summary["duplicates"] == 0
     assert set(summary["clusters"]) <= {"fast", "medium", "slow"} and len(summary["clusters"]) >= 2
     assert "cluster" in out.stdout and "output tok" in out.stdout  # the per-cluster table
+    assert "predicted out" in out.stdout  # predicted against actual tokens per cluster
+    assert all(c["predicted_completion_tokens"] > 0 for c in summary["clusters"].values())
+    assert "length predictor: learned" in out.stdout + out.stderr  # the shipped model, not the heuristic
     assert not (tmp_path / "run" / "gateway.json").exists(), "gateway up did not clean up"
