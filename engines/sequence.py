@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,12 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+def stable_seed(request_id: str) -> int:
+    """A seed from the request id that is the same in every process (``hash()`` of a str is
+    randomised per process), so a retried or moved query samples the same tokens."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") & (2**63 - 1)
 
 
 @dataclass
@@ -50,7 +57,7 @@ class Sequence:
         if req.sampling.temperature > 0:
             seq.generator = torch.Generator()
             seq.generator.manual_seed(
-                req.sampling.seed if req.sampling.seed is not None else hash(req.request_id)
+                req.sampling.seed if req.sampling.seed is not None else stable_seed(req.request_id)
             )
         return seq
 
