@@ -1,0 +1,9 @@
+"""The engines: one per cluster (``engine serve``), turning queued queries into results.
+
+:mod:`engines.worker` claims queries from the cluster's Redis queue under leases and writes
+each result once; behind it an engine implements :class:`engines.interface.Engine`: the
+native iteration-level engine (:mod:`engines.engine`: scheduler, paged KV cache, model
+runner; a plan with several stages runs as processes, :mod:`engines.pipeline`), static
+batching (:mod:`engines.static_engine`) or vLLM on a GPU (:mod:`engines.vllm_backend`).
+Engines know the gateway only through :mod:`workqueue` and :mod:`protos`.
+"""

@@ -1,0 +1,9 @@
+"""The gateway: the one door of the system (``gateway serve`` / ``gateway up``).
+
+It validates batches submitted over gRPC (:mod:`gateway.validation`), predicts each query's
+response length, assigns queries to clusters at token granularity (:mod:`gateway.policies`)
+and enqueues them in Redis through :mod:`workqueue`; it streams results back, runs the
+backoff offloader (:mod:`gateway.offload`, :mod:`gateway.offloader`) and the admin API
+(:mod:`gateway.admin`: rebalance, drain, add, remove). It never talks to an engine directly:
+the gateway and the engines meet only in :mod:`workqueue` and :mod:`protos`.
+"""
