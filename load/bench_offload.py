@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
 from load.client import run_batch, summarise
+from load.deployment import LocalDeployment
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,27 +56,10 @@ def _fleet(args, run_dir: Path) -> Path:
 def _one_run(args, items, offload: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="fleetbatch-bench-") as tmp:
         run_dir = Path(tmp)
-        cmd = [
-            sys.executable, "-m", "gateway.cli", "up", "--listen", "127.0.0.1:0", "--run-dir", str(run_dir),
-            "--config", str(_fleet(args, run_dir)), "--policy", args.policy,
-        ] + ([] if offload else ["--no-offload"])  # fmt: skip
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run_dir / "gateway.log", "wb"))  # noqa: SIM115
-        try:
-            deadline = time.monotonic() + args.timeout
-            while not (run_dir / "gateway.json").exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"deployment did not start; see {run_dir}/gateway.log")
-                time.sleep(0.3)
-            address = json.loads((run_dir / "gateway.json").read_text())["address"]
-            batch, results, wall = run_batch(address, items, progress=True, timeout_s=args.timeout)
+        up_args = ["--config", str(_fleet(args, run_dir)), "--policy", args.policy]
+        with LocalDeployment(run_dir, up_args + ([] if offload else ["--no-offload"]), args.timeout) as info:
+            batch, results, wall = run_batch(info["address"], items, progress=True, timeout_s=args.timeout)
             return summarise(batch, results, wall)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
 
 
 def run(args) -> dict:

@@ -5,17 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import grpc
 
 from load import bench_offload, chaos, compare_policies, report, soak, study
 from load.client import format_summary, run_batch, summarise
+from load.deployment import LocalDeployment
 from load.workload import from_dataset, from_openai_jsonl, generated
 
 log = logging.getLogger(__name__)
@@ -159,32 +155,14 @@ def _submit(args, target: str) -> int:
 
 
 def _demo(args) -> int:
-    run_dir = Path(args.run_dir)
-    info_file = run_dir / "gateway.json"
-    info_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "gateway.cli", "up", "--listen", "127.0.0.1:0", "--run-dir", str(run_dir)]
-    cmd += ["--predictor", args.predictor, *(args.gateway_arg or [])]
-    print("starting:", " ".join(cmd[2:]), flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    up_args = ["--predictor", args.predictor, *(args.gateway_arg or [])]
+    print("starting: gateway up", " ".join(up_args), flush=True)
     try:
-        deadline = time.monotonic() + args.timeout
-        while not info_file.exists():
-            if proc.poll() is not None:
-                print(f"loadgen demo: `gateway up` exited with code {proc.returncode}", file=sys.stderr)
-                return 1
-            if time.monotonic() > deadline:
-                print("loadgen demo: the deployment did not come up in time", file=sys.stderr)
-                return 1
-            time.sleep(0.3)
-        info = json.loads(info_file.read_text())
-        return _submit(args, info["address"])
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        with LocalDeployment(args.run_dir, up_args, args.timeout, quiet=False) as info:
+            return _submit(args, info["address"])
+    except (RuntimeError, TimeoutError) as e:
+        print(f"loadgen demo: {e}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

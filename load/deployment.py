@@ -23,8 +23,16 @@ from workqueue.embedded import die_with_parent
 
 
 class LocalDeployment:
-    def __init__(self, run_dir: str | os.PathLike, args: Sequence[str] = (), timeout_s: float = 600.0):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        args: Sequence[str] = (),
+        timeout_s: float = 600.0,
+        quiet: bool = True,
+    ):
+        """``quiet``: ``gateway up``'s output goes to ``run_dir/up.log`` (else to this terminal)."""
         self.run_dir = Path(run_dir)
+        self.quiet = quiet
         self.args = list(args)
         self.timeout_s = timeout_s
         self.proc: subprocess.Popen | None = None
@@ -44,9 +52,10 @@ class LocalDeployment:
             str(self.run_dir),
         ]
         with open(self.run_dir / "up.log", "ab") as log:
+            out = log if self.quiet else None
             self.proc = subprocess.Popen(
-                [*cmd, *self.args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=die_with_parent,
+                [*cmd, *self.args], stdout=out, stderr=subprocess.STDOUT if self.quiet else None,
+                start_new_session=True, preexec_fn=die_with_parent,
             )  # fmt: skip
         deadline = time.monotonic() + self.timeout_s
         while not info_file.exists():
