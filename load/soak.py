@@ -10,7 +10,8 @@ one ``-n``-query generated batch. The soak measures:
   off; ``answer_s`` is how long ``SubmitBatch`` itself took;
 * ``predictor_intake_ratio``: the same with the learned predictor on, divided by the
   learned predictor's own queries/s on the same prompts and torch threads, timed in this
-  process in the same run (what ``predictor bench`` times);
+  process in the same run (what ``predictor bench`` times), right before and right after the
+  predictor-on run, averaged (the load of a shared host drifts);
 * ``first_enqueue_s``: seconds from the submit to the first query on a cluster queue
   (Redis polled every 5 ms), predictor on;
 * ``peak_rss_growth_mb``: the gateway's peak resident memory (``VmHWM``) minus its resident
@@ -200,14 +201,18 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="fleetbatch-soak-") as tmp:
         off = _one_run("heuristic", args, items, Path(tmp))
         print(f"predictor off: {off}", file=sys.stderr, flush=True)
+        prompts = [it.prompt for it in items]
+        before = predictor_qps(args.predictor, prompts, args.predictor_threads)
         on = _one_run(args.predictor, args, items, Path(tmp))
         print(f"predictor on: {on}", file=sys.stderr, flush=True)
-    bench = predictor_qps(args.predictor, [it.prompt for it in items], args.predictor_threads)
+    after = predictor_qps(args.predictor, prompts, args.predictor_threads)
+    bench = (before + after) / 2  # the host's load drifts: timed right before and right after the intake
     return {
         "queries": args.num,
         "accepted_queries_per_s": off["accepted_queries_per_s"],
         "accepted_queries_per_s_predictor_on": on["accepted_queries_per_s"],
         "predictor_bench_queries_per_s": round(bench, 1),
+        "predictor_bench_before_after": [round(before, 1), round(after, 1)],
         "predictor_intake_ratio": round(on["accepted_queries_per_s"] / bench, 3),
         "first_enqueue_s": on["first_enqueue_s"],
         "first_enqueue_s_predictor_off": off["first_enqueue_s"],
