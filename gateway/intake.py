@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from gateway.listing import read_clusters
@@ -155,23 +156,38 @@ class Intake:
         """Enqueue the next chunk (``size`` rows, default ``chunk``) of ``batch_id`` under the lease
         ``token``; returns the rows landed (0: the intake is finished or gone; negative: the lease
         or cursor was lost, stop)."""
-        q, s = self.queue, self.settings
-        status, done, total, raw = q.intake_state(batch_id, size or s.chunk)
+        got = self._read(batch_id, size or self.settings.chunk, 0)
+        if got is None:
+            return 0
+        status, done, rows = got
+        return self._land(batch_id, token, done, self._prepare(batch_id, status, rows))
+
+    def _read(self, batch_id: str, size: int, start: int) -> tuple[str, int, list[dict]] | None:
+        """``(status, cursor, rows)``: ``size`` rows from index ``start`` of the intake list (the
+        cursor counts the rows landed before it); None when nothing is left to read."""
+        q = self.queue
+        status, done, total, raw = q.intake_state(batch_id, size, start)
         if status is None or done >= total:  # expired, never was, or finished: nothing to enqueue
             q.forget_intake(batch_id)
-            return 0
+            return None
         if not raw:
-            log.error("batch %s: intake list lost with %d of %d rows left", batch_id, total - done, total)
-            return 0
-        rows = [json.loads(r) for r in raw]
+            if done + start < total:
+                log.error("batch %s: intake list lost with %d of %d rows left", batch_id, total - done, total)
+            return None
+        return status, done + start, [json.loads(r) for r in raw]
+
+    def _prepare(self, batch_id: str, status: str, rows: list[dict]) -> list[tuple[str, str, float, str]]:
         if status in CANCELLING:
-            out = [(gid(batch_id, r["id"]), "", 0.0, "") for r in rows]
-        else:
-            out = self._assigned(batch_id, rows)
-        landed = 0
+            return [(gid(batch_id, r["id"]), "", 0.0, "") for r in rows]
+        return self._assigned(batch_id, rows)
+
+    def _land(self, batch_id: str, token: str, cursor: int, out: list[tuple[str, str, float, str]]) -> int:
+        """Land ``out`` at ``cursor``, ``land`` rows per script call; the rows landed, or negative
+        (lease or cursor lost: the rest is not landed)."""
+        s, landed = self.settings, 0
         for i in range(0, len(out), s.land):  # each part lands alone: a cancel or a lost lease stops the rest
             part = out[i : i + s.land]
-            n = q.enqueue_chunk(batch_id, token, done + landed, part, s.lease_ttl_s)
+            n = self.queue.enqueue_chunk(batch_id, token, cursor + landed, part, s.lease_ttl_s)
             if n < 0:
                 return n
             landed += n
@@ -224,23 +240,38 @@ class Intake:
 
     def run_batch(self, batch_id: str, stop: threading.Event | None = None) -> bool:
         """Take the batch's lease and enqueue chunks until its intake is done (True), the lease is
-        held elsewhere or lost, or ``stop`` is set (False)."""
+        held elsewhere or lost, or ``stop`` is set (False).
+
+        Pipelined: chunk k lands in a helper thread while chunk k+1 is predicted. Chunk k+1's
+        rows are read before chunk k is handed over (so the list's head is where the read
+        expects it), and chunk k+1 is handed over only after chunk k landed whole.
+        """
+        s = self.settings
         token = f"{self.owner}:{uuid.uuid4().hex[:8]}"
-        if not self.queue.take_intake(batch_id, token, self.settings.lease_ttl_s):
+        if not self.queue.take_intake(batch_id, token, s.lease_ttl_s):
             return False
-        size = min(self.settings.first_chunk, self.settings.chunk)
+        size = min(s.first_chunk, s.chunk)
         try:
-            while stop is None or not stop.is_set():
-                n = self.step(batch_id, token, size)
-                size = min(2 * size, self.settings.chunk)
-                if n == 0:
-                    return True
-                if n < 0:
-                    log.warning("batch %s: intake lease or cursor lost (%d); leaving it", batch_id, n)
-                    return False
-                if self.settings.pause_s:
-                    time.sleep(self.settings.pause_s)
-            return False
+            got = self._read(batch_id, size, 0)
+            if got is None:
+                return True
+            with ThreadPoolExecutor(1, thread_name_prefix="intake-land") as pool:
+                status, cursor, rows = got
+                out = self._prepare(batch_id, status, rows)
+                while True:
+                    size = min(2 * size, s.chunk)
+                    after = None if _stopped(stop) else self._read(batch_id, size, len(out))
+                    landing = pool.submit(self._land, batch_id, token, cursor, out)
+                    nxt = self._prepare(batch_id, after[0], after[2]) if after is not None else None
+                    n = landing.result()
+                    if n != len(out):
+                        log.warning("batch %s: intake lease or cursor lost (%d); leaving it", batch_id, n)
+                        return False
+                    if after is None:
+                        return not _stopped(stop)
+                    if s.pause_s:
+                        time.sleep(s.pause_s)
+                    cursor, out = after[1], nxt
         finally:
             self.queue.drop_intake(batch_id, token)
 
@@ -267,15 +298,23 @@ class Intake:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     async def loop(self, stop: asyncio.Event) -> None:
-        """Until ``stop``: run :meth:`tick` in a worker thread, then wait for a wake-up or ``poll_s``."""
+        """Until ``stop``: run :meth:`tick` in a worker thread, then wait for a wake-up or ``poll_s``.
+
+        On ``stop`` (or cancellation) the thread finishes the chunk at hand and gives its lease
+        back before this returns, so a stopped gateway enqueues nothing afterwards."""
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         halt = threading.Event()  # the worker thread's view of ``stop``: it stops after its current chunk
         relay = asyncio.ensure_future(_relay(stop, halt))
         try:
             while not stop.is_set():
                 self._wake.clear()
+                work = asyncio.ensure_future(asyncio.to_thread(self.tick, halt))
                 try:
-                    await asyncio.to_thread(self.tick, halt)
+                    await asyncio.shield(work)
+                except asyncio.CancelledError:  # shutting down: let the chunk at hand land, the lease go back
+                    halt.set()
+                    await asyncio.wait([work], timeout=self.settings.lease_ttl_s)
+                    raise
                 except Exception:
                     log.exception("intake tick failed")
                 waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
@@ -289,6 +328,10 @@ class Intake:
         finally:
             halt.set()
             relay.cancel()
+
+
+def _stopped(stop: threading.Event | None) -> bool:
+    return stop is not None and stop.is_set()
 
 
 async def _relay(stop: asyncio.Event, halt: threading.Event) -> None:

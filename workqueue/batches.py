@@ -238,11 +238,12 @@ class BatchOps:
         """Give the intake lease back, if ``token`` still holds it."""
         self._release_intake(keys=[intake_lease_key(batch_id)], args=[token])
 
-    def intake_state(self, batch_id: str, n: int) -> tuple[str | None, int, int, list[str]]:
-        """``(status, intake_done, intake_total, the next n rows)`` of a batch in intake."""
+    def intake_state(self, batch_id: str, n: int, start: int = 0) -> tuple[str | None, int, int, list[str]]:
+        """``(status, intake_done, intake_total, n rows from index start)`` of a batch in intake (the
+        list's head is the row at ``intake_done``)."""
         pipe = self.r.pipeline(transaction=True)
         pipe.hmget(keys.batch(batch_id), "status", "intake_done", "intake_total")
-        pipe.lrange(intake_key(batch_id), 0, n - 1)
+        pipe.lrange(intake_key(batch_id), start, start + n - 1)
         (status, done, total), rows = pipe.execute()
         return status, as_int(done), as_int(total), rows
 
