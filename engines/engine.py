@@ -76,14 +76,13 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(model, num_blocks, config.block_size, config.kv_bits)
         self.num_stages = len(self.stages)
-        self.scheduler = Scheduler(config, self.kv)
+        self.max_positions = self._max_positions(model)
+        self.scheduler = Scheduler(config, self.kv, self.eos_token_id, self.max_positions)
         self._inflight: deque[tuple[SchedulerOutput, torch.Tensor | None]] = deque()
         self._kv_step = 0  # KV tokens held during the last step (stats: kv_step_tokens)
         self._busy: set[str] = set()  # queries in a micro-batch in flight
         self._aborting: set[str] = set()  # aborted while in flight: finished when their micro-batch is back
-        self.max_positions = self._max_positions(model)
         self._done: list[RequestOutput] = []  # aborted / rejected, returned by the next step()
-        self._ids: set[str] = set()
         self._recent: deque[tuple[float, int]] = deque()
         self.generated_tokens = 0
         self.num_steps = 0
@@ -142,7 +141,7 @@ class LLMEngine:
 
     # ---- the Engine protocol ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self._ids:
+        if request.request_id in self.scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         request.sampling.validate()
         ids = request.prompt_token_ids
@@ -163,7 +162,6 @@ class LLMEngine:
         if error:
             self._done.append(self._output(seq, "error", error))
             return
-        self._ids.add(request.request_id)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -173,7 +171,6 @@ class LLMEngine:
         seq = self.scheduler.remove(request_id)
         if seq is not None:
             seq.status = SequenceStatus.FINISHED
-            self._ids.discard(request_id)
             self._done.append(self._output(seq, "abort"))
 
     def has_unfinished(self) -> bool:
@@ -216,9 +213,7 @@ class LLMEngine:
 
     def _unschedulable(self, plan: SchedulerOutput) -> list[RequestOutput]:
         out = []
-        for seq in plan.out_of_memory:
-            self._ids.discard(seq.request_id)
-            seq.status = SequenceStatus.FINISHED
+        for seq in plan.out_of_memory:  # the scheduler already let it go
             out.append(self._output(seq, "length", "KV cache too small for this query"))
         if plan.preempted:
             self.num_preemptions += len(plan.preempted)
@@ -262,36 +257,15 @@ class LLMEngine:
     def _update(
         self, plan: SchedulerOutput, sampling: list[Sequence], tokens: list[int]
     ) -> list[RequestOutput]:
-        now = time.time()
-        for c in plan.chunks:
-            c.seq.num_computed += c.num_tokens
-        self.cumulative_kv_tokens += sum(c.seq.num_computed for c in plan.chunks)
+        """The scheduler applies the step; the engine counts it and turns finished queries into outputs."""
+        self.cumulative_kv_tokens += sum(
+            c.seq.num_computed + c.num_tokens for c in plan.chunks
+        )  # cached after it
+        done = self.scheduler.update_from_output(plan, sampling, tokens, time.time())
         self.num_steps += 1
-        done = []
-        for seq, tok in zip(sampling, tokens, strict=True):
-            seq.output_token_ids.append(tok)
-            if len(seq.output_token_ids) == 1:
-                seq.first_token_time = now
-            reason = self._stop_reason(seq, tok)
-            if reason:
-                self.scheduler.finish(seq)
-                self._ids.discard(seq.request_id)
-                done.append(self._output(seq, reason))
         self.generated_tokens += len(tokens)
         self._recent.append((time.monotonic(), len(tokens)))
-        return done
-
-    def _stop_reason(self, seq: Sequence, tok: int) -> str:
-        sp, n = seq.sampling, len(seq.output_token_ids)
-        if sp.forced_length is not None:
-            return "length" if n >= sp.forced_length else ""
-        if self.eos_token_id is not None and tok == self.eos_token_id:
-            return "stop"
-        if n >= sp.max_tokens:
-            return "length"
-        if self.max_positions and seq.num_tokens >= self.max_positions:
-            return "length"
-        return ""
+        return [self._output(seq, reason) for seq, reason in done]
 
     def _output(self, seq: Sequence, reason: str, error: str = "") -> RequestOutput:
         seq.finish_reason = reason

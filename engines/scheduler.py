@@ -49,19 +49,39 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    """Owns the request state (as vLLM v1's scheduler does): which queries wait, run and are known,
+    what each step computes (:meth:`schedule`), and what a step's sampled tokens change
+    (:meth:`update_from_output`: computed counts, output tokens, stop rules, finishing)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        eos_token_id: int | None = None,
+        max_positions: int | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.eos_token_id = eos_token_id
+        self.max_positions = max_positions
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}  # every unfinished query, by id
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in the engine")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.requests[seq.request_id] = seq
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.requests
 
     def remove(self, request_id: str) -> Sequence | None:
         """Take a query out (abort), freeing its blocks; None if it is not here."""
+        self.requests.pop(request_id, None)
         for seq in self.running:
             if seq.request_id == request_id:
                 self.running.remove(seq)
@@ -78,6 +98,39 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+        self.requests.pop(seq.request_id, None)
+
+    # ---- after a step -----------------------------------------------------------------
+    def update_from_output(
+        self, plan: SchedulerOutput, sampled: list[Sequence], tokens: list[int], now: float
+    ) -> list[tuple[Sequence, str]]:
+        """Apply a step: its chunks are computed, each sampled query gets its token; returns the
+        queries that finished with their reason (``stop`` or ``length``), already freed."""
+        for c in plan.chunks:
+            c.seq.num_computed += c.num_tokens
+        done = []
+        for seq, tok in zip(sampled, tokens, strict=True):
+            seq.output_token_ids.append(tok)
+            if len(seq.output_token_ids) == 1:
+                seq.first_token_time = now
+            reason = self.stop_reason(seq, tok)
+            if reason:
+                self.finish(seq)
+                done.append((seq, reason))
+        return done
+
+    def stop_reason(self, seq: Sequence, tok: int) -> str:
+        """Why ``seq`` stops after sampling ``tok`` (``""``: it goes on)."""
+        sp, n = seq.sampling, len(seq.output_token_ids)
+        if sp.forced_length is not None:
+            return "length" if n >= sp.forced_length else ""
+        if self.eos_token_id is not None and tok == self.eos_token_id:
+            return "stop"
+        if n >= sp.max_tokens:
+            return "length"
+        if self.max_positions and seq.num_tokens >= self.max_positions:
+            return "length"
+        return ""
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -133,6 +186,8 @@ class Scheduler:
                 if victim is seq and not self.running and not out.chunks:
                     out.out_of_memory.append(victim)  # alone and larger than the cache: cannot ever fit
                     kv.free(victim)
+                    victim.status = SequenceStatus.FINISHED
+                    self.requests.pop(victim.request_id, None)
                 else:
                     self._preempt(victim)
                     out.preempted.append(victim)

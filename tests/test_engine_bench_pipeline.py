@@ -103,7 +103,7 @@ def test_engine_profile_writes_a_profile_the_planner_plans_from(tmp_path):
     p = Profile.load(prof)
     assert p.source == "measured (engine)" and len(p.samples[16]["decode"]) == 6
     lm = fit_profile(p)
-    assert lm.decode_s(16, 8, 32) > lm.decode_s(16, 1, 16) > 0 and lm.head_s(8) > 0
+    assert lm.decode_s(16, 8, 32) >= lm.decode_s(16, 1, 16) > 0 and lm.head_s(8) > 0  # fitted: no timing race
     spec = tmp_path / "cluster.yaml"
     spec.write_text("nodes:\n  - name: box\n    devices: [{type: CPU, count: 3}]\n")
     plan = tmp_path / "plan.json"
