@@ -31,6 +31,7 @@ from tqdm import tqdm
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
+from fleetdata.datasets import load_dataset, response_lengths
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,6 @@ class MethodResult:
 def load_queries(
     tokenizer, dataset: str, n: int, max_len: int, max_prompt: int, seed: int, data_dir: str | None
 ) -> list[Query]:
-    from predictor.datasets import load_dataset, response_lengths
 
     records = load_dataset(dataset, Path(data_dir) if data_dir else None)
     if not records:

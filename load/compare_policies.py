@@ -1,6 +1,6 @@
 """`loadgen compare-policies`: assignment policies side by side on real response lengths.
 
-The workload is the mixed workload of issue [2/9] (``predictor.datasets.load_mixed``), in
+The workload is the mixed workload of issue [2/9] (``fleetdata.datasets.load_mixed``), in
 tokens of the serving tokenizer (``localmodels.default_tokenizer``). A seeded batch of
 ``--n`` queries is drawn; each query's expected response length comes from the serving
 predictor (``--predictor DIR``) or, when that is absent, from a TF-IDF + ridge model on
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fleetdata.datasets import load_mixed, response_lengths
 from gateway.policies import POLICIES, ClusterView, QueryLoad, make_policy, tokens_per_cluster
 
 POLICY_ORDER = ("round_robin", "least_loaded", "token_equal", "token")
@@ -202,7 +203,6 @@ def _plot(path: str, equal: dict, unequal: dict, caps: Sequence[float]) -> None:
 def run(args: argparse.Namespace) -> dict:
     """Run the comparison; returns the figures (the CLI prints them as the last line)."""
     from localmodels import default_tokenizer
-    from predictor.datasets import load_mixed, response_lengths
 
     _validate(args)
     caps = _parse_capacities(args.capacities)

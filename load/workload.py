@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fleetdata.datasets import load_dataset, response_lengths
+
 _TOPICS = (
     "rivers", "tax forms", "sorting algorithms", "the moon", "coffee", "bridges", "solar panels", "chess",
     "volcanoes", "a small bakery", "train timetables", "bees", "compilers", "ancient Rome", "jazz", "glaciers",
@@ -70,7 +72,6 @@ def from_dataset(
     With ``forced``, each query generates exactly its recorded response length in tokens of
     ``tokenizer`` (capped at ``max_tokens``).
     """
-    from predictor.datasets import load_dataset, response_lengths
 
     records = load_dataset(name)
     rng = random.Random(seed)

@@ -25,6 +25,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from fleetdata.datasets import data_dir, load_mixed
+
 log = logging.getLogger(__name__)
 
 ARCHS = ("llama", "gpt2", "opt")
@@ -96,8 +98,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> PreTrainedT
 def default_corpus() -> list[str]:
     """Text for the default tokenizer: the shared datasets' prompts and responses when present, else generated text."""
     try:
-        from predictor.datasets import load_mixed
-
         records = load_mixed()
     except (FileNotFoundError, OSError):
         log.info("shared datasets not found; training the default tokenizer on generated text")
@@ -108,8 +108,6 @@ def default_corpus() -> list[str]:
 def _default_corpus_key() -> str:
     """A cheap fingerprint of what :func:`default_corpus` would return (file names and sizes)."""
     try:
-        from predictor.datasets import data_dir
-
         root = data_dir()
     except (FileNotFoundError, OSError):
         return "generated"

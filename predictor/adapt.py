@@ -39,7 +39,7 @@ from workqueue.queue import WorkQueue
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVED = "alpaca_eval:Meta-Llama-3-8B-Instruct"
-#: the alpaca_eval answers the named training datasets hold (see predictor.datasets.load_source)
+#: the alpaca_eval answers the named training datasets hold (see fleetdata.datasets.load_source)
 _DEFAULT_ALPACA = "llama-2-7b-chat-hf"
 CLUSTER = "adapt"  # the cluster name written with each observation
 FLUSH = 32  # observations per record_observed call, as a worker's flush writes them

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor.datasets import Record, load_dataset, load_jsonl, response_lengths
+from fleetdata.datasets import Record, load_dataset, load_jsonl, response_lengths
 
 log = logging.getLogger(__name__)
 

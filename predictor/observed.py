@@ -12,7 +12,7 @@ import logging
 
 import redis
 
-from predictor.datasets import Record
+from fleetdata.datasets import Record
 from workqueue.keys import OBSERVED
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from fleetdata.datasets import load_mixed
+
 SPLITS = ("train", "calib", "heldout")
 
 
@@ -19,7 +21,6 @@ def split_texts(split: str, root: str | Path | None = None) -> list[str]:
     """Texts of one split of the mixed workload (``prompt\\n\\nresponse``)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
-    from predictor.datasets import load_mixed
 
     records = load_mixed(Path(root) if root else None)
     want = {"heldout": (0,), "calib": (1,)}.get(split)

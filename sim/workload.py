@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fleetdata.datasets import load_dataset, response_lengths
 from load.workload import WorkItem, from_dataset, generated
 
 
@@ -106,7 +107,6 @@ def mixed_workload(
 ) -> Workload:
     """``n`` records of the real mixed workload with forced (recorded) lengths and fitted predictions."""
     from load.compare_policies import fit_fallback_predictor
-    from predictor.datasets import load_dataset, response_lengths
 
     items = from_dataset("mixed", n, seed=seed, max_tokens=max_tokens, forced=True, tokenizer=tokenizer)
     picked = {it.prompt for it in items}

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from predictor.datasets import MIXED_SOURCES, load_jsonl
+from fleetdata.datasets import MIXED_SOURCES, load_jsonl
 from predictor.labeled import LabeledSet, label, records_for, split, split_of
 from predictor.testing import save_small_tokenizer
 
