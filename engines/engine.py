@@ -7,6 +7,7 @@ and never wait for the longest member of a batch. Implements :class:`engines.int
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -33,7 +34,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
+        """The engine owns ``model`` from here on (a plan's bits replace its layers with quantized
+        ones); ``config`` stays the caller's: the engine works on a copy (a plan sets its limits)."""
+        self.config = config = copy.deepcopy(config) if config is not None else EngineConfig()
         config.validate()
         if config.kv_bits == 8:
             try:
