@@ -11,6 +11,8 @@ import sys
 
 from sim.costs import LinearCost, parse_speeds
 from sim.study import StudySetup, make_workloads, scale, study
+from sim.validate import __doc__ as validate_doc
+from sim.validate import validate
 
 
 def _ints(text: str) -> list[int]:
@@ -128,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="assignment policy (default token)",
     )
     _cost_args(c)
+    v = sub.add_parser(
+        "validate",
+        help="sim_makespan_error: replay real `loadgen study` runs in cost-model time",
+        description=validate_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    v.add_argument("runs", nargs="+", help="run directories of `loadgen study` (iteration-level setups)")
+    _cost_args(v)
     return parser
 
 
@@ -153,7 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         setup = _setup(args)
-        if args.command == "study":
+        if args.command == "validate":
+            out = validate(args.runs, setup.cost)
+            for r in out["runs"]:
+                print(
+                    f"{r['run']:<50} real {r['real_makespan_s']:>7.2f} s  sim {r['sim_makespan_s']:>7.2f} s  error {r['error']:.3f}"
+                )
+        elif args.command == "study":
             works = make_workloads(
                 args.workload, args.queries, args.seed, args.max_tokens, args.arrivals, args.rate
             )

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from sim.costs import LinearCost
+from sim.validate import validate
 from tests.harness import REPO
 
 pytestmark = pytest.mark.slow
@@ -33,3 +36,7 @@ def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1])["queries"] == 16
+    check = validate([out / "r0" / name for name in summary["runs"]], LinearCost())  # the simulator replays them
+    assert len(check["runs"]) == 2 and 0 <= check["sim_makespan_error"] < 10
+    assert all(r["real_makespan_s"] == pytest.approx(summary["runs"][Path(r["run"]).name]["makespan_s"], abs=0.01)
+               for r in check["runs"])  # fmt: skip

@@ -1,0 +1,107 @@
+"""The simulator against real runs: ``sim_makespan_error`` on ``loadgen study`` run directories.
+
+Each real run (``results.jsonl``, ``meta.json``, ``clusters.yaml`` of :mod:`load.study`) is
+replayed in cost-model time with the same queries (prompt tokens, the lengths the engines
+generated, the gateway's predictions, in submission order), the same policy, backend, batch
+size and capacity hints, and offloading off as in the study. The step cost is one
+:class:`sim.costs.LinearCost` for every run; its scale (the emulated device's speed, which the
+cost model cannot know) is fitted by leave-one-out: the held-out run's makespan is predicted
+with the median real/simulated ratio of the *other* runs. ``sim_makespan_error`` is the mean
+relative error of those predictions.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from sim.core import ClusterSpec, SimConfig, Simulator
+from sim.costs import LinearCost
+from sim.workload import Workload
+
+
+@dataclass(frozen=True)
+class RealRun:
+    path: Path
+    policy: str
+    backend: str  # "iteration" | "static"
+    batch: int
+    speeds: list[float]
+    hints: list[float]
+    work: Workload
+    makespan_s: float
+
+
+def _index(query_id: str) -> int:
+    tail = query_id.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def read_run(path: str | Path) -> RealRun:
+    run = Path(path)
+    rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
+    rows.sort(key=lambda r: (_index(r["query_id"]), r["query_id"]))  # submission order
+    meta = json.loads((run / "meta.json").read_text())
+    fleet = yaml.safe_load((run / "clusters.yaml").read_text())["clusters"]
+    args = fleet[0]["engine_args"]
+    batch = int(args[args.index("--max-batch") + 1]) if "--max-batch" in args else 8
+    t0 = min(float(r["timings"]["enqueued_at"]) for r in rows)
+    end = max(float(r["timings"]["finished_at"]) for r in rows)
+    work = Workload(
+        prompt_tokens=[int(r.get("prompt_tokens") or 1) for r in rows],
+        true_tokens=[max(1, int(r.get("completion_tokens") or 1)) for r in rows],
+        predicted_tokens=[float(r.get("predicted_tokens") or 0.0) for r in rows],
+        arrival_s=[0.0] * len(rows),
+        source=str(run),
+    )
+    return RealRun(
+        path=run,
+        policy=meta["policy"],
+        backend="static" if meta["backend"] == "static" else "iteration",
+        batch=batch,
+        speeds=[float(s) for s in meta["fleet"]],
+        hints=[float(c["capacity_tps"]) for c in fleet],
+        work=work,
+        makespan_s=end - t0,
+    )
+
+
+def simulate(run: RealRun, cost: LinearCost) -> float:
+    specs = [
+        ClusterSpec(f"c{i + 1}", cost.with_speed(1.0 / speed), run.backend, run.batch, capacity_tps=hint)
+        for i, (speed, hint) in enumerate(zip(run.speeds, run.hints, strict=True))
+    ]  # a speed of 2 in the study is a 2x slower device
+    cfg = SimConfig(policy=run.policy, offload=False, max_tokens=max(run.work.true_tokens))
+    return Simulator(specs, run.work, cfg).run().makespan_s
+
+
+def validate(paths: list[str | Path], cost: LinearCost) -> dict:
+    runs = [read_run(p) for p in paths]
+    if len(runs) < 2:
+        raise ValueError("validation needs at least two real runs (one scale is fitted on the others)")
+    simulated = [simulate(r, cost) for r in runs]
+    ratios = [r.makespan_s / s for r, s in zip(runs, simulated, strict=True)]
+    rows, errors = [], []
+    for i, r in enumerate(runs):
+        scale = statistics.median(ratios[:i] + ratios[i + 1 :])
+        predicted = simulated[i] * scale
+        err = abs(predicted - r.makespan_s) / r.makespan_s
+        errors.append(err)
+        rows.append(
+            {
+                "run": str(r.path),
+                "real_makespan_s": round(r.makespan_s, 2),
+                "sim_makespan_s": round(predicted, 2),
+                "error": round(err, 3),
+            }
+        )
+    return {
+        "sim_makespan_error": round(statistics.fmean(errors), 3),
+        "max_error": round(max(errors), 3),
+        "scale": round(statistics.median(ratios), 3),
+        "runs": rows,
+    }
