@@ -12,6 +12,7 @@ import grpc
 from load import bench_offload, chaos, compare_policies, report, soak, study
 from load.client import format_summary, run_batch, summarise
 from load.deployment import LocalDeployment
+from load.openai_batch import endpoints_of, error_path, write_openai_output
 from load.workload import from_dataset, from_openai_jsonl, generated
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,12 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-forced", action="store_true", help="do not force the recorded response length")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the workload")
     p.add_argument("--out", default=None, help="write results as JSONL here")
+    p.add_argument(
+        "--openai-out",
+        default=None,
+        help="with --jsonl: also write OpenAI Batch output here (errors to NAME_errors.jsonl beside it)",
+    )
+    p.add_argument("--model", default="fleetbatch", help="model name in the OpenAI output bodies")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -135,6 +142,9 @@ def _submit(args, target: str) -> int:
     resume = getattr(args, "resume", None)
     if resume and not args.out:
         raise ValueError("--resume needs --out: the file that holds the results seen so far")
+    openai_out = getattr(args, "openai_out", None)
+    if openai_out and not args.jsonl:
+        raise ValueError("--openai-out needs --jsonl: the OpenAI batch input it answers")
     items = [] if resume else _workload(args)
     batch, results, wall = run_batch(
         target,
@@ -148,6 +158,9 @@ def _submit(args, target: str) -> int:
     )
     if args.out:
         print(f"results written to {args.out}")
+    if openai_out:
+        ok, bad = write_openai_output(results, endpoints_of(args.jsonl), openai_out, args.model)
+        print(f"OpenAI batch output: {ok} lines in {openai_out}, {bad} in {error_path(openai_out)}")
     summary = summarise(batch, results, wall)
     print(format_summary(summary))
     print(json.dumps(summary))

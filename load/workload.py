@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetdata.datasets import load_dataset, response_lengths
+from load.openai_batch import CHAT, ENDPOINTS
 
 _TOPICS = (
     "rivers", "tax forms", "sorting algorithms", "the moon", "coffee", "bridges", "solar panels", "chess",
@@ -102,6 +103,11 @@ def from_openai_jsonl(path: str | Path, default_max_tokens: int = 256) -> list[W
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             body = row.get("body") or {}
+            url = row.get("url") or CHAT
+            if url not in ENDPOINTS:
+                raise ValueError(
+                    f"{path}:{lineno}: endpoint {url!r} is not supported (supported: {', '.join(ENDPOINTS)})"
+                )
             if "custom_id" not in row:
                 raise ValueError(f"{path}:{lineno}: missing custom_id")
             if "messages" in body:
