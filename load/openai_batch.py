@@ -19,6 +19,53 @@ COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
 
 
+#: body fields that are honoured or change nothing about the answer
+ACCEPTED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+            "seed", "user", "metadata", "store", "stream", "n", "stop"}  # fmt: skip
+
+#: the documented default chat template, for serving tokenizers without one
+DEFAULT_TEMPLATE = "<|{role}|>\n{content}\n"
+GENERATION_PROMPT = "<|assistant|>\n"
+
+
+def check_body(body: dict) -> None:
+    """Refuse what the engines cannot honour, naming it: other fields, ``n`` > 1, ``stop``, streaming."""
+    unknown = sorted(set(body) - ACCEPTED)
+    if unknown:
+        raise ValueError(f"body fields not supported: {', '.join(unknown)}")
+    if body.get("n", 1) != 1:
+        raise ValueError(f"n={body['n']} is not supported (one choice per request)")
+    if body.get("stop"):
+        raise ValueError("stop sequences are not supported; remove 'stop'")
+    if body.get("stream"):
+        raise ValueError("stream=true has no meaning in a batch")
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text is supported
+        kinds = sorted({p.get("type", "?") for p in content if isinstance(p, dict)} - {"text"})
+        if kinds:
+            raise ValueError(f"message content of type {', '.join(kinds)} is not supported (text only)")
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    raise ValueError(
+        f"message content must be a string or a list of text parts, not {type(content).__name__}"
+    )
+
+
+def render_chat(messages: list, tokenizer=None) -> str:
+    """One prompt from chat messages: the tokenizer's chat template when it has one, else
+    ``<|role|>`` headers (``<|system|>``, ``<|user|>``, ``<|assistant|>``) with each message on
+    its own lines, ending with the ``<|assistant|>`` header the answer follows."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    turns = [{"role": str(m.get("role", "user")), "content": _text(m.get("content", ""))} for m in messages]
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    return "".join(DEFAULT_TEMPLATE.format(**t) for t in turns) + GENERATION_PROMPT
+
+
 def endpoints_of(input_path: str | Path) -> dict[str, str]:
     """``custom_id -> url`` of an OpenAI batch input file (``/v1/chat/completions`` when absent)."""
     out = {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetdata.datasets import load_dataset, response_lengths
-from load.openai_batch import CHAT, ENDPOINTS
+from load.openai_batch import CHAT, ENDPOINTS, check_body, render_chat
 
 _TOPICS = (
     "rivers", "tax forms", "sorting algorithms", "the moon", "coffee", "bridges", "solar panels", "chess",
@@ -91,8 +91,14 @@ def from_dataset(
     ]
 
 
-def from_openai_jsonl(path: str | Path, default_max_tokens: int = 256) -> list[WorkItem]:
-    """Read an OpenAI Batch input file (``custom_id`` + ``body`` with ``messages`` or ``prompt``)."""
+def from_openai_jsonl(path: str | Path, default_max_tokens: int = 256, tokenizer=None) -> list[WorkItem]:
+    """Read an OpenAI Batch input file (``custom_id``, ``url``, ``body`` with ``messages`` or ``prompt``).
+
+    Chat messages are rendered with ``tokenizer``'s chat template when it has one, else with the
+    default template of :func:`load.openai_batch.render_chat`. ``max_tokens`` (or
+    ``max_completion_tokens``), ``temperature``, ``top_p`` and ``seed`` are honoured; any other
+    body field that would change the answer is an error naming it (:func:`load.openai_batch.check_body`).
+    """
     items = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -100,44 +106,38 @@ def from_openai_jsonl(path: str | Path, default_max_tokens: int = 256) -> list[W
                 continue
             try:
                 row = json.loads(line)
+                item = _openai_item(row, default_max_tokens, tokenizer)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            body = row.get("body") or {}
-            url = row.get("url") or CHAT
-            if url not in ENDPOINTS:
-                raise ValueError(
-                    f"{path}:{lineno}: endpoint {url!r} is not supported (supported: {', '.join(ENDPOINTS)})"
-                )
-            if "custom_id" not in row:
-                raise ValueError(f"{path}:{lineno}: missing custom_id")
-            if "messages" in body:
-                prompt = "\n\n".join(_content(m.get("content")) for m in body["messages"])
-            elif "prompt" in body:
-                prompt = body["prompt"] if isinstance(body["prompt"], str) else "\n".join(body["prompt"])
-            else:
-                raise ValueError(f"{path}:{lineno}: body needs 'messages' or 'prompt'")
-            items.append(
-                WorkItem(
-                    id=str(row["custom_id"]),
-                    prompt=prompt,
-                    max_tokens=int(
-                        body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
-                    ),
-                    temperature=float(body.get("temperature", 0.0)),
-                    top_p=float(body.get("top_p", 1.0)),
-                    seed=body.get("seed"),
-                    metadata={"source": "jsonl"},
-                )
-            )
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+            items.append(item)
     return items
 
 
-def _content(c) -> str:
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):  # content parts
-        return "".join(p.get("text", "") for p in c if isinstance(p, dict))
-    return ""
+def _openai_item(row: dict, default_max_tokens: int, tokenizer) -> WorkItem:
+    body = row.get("body") or {}
+    url = row.get("url") or CHAT
+    if url not in ENDPOINTS:
+        raise ValueError(f"endpoint {url!r} is not supported (supported: {', '.join(ENDPOINTS)})")
+    if "custom_id" not in row:
+        raise ValueError("missing custom_id")
+    check_body(body)
+    if "messages" in body:
+        prompt = render_chat(body["messages"], tokenizer)
+    elif "prompt" in body:
+        prompt = body["prompt"] if isinstance(body["prompt"], str) else "\n".join(body["prompt"])
+    else:
+        raise ValueError("body needs 'messages' or 'prompt'")
+    return WorkItem(
+        id=str(row["custom_id"]),
+        prompt=prompt,
+        max_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens),
+        temperature=float(body.get("temperature", 0.0)),
+        top_p=float(body.get("top_p", 1.0)),
+        seed=body.get("seed"),
+        metadata={"source": "jsonl"},
+    )
 
 
 def write_jsonl(rows: Sequence[dict], path: str | Path) -> None:

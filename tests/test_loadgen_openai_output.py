@@ -11,7 +11,9 @@ import pytest
 
 from gateway.config import ClusterSpec, GatewayConfig
 from load.cli import main
-from load.openai_batch import error_path
+from load.openai_batch import error_path, render_chat
+from load.workload import from_openai_jsonl
+from localmodels import default_tokenizer
 from tests.harness import GatewayThread, wait_until
 from workqueue import WorkQueue, connect
 
@@ -83,3 +85,30 @@ def test_an_unsupported_endpoint_is_named(tmp_path, capsys):
 def test_openai_out_needs_an_openai_input(flags, capsys):
     assert main(["submit", "--target", "127.0.0.1:1", "--no-progress", *flags]) == 1
     assert "--openai-out needs --jsonl" in capsys.readouterr().err
+
+
+def test_chat_messages_use_the_tokenizers_template_or_the_documented_default():
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
+    assert render_chat(msgs) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    tok = default_tokenizer()
+    tok.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    assert render_chat(msgs, tok) == "[system] Be brief.\n[user] Hi\n[assistant]"
+
+
+@pytest.mark.parametrize(
+    "body, named",
+    [
+        ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+        ({"prompt": "x", "n": 2}, "n=2"),
+        ({"prompt": "x", "stop": ["\n"]}, "stop"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "image_url"),
+    ],
+)
+def test_what_cannot_be_honoured_is_named(tmp_path, body, named):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": body}) + "\n")
+    with pytest.raises(ValueError, match=named):
+        from_openai_jsonl(src)
