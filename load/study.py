@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,7 +172,24 @@ def run(args) -> dict:
         base_slowdown=args.base_slowdown,
         out=str(root),
     )
+    iteration_runs = [str(p) for p in sorted(root.glob("r*/*iteration*")) if (p / "results.jsonl").exists()]
+    validated = _sim("validate", *iteration_runs) if len(iteration_runs) >= 2 else {}
+    out["sim_makespan_error"] = validated.get("sim_makespan_error")
+    out["sim_seconds_100x1m"] = (
+        None if args.no_scale else _sim("scale", "--no-progress").get("sim_seconds_100x1m")
+    )
     return out
+
+
+def _sim(*argv: str) -> dict:
+    """The simulator's last JSON line (``python -m sim.cli``; run apart: sim imports load, not the reverse)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sim.cli", *argv], capture_output=True, text=True, timeout=1800
+    )
+    if done.returncode != 0:
+        log.warning("sim %s failed: %s", argv[0], done.stderr[-1000:])
+        return {}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def format_table(reports: dict[str, dict]) -> str:
@@ -201,6 +220,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--gateway-arg", action="append", default=[], help="extra `gateway up` argument (repeatable)"
+    )
+    p.add_argument(
+        "--no-scale",
+        action="store_true",
+        help="skip the simulator's 100 clusters x 1M queries timing (~1 min)",
     )
     p.add_argument("--only", default="", help="comma-separated setups to run (default: all six)")
     p.add_argument("--no-progress", action="store_true")

@@ -19,11 +19,15 @@ pytestmark = pytest.mark.slow
 def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path):
     out = tmp_path / "study"
     cmd = [sys.executable, "-m", "load.cli", "study", "-n", "16", "--max-tokens", "24", "--dataset", "",
-           "--only", "token_static_equal,token_iteration_equal", "--out", str(out), "--no-progress"]  # fmt: skip
+           "--only", "token_static_equal,token_iteration_equal", "--out", str(out), "--no-progress",
+           "--no-scale"]  # fmt: skip
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["kv_ratio_iteration_vs_static"] > 0
+    assert (
+        "sim_makespan_error" in summary and summary["sim_seconds_100x1m"] is None
+    )  # one iteration run; --no-scale
     assert set(summary["runs"]) == {"token_static_equal", "token_iteration_equal"}
     for name in summary["runs"]:
         d = out / "r0" / name
@@ -36,7 +40,9 @@ def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1])["queries"] == 16
-    check = validate([out / "r0" / name for name in summary["runs"]], LinearCost())  # the simulator replays them
+    check = validate(
+        [out / "r0" / name for name in summary["runs"]], LinearCost()
+    )  # the simulator replays them
     assert len(check["runs"]) == 2 and 0 <= check["sim_makespan_error"] < 10
     assert all(r["real_makespan_s"] == pytest.approx(summary["runs"][Path(r["run"]).name]["makespan_s"], abs=0.01)
                for r in check["runs"])  # fmt: skip
