@@ -136,6 +136,7 @@ def test_broken_shipped_model_falls_back_to_the_heuristic(tmp_path, monkeypatch,
 
 def test_demo_starts_gateway_up_with_the_chosen_predictor(monkeypatch, tmp_path):
     import load.cli
+    import load.deployment
 
     seen = []
 
@@ -148,7 +149,7 @@ def test_demo_starts_gateway_up_with_the_chosen_predictor(monkeypatch, tmp_path)
         def poll(self):
             return 1
 
-    monkeypatch.setattr(load.cli.subprocess, "Popen", Exited)
+    monkeypatch.setattr(load.deployment.subprocess, "Popen", Exited)
     assert load.cli.main(["demo", "--run-dir", str(tmp_path)]) == 1
     assert load.cli.main(["demo", "--run-dir", str(tmp_path), "--predictor", "heuristic"]) == 1
     for cmd, want in zip(seen, ("shipped", "heuristic"), strict=True):
