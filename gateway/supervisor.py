@@ -1,6 +1,6 @@
 """The engine processes of ``gateway up``: start them, restart one that dies, stop them all.
 
-* **Restarts.** An engine that exits while the deployment runs is started again after a
+* **Restarts.** An engine that crashes (exits non-zero or by a signal) is started again after a
   backoff (1 s, doubling up to 30 s; reset once it has run for a minute), at most
   ``max_restarts`` times per engine. Its claimed queries come back through their leases and
   its queued work is moved by the offloader meanwhile, so a restart loses nothing.
@@ -98,6 +98,8 @@ class EngineSupervisor:
                 if now - self._started_at[name] > self.stable_s:
                     self.restarts[name] = 0
                 continue
+            if p.returncode == 0 and name not in self._due:
+                continue  # it chose to stop (its cluster was removed, or it was told to): not a crash
             if name not in self._due:
                 n = self.restarts.get(name, 0)
                 if n >= self.max_restarts:
@@ -123,7 +125,7 @@ class EngineSupervisor:
         while not stop.is_set():
             self.check()
             for name, code in self.exited().items():
-                if self.restarts.get(name, 0) >= self.max_restarts and name not in given_up:
+                if code != 0 and self.restarts.get(name, 0) >= self.max_restarts and name not in given_up:
                     given_up.add(name)
                     log.error(
                         "engine %s exited with code %s after %d restarts; not restarting it",

@@ -66,3 +66,19 @@ def test_a_killed_engine_is_restarted_and_a_killed_gateway_up_leaves_no_process(
         log.close()
     text = (tmp_path / "up.log").read_text()
     assert "engine fast exited with code -9; restarting it" in text
+
+
+def test_a_clean_exit_is_not_restarted_and_a_crash_is(tmp_path):
+    """An engine that exits 0 chose to stop (its cluster was removed); one that exits 3 crashed."""
+    from gateway.config import ClusterSpec
+    from gateway.supervisor import EngineSupervisor
+
+    sup = EngineSupervisor(
+        [ClusterSpec("clean"), ClusterSpec("crash")], "redis://unused", tmp_path, backoff_base_s=60
+    )
+    sup.procs = {"clean": subprocess.Popen(["true"]), "crash": subprocess.Popen(["sh", "-c", "exit 3"])}
+    sup._started_at = dict.fromkeys(sup.procs, 0.0)
+    for p in sup.procs.values():
+        p.wait()
+    assert sup.check(now=1.0) == []  # the crash waits out its backoff
+    assert set(sup._due) == {"crash"}
