@@ -346,7 +346,7 @@ class Worker:
                     kv_total_tokens=s.kv_total_tokens,
                     kv_step_tokens=s.kv_step_tokens,
                     kv_token_seconds=round(self.kv_token_seconds, 3),
-                    tokens_per_s=round(s.tokens_per_s / (1.0 + c.slowdown), 3),
+                    tokens_per_s=round(s.tokens_per_s, 3),  # measured between steps: emulated sleep included
                     generated_tokens=s.generated_tokens,
                     running_remaining_tokens=remaining,
                     capacity_hint_tps=c.capacity_hint_tps,

@@ -66,17 +66,16 @@ class EngineSupervisor:
             self._start(spec)
 
     def _start(self, spec: ClusterSpec) -> None:
-        logfile = open(self.log_dir / f"engine-{spec.name}.log", "ab")  # noqa: SIM115 - handed to the child
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[spec.name] = subprocess.Popen(
-            engine_command(spec, self.redis_url, self.threads, self.extra),
-            stdout=logfile,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
-        logfile.close()
+        with open(self.log_dir / f"engine-{spec.name}.log", "ab") as logfile:
+            self.procs[spec.name] = subprocess.Popen(
+                engine_command(spec, self.redis_url, self.threads, self.extra),
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         self._started_at[spec.name] = time.monotonic()
         log.info("engine %s started (pid %d, backend %s)", spec.name, self.procs[spec.name].pid, spec.backend)
 
@@ -114,7 +113,11 @@ class EngineSupervisor:
             if now >= self._due[name]:
                 del self._due[name]
                 self.restarts[name] = self.restarts.get(name, 0) + 1
-                self._start(spec)
+                try:
+                    self._start(spec)
+                except OSError as e:  # counted as a restart; the next check tries again after a backoff
+                    log.error("engine %s could not be restarted: %s", name, e)
+                    continue
                 restarted.append(name)
         if restarted and self.on_change is not None:
             self.on_change(self.pids)

@@ -281,6 +281,7 @@ class Chaos:
             "client_received": len(client.results),
             "client_duplicates_dropped": client.duplicates_dropped,
             "client_rereads": client.rereads,
+            "client_resubmits": client.resubmits,
             "client_errors": client.errors,
             "engines_alive": sum(i.alive for i in infos),
             "engine_restarts": sum(self.engines.restarts.values()),

@@ -33,7 +33,8 @@ class ResilientClient:
         self.rows_seen = 0
         self.duplicates_dropped = 0
         self.next_index = 0  # the first result index not yet received
-        self.rereads = 0  # times it read the results again from index 0
+        self.rereads = 0
+        self.resubmits = 0  # submits repeated because the batch was gone (idempotent by batch_id)  # times it read the results again from index 0
         self.errors: dict[str, int] = {}
         self.final: pb.Batch | None = None
         self._turn = 0
@@ -86,6 +87,10 @@ class ResilientClient:
                     self._stream(stub)
                     batch = stub.GetBatch(pb.GetBatchRequest(batch_id=self.batch_id), timeout=30)
                 except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.NOT_FOUND:  # Redis lost the submit (AOF everysec): again
+                        self.resubmits += 1
+                        self._call(lambda s: s.SubmitBatch(self.request, timeout=120))
+                        continue
                     self._failed(e)
                     continue
             c = batch.request_counts

@@ -44,3 +44,28 @@ def test_a_claim_drops_queries_of_a_cancelling_batch_that_the_sweep_missed(redis
     assert q.claim("a", 5, "w", 30) == []
     assert q.batch("x").status == "cancelled" and q.batch("x").cancelled == 5
     assert check(q.r) == []
+
+
+def test_cancel_drops_ids_without_a_hash_and_never_recreates_one(redis_url):
+    q = WorkQueue(connect(redis_url))
+    q.register_cluster("a")
+    q.create_batch("x", [(QueuedQuery("x", f"q{i}", "p", 8, 4, 6.0), "a") for i in range(3)])
+    q.r.rpush(wq_keys.queue("a"), "x:q0")  # a stray duplicate id (as older code could leave)
+    claimed = q.claim("a", 1, "w", 30)[0]
+    q.complete(claimed.query.gid, {"query_id": "q0"}, "completed", 1)  # q0 done: its hash is gone
+    assert q.cancel_batch("x") == 2  # q1 and q2; the stray q0 is dropped, not counted
+    assert q.queued_ids("a") == [] and not q.r.exists(wq_keys.query("x:q0"))
+    assert check(q.r) == []
+
+
+def test_a_claim_that_meets_cancelled_ids_does_not_rescan_the_queue(redis_url):
+    q = WorkQueue(connect(redis_url))
+    q.register_cluster("a")
+    q.create_batch("x", [(QueuedQuery("x", f"q{i}", "p", 8, 4, 6.0), "a") for i in range(3)])
+    q.create_batch("y", [(QueuedQuery("y", "q0", "p", 8, 4, 6.0), "a")])
+    assert q._cancel(keys=[wq_keys.batch("x")], args=["x", 0.0]) == 1  # marked, not swept
+    before = int(q.r.info("commandstats").get("cmdstat_lrem", {}).get("calls", 0))
+    assert [c.query.gid for c in q.claim("a", 1, "w", 30)] == ["y:q0"]
+    after = int(q.r.info("commandstats").get("cmdstat_lrem", {}).get("calls", 0))
+    assert after == before  # finish() knew the ids were already popped
+    assert q.batch("x").cancelled == 3 and check(q.r) == []

@@ -148,6 +148,7 @@ while taken < n do
     local bid = split_gid(g)
     local status = redis.call('HGET', k_batch(bid), 'status')
     if status == 'cancelling' or status == 'cancelled' then
+      redis.call('HSET', q, 'state', 'cancelling')  -- already popped: finish() must not scan the queue for it
       finish(g, cancelled_result(g, c), 'cancelled', 0, now)
     else
       local attempts = redis.call('HINCRBY', q, 'attempts', 1)
@@ -269,7 +270,7 @@ return 1
 # from index `start` and cancels those whose batch is cancelling: their slots are overwritten
 # with a tombstone (LSET) and removed in one LREM that stops at the last of them, so one call
 # costs O(start + count), never a scan of a whole million-query queue per id.
-# Returns {cancelled, looked at, next start}.
+# Ids without a query hash are dropped without recreating one. Returns {cancelled, looked at, next start}.
 SWEEP_CANCELLED = (
     PRELUDE
     + r"""
@@ -277,23 +278,25 @@ local c, start, count, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV
 local TOMB = '\0cancelled'
 local ids = redis.call('LRANGE', KEYS[1], start, start + count - 1)
 local statuses = {}
-local n, tokens = 0, 0
+local n, removed, tokens = 0, 0, 0
 for i, g in ipairs(ids) do
   local bid = split_gid(g)
   if statuses[bid] == nil then statuses[bid] = redis.call('HGET', k_batch(bid), 'status') or '' end
   if statuses[bid] == 'cancelling' or statuses[bid] == 'cancelled' then
     redis.call('LSET', KEYS[1], start + i - 1, TOMB)
-    tokens = tokens + tonumber(redis.call('HGET', k_query(g), 'tokens') or '0')
-    redis.call('HSET', k_query(g), 'state', 'cancelling')
-    finish(g, cancelled_result(g, c), 'cancelled', 0, now)
-    n = n + 1
+    removed = removed + 1
+    if redis.call('EXISTS', k_query(g)) == 1 then  -- never recreate a query hash
+      tokens = tokens + tonumber(redis.call('HGET', k_query(g), 'tokens') or '0')
+      redis.call('HSET', k_query(g), 'state', 'cancelling')
+      if finish(g, cancelled_result(g, c), 'cancelled', 0, now) >= 0 then n = n + 1 end
+    end
   end
 end
-if n > 0 then
-  redis.call('LREM', KEYS[1], n, TOMB)
+if removed > 0 then
+  redis.call('LREM', KEYS[1], removed, TOMB)
   redis.call('INCRBYFLOAT', KEYS[2], -tokens)
 end
-return {n, #ids, start + #ids - n}
+return {n, #ids, start + #ids - removed}
 """
 )
 
