@@ -13,8 +13,8 @@ import threading
 from collections.abc import Sequence
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
+from load.client import result_row
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 
@@ -67,7 +67,7 @@ class ResilientClient:
         if r.query_id in self.results:
             self.duplicates_dropped += 1
             return
-        self.results[r.query_id] = MessageToDict(r, preserving_proto_field_name=True)
+        self.results[r.query_id] = result_row(r)
 
     def _stream(self, stub) -> None:
         """Stream from ``next_index`` on; ``next_index`` follows every row, so a broken stream resumes exactly."""

@@ -75,7 +75,8 @@ def read_results(path: str | Path) -> list[dict]:
     return rows
 
 
-def _row(r: pb.QueryResult) -> dict:
+def result_row(r: pb.QueryResult) -> dict:
+    """A streamed result as the JSON row ``--out`` and run directories hold."""
     return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
@@ -105,7 +106,7 @@ def stream_results(
                 if r.query_id in seen:
                     continue
                 seen.add(r.query_id)
-                row = _row(r)
+                row = result_row(r)
                 results.append(row)
                 on_row(row)
             return

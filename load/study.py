@@ -30,7 +30,7 @@ import grpc
 import yaml
 from tqdm import tqdm
 
-from load.client import to_request
+from load.client import result_row, to_request
 from load.deployment import LocalDeployment
 from load.report import build_report
 from load.runrecord import Sampler, write_run
@@ -91,7 +91,7 @@ def run_one(s: Setup, items: list[WorkItem], run_dir: Path, args) -> dict:
         with Sampler(info["redis_url"], run_dir, interval_s=0.5):
             batch = stub.SubmitBatch(to_request(items, f"study-{s.name}"), timeout=600)
             rows = [
-                json.loads(json.dumps(_as_dict(r)))
+                result_row(r)
                 for r in stub.StreamResults(
                     pb.StreamResultsRequest(batch_id=batch.id, follow=True), timeout=3600
                 )
@@ -103,12 +103,6 @@ def run_one(s: Setup, items: list[WorkItem], run_dir: Path, args) -> dict:
         {"batch_id": batch.id, "policy": s.policy, "backend": s.backend, "fleet": list(s.speeds)},
     )
     return build_report(run_dir)
-
-
-def _as_dict(r: pb.QueryResult) -> dict:
-    from google.protobuf.json_format import MessageToDict
-
-    return MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 def workload(args) -> list[WorkItem]:
