@@ -10,7 +10,8 @@ predictor was trained on (issue 16, item 3):
 3. the observed part's (prompt, true length) pairs are written to a real Redis exactly as the
    engines do it: ``WorkQueue.record_observed`` (``engines/worker.py``), onto ``fb:observed``,
    with the before-model's estimate as ``predicted``;
-4. ``predictor retrain --from-redis`` runs on it: the CLI's own parser and ``cmd_retrain``;
+4. ``predictor retrain --from-redis`` runs on it: its own option declarations and ``run``
+   (:mod:`predictor.commands.retrain`);
 5. Kendall tau, MAE (of each model's declared point estimate) and the predicted/true sum
    ratio (of the calibrated expectation, what the gateway adds up) are scored on the held-out
    prompts before and after, with the original workload's test split beside them.
@@ -29,7 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor import cli, store
+from predictor import store
+from predictor.commands import retrain
+from predictor.commands.common import serving_tokenizer
 from predictor.evaluation import estimates, point_figures
 from predictor.inference import predict_proba
 from predictor.labeled import LabeledSet, label, load_labeled, records_for, split
@@ -228,7 +231,7 @@ def run(args: argparse.Namespace) -> dict:
     trained = trained_alpaca_models(before.meta)
     if served.startswith("alpaca_eval:") and served.split(":", 1)[1] in trained:
         raise ValueError(f"{served} was in {before.path}'s training data; serve another model")
-    tokenizer = cli._serving_tokenizer(args.serving_tokenizer)
+    tokenizer = serving_tokenizer(args.serving_tokenizer)
     data = label(records_for(served, args.data_dir), tokenizer)
     observed, held_out = split_observed(data, args.observed_fraction, args.seed)
     log.info("served %s: %d observed, %d held out", served, len(observed), len(held_out))
@@ -257,7 +260,7 @@ def run(args: argparse.Namespace) -> dict:
                 retrain_data = str(path)
             argv = retrain_argv(args, url, args.out or str(Path(tmp) / "model"), n, retrain_data)
             log.info("predictor %s", " ".join(argv))
-            retrained = cli.cmd_retrain(cli.build_parser().parse_args(argv))
+            retrained = retrain.run(retrain.parser().parse_args(argv[1:]))
         finally:
             if server is not None:
                 server.close()

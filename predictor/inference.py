@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 TRUNCATIONS = ("head", "head_tail")
 
@@ -60,8 +61,6 @@ def predict_proba(
     model.eval()
     starts = range(0, len(ids), batch_size)
     if progress:
-        from tqdm import tqdm
-
         starts = tqdm(starts, desc="predict", unit="batch")
     for start in starts:
         idx = order[start : start + batch_size]

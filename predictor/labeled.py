@@ -87,6 +87,8 @@ def records_for(name: str, data_dir: str | os.PathLike | None = None) -> list[Re
 def label(records: Sequence[Record], tokenizer=None) -> LabeledSet:
     """Turn records into a :class:`LabeledSet` (lengths in ``tokenizer`` tokens; the serving tokenizer by default)."""
     if tokenizer is None and any(r.length is None or r.response for r in records):
+        # here, not at the top: localmodels loads torch and transformers, and this module (the
+        # splits, read by load/) needs neither otherwise
         from localmodels import default_tokenizer
 
         tokenizer = default_tokenizer()

@@ -8,19 +8,26 @@ a small config with random weights and a WordPiece tokenizer trained here on the
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import (
     AutoTokenizer,
     DistilBertConfig,
+    DistilBertForMaskedLM,
     DistilBertForSequenceClassification,
     PreTrainedTokenizerFast,
+    get_linear_schedule_with_warmup,
 )
+
+from predictor.inference import collate, encode
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +141,6 @@ def pretrain_mlm(
     tokens are predicted, 80% of them replaced by ``[MASK]``, 10% by a random token, 10% kept.
     Returns the encoder weights (``distilbert.*`` keys) for :func:`build_classifier`'s model.
     """
-    import math
-    import time
-
-    import numpy as np
-    from transformers import DistilBertForMaskedLM, get_linear_schedule_with_warmup
-
-    from predictor.inference import collate, encode
-
     torch.manual_seed(seed)
     config = distilbert_config(cfg, tokenizer)
     mlm = DistilBertForMaskedLM(config).to(device)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from predictor import store
+from predictor import metadata, store
 from predictor.buckets import Buckets, make_buckets
 from predictor.evaluation import choose_point_estimate, estimates, point_figures
 from predictor.inference import predict_proba
@@ -205,23 +205,6 @@ def save_version(
     train_cfg: TrainConfig,
     extra: dict | None = None,
 ) -> Path:
-    meta = {
-        "max_len": train_cfg.max_len,
-        "truncation": train_cfg.truncation,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "train_config": asdict(train_cfg),
-        "torch": torch.__version__,
-        **(extra or {}),
-        "point_estimate": result.point_estimate,
-    }
-    metrics = {
-        "initial_val_loss": result.initial_val_loss,
-        "best_val_loss": result.best_val_loss,
-        "best_step": result.best_step,
-        "steps": result.steps,
-        "stopped_early": result.stopped_early,
-        "point_estimate": result.point_estimate,
-        "val_estimates": result.val_estimates,
-        "history": result.history,
-    }
-    return store.save(out, model.cpu(), tokenizer, buckets, meta, metrics)
+    """Save a trained model as the next version under ``out`` (see :mod:`predictor.metadata`)."""
+    meta = metadata.version_meta(train_cfg, result, extra)
+    return store.save(out, model.cpu(), tokenizer, buckets, meta, metadata.version_metrics(result))

@@ -104,11 +104,6 @@ class LengthPredictor:
         loaded = self._loaded
         return "expected" if loaded is None else loaded.point_estimate
 
-    @property
-    def model_path(self) -> Path | None:
-        loaded = self._loaded
-        return None if loaded is None else loaded.path
-
     def predict(self, prompts: list[str]) -> list[LengthPrediction]:
         """Predicted response length of each prompt, in serving-tokenizer tokens."""
         if isinstance(prompts, str):

@@ -30,7 +30,11 @@ import sys
 import time
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
+from localmodels import default_tokenizer
 from predictor import store
+from predictor.inference import predict_proba
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +105,6 @@ def vocab_sha1(tokenizer) -> str:
 def serving_tokenizer_info(tokenizer=None, name: str = DEFAULT_SERVING_TOKENIZER) -> dict:
     """Which tokenizer the labels' lengths were counted in (the default serving one unless given)."""
     if tokenizer is None:
-        from localmodels import default_tokenizer
-
         tokenizer = default_tokenizer()
     return {"name": name, "vocab_size": len(tokenizer), "vocab_sha1": vocab_sha1(tokenizer)}
 
@@ -113,8 +115,6 @@ def _dir_bytes(path: Path) -> int:
 
 def reference_predictions(loaded: store.LoadedModel, prompts=REFERENCE_PROMPTS) -> dict:
     """Bucket probabilities, argmax buckets and expected tokens of ``loaded`` on ``prompts``."""
-    from predictor.inference import predict_proba
-
     probs = predict_proba(
         loaded.model, loaded.tokenizer, list(prompts), loaded.max_len, truncation=loaded.truncation
     )
@@ -204,6 +204,7 @@ def describe(loaded: store.LoadedModel) -> str:
 
 def load_shipped(path: str | os.PathLike = SHIPPED_DIR):
     """The shipped model as a :class:`predictor.serving.LengthPredictor`."""
+    # here, not at the top: predictor.serving imports this module
     from predictor.serving import LengthPredictor
 
     return LengthPredictor.from_dir(path)
@@ -226,8 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         info = None
         if args.serving_tokenizer:
-            from transformers import AutoTokenizer
-
             tok = AutoTokenizer.from_pretrained(args.serving_tokenizer, local_files_only=True)
             info = serving_tokenizer_info(tok, name=str(args.serving_tokenizer))
         out = export(args.source, args.out, info)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from predictor.inference import collate, encode
@@ -189,10 +191,6 @@ def train(
     distils a teacher: the target becomes ``(1 - w) * label target + w * teacher row`` with
     ``w = cfg.teacher_weight``.
     """
-    import time
-
-    from tqdm import tqdm
-
     if not train_prompts or not val_prompts:
         raise ValueError("training needs non-empty train and validation sets")
     device = next(model.parameters()).device

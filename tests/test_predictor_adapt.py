@@ -13,7 +13,7 @@ from predictor.adapt import served_name, split_observed, trained_alpaca_models
 from predictor.cli import main
 from predictor.labeled import LabeledSet
 from predictor.observed import OBSERVED_KEY
-from predictor.testing import save_small_tokenizer, synthetic, write_jsonl
+from tests.predictor_fixtures import save_small_tokenizer, synthetic, write_jsonl
 
 torch.set_num_threads(1)
 

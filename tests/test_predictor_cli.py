@@ -11,7 +11,7 @@ import torch
 from predictor import store
 from predictor.cli import main
 from predictor.observed import OBSERVED_KEY, read_observed, record_observed
-from predictor.testing import save_small_tokenizer, synthetic, write_jsonl
+from tests.predictor_fixtures import save_small_tokenizer, synthetic, write_jsonl
 
 torch.set_num_threads(1)
 

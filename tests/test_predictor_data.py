@@ -9,7 +9,7 @@ import pytest
 
 from fleetdata.datasets import MIXED_SOURCES, load_jsonl
 from predictor.labeled import LabeledSet, label, records_for, split, split_of
-from predictor.testing import save_small_tokenizer
+from tests.predictor_fixtures import save_small_tokenizer
 
 
 @pytest.fixture(scope="module")

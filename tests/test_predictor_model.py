@@ -15,8 +15,8 @@ from predictor.inference import predict_proba
 from predictor.labeled import split
 from predictor.pipeline import fit, save_version
 from predictor.serving import LengthPrediction, LengthPredictor
-from predictor.testing import TINY, synthetic
 from predictor.training import TrainConfig
+from tests.predictor_fixtures import TINY, synthetic
 
 torch.set_num_threads(1)
 

@@ -21,8 +21,8 @@ from predictor.cli import main as predictor_main
 from predictor.labeled import split
 from predictor.pipeline import fit, save_version
 from predictor.serving import LengthPredictor
-from predictor.testing import TINY, save_small_tokenizer, synthetic
 from predictor.training import TrainConfig
+from tests.predictor_fixtures import TINY, save_small_tokenizer, synthetic
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""Small generated workloads and tiny models for tests and smoke runs (no dataset text, seconds on a CPU)."""
+"""Small generated workloads and tiny models for the predictor tests (no dataset text, seconds on a CPU)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from localmodels import generated_corpus, train_tokenizer
 from predictor.labeled import LabeledSet
 from predictor.model import ModelConfig
 
@@ -41,8 +42,6 @@ def write_jsonl(data: LabeledSet, path: str | os.PathLike) -> Path:
 
 def save_small_tokenizer(path: str | os.PathLike):
     """A 300-token BPE trained on generated text, saved as a 'serving tokenizer' directory."""
-    from localmodels import generated_corpus, train_tokenizer
-
     tok = train_tokenizer(generated_corpus(500), vocab_size=300)
     tok.save_pretrained(str(path))
     return tok

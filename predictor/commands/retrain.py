@@ -1,0 +1,95 @@
+"""``predictor retrain``: MICO's continuous update, fine-tuning the latest version on the lengths
+engines observed (Redis ``fb:observed``) plus a sample of the original training data."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from predictor import metadata, store
+from predictor.commands.common import DEFAULT_OUT, data_args, runtime_args, serving_tokenizer, splits
+from predictor.labeled import label
+from predictor.observed import read_observed
+from predictor.pipeline import retrain, save_version
+from predictor.training import TrainConfig
+
+log = logging.getLogger("predictor")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default=DEFAULT_OUT, help=f"parent directory of versions (default {DEFAULT_OUT})"
+    )
+    p.add_argument("--from-redis", required=True, metavar="URL", help="Redis URL holding fb:observed")
+    p.add_argument("--observed-limit", type=int, default=None, help="use only the newest N observations")
+    p.add_argument(
+        "--original",
+        type=int,
+        default=4000,
+        help="original training examples mixed in (default 4000; 0 for none)",
+    )
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--out", default=None, help="where to write the new version (default: the --model parent)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options of ``predictor retrain`` alone (the same declarations as the CLI's subcommand)."""
+    p = argparse.ArgumentParser(prog="predictor retrain")
+    data_args(p)
+    runtime_args(p)
+    add_arguments(p)
+    return p
+
+
+def run(args) -> dict:
+    loaded = store.load(args.model, args.device)
+    observed = read_observed(args.from_redis, args.observed_limit)
+    if not observed:
+        raise ValueError(f"no observed lengths in Redis at {args.from_redis}; nothing to retrain on")
+    obs = label(observed, serving_tokenizer(args.serving_tokenizer))
+    _, sp = splits(args)
+    original = sp["train"].sample(args.original, args.seed) if args.original else None
+    train_set = obs if original is None else original.concat(obs)
+    base = loaded.meta.get("train_config", {})
+    tc = replace(
+        TrainConfig(),
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        max_len=loaded.max_len,
+        truncation=loaded.truncation,
+        seed=args.seed,
+        log_weight=float(base.get("log_weight", 1.0)),
+        ordinal_sigma=float(base.get("ordinal_sigma", 0.0)),
+        warmup=0.0,
+    )
+    log.info(
+        "retraining %s on %d observed + %d original examples",
+        loaded.path,
+        len(obs),
+        len(train_set) - len(obs),
+    )
+    buckets, result = retrain(loaded, train_set, sp["val"], tc)
+    out = (
+        Path(args.out)
+        if args.out
+        else (Path(args.model).parent if store.is_version_dir(args.model) else Path(args.model))
+    )
+    extra = metadata.retrain_extra(loaded, len(obs), len(train_set) - len(obs))
+    vdir = save_version(out, loaded.model, loaded.tokenizer, buckets, result, tc, extra)
+    return {
+        "model_dir": str(vdir),
+        "version": vdir.name,
+        "retrained_from": loaded.version,
+        "observed_examples": len(obs),
+        "original_examples": len(train_set) - len(obs),
+        "initial_val_loss": round(result.initial_val_loss, 4),
+        "best_val_loss": round(result.best_val_loss, 4),
+        "steps": result.steps,
+        "point_estimate": result.point_estimate,
+    }

@@ -1,0 +1,46 @@
+"""Several models as one: the mean of their bucket probabilities (``predictor eval --ensemble``) and
+a teacher built from them for distillation (``predictor train --teacher``)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from predictor import store
+from predictor.inference import predict_proba
+from predictor.pipeline import Teacher
+
+log = logging.getLogger("predictor")
+
+
+def check_same_edges(members: list[store.LoadedModel], option: str) -> None:
+    """Models whose probabilities are averaged must share the first one's bucket edges."""
+    for m in members[1:]:
+        if m.buckets.edges != members[0].buckets.edges:
+            raise ValueError(f"{option}: {m.path} has other bucket edges than {members[0].path}")
+
+
+def mean_probs(members: list[store.LoadedModel], prompts: list[str]) -> np.ndarray:
+    """The mean of the members' bucket probabilities on ``prompts``."""
+    return np.mean(
+        [
+            predict_proba(
+                m.model, m.tokenizer, prompts, m.max_len, 128, progress=True, truncation=m.truncation
+            )
+            for m in members
+        ],
+        axis=0,
+    )
+
+
+def teacher(dirs: list[str], prompts: list[str], device: str) -> Teacher:
+    """The mean probabilities of the models in ``dirs`` (``--teacher``) on the training prompts."""
+    if not dirs:
+        raise ValueError("--teacher names no model directory")
+    members = [store.load(d, device) for d in dirs]
+    check_same_edges(members, "--teacher")
+    log.info("distilling from %s on %d training prompts", ", ".join(dirs), len(prompts))
+    return Teacher(
+        list(members[0].buckets.edges), mean_probs(members, prompts), [str(m.path) for m in members]
+    )
