@@ -1,7 +1,7 @@
 """Optional plan file (``plan.json`` from the planner): stages, per-layer bits, micro-batch limits.
 
-Reads the plan through ``planner.planfile.load_plan`` when that module exists (the one
-sanctioned import of planner code: reading plan files), else as plain JSON. Per-layer bit
+Reads and validates the plan with :func:`planfile.load_plan` (the plan file schema, a shared
+contract at the bottom; the engines do not import the planner). Per-layer bit
 widths are applied to the model with :func:`quant.apply.apply_bitmap` by
 :func:`apply_plan_bits` when the plan's layer count matches the model's; otherwise that is
 reported back, not silently dropped.
@@ -9,45 +9,21 @@ reported back, not silently dropped.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from engines.config import EngineConfig
 from engines.pipeline import StageSpec
+from planfile import Plan, load_plan
 
 log = logging.getLogger(__name__)
 
 
-def _read(path: str) -> dict:
+def _read(path: str) -> Plan:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"plan file {p} not found")
-    try:
-        from planner.planfile import load_plan  # type: ignore[import-not-found]
-    except ImportError:
-        load_plan = None
-    if load_plan is not None:
-        plan = load_plan(str(p))
-        return plan if isinstance(plan, dict) else getattr(plan, "__dict__", {})
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"plan file {p} is not valid JSON ({e.msg})") from e
-
-
-def _first_int(plan: dict, *keys: str) -> int | None:
-    for k in keys:
-        v = plan.get(k)
-        if isinstance(v, list) and v:
-            v = max(v)
-        if isinstance(v, int | float) and v > 0:
-            return int(v)
-    return None
-
-
-def _rows(plan: dict, key: str) -> list[dict]:
-    return [st if isinstance(st, dict) else getattr(st, "__dict__", {}) for st in plan.get(key) or []]
+    return load_plan(p)
 
 
 def plan_stages(path: str, num_layers: int | None = None, even_split: bool = False) -> list[StageSpec]:
@@ -57,30 +33,27 @@ def plan_stages(path: str, num_layers: int | None = None, even_split: bool = Fal
     a planned partition is measured against).
     """
     plan = _read(path)
-    devices = _rows(plan, "devices")
-    rows = sorted(_rows(plan, "stages"), key=lambda s: s.get("layer_start", 0))
-    if not rows:
-        raise ValueError(f"plan {path} has no stages")
-    layers = num_layers or max(int(r.get("layer_end", 0)) for r in rows)
+    ranges = [(st.layer_start, st.layer_end) for st in plan.stages]
+    layers = num_layers or plan.stages[-1].layer_end
     if even_split:
-        if len(rows) > layers:
-            raise ValueError(f"cannot split {layers} layers evenly over {len(rows)} stages")
-        cuts = [round(k * layers / len(rows)) for k in range(len(rows) + 1)]
-        rows = [{**r, "layer_start": cuts[k], "layer_end": cuts[k + 1]} for k, r in enumerate(rows)]
+        if len(ranges) > layers:
+            raise ValueError(f"cannot split {layers} layers evenly over {len(ranges)} stages")
+        cuts = [round(k * layers / len(ranges)) for k in range(len(ranges) + 1)]
+        ranges = list(zip(cuts, cuts[1:], strict=False))
     out = []
-    for k, r in enumerate(rows):
-        dev = devices[r.get("device_index", k)] if r.get("device_index", k) < len(devices) else {}
+    for k, (st, (lo, hi)) in enumerate(zip(plan.stages, ranges, strict=True)):
+        dev = plan.devices[st.device_index]
         mem = dev.get("memory_bytes")
         out.append(
             StageSpec(
                 index=k,
-                layer_start=int(r["layer_start"]),
-                layer_end=int(r["layer_end"]),
+                layer_start=lo,
+                layer_end=hi,
                 slowdown=float(dev.get("slowdown", 0.0) or 0.0),
                 memory_bytes=int(mem) if mem else None,
                 device_name=str(dev.get("type", dev.get("name", ""))),
-                predicted_prefill_s=float(r.get("predicted_prefill_s", 0.0)),
-                predicted_decode_s=float(r.get("predicted_decode_s", 0.0)),
+                predicted_prefill_s=float(st.predicted_prefill_s),
+                predicted_decode_s=float(st.predicted_decode_s),
             )
         )
     return out
@@ -94,21 +67,16 @@ def apply_plan(config: EngineConfig) -> list[str]:
     micro-batch caps the prefilling queries of one micro-batch.
     """
     plan = _read(config.plan_path or "")
-    notes = []
-    stages = _rows(plan, "stages")
-    num_stages = max(1, len(stages))
-    decode = _first_int(plan, "decode_micro_batch", "decode_batch_size", "decode_micro_batch_sizes")
-    prefill = _first_int(plan, "prefill_micro_batch", "prefill_batch_size", "prefill_micro_batch_sizes")
-    if decode:
-        config.decode_micro_batch = decode
-        config.max_running = decode * num_stages
-        notes.append(
-            f"max_running={decode * num_stages} from the plan's decode micro-batch x {num_stages} stage(s)"
-        )
-    if prefill:
-        config.prefill_micro_batch = prefill
-        notes.append(f"at most {prefill} prefilling queries per micro-batch (the plan's prefill micro-batch)")
-    if any(st.get("tp_device_indices") for st in stages):
+    num_stages = len(plan.stages)
+    decode, prefill = plan.decode_micro_batch, plan.prefill_micro_batch
+    config.decode_micro_batch = decode
+    config.max_running = decode * num_stages
+    config.prefill_micro_batch = prefill
+    notes = [
+        f"max_running={decode * num_stages} from the plan's decode micro-batch x {num_stages} stage(s)",
+        f"at most {prefill} prefilling queries per micro-batch (the plan's prefill micro-batch)",
+    ]
+    if any(st.tp_device_indices for st in plan.stages):
         notes.append(
             "tensor-parallel stages in the plan are not run by the native engine (one device per process)"
         )
@@ -119,11 +87,7 @@ def apply_plan(config: EngineConfig) -> list[str]:
 
 def plan_layer_bits(path: str) -> list[int]:
     """Bits of every decoder layer in layer order, from the plan's stages."""
-    plan = _read(path)
-    stages = plan.get("stages") or []
-    rows = [s if isinstance(s, dict) else getattr(s, "__dict__", {}) for s in stages]
-    rows.sort(key=lambda s: s.get("layer_start", 0))
-    return [int(b) for s in rows for b in s.get("bits", [])]
+    return _read(path).layer_bits()
 
 
 def apply_plan_bits(model, path: str, group_size: int | None = 128) -> list[str]:

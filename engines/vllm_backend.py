@@ -30,7 +30,7 @@ class VLLMArgs:
 def plan_to_vllm(
     plan, model_dir: str, gpu_memory_utilization: float = 0.90, max_model_len: int | None = None
 ) -> VLLMArgs:
-    """Engine arguments and environment for serving ``plan`` (a :class:`planner.planfile.Plan`) with vLLM."""
+    """Engine arguments and environment for serving ``plan`` (a :class:`planfile.Plan`) with vLLM."""
     if not model_dir:
         raise ValueError("the vLLM backend needs --model DIR (a local Hugging Face model directory)")
     stages = sorted(plan.stages, key=lambda s: s.layer_start)
@@ -118,7 +118,7 @@ class VLLMEngine:
         from vllm import EngineArgs, LLMEngine
 
         if args.plan:
-            from planner.planfile import load_plan
+            from planfile import load_plan
 
             translated = plan_to_vllm(load_plan(args.plan), args.model)
             os.environ.update(translated.env)

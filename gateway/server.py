@@ -20,6 +20,7 @@ from gateway.offloader import Offloader
 from gateway.policies import make_policy
 from gateway.service import BatchService, GatewayDeps
 from gateway.tls import server_credentials
+from gateway.tokens import token_bound
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from workqueue import WorkQueue, connect
@@ -105,6 +106,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
         policy=make_policy(config.policy),
         metrics=GatewayMetrics(),
         predictor=predictor,
+        token_bound=token_bound(tokenizer),
     )
     return deps
 
@@ -112,7 +114,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
 def _plan_tps(path: str | None) -> float | None:
     if not path:
         return None
-    from planner.planfile import load_plan
+    from planfile import load_plan
 
     try:
         return load_plan(path).predicted_throughput_tokens_per_s
@@ -168,6 +170,12 @@ async def serve(
         config.model_positions(),
         config.max_request_bytes,
     )
+    http = None
+    if config.http_port is not None:  # the OpenAI-compatible front, same process and loop
+        from gateway.http_server import HttpServer
+
+        http = HttpServer(batches, config)
+        config.http_url = await http.start()
     stop = stop or asyncio.Event()
     tasks = []
     if config.offload:
@@ -181,6 +189,8 @@ async def serve(
     await stop.wait()
     log.info("gateway stopping")
     await health_servicer.enter_graceful_shutdown()
+    if http is not None:
+        await http.stop()
     await server.stop(grace=2)
     for t in tasks:
         t.cancel()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from planner.costs import Assignment, Evaluation, Problem
-from planner.planfile import Plan, StagePlan
+from planfile import Plan, StagePlan
 
 
 def make_plan(problem: Problem, a: Assignment, e: Evaluation, method: str, solve_seconds: float) -> Plan:

@@ -113,7 +113,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from planner.baselines import het, uniform
     from planner.build import make_plan
     from planner.modelshape import load_shape
-    from planner.planfile import save_plan
+    from planfile import save_plan
     from planner.problem import build_problem
     from planner.search import plan
 

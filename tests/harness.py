@@ -111,7 +111,7 @@ def write_plan(
     vocab: int = 8192,
 ):
     """A plan file for llama:``size`` whose stage k holds layers [cuts[k], cuts[k+1]) on CPU device k."""
-    from planner.planfile import Plan, StagePlan, save_plan
+    from planfile import Plan, StagePlan, save_plan
 
     n = len(cuts) - 1
     slowdowns = slowdowns or [0.0] * n

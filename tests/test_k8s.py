@@ -29,7 +29,7 @@ def test_manifests_parse_and_references_exist():
 
 
 def test_overlay_plans_are_valid_plan_files():
-    from planner.planfile import load_plan
+    from planfile import load_plan
 
     for plan in sorted(K8S.glob("overlays/*/plan.json")):
         p = load_plan(plan)

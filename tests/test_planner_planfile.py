@@ -11,7 +11,7 @@ from planner.cli import main
 from planner.cluster import load_cluster
 from planner.costs import Workload
 from planner.modelshape import load_shape
-from planner.planfile import PlanError, load_plan, save_plan
+from planfile import PlanError, load_plan, save_plan
 from planner.problem import build_problem
 from planner.search import plan
 

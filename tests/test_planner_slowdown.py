@@ -16,7 +16,7 @@ from planner.costs import Workload
 from planner.ilp import solve_order
 from planner.latency import Profile, roofline_profile
 from planner.modelshape import load_shape
-from planner.planfile import PlanError, load_plan, plan_from_dict, save_plan
+from planfile import PlanError, load_plan, plan_from_dict, save_plan
 from planner.problem import build_problem
 from planner.search import plan
 

@@ -13,7 +13,7 @@ from planner.build import make_plan
 from planner.cluster import cluster_from_dict, load_cluster
 from planner.costs import Assignment, Problem, Workload
 from planner.modelshape import ModelShape
-from planner.planfile import PlanError, load_plan, save_plan
+from planfile import PlanError, load_plan, save_plan
 from planner.problem import build_problem
 from planner.search import device_orders, plan, tp_groupings
 

@@ -8,7 +8,7 @@ import pytest
 
 from engines.interface import Request, SamplingParams
 from engines.vllm_backend import plan_to_vllm, sampling_kwargs
-from planner.planfile import Plan, StagePlan
+from planfile import Plan, StagePlan
 
 
 def make_plan(stage_layers, bits, kv_bits=16, batch=32, prefill_mb=4, prompt=512, tp=None) -> Plan:
