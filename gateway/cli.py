@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
+from gateway.config import HTTP_KEY_ENV, NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
 from gateway.policies import POLICIES
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--clusters", default=None, help="clusters.yaml: name, capacity_tps, plan, backend per cluster"
     )
     _add_common(s)
+    _add_http(s, None, "off", "runs/openai-files")
 
     u = sub.add_parser(
         "up",
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-arg", action="append", help="extra argument for every `engine serve` (repeatable)"
     )
     _add_common(u)
+    _add_http(u, 0, "any free port", None)
 
     r = sub.add_parser(
         "rebalance",
@@ -104,6 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON")
     st.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect over TLS")
     return p
+
+
+def _add_http(s: argparse.ArgumentParser, port: int | None, shown: str, files_dir: str | None) -> None:
+    s.add_argument(
+        "--http-port",
+        type=int,
+        default=port,
+        help=f"serve the OpenAI-compatible /v1/files and /v1/batches on this port (0: any free port; "
+        f"default: {shown})",
+    )
+    s.add_argument(
+        "--http-api-key", default=None, help=f"Bearer key of the HTTP front (default: ${HTTP_KEY_ENV})"
+    )
+    s.add_argument(
+        "--files-dir",
+        default=files_dir,
+        help=f"directory of the HTTP front's files (default: {files_dir or 'RUN_DIR/files'})",
+    )
 
 
 def _add_common(s: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ import yaml
 from workqueue.embedded import redact_url  # noqa: F401 - re-exported: the gateway logs URLs through it
 
 TOKEN_ENV = "FLEETBATCH_ADMIN_TOKEN"
+HTTP_KEY_ENV = "FLEETBATCH_HTTP_API_KEY"  # the OpenAI-compatible HTTP front's Bearer key
 #: positions of the project's default serving model (``localmodels.build_model``'s default)
 DEFAULT_MAX_POSITIONS = 2048
 #: cluster names (and every other id that becomes part of a Redis key)
@@ -60,6 +61,10 @@ class GatewayConfig:
     metrics_port: int = 0  # 0: no Prometheus endpoint
     clusters: list[ClusterSpec] = field(default_factory=list)
     bound_address: str = ""  # set by the server once it listens (port 0 picks a free one)
+    http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port; None: off)
+    http_api_key: str = ""  # its Bearer key
+    files_dir: str = ""  # where it keeps /v1/files (a local directory)
+    http_url: str = ""  # set once the HTTP front listens: http://host:port/v1
 
     @classmethod
     def from_args(
@@ -86,6 +91,9 @@ class GatewayConfig:
             tls_key=args.tls_key,
             retention_s=args.retention_hours * 3600,
             clusters=clusters,
+            http_port=getattr(args, "http_port", None),
+            http_api_key=getattr(args, "http_api_key", None) or os.environ.get(HTTP_KEY_ENV, ""),
+            files_dir=getattr(args, "files_dir", None) or "",
         )
 
     def token(self) -> str:

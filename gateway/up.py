@@ -3,8 +3,8 @@
 Starts an embedded Redis, one ``engine serve`` process per cluster (by default three
 clusters whose engines run at different speeds, to mimic unlike GPUs) and the gateway in
 this process. It writes ``<run-dir>/gateway.json`` (address, Redis URL, admin token file,
-engine pids) once everything is up, and stops everything cleanly on Ctrl-C / SIGTERM. An
-engine that dies is restarted (:mod:`gateway.supervisor`); a SIGKILL of ``gateway up``
+engine pids, the OpenAI-compatible HTTP front's URL and key file) once everything is up, and
+stops everything cleanly on Ctrl-C / SIGTERM. An engine that dies is restarted (:mod:`gateway.supervisor`); a SIGKILL of ``gateway up``
 leaves no engine or Redis process behind.
 """
 
@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from gateway.config import ClusterSpec, GatewayConfig, load_clusters
+from gateway.config import HTTP_KEY_ENV, ClusterSpec, GatewayConfig, load_clusters
 from gateway.server import serve
 from gateway.supervisor import EngineSupervisor
 from workqueue import WorkQueue, connect
@@ -75,6 +75,23 @@ def gateway_config(args, redis_url: str, admin_token: str, specs: list[ClusterSp
     return GatewayConfig.from_args(args, redis_url=redis_url, admin_token=admin_token, clusters=specs)
 
 
+def http_settings(args, run_dir: Path) -> Path | None:
+    """The HTTP front of ``gateway up`` (on unless ``--http-port`` < 0): its files under the run
+    dir unless ``--files-dir``, its key from ``--http-api-key`` / the environment or a new one, kept
+    in ``<run-dir>/http-api-key``; returns that file (None when the front is off)."""
+    if getattr(args, "http_port", None) is None or args.http_port < 0:
+        args.http_port = None
+        return None
+    args.files_dir = getattr(args, "files_dir", None) or str(run_dir / "files")
+    args.http_api_key = (
+        getattr(args, "http_api_key", None) or os.environ.get(HTTP_KEY_ENV) or secrets.token_urlsafe(18)
+    )
+    key_file = run_dir / "http-api-key"
+    key_file.write_text(args.http_api_key + "\n")
+    key_file.chmod(0o600)
+    return key_file
+
+
 async def up(args) -> int:
     run_dir = Path(args.run_dir).resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -87,6 +104,7 @@ async def up(args) -> int:
     token_file = run_dir / "admin-token"
     token_file.write_text(token + "\n")
     token_file.chmod(0o600)
+    http_key_file = http_settings(args, run_dir)
     redis_server = None
     url = args.redis_url or os.environ.get(URL_ENV)
     if not url:
@@ -126,6 +144,8 @@ async def up(args) -> int:
             "redis_pid": redis_server.pid if redis_server is not None else None,
             "logs": str(run_dir / "logs"),
         }
+        if config.http_url:
+            info.update(http_url=config.http_url, http_api_key_file=str(http_key_file))
         info_file = run_dir / "gateway.json"
         info_file.write_text(json.dumps(info, indent=2))
         engines.on_change = lambda pids: info_file.write_text(
@@ -135,6 +155,8 @@ async def up(args) -> int:
         print(f"  Redis: {url}", flush=True)
         print(f"  clusters: {', '.join(s.name for s in specs)} (logs in {run_dir / 'logs'})", flush=True)
         print(f"  admin token: {token_file}", flush=True)
+        if config.http_url:
+            print(f"  OpenAI-compatible API: {config.http_url} (key: {http_key_file})", flush=True)
         print("  Ctrl-C stops everything", flush=True)
         watcher = asyncio.create_task(engines.watch(stop))
         await gateway

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetdata.datasets import load_dataset, response_lengths
-from load.openai_batch import CHAT, ENDPOINTS, check_body, render_chat
+from gateway.openai_format import parse_row
 
 _TOPICS = (
     "rivers", "tax forms", "sorting algorithms", "the moon", "coffee", "bridges", "solar panels", "chess",
@@ -95,9 +95,9 @@ def from_openai_jsonl(path: str | Path, default_max_tokens: int = 256, tokenizer
     """Read an OpenAI Batch input file (``custom_id``, ``url``, ``body`` with ``messages`` or ``prompt``).
 
     Chat messages are rendered with ``tokenizer``'s chat template when it has one, else with the
-    default template of :func:`load.openai_batch.render_chat`. ``max_tokens`` (or
+    default template of :func:`gateway.openai_format.render_chat`. ``max_tokens`` (or
     ``max_completion_tokens``), ``temperature``, ``top_p`` and ``seed`` are honoured; any other
-    body field that would change the answer is an error naming it (:func:`load.openai_batch.check_body`).
+    body field that would change the answer is an error naming it (:func:`gateway.openai_format.check_body`).
     """
     items = []
     with open(path, encoding="utf-8") as f:
@@ -116,26 +116,14 @@ def from_openai_jsonl(path: str | Path, default_max_tokens: int = 256, tokenizer
 
 
 def _openai_item(row: dict, default_max_tokens: int, tokenizer) -> WorkItem:
-    body = row.get("body") or {}
-    url = row.get("url") or CHAT
-    if url not in ENDPOINTS:
-        raise ValueError(f"endpoint {url!r} is not supported (supported: {', '.join(ENDPOINTS)})")
-    if "custom_id" not in row:
-        raise ValueError("missing custom_id")
-    check_body(body)
-    if "messages" in body:
-        prompt = render_chat(body["messages"], tokenizer)
-    elif "prompt" in body:
-        prompt = body["prompt"] if isinstance(body["prompt"], str) else "\n".join(body["prompt"])
-    else:
-        raise ValueError("body needs 'messages' or 'prompt'")
+    r = parse_row(row, default_max_tokens, tokenizer)
     return WorkItem(
-        id=str(row["custom_id"]),
-        prompt=prompt,
-        max_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens),
-        temperature=float(body.get("temperature", 0.0)),
-        top_p=float(body.get("top_p", 1.0)),
-        seed=body.get("seed"),
+        id=r.custom_id,
+        prompt=r.prompt,
+        max_tokens=r.max_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        seed=r.seed,
         metadata={"source": "jsonl"},
     )
 

@@ -1,0 +1,279 @@
+"""The gateway's OpenAI-compatible HTTP front: ``/v1/files`` and ``/v1/batches`` (Starlette on uvicorn).
+
+It runs in the gateway's process and event loop, beside the gRPC server, and goes through the
+same code: a batch is created by building a ``SubmitBatchRequest`` from the input file and
+calling :class:`gateway.service.BatchService` in-process, so validation, size limits, the
+per-client cap, assignment and background intake are the gRPC API's; gRPC status codes become
+HTTP ones (``INVALID_ARGUMENT`` 400, ``NOT_FOUND`` 404, ``ALREADY_EXISTS`` 409,
+``RESOURCE_EXHAUSTED`` 429, ``UNAVAILABLE`` 503) with OpenAI's error body
+(``{"error": {"message", "type", "param", "code"}}``). Every request needs
+``Authorization: Bearer <key>`` (401 otherwise). The client of the per-client cap is the
+``x-client-id`` header, else the peer's address, as over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Iterator
+
+import grpc
+from starlette.applications import Starlette
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway import openai_batches as ob
+from gateway.config import GatewayConfig
+from gateway.errors import REDIS_DOWN
+from gateway.openai_files import CHUNK, FileStore, TooLarge, new_file_id, read_lines
+from gateway.openai_format import ENDPOINTS
+from gateway.quota import CLIENT_HEADER
+from gateway.service import BatchService
+from gateway.validation import id_problem
+from protos import fleetbatch_pb2 as pb
+from workqueue import WorkQueue
+
+log = logging.getLogger(__name__)
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+class CallContext:
+    """What :class:`BatchService` asks of a gRPC context, for an in-process call."""
+
+    def __init__(self, request: Request):
+        client = request.client
+        self._peer = f"ipv4:{client.host}:{client.port}" if client else "unknown"
+        header = request.headers.get(CLIENT_HEADER)
+        self._metadata = [(CLIENT_HEADER, header)] if header is not None else []
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise ApiError(HTTP_STATUS.get(code, 500), details, code=code.name.lower())
+
+
+class OpenAIFront:
+    """The routes' state: the gateway's batch service, its queue and config, the file store, the key."""
+
+    def __init__(
+        self, service: BatchService, queue: WorkQueue, config: GatewayConfig, store: FileStore, tokenizer
+    ):
+        self.service, self.queue, self.config, self.store = service, queue, config, store
+        self.tokenizer = tokenizer
+        self.key = config.http_api_key
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/files", self.upload, methods=["POST"]),
+            Route("/v1/files/{file_id}", self.file, methods=["GET"]),
+            Route("/v1/files/{file_id}/content", self.content, methods=["GET"]),
+            Route("/v1/batches", self.create, methods=["POST"]),
+            Route("/v1/batches", self.list, methods=["GET"]),
+            Route("/v1/batches/{batch_id}", self.get, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"]),
+        ]
+        handlers = {ApiError: self._api_error, HTTPException: self._http_error, Exception: self._crash}
+        handlers.update(dict.fromkeys(REDIS_DOWN, self._redis_down))
+        app = Starlette(routes=routes, exception_handlers=handlers)
+        app.add_middleware(_Auth, key=self.key)
+        return app
+
+    async def _api_error(self, request: Request, e: Exception) -> Response:
+        assert isinstance(e, ApiError)
+        return error_response(e.status, e.message, e.param, e.code)
+
+    async def _http_error(self, request: Request, e: Exception) -> Response:
+        assert isinstance(e, HTTPException)
+        return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+
+    async def _redis_down(self, request: Request, e: Exception) -> Response:
+        log.warning("HTTP call failed on Redis: %s", e)
+        return error_response(503, f"the queue store (Redis) is unavailable, retry later: {e}")
+
+    async def _crash(self, request: Request, e: Exception) -> Response:
+        log.exception("HTTP %s %s failed", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(e).__name__}")
+
+    # ------------------------------------------------------------------ files
+
+    async def upload(self, request: Request) -> Response:
+        limit = self.config.max_request_bytes
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > limit + CHUNK:
+            raise ApiError(413, f"the upload has {length} bytes; the limit is {limit}", "file")
+        form = await request.form(max_files=1, max_fields=8)
+        try:
+            purpose, upload = form.get("purpose"), form.get("file")
+            if purpose != "batch":
+                raise ApiError(400, f"purpose must be 'batch', not {purpose!r}", "purpose")
+            if not isinstance(upload, UploadFile):
+                raise ApiError(400, "a multipart 'file' field is required", "file")
+            name = upload.filename or "input.jsonl"
+
+            def chunks() -> Iterator[bytes]:
+                while chunk := upload.file.read(CHUNK):
+                    yield chunk
+
+            try:
+                info = await asyncio.to_thread(self.store.put, new_file_id(), name, "batch", chunks())
+            except TooLarge as e:
+                raise ApiError(413, str(e), "file") from None
+        finally:
+            await form.close()
+        return JSONResponse(info.as_json())
+
+    def _info(self, file_id: str):
+        info = self.store.info(file_id)
+        if info is None:
+            raise ApiError(404, f"no file {file_id!r}", "file_id")
+        return info
+
+    async def file(self, request: Request) -> Response:
+        info = await asyncio.to_thread(self._info, request.path_params["file_id"])
+        return JSONResponse(info.as_json())
+
+    async def content(self, request: Request) -> Response:
+        file_id = request.path_params["file_id"]
+        await asyncio.to_thread(self._info, file_id)
+        return StreamingResponse(self.store.chunks(file_id), media_type="application/jsonl")
+
+    # ---------------------------------------------------------------- batches
+
+    async def create(self, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ApiError(400, "the request body must be a JSON object") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        unknown = sorted(set(body) - BATCH_FIELDS)
+        if unknown:
+            raise ApiError(400, f"unsupported fields: {', '.join(unknown)}", unknown[0])
+        file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
+        window, metadata = body.get("completion_window"), body.get("metadata") or {}
+        if not isinstance(file_id, str) or not file_id:
+            raise ApiError(400, "input_file_id is required", "input_file_id")
+        if endpoint not in ENDPOINTS:
+            raise ApiError(
+                400, f"endpoint {endpoint!r} is not supported ({', '.join(ENDPOINTS)})", "endpoint"
+            )
+        if window != "24h":
+            raise ApiError(400, f"completion_window must be '24h', not {window!r}", "completion_window")
+        if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise ApiError(400, "metadata must map strings to strings", "metadata")
+        info = await asyncio.to_thread(self._info, file_id)
+        if info.purpose != "batch":
+            raise ApiError(400, f"file {file_id} has purpose {info.purpose!r}, not 'batch'", "input_file_id")
+        batch_id = ob.new_batch_id()
+        try:
+            submission = await asyncio.to_thread(
+                ob.build_request,
+                read_lines(self.store, file_id),
+                endpoint,
+                self.tokenizer,
+                batch_id,
+                metadata,
+            )
+        except ob.BadInput as e:
+            raise ApiError(400, str(e), e.param) from None
+        await asyncio.to_thread(ob.create_record, self.queue, batch_id, file_id, endpoint, window)
+        try:
+            await self.service.SubmitBatch(submission, CallContext(request))
+        except BaseException:
+            await asyncio.to_thread(ob.drop_record, self.queue, batch_id)
+            raise
+        return JSONResponse(await asyncio.to_thread(self._object, batch_id))
+
+    def _object(self, batch_id: str) -> dict:
+        if id_problem(batch_id, "batch id"):
+            raise ApiError(404, f"no batch {batch_id!r}", "batch_id")
+        info = self.queue.batch(batch_id)
+        rec = self.queue.r.hgetall(ob.record_key(batch_id))
+        if info is None and not rec:
+            raise ApiError(404, f"no batch {batch_id!r}", "batch_id")
+        return ob.batch_object(batch_id, info, rec)
+
+    async def get(self, request: Request) -> Response:
+        return JSONResponse(await asyncio.to_thread(self._object, request.path_params["batch_id"]))
+
+    async def cancel(self, request: Request) -> Response:
+        batch_id = request.path_params["batch_id"]
+        await asyncio.to_thread(self._object, batch_id)  # 404 for unknown ids
+        await self.service.CancelBatch(pb.CancelBatchRequest(batch_id=batch_id), CallContext(request))
+        key = ob.record_key(batch_id)
+        if await asyncio.to_thread(self.queue.r.exists, key):
+            await asyncio.to_thread(self.queue.r.hsetnx, key, "cancelling_at", time.time())
+        return JSONResponse(await asyncio.to_thread(self._object, batch_id))
+
+    async def list(self, request: Request) -> Response:
+        raw = request.query_params.get("limit", "20")
+        if not raw.isdigit() or not 1 <= int(raw) <= 100:
+            raise ApiError(400, f"limit must be a whole number in [1, 100], not {raw!r}", "limit")
+        try:
+            ids, more = await asyncio.to_thread(
+                ob.list_batches, self.queue, int(raw), request.query_params.get("after")
+            )
+        except ob.BadInput as e:
+            raise ApiError(400, str(e), e.param) from None
+        data = [await asyncio.to_thread(self._object, b) for b in ids]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": ids[0] if ids else None,
+                "last_id": ids[-1] if ids else None,
+                "has_more": more,
+            }
+        )
+
+
+class _Auth:
+    """ASGI middleware: ``Authorization: Bearer <key>`` on every request, else 401 in OpenAI's shape."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            got = headers.get(b"authorization", b"")
+            if not (got.startswith(b"Bearer ") and hmac.compare_digest(got[7:].strip(), self.key)):
+                message = "Incorrect or missing API key: send 'Authorization: Bearer <key>'"
+                response = error_response(401, message, code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

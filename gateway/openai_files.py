@@ -1,0 +1,127 @@
+"""Files of the OpenAI-compatible front (``/v1/files``): batch inputs, outputs and error files.
+
+Behind a small interface, :class:`FileStore`: ``put`` (store bytes given in chunks under an
+id, with a filename and a purpose), ``info`` (the file object or None) and ``chunks`` (read it
+back). :class:`LocalFileStore` keeps each file as ``<dir>/<id>`` plus ``<dir>/<id>.json`` (its
+file object), written to a temporary name and renamed, so a reader never sees half a file and
+a gateway that dies mid-write leaves nothing under the id. Every gateway of a deployment must
+see the same store (one directory on shared storage, or an object store: see
+``docs/gateway.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+from gateway.validation import ID_RE
+
+PURPOSES = ("batch", "batch_output")
+CHUNK = 1 << 20
+
+
+@dataclass
+class FileInfo:
+    """OpenAI's file object."""
+
+    id: str
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    object: str = "file"
+    status: str = "processed"
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_hex(12)
+
+
+class TooLarge(ValueError):
+    """A file over the store's size limit."""
+
+
+class FileStore(Protocol):
+    def put(self, file_id: str, filename: str, purpose: str, chunks: Iterable[bytes]) -> FileInfo:
+        """Store the bytes of ``chunks`` under ``file_id`` (replacing a file of that id)."""
+        ...
+
+    def info(self, file_id: str) -> FileInfo | None:
+        """The file's object, or None when there is no such file."""
+        ...
+
+    def chunks(self, file_id: str) -> Iterator[bytes]:
+        """The file's bytes, in chunks (``FileNotFoundError`` when there is no such file)."""
+        ...
+
+
+class LocalFileStore:
+    """Files in one local (or shared) directory; ``max_bytes`` bounds one file (0: no bound)."""
+
+    def __init__(self, root: str | os.PathLike, max_bytes: int = 0) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+
+    def _path(self, file_id: str) -> Path:
+        if not ID_RE.match(file_id) or file_id.startswith("."):
+            raise FileNotFoundError(file_id)
+        return self.root / file_id
+
+    def put(self, file_id: str, filename: str, purpose: str, chunks: Iterable[bytes]) -> FileInfo:
+        path = self._path(file_id)
+        tmp = path.with_name(f".{file_id}.{secrets.token_hex(4)}.tmp")
+        size = 0
+        try:
+            with open(tmp, "wb") as f:
+                for chunk in chunks:
+                    size += len(chunk)
+                    if self.max_bytes and size > self.max_bytes:
+                        raise TooLarge(f"the file has more than {self.max_bytes} bytes, the limit")
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            info = FileInfo(file_id, size, int(time.time()), filename, purpose)
+            meta = path.with_name(tmp.name + ".json")
+            meta.write_text(json.dumps(info.as_json()))
+            os.replace(tmp, path)
+            os.replace(meta, path.with_name(file_id + ".json"))
+            return info
+        finally:
+            tmp.unlink(missing_ok=True)
+            path.with_name(tmp.name + ".json").unlink(missing_ok=True)
+
+    def info(self, file_id: str) -> FileInfo | None:
+        try:
+            meta = self._path(file_id).with_name(file_id + ".json")
+            data = json.loads(meta.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        if not self._path(file_id).exists():
+            return None
+        return FileInfo(**data)
+
+    def chunks(self, file_id: str) -> Iterator[bytes]:
+        with open(self._path(file_id), "rb") as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+
+
+def read_lines(store: FileStore, file_id: str) -> Iterator[bytes]:
+    """The lines of a stored file (without line ends), read chunk by chunk."""
+    rest = b""
+    for chunk in store.chunks(file_id):
+        rest += chunk
+        *lines, rest = rest.split(b"\n")
+        yield from lines
+    if rest:
+        yield rest

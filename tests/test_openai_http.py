@@ -1,0 +1,301 @@
+"""The OpenAI-compatible HTTP front, driven by the official ``openai`` package against a live gateway.
+
+Real Redis, the real gateway (gRPC and HTTP in one process) and a real engine process: upload,
+create, poll, download and check every output line against OpenAI's batch output shape; cancel;
+401 / 404 / 400 / 413 / 429 in OpenAI's error shape; finalizing after a gateway restart.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from openai import OpenAI
+
+from gateway.config import ClusterSpec, GatewayConfig
+from gateway.openai_format import CHAT, COMPLETIONS
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+from tests.harness import GatewayThread, start_engine, wait_until
+from workqueue import WorkQueue, connect
+
+KEY = "test-key-123"
+ENGINE_ARGS = ("--backend", "static", "--size", "nano", "--max-batch", "8", "--heartbeat-s", "0.3")
+FINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def check_output_line(line: dict, endpoint: str, custom_ids: set[str]) -> None:
+    """One line of an OpenAI batch output or error file, as OpenAI writes it."""
+    assert set(line) == {"id", "custom_id", "response", "error"}, line
+    assert isinstance(line["id"], str) and line["id"].startswith("batch_req_")
+    assert line["custom_id"] in custom_ids
+    if line["error"] is not None:
+        assert line["response"] is None
+        assert isinstance(line["error"]["code"], str) and isinstance(line["error"]["message"], str)
+        return
+    resp = line["response"]
+    assert resp["status_code"] == 200 and isinstance(resp["request_id"], str) and resp["request_id"]
+    body = resp["body"]
+    chat = endpoint == CHAT
+    assert body["object"] == ("chat.completion" if chat else "text_completion")
+    assert isinstance(body["id"], str) and isinstance(body["created"], int) and isinstance(body["model"], str)
+    assert len(body["choices"]) == 1
+    choice = body["choices"][0]
+    assert choice["index"] == 0 and choice["finish_reason"] in ("stop", "length")
+    if chat:
+        assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    else:
+        assert isinstance(choice["text"], str)
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] >= 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def wait_final(client: OpenAI, batch_id: str, timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while True:
+        b = client.batches.retrieve(batch_id)
+        if b.status in FINAL:
+            return b
+        assert time.monotonic() < deadline, f"batch {batch_id} still {b.status}"
+        time.sleep(0.2)
+
+
+def _gateway(redis_url: str, files_dir, **kw) -> GatewayThread:
+    config = GatewayConfig(
+        redis_url=redis_url,
+        offload=False,
+        clusters=[ClusterSpec("a", capacity_tps=100)],
+        http_port=0,
+        http_api_key=KEY,
+        files_dir=str(files_dir),
+        **kw,
+    )
+    return GatewayThread(config)
+
+
+@pytest.fixture(scope="module")
+def live(redis_server, tmp_path_factory):
+    """One gateway with an HTTP front and one real engine, for the module."""
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    tmp = tmp_path_factory.mktemp("openai")
+    engine = start_engine("a", redis_server.url, tmp, *ENGINE_ARGS)
+    gateway = _gateway(redis_server.url, tmp / "files")
+    address = gateway.start()
+    queue = WorkQueue(connect(redis_server.url))
+    try:
+        wait_until(lambda: queue.clusters(["a"])[0].alive, 240, "the engine's heartbeat")
+        yield OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0), address
+    finally:
+        gateway.stop()
+        engine.terminate()
+        engine.wait(timeout=30)
+
+
+def test_the_whole_flow_with_the_openai_client(live):
+    client, address = live
+    rows = [
+        {"custom_id": f"chat-{i}", "method": "POST", "url": CHAT,
+         "body": {"model": "m1", "max_tokens": 6 + i,
+                  "messages": [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": f"Tell me about rivers, part {i}."}]}}
+        for i in range(6)
+    ]  # fmt: skip
+    f = client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    assert f.purpose == "batch" and f.bytes == len(jsonl(rows))
+    assert client.files.retrieve(f.id).filename == "in.jsonl"
+    assert client.files.content(f.id).read() == jsonl(rows)
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint=CHAT, completion_window="24h", metadata={"team": "t"}
+    )
+    assert batch.status in ("validating", "in_progress") and batch.input_file_id == f.id
+    done = wait_final(client, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts.total == done.request_counts.completed == 6
+    assert done.request_counts.failed == 0 and done.error_file_id is None
+    assert done.completed_at and done.finalizing_at and done.metadata == {"team": "t"}
+    lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == sorted(r["custom_id"] for r in rows)
+    for line in lines:
+        check_output_line(line, CHAT, {r["custom_id"] for r in rows})
+        assert line["response"]["body"]["model"] == "m1"
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    with grpc.insecure_channel(address) as ch:  # the same batch over gRPC
+        same = pb_grpc.BatchServiceStub(ch).GetBatch(pb.GetBatchRequest(batch_id=batch.id), timeout=10)
+    assert same.status == pb.COMPLETED and same.request_counts.completed == 6
+    assert batch.id in [b.id for b in client.batches.list(limit=100)]
+
+
+def test_completions_with_custom_ids_that_are_not_query_ids(live):
+    client, _ = live
+    rows = [
+        {"custom_id": cid, "method": "POST", "url": COMPLETIONS, "body": {"prompt": "Once upon", "max_tokens": 4}}
+        for cid in ("req:1", "req 2", "über-3")
+    ]  # fmt: skip
+    f = client.files.create(file=("c.jsonl", jsonl(rows)), purpose="batch")
+    done = wait_final(
+        client, client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window="24h").id
+    )
+    assert done.status == "completed"
+    lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == sorted(r["custom_id"] for r in rows)
+    for line in lines:
+        check_output_line(line, COMPLETIONS, {r["custom_id"] for r in rows})
+
+
+def test_cancel(live):
+    client, _ = live
+    rows = [
+        {"custom_id": f"long-{i}", "url": CHAT,
+         "body": {"max_tokens": 400, "messages": [{"role": "user", "content": f"Write a long essay number {i}."}]}}
+        for i in range(40)
+    ]  # fmt: skip
+    f = client.files.create(file=("long.jsonl", jsonl(rows)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    done = wait_final(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at
+    counts = done.request_counts
+    assert counts.total == 40 and counts.completed + counts.failed == 40 and counts.failed > 0
+    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert len(errors) == counts.failed
+    for line in errors:
+        check_output_line(line, CHAT, {r["custom_id"] for r in rows})
+        assert line["error"]["code"] == "cancelled"
+
+
+def _raw(url: str, key: str | None = KEY, data: bytes | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture
+def bare(redis_url, tmp_path):
+    """A gateway with its HTTP front, no engine (errors are found before any work runs)."""
+    gateway = _gateway(redis_url, tmp_path / "files", max_queued_per_client=3, max_request_bytes=4096)
+    gateway.start()
+    try:
+        yield gateway.config.http_url, OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
+    finally:
+        gateway.stop()
+
+
+def test_a_missing_or_wrong_key_is_401_in_openais_shape(bare):
+    url, _ = bare
+    for key in (None, "wrong"):
+        status, body = _raw(url + "/batches", key)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=url, api_key="wrong", max_retries=0).batches.list()
+
+
+def test_unknown_ids_are_404(bare):
+    url, client = bare
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.cancel("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-nope")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+    status, body = _raw(url + "/no/such/route")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"
+
+
+def _bad(client, **kw) -> openai.BadRequestError:
+    args = {"endpoint": CHAT, "completion_window": "24h", **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(**args)
+    return e.value
+
+
+def test_bad_input_is_400_naming_the_field(bare):
+    url, client = bare
+    good = client.files.create(
+        file=("g.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": "x"}}])), purpose="batch"
+    )
+    assert _bad(client, input_file_id=good.id, endpoint="/v1/embeddings").body["param"] == "endpoint"
+    assert _bad(client, input_file_id=good.id, completion_window="1h").body["param"] == "completion_window"
+    tools = [{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}], "tools": []}}]
+    f = client.files.create(file=("t.jsonl", jsonl(tools)), purpose="batch")
+    e = _bad(client, input_file_id=f.id)
+    assert "line 1" in e.message and "tools" in e.message and e.body["param"] == "input_file_id"
+    dup = [{"custom_id": "a", "body": {"prompt": "x"}}, {"custom_id": "a", "body": {"prompt": "y"}}]
+    f = client.files.create(file=("d.jsonl", jsonl(dup)), purpose="batch")
+    assert "appears twice" in _bad(client, input_file_id=f.id).message
+    f = client.files.create(file=("j.jsonl", b'{"custom_id": "a",\n'), purpose="batch")
+    assert "not valid JSON" in _bad(client, input_file_id=f.id).message
+    empty = client.files.create(
+        file=("e.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": " "}}])), purpose="batch"
+    )
+    assert "empty prompt" in _bad(client, input_file_id=empty.id).message  # the gateway's own validation
+    with pytest.raises(openai.BadRequestError) as e:
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    assert e.value.body["param"] == "purpose"
+    status, body = _raw(url + "/batches", data=b"not json")
+    assert status == 400 and body["error"]["message"]
+
+
+def test_the_grpc_limits_apply_413_and_429(bare):
+    _, client = bare
+    with pytest.raises(openai.APIStatusError) as e:
+        client.files.create(file=("big.jsonl", b"x" * 10_000), purpose="batch")
+    assert e.value.status_code == 413
+    rows = [{"custom_id": f"q{i}", "body": {"prompt": "hello"}} for i in range(4)]
+    f = client.files.create(file=("four.jsonl", jsonl(rows)), purpose="batch")
+    with pytest.raises(openai.RateLimitError) as e:
+        client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    assert "max_queued_per_client=3" in e.value.message
+    assert client.batches.list().data == []  # nothing half-created
+
+
+def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
+    """The batch finishes while no gateway runs; the next gateway finalizes it from Redis."""
+    first = _gateway(redis_url, tmp_path / "files")
+    first.start()
+    client = OpenAI(base_url=first.config.http_url, api_key=KEY, max_retries=0)
+    rows = [
+        {"custom_id": f"r{i}", "url": CHAT, "body": {"messages": [{"role": "user", "content": "hi"}]}}
+        for i in range(3)
+    ]
+    f = client.files.create(file=("r.jsonl", jsonl(rows)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    first.stop()
+    queue = WorkQueue(connect(redis_url))
+    for c in queue.claim("a", 3, "w", 30):  # the engine's side, through the queue API
+        result = {"batch_id": c.query.batch_id, "query_id": c.query.query_id, "text": "ok",
+                  "prompt_tokens": 3, "completion_tokens": 1, "finish_reason": "stop"}  # fmt: skip
+        queue.complete(c.query.gid, result, "completed", 1)
+    second = _gateway(redis_url, tmp_path / "files")
+    second.start()
+    try:
+        client = OpenAI(base_url=second.config.http_url, api_key=KEY, max_retries=0)
+        done = wait_final(client, batch.id, 30)
+        assert done.status == "completed"
+        lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(x["custom_id"] for x in lines) == ["r0", "r1", "r2"]
+        for line in lines:
+            check_output_line(line, CHAT, {"r0", "r1", "r2"})
+    finally:
+        second.stop()
