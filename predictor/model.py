@@ -1,8 +1,9 @@
-"""The classifier: ``DistilBertForSequenceClassification`` from a local checkpoint or built from a config.
+"""The classifier over length buckets, built from a config or from a local pretrained encoder.
 
-Production path: a pretrained DistilBERT directory (``from_pretrained``, local files only)
-with its own tokenizer and a fresh classification head over the buckets. Offline default:
-a small config with random weights and a WordPiece tokenizer trained here on the prompts.
+Default: a small ``DistilBertForSequenceClassification`` with random weights (optionally MLM
+pre-trained here) and a WordPiece tokenizer trained here on the prompts. ``--pretrained DIR``: any
+local Hugging Face encoder checkpoint (BERT, DistilBERT, MiniLM, ...; ``AutoModel`` and
+``AutoTokenizer``, local files only) under :class:`MeanPoolClassifier`, a mean-pooled bucket head.
 """
 
 from __future__ import annotations
@@ -17,15 +18,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import (
+    AutoConfig,
+    AutoModel,
     AutoTokenizer,
     DistilBertConfig,
     DistilBertForMaskedLM,
     DistilBertForSequenceClassification,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     get_linear_schedule_with_warmup,
 )
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 from predictor.inference import collate, encode
 
@@ -189,16 +195,93 @@ def pretrain_mlm(
     return {k: v.detach().cpu() for k, v in mlm.state_dict().items() if k.startswith("distilbert.")}
 
 
-def load_pretrained(
-    path: str | os.PathLike, num_labels: int
-) -> tuple[DistilBertForSequenceClassification, PreTrainedTokenizerFast]:
-    """A local pretrained DistilBERT checkpoint with a new ``num_labels`` head (no downloads)."""
-    p = Path(path)
+#: set in the config.json of a :class:`MeanPoolClassifier` (the encoder's own config, saved by it)
+POOLING_KEY = "fleetbatch_pooling"
+#: the bucket head's weights, beside the encoder's in a saved :class:`MeanPoolClassifier`
+HEAD_FILE = "bucket_head.safetensors"
+
+
+class MeanPoolClassifier(torch.nn.Module):
+    """A Hugging Face encoder (any ``AutoModel``), mean pooling over the prompt's tokens, and a linear
+    head over the buckets; the forward pass returns ``.logits`` like ``*ForSequenceClassification``.
+
+    The encoder sits under its ``base_model_prefix`` (``model.bert``, ``model.distilbert``), as in
+    the Hugging Face heads. Saved as the encoder's own directory (``config.json`` with
+    ``num_labels`` and ``fleetbatch_pooling``) plus ``bucket_head.safetensors``.
+    """
+
+    def __init__(self, encoder: PreTrainedModel, num_labels: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.config = encoder.config
+        self.config.num_labels = num_labels
+        setattr(self.config, POOLING_KEY, "mean")
+        self.encoder_name = encoder.base_model_prefix
+        self.add_module(self.encoder_name, encoder)
+        self.dropout = torch.nn.Dropout(dropout)
+        self.classifier = torch.nn.Linear(self.config.hidden_size, num_labels)
+        std = getattr(self.config, "initializer_range", 0.02)
+        torch.nn.init.normal_(self.classifier.weight, std=std)
+        torch.nn.init.zeros_(self.classifier.bias)
+
+    @property
+    def encoder(self) -> PreTrainedModel:
+        return getattr(self, self.encoder_name)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> SequenceClassifierOutput:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        return SequenceClassifierOutput(logits=self.classifier(self.dropout(pooled)))
+
+    def save_pretrained(self, path: str | os.PathLike, **kwargs) -> None:
+        self.encoder.save_pretrained(str(path), **kwargs)
+        head = {k: v.detach().contiguous().cpu() for k, v in self.classifier.state_dict().items()}
+        save_file(head, str(Path(path) / HEAD_FILE))
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32
+    ) -> MeanPoolClassifier:
+        """A saved classifier (encoder directory with ``bucket_head.safetensors``), local files only."""
+        encoder = AutoModel.from_pretrained(str(path), local_files_only=True, dtype=dtype)
+        head = load_file(str(Path(path) / HEAD_FILE))
+        model = cls(encoder, head["weight"].shape[0])
+        model.classifier.load_state_dict({k: v.to(dtype) for k, v in head.items()})
+        return model
+
+
+def _check_model_dir(p: Path) -> None:
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p} is not a Hugging Face model directory (no config.json)")
+
+
+def load_pretrained(
+    path: str | os.PathLike, num_labels: int
+) -> tuple[MeanPoolClassifier, PreTrainedTokenizerFast]:
+    """A local pretrained encoder checkpoint (BERT, DistilBERT, MiniLM, ...: whatever ``AutoModel``
+    reads, with its tokenizer) under a new mean-pooled ``num_labels``-bucket head; no downloads."""
+    p = Path(path)
+    _check_model_dir(p)
     tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    model = DistilBertForSequenceClassification.from_pretrained(
-        str(p), num_labels=num_labels, local_files_only=True, ignore_mismatched_sizes=True
+    encoder = AutoModel.from_pretrained(str(p), local_files_only=True, dtype=torch.float32)
+    model = MeanPoolClassifier(encoder, num_labels)
+    log.info(
+        "loaded pretrained %s encoder from %s (%.1fM parameters) with a mean-pooled %d-bucket head",
+        model.config.model_type,
+        p,
+        sum(x.numel() for x in encoder.parameters()) / 1e6,
+        num_labels,
     )
-    log.info("loaded pretrained DistilBERT from %s with a %d-bucket head", p, num_labels)
     return model, tok
+
+
+def load_classifier(path: str | os.PathLike) -> torch.nn.Module:
+    """A saved bucket classifier in float32 (whatever the file holds; the shipped model is fp16): a
+    :class:`MeanPoolClassifier` if its config says so, else ``DistilBertForSequenceClassification``."""
+    p = Path(path)
+    _check_model_dir(p)
+    if getattr(AutoConfig.from_pretrained(str(p), local_files_only=True), POOLING_KEY, None) == "mean":
+        return MeanPoolClassifier.from_pretrained(p)
+    return DistilBertForSequenceClassification.from_pretrained(
+        str(p), local_files_only=True, dtype=torch.float32
+    )

