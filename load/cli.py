@@ -9,7 +9,7 @@ import sys
 
 import grpc
 
-from load import bench_offload, chaos, compare_policies, report, soak, study
+from load import bench_offload, chaos, compare_policies, openai_check, report, soak, study
 from load.client import format_summary, run_batch, summarise
 from load.deployment import LocalDeployment
 from load.openai_batch import endpoints_of, error_path, write_openai_output
@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
             soak,
             "one large batch submitted and streamed back through one gateway, predictor off and on",
         ),
+        (
+            "openai-check",
+            openai_check,
+            "the OpenAI batch flow (files, batches, output) with the openai client against gateway up",
+        ),
     ):
         sp = sub.add_parser(name, help=help_text, description=module.__doc__, formatter_class=RAW)
         module.add_arguments(sp)
@@ -191,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             return _demo(args)
         modules = {"bench-offload": bench_offload, "compare-policies": compare_policies}
         modules.update(chaos=chaos, study=study, report=report, soak=soak)
+        modules["openai-check"] = openai_check
         print(json.dumps(modules[args.command].run(args)))
         return 0
     except grpc.RpcError as e:

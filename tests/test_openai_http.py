@@ -8,6 +8,8 @@ create, poll, download and check every output line against OpenAI's batch output
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +23,7 @@ from gateway.config import ClusterSpec, GatewayConfig
 from gateway.openai_format import CHAT, COMPLETIONS
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from tests.harness import GatewayThread, start_engine, wait_until
+from tests.harness import REPO, GatewayThread, start_engine, wait_until
 from workqueue import WorkQueue, connect
 
 KEY = "test-key-123"
@@ -299,3 +301,17 @@ def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
             check_output_line(line, CHAT, {"r0", "r1", "r2"})
     finally:
         second.stop()
+
+
+@pytest.mark.slow
+def test_loadgen_openai_check_runs_the_flow_against_gateway_up(tmp_path):
+    """`gateway up` starts the HTTP front and records it in gateway.json; `loadgen openai-check` uses it."""
+    cmd = [sys.executable, "-m", "load.cli", "openai-check", "-n", "12", "--dataset", "generated",
+           "--max-tokens", "16", "--endpoint", COMPLETIONS, "--run-dir", str(tmp_path / "run"),
+           "--gateway-arg=--clusters", "--gateway-arg=2"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["requests"] == result["completed"] == result["output_lines_valid"] == 12, result
+    assert result["status"] == result["grpc_status"] == "completed" and result["problems"] == []
+    assert "OpenAI-compatible API: http://127.0.0.1:" in (tmp_path / "run" / "up.log").read_text()
