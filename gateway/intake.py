@@ -88,7 +88,10 @@ class EncodedRows(Sequence[str]):
         if i in checked.bad:
             row["bad"] = checked.bad[i]
         else:
-            row["prompt_tokens"] = checked.prompt_tokens[i]
+            if i in checked.uncounted:  # counted by the intake, which fails it above its cap
+                row["token_cap"] = checked.uncounted[i]
+            else:
+                row["prompt_tokens"] = checked.prompt_tokens[i]
             row["temperature"] = q.sampling.temperature
             row["top_p"] = q.sampling.top_p or 1.0
             if q.sampling.HasField("seed"):
@@ -140,8 +143,11 @@ class Intake:
         assign: Callable[[Sequence[QueryLoad], list], list[str]],
         settings: IntakeSettings,
         on_assigned: Callable[[list[str]], None] = lambda names: None,
+        count_tokens: Callable[[list[str]], list[int]] | None = None,
     ) -> None:
         self.queue = queue
+        self.count_tokens = count_tokens
+        self._counter = ThreadPoolExecutor(1, thread_name_prefix="intake-count")
         self.predict_tokens = predict_tokens
         self.assign = assign
         self.settings = settings
@@ -194,9 +200,26 @@ class Intake:
             self.on_assigned([c for _, _, _, c in part if c])
         return landed
 
+    def _count(self, rows: list[dict]) -> None:
+        """Count the tokens of rows staged uncounted (``token_cap``); one above its cap turns bad."""
+        todo = [r for r in rows if "prompt_tokens" not in r and "bad" not in r]
+        if not todo:
+            return
+        if self.count_tokens is None:
+            raise RuntimeError("rows staged without token counts need an intake with count_tokens")
+        for r, n in zip(todo, self.count_tokens([r["prompt"] for r in todo]), strict=True):
+            r["prompt_tokens"] = n
+            if n > r["token_cap"]:  # the bound is an upper bound: this is a guard, not a path
+                r["bad"] = f"prompt has {n} tokens; its limit is {r['token_cap']}"
+
     def _assigned(self, batch_id: str, rows: list[dict]) -> list[tuple[str, str, float, str]]:
+        fresh = [r for r in rows if "bad" not in r]
+        counting = self._counter.submit(self._count, rows)  # the tokenizer runs beside the predictor
+        predicted = self.predict_tokens([r["prompt"] for r in fresh]) if fresh else []
+        counting.result()
         good = [r for r in rows if "bad" not in r]
-        predicted = self.predict_tokens([r["prompt"] for r in good]) if good else []
+        if len(good) != len(fresh):
+            predicted = [p for r, p in zip(fresh, predicted, strict=True) if "bad" not in r]
         loads = [
             QueryLoad(r["id"], r["prompt_tokens"], float(min(p, r["max_tokens"])))
             for r, p in zip(good, predicted, strict=True)

@@ -65,6 +65,8 @@ class GatewayDeps:
     links: LinkCost = LinkCost()
     predictor: object | None = None  # the LengthPredictor, kept for hot reload
     intake: IntakeSettings = field(default_factory=IntakeSettings.from_env)
+    # a bound of a prompt's tokens: prompts of a large batch it proves short are counted in intake
+    token_bound: Callable[[str], int] | None = None
 
 
 def batch_proto(b: BatchInfo) -> pb.Batch:
@@ -125,7 +127,14 @@ class BatchService(pb_grpc.BatchServiceServicer):
         self._policy_lock = threading.Lock()  # policies may keep state (round robin's cursor)
         self._limits = Limits.of(deps.config)
         self._client_lock = ClientLocks()
-        self.intake = Intake(deps.queue, deps.predict_tokens, self._assign, deps.intake, self._count_assigned)
+        self.intake = Intake(
+            deps.queue,
+            deps.predict_tokens,
+            self._assign,
+            deps.intake,
+            self._count_assigned,
+            count_tokens=deps.count_tokens,
+        )
 
     def _count_assigned(self, names: list[str]) -> None:
         for n in names:
@@ -137,6 +146,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
         d, cfg = self.d, self.d.config
         t0 = time.perf_counter()
         mode = request.on_bad_query or ON_BAD_QUERY[cfg.on_bad_query]
+        large = len(request.queries) >= d.intake.sync_max_queries  # enqueued by the background intake
         try:  # sizes first, then tokenizing: off the event loop
             checked = await asyncio.to_thread(
                 check_batch,
@@ -144,6 +154,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
                 d.count_tokens,
                 self._limits,
                 fail_row=mode == pb.ON_BAD_QUERY_FAIL_ROW,
+                bound=d.token_bound if large else None,
             )
         except InvalidBatch as e:
             d.metrics.rejected.inc()
@@ -178,7 +189,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
         self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float
     ) -> pb.Batch:
         d = self.d
-        if len(request.queries) >= d.intake.sync_max_queries:
+        if checked.uncounted or len(request.queries) >= d.intake.sync_max_queries:
             return await self._accept(request, checked, batch_id, context, t0)
         queued, names = await self._assign_all(request, checked, batch_id, context)
         created = await asyncio.to_thread(

@@ -4,7 +4,9 @@ Checks run cheapest first: ids and sizes (bytes) before any prompt is tokenized,
 prompt costs a length check, not seconds of tokenizing. Only prompts that passed the byte
 checks are tokenized (start token counted, as the engine counts it), then checked against
 ``max_prompt_tokens`` and the model's positions: a prompt needs at least one free position
-for the token it generates, and a ``forced_length`` must fit after the prompt.
+for the token it generates, and a ``forced_length`` must fit after the prompt. A large batch
+skips tokenizing the prompts that a byte bound (:mod:`gateway.tokens`) proves short enough:
+the background intake counts them.
 
 Problems of a batch (its id, size, metadata) and of a row's identity (empty, malformed or
 duplicate ids) always reject the batch. Other row problems either reject it too
@@ -62,11 +64,14 @@ class Limits:
 
 @dataclass
 class Checked:
-    """A batch that passed: each query's prompt tokens and ``max_tokens``; ``bad`` rows (fail-row) by index."""
+    """A batch that passed: each query's prompt tokens and ``max_tokens``; ``bad`` rows (fail-row) by
+    index; ``uncounted`` rows (by index, with their :func:`prompt_token_cap`) were proved to fit by a
+    token bound and not tokenized (their ``prompt_tokens`` is 0): the background intake counts them."""
 
     prompt_tokens: list[int]
     max_tokens: list[int]
     bad: dict[int, str] = field(default_factory=dict)
+    uncounted: dict[int, int] = field(default_factory=dict)
 
 
 def id_problem(value: str, what: str) -> str | None:
@@ -164,6 +169,17 @@ def query_problems(q: pb.Query, limits: Limits) -> list[str]:
     return out
 
 
+def prompt_token_cap(q: pb.Query, limits: Limits) -> int:
+    """The most prompt tokens (start token included) ``q`` may have: :func:`token_problems` finds
+    none exactly when its count is at most this."""
+    cap = limits.max_prompt_tokens
+    if limits.max_positions:
+        cap = min(cap, limits.max_positions - 1)
+        if q.HasField("forced_length"):
+            cap = min(cap, limits.max_positions - q.forced_length)
+    return cap
+
+
 def token_problems(q: pb.Query, tokens: int, limits: Limits) -> list[str]:
     """Problems of one query's tokenized prompt (start token counted)."""
     out: list[str] = []
@@ -189,8 +205,13 @@ def check_batch(
     limits: Limits,
     *,
     fail_row: bool = False,
+    bound: Callable[[str], int] | None = None,
 ) -> Checked:
     """Validate ``req``; tokenize only prompts that passed the size checks.
+
+    With ``bound`` (an upper bound of a prompt's token count, :mod:`gateway.tokens`), a prompt
+    whose bound fits its :func:`prompt_token_cap` is not tokenized: it goes to
+    :attr:`Checked.uncounted`, to be counted after the answer.
 
     Raises :class:`InvalidBatch` naming every problem (by query position and id). With
     ``fail_row``, row problems (prompt, sampling, lengths, metadata) do not raise: they come
@@ -206,6 +227,13 @@ def check_batch(
         if found:
             rows[i] = found
     todo = [i for i in range(len(queries)) if i not in rows]
+    uncounted: dict[int, int] = {}
+    if bound is not None:
+        for i in todo:
+            cap = prompt_token_cap(queries[i], limits)
+            if bound(queries[i].prompt) <= cap:
+                uncounted[i] = cap
+        todo = [i for i in todo if i not in uncounted]
     counted = count_tokens([queries[i].prompt for i in todo]) if todo else []
     tokens = [0] * len(queries)
     for i, n in zip(todo, counted, strict=True):
@@ -222,6 +250,7 @@ def check_batch(
         prompt_tokens=tokens,
         max_tokens=[effective_max_tokens(q, limits) for q in queries],
         bad={i: "; ".join(p) for i, p in rows.items()},
+        uncounted=uncounted,
     )
 
 
