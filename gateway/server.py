@@ -175,7 +175,12 @@ async def serve(
         from gateway.http_server import HttpServer
 
         http = HttpServer(batches, config)
-        config.http_url = await http.start()
+        try:
+            config.http_url = await http.start()
+        except BaseException:
+            await http.stop()
+            await server.stop(grace=None)
+            raise
     stop = stop or asyncio.Event()
     tasks = []
     if config.offload:
