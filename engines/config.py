@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 
@@ -10,14 +11,14 @@ class PipelineConfig:
     """How a multi-stage plan runs: one process per stage after the first, talking ``torch.distributed``.
 
     ``init_method`` is the rendezvous (``tcp://HOST:PORT``; default a free loopback port).
-    ``backend`` ``auto`` picks NCCL on CUDA and gloo on CPU. ``even_split`` ignores the plan's
+    ``backend`` ``auto`` picks NCCL on CUDA and gloo on CPU (stages run on the engine's
+    ``device``; only the CPU so far). ``even_split`` ignores the plan's
     layer ranges and splits the layers evenly over its stages (the baseline a plan is measured
     against).
     """
 
     init_method: str | None = None
     backend: str = "auto"
-    device: str = "cpu"
     even_split: bool = False
     start_timeout_s: float = 120.0
 
@@ -27,7 +28,9 @@ class EngineConfig:
     """Knobs of :class:`engines.engine.LLMEngine`.
 
     The KV budget is given in tokens (``kv_budget_tokens``) or in bytes (``kv_budget_bytes``,
-    converted with the model's per-token KV size); bytes win when both are set.
+    converted with the model's per-token KV size); bytes win when both are set. ``device`` is
+    where the model runner computes (``cpu``, ``cuda`` or ``cuda:N``); a CUDA device that is not
+    there is an error when the engine is built, never a silent fallback to the CPU.
     """
 
     kv_budget_tokens: int = 16384
@@ -45,6 +48,7 @@ class EngineConfig:
     prefill_micro_batch: int | None = None  # most prefilling queries in one micro-batch (None: no limit)
     pipeline: PipelineConfig = field(default_factory=lambda: PipelineConfig())
     dtype: str = "float32"
+    device: str = "cpu"  # the model runner's device: cpu, cuda, cuda:N
     stats_window_s: float = 10.0  # window of the tokens/s figure in stats()
 
     def validate(self) -> None:
@@ -76,6 +80,10 @@ class EngineConfig:
             (
                 self.dtype in ("float32", "bfloat16", "float16"),
                 f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}",
+            ),
+            (
+                self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device) is not None,
+                f"device must be cpu, cuda or cuda:N, got {self.device!r}",
             ),
         ]
         for ok, msg in checks:

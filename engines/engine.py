@@ -70,14 +70,16 @@ class LLMEngine:
                 config.kv_bits,
                 pc.init_method,
                 pc.backend,
-                pc.device,
+                config.device,
                 pc.start_timeout_s,
                 max_tokens=config.max_batch_tokens,
                 max_sampled=min(config.max_batch_tokens, config.max_running),
             )
             self.runner = self.pipeline.stage0
         else:
-            self.runner = ModelRunner(model, num_blocks, config.block_size, config.kv_bits)
+            self.runner = ModelRunner(
+                model, num_blocks, config.block_size, config.kv_bits, device=config.device
+            )
         self.num_stages = len(self.stages)
         self.max_positions = self._max_positions(model)
         self.scheduler = Scheduler(config, self.kv, self.eos_token_id, self.max_positions)

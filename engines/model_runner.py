@@ -175,6 +175,30 @@ class OPTAdapter(DecoderAdapter):
         return self.lm_head(h)
 
 
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N`` as a torch device; a CUDA device that is not there is an error.
+
+    Asked for CUDA, the runner never falls back to the CPU silently: the error says why.
+    """
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from e
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device {name!r} is not supported: the model runner runs on cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {name!r} asked for, but CUDA is not available here "
+            "(torch.cuda.is_available() is False); use --device cpu"
+        )
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"device {name!r} asked for, but only {count} CUDA device(s) are visible")
+    return dev
+
+
 def make_adapter(model: torch.nn.Module) -> DecoderAdapter:
     kind = model.config.model_type
     if kind == "gpt2":
@@ -194,6 +218,8 @@ class ModelRunner:
     ``run`` computes one step over all layers and returns logits to sample from; a pipeline
     stage calls ``embed`` (first stage), ``forward`` over its ``layers`` and ``logits`` (last
     stage) itself. Pools are keyed by global layer index, so a stage holds only its own.
+    The model, the pools and each step's index tensors live on ``device`` (:func:`resolve_device`);
+    the logits come back on it.
     """
 
     def __init__(
@@ -203,8 +229,10 @@ class ModelRunner:
         block_size: int,
         kv_bits: int = 16,
         layers: range | None = None,
+        device: str = "cpu",
     ) -> None:
-        self.model = model.eval()
+        self.device = resolve_device(device)
+        self.model = model.to(self.device).eval()
         self.adapter = a = make_adapter(model)
         self.dtype = next(model.parameters()).dtype
         self.block_size = block_size
@@ -212,14 +240,15 @@ class ModelRunner:
         self.layers = layers if layers is not None else range(a.num_layers)
         shape = (num_blocks * block_size, a.num_kv_heads, a.head_dim)
         store = torch.int8 if kv_bits == 8 else self.dtype
-        self.k_cache = {i: torch.zeros(shape, dtype=store) for i in self.layers}
-        self.v_cache = {i: torch.zeros(shape, dtype=store) for i in self.layers}
+        self.k_cache = {i: torch.zeros(shape, dtype=store, device=self.device) for i in self.layers}
+        self.v_cache = {i: torch.zeros(shape, dtype=store, device=self.device) for i in self.layers}
         self.k_scale: dict[int, torch.Tensor] = {}
         self.v_scale: dict[int, torch.Tensor] = {}
         if kv_bits == 8:  # int8 codes with one fp16 scale per token and head (quant.kv)
             sshape = (shape[0], a.num_kv_heads, 1)
-            self.k_scale = {i: torch.ones(sshape, dtype=torch.float16) for i in self.layers}
-            self.v_scale = {i: torch.ones(sshape, dtype=torch.float16) for i in self.layers}
+            ones = {"dtype": torch.float16, "device": self.device}
+            self.k_scale = {i: torch.ones(sshape, **ones) for i in self.layers}
+            self.v_scale = {i: torch.ones(sshape, **ones) for i in self.layers}
 
     def kv_pool_bytes(self) -> int:
         pools = [
@@ -288,7 +317,7 @@ class ModelRunner:
 
     # ---- one step: embed (first stage) -> this runner's layers -> logits (last stage) ----------------
     def embed(self, batch: StepBatch) -> torch.Tensor:
-        return self.adapter.embed(torch.tensor(batch.token_ids), batch.positions)
+        return self.adapter.embed(torch.tensor(batch.token_ids, device=self.device), batch.positions)
 
     def forward(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Run this runner's layers over the flat hidden states ``h`` ``[T, hidden]``, filling their KV."""
@@ -304,10 +333,11 @@ class ModelRunner:
         """Logits ``[n_sampled, vocab]`` of the rows after which a token is sampled."""
         if not batch.sample_rows:
             return h.new_empty(0, 0)
-        return self.adapter.logits(h[torch.tensor(batch.sample_rows)])
+        return self.adapter.logits(h[torch.tensor(batch.sample_rows, device=h.device)])
 
     @torch.inference_mode()
     def run_batch(self, batch: StepBatch) -> torch.Tensor:
+        batch = batch.to(self.device)
         return self.logits(self.forward(self.embed(batch), batch), batch)
 
     def run(self, chunks: list[ScheduledChunk], kv: KVCacheManager) -> torch.Tensor:

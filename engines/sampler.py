@@ -1,4 +1,7 @@
-"""Next-token choice per query: greedy, temperature, top-p, with a per-request seeded generator."""
+"""Next-token choice per query: greedy, temperature, top-p, with a per-request seeded generator.
+
+Sampling runs on the CPU (the generators are CPU generators), so a seed gives the same tokens
+whatever device computed the logits."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from engines.sequence import Sequence
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of ``logits`` ([n, vocab]) for the matching query in ``seqs``."""
-    logits = logits.float()
+    logits = logits.float().cpu()
     tokens = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         sp = seq.sampling

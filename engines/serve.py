@@ -9,6 +9,7 @@ import signal
 
 from engines.interface import Engine
 from engines.metrics import serve_metrics
+from engines.model_runner import resolve_device
 from engines.worker import Worker, WorkerConfig
 from workqueue import WorkQueue, connect
 from workqueue.embedded import URL_ENV
@@ -32,6 +33,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--arch", default="llama", choices=("llama", "gpt2", "opt"), help="architecture of the random model"
     )
     p.add_argument("--size", default="tiny", help="size of the random model: nano, tiny, small, base")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the native engine computes: cpu (default), cuda or cuda:N; a CUDA device that is not "
+        "there is an error, never a silent fallback to the CPU (the vllm backend picks its GPU itself)",
+    )
     p.add_argument(
         "--plan", default=None, help="plan.json from `planner plan` (layer bits, micro-batch sizes)"
     )
@@ -76,11 +83,13 @@ def build_engine(args: argparse.Namespace) -> Engine:
     if args.backend == "native":
         from engines.engine import EngineConfig, LLMEngine
 
-        config = EngineConfig(max_running=args.max_batch)
+        config = EngineConfig(max_running=args.max_batch, device=args.device)
         if args.plan:
             config.plan_path = args.plan
             config.pipeline.init_method = args.rendezvous
         return LLMEngine.from_pretrained(args.model, arch=args.arch, size=args.size, config=config)
+    if args.device != "cpu":
+        raise ValueError(f"the static backend runs on the CPU only, not on --device {args.device}")
     from engines.static_engine import StaticBatchEngine
     from localmodels import load_or_build
 
@@ -98,6 +107,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         log.error("--max-batch must be >= 1")
         return 2
+    if args.backend != "vllm":
+        try:
+            resolve_device(args.device)
+        except ValueError as e:
+            log.error("%s", e)
+            return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -98,6 +98,25 @@ class StepBatch:
             at += 4 + k
         return cls(chunks, block_size)
 
+    def to(self, device: torch.device) -> StepBatch:
+        """Move the index tensors to ``device`` (in place; nothing to do on the CPU); returns ``self``."""
+        if device.type == "cpu":
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        m = self.meta
+        self.positions, self.slots = self.positions.to(device), self.slots.to(device)
+        self.meta = AttentionMeta(
+            move(m.decode_rows),
+            move(m.decode_slots),
+            move(m.decode_mask),
+            m.all_decode,
+            [(row, n, slots.to(device), move(mask)) for row, n, slots, mask in m.prefills],
+        )
+        return self
+
     @property
     def num_tokens(self) -> int:
         return int(self.positions.numel())
