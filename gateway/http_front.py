@@ -100,7 +100,7 @@ class OpenAIFront:
             Route("/v1/files/{file_id}", self.file, methods=["GET"]),
             Route("/v1/files/{file_id}/content", self.content, methods=["GET"]),
             Route("/v1/batches", self.create, methods=["POST"]),
-            Route("/v1/batches", self.list, methods=["GET"]),
+            Route("/v1/batches", self.listing, methods=["GET"]),
             Route("/v1/batches/{batch_id}", self.get, methods=["GET"]),
             Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"]),
         ]
@@ -239,7 +239,7 @@ class OpenAIFront:
             await asyncio.to_thread(self.queue.r.hsetnx, key, "cancelling_at", time.time())
         return JSONResponse(await asyncio.to_thread(self._object, batch_id))
 
-    async def list(self, request: Request) -> Response:
+    async def listing(self, request: Request) -> Response:
         raw = request.query_params.get("limit", "20")
         if not raw.isdigit() or not 1 <= int(raw) <= 100:
             raise ApiError(400, f"limit must be a whole number in [1, 100], not {raw!r}", "limit")
