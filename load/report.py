@@ -24,6 +24,11 @@ from load.runrecord import META, RESULTS, TIMESERIES, read_jsonl  # noqa: E402
 REPORT = "report.json"
 
 
+def _percentiles(sorted_s: list[float]) -> dict[str, float]:
+    n = len(sorted_s)
+    return {f"p{p}": round(sorted_s[min(n - 1, int(p / 100 * n))], 3) for p in (50, 90, 99)}
+
+
 def _t(r: dict, key: str) -> float:
     return float((r.get("timings") or {}).get(key) or 0.0)
 
@@ -69,6 +74,7 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict:
     end = max(_t(r, "finished_at") for r in results)
     makespan = max(end - t0, 1e-9)
     done = sorted(_t(r, "finished_at") - t0 for r in results)
+    waited = sorted(_t(r, "finished_at") - _t(r, "enqueued_at") for r in results)
     per: dict[str, dict] = defaultdict(lambda: {"queries": 0, "predicted_tokens": 0.0, "actual_tokens": 0})
     for r in results:
         c = per[r.get("cluster") or "-"]
@@ -84,9 +90,8 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict:
         "makespan_s": round(makespan, 3),
         "completion_tokens": tokens,
         "tokens_per_s": round(tokens / makespan, 2),
-        "completion_s": {
-            f"p{p}": round(done[min(len(done) - 1, int(p / 100 * len(done)))], 3) for p in (50, 90, 99)
-        },
+        "completion_s": _percentiles(done),
+        "latency_s": _percentiles(waited),  # each query's own: finished minus enqueued
         "cumulative_kv_token_s": round(sum(kv.values()), 1),
         "clusters": {
             name: {
@@ -146,6 +151,7 @@ def format_report(r: dict) -> str:
     lines = [
         f"{r['run']}: {r['queries']} queries, makespan {r['makespan_s']} s, {r['tokens_per_s']} tokens/s, "
         f"completion p50/p90/p99 {r['completion_s']['p50']}/{r['completion_s']['p90']}/{r['completion_s']['p99']} s, "
+        f"latency p50/p90 {r['latency_s']['p50']}/{r['latency_s']['p90']} s, "
         f"cumulative KV {r['cumulative_kv_token_s']} token-s",
         f"{'cluster':<12} {'queries':>8} {'predicted tok':>14} {'actual tok':>11} {'KV token-s':>11}",
     ]

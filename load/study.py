@@ -13,6 +13,13 @@ emulated device keeps its speed when the engines contend, and most of a step is 
 Equal clusters all run at ``base_slowdown`` (b); the 1:2:4 fleet runs at b, 2b+1 and 4b+3
 (step times 1+b, 2(1+b), 4(1+b)). ``--repeats`` runs the whole study again and reports
 each ratio per repeat.
+
+**Arrivals.** By default the whole workload is one batch submitted at once (an offline job).
+``--arrivals poisson|azure`` (:mod:`load.arrivals`) submits the queries as they arrive
+instead: those arriving in the same ``--tick`` window go as one batch when the window's first
+query arrives, every setup on the same arrival times. The report then also gives each query's
+latency (finished minus enqueued). The simulator's makespan check replays all-at-once runs
+only (its cost-model clock cannot place real arrival times before its scale is fitted).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import grpc
 import yaml
 from tqdm import tqdm
 
+from load.arrivals import add_arrival_arguments, arrivals, groups
 from load.client import result_row, to_request
 from load.deployment import LocalDeployment
 from load.report import build_report
@@ -77,7 +85,18 @@ def fleet_yaml(s: Setup, base_slowdown: float, batch: int, size: str) -> dict:
     return {"clusters": rows}
 
 
-def run_one(s: Setup, items: list[WorkItem], run_dir: Path, args) -> dict:
+def submit(stub, items: list[WorkItem], name: str, times: list[float] | None, tick_s: float) -> list[str]:
+    """Submit ``items`` as one batch (``times`` None), or in arrival groups at their times; the batch ids."""
+    if times is None:
+        return [stub.SubmitBatch(to_request(items, f"study-{name}"), timeout=600).id]
+    t0, ids = time.monotonic(), []
+    for k, (at, idx) in enumerate(groups(times, tick_s)):
+        time.sleep(max(0.0, t0 + at - time.monotonic()))
+        ids.append(stub.SubmitBatch(to_request([items[i] for i in idx], f"study-{name}-{k}"), timeout=600).id)
+    return ids
+
+
+def run_one(s: Setup, items: list[WorkItem], run_dir: Path, args, times: list[float] | None = None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "clusters.yaml").write_text(
         yaml.safe_dump(fleet_yaml(s, args.base_slowdown, args.batch, args.size))
@@ -89,19 +108,19 @@ def run_one(s: Setup, items: list[WorkItem], run_dir: Path, args) -> dict:
     ):
         stub = pb_grpc.BatchServiceStub(ch)
         with Sampler(info["redis_url"], run_dir, interval_s=0.5):
-            batch = stub.SubmitBatch(to_request(items, f"study-{s.name}"), timeout=600)
+            batch_ids = submit(stub, items, s.name, times, args.tick)
             rows = [
                 result_row(r)
+                for batch_id in batch_ids
                 for r in stub.StreamResults(
-                    pb.StreamResultsRequest(batch_id=batch.id, follow=True), timeout=3600
+                    pb.StreamResultsRequest(batch_id=batch_id, follow=True), timeout=3600
                 )
             ]
             time.sleep(2.5)  # the engines' last heartbeats carry their final KV figures
-    write_run(
-        run_dir,
-        rows,
-        {"batch_id": batch.id, "policy": s.policy, "backend": s.backend, "fleet": list(s.speeds)},
-    )
+    meta = {"batch_id": batch_ids[0], "policy": s.policy, "backend": s.backend, "fleet": list(s.speeds)}
+    if times is not None:
+        meta.update(batch_ids=batch_ids, arrivals=args.arrivals, arrival_span_s=round(max(times), 3))
+    write_run(run_dir, rows, meta)
     return build_report(run_dir)
 
 
@@ -131,6 +150,16 @@ def ratios(r: dict[str, dict]) -> dict[str, float]:
 
 def run(args) -> dict:
     items = workload(args)
+    times = None
+    if args.arrivals != "all":
+        times = arrivals(
+            args.arrivals,
+            len(items),
+            rate=args.rate,
+            scale=args.arrival_scale,
+            trace=args.trace,
+            seed=args.seed,
+        )
     root = Path(args.out)
     per_repeat = []
     all_reports: dict[str, dict] = {}
@@ -142,7 +171,7 @@ def run(args) -> dict:
         reports = {}
         for s in chosen:
             bar.set_postfix_str(s.name)
-            reports[s.name] = run_one(s, items, root / f"r{rep}" / s.name, args)
+            reports[s.name] = run_one(s, items, root / f"r{rep}" / s.name, args, times)
             bar.update(1)
         per_repeat.append(ratios(reports))
         all_reports = reports
@@ -156,6 +185,7 @@ def run(args) -> dict:
             "tokens_per_s": v["tokens_per_s"],
             "makespan_s": v["makespan_s"],
             "cumulative_kv_token_s": v["cumulative_kv_token_s"],
+            "latency_s": v["latency_s"],
         }
         for k, v in all_reports.items()
     }
@@ -164,10 +194,13 @@ def run(args) -> dict:
         clusters=args.clusters,
         batch=args.batch,
         base_slowdown=args.base_slowdown,
+        arrivals=args.arrivals,
         out=str(root),
     )
+    if times is not None:
+        out["arrival_span_s"] = round(max(times), 3)
     iteration_runs = [str(p) for p in sorted(root.glob("r*/*iteration*")) if (p / "results.jsonl").exists()]
-    validated = _sim("validate", *iteration_runs) if len(iteration_runs) >= 2 else {}
+    validated = _sim("validate", *iteration_runs) if len(iteration_runs) >= 2 and times is None else {}
     out["sim_makespan_error"] = validated.get("sim_makespan_error")
     out["sim_seconds_100x1m"] = (
         None if args.no_scale else _sim("scale", "--no-progress").get("sim_seconds_100x1m")
@@ -187,10 +220,13 @@ def _sim(*argv: str) -> dict:
 
 
 def format_table(reports: dict[str, dict]) -> str:
-    lines = [f"{'setup':<26} {'makespan s':>10} {'tokens/s':>9} {'cum. KV token-s':>16}"]
+    lines = [
+        f"{'setup':<26} {'makespan s':>10} {'tokens/s':>9} {'cum. KV token-s':>16} {'latency p90 s':>14}"
+    ]
     for name, r in reports.items():
         lines.append(
-            f"{name:<26} {r['makespan_s']:>10.1f} {r['tokens_per_s']:>9.1f} {r['cumulative_kv_token_s']:>16.0f}"
+            f"{name:<26} {r['makespan_s']:>10.1f} {r['tokens_per_s']:>9.1f} "
+            f"{r['cumulative_kv_token_s']:>16.0f} {r['latency_s']['p90']:>14.1f}"
         )
     return "\n".join(lines)
 
@@ -221,4 +257,11 @@ def add_arguments(p) -> None:
         help="skip the simulator's 100 clusters x 1M queries timing (~1 min)",
     )
     p.add_argument("--only", default="", help="comma-separated setups to run (default: all six)")
+    add_arrival_arguments(p)
+    p.add_argument(
+        "--tick",
+        type=float,
+        default=0.25,
+        help="with arrivals: queries arriving within this many s go as one batch",
+    )
     p.add_argument("--no-progress", action="store_true")

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from load.arrivals import add_arrival_arguments
 from sim.costs import LinearCost, parse_speeds
 from sim.study import StudySetup, make_workloads, scale, study
 from sim.validate import __doc__ as validate_doc
@@ -110,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--cluster-counts", type=_ints, default=[3, 6, 9], help="fleet sizes replayed (default 3,6,9)"
     )
-    s.add_argument("--arrivals", choices=("all", "poisson"), default="all", help="all at once, or Poisson")
-    s.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals per second (default 20)")
+    add_arrival_arguments(s)
     _cost_args(s)
     c = sub.add_parser(
         "scale",
@@ -171,7 +171,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
         elif args.command == "study":
             works = make_workloads(
-                args.workload, args.queries, args.seed, args.max_tokens, args.arrivals, args.rate
+                args.workload,
+                args.queries,
+                args.seed,
+                args.max_tokens,
+                args.arrivals,
+                args.rate,
+                args.arrival_scale,
+                args.trace,
             )
             out = study(
                 works, args.batches, args.cluster_counts, setup, args.reference_batch, not args.no_progress

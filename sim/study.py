@@ -20,9 +20,10 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from load.arrivals import arrivals as arrival_times
 from sim.core import ClusterSpec, SimConfig, SimResult, Simulator
 from sim.costs import LinearCost
-from sim.workload import Workload, bootstrap, load_workload, poisson_arrivals
+from sim.workload import Workload, bootstrap, load_workload
 
 COMBOS = (
     ("round_robin", "static"),
@@ -146,9 +147,17 @@ def study(
 
 
 def make_workloads(
-    name: str, sizes: Sequence[int], seed: int, max_tokens: int, arrivals: str, rate: float
+    name: str,
+    sizes: Sequence[int],
+    seed: int,
+    max_tokens: int,
+    arrivals: str,
+    rate: float,
+    scale: float = 1.0,
+    trace: str = "conv",
 ) -> dict[int, Workload]:
-    """One workload per batch length (the largest drawn once, the others its prefixes)."""
+    """One workload per batch length (the largest drawn once, the others its prefixes), with
+    arrival times of process ``arrivals`` (:func:`load.arrivals.arrivals`)."""
     tokenizer = None
     if name == "mixed":
         from localmodels import default_tokenizer
@@ -160,8 +169,8 @@ def make_workloads(
         w = Workload(
             big.prompt_tokens[:n], big.true_tokens[:n], big.predicted_tokens[:n], [0.0] * n, big.source
         )
-        if arrivals == "poisson":
-            w = w.with_arrivals(poisson_arrivals(n, rate, seed))
+        if arrivals != "all":
+            w = w.with_arrivals(arrival_times(arrivals, n, rate=rate, scale=scale, trace=trace, seed=seed))
         out[n] = w
     return out
 

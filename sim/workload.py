@@ -11,7 +11,7 @@ Sources, all through the real loaders of :mod:`load.workload`:
   fallback predictor of ``loadgen compare-policies`` fitted on other records of the dataset;
 * :func:`bootstrap` -- ``n`` queries resampled from one of the above (the 1,000,000-query scale run).
 
-Arrivals: all at once (time 0) or Poisson (:func:`poisson_arrivals`).
+Arrivals come from :mod:`load.arrivals` (all at once, Poisson, or the Azure trace's timestamps).
 """
 
 from __future__ import annotations
@@ -134,12 +134,3 @@ def bootstrap(base: Workload, n: int, seed: int = 0) -> Workload:
     t = np.asarray(base.true_tokens)[idx].tolist()
     r = np.asarray(base.predicted_tokens, dtype=float)[idx].tolist()
     return Workload(p, t, r, [0.0] * n, base.source + "-bootstrap")
-
-
-def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
-    """Arrival times of a Poisson process of ``rate_per_s`` queries per second, starting at 0."""
-    if not rate_per_s > 0:
-        raise ValueError(f"arrival rate must be > 0, not {rate_per_s}")
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate_per_s, n)
-    gaps[0] = 0.0
-    return np.cumsum(gaps).tolist()

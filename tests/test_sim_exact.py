@@ -24,11 +24,12 @@ sys.path.insert(
 from engines.config import EngineConfig  # noqa: E402
 from engines.engine import LLMEngine  # noqa: E402
 from engines.interface import Request, SamplingParams  # noqa: E402
+from load.arrivals import poisson_arrivals  # noqa: E402
 from localmodels import build_model, default_tokenizer, generated_corpus  # noqa: E402
 from sim.core import ClusterSpec, SimConfig, Simulator  # noqa: E402
 from sim.costs import LinearCost  # noqa: E402
 from sim.engines import IterationEngine  # noqa: E402
-from sim.workload import Workload, poisson_arrivals  # noqa: E402
+from sim.workload import Workload  # noqa: E402
 
 BLOCK, STEP_TOKENS, CHUNK, MARGIN = 4, 24, 12, 0.1
 # (KV tokens, max_running): a tight cache (admission blocks, preemptions) and a roomy one with a

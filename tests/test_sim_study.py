@@ -14,10 +14,11 @@ sys.path.insert(
 )  # `sim` is not in pyproject's package list yet
 
 from gateway.policies import ClusterView, QueryLoad, make_policy  # noqa: E402
+from load.arrivals import poisson_arrivals  # noqa: E402
 from sim.cli import main  # noqa: E402
 from sim.core import ClusterSpec, SimConfig, Simulator  # noqa: E402
 from sim.costs import LinearCost  # noqa: E402
-from sim.workload import Workload, generated_workload, poisson_arrivals  # noqa: E402
+from sim.workload import Workload, generated_workload  # noqa: E402
 
 
 def small_workload(n: int = 400, seed: int = 3) -> Workload:
