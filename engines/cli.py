@@ -9,7 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from cliutil import run_main
 from engines import serve
+from engines.bench import bench
+from engines.bench_pipeline import bench_pipeline
+from engines.config import EngineConfig
+from engines.engine import LLMEngine
+from engines.interface import Request, SamplingParams
+from engines.profile import run_profile
 
 log = logging.getLogger("engine")
 
@@ -43,9 +52,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace, max_running: int):
-    from engines.config import EngineConfig
-
+def _config(args: argparse.Namespace, max_running: int) -> EngineConfig:
     cfg = EngineConfig(
         block_size=args.block_size,
         max_batch_tokens=args.max_batch_tokens,
@@ -60,9 +67,7 @@ def _config(args: argparse.Namespace, max_running: int):
     return cfg
 
 
-def _read_requests(path: str, args: argparse.Namespace):
-    from engines.interface import Request, SamplingParams
-
+def _read_requests(path: str, args: argparse.Namespace) -> list[Request]:
     src = sys.stdin if path == "-" else None
     if src is None and not Path(path).is_file():
         raise FileNotFoundError(f"input file {path} not found")
@@ -98,8 +103,6 @@ def _read_requests(path: str, args: argparse.Namespace):
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from engines.engine import LLMEngine
-
     reqs = _read_requests(args.input, args)
     engine = LLMEngine.from_pretrained(args.model_dir, args.arch, args.size, _config(args, args.max_running))
     start = time.perf_counter()
@@ -144,14 +147,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.stages or args.plan:
-        from engines.bench_pipeline import bench_pipeline
-
         if args.repeats < 1 or args.prompt_len < 1 or args.gen_len < 1:
             raise ValueError("--repeats, --prompt-len and --gen-len must be >= 1")
         result = bench_pipeline(args)
     else:
-        from engines.bench import bench
-
         result = bench(args)
     print(json.dumps(result))
     return 0
@@ -294,34 +293,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return serve.run_serve(args)
     if args.threads is not None:
-        import torch
-
         if args.threads < 1:
-            print(
-                f"engine {args.command}: error: --threads must be >= 1, got {args.threads}", file=sys.stderr
-            )
-            return 2
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    try:
-        if args.command == "generate":
-            return run_generate(args)
-        if args.command == "profile":
-            from engines.profile import run_profile
+    if args.command == "generate":
+        return run_generate(args)
+    if args.command == "profile":
+        return run_profile(args)
+    return run_bench(args)
 
-            return run_profile(args)
-        return run_bench(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"engine {args.command}: error: {e}", file=sys.stderr)
-        return 2
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(build_parser(), argv, run, prog="engine")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import yaml
 
 from load.client import run_batch, summarise
 from load.deployment import LocalDeployment
+from load.workload import from_dataset
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,8 +64,7 @@ def _one_run(args, items, offload: bool) -> dict:
 
 
 def run(args) -> dict:
-    from load.workload import from_dataset
-    from localmodels import default_tokenizer
+    from localmodels import default_tokenizer  # lazy: transformers (loadgen starts without)
 
     items = from_dataset(args.dataset, args.num, args.seed, args.max_tokens, True, default_tokenizer())
     without = _one_run(args, items, offload=False)

@@ -9,6 +9,7 @@ import sys
 
 import grpc
 
+from cliutil import run_main
 from load import bench_offload, chaos, compare_policies, openai_check, report, soak, study
 from load.client import format_summary, run_batch, summarise
 from load.deployment import LocalDeployment
@@ -137,7 +138,7 @@ def _workload(args):
     if args.jsonl:
         return from_openai_jsonl(args.jsonl, args.max_tokens)[: args.num]
     if args.dataset:
-        from localmodels import default_tokenizer
+        from localmodels import default_tokenizer  # lazy: transformers (loadgen starts without)
 
         return from_dataset(args.dataset, args.num, args.seed, args.max_tokens, forced, default_tokenizer())
     return generated(args.num, args.seed, args.max_tokens, forced)
@@ -183,28 +184,33 @@ def _demo(args) -> int:
         return 1
 
 
+def run(args: argparse.Namespace) -> int:
+    if args.command == "submit":
+        return _submit(args, args.target)
+    if args.command == "demo":
+        return _demo(args)
+    modules = {"bench-offload": bench_offload, "compare-policies": compare_policies}
+    modules.update(chaos=chaos, study=study, report=report, soak=soak)
+    modules["openai-check"] = openai_check
+    print(json.dumps(modules[args.command].run(args)))
+    return 0
+
+
+def _describe(e: BaseException) -> str:
+    return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    return run_main(
+        build_parser(),
+        argv,
+        run,
+        prog="loadgen",
+        errors=(grpc.RpcError, FileNotFoundError, ValueError),
+        error_code=1,
+        message="{prog} {command}: {error}",
+        describe=_describe,
     )
-    try:
-        if args.command == "submit":
-            return _submit(args, args.target)
-        if args.command == "demo":
-            return _demo(args)
-        modules = {"bench-offload": bench_offload, "compare-policies": compare_policies}
-        modules.update(chaos=chaos, study=study, report=report, soak=soak)
-        modules["openai-check"] = openai_check
-        print(json.dumps(modules[args.command].run(args)))
-        return 0
-    except grpc.RpcError as e:
-        print(f"loadgen {args.command}: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, ValueError) as e:
-        print(f"loadgen {args.command}: {e}", file=sys.stderr)
-        return 1
 
 
 if __name__ == "__main__":

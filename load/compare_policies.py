@@ -20,7 +20,6 @@ an oracle (``token`` fed the actual lengths), predictor quality and the time to 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -29,8 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from cliutil import run_main
 from fleetdata.datasets import load_mixed, response_lengths
 from gateway.policies import POLICIES, ClusterView, QueryLoad, make_policy, tokens_per_cluster
+from predictor.labeled import split_of
 
 POLICY_ORDER = ("round_robin", "least_loaded", "token_equal", "token")
 
@@ -107,7 +108,7 @@ def fit_fallback_predictor(prompts: Sequence[str], lengths: Sequence[int], seed:
 
 
 def _serving_predictor(model_dir: str):
-    from predictor.serving import LengthPredictor  # built by another issue; may not exist yet
+    from predictor.serving import LengthPredictor  # lazy: torch, transformers (loadgen starts without)
 
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"predictor directory {model_dir} not found")
@@ -202,15 +203,13 @@ def _plot(path: str, equal: dict, unequal: dict, caps: Sequence[float]) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """Run the comparison; returns the figures (the CLI prints them as the last line)."""
-    from localmodels import default_tokenizer
+    from localmodels import default_tokenizer  # lazy: transformers (loadgen starts without)
 
     _validate(args)
     caps = _parse_capacities(args.capacities)
     records = load_mixed(Path(args.data_dir) if args.data_dir else None)
     if args.predictor:
         # a trained predictor has seen its train/val splits: draw the batch from its test split only
-        from predictor.labeled import split_of
-
         records = [r for r in records if split_of(r.prompt) == "test"]
     if len(records) < args.n + 100:
         raise ValueError(
@@ -320,15 +319,22 @@ def _print_summary(result: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loadgen compare-policies", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        result = run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"compare-policies: error: {e}", file=sys.stderr)
-        return 2
+    return run_main(
+        parser,
+        argv,
+        _run_and_summarise,
+        prog="compare-policies",
+        errors=(ValueError, FileNotFoundError),
+        message="{prog}: error: {error}",
+        log_format=None,
+        print_json=True,
+    )
+
+
+def _run_and_summarise(args: argparse.Namespace) -> dict:
+    result = run(args)
     _print_summary(result)
-    print(json.dumps(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -11,12 +11,22 @@ import json
 import logging
 import statistics
 import sys
+import time
 from pathlib import Path
 
+from cliutil import PLAIN_LOG, run_main
+from planfile import save_plan
+from planner.baselines import het, uniform
+from planner.build import make_plan
 from planner.cli_args import CliError, _bits, _chunks, _positive, _tp_sizes
 from planner.cli_measure import add_measure_parsers
 from planner.cluster import PAPER_CLUSTERS, ClusterSpecError, load_cluster
+from planner.compare import markdown_table, plot_speedups, run_compare
 from planner.costs import DEFAULT_BITS, Workload
+from planner.latency import Profile
+from planner.modelshape import load_shape
+from planner.problem import build_problem
+from planner.search import plan
 
 log = logging.getLogger("planner")
 
@@ -93,8 +103,6 @@ def _add_workload(p: argparse.ArgumentParser, theta: float) -> None:
 
 
 def _profiles(items: list[str] | None) -> dict:
-    from planner.latency import Profile
-
     out = {}
     for it in items or []:
         if "=" in it:
@@ -110,13 +118,6 @@ def _profiles(items: list[str] | None) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from planner.baselines import het, uniform
-    from planner.build import make_plan
-    from planner.modelshape import load_shape
-    from planfile import save_plan
-    from planner.problem import build_problem
-    from planner.search import plan
-
     try:
         cluster = load_cluster(args.cluster)
         shape = load_shape(args.model)
@@ -124,8 +125,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (ClusterSpecError, ValueError) as e:
         raise CliError(str(e)) from None
     log.info("planning %s on %s with %s", shape.name, cluster.describe(), args.method)
-    import time
-
     t0 = time.perf_counter()
     if args.method in ("uniform", "het"):
         r = (uniform if args.method == "uniform" else het)(problem)
@@ -174,15 +173,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from planner.compare import markdown_table, plot_speedups, run_compare
-
     clusters = args.clusters.split(",") if args.clusters else list(PAPER_CLUSTERS)
     models = args.models.split(",")
     try:
         for c in clusters:
             load_cluster(c)
-        from planner.modelshape import load_shape
-
         for m in models:
             load_shape(m)
         wl = _workload(args)
@@ -294,15 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    return run_main(
+        build_parser(),
+        argv,
+        lambda args: args.func(args),
+        prog="planner",
+        errors=(CliError,),
+        log_format=PLAIN_LOG,
+        levels=(logging.WARNING, logging.INFO),
     )
-    try:
-        return args.func(args)
-    except CliError as e:
-        print(f"planner {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

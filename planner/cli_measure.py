@@ -6,20 +6,23 @@ import argparse
 import json
 import sys
 
+import torch
+
+from planner import profiler
+from planner.catalog import device_type
 from planner.cli_args import CliError, _positive, _sizes
+from planner.fidelity import fidelity_profile, latency_errors, memory_errors
+from planner.latency import fit_head, fit_profile, paper_ratio_check
+from planner.modelshape import load_shape
+from planner.profiler import profile_local
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from planner.modelshape import load_shape
-    from planner.profiler import profile_local
-
     try:
         shape = load_shape(args.model)
     except ValueError as e:
         raise CliError(str(e)) from None
     if args.device.startswith("cuda"):
-        import torch
-
         if not torch.cuda.is_available():
             raise CliError("--device cuda given but no CUDA GPU is available")
     pre_grid, dec_grid = _profile_grids(args)
@@ -38,8 +41,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     prof.save(args.out)
-    from planner.latency import fit_head, fit_profile
-
     ph = prof.samples[16]
     try:
         lm = fit_profile(prof)
@@ -76,8 +77,6 @@ QUICK_LENGTHS = (64, 128, 256)
 def _profile_grids(args: argparse.Namespace) -> tuple[list | None, list | None]:
     """Prefill (v x s) and decode (v x c) grids of ``planner profile``: ``--batches`` x ``--lengths``,
     each defaulting to the ``--quick`` sizes, else to the profiler's; (None, None) for the full default."""
-    from planner import profiler
-
     batches = args.batches or (QUICK_BATCHES if args.quick else None)
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else None)
     if batches is None and lengths is None:
@@ -88,11 +87,6 @@ def _profile_grids(args: argparse.Namespace) -> tuple[list | None, list | None]:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    from planner.catalog import device_type
-    from planner.fidelity import fidelity_profile, latency_errors, memory_errors
-    from planner.latency import paper_ratio_check
-    from planner.modelshape import load_shape
-
     try:
         shape = load_shape(args.model)
         mem_shape = load_shape(args.memory_model)

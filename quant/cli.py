@@ -6,10 +6,19 @@ Every subcommand prints, as its last line, one JSON object with its results.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
+
+import torch
+
+from cliutil import PLAIN_LOG, run_main
+from localmodels import load_model, load_or_build
+from quant.accounting import decoder_layer_weight_bytes, kv_bytes_per_token, non_layer_weight_bytes
+from quant.configs import named_config
+from quant.evaluate import calibration_blocks, evaluate
+from quant.indicator import collect_input_moments, save_indicator, synthetic_indicator, variance_indicator
+from quant.train import TrainConfig, train_tiny
 
 log = logging.getLogger("quant")
 
@@ -54,8 +63,6 @@ def _quant_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train_tiny(a: argparse.Namespace) -> dict:
-    from quant.train import TrainConfig, train_tiny
-
     if a.hidden <= 0 or a.hidden % 64:
         raise ValueError(f"--hidden must be a positive multiple of 64, not {a.hidden}")
     return train_tiny(
@@ -79,10 +86,6 @@ def cmd_train_tiny(a: argparse.Namespace) -> dict:
 
 
 def cmd_indicator(a: argparse.Namespace) -> dict:
-    from localmodels import load_or_build
-    from quant.evaluate import calibration_blocks
-    from quant.indicator import collect_input_moments, save_indicator, variance_indicator
-
     model, tok = load_or_build(a.model, size=a.size)
     calib = calibration_blocks(tok, a.calib_tokens, a.seq_len, a.data_dir)
     moments = collect_input_moments(model, calib.split(8))
@@ -100,9 +103,6 @@ def cmd_indicator(a: argparse.Namespace) -> dict:
 
 
 def cmd_synthetic(a: argparse.Namespace) -> dict:
-    from quant.configs import named_config
-    from quant.indicator import save_indicator, synthetic_indicator
-
     cfg = named_config(a.model)
     omega = synthetic_indicator(cfg, a.bits, a.seed, a.group_size, not a.asymmetric)
     save_indicator(
@@ -112,9 +112,6 @@ def cmd_synthetic(a: argparse.Namespace) -> dict:
 
 
 def cmd_bytes(a: argparse.Namespace) -> dict:
-    from quant.accounting import decoder_layer_weight_bytes, kv_bytes_per_token, non_layer_weight_bytes
-    from quant.configs import named_config
-
     cfg = named_config(a.model)
     sym = not a.asymmetric
     layer = {str(b): decoder_layer_weight_bytes(cfg, b, a.group_size, sym) for b in (16, 8, 4, 3, 2)}
@@ -134,11 +131,6 @@ def cmd_eval(a: argparse.Namespace) -> dict:
         raise FileNotFoundError(
             f"{a.model} is not a model directory (no config.json); run `quant train-tiny` first"
         )
-    import torch
-
-    from localmodels import load_model
-    from quant.evaluate import evaluate
-
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
     res = evaluate(
@@ -160,7 +152,7 @@ def cmd_eval(a: argparse.Namespace) -> dict:
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="quant",
         description="Mixed-precision weight-only quantization (RTN 2/3/4/8 bit, packed), exact memory "
@@ -268,17 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     _quant_args(p)
     p.set_defaults(func=cmd_eval)
 
-    a = ap.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if a.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(
+        build_parser(),
+        argv,
+        lambda a: a.func(a),
+        prog="quant",
+        errors=(ValueError, FileNotFoundError, OSError, TypeError),
+        log_format=PLAIN_LOG,
+        print_json=True,
+        json_default=str,
     )
-    try:
-        result = a.func(a)
-    except (ValueError, FileNotFoundError, OSError, TypeError) as e:
-        print(f"quant {a.cmd}: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, default=str))
-    return 0
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from localmodels import default_tokenizer
 from quant.textdata import split_texts, token_blocks
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ class TrainConfig:
 
 def train_tiny(cfg: TrainConfig) -> dict:
     """Train and save; returns a summary (steps, tokens, final loss, seconds, path)."""
-    from localmodels import default_tokenizer
-
     if cfg.max_steps <= 0 or cfg.minutes <= 0:
         raise ValueError("max_steps and minutes must be positive")
     torch.manual_seed(cfg.seed)

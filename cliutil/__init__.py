@@ -1,0 +1,7 @@
+"""The shared ``main()`` of the console scripts (:func:`run_main`): parse the arguments, set up
+logging (``-v``), run the command, and turn an expected error into a one-line message and an
+exit code. A bottom package: it imports nothing of the project, so every CLI may use it."""
+
+from cliutil.main import PLAIN_LOG, TIMESTAMPED_LOG, command_of, run_main
+
+__all__ = ["PLAIN_LOG", "TIMESTAMPED_LOG", "command_of", "run_main"]

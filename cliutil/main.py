@@ -1,0 +1,78 @@
+"""One ``main()`` for every console script.
+
+Each CLI builds its parser and a function that runs the parsed command; :func:`run_main` does
+the rest the same way everywhere::
+
+    def main(argv: list[str] | None = None) -> int:
+        return run_main(build_parser(), argv, run, prog="planner", levels=(logging.WARNING, logging.INFO))
+
+``run`` returns the exit code, or (``print_json=True``) a result that is printed as one JSON
+line, exit code 0. An error of one of the ``errors`` types becomes ``message`` on stderr and
+``error_code``; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+TIMESTAMPED_LOG = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+PLAIN_LOG = "%(levelname)s %(name)s: %(message)s"
+
+
+def command_of(args: argparse.Namespace) -> str:
+    """The subcommand's name (``args.command`` or ``args.cmd``), ``""`` without one."""
+    return str(getattr(args, "command", None) or getattr(args, "cmd", None) or "")
+
+
+def run_main(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    run: Callable[[argparse.Namespace], Any],
+    *,
+    prog: str,
+    errors: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, OSError),
+    error_code: int = 2,
+    message: str = "{prog} {command}: error: {error}",
+    describe: Callable[[BaseException], str] = str,
+    log_format: str | None = TIMESTAMPED_LOG,
+    levels: tuple[int, int] = (logging.INFO, logging.DEBUG),
+    quiet_loggers: Sequence[str] = (),
+    print_json: bool = False,
+    json_default: Callable[[Any], Any] | None = None,
+    interrupted_code: int | None = None,
+) -> int:
+    """Parse ``argv`` with ``parser``, set up logging, run ``run(args)``; returns the exit code.
+
+    - Logging: ``levels`` = (level without ``-v``, level with ``-v``/``--verbose``) in
+      ``log_format`` on stderr; ``log_format=None`` leaves logging alone. ``quiet_loggers`` (noisy
+      libraries) log errors only.
+    - Errors: ``message`` is formatted with ``prog``, ``command`` (:func:`command_of`) and
+      ``error`` (``describe(exception)``, ``str`` by default).
+    - ``interrupted_code``: Ctrl-C prints ``PROG: interrupted`` and returns this code (``None``:
+      the ``KeyboardInterrupt`` propagates).
+    """
+    args = parser.parse_args(argv)
+    if log_format is not None:
+        verbose = bool(getattr(args, "verbose", False))
+        logging.basicConfig(level=levels[verbose], format=log_format, stream=sys.stderr)
+        for name in quiet_loggers:
+            logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        result = run(args)
+    except errors as e:
+        print(message.format(prog=prog, command=command_of(args), error=describe(e)), file=sys.stderr)
+        return error_code
+    except KeyboardInterrupt:
+        if interrupted_code is None:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return interrupted_code
+    if print_json:
+        print(json.dumps(result, default=json_default))
+        return 0
+    return result
