@@ -6,9 +6,9 @@ The last line of the output is one JSON object (see ``docs/sim.md``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from cliutil import run_main
 from load.arrivals import add_arrival_arguments
 from sim.costs import LinearCost, parse_speeds
 from sim.study import StudySetup, make_workloads, scale, study
@@ -159,43 +159,51 @@ def _table(out: dict) -> str:
     return "\n".join(lines)
 
 
+def run(args: argparse.Namespace) -> dict:
+    """The chosen command's result (the JSON object of the last line); validate and study print a table first."""
+    setup = _setup(args)
+    if args.command == "validate":
+        out = validate(args.runs, setup.cost)
+        for r in out["runs"]:
+            print(
+                f"{r['run']:<50} real {r['real_makespan_s']:>7.2f} s  sim {r['sim_makespan_s']:>7.2f} s  error {r['error']:.3f}"
+            )
+    elif args.command == "study":
+        works = make_workloads(
+            args.workload,
+            args.queries,
+            args.seed,
+            args.max_tokens,
+            args.arrivals,
+            args.rate,
+            args.arrival_scale,
+            args.trace,
+        )
+        out = study(
+            works, args.batches, args.cluster_counts, setup, args.reference_batch, not args.no_progress
+        )
+        out.update(workload=args.workload, arrivals=args.arrivals, offload=setup.offload)
+        print(_table(out))
+    else:
+        if args.clusters < 1 or args.queries < 1 or args.batch < 1:
+            raise ValueError("--clusters, --queries and --batch must be >= 1")
+        out = scale(
+            args.clusters, args.queries, args.batch, setup, args.seed, args.policy, not args.no_progress
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        setup = _setup(args)
-        if args.command == "validate":
-            out = validate(args.runs, setup.cost)
-            for r in out["runs"]:
-                print(
-                    f"{r['run']:<50} real {r['real_makespan_s']:>7.2f} s  sim {r['sim_makespan_s']:>7.2f} s  error {r['error']:.3f}"
-                )
-        elif args.command == "study":
-            works = make_workloads(
-                args.workload,
-                args.queries,
-                args.seed,
-                args.max_tokens,
-                args.arrivals,
-                args.rate,
-                args.arrival_scale,
-                args.trace,
-            )
-            out = study(
-                works, args.batches, args.cluster_counts, setup, args.reference_batch, not args.no_progress
-            )
-            out.update(workload=args.workload, arrivals=args.arrivals, offload=setup.offload)
-            print(_table(out))
-        else:
-            if args.clusters < 1 or args.queries < 1 or args.batch < 1:
-                raise ValueError("--clusters, --queries and --batch must be >= 1")
-            out = scale(
-                args.clusters, args.queries, args.batch, setup, args.seed, args.policy, not args.no_progress
-            )
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(out))
-    return 0
+    return run_main(
+        build_parser(),
+        argv,
+        run,
+        prog="sim",
+        errors=(ValueError, FileNotFoundError),
+        message="error: {error}",
+        log_format=None,
+        print_json=True,
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from load.arrivals import arrivals as arrival_times
+from localmodels import default_tokenizer
 from sim.core import ClusterSpec, SimConfig, SimResult, Simulator
 from sim.costs import LinearCost
 from sim.workload import Workload, bootstrap, load_workload
@@ -160,8 +161,6 @@ def make_workloads(
     arrival times of process ``arrivals`` (:func:`load.arrivals.arrivals`)."""
     tokenizer = None
     if name == "mixed":
-        from localmodels import default_tokenizer
-
         tokenizer = default_tokenizer()
     big = load_workload(name, max(sizes), seed, max_tokens, tokenizer)
     out = {}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetdata.datasets import load_dataset, response_lengths
+from load.compare_policies import fit_fallback_predictor
 from load.workload import WorkItem, from_dataset, generated
 
 
@@ -106,8 +107,6 @@ def mixed_workload(
     n: int, seed: int = 0, max_tokens: int = 256, tokenizer=None, train_max: int = 4000
 ) -> Workload:
     """``n`` records of the real mixed workload with forced (recorded) lengths and fitted predictions."""
-    from load.compare_policies import fit_fallback_predictor
-
     items = from_dataset("mixed", n, seed=seed, max_tokens=max_tokens, forced=True, tokenizer=tokenizer)
     picked = {it.prompt for it in items}
     rest = [r for r in load_dataset("mixed") if r.prompt not in picked]
