@@ -142,6 +142,16 @@ def test_train_pretrained_on_real_prompts_saves_a_model_that_serves(
     ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ev["model"] == str(out / "v1") and -1.0 <= ev["kendall_tau"] <= 1.0
 
+    # the teacher -> student path: a small from-scratch model distilled from the fine-tuned encoder
+    student = ["train", "--teacher", str(out), "--data", str(data), "--serving-tokenizer", str(tok)]
+    student += ["--out", str(tmp_path / "student"), "--epochs", "1", "--buckets", "4", "--max-ratio", "0"]
+    student += ["--layers", "1", "--dim", "32", "--heads", "2", "--max-len", "32", "--vocab", "300"]
+    assert main([*student, "--mlm-epochs", "0", "--threads", "1"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    meta = json.loads((tmp_path / "student" / "v1" / "predictor.json").read_text())
+    assert meta["teacher"] == [str(out / "v1")] and meta["model_config"]["layers"] == 1
+    assert not isinstance(store.load(tmp_path / "student").model, MeanPoolClassifier)
+
 
 def test_pretrained_bert_round_trip_gives_identical_predictions(tmp_path):
     """fit -> save_version -> store.load reproduces the in-memory model's probabilities (mean-pooled head)."""
