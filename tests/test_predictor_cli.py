@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import redis
@@ -10,6 +11,7 @@ import torch
 
 from predictor import store
 from predictor.cli import main
+from predictor.labeled import LabeledSet, load_labeled, split
 from predictor.observed import OBSERVED_KEY, read_observed, record_observed
 from tests.predictor_fixtures import save_small_tokenizer, synthetic, write_jsonl
 
@@ -172,8 +174,6 @@ def test_export_writes_labels_that_train_elsewhere(workload, tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == r["examples"] == 450 and r["train"] + r["val"] + r["test"] == 450
     assert {"prompt", "length", "source", "split"} <= set(rows[0])
-    from predictor.labeled import load_labeled, split
-
     again = split(load_labeled(str(out)))  # no tokenizer needed: the lengths are in the file
     assert len(again["test"]) == r["test"]
     assert sorted(again["test"].prompts) == sorted(x["prompt"] for x in rows if x["split"] == "test")
@@ -254,8 +254,6 @@ def test_retrain_from_redis_writes_next_version(model_parent, workload, redis_ur
 
 
 def test_extra_training_data_skips_held_out_prompts(workload, tmp_path, capsys):
-    from predictor.labeled import LabeledSet, load_labeled, split
-
     jsonl, tok = workload
     sp = split(load_labeled(str(jsonl)))
     held_out = sp["val"].prompts[:5] + sp["test"].prompts[:5]  # must not enter training
@@ -310,9 +308,6 @@ def test_train_distils_a_teacher(model_parent, workload, tmp_path, capsys):
 
 
 def test_mlm_reads_the_responses_of_the_training_prompts_only(tmp_path, capsys, caplog):
-    import logging
-
-    from predictor.labeled import split
 
     data = synthetic(300, seed=3)
     lines = [

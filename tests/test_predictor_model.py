@@ -9,13 +9,23 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+from transformers import DistilBertForMaskedLM
 
 from predictor import store
-from predictor.inference import predict_proba
-from predictor.labeled import split
-from predictor.pipeline import fit, save_version
+from predictor.buckets import make_buckets
+from predictor.evaluation import choose_point_estimate
+from predictor.inference import encode, predict_proba
+from predictor.labeled import LabeledSet, split
+from predictor.model import (
+    build_classifier,
+    distilbert_config,
+    load_pretrained,
+    pretrain_mlm,
+    train_wordpiece,
+)
+from predictor.pipeline import Teacher, fit, save_version
 from predictor.serving import LengthPrediction, LengthPredictor
-from predictor.training import TrainConfig
+from predictor.training import TrainConfig, rank_loss, soft_targets
 from tests.predictor_fixtures import TINY, synthetic
 
 torch.set_num_threads(1)
@@ -97,8 +107,6 @@ def test_concurrent_inference_matches_serial(saved, data):
 
 
 def test_point_estimate_is_chosen_on_validation_and_saved(trained, saved):
-    from predictor.evaluation import choose_point_estimate
-
     result = trained[3]
     assert set(result.val_estimates) == {"expected", "median", "midpoint"}
     assert result.point_estimate == choose_point_estimate(result.val_estimates)
@@ -169,8 +177,6 @@ def test_fallback_without_model_warns_once(caplog):
 
 
 def test_head_tail_truncation_keeps_both_ends(trained):
-    from predictor.inference import encode
-
     tok = trained[1]
     prompt = "brief " + "city " * 50 + "story"
     both = encode(tok, [prompt], 8, "head_tail")[0]
@@ -184,8 +190,6 @@ def test_head_tail_truncation_keeps_both_ends(trained):
 
 
 def test_mlm_pretraining_gives_encoder_weights(data):
-    from predictor.model import build_classifier, pretrain_mlm, train_wordpiece
-
     tok = train_wordpiece(data["train"].prompts, TINY.vocab_size)
     enc = pretrain_mlm(TINY, tok, data["train"].prompts[:200], epochs=1, batch_size=50)
     model = build_classifier(TINY, tok, 4)
@@ -197,8 +201,6 @@ def test_mlm_pretraining_gives_encoder_weights(data):
 
 
 def test_soft_ordinal_targets_and_ema():
-    from predictor.training import TrainConfig, soft_targets
-
     t = soft_targets(torch.tensor([0, 2]), 5, 1.0)
     assert torch.allclose(t.sum(1), torch.ones(2))
     assert t[1].argmax() == 2 and t[1, 1] == t[1, 3] and t[1, 0] < t[1, 1]
@@ -207,8 +209,6 @@ def test_soft_ordinal_targets_and_ema():
 
 
 def test_rank_loss_rewards_the_right_order():
-    from predictor.training import rank_loss
-
     values = torch.tensor([10.0, 100.0, 1000.0])
     lengths = torch.tensor([8.0, 90.0, 1200.0])
     right = torch.tensor([[4.0, 0, 0], [0, 4.0, 0], [0, 0, 4.0]], requires_grad=True)
@@ -225,10 +225,6 @@ def test_rank_loss_rewards_the_right_order():
 
 def test_pretrained_checkpoint_path(data, tmp_path):
     """The production path: a local DistilBERT checkpoint (MLM weights + tokenizer) gets a bucket head."""
-    from transformers import DistilBertForMaskedLM
-
-    from predictor.model import distilbert_config, load_pretrained, train_wordpiece
-
     tok = train_wordpiece(data["train"].prompts, TINY.vocab_size)
     torch.manual_seed(0)  # fit seeds the new head; the stand-in checkpoint must not depend on earlier tests
     checkpoint = DistilBertForMaskedLM(distilbert_config(TINY, tok))
@@ -251,10 +247,6 @@ def test_pretrained_checkpoint_path(data, tmp_path):
 
 def test_distilling_a_teacher_pulls_the_student_towards_it(data):
     """With the teacher's rows in the target, the student follows a teacher that disagrees with the labels."""
-    from predictor.buckets import make_buckets
-    from predictor.labeled import LabeledSet
-    from predictor.pipeline import Teacher
-
     train = data["train"].sample(200, 0)
     # validation answers are all short too, so early stopping keeps what the teacher taught
     val = LabeledSet(data["val"].prompts, [1] * len(data["val"]), data["val"].sources)

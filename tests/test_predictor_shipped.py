@@ -18,6 +18,7 @@ from gateway.cli import build_parser as gateway_parser
 from gateway.up import gateway_config
 from predictor import shipped, store
 from predictor.cli import main as predictor_main
+from predictor.inference import predict_proba
 from predictor.labeled import split
 from predictor.pipeline import fit, save_version
 from predictor.serving import LengthPredictor
@@ -71,8 +72,6 @@ def test_shipped_model_predicts_like_the_fp32_model_it_was_saved_from():
     assert not pred.is_fallback and pred.version.startswith("shipped-")
     loaded = store.load(shipped.SHIPPED_DIR)
     assert next(loaded.model.parameters()).dtype == torch.float32
-    from predictor.inference import predict_proba
-
     probs = predict_proba(
         loaded.model, loaded.tokenizer, ref["prompts"], loaded.max_len, truncation=loaded.truncation
     )
