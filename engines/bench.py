@@ -32,6 +32,7 @@ from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
 from fleetdata.datasets import load_dataset, response_lengths
+from localmodels import load_or_build
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +231,6 @@ def plot(results: dict[str, MethodResult], out_dir: Path) -> list[str]:
 
 def bench(args) -> dict:
     """Run the three methods on the same queries; returns the summary printed as the last line."""
-    from localmodels import load_or_build
-
     if args.num_queries < 1 or args.batch_size < 1 or args.max_len < 1 or args.max_prompt < 1:
         raise ValueError("--num-queries, --batch-size, --max-len and --max-prompt must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -26,6 +26,7 @@ from engines.sampler import sample
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Sequence, SequenceStatus
 from engines.step_batch import StepBatch
+from localmodels import load_or_build
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +39,6 @@ class LLMEngine:
         ones); ``config`` stays the caller's: the engine works on a copy (a plan sets its limits)."""
         self.config = config = copy.deepcopy(config) if config is not None else EngineConfig()
         config.validate()
-        if config.kv_bits == 8:
-            try:
-                import quant.kv  # noqa: F401
-            except ImportError as e:
-                raise ValueError(
-                    "kv_bits=8 needs quant.kv (quantize_kv / dequantize_kv); use kv_bits=16"
-                ) from e
         self.plan_notes = apply_plan(config) if config.plan_path else []
         if config.plan_path:
             self.plan_notes += apply_plan_bits(model, config.plan_path)
@@ -111,8 +105,6 @@ class LLMEngine:
         config: EngineConfig | None = None,
     ) -> LLMEngine:
         """A real model directory when given, else a random ``arch``/``size`` model with the default tokenizer."""
-        from localmodels import load_or_build
-
         config = config or EngineConfig()
         config.validate()
         model, tok = load_or_build(model_dir, arch=arch, size=size, dtype=_DTYPES[config.dtype])

@@ -28,7 +28,6 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
-        self.cumulative_tokens = 0  # sum over steps of cached tokens (see note_step)
 
     @property
     def total_tokens(self) -> int:
@@ -45,9 +44,6 @@ class KVCacheManager:
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks ``seq`` needs so that its first ``num_tokens`` tokens have a place."""
         return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
-
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= len(self._free)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow ``seq``'s block table to hold ``num_tokens`` tokens; False (nothing taken) if blocks run short."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from engines.kv_cache import KVCacheManager
 from engines.scheduler import ScheduledChunk
 from engines.step_batch import AttentionMeta, StepBatch
+from quant.kv import dequantize_kv, quantize_kv
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -269,8 +270,6 @@ class ModelRunner:
 
     def _write(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.kv_bits == 8:
-            from quant.kv import quantize_kv
-
             for cache, scales, x in ((self.k_cache, self.k_scale, k), (self.v_cache, self.v_scale, v)):
                 codes, scale = quantize_kv(x, 8, axis=-1)
                 cache[i].index_copy_(0, slots, codes)
@@ -281,8 +280,6 @@ class ModelRunner:
 
     def _read(self, i: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kv_bits == 8:
-            from quant.kv import dequantize_kv
-
             k = dequantize_kv(self.k_cache[i][idx], self.k_scale[i][idx], self.dtype)
             v = dequantize_kv(self.v_cache[i][idx], self.v_scale[i][idx], self.dtype)
             return k, v

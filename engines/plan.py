@@ -15,6 +15,7 @@ from pathlib import Path
 from engines.config import EngineConfig
 from engines.pipeline import StageSpec
 from planfile import Plan, load_plan
+from quant.apply import apply_bitmap, decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,6 @@ def plan_layer_bits(path: str) -> list[int]:
 
 def apply_plan_bits(model, path: str, group_size: int | None = 128) -> list[str]:
     """Quantize ``model``'s decoder layers to the plan's bit map (in place); returns notes."""
-    from quant.apply import apply_bitmap, decoder_layers
-
     bits = plan_layer_bits(path)
     n_layers = len(decoder_layers(model))
     if not bits:

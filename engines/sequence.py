@@ -80,10 +80,5 @@ class Sequence:
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
     @property
-    def max_total_tokens(self) -> int:
-        """Prompt plus the most tokens this query may generate."""
-        return self.num_prompt_tokens + self.sampling.target_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

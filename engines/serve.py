@@ -7,10 +7,17 @@ import logging
 import os
 import signal
 
+import torch
+
+from engines.config import EngineConfig
+from engines.engine import LLMEngine
 from engines.interface import Engine
 from engines.metrics import serve_metrics
 from engines.model_runner import resolve_device
+from engines.static_engine import StaticBatchEngine
+from engines.vllm_backend import VLLMEngine
 from engines.worker import Worker, WorkerConfig
+from localmodels import load_or_build
 from workqueue import WorkQueue, connect
 from workqueue.embedded import URL_ENV
 
@@ -77,12 +84,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def build_engine(args: argparse.Namespace) -> Engine:
     """The engine for ``args.backend``, with its model."""
     if args.backend == "vllm":
-        from engines.vllm_backend import VLLMEngine
-
         return VLLMEngine.from_args(args)
     if args.backend == "native":
-        from engines.engine import EngineConfig, LLMEngine
-
         config = EngineConfig(max_running=args.max_batch, device=args.device)
         if args.plan:
             config.plan_path = args.plan
@@ -90,16 +93,11 @@ def build_engine(args: argparse.Namespace) -> Engine:
         return LLMEngine.from_pretrained(args.model, arch=args.arch, size=args.size, config=config)
     if args.device != "cpu":
         raise ValueError(f"the static backend runs on the CPU only, not on --device {args.device}")
-    from engines.static_engine import StaticBatchEngine
-    from localmodels import load_or_build
-
     model, tokenizer = load_or_build(args.model, arch=args.arch, size=args.size)
     return StaticBatchEngine(model, tokenizer, max_batch=args.max_batch)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import torch
-
     url = args.redis_url or os.environ.get(URL_ENV)
     if not url:
         log.error("no Redis URL: pass --redis-url or set $%s (`gateway up` sets it for its engines)", URL_ENV)

@@ -129,10 +129,6 @@ class StepBatch:
     def is_decode_only(self) -> bool:
         return all(c.is_decode for c in self.chunks)
 
-    def mean_decode_context(self) -> float:
-        ctx = [c.start + 1 for c in self.chunks if c.is_decode]
-        return sum(ctx) / len(ctx) if ctx else 0.0
-
     def _meta(self) -> AttentionMeta:
         dec_rows, dec_tables, dec_ctx, prefills = [], [], [], []
         row = 0

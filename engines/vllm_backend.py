@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.interface import EngineStats, Request, RequestOutput
+from planfile import load_plan
 
 
 @dataclass
@@ -106,7 +107,6 @@ class VLLMEngine:
         self.llm = llm_engine
         self.max_running = max_running
         self._unfinished: set[str] = set()
-        self._prompt_tokens: dict[str, int] = {}
         self._first_token: dict[str, float] = {}
         self._seen_tokens: dict[str, int] = {}
         self._aborted: list[str] = []
@@ -118,8 +118,6 @@ class VLLMEngine:
         from vllm import EngineArgs, LLMEngine
 
         if args.plan:
-            from planfile import load_plan
-
             translated = plan_to_vllm(load_plan(args.plan), args.model)
             os.environ.update(translated.env)
             kwargs = {k: v for k, v in translated.engine_args.items() if v is not None}

@@ -30,7 +30,6 @@ class ResilientClient:
         self.batch_id = request.batch_id
         self.stop = stop
         self.results: dict[str, dict] = {}
-        self.rows_seen = 0
         self.duplicates_dropped = 0
         self.next_index = 0  # the first result index not yet received
         self.rereads = 0
@@ -63,7 +62,6 @@ class ResilientClient:
         return None
 
     def _keep(self, r: pb.QueryResult) -> None:
-        self.rows_seen += 1
         if r.query_id in self.results:
             self.duplicates_dropped += 1
             return

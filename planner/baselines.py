@@ -62,6 +62,3 @@ def het(problem: Problem) -> tuple[Assignment, Evaluation] | None:
         if best is not None:
             return best
     return None
-
-
-BASELINES = {"uniform": uniform, "het": het}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from planner.costs import Assignment, Evaluation, Problem
 from planfile import Plan, StagePlan
+from planner.costs import Assignment, Evaluation, Problem
 
 
 def make_plan(problem: Problem, a: Assignment, e: Evaluation, method: str, solve_seconds: float) -> Plan:

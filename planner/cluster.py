@@ -60,10 +60,6 @@ class Cluster:
         gbps = dict(self.node_intra_gbps)[a.node] if a.node == b.node else self.inter_node_gbps
         return gbps * 1e9 / 8
 
-    @property
-    def total_memory_bytes(self) -> int:
-        return sum(d.type.memory_bytes for d in self.devices)
-
     def describe(self) -> str:
         return f"{self.name}: " + ", ".join(f"{d.name}({d.type.name}@{d.node})" for d in self.devices)
 

@@ -15,6 +15,8 @@ from planner.latency import Profile, decode_features, fit_linear, prefill_featur
 from planner.memory import MemoryModel
 from planner.modelshape import ModelShape
 from planner.profiler import profile_local
+from quant.apply import apply_bitmap
+from quant.linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +64,6 @@ def memory_errors(
 ) -> dict[str, float]:
     """Predicted vs actual bytes: weights (mixed bits) + embeddings + head, and the KV cache after generating."""
     from transformers import AutoModelForCausalLM
-
-    from quant.apply import apply_bitmap
-    from quant.linear import QuantLinear
 
     if len(bits) != shape.layers:
         raise ValueError(f"need one bit width per layer ({shape.layers}), got {len(bits)}")

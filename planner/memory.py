@@ -10,7 +10,6 @@ MLPs are covered through the config.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -107,20 +106,3 @@ class MemoryModel:
         if last:
             p += max(v_prefill, v_decode) * s.vocab * FP32
         return p
-
-    def stage_bytes(
-        self,
-        bits: Sequence[int],
-        first: bool,
-        last: bool,
-        v_prefill: int,
-        v_decode: int,
-        prefill_chunks: int = 1,
-    ) -> int:
-        """Predicted bytes of a stage holding ``len(bits)`` layers at those bit widths."""
-        total = sum(self.layer_weight_bytes(b) for b in bits) + len(bits) * self.layer_kv_bytes()
-        if first:
-            total += self.embedding_bytes()
-        if last:
-            total += self.head_bytes(also_first=first)
-        return total + self.activation_bytes(v_prefill, v_decode, last, prefill_chunks)

@@ -13,6 +13,7 @@ from typing import Any
 
 from transformers import AutoConfig, LlamaConfig, OPTConfig, PretrainedConfig
 
+from localmodels import build as lm
 from quant import accounting, configs
 
 
@@ -99,8 +100,6 @@ def load_shape(spec: str) -> ModelShape:
         cfg = AutoConfig.for_model(mt, **{k: v for k, v in d.items() if k != "model_type"})
         return shape_from_config(cfg, p.stem if not p.is_dir() else p.name)
     if ":" in key:
-        from localmodels import build as lm
-
         arch, size = key.split(":", 1)
         if arch not in lm.ARCHS or size not in lm.SIZES:
             raise ValueError(f"unknown local model {key!r}; archs {lm.ARCHS}, sizes {tuple(lm.SIZES)}")

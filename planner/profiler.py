@@ -17,7 +17,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 from tqdm import tqdm
@@ -127,28 +127,6 @@ def _head_runner(head, hidden: int, v: int, _length: int, dtype, device: str):
 
 
 RUNNERS = {"prefill": _prefill_runner, "decode": _decode_runner, "head": _head_runner}
-
-
-def time_prefill(
-    model, hidden: int, v: int, s: int, dtype, device: str, reps: int, inner: int = 1, clock: str = "wall"
-) -> float:
-    """Minimum over ``reps`` of the mean of ``inner`` forwards over ``v x s`` tokens (after a warm-up)."""
-    fn = clock_fn(clock)
-    with torch.inference_mode():
-        run, _ = _prefill_runner(model, hidden, v, s, dtype, device)
-        run()  # warm-up
-        return min(_mean(run, device, fn, inner) for _ in range(reps))
-
-
-def time_decode(
-    model, hidden: int, v: int, c: int, dtype, device: str, reps: int, inner: int = 5, clock: str = "wall"
-) -> float:
-    """Minimum over ``reps`` of the mean of ``inner`` one-token steps on a cache of ``c`` tokens."""
-    fn = clock_fn(clock)
-    with torch.inference_mode():
-        run, _ = _decode_runner(model, hidden, v, c, dtype, device)
-        run()  # warm-up
-        return min(_mean(run, device, fn, inner) for _ in range(reps))
 
 
 def _mean(run, device: str, clock, inner: int) -> float:
@@ -270,12 +248,3 @@ def profile_local(
             "torch": torch.__version__,
         },
     )
-
-
-def split_samples(
-    rows: Sequence[tuple[float, float, float]], test_batches: Sequence[int], test_lengths: Sequence[int]
-) -> tuple[list, list]:
-    """(train, test): test rows are those whose batch is in ``test_batches`` *or* length in ``test_lengths``."""
-    train = [r for r in rows if r[0] not in test_batches and r[1] not in test_lengths]
-    test = [r for r in rows if r[0] in test_batches and r[1] in test_lengths]
-    return train, test

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quant.accounting import packed_linear_bytes
 from quant.packing import pack, unpack
 from quant.rtn import dequantize_rtn, quantize_rtn
 
@@ -84,16 +83,6 @@ class QuantLinear(nn.Module):
     def stored_bytes(self) -> int:
         """``nbytes`` of everything stored (equals :func:`quant.accounting.packed_linear_bytes`)."""
         return sum(b.nbytes for b in self.buffers())
-
-    def expected_bytes(self) -> int:
-        return packed_linear_bytes(
-            self.in_features,
-            self.out_features,
-            self.bits,
-            self.group_size,
-            self.symmetric,
-            self.bias is not None,
-        )
 
     def _int8_kernel(self, x: torch.Tensor) -> torch.Tensor | None:
         if not (self.use_kernel and self.bits == 8 and self.symmetric and self.group_size is None):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from load.arrivals import arrivals as arrival_times
 from localmodels import default_tokenizer
@@ -207,7 +207,3 @@ def scale(
     if clusters == 100 and queries == 1_000_000:
         out["sim_seconds_100x1m"] = out["sim_seconds"]
     return out
-
-
-def with_offload(setup: StudySetup, offload: bool) -> StudySetup:
-    return replace(setup, offload=offload)

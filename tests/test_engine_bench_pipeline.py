@@ -92,9 +92,9 @@ def test_stage_metrics_are_exported(tmp_path):
 
 def test_engine_profile_writes_a_profile_the_planner_plans_from(tmp_path):
     from engines.cli import main as engine_main
+    from planfile import load_plan
     from planner.cli import main as planner_main
     from planner.latency import Profile, fit_profile
-    from planfile import load_plan
 
     prof = tmp_path / "profile.json"
     argv = ["profile", "--size", "nano", "--batches", "1,4,8", "--lengths", "16,32"]

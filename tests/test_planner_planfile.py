@@ -6,12 +6,12 @@ import json
 
 import pytest
 
+from planfile import PlanError, load_plan, save_plan
 from planner.build import make_plan
 from planner.cli import main
 from planner.cluster import load_cluster
 from planner.costs import Workload
 from planner.modelshape import load_shape
-from planfile import PlanError, load_plan, save_plan
 from planner.problem import build_problem
 from planner.search import plan
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import yaml
 
+from planfile import PlanError, load_plan, plan_from_dict, save_plan
 from planner.build import make_plan
 from planner.catalog import local_cpu, with_slowdown
 from planner.cli import main
@@ -16,7 +17,6 @@ from planner.costs import Workload
 from planner.ilp import solve_order
 from planner.latency import Profile, roofline_profile
 from planner.modelshape import load_shape
-from planfile import PlanError, load_plan, plan_from_dict, save_plan
 from planner.problem import build_problem
 from planner.search import plan
 

@@ -9,11 +9,11 @@ import math
 import pytest
 from transformers import OPTConfig
 
+from planfile import PlanError, load_plan, save_plan
 from planner.build import make_plan
 from planner.cluster import cluster_from_dict, load_cluster
 from planner.costs import Assignment, Problem, Workload
 from planner.modelshape import ModelShape
-from planfile import PlanError, load_plan, save_plan
 from planner.problem import build_problem
 from planner.search import device_orders, plan, tp_groupings
 

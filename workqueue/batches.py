@@ -311,9 +311,6 @@ class BatchOps:
             self.r.zrem(keys.BATCHES, *gone)
         return len(gone)
 
-    def batch_status(self, batch_id: str) -> str | None:
-        return self.r.hget(keys.batch(batch_id), "status")
-
     def batch_statuses(self, batch_ids: Iterable[str]) -> dict[str, str | None]:
         ids = list(batch_ids)
         pipe = self.r.pipeline(transaction=False)

@@ -149,10 +149,6 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"unix://{self.socket_file}"
 
-    @property
-    def tcp_url(self) -> str | None:
-        return f"redis://127.0.0.1:{self.port}/0" if self.port else None
-
     def kill(self) -> None:
         """SIGKILL the server, as a crash would (no final save: what the AOF holds survives)."""
         if self._proc.poll() is None:

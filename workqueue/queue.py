@@ -112,12 +112,6 @@ class WorkQueue(LeaseOps, BatchOps):
         """``active``, ``draining`` or ``removed`` (``active`` for a cluster never configured)."""
         return self.r.hget(keys.cluster_info(name), "state") or "active"
 
-    def remove_cluster(self, name: str) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.srem(keys.CLUSTERS, name)
-        pipe.delete(keys.cluster_info(name), keys.heartbeat(name), keys.pending(name))
-        pipe.execute()
-
     def cluster_names(self) -> list[str]:
         return sorted(self.r.smembers(keys.CLUSTERS))
 
