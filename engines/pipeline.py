@@ -109,8 +109,8 @@ class PipelineRunner:
             raise ValueError("a pipeline needs at least 2 stages (one stage runs in-process)")
         if device != "cpu":
             raise ValueError(
-                f"pipeline stages on {device!r} are not supported yet: the model runner builds its KV "
-                "pools and index tensors on the CPU (the NCCL backend is picked for CUDA once it can)"
+                f"pipeline stages on {device!r} are not supported yet: the stage processes run on the "
+                "CPU (one-stage engines take a device; the NCCL backend is picked for CUDA stages)"
             )
         self.stages = stages
         self.num_stages = len(stages)
