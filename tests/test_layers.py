@@ -1,6 +1,7 @@
 """The layers between packages hold: `lint-imports` checks the contracts in pyproject.toml
-(gateway and engines independent, workqueue and protos at the bottom, load and sim on top,
-planner, predictor and quant free of serving code)."""
+(the layers of docs/layers.md; gateway and engines independent; fleetdata, planfile, cliutil,
+workqueue and protos at the bottom; engines and gateway without the planner; load and sim on
+top; planner, predictor and quant free of serving code)."""
 
 from __future__ import annotations
 
