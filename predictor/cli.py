@@ -8,13 +8,12 @@ parser and the dispatch; each subcommand lives in :mod:`predictor.commands` (``a
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import sys
 
 import torch
 
+from cliutil import run_main
 from predictor import adapt
 from predictor.commands import bench, choose, evaluate, export, pretrained, retrain, train
 from predictor.commands.common import data_args, runtime_args
@@ -96,29 +95,26 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def run(args: argparse.Namespace) -> dict:
+    """Set torch's CPU threads (``--threads``) and run the subcommand; returns its JSON result."""
+    threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 2) // 2)
+    if threads < 1:
+        raise ValueError("--threads must be at least 1")
+    torch.set_num_threads(threads)
+    return SUBCOMMANDS[args.cmd][0].run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+    return run_main(
+        build_parser(),
+        argv,
+        run,
+        prog="predictor",
+        errors=(FileNotFoundError, ValueError, ConnectionError, OSError),
+        quiet_loggers=("transformers", "urllib3", "filelock"),
+        print_json=True,
+        interrupted_code=130,
     )
-    for noisy in ("transformers", "urllib3", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
-    try:
-        threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 2) // 2)
-        if threads < 1:
-            raise ValueError("--threads must be at least 1")
-        torch.set_num_threads(threads)
-        result = SUBCOMMANDS[args.cmd][0].run(args)
-    except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
-        print(f"predictor {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("predictor: interrupted", file=sys.stderr)
-        return 130
-    print(json.dumps(result))
-    return 0
 
 
 if __name__ == "__main__":
