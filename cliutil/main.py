@@ -37,7 +37,7 @@ def run_main(
     prog: str,
     errors: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, OSError),
     error_code: int = 2,
-    message: str = "{prog} {command}: error: {error}",
+    message: str = "{prog}{command}: error: {error}",
     describe: Callable[[BaseException], str] = str,
     log_format: str | None = TIMESTAMPED_LOG,
     levels: tuple[int, int] = (logging.INFO, logging.DEBUG),
@@ -49,23 +49,25 @@ def run_main(
     """Parse ``argv`` with ``parser``, set up logging, run ``run(args)``; returns the exit code.
 
     - Logging: ``levels`` = (level without ``-v``, level with ``-v``/``--verbose``) in
-      ``log_format`` on stderr; ``log_format=None`` leaves logging alone. ``quiet_loggers`` (noisy
-      libraries) log errors only.
-    - Errors: ``message`` is formatted with ``prog``, ``command`` (:func:`command_of`) and
-      ``error`` (``describe(exception)``, ``str`` by default).
+      ``log_format`` on stderr. A parser without ``-v``, or ``log_format=None``, leaves logging
+      alone. ``quiet_loggers`` (noisy libraries) log errors only.
+    - Errors: ``message`` is formatted with ``prog``, ``command`` (the subcommand after a space,
+      :func:`command_of`; empty without one) and ``error`` (``describe(exception)``, ``str`` by
+      default).
     - ``interrupted_code``: Ctrl-C prints ``PROG: interrupted`` and returns this code (``None``:
       the ``KeyboardInterrupt`` propagates).
     """
     args = parser.parse_args(argv)
-    if log_format is not None:
-        verbose = bool(getattr(args, "verbose", False))
-        logging.basicConfig(level=levels[verbose], format=log_format, stream=sys.stderr)
+    verbose = getattr(args, "verbose", None)
+    if log_format is not None and verbose is not None:
+        logging.basicConfig(level=levels[bool(verbose)], format=log_format, stream=sys.stderr)
         for name in quiet_loggers:
             logging.getLogger(name).setLevel(logging.ERROR)
     try:
         result = run(args)
     except errors as e:
-        print(message.format(prog=prog, command=command_of(args), error=describe(e)), file=sys.stderr)
+        command = f" {command_of(args)}" if command_of(args) else ""
+        print(message.format(prog=prog, command=command, error=describe(e)), file=sys.stderr)
         return error_code
     except KeyboardInterrupt:
         if interrupted_code is None:

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="loadgen",
         errors=(grpc.RpcError, FileNotFoundError, ValueError),
         error_code=1,
-        message="{prog} {command}: {error}",
+        message="{prog}{command}: {error}",
         describe=_describe,
     )
 

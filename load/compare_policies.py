@@ -319,16 +319,8 @@ def _print_summary(result: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loadgen compare-policies", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run_main(
-        parser,
-        argv,
-        _run_and_summarise,
-        prog="compare-policies",
-        errors=(ValueError, FileNotFoundError),
-        message="{prog}: error: {error}",
-        log_format=None,
-        print_json=True,
-    )
+    errors = (ValueError, FileNotFoundError)
+    return run_main(parser, argv, _run_and_summarise, prog="compare-policies", errors=errors, print_json=True)
 
 
 def _run_and_summarise(args: argparse.Namespace) -> dict:

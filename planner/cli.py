@@ -289,15 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(
-        build_parser(),
-        argv,
-        lambda args: args.func(args),
-        prog="planner",
-        errors=(CliError,),
-        log_format=PLAIN_LOG,
-        levels=(logging.WARNING, logging.INFO),
-    )
+    spec = {"errors": (CliError,), "log_format": PLAIN_LOG, "levels": (logging.WARNING, logging.INFO)}
+    return run_main(build_parser(), argv, lambda args: args.func(args), prog="planner", **spec)
 
 
 if __name__ == "__main__":

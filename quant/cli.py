@@ -264,16 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(
-        build_parser(),
-        argv,
-        lambda a: a.func(a),
-        prog="quant",
-        errors=(ValueError, FileNotFoundError, OSError, TypeError),
-        log_format=PLAIN_LOG,
-        print_json=True,
-        json_default=str,
-    )
+    errors = (ValueError, FileNotFoundError, OSError, TypeError)
+    spec = {"errors": errors, "log_format": PLAIN_LOG, "print_json": True, "json_default": str}
+    return run_main(build_parser(), argv, lambda a: a.func(a), prog="quant", **spec)
 
 
 if __name__ == "__main__":

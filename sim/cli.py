@@ -194,16 +194,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(
-        build_parser(),
-        argv,
-        run,
-        prog="sim",
-        errors=(ValueError, FileNotFoundError),
-        message="error: {error}",
-        log_format=None,
-        print_json=True,
-    )
+    errors, message = (ValueError, FileNotFoundError), "error: {error}"
+    return run_main(build_parser(), argv, run, prog="sim", errors=errors, message=message, print_json=True)
 
 
 if __name__ == "__main__":

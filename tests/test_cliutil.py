@@ -54,3 +54,12 @@ def test_ctrl_c_gives_the_interrupted_code_only_when_asked(capsys):
     assert "tool: interrupted" in capsys.readouterr().err
     with pytest.raises(KeyboardInterrupt):
         run_main(parser(), argv, run, prog="tool", log_format=None)
+
+
+def test_without_a_subcommand_the_message_names_the_program_alone(capsys):
+    def fail(_args):
+        raise FileNotFoundError("no such file")
+
+    plain = argparse.ArgumentParser(prog="tool")
+    assert run_main(plain, [], fail, prog="tool") == 2
+    assert capsys.readouterr().err.strip() == "tool: error: no such file"
