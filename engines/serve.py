@@ -23,6 +23,11 @@ from workqueue.embedded import URL_ENV
 
 log = logging.getLogger(__name__)
 
+DEVICE_HELP = (
+    "where the native engine computes: cpu (default), cuda or cuda:N; a CUDA device that is not there "
+    "is an error, never a silent fallback to the CPU (the vllm backend picks its GPU itself)"
+)
+
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="cluster name (its Redis queue is {fb}:c:NAME:queue)")
@@ -40,12 +45,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--arch", default="llama", choices=("llama", "gpt2", "opt"), help="architecture of the random model"
     )
     p.add_argument("--size", default="tiny", help="size of the random model: nano, tiny, small, base")
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="where the native engine computes: cpu (default), cuda or cuda:N; a CUDA device that is not "
-        "there is an error, never a silent fallback to the CPU (the vllm backend picks its GPU itself)",
-    )
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument(
         "--plan", default=None, help="plan.json from `planner plan` (layer bits, micro-batch sizes)"
     )
