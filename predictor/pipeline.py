@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from predictor import checkpoint as checkpoint_
 from predictor import metadata, store
 from predictor.buckets import Buckets, make_buckets
 from predictor.evaluation import choose_point_estimate, estimates, point_figures
@@ -86,13 +87,16 @@ def fit(
     max_ratio: float | None = None,
     mlm_extra: list[str] | None = None,
     teacher: Teacher | None = None,
+    checkpoint: str | os.PathLike | None = None,
 ):
     """Build buckets, tokenizer and model from ``train_set`` and train; returns ``(model, tokenizer, buckets, result)``.
 
     ``mlm_epochs > 0`` first pre-trains a from-scratch encoder as a masked language model on the
     training prompts (:func:`predictor.model.pretrain_mlm`), plus ``mlm_extra`` texts when given
     (e.g. the training split's responses; never validation or test text). A ``teacher`` (same
-    bucket edges) is distilled into the new model alongside the labels.
+    bucket edges) is distilled into the new model alongside the labels. ``checkpoint``: a file for
+    the training state, resumed from when it exists (then MLM pre-training is skipped: the saved
+    state holds the weights), see :func:`predictor.training.train`.
     """
     model_cfg = model_cfg or ModelConfig()
     train_cfg = train_cfg or TrainConfig(max_len=model_cfg.max_len)
@@ -107,11 +111,14 @@ def fit(
         torch.manual_seed(train_cfg.seed)  # the new bucket head's initial weights
         model, tok = load_pretrained(pretrained, buckets.n)
     else:
-        t0 = time.monotonic()
-        tok = train_wordpiece(train_set.prompts, model_cfg.vocab_size)
-        log.info("trained a %d-token WordPiece tokenizer in %.1fs", len(tok), time.monotonic() - t0)
+        tok = checkpoint_.saved_tokenizer(checkpoint)  # resuming: the run's own tokenizer
+        if tok is None:
+            t0 = time.monotonic()
+            tok = train_wordpiece(train_set.prompts, model_cfg.vocab_size)
+            log.info("trained a %d-token WordPiece tokenizer in %.1fs", len(tok), time.monotonic() - t0)
+            checkpoint_.keep_tokenizer(checkpoint, tok)
         model = build_classifier(model_cfg, tok, buckets.n, seed=train_cfg.seed)
-        if mlm_epochs > 0:
+        if mlm_epochs > 0 and not (checkpoint and Path(checkpoint).is_file()):
             t0 = time.monotonic()
             enc = pretrain_mlm(
                 model_cfg,
@@ -138,6 +145,7 @@ def fit(
         progress,
         _val_figures(buckets, val_set.lengths),
         None if teacher is None else teacher.probs,
+        checkpoint,
     )
     return model, tok, buckets, result
 
@@ -152,6 +160,7 @@ def _train_and_calibrate(
     progress: bool,
     evaluate=None,
     teacher_probs: np.ndarray | None = None,
+    checkpoint: str | os.PathLike | None = None,
 ) -> tuple[Buckets, TrainResult]:
     """Train on ``buckets``' labels, then fit the calibration and declare the point estimate on validation."""
     result = train(
@@ -167,6 +176,7 @@ def _train_and_calibrate(
         values=np.asarray(buckets.values),
         evaluate=evaluate,
         teacher_probs=teacher_probs,
+        checkpoint_path=checkpoint,
     )
     probs = predict_proba(
         model, tokenizer, val_set.prompts, train_cfg.max_len, truncation=train_cfg.truncation

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import get_linear_schedule_with_warmup
 
+from predictor import checkpoint
 from predictor.inference import collate, encode
 
 log = logging.getLogger(__name__)
@@ -181,6 +183,7 @@ def train(
     values: np.ndarray | None = None,
     evaluate=None,
     teacher_probs: np.ndarray | None = None,
+    checkpoint_path: str | os.PathLike | None = None,
 ) -> TrainResult:
     """Train ``model`` in place; on return it holds the weights of the best validation loss.
 
@@ -189,7 +192,9 @@ def train(
     ``evaluate(val_probs) -> dict``, if given, adds figures (e.g. Kendall tau) to each history entry.
     ``teacher_probs`` (one row of bucket probabilities per training prompt, e.g. an ensemble's mean)
     distils a teacher: the target becomes ``(1 - w) * label target + w * teacher row`` with
-    ``w = cfg.teacher_weight``.
+    ``w = cfg.teacher_weight``. ``checkpoint_path``: the training state is saved there at every
+    evaluation and resumed from it when it exists (:mod:`predictor.checkpoint`); it is removed once
+    training finishes, and kept when the ``max_minutes`` cap stops it.
     """
     if not train_prompts or not val_prompts:
         raise ValueError("training needs non-empty train and validation sets")
@@ -223,17 +228,32 @@ def train(
 
     ema = _Ema(model, cfg.ema) if cfg.ema > 0 else None
     result = TrainResult()
-    result.initial_val_loss, acc0 = val_loss(model, va_ids, val_labels, pad)
-    result.best_val_loss = result.initial_val_loss
-    best_state = copy.deepcopy(model.state_dict())
-    log.info("initial validation loss %.4f, accuracy %.3f", result.initial_val_loss, acc0)
-    bad = 0
+    fp = checkpoint.fingerprint(tokenizer, len(tr_ids), model.config.num_labels, total_steps)
+    saved = checkpoint.load(checkpoint_path, fp)
+    step, running, pos, bad = 0, [], 0, 0
+    if saved is None:
+        result.initial_val_loss, acc0 = val_loss(model, va_ids, val_labels, pad)
+        result.best_val_loss = result.initial_val_loss
+        best_state = copy.deepcopy(model.state_dict())
+        log.info("initial validation loss %.4f, accuracy %.3f", result.initial_val_loss, acc0)
+        order = rng.permutation(len(tr_ids))
+    else:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        if ema is not None:
+            ema.shadow = {k: v.to(device) for k, v in saved["ema"].items()}
+            ema.updates = saved["ema_updates"]
+        best_state = saved["best"]
+        for k, v in saved["result"].items():
+            setattr(result, k, v)
+        step, pos, bad, order = saved["step"], saved["pos"], saved["bad"], saved["order"]
+        rng.bit_generator.state = saved["rng"]
+        torch.set_rng_state(saved["torch_rng"])
     started = time.monotonic()
+    timed_out = False
     model.train()
-    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not progress)
-    step, running = 0, []
-    order = rng.permutation(len(tr_ids))
-    pos = 0
+    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not progress)
     while step < total_steps:
         if pos >= len(order):
             order, pos = rng.permutation(len(tr_ids)), 0
@@ -298,17 +318,43 @@ def train(
                 best_state = copy.deepcopy(model.state_dict())
             if ema is not None:
                 model.load_state_dict(live)
-            if result.best_step != step:
+            improved = result.best_step == step
+            if not improved:
                 bad += 1
-                if bad >= cfg.patience:
-                    log.info("early stop at step %d: no validation improvement in %d evaluations", step, bad)
-                    result.stopped_early = True
-                    break
-            if out_of_time:
-                log.info("stopping at step %d: time cap of %.1f minutes reached", step, cfg.max_minutes)
+            if checkpoint_path is not None:
+                checkpoint.save(
+                    checkpoint_path,
+                    {
+                        "fingerprint": fp,
+                        "step": step,
+                        "pos": pos,
+                        "bad": bad,
+                        "order": order,
+                        "rng": rng.bit_generator.state,
+                        "torch_rng": torch.get_rng_state(),
+                        "model": model.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(),
+                        "ema": None if ema is None else ema.shadow,
+                        "ema_updates": 0 if ema is None else ema.updates,
+                        "best": best_state,
+                        "result": {
+                            k: getattr(result, k)
+                            for k in ("history", "initial_val_loss", "best_val_loss", "best_step")
+                        },
+                    },
+                )
+            if not improved and bad >= cfg.patience:
+                log.info("early stop at step %d: no validation improvement in %d evaluations", step, bad)
                 result.stopped_early = True
                 break
+            if out_of_time:
+                log.info("stopping at step %d: time cap of %.1f minutes reached", step, cfg.max_minutes)
+                result.stopped_early = timed_out = True
+                break
     bar.close()
+    if not timed_out:
+        checkpoint.remove(checkpoint_path)
     result.steps = step
     model.load_state_dict(best_state)
     model.eval()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -275,3 +276,40 @@ def test_distilling_a_teacher_pulls_the_student_towards_it(data):
         )
     with pytest.raises(ValueError):
         TrainConfig(teacher_weight=1.5)
+
+
+def test_training_resumes_from_its_checkpoint(data, tmp_path):
+    """A run stopped by the time cap keeps its checkpoint; the same run again goes on from there and
+    ends where an uninterrupted run ends (same weights), then removes the checkpoint."""
+    train = data["train"].sample(160, 0)
+    tok = train_wordpiece(train.prompts, TINY.vocab_size)
+    torch.manual_seed(0)
+    DistilBertForMaskedLM(distilbert_config(TINY, tok)).save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")  # a pretrained checkpoint: the same tokenizer every time
+    cfg = TrainConfig(epochs=2, lr=1e-2, batch_size=32, max_len=TINY.max_len, patience=10, ema=0.9)
+    args = (train, data["val"], "quantile", 4, TINY)
+    full_model, _, _, full = fit(*args, cfg, pretrained=tmp_path / "ckpt", progress=False)
+    state = tmp_path / "state.pt"
+    capped = replace(cfg, max_minutes=1e-9)  # stops after its first step (and evaluation)
+    _, _, _, first = fit(*args, capped, pretrained=tmp_path / "ckpt", progress=False, checkpoint=state)
+    assert first.steps == 1 and first.stopped_early and state.is_file()
+    model, _, _, rest = fit(*args, cfg, pretrained=tmp_path / "ckpt", progress=False, checkpoint=state)
+    assert not state.exists() and rest.steps == full.steps
+    assert [h["step"] for h in rest.history] == [1] + [h["step"] for h in full.history]
+    assert rest.initial_val_loss == full.initial_val_loss
+    prompts = data["test"].prompts
+    np.testing.assert_allclose(
+        predict_proba(model, tok, prompts, TINY.max_len),
+        predict_proba(full_model, tok, prompts, TINY.max_len),
+        atol=1e-5,
+    )
+    # from scratch, the run's own WordPiece tokenizer is kept beside the checkpoint and reused
+    _, tok1, _, _ = fit(*args, capped, progress=False, checkpoint=state)
+    assert (tmp_path / "state.pt.tokenizer").is_dir()
+    _, tok2, _, rest = fit(*args, cfg, progress=False, checkpoint=state)
+    assert tok2.get_vocab() == tok1.get_vocab() and rest.steps == full.steps
+    assert not state.exists() and not (tmp_path / "state.pt.tokenizer").exists()
+    # a checkpoint of another run is refused
+    torch.save({"fingerprint": "other", "step": 3}, state)
+    with pytest.raises(ValueError, match="another run"):
+        fit(*args, cfg, progress=False, checkpoint=state)

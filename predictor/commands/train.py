@@ -153,6 +153,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="head_tail",
         help="how prompts longer than --max-len are cut: keep both ends (default) or the start",
     )
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="FILE",
+        help="save the training state here at every evaluation, and resume from it when it exists "
+        "(run the same command again, e.g. after --max-minutes stopped it); removed when training ends",
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -241,6 +248,7 @@ def run(args) -> dict:
             else None
         ),
         teacher=teacher,
+        checkpoint=args.checkpoint,
     )
     extra = metadata.train_extra(
         args,
