@@ -18,7 +18,7 @@ from cliutil import PLAIN_LOG, run_main
 from planfile import save_plan
 from planner.baselines import het, uniform
 from planner.build import make_plan
-from planner.cli_args import CliError, _bits, _chunks, _positive, _tp_sizes
+from planner.cli_args import CliError, _bits, _chunks, _positive, _tp_sizes, bad_input
 from planner.cli_measure import add_measure_parsers
 from planner.cluster import PAPER_CLUSTERS, ClusterSpecError, load_cluster
 from planner.compare import markdown_table, plot_speedups, run_compare
@@ -70,10 +70,8 @@ def _workload(args: argparse.Namespace) -> Workload:
         n = args.max_output_tokens / 2  # LLM-PQ's assumption: half of the maximum
     else:
         raise CliError("give --output-tokens, --length-distribution or --max-output-tokens")
-    try:
+    with bad_input():
         return Workload(args.batch, args.prompt_len, max(1, round(n)), args.kv_bits, args.bits, args.theta)
-    except ValueError as e:
-        raise CliError(str(e)) from None
 
 
 def _add_workload(p: argparse.ArgumentParser, theta: float) -> None:
@@ -109,21 +107,17 @@ def _profiles(items: list[str] | None) -> dict:
             dev, path = it.split("=", 1)
         else:
             dev, path = None, it
-        try:
+        with bad_input():
             prof = Profile.load(path)
-        except ValueError as e:
-            raise CliError(str(e)) from None
         out[dev or prof.device] = prof
     return out
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    try:
+    with bad_input(ClusterSpecError, ValueError):
         cluster = load_cluster(args.cluster)
         shape = load_shape(args.model)
         problem = build_problem(cluster, shape, _workload(args), args.indicator, _profiles(args.profile))
-    except (ClusterSpecError, ValueError) as e:
-        raise CliError(str(e)) from None
     log.info("planning %s on %s with %s", shape.name, cluster.describe(), args.method)
     t0 = time.perf_counter()
     if args.method in ("uniform", "het"):
@@ -175,14 +169,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     clusters = args.clusters.split(",") if args.clusters else list(PAPER_CLUSTERS)
     models = args.models.split(",")
-    try:
+    with bad_input(ClusterSpecError, ValueError):
         for c in clusters:
             load_cluster(c)
         for m in models:
             load_shape(m)
         wl = _workload(args)
-    except (ClusterSpecError, ValueError) as e:
-        raise CliError(str(e)) from None
     rows, summary = run_compare(
         clusters,
         models,
@@ -204,6 +196,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     summary["time_limit_s"] = args.time_limit
     print(json.dumps(summary))
     return 0
+
+
+def _add_tp_sizes(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tp-sizes",
+        type=_tp_sizes,
+        default=(1, 2, 4),
+        help="tensor-parallel group sizes a stage may use (same-type devices on one node; default 1,2,4; "
+        "1 = pipeline only)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,13 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="numbers of prefill chunks kappa to consider (SplitQuant's chunked prefill), e.g. 1,2,4,8; "
         "1 = unchunked (default: 1,2,4,8 where a chunk keeps >= 64 prompt tokens)",
     )
-    p.add_argument(
-        "--tp-sizes",
-        type=_tp_sizes,
-        default=(1, 2, 4),
-        help="tensor-parallel group sizes a stage may use (same-type devices on one node; default 1,2,4; "
-        "1 = pipeline only)",
-    )
+    _add_tp_sizes(p)
     p.add_argument(
         "--stages",
         type=_positive,
@@ -271,13 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_chunks,
         help="prefill chunk counts kappa our plan may use (default 1,2,4,8; 1 = no chunked prefill)",
     )
-    c.add_argument(
-        "--tp-sizes",
-        type=_tp_sizes,
-        default=(1, 2, 4),
-        help="tensor-parallel group sizes a stage may use (same-type devices on one node; default 1,2,4; "
-        "1 = pipeline only)",
-    )
+    _add_tp_sizes(c)
     c.add_argument("--markdown", help="also write the table to this file")
     c.add_argument("--plot", help="save a bar chart of the speedups (PNG)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class CliError(Exception):
     """Bad input: reported as one line, exit status 2."""
+
+
+@contextmanager
+def bad_input(*types: type[Exception]) -> Iterator[None]:
+    """Report ``types`` (default ``ValueError``) raised inside as a :class:`CliError` with the same message."""
+    caught = types or (ValueError,)
+    try:
+        yield
+    except caught as e:
+        raise CliError(str(e)) from None
 
 
 def _int_set(text: str, what: str, example: str) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ import torch
 
 from planner import profiler
 from planner.catalog import device_type
-from planner.cli_args import CliError, _positive, _sizes
+from planner.cli_args import CliError, _positive, _sizes, bad_input
 from planner.fidelity import fidelity_profile, latency_errors, memory_errors
 from planner.latency import fit_head, fit_profile, paper_ratio_check
 from planner.modelshape import load_shape
@@ -18,15 +18,13 @@ from planner.profiler import profile_local
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    try:
+    with bad_input():
         shape = load_shape(args.model)
-    except ValueError as e:
-        raise CliError(str(e)) from None
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise CliError("--device cuda given but no CUDA GPU is available")
     pre_grid, dec_grid = _profile_grids(args)
-    try:
+    with bad_input():
         prof = profile_local(
             shape,
             args.device,
@@ -38,8 +36,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
             clock=args.clock,
             min_time_s=args.min_time,
         )
-    except ValueError as e:
-        raise CliError(str(e)) from None
     prof.save(args.out)
     ph = prof.samples[16]
     try:
@@ -87,12 +83,10 @@ def _profile_grids(args: argparse.Namespace) -> tuple[list | None, list | None]:
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    try:
+    with bad_input():
         shape = load_shape(args.model)
         mem_shape = load_shape(args.memory_model)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    try:
+    with bad_input():
         prof = fidelity_profile(
             shape,
             args.threads,
@@ -101,8 +95,6 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
             clock=args.clock,
             min_time_s=args.min_time,
         )
-    except ValueError as e:
-        raise CliError(str(e)) from None
     if args.save_profile:
         prof.save(args.save_profile)
     lat = latency_errors(prof)

@@ -21,6 +21,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
+from typing import Any
 
 import redis
 
@@ -100,6 +101,24 @@ class BatchOps:
             per_cluster_tokens[c] = per_cluster_tokens.get(c, 0.0) + q.total_tokens
         rows = [(q.gid, json.dumps(asdict(q)), q.total_tokens, c) for q, c in assignments]
         bkey = keys.batch(batch_id)
+
+        def write(pipe) -> None:
+            self._write_batch(pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now)
+            if fingerprint:
+                pipe.hset(bkey, "fingerprint", fingerprint)
+            if not rows and self.retention_s:  # final at birth
+                for key in (bkey, keys.results(batch_id), keys.done(batch_id)):
+                    pipe.expire(key, self.retention_s)
+
+        return self._create_once(batch_id, write, "creation")
+
+    def _create_once(self, batch_id: str, write: Callable[[Any], None], what: str) -> bool:
+        """Run ``write(pipe)`` in one optimistic transaction unless the batch exists; True when it ran.
+
+        WATCH on the batch hash, a hash with ``status`` means the batch exists (False), then
+        MULTI, ``write``, EXEC; retried when another writer touched the hash in between.
+        """
+        bkey = keys.batch(batch_id)
         with self.r.pipeline(transaction=True) as pipe:
             for _ in range(CREATE_RETRIES):
                 try:
@@ -107,19 +126,12 @@ class BatchOps:
                     if pipe.hexists(bkey, "status"):
                         return False
                     pipe.multi()
-                    self._write_batch(
-                        pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now
-                    )
-                    if fingerprint:
-                        pipe.hset(bkey, "fingerprint", fingerprint)
-                    if not rows and self.retention_s:  # final at birth
-                        for key in (bkey, keys.results(batch_id), keys.done(batch_id)):
-                            pipe.expire(key, self.retention_s)
+                    write(pipe)
                     pipe.execute()
                     return True
                 except redis.WatchError:
                     continue
-        raise RuntimeError(f"batch {batch_id}: creation kept racing with other writers")
+        raise RuntimeError(f"batch {batch_id}: {what} kept racing with other writers")
 
     def _write_batch(
         self, pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now
@@ -194,35 +206,27 @@ class BatchOps:
             pipe.rpush(stage, *rows[i : i + chunk])
             pipe.expire(stage, STAGE_TTL_S)
             pipe.execute()
+
+        def write(pipe) -> None:
+            now = self.clock()
+            self._write_batch(pipe, batch_id, [], {}, {}, policy, metadata, now)
+            pipe.hset(
+                bkey,
+                mapping={
+                    "status": "validating",
+                    "total": len(rows),
+                    "completed_at": 0,
+                    "intake_total": len(rows),
+                    "intake_done": 0,
+                    "fingerprint": fingerprint,
+                },
+            )
+            pipe.rename(stage, intake_key(batch_id))
+            pipe.persist(intake_key(batch_id))
+            pipe.zadd(INTAKE, {batch_id: now})
+
         try:
-            with self.r.pipeline(transaction=True) as pipe:
-                for _ in range(CREATE_RETRIES):
-                    try:
-                        pipe.watch(bkey)
-                        if pipe.hexists(bkey, "status"):
-                            return False
-                        now = self.clock()
-                        pipe.multi()
-                        self._write_batch(pipe, batch_id, [], {}, {}, policy, metadata, now)
-                        pipe.hset(
-                            bkey,
-                            mapping={
-                                "status": "validating",
-                                "total": len(rows),
-                                "completed_at": 0,
-                                "intake_total": len(rows),
-                                "intake_done": 0,
-                                "fingerprint": fingerprint,
-                            },
-                        )
-                        pipe.rename(stage, intake_key(batch_id))
-                        pipe.persist(intake_key(batch_id))
-                        pipe.zadd(INTAKE, {batch_id: now})
-                        pipe.execute()
-                        return True
-                    except redis.WatchError:
-                        continue
-            raise RuntimeError(f"batch {batch_id}: acceptance kept racing with other writers")
+            return self._create_once(batch_id, write, "acceptance")
         finally:
             self.r.delete(stage)  # renamed away when this call created the batch
 
