@@ -30,8 +30,9 @@ from starlette.routing import Route
 from gateway import openai_batches as ob
 from gateway.config import GatewayConfig
 from gateway.errors import REDIS_DOWN
-from gateway.openai_files import CHUNK, FileStore, TooLarge, new_file_id, read_lines
+from gateway.openai_files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines
 from gateway.openai_format import ENDPOINTS
+from gateway.openai_retention import InUse, delete_file, deleting
 from gateway.quota import CLIENT_HEADER
 from gateway.service import BatchService
 from gateway.validation import id_problem
@@ -97,7 +98,9 @@ class OpenAIFront:
     def app(self) -> Starlette:
         routes = [
             Route("/v1/files", self.upload, methods=["POST"]),
+            Route("/v1/files", self.files, methods=["GET"]),
             Route("/v1/files/{file_id}", self.file, methods=["GET"]),
+            Route("/v1/files/{file_id}", self.delete, methods=["DELETE"]),
             Route("/v1/files/{file_id}/content", self.content, methods=["GET"]),
             Route("/v1/batches", self.create, methods=["POST"]),
             Route("/v1/batches", self.listing, methods=["GET"]),
@@ -164,6 +167,32 @@ class OpenAIFront:
         info = await asyncio.to_thread(self._info, request.path_params["file_id"])
         return JSONResponse(info.as_json())
 
+    async def files(self, request: Request) -> Response:
+        """OpenAI's list of files: ``purpose``, ``limit`` (1..10000, default 10000), ``order``, ``after``."""
+        q = request.query_params
+        limit = _whole(q.get("limit", "10000"), "limit", 10_000)
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order must be 'asc' or 'desc', not {order!r}", "order")
+        try:
+            page, more = await asyncio.to_thread(
+                list_files, self.store, limit, q.get("after"), q.get("purpose"), order
+            )
+        except ValueError as e:
+            raise ApiError(400, str(e), "after") from None
+        return JSONResponse(_page([f.as_json() for f in page], more))
+
+    async def delete(self, request: Request) -> Response:
+        """OpenAI's deletion object; 404 unknown; 409 for the input of a batch not finalized yet."""
+        file_id = request.path_params["file_id"]
+        try:
+            found = await asyncio.to_thread(delete_file, self.queue, self.store, file_id)
+        except InUse as e:
+            raise ApiError(409, str(e), "file_id", "file_in_use") from None
+        if not found:
+            raise ApiError(404, f"no file {file_id!r}", "file_id")
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
     async def content(self, request: Request) -> Response:
         file_id = request.path_params["file_id"]
         await asyncio.to_thread(self._info, file_id)
@@ -211,6 +240,9 @@ class OpenAIFront:
         except ob.BadInput as e:
             raise ApiError(400, str(e), e.param) from None
         await asyncio.to_thread(ob.create_record, self.queue, batch_id, file_id, endpoint, window)
+        if await asyncio.to_thread(deleting, self.queue, self.store, file_id):
+            await asyncio.to_thread(ob.drop_record, self.queue, batch_id)
+            raise ApiError(404, f"file {file_id} was deleted", "input_file_id")
         try:
             await self.service.SubmitBatch(submission, CallContext(request))
         except BaseException:
@@ -225,6 +257,7 @@ class OpenAIFront:
         rec = self.queue.r.hgetall(ob.record_key(batch_id))
         if info is None and not rec:
             raise ApiError(404, f"no batch {batch_id!r}", "batch_id")
+        ob.note_progress(self.queue, batch_id, info, rec)
         return ob.batch_object(batch_id, info, rec)
 
     async def get(self, request: Request) -> Response:
@@ -240,25 +273,33 @@ class OpenAIFront:
         return JSONResponse(await asyncio.to_thread(self._object, batch_id))
 
     async def listing(self, request: Request) -> Response:
-        raw = request.query_params.get("limit", "20")
-        if not raw.isdigit() or not 1 <= int(raw) <= 100:
-            raise ApiError(400, f"limit must be a whole number in [1, 100], not {raw!r}", "limit")
+        """Batches created over HTTP only (``{fb}:oai:batches``), newest first."""
+        limit = _whole(request.query_params.get("limit", "20"), "limit", 100)
         try:
             ids, more = await asyncio.to_thread(
-                ob.list_batches, self.queue, int(raw), request.query_params.get("after")
+                ob.list_batches, self.queue, limit, request.query_params.get("after")
             )
         except ob.BadInput as e:
             raise ApiError(400, str(e), e.param) from None
-        data = [await asyncio.to_thread(self._object, b) for b in ids]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": data,
-                "first_id": ids[0] if ids else None,
-                "last_id": ids[-1] if ids else None,
-                "has_more": more,
-            }
-        )
+        return JSONResponse(_page([await asyncio.to_thread(self._object, b) for b in ids], more))
+
+
+def _whole(raw: str, name: str, most: int) -> int:
+    """A query parameter that must be a whole number in ``[1, most]`` (400 otherwise)."""
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise ApiError(400, f"{name} must be a whole number in [1, {most}], not {raw!r}", name)
+    return int(raw)
+
+
+def _page(data: list[dict], more: bool) -> dict:
+    """OpenAI's list object."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": more,
+    }
 
 
 class _Auth:

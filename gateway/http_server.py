@@ -3,7 +3,7 @@
 :class:`HttpServer` binds the port (``--http-port``, 0: any free one) on the host of ``--listen``,
 serves the Starlette app with uvicorn (TLS with the gRPC server's certificate when it has one;
 uvicorn's own signal handling is off: the gateway owns SIGINT/SIGTERM) and runs the
-:class:`gateway.openai_batches.Finalizer` every ``FINALIZE_EVERY_S`` seconds.
+:class:`gateway.openai_finalizer.Finalizer` every ``FINALIZE_EVERY_S`` seconds.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import uvicorn
 
 from gateway.config import GatewayConfig
 from gateway.http_front import OpenAIFront
-from gateway.openai_batches import Finalizer
 from gateway.openai_files import LocalFileStore
+from gateway.openai_finalizer import Finalizer
 from gateway.server import load_tokenizer
 from gateway.service import BatchService
 

@@ -3,15 +3,14 @@
 A batch created over HTTP (``POST /v1/batches``) is an ordinary gateway batch (the same id,
 visible to gRPC ``GetBatch``) plus a small Redis record ``{fb}:oai:b:<id>`` holding what OpenAI's
 batch object needs and the queue does not know: ``input_file_id``, ``endpoint``,
-``completion_window``, the finalizing / cancelling times, ``output_file_id`` and ``error_file_id``.
+``completion_window``, the in-progress / finalizing / cancelling times, ``output_file_id``,
+``error_file_id`` and the token ``usage``.
 
 **States.** ``validating`` and ``in_progress`` are the gateway's own; once the gateway batch is
 final the OpenAI batch is ``finalizing`` (``cancelling`` for a cancelled one) until the
-:class:`Finalizer` has written its output and error files, then ``completed``, ``failed`` (every
-request failed) or ``cancelled``. The finalizer works from Redis (the set ``{fb}:oai:finalize``
-of batches not yet finalized), so a restarted gateway finishes what a dead one left; a lease per
-batch keeps two gateways from writing the same files at once, and file ids are derived from the
-batch id, so writing again after a crash replaces the half-written file.
+finalizer (:mod:`gateway.openai_finalizer`) has written its output and error files, then
+``completed``, ``failed`` (every request failed) or ``cancelled``. ``in_progress_at`` is when
+the batch became ``in_progress`` (:func:`note_progress`).
 
 **Query ids.** When every ``custom_id`` is a valid query id (``[A-Za-z0-9_.-]{1,128}``) it is the
 query id; otherwise every query is named ``line-<n>`` (its line in the input file) and the
@@ -20,29 +19,20 @@ output names each by its ``custom_id``, read back from the input file.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import secrets
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
-from gateway.openai_files import FileStore, read_lines
-from gateway.openai_format import CHAT, output_line, parse_row
+from gateway.openai_format import CHAT, parse_row
 from gateway.validation import ID_RE
 from protos import fleetbatch_pb2 as pb
-from workqueue import BatchInfo, WorkQueue
+from workqueue import BatchInfo, WorkQueue, keys
 from workqueue.keys import PREFIX
-
-log = logging.getLogger(__name__)
 
 LIST = PREFIX + "oai:batches"  # ZSET: ids of batches created over HTTP, by creation time
 PENDING = PREFIX + "oai:finalize"  # SET: ids whose output files are not written yet
 WINDOW_S = 24 * 3600
-ORPHAN_S = 600.0  # a record whose gateway batch never appeared within this long is dropped
-RESULT_CHUNK = 1000
-RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 def record_key(batch_id: str) -> str:
@@ -147,6 +137,44 @@ def drop_record(queue: WorkQueue, batch_id: str) -> None:
     pipe.execute()
 
 
+def note_progress(queue: WorkQueue, batch_id: str, info: BatchInfo | None, rec: dict) -> None:
+    """Record (once) in ``rec`` and its Redis hash when the batch became ``in_progress``.
+
+    A batch created whole (no background intake) is ``in_progress`` from birth: the queue's own
+    ``created_at``. A batch accepted for background intake is ``validating`` until its first
+    chunk lands and the queue keeps no time for that: it is the first time the front (a GET or
+    the finalizer's pass every 0.5 s) sees it ``in_progress`` or beyond (``completed`` /
+    ``failed``); one cancelled before the front saw it in progress keeps ``in_progress_at`` null.
+    """
+    if info is None or not rec or rec.get("in_progress_at") or info.status == "validating":
+        return
+    intake = queue.r.hexists(keys.batch(batch_id), "intake_total")
+    if not intake:
+        when = info.created_at
+    elif info.status in ("in_progress", "completed", "failed"):
+        when = time.time()
+    else:
+        return
+    if queue.r.hsetnx(record_key(batch_id), "in_progress_at", when):
+        rec["in_progress_at"] = str(when)
+    else:
+        rec["in_progress_at"] = queue.r.hget(record_key(batch_id), "in_progress_at") or str(when)
+
+
+def usage_of(rec: dict) -> dict | None:
+    """OpenAI's batch ``usage`` (summed over the output file's requests), once the batch is finalized."""
+    if not rec.get("finalized_at"):
+        return None
+    prompt, completion = int(rec.get("input_tokens") or 0), int(rec.get("output_tokens") or 0)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
 def _ts(value) -> int | None:
     return int(float(value)) if value not in (None, "", "0") else None
 
@@ -185,7 +213,7 @@ def batch_object(batch_id: str, info: BatchInfo | None, rec: dict) -> dict:
         "output_file_id": rec.get("output_file_id") or None,
         "error_file_id": rec.get("error_file_id") or None,
         "created_at": created,
-        "in_progress_at": created if status not in ("validating", "failed") else None,
+        "in_progress_at": _ts(rec.get("in_progress_at")),
         "expires_at": created + WINDOW_S,
         "finalizing_at": _ts(rec.get("finalizing_at")),
         "completed_at": done if status == "completed" else None,
@@ -199,94 +227,8 @@ def batch_object(batch_id: str, info: BatchInfo | None, rec: dict) -> dict:
             "failed": failed,
         },
         "metadata": (info.metadata if info else None) or None,
+        "usage": usage_of(rec),
     }
-
-
-def file_id_of(batch_id: str, kind: str) -> str:
-    return "file-" + hashlib.sha256(f"{batch_id}\0{kind}".encode()).hexdigest()[:24]
-
-
-@dataclass
-class Finalizer:
-    """Writes the output and error files of finished HTTP batches, then marks them finalized."""
-
-    queue: WorkQueue
-    store: FileStore
-    retention_s: float = 0.0
-    lease_s: float = 300.0
-
-    def tick(self) -> int:
-        """Finalize every pending batch that is final; returns how many were finalized."""
-        done = 0
-        for batch_id in sorted(self.queue.r.smembers(PENDING)):
-            try:
-                done += self.finalize(batch_id)
-            except FileNotFoundError as e:
-                log.warning("batch %s: cannot write its output files: %s", batch_id, e)
-        return done
-
-    def finalize(self, batch_id: str) -> bool:
-        r, key = self.queue.r, record_key(batch_id)
-        rec = r.hgetall(key)
-        info = self.queue.batch(batch_id)
-        if not rec:
-            r.srem(PENDING, batch_id)
-            return False
-        if info is None:
-            if time.time() - float(rec.get("created_at") or 0) > ORPHAN_S:
-                r.hset(key, "expired_at", time.time())
-                r.srem(PENDING, batch_id)
-            return False
-        if not info.final:
-            return False
-        lease, token = key + ":lease", secrets.token_hex(8)
-        if not r.set(lease, token, nx=True, px=int(self.lease_s * 1000)):
-            return False  # another gateway writes them
-        try:
-            r.hsetnx(key, "finalizing_at", time.time())
-            fields = self._write(batch_id, info, rec)
-            fields["finalized_at"] = time.time()
-            pipe = r.pipeline(transaction=True)
-            pipe.hset(key, mapping=fields)
-            pipe.srem(PENDING, batch_id)
-            if self.retention_s > 0:
-                pipe.expire(key, int(self.retention_s))
-            pipe.execute()
-            log.info("batch %s: %s, output files written", batch_id, info.status)
-            return True
-        finally:
-            r.eval(RELEASE, 1, lease, token)
-
-    def _write(self, batch_id: str, info: BatchInfo, rec: dict) -> dict[str, str]:
-        names = names_of(read_lines(self.store, rec["input_file_id"]))
-        endpoint = rec.get("endpoint", CHAT)
-        fields = {"output_file_id": "", "error_file_id": ""}
-        for kind, want_error, count in (
-            ("output", False, info.completed),
-            ("errors", True, info.failed + info.cancelled),
-        ):
-            if count <= 0:
-                continue
-            file_id = file_id_of(batch_id, kind)
-            lines = self._lines(batch_id, endpoint, names, want_error)
-            self.store.put(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", lines)
-            fields["error_file_id" if want_error else "output_file_id"] = file_id
-        return fields
-
-    def _lines(self, batch_id: str, endpoint: str, names: dict, want_error: bool) -> Iterator[bytes]:
-        start = 0
-        while True:
-            rows = self.queue.results(batch_id, start, start + RESULT_CHUNK - 1)
-            if not rows:
-                return
-            start += len(rows)
-            out = []
-            for row in rows:
-                custom_id, model = names.get(row.get("query_id", ""), (row.get("query_id", ""), ""))
-                line = output_line(row, endpoint, model or "fleetbatch", custom_id)
-                if (line["error"] is not None) == want_error:
-                    out.append(json.dumps(line, ensure_ascii=False) + "\n")
-            yield "".join(out).encode()
 
 
 def list_batches(queue: WorkQueue, limit: int, after: str | None) -> tuple[list[str], bool]:

@@ -1,8 +1,8 @@
 """Files of the OpenAI-compatible front (``/v1/files``): batch inputs, outputs and error files.
 
 Behind a small interface, :class:`FileStore`: ``put`` (store bytes given in chunks under an
-id, with a filename and a purpose), ``info`` (the file object or None) and ``chunks`` (read it
-back). :class:`LocalFileStore` keeps each file as ``<dir>/<id>`` plus ``<dir>/<id>.json`` (its
+id, with a filename and a purpose), ``info`` (the file object or None), ``chunks`` (read it
+back), ``delete`` and ``files`` (every file object, for ``GET /v1/files``). :class:`LocalFileStore` keeps each file as ``<dir>/<id>`` plus ``<dir>/<id>.json`` (its
 file object), written to a temporary name and renamed, so a reader never sees half a file and
 a gateway that dies mid-write leaves nothing under the id. Every gateway of a deployment must
 see the same store (one directory on shared storage, or an object store: see
@@ -63,6 +63,14 @@ class FileStore(Protocol):
         """The file's bytes, in chunks (``FileNotFoundError`` when there is no such file)."""
         ...
 
+    def delete(self, file_id: str) -> bool:
+        """Remove the file; False when there was no such file."""
+        ...
+
+    def files(self) -> Iterator[FileInfo]:
+        """The object of every stored file, in no particular order."""
+        ...
+
 
 class LocalFileStore:
     """Files in one local (or shared) directory; ``max_bytes`` bounds one file (0: no bound)."""
@@ -114,6 +122,44 @@ class LocalFileStore:
         with open(self._path(file_id), "rb") as f:
             while chunk := f.read(CHUNK):
                 yield chunk
+
+    def delete(self, file_id: str) -> bool:
+        """The file object goes first (``info`` is None from then on), then the bytes."""
+        try:
+            path = self._path(file_id)
+        except FileNotFoundError:
+            return False
+        had = self.info(file_id) is not None
+        path.with_name(file_id + ".json").unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        return had
+
+    def files(self) -> Iterator[FileInfo]:
+        """Scans the directory (one ``<id>.json`` read per file; temporary names start with a dot)."""
+        for meta in self.root.glob("*.json"):
+            if meta.name.startswith("."):
+                continue
+            info = self.info(meta.name[: -len(".json")])
+            if info is not None:
+                yield info
+
+
+def list_files(
+    store: FileStore, limit: int, after: str | None = None, purpose: str | None = None, order: str = "desc"
+) -> tuple[list[FileInfo], bool]:
+    """One page of ``GET /v1/files``: files by ``(created_at, id)`` (``order`` asc or desc) after the
+    file ``after`` (``ValueError`` when it is not in the list), of one ``purpose`` when given; and
+    whether more follow."""
+    found = [f for f in store.files() if purpose is None or f.purpose == purpose]
+    found.sort(key=lambda f: (f.created_at, f.id), reverse=order == "desc")
+    start = 0
+    if after:
+        ids = [f.id for f in found]
+        if after not in ids:
+            raise ValueError(f"after={after!r} is not a file of this list")
+        start = ids.index(after) + 1
+    page = found[start : start + limit]
+    return page, start + limit < len(found)
 
 
 def read_lines(store: FileStore, file_id: str) -> Iterator[bytes]:

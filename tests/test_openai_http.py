@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP front, driven by the official ``openai`` package against a live gateway.
 
 Real Redis, the real gateway (gRPC and HTTP in one process) and a real engine process: upload,
-create, poll, download and check every output line against OpenAI's batch output shape; cancel;
-401 / 404 / 400 / 413 / 429 in OpenAI's error shape; finalizing after a gateway restart.
+create, poll, download and check every output line against OpenAI's batch output shape; usage
+and in_progress_at; cancel; 401 / 404 / 400 / 409 / 413 / 429 in OpenAI's error shape; list and
+delete files; finalizing after a gateway restart; records and files expiring with the batch.
 """
 
 from __future__ import annotations
@@ -13,18 +14,21 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import asdict
 
 import grpc
 import openai
 import pytest
 from openai import OpenAI
 
+from gateway import openai_batches as ob
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.openai_format import CHAT, COMPLETIONS
+from gateway.openai_retention import EXPIRE
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import REPO, GatewayThread, start_engine, wait_until
-from workqueue import WorkQueue, connect
+from workqueue import QueuedQuery, WorkQueue, connect, keys
 
 KEY = "test-key-123"
 ENGINE_ARGS = ("--backend", "static", "--size", "nano", "--max-batch", "8", "--heartbeat-s", "0.3")
@@ -72,110 +76,17 @@ def wait_final(client: OpenAI, batch_id: str, timeout: float = 180):
         time.sleep(0.2)
 
 
-def _gateway(redis_url: str, files_dir, **kw) -> GatewayThread:
+def _gateway(redis_url: str, files_dir, cluster: str = "a", **kw) -> GatewayThread:
     config = GatewayConfig(
         redis_url=redis_url,
         offload=False,
-        clusters=[ClusterSpec("a", capacity_tps=100)],
+        clusters=[ClusterSpec(cluster, capacity_tps=100)],
         http_port=0,
         http_api_key=KEY,
         files_dir=str(files_dir),
         **kw,
     )
     return GatewayThread(config)
-
-
-@pytest.fixture(scope="module")
-def live(redis_server, tmp_path_factory):
-    """One gateway with an HTTP front and one real engine, for the module."""
-    import redis
-
-    redis.Redis.from_url(redis_server.url).flushall()
-    tmp = tmp_path_factory.mktemp("openai")
-    engine = start_engine("a", redis_server.url, tmp, *ENGINE_ARGS)
-    gateway = _gateway(redis_server.url, tmp / "files")
-    address = gateway.start()
-    queue = WorkQueue(connect(redis_server.url))
-    try:
-        wait_until(lambda: queue.clusters(["a"])[0].alive, 240, "the engine's heartbeat")
-        yield OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0), address
-    finally:
-        gateway.stop()
-        engine.terminate()
-        engine.wait(timeout=30)
-
-
-def test_the_whole_flow_with_the_openai_client(live):
-    client, address = live
-    rows = [
-        {"custom_id": f"chat-{i}", "method": "POST", "url": CHAT,
-         "body": {"model": "m1", "max_tokens": 6 + i,
-                  "messages": [{"role": "system", "content": "Be brief."},
-                               {"role": "user", "content": f"Tell me about rivers, part {i}."}]}}
-        for i in range(6)
-    ]  # fmt: skip
-    f = client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
-    assert f.purpose == "batch" and f.bytes == len(jsonl(rows))
-    assert client.files.retrieve(f.id).filename == "in.jsonl"
-    assert client.files.content(f.id).read() == jsonl(rows)
-    batch = client.batches.create(
-        input_file_id=f.id, endpoint=CHAT, completion_window="24h", metadata={"team": "t"}
-    )
-    assert batch.status in ("validating", "in_progress") and batch.input_file_id == f.id
-    done = wait_final(client, batch.id)
-    assert done.status == "completed", done
-    assert done.request_counts.total == done.request_counts.completed == 6
-    assert done.request_counts.failed == 0 and done.error_file_id is None
-    assert done.completed_at and done.finalizing_at and done.metadata == {"team": "t"}
-    lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
-    assert sorted(line["custom_id"] for line in lines) == sorted(r["custom_id"] for r in rows)
-    for line in lines:
-        check_output_line(line, CHAT, {r["custom_id"] for r in rows})
-        assert line["response"]["body"]["model"] == "m1"
-    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
-    with grpc.insecure_channel(address) as ch:  # the same batch over gRPC
-        same = pb_grpc.BatchServiceStub(ch).GetBatch(pb.GetBatchRequest(batch_id=batch.id), timeout=10)
-    assert same.status == pb.COMPLETED and same.request_counts.completed == 6
-    assert batch.id in [b.id for b in client.batches.list(limit=100)]
-
-
-def test_completions_with_custom_ids_that_are_not_query_ids(live):
-    client, _ = live
-    rows = [
-        {"custom_id": cid, "method": "POST", "url": COMPLETIONS, "body": {"prompt": "Once upon", "max_tokens": 4}}
-        for cid in ("req:1", "req 2", "über-3")
-    ]  # fmt: skip
-    f = client.files.create(file=("c.jsonl", jsonl(rows)), purpose="batch")
-    done = wait_final(
-        client, client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window="24h").id
-    )
-    assert done.status == "completed"
-    lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
-    assert sorted(line["custom_id"] for line in lines) == sorted(r["custom_id"] for r in rows)
-    for line in lines:
-        check_output_line(line, COMPLETIONS, {r["custom_id"] for r in rows})
-
-
-def test_cancel(live):
-    client, _ = live
-    rows = [
-        {"custom_id": f"long-{i}", "url": CHAT,
-         "body": {"max_tokens": 400, "messages": [{"role": "user", "content": f"Write a long essay number {i}."}]}}
-        for i in range(40)
-    ]  # fmt: skip
-    f = client.files.create(file=("long.jsonl", jsonl(rows)), purpose="batch")
-    batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
-    cancelling = client.batches.cancel(batch.id)
-    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
-    done = wait_final(client, batch.id)
-    assert done.status == "cancelled" and done.cancelled_at
-    counts = done.request_counts
-    assert counts.total == 40 and counts.completed + counts.failed == 40 and counts.failed > 0
-    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
-    assert len(errors) == counts.failed
-    for line in errors:
-        check_output_line(line, CHAT, {r["custom_id"] for r in rows})
-        assert line["error"]["code"] == "cancelled"
 
 
 def _raw(url: str, key: str | None = KEY, data: bytes | None = None) -> tuple[int, dict]:
@@ -274,7 +185,7 @@ def test_the_grpc_limits_apply_413_and_429(bare):
 
 def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
     """The batch finishes while no gateway runs; the next gateway finalizes it from Redis."""
-    first = _gateway(redis_url, tmp_path / "files")
+    first = _gateway(redis_url, tmp_path / "files", cluster="idle")
     first.start()
     client = OpenAI(base_url=first.config.http_url, api_key=KEY, max_retries=0)
     rows = [
@@ -285,11 +196,11 @@ def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
     batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
     first.stop()
     queue = WorkQueue(connect(redis_url))
-    for c in queue.claim("a", 3, "w", 30):  # the engine's side, through the queue API
+    for c in queue.claim("idle", 3, "w", 30):  # the engine's side, through the queue API
         result = {"batch_id": c.query.batch_id, "query_id": c.query.query_id, "text": "ok",
                   "prompt_tokens": 3, "completion_tokens": 1, "finish_reason": "stop"}  # fmt: skip
         queue.complete(c.query.gid, result, "completed", 1)
-    second = _gateway(redis_url, tmp_path / "files")
+    second = _gateway(redis_url, tmp_path / "files", cluster="idle")
     second.start()
     try:
         client = OpenAI(base_url=second.config.http_url, api_key=KEY, max_retries=0)
@@ -299,8 +210,233 @@ def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
         assert sorted(x["custom_id"] for x in lines) == ["r0", "r1", "r2"]
         for line in lines:
             check_output_line(line, CHAT, {"r0", "r1", "r2"})
+        assert (done.usage.input_tokens, done.usage.output_tokens, done.usage.total_tokens) == (9, 3, 12)
     finally:
         second.stop()
+
+
+def test_files_list_and_delete(redis_url, tmp_path):
+    gateway = _gateway(redis_url, tmp_path / "files", cluster="idle")  # no engine works on its batches
+    gateway.start()
+    try:
+        _list_and_delete(
+            gateway.config.http_url, OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
+        )
+    finally:
+        gateway.stop()
+
+
+def _list_and_delete(url: str, client: OpenAI) -> None:
+    uploads = [
+        client.files.create(file=(f"f{i}.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": "x"}}])), purpose="batch")
+        for i in range(4)
+    ]  # fmt: skip
+    listed = client.files.list()
+    assert listed.object == "list" and listed.has_more is False
+    ids = [f.id for f in listed.data]
+    assert sorted(ids) == sorted(u.id for u in uploads)
+    assert [f.created_at for f in listed.data] == sorted((f.created_at for f in listed.data), reverse=True)
+    assert [f.id for f in client.files.list(order="asc").data] == ids[::-1]
+    page = client.files.list(limit=3)
+    assert len(page.data) == 3 and page.has_more and page.last_id == ids[2]
+    assert [f.id for f in client.files.list(limit=3, after=ids[2]).data] == ids[3:]
+    assert [f.id for f in client.files.list(limit=1)] == ids  # the client's auto-pagination (after=)
+    assert client.files.list(purpose="batch_output").data == []
+    assert len(client.files.list(purpose="batch").data) == 4
+    for query in ("limit=0", "limit=10001", "order=sideways", "after=file-nope"):
+        status, body = _raw(f"{url}/files?{query}")
+        assert status == 400 and body["error"]["param"] == query.split("=")[0], (query, body)
+
+    batch = client.batches.create(input_file_id=uploads[0].id, endpoint=COMPLETIONS, completion_window="24h")
+    with pytest.raises(openai.ConflictError) as e:  # the finalizer still needs it
+        client.files.delete(uploads[0].id)
+    assert e.value.body["code"] == "file_in_use" and batch.id in e.value.message
+    gone = client.files.delete(uploads[1].id)
+    assert (gone.id, gone.object, gone.deleted) == (uploads[1].id, "file", True)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploads[1].id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(uploads[1].id)
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id=uploads[1].id, endpoint=COMPLETIONS, completion_window="24h")
+    assert uploads[1].id not in [f.id for f in client.files.list()]
+    assert wait_final(client, client.batches.cancel(batch.id).id, 30).status == "cancelled"
+    assert client.files.delete(uploads[0].id).deleted  # finalized: its input may go
+
+
+def test_in_progress_at_is_when_the_batch_left_validating(redis_url):
+    """A batch in background intake is validating until its first chunk lands; one created whole is
+    in progress from the queue's own creation time."""
+    queue = WorkQueue(connect(redis_url))
+
+    def obj(batch_id: str) -> dict:
+        info, rec = queue.batch(batch_id), queue.r.hgetall(ob.record_key(batch_id))
+        ob.note_progress(queue, batch_id, info, rec)
+        return ob.batch_object(batch_id, info, rec)
+
+    ob.create_record(queue, "batch_big", "file-in", CHAT, "24h")
+    assert queue.accept_batch("batch_big", ["{}"])
+    assert obj("batch_big")["status"] == "validating" and obj("batch_big")["in_progress_at"] is None
+    time.sleep(1.1)
+    landed = time.time()
+    q = QueuedQuery("batch_big", "q0", "hello", 4, 1, 4.0)
+    assert queue.take_intake("batch_big", "me", 30)
+    assert queue.enqueue_chunk("batch_big", "me", 0, [(q.gid, json.dumps(asdict(q)), 5.0, "a")], 30) == 1
+    seen = obj("batch_big")
+    assert seen["status"] == "in_progress" and seen["in_progress_at"] >= int(landed) > seen["created_at"]
+    time.sleep(1.1)
+    assert obj("batch_big")["in_progress_at"] == seen["in_progress_at"]  # recorded once
+    ob.create_record(queue, "batch_small", "file-in", CHAT, "24h")
+    assert queue.create_batch("batch_small", [(QueuedQuery("batch_small", "q0", "hi", 4, 1, 4.0), "a")])
+    assert obj("batch_small")["in_progress_at"] == int(queue.batch("batch_small").created_at)
+
+
+def test_records_and_files_follow_the_batch_retention(redis_url, tmp_path):
+    """With a retention of 3 s, a finished HTTP batch's record, list entry and files go when its
+    gateway batch does; a file no batch used stays."""
+    gateway = _gateway(redis_url, tmp_path / "files", cluster="idle", retention_s=3)
+    gateway.start()
+    queue = WorkQueue(connect(redis_url))
+    try:
+        client = OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
+        rows = [{"custom_id": f"k{i}", "body": {"prompt": "hello"}} for i in range(3)]
+        f = client.files.create(file=("k.jsonl", jsonl(rows)), purpose="batch")
+        unused = client.files.create(file=("u.jsonl", jsonl(rows)), purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window="24h")
+        for i, c in enumerate(queue.claim("idle", 3, "w", 30)):
+            ok = i < 2
+            result = {"batch_id": c.query.batch_id, "query_id": c.query.query_id, "text": "ok",
+                      "prompt_tokens": 3, "completion_tokens": 2, "finish_reason": "stop" if ok else "error",
+                      "error": None if ok else "boom"}  # fmt: skip
+            queue.complete(c.query.gid, result, "completed" if ok else "failed", 2)
+        done = wait_final(client, batch.id, 30)
+        assert done.status == "completed" and done.output_file_id and done.error_file_id
+        assert (done.usage.input_tokens, done.usage.output_tokens, done.usage.total_tokens) == (6, 4, 10)
+        key = ob.record_key(batch.id)
+        assert (
+            0 < queue.r.pttl(key) <= 3000
+            and abs(queue.r.pttl(key) - queue.r.pttl(keys.batch(batch.id))) < 500
+        )
+        assert batch.id in [b.id for b in client.batches.list()]
+        files = (f.id, done.output_file_id, done.error_file_id)
+        assert all(queue.r.zscore(EXPIRE, "f:" + x) for x in files)
+
+        def expired() -> bool:
+            try:
+                client.batches.retrieve(batch.id)
+                return False
+            except openai.NotFoundError:
+                return queue.r.zcard(EXPIRE) == 0
+
+        wait_until(expired, 20, "the batch and its files to expire")
+        for x in files:
+            with pytest.raises(openai.NotFoundError):
+                client.files.retrieve(x)
+        assert client.files.retrieve(unused.id).id == unused.id
+        assert batch.id not in [b.id for b in client.batches.list()]
+        assert queue.r.zscore(ob.LIST, batch.id) is None and not queue.r.sismember(ob.PENDING, batch.id)
+        assert not queue.r.exists(key) and queue.batch(batch.id) is None
+    finally:
+        gateway.stop()
+
+
+@pytest.fixture(scope="module")
+def live(redis_server, tmp_path_factory):
+    """One gateway with an HTTP front and one real engine, for the tests at the end of the module
+    (they come last: the engine, on the module's Redis, would serve the other tests' batches)."""
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushall()
+    tmp = tmp_path_factory.mktemp("openai")
+    engine = start_engine("a", redis_server.url, tmp, *ENGINE_ARGS)
+    gateway = _gateway(redis_server.url, tmp / "files")
+    address = gateway.start()
+    queue = WorkQueue(connect(redis_server.url))
+    try:
+        wait_until(lambda: queue.clusters(["a"])[0].alive, 240, "the engine's heartbeat")
+        yield OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0), address
+    finally:
+        gateway.stop()
+        engine.terminate()
+        engine.wait(timeout=30)
+
+
+def test_the_whole_flow_with_the_openai_client(live):
+    client, address = live
+    rows = [
+        {"custom_id": f"chat-{i}", "method": "POST", "url": CHAT,
+         "body": {"model": "m1", "max_tokens": 6 + i,
+                  "messages": [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": f"Tell me about rivers, part {i}."}]}}
+        for i in range(6)
+    ]  # fmt: skip
+    f = client.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    assert f.purpose == "batch" and f.bytes == len(jsonl(rows))
+    assert client.files.retrieve(f.id).filename == "in.jsonl"
+    assert client.files.content(f.id).read() == jsonl(rows)
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint=CHAT, completion_window="24h", metadata={"team": "t"}
+    )
+    assert batch.status in ("validating", "in_progress") and batch.input_file_id == f.id
+    done = wait_final(client, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts.total == done.request_counts.completed == 6
+    assert done.request_counts.failed == 0 and done.error_file_id is None
+    assert done.completed_at and done.finalizing_at and done.metadata == {"team": "t"}
+    lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == sorted(r["custom_id"] for r in rows)
+    for line in lines:
+        check_output_line(line, CHAT, {r["custom_id"] for r in rows})
+        assert line["response"]["body"]["model"] == "m1"
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+    usage = [line["response"]["body"]["usage"] for line in lines]
+    assert done.usage.input_tokens == sum(u["prompt_tokens"] for u in usage) > 0
+    assert done.usage.output_tokens == sum(u["completion_tokens"] for u in usage) > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
+    assert done.created_at <= done.in_progress_at <= done.completed_at
+    with grpc.insecure_channel(address) as ch:  # the same batch over gRPC
+        same = pb_grpc.BatchServiceStub(ch).GetBatch(pb.GetBatchRequest(batch_id=batch.id), timeout=10)
+    assert same.status == pb.COMPLETED and same.request_counts.completed == 6
+    assert batch.id in [b.id for b in client.batches.list(limit=100)]
+
+
+def test_completions_with_custom_ids_that_are_not_query_ids(live):
+    client, _ = live
+    rows = [
+        {"custom_id": cid, "method": "POST", "url": COMPLETIONS, "body": {"prompt": "Once upon", "max_tokens": 4}}
+        for cid in ("req:1", "req 2", "über-3")
+    ]  # fmt: skip
+    f = client.files.create(file=("c.jsonl", jsonl(rows)), purpose="batch")
+    done = wait_final(
+        client, client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window="24h").id
+    )
+    assert done.status == "completed"
+    lines = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == sorted(r["custom_id"] for r in rows)
+    for line in lines:
+        check_output_line(line, COMPLETIONS, {r["custom_id"] for r in rows})
+
+
+def test_cancel(live):
+    client, _ = live
+    rows = [
+        {"custom_id": f"long-{i}", "url": CHAT,
+         "body": {"max_tokens": 400, "messages": [{"role": "user", "content": f"Write a long essay number {i}."}]}}
+        for i in range(40)
+    ]  # fmt: skip
+    f = client.files.create(file=("long.jsonl", jsonl(rows)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    done = wait_final(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at
+    counts = done.request_counts
+    assert counts.total == 40 and counts.completed + counts.failed == 40 and counts.failed > 0
+    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert len(errors) == counts.failed
+    for line in errors:
+        check_output_line(line, CHAT, {r["custom_id"] for r in rows})
+        assert line["error"]["code"] == "cancelled"
 
 
 @pytest.mark.slow

@@ -1,0 +1,136 @@
+"""The finalizer of HTTP batches: output and error files, usage, retention.
+
+Every gateway with the HTTP front runs :meth:`Finalizer.tick` every 0.5 s. It works from Redis
+(the set ``{fb}:oai:finalize`` of batches not yet finalized), so a restarted gateway finishes
+what a dead one left; a lease per batch keeps two gateways from writing the same files at once,
+and file ids are derived from the batch id, so writing again after a crash replaces the
+half-written file. On its pass it also records when a batch became ``in_progress``
+(:func:`gateway.openai_batches.note_progress`), sums the batch's token ``usage`` while it writes
+the output file, and then applies the retention of :mod:`gateway.openai_retention` (the record
+expires with the gateway batch; expired batches leave the list and their files are deleted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from gateway.openai_batches import PENDING, names_of, note_progress, record_key
+from gateway.openai_files import FileStore, read_lines
+from gateway.openai_format import CHAT, output_line
+from gateway.openai_retention import expire_orphan, retire, sweep
+from workqueue import BatchInfo, WorkQueue
+
+log = logging.getLogger(__name__)
+
+ORPHAN_S = 600.0  # a record whose gateway batch never appeared within this long is dropped
+RESULT_CHUNK = 1000
+RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def file_id_of(batch_id: str, kind: str) -> str:
+    return "file-" + hashlib.sha256(f"{batch_id}\0{kind}".encode()).hexdigest()[:24]
+
+
+@dataclass
+class Finalizer:
+    """Writes the output and error files of finished HTTP batches, then marks them finalized.
+
+    ``retention_s`` (the gateway's) is for records whose gateway batch is gone; the others
+    follow their gateway batch's TTL.
+    """
+
+    queue: WorkQueue
+    store: FileStore
+    retention_s: float = 0.0
+    lease_s: float = 300.0
+
+    def tick(self) -> int:
+        """Finalize every pending batch that is final, then expire what is due; returns how many
+        were finalized."""
+        done = 0
+        for batch_id in sorted(self.queue.r.smembers(PENDING)):
+            try:
+                done += self.finalize(batch_id)
+            except FileNotFoundError as e:
+                log.warning("batch %s: cannot write its output files: %s", batch_id, e)
+        sweep(self.queue, self.store)
+        return done
+
+    def finalize(self, batch_id: str) -> bool:
+        r, key = self.queue.r, record_key(batch_id)
+        rec = r.hgetall(key)
+        info = self.queue.batch(batch_id)
+        if not rec:
+            r.srem(PENDING, batch_id)
+            return False
+        if info is None:
+            if time.time() - float(rec.get("created_at") or 0) > ORPHAN_S:
+                expire_orphan(self.queue, batch_id, self.retention_s)
+            return False
+        note_progress(self.queue, batch_id, info, rec)
+        if not info.final:
+            return False
+        lease, token = key + ":lease", secrets.token_hex(8)
+        if not r.set(lease, token, nx=True, px=int(self.lease_s * 1000)):
+            return False  # another gateway writes them
+        try:
+            r.hsetnx(key, "finalizing_at", time.time())
+            fields = self._write(batch_id, info, rec)
+            fields["finalized_at"] = time.time()
+            files = [str(fields["output_file_id"]), str(fields["error_file_id"]), rec["input_file_id"]]
+            pipe = r.pipeline(transaction=True)
+            pipe.hset(key, mapping=fields)
+            pipe.srem(PENDING, batch_id)
+            retire(self.queue, batch_id, files, self.retention_s, pipe)
+            pipe.execute()
+            log.info("batch %s: %s, output files written", batch_id, info.status)
+            return True
+        finally:
+            r.eval(RELEASE, 1, lease, token)
+
+    def _write(self, batch_id: str, info: BatchInfo, rec: dict) -> dict[str, str | int | float]:
+        names = names_of(read_lines(self.store, rec["input_file_id"]))
+        endpoint = rec.get("endpoint", CHAT)
+        usage = [0, 0]
+        fields: dict[str, str | int | float] = {"output_file_id": "", "error_file_id": ""}
+        for kind, want_error, count in (
+            ("output", False, info.completed),
+            ("errors", True, info.failed + info.cancelled),
+        ):
+            if count <= 0:
+                continue
+            file_id = file_id_of(batch_id, kind)
+            lines = self._lines(batch_id, endpoint, names, want_error, usage)
+            self.store.put(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", lines)
+            fields["error_file_id" if want_error else "output_file_id"] = file_id
+        fields["input_tokens"], fields["output_tokens"] = usage
+        return fields
+
+    def _lines(
+        self, batch_id: str, endpoint: str, names: dict, want_error: bool, usage: list[int]
+    ) -> Iterator[bytes]:
+        """The file's lines in chunks; adds the output lines' prompt and completion tokens to ``usage``."""
+        start = 0
+        while True:
+            rows = self.queue.results(batch_id, start, start + RESULT_CHUNK - 1)
+            if not rows:
+                return
+            start += len(rows)
+            out = []
+            for row in rows:
+                custom_id, model = names.get(row.get("query_id", ""), (row.get("query_id", ""), ""))
+                line = output_line(row, endpoint, model or "fleetbatch", custom_id)
+                if (line["error"] is not None) != want_error:
+                    continue
+                if line["response"] is not None:
+                    u = line["response"]["body"]["usage"]
+                    usage[0] += u["prompt_tokens"]
+                    usage[1] += u["completion_tokens"]
+                out.append(json.dumps(line, ensure_ascii=False) + "\n")
+            yield "".join(out).encode()
