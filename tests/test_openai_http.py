@@ -215,6 +215,22 @@ def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
         second.stop()
 
 
+def test_grpc_batches_are_retrievable_by_id_but_not_listed(redis_url, tmp_path):
+    gateway = _gateway(redis_url, tmp_path / "files", cluster="idle")
+    address = gateway.start()
+    try:
+        with grpc.insecure_channel(address) as ch:
+            req = pb.SubmitBatchRequest(batch_id="over-grpc")
+            req.queries.add(id="q0", prompt="hello", max_tokens=4)
+            pb_grpc.BatchServiceStub(ch).SubmitBatch(req, timeout=30)
+        client = OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
+        got = client.batches.retrieve("over-grpc")
+        assert got.status == "in_progress" and got.request_counts.total == 1 and got.input_file_id == ""
+        assert client.batches.list().data == []
+    finally:
+        gateway.stop()
+
+
 def test_files_list_and_delete(redis_url, tmp_path):
     gateway = _gateway(redis_url, tmp_path / "files", cluster="idle")  # no engine works on its batches
     gateway.start()
