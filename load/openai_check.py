@@ -6,10 +6,11 @@ the mixed workload of ``../shared/data``) as an OpenAI batch input file (``/v1/c
 each prompt a user message, ``max_tokens`` its recorded response length; or
 ``/v1/completions``), then with ``OpenAI(base_url=..., api_key=...)``: uploads it, creates the
 batch, polls it to a final state, downloads the output and error files and checks every line
-against OpenAI's batch output shape (:func:`line_problems`). It also reads the batch over gRPC
+against OpenAI's batch output shape (:func:`line_problems`), and the final batch object's
+``usage`` and times against them (:func:`batch_problems`). It also reads the batch over gRPC
 (the same id). The last line printed is one JSON object: ``requests``, ``completed``, ``failed``,
-``output_lines``, ``output_lines_valid``, ``error_lines``, ``status``, ``grpc_status``, ``wall_s``
-(upload to the output downloaded) and ``tokens_per_s``.
+``output_lines``, ``output_lines_valid``, ``error_lines``, ``status``, ``grpc_status``, ``usage``,
+``wall_s`` (upload to the output downloaded) and ``tokens_per_s``.
 """
 
 from __future__ import annotations
@@ -81,6 +82,22 @@ def line_problems(line: dict, endpoint: str) -> list[str]:
     return out
 
 
+def batch_problems(batch, out: list[dict]) -> list[str]:
+    """What is wrong with a final batch object given its output lines (empty: nothing): its ``usage``
+    must be the sum of the lines' ``usage``, and ``created_at <= in_progress_at <= completed_at``."""
+    usages = [x["response"]["body"].get("usage") or {} for x in out if x.get("response")]
+    want = [sum(int(u.get(k) or 0) for u in usages) for k in ("prompt_tokens", "completion_tokens")]
+    u = batch.usage
+    got = [u.input_tokens, u.output_tokens] if u is not None else None
+    problems = []
+    if got != want or (u is not None and u.total_tokens != sum(want)):
+        problems.append(f"batch usage {got} is not the output lines' prompt and completion tokens {want}")
+    done = batch.completed_at or batch.failed_at or batch.cancelled_at
+    if batch.in_progress_at is None or not batch.created_at <= batch.in_progress_at <= (done or 2**62):
+        problems.append(f"in_progress_at {batch.in_progress_at} is not between created_at and the end")
+    return problems
+
+
 def input_rows(items: list[WorkItem], endpoint: str) -> list[dict]:
     """The OpenAI batch input lines of a workload (``max_tokens``: the recorded length, capped)."""
     rows = []
@@ -148,6 +165,7 @@ def run(args) -> dict:
     seen = [x.get("custom_id") for x in out + err]
     valid = sum(1 for x in out if not line_problems(x, args.endpoint))
     problems = sorted({p for x in out + err for p in line_problems(x, args.endpoint)})
+    problems += batch_problems(batch, out)
     tokens = sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out if x.get("response"))
     return {
         "command": "openai-check",
@@ -166,6 +184,7 @@ def run(args) -> dict:
         "duplicates": len(seen) - len(set(seen)),
         "problems": problems[:10],
         "completion_tokens": tokens,
+        "usage": batch.usage.model_dump() if batch.usage is not None else None,
         "wall_s": round(wall, 2),
         "tokens_per_s": round(tokens / wall, 1) if wall > 0 else 0.0,
     }

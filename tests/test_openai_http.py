@@ -25,6 +25,7 @@ from gateway import openai_batches as ob
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.openai_format import CHAT, COMPLETIONS
 from gateway.openai_retention import EXPIRE
+from load.openai_check import batch_problems
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import REPO, GatewayThread, start_engine, wait_until
@@ -410,6 +411,7 @@ def test_the_whole_flow_with_the_openai_client(live):
     assert done.usage.output_tokens == sum(u["completion_tokens"] for u in usage) > 0
     assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
     assert done.created_at <= done.in_progress_at <= done.completed_at
+    assert batch_problems(done, lines) == []  # what `loadgen openai-check` checks
     with grpc.insecure_channel(address) as ch:  # the same batch over gRPC
         same = pb_grpc.BatchServiceStub(ch).GetBatch(pb.GetBatchRequest(batch_id=batch.id), timeout=10)
     assert same.status == pb.COMPLETED and same.request_counts.completed == 6
