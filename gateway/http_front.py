@@ -267,9 +267,9 @@ class OpenAIFront:
         batch_id = request.path_params["batch_id"]
         await asyncio.to_thread(self._object, batch_id)  # 404 for unknown ids
         await self.service.CancelBatch(pb.CancelBatchRequest(batch_id=batch_id), CallContext(request))
-        key = ob.record_key(batch_id)
-        if await asyncio.to_thread(self.queue.r.exists, key):
-            await asyncio.to_thread(self.queue.r.hsetnx, key, "cancelling_at", time.time())
+        await asyncio.to_thread(
+            self.queue.r.eval, ob.SET_ONCE, 1, ob.record_key(batch_id), "cancelling_at", time.time()
+        )
         return JSONResponse(await asyncio.to_thread(self._object, batch_id))
 
     async def listing(self, request: Request) -> Response:

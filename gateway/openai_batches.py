@@ -33,6 +33,13 @@ from workqueue.keys import PREFIX
 LIST = PREFIX + "oai:batches"  # ZSET: ids of batches created over HTTP, by creation time
 PENDING = PREFIX + "oai:finalize"  # SET: ids whose output files are not written yet
 WINDOW_S = 24 * 3600
+# KEYS: a record. ARGV: field, value. Sets the field unless it is set (or the record expired
+# meanwhile: never recreates it); returns the field's value (nil when there is no record).
+SET_ONCE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+return redis.call('HGET', KEYS[1], ARGV[1])
+"""
 
 
 def record_key(batch_id: str) -> str:
@@ -155,10 +162,8 @@ def note_progress(queue: WorkQueue, batch_id: str, info: BatchInfo | None, rec: 
         when = time.time()
     else:
         return
-    if queue.r.hsetnx(record_key(batch_id), "in_progress_at", when):
-        rec["in_progress_at"] = str(when)
-    else:
-        rec["in_progress_at"] = queue.r.hget(record_key(batch_id), "in_progress_at") or str(when)
+    kept = queue.r.eval(SET_ONCE, 1, record_key(batch_id), "in_progress_at", when)
+    rec["in_progress_at"] = kept or str(when)
 
 
 def usage_of(rec: dict) -> dict | None:
