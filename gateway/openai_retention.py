@@ -26,6 +26,8 @@ import logging
 import time
 from collections.abc import Iterator
 
+import redis
+
 from gateway.openai_batches import LIST, PENDING, record_key
 from gateway.openai_files import FileStore
 from workqueue import WorkQueue, keys
@@ -114,7 +116,9 @@ def deleting(queue: WorkQueue, store: FileStore, file_id: str) -> bool:
     return int(queue.r.get(_deleting_key(file_id)) or 0) > 0 or store.info(file_id) is None
 
 
-def retire(queue: WorkQueue, batch_id: str, file_ids: list[str], fallback_s: float, pipe) -> None:
+def retire(
+    queue: WorkQueue, batch_id: str, file_ids: list[str], fallback_s: float, pipe: redis.client.Pipeline
+) -> None:
     """Queue on ``pipe`` (the finalizer's transaction) what gives a finalized batch's record the
     gateway batch's remaining TTL and schedules it and its files.
 
