@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from cliutil import run_main
 from gateway.config import HTTP_KEY_ENV, NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
 from gateway.policies import POLICIES
 
@@ -344,17 +345,21 @@ def _status(args) -> int:
     return 0
 
 
+COMMANDS = {"serve": _serve, "up": _up, "rebalance": _rebalance, "status": _status}
+ERRORS = (FileNotFoundError, ValueError, ConnectionError, OSError, TimeoutError, RuntimeError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    return run_main(
+        build_parser(),
+        argv,
+        lambda args: COMMANDS[args.command](args),
+        prog="gateway",
+        errors=ERRORS,
+        error_code=1,
+        message="{prog}{command}: {error}",
+        levels=(logging.INFO, logging.DEBUG),
     )
-    try:
-        return {"serve": _serve, "up": _up, "rebalance": _rebalance, "status": _status}[args.command](args)
-    except (FileNotFoundError, ValueError, ConnectionError, OSError, TimeoutError, RuntimeError) as e:
-        print(f"gateway {args.command}: {e}", file=sys.stderr)
-        return 1
 
 
 if __name__ == "__main__":
