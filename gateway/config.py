@@ -17,7 +17,7 @@ HTTP_KEY_ENV = "FLEETBATCH_HTTP_API_KEY"  # the OpenAI-compatible HTTP front's B
 #: positions of the project's default serving model (``localmodels.build_model``'s default)
 DEFAULT_MAX_POSITIONS = 2048
 #: cluster names (and every other id that becomes part of a Redis key)
-NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}\Z")  # \Z: "$" would accept a trailing newline
 
 
 @dataclass

@@ -147,7 +147,6 @@ class Intake:
     ) -> None:
         self.queue = queue
         self.count_tokens = count_tokens
-        self._counter = ThreadPoolExecutor(1, thread_name_prefix="intake-count")
         self.predict_tokens = predict_tokens
         self.assign = assign
         self.settings = settings
@@ -182,10 +181,12 @@ class Intake:
             return None
         return status, done + start, [json.loads(r) for r in raw]
 
-    def _prepare(self, batch_id: str, status: str, rows: list[dict]) -> list[tuple[str, str, float, str]]:
+    def _prepare(
+        self, batch_id: str, status: str, rows: list[dict], counter: ThreadPoolExecutor | None = None
+    ) -> list[tuple[str, str, float, str]]:
         if status in CANCELLING:
             return [(gid(batch_id, r["id"]), "", 0.0, "") for r in rows]
-        return self._assigned(batch_id, rows)
+        return self._assigned(batch_id, rows, counter)
 
     def _land(self, batch_id: str, token: str, cursor: int, out: list[tuple[str, str, float, str]]) -> int:
         """Land ``out`` at ``cursor``, ``land`` rows per script call; the rows landed, or negative
@@ -212,11 +213,18 @@ class Intake:
             if n > r["token_cap"]:  # the bound is an upper bound: this is a guard, not a path
                 r["bad"] = f"prompt has {n} tokens; its limit is {r['token_cap']}"
 
-    def _assigned(self, batch_id: str, rows: list[dict]) -> list[tuple[str, str, float, str]]:
+    def _assigned(
+        self, batch_id: str, rows: list[dict], counter: ThreadPoolExecutor | None = None
+    ) -> list[tuple[str, str, float, str]]:
         fresh = [r for r in rows if "bad" not in r]
-        counting = self._counter.submit(self._count, rows)  # the tokenizer runs beside the predictor
+        counting = (
+            counter.submit(self._count, rows) if counter else None
+        )  # the tokenizer beside the predictor
+        if counting is None:
+            self._count(rows)
         predicted = self.predict_tokens([r["prompt"] for r in fresh]) if fresh else []
-        counting.result()
+        if counting is not None:
+            counting.result()
         good = [r for r in rows if "bad" not in r]
         if len(good) != len(fresh):
             predicted = [p for r, p in zip(fresh, predicted, strict=True) if "bad" not in r]
@@ -278,14 +286,17 @@ class Intake:
             got = self._read(batch_id, size, 0)
             if got is None:
                 return True
-            with ThreadPoolExecutor(1, thread_name_prefix="intake-land") as pool:
+            with (
+                ThreadPoolExecutor(1, thread_name_prefix="intake-land") as pool,
+                ThreadPoolExecutor(1, thread_name_prefix="intake-count") as counter,
+            ):
                 status, cursor, rows = got
-                out = self._prepare(batch_id, status, rows)
+                out = self._prepare(batch_id, status, rows, counter)
                 while True:
                     size = min(2 * size, s.chunk)
                     after = None if _stopped(stop) else self._read(batch_id, size, len(out))
                     landing = pool.submit(self._land, batch_id, token, cursor, out)
-                    nxt = self._prepare(batch_id, after[0], after[2]) if after is not None else None
+                    nxt = self._prepare(batch_id, after[0], after[2], counter) if after is not None else None
                     n = landing.result()
                     if n != len(out):
                         log.warning("batch %s: intake lease or cursor lost (%d); leaving it", batch_id, n)

@@ -30,6 +30,8 @@ def poisson_arrivals(n: int, rate_per_s: float, seed: int = 0) -> list[float]:
     """Arrival times of a Poisson process of ``rate_per_s`` queries per second, starting at 0."""
     if not rate_per_s > 0:
         raise ValueError(f"arrival rate must be > 0, not {rate_per_s}")
+    if n <= 0:
+        return []
     gaps = np.random.default_rng(seed).exponential(1.0 / rate_per_s, n)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()

@@ -20,10 +20,15 @@ from transformers import AutoTokenizer
 log = logging.getLogger(__name__)
 
 
-def fingerprint(tokenizer, n_train: int, n_labels: int, total_steps: int) -> str:
-    """What a checkpoint must match to be resumed: vocabulary, training-set size, buckets, steps."""
+def fingerprint(
+    tokenizer, n_train: int, n_labels: int, total_steps: int, model_config: dict, train_config: dict
+) -> str:
+    """What a checkpoint must match to be resumed: vocabulary, training-set size, buckets, steps,
+    the model's architecture (``model_config``) and the training settings (``train_config``;
+    ``max_minutes`` left out: a resumed run may be given more time)."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    run = f"{n_train}/{n_labels}/{total_steps}/"
+    settings = {k: v for k, v in train_config.items() if k != "max_minutes"}
+    run = json.dumps([n_train, n_labels, total_steps, model_config, settings], sort_keys=True, default=str)
     return hashlib.sha1((run + vocab).encode("utf-8")).hexdigest()
 
 
@@ -43,7 +48,8 @@ def load(path: str | os.PathLike | None, fingerprint_: str) -> dict | None:
     state = torch.load(path, map_location="cpu", weights_only=False)
     if state.get("fingerprint") != fingerprint_:
         raise ValueError(
-            f"checkpoint {path} was written by another run (other data, buckets, tokenizer or length); "
+            f"checkpoint {path} was written by another run (other data, buckets, tokenizer, length, model or "
+            "training settings); "
             "remove it or name another --checkpoint"
         )
     log.info("resuming training from %s at step %d", path, state["step"])

@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -228,7 +228,9 @@ def train(
 
     ema = _Ema(model, cfg.ema) if cfg.ema > 0 else None
     result = TrainResult()
-    fp = checkpoint.fingerprint(tokenizer, len(tr_ids), model.config.num_labels, total_steps)
+    fp = checkpoint.fingerprint(
+        tokenizer, len(tr_ids), model.config.num_labels, total_steps, model.config.to_dict(), asdict(cfg)
+    )
     saved = checkpoint.load(checkpoint_path, fp)
     step, running, pos, bad = 0, [], 0, 0
     if saved is None:

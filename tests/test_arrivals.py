@@ -24,6 +24,7 @@ def test_azure_arrivals_replay_the_trace_gaps_scaled():
 
 def test_other_processes_and_bad_arguments():
     assert arrivals("all", 3) == [0.0, 0.0, 0.0]
+    assert arrivals("poisson", 0) == [] == arrivals("azure", 0)
     p = poisson_arrivals(500, 10.0, seed=1)
     assert p[0] == 0.0 and 30 < p[-1] < 80  # mean gap 0.1 s
     with pytest.raises(ValueError, match="arrivals must be one of"):

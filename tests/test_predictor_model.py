@@ -313,3 +313,8 @@ def test_training_resumes_from_its_checkpoint(data, tmp_path):
     torch.save({"fingerprint": "other", "step": 3}, state)
     with pytest.raises(ValueError, match="another run"):
         fit(*args, cfg, progress=False, checkpoint=state)
+    # so is one of the same data with other settings (before: resumed, mixing two runs)
+    state.unlink()
+    fit(*args, replace(capped, lr=3e-3), pretrained=tmp_path / "ckpt", progress=False, checkpoint=state)
+    with pytest.raises(ValueError, match="another run"):
+        fit(*args, cfg, pretrained=tmp_path / "ckpt", progress=False, checkpoint=state)
