@@ -174,7 +174,7 @@ def run_engine(
     model, tokenizer, queries: list[Query], config: EngineConfig
 ) -> tuple[MethodResult, LLMEngine]:
     res = MethodResult("engine")
-    engine = LLMEngine(model, tokenizer, config)
+    engine = LLMEngine.build(model, tokenizer, config)
     cpu0, start = time.process_time(), time.perf_counter()
     for q in queries:
         sp = SamplingParams(max_tokens=q.length, forced_length=q.length)

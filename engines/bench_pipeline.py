@@ -141,7 +141,7 @@ def _run(args, requests: list[Request], plan: Path | None, even: bool = False) -
         plan_path=str(plan) if plan else None,
         pipeline=PipelineConfig(even_split=even),
     )
-    engine = LLMEngine(model, tok, cfg)
+    engine = LLMEngine.build(model, tok, cfg)
     try:
         engine.generate(
             [Request(f"w{i}", "", r.sampling, r.prompt_token_ids[:8]) for i, r in enumerate(requests[:2])]

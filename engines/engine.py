@@ -21,7 +21,7 @@ from engines.interface import EngineStats, Request, RequestOutput
 from engines.kv_cache import KVCacheManager
 from engines.model_runner import ModelRunner, make_adapter
 from engines.pipeline import PipelineRunner, StageSpec
-from engines.plan import apply_plan, apply_plan_bits, plan_stages
+from engines.plan import apply_plan, plan_stages, quantized_model
 from engines.sampler import sample
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Sequence, SequenceStatus
@@ -34,14 +34,38 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class LLMEngine:
-    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None) -> None:
-        """The engine owns ``model`` from here on (a plan's bits replace its layers with quantized
-        ones); ``config`` stays the caller's: the engine works on a copy (a plan sets its limits)."""
+    @classmethod
+    def build(
+        cls, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None, *, own_model: bool = False
+    ) -> LLMEngine:
+        """The engine for ``model`` under ``config``, with its plan applied: the plan's limits go on a
+        copy of ``config``, its per-layer bits on a quantized copy of ``model`` (``own_model``: the
+        caller hands the model over, quantize it in place). The caller's model and config are left
+        as they were."""
+        config = copy.deepcopy(config) if config is not None else EngineConfig()
+        config.validate()
+        notes: list[str] = []
+        if config.plan_path:
+            notes = apply_plan(config)
+            model, more = quantized_model(model, config.plan_path, copy_model=not own_model)
+            notes += more
+        return cls(model, tokenizer, config, plan_notes=notes)
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        config: EngineConfig | None = None,
+        *,
+        plan_notes: list[str] | None = None,
+    ) -> None:
+        """Wire ``model`` (used as it is) and a copy of ``config`` into an engine. A config with a plan
+        must come through :meth:`build`, which applies the plan first (``plan_notes`` says it did)."""
         self.config = config = copy.deepcopy(config) if config is not None else EngineConfig()
         config.validate()
-        self.plan_notes = apply_plan(config) if config.plan_path else []
-        if config.plan_path:
-            self.plan_notes += apply_plan_bits(model, config.plan_path)
+        if config.plan_path and plan_notes is None:
+            raise ValueError("an engine with a plan is made by LLMEngine.build, which applies the plan")
+        self.plan_notes = list(plan_notes or [])
         self.tokenizer = tokenizer
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         if self.eos_token_id is None:
@@ -108,7 +132,7 @@ class LLMEngine:
         config = config or EngineConfig()
         config.validate()
         model, tok = load_or_build(model_dir, arch=arch, size=size, dtype=_DTYPES[config.dtype])
-        return cls(model, tok, config)
+        return cls.build(model, tok, config, own_model=True)
 
     @staticmethod
     def _stages(model: torch.nn.Module, config: EngineConfig) -> list[StageSpec]:
@@ -117,7 +141,7 @@ class LLMEngine:
         if not config.plan_path:
             return [StageSpec(0, 0, n_layers)]
         stages = plan_stages(config.plan_path, n_layers, config.pipeline.even_split)
-        if len(stages) == 1:  # in-process; a layer-count mismatch is reported by apply_plan_bits
+        if len(stages) == 1:  # in-process; a layer-count mismatch is reported by quantized_model
             stages = [replace(stages[0], layer_end=n_layers)]
         elif stages[-1].layer_end != n_layers:
             raise ValueError(f"plan stages cover {stages[-1].layer_end} layers, the model has {n_layers}")

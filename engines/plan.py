@@ -3,12 +3,13 @@
 Reads and validates the plan with :func:`planfile.load_plan` (the plan file schema, a shared
 contract at the bottom; the engines do not import the planner). Per-layer bit
 widths are applied to the model with :func:`quant.apply.apply_bitmap` by
-:func:`apply_plan_bits` when the plan's layer count matches the model's; otherwise that is
+:func:`quantized_model` (on a copy) when the plan's layer count matches the model's; otherwise that is
 reported back, not silently dropped.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -91,16 +92,26 @@ def plan_layer_bits(path: str) -> list[int]:
     return _read(path).layer_bits()
 
 
-def apply_plan_bits(model, path: str, group_size: int | None = 128) -> list[str]:
-    """Quantize ``model``'s decoder layers to the plan's bit map (in place); returns notes."""
+def quantized_model(model, path: str, group_size: int | None = 128, copy_model: bool = True):
+    """``(model, notes)``: ``model``'s decoder layers quantized to the plan's bit map. The quantized
+    model is a copy unless ``copy_model`` is False (the caller hands ``model`` over); a plan that
+    quantizes nothing (no bits, all 16, or another layer count, reported) returns ``model`` itself."""
     bits = plan_layer_bits(path)
     n_layers = len(decoder_layers(model))
     if not bits:
-        return ["the plan has no per-layer bits"]
+        return model, ["the plan has no per-layer bits"]
     if len(bits) != n_layers:
         note = f"plan bits for {len(bits)} layers, model has {n_layers}: per-layer bits NOT applied"
         log.warning("plan %s: %s", path, note)
-        return [note]
+        return model, [note]
+    if all(b >= 16 for b in bits):
+        return model, ["plan keeps every layer at 16 bits"]
+    if copy_model:
+        model = copy.deepcopy(model)
+    apply_bitmap(model, bits, group_size=group_size)
+    note = f"per-layer bits applied: {sorted(set(bits))} over {n_layers} layers"
+    log.info("plan %s: %s", path, note)
+    return model, [note]
     if all(b >= 16 for b in bits):
         return ["plan keeps every layer at 16 bits"]
     apply_bitmap(model, bits, group_size=group_size)

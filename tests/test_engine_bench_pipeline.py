@@ -69,7 +69,7 @@ def test_stage_metrics_are_exported(tmp_path):
     tok = default_tokenizer(vocab_size=1024, texts=generated_corpus(400))
     model = build_model("llama", "tiny", tokenizer=tok, seed=3)
     plan = write_plan(tmp_path / "plan.json", [0, 1, 4], slowdowns=[0.0, 0.5])
-    engine = LLMEngine(model, tok, EngineConfig(plan_path=str(plan)))
+    engine = LLMEngine.build(model, tok, EngineConfig(plan_path=str(plan)))
     try:
         engine.generate([Request(f"r{i}", "hello there", SamplingParams(forced_length=5)) for i in range(3)])
         from prometheus_client import CollectorRegistry

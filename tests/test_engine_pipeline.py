@@ -51,7 +51,7 @@ def _requests() -> list[Request]:
 def _engine(tokenizer, plan, **kw) -> LLMEngine:
     model = build_model("llama", "tiny", tokenizer=tokenizer, seed=3)
     cfg = EngineConfig(plan_path=str(plan), prefill_chunk=8, block_size=4, **kw)
-    return LLMEngine(model, tokenizer, cfg)
+    return LLMEngine.build(model, tokenizer, cfg)
 
 
 def _run(engine: LLMEngine) -> dict[str, list[int]]:
