@@ -224,12 +224,16 @@ def latency_error(run: dict) -> float:
 
 def bench_pipeline(args) -> dict:
     torch.set_num_threads(1)
-    speeds = [float(x) for x in args.stage_speeds.split(",")] if args.stage_speeds else [1.0] * args.stages
-    if args.plan is None and len(speeds) != args.stages:
-        raise ValueError(f"--stage-speeds lists {len(speeds)} speeds for --stages {args.stages}")
-    slowdowns = slowdowns_from_speeds(speeds)
+    if args.plan is None:  # the planner lays the model out over --stages devices at --stage-speeds
+        speeds = (
+            [float(x) for x in args.stage_speeds.split(",")] if args.stage_speeds else [1.0] * args.stages
+        )
+        if len(speeds) != args.stages:
+            raise ValueError(f"--stage-speeds lists {len(speeds)} speeds for --stages {args.stages}")
+    elif args.stage_speeds:
+        raise ValueError("--stage-speeds goes with --stages: a given --plan declares its devices' speeds")
     with tempfile.TemporaryDirectory(prefix="fleetbatch-bench-") as tmp:
-        plan = Path(args.plan) if args.plan else make_plan(args, slowdowns, Path(tmp))
+        plan = Path(args.plan) if args.plan else make_plan(args, slowdowns_from_speeds(speeds), Path(tmp))
         plan_doc = json.loads(plan.read_text())
         _, tok = load_or_build(args.model_dir, arch=args.arch, size=args.size)
         requests = _workload(tok, args)

@@ -16,6 +16,7 @@ from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
 from engines.metrics import StageCollector
 from tests.harness import REPO
+from tests.harness import write_plan as harness_plan
 from tests.test_engine_pipeline import write_plan
 
 
@@ -132,3 +133,16 @@ def test_merged_profile_is_the_mean_of_concurrent_ones():
     m = merge_profiles([doc(1.0), doc(3.0)])
     assert m["samples"]["16"]["decode"] == [[1, 16, 2.0], [2, 16, 4.0]]
     assert m["meta"] == {"wall_s": 3.0, "concurrent": 2}
+
+
+def test_bench_runs_a_given_plan(tmp_path, data_root):
+    """``engine bench --plan`` (documented in docs/engine.md) crashed with a TypeError without --stages."""
+    plan = harness_plan(tmp_path / "plan.json", "nano", [0, 1, 2], [16, 16], decode_mb=4, prefill_mb=2)
+    base = [sys.executable, "-m", "engines.cli", "bench", "--plan", str(plan), "--size", "nano"]
+    small = ["--num-queries", "8", "--prompt-len", "16", "--gen-len", "8", "--repeats", "1"]
+    r = subprocess.run(base + small, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["stages"] == 2 and out["layers"] == [[0, 1], [1, 2]] and out["decode_micro_batch"] == 4
+    bad = subprocess.run(base + small + ["--stage-speeds", "1,2"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode != 0 and "--stage-speeds goes with --stages" in bad.stderr
