@@ -2,8 +2,8 @@
 
 Real Redis, the real gateway (gRPC and HTTP in one process) and a real engine process: upload,
 create, poll, download and check every output line against OpenAI's batch output shape; usage
-and in_progress_at; cancel; 401 / 404 / 400 / 409 / 413 / 429 in OpenAI's error shape; list and
-delete files; finalizing after a gateway restart; records and files expiring with the batch.
+and in_progress_at; cancel; finalizing after a gateway restart; records and files expiring with
+the batch. Files, keys and errors: ``test_openai_http_files.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict
 
 import grpc
@@ -22,171 +20,19 @@ import pytest
 from openai import OpenAI
 
 from gateway import openai_batches as ob
-from gateway.config import ClusterSpec, GatewayConfig
 from gateway.openai_format import CHAT, COMPLETIONS
 from gateway.openai_retention import EXPIRE
 from load.openai_check import batch_problems
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from tests.harness import REPO, GatewayThread, start_engine, wait_until
+from tests.harness import REPO, start_engine, wait_until
+from tests.openai_http_helpers import ENGINE_ARGS, KEY, check_output_line, http_gateway, jsonl, wait_final
 from workqueue import QueuedQuery, WorkQueue, connect, keys
-
-KEY = "test-key-123"
-ENGINE_ARGS = ("--backend", "static", "--size", "nano", "--max-batch", "8", "--heartbeat-s", "0.3")
-FINAL = ("completed", "failed", "cancelled", "expired")
-
-
-def check_output_line(line: dict, endpoint: str, custom_ids: set[str]) -> None:
-    """One line of an OpenAI batch output or error file, as OpenAI writes it."""
-    assert set(line) == {"id", "custom_id", "response", "error"}, line
-    assert isinstance(line["id"], str) and line["id"].startswith("batch_req_")
-    assert line["custom_id"] in custom_ids
-    if line["error"] is not None:
-        assert line["response"] is None
-        assert isinstance(line["error"]["code"], str) and isinstance(line["error"]["message"], str)
-        return
-    resp = line["response"]
-    assert resp["status_code"] == 200 and isinstance(resp["request_id"], str) and resp["request_id"]
-    body = resp["body"]
-    chat = endpoint == CHAT
-    assert body["object"] == ("chat.completion" if chat else "text_completion")
-    assert isinstance(body["id"], str) and isinstance(body["created"], int) and isinstance(body["model"], str)
-    assert len(body["choices"]) == 1
-    choice = body["choices"][0]
-    assert choice["index"] == 0 and choice["finish_reason"] in ("stop", "length")
-    if chat:
-        assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
-    else:
-        assert isinstance(choice["text"], str)
-    usage = body["usage"]
-    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] >= 0
-    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-
-
-def jsonl(rows: list[dict]) -> bytes:
-    return "".join(json.dumps(r) + "\n" for r in rows).encode()
-
-
-def wait_final(client: OpenAI, batch_id: str, timeout: float = 180):
-    deadline = time.monotonic() + timeout
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if b.status in FINAL:
-            return b
-        assert time.monotonic() < deadline, f"batch {batch_id} still {b.status}"
-        time.sleep(0.2)
-
-
-def _gateway(redis_url: str, files_dir, cluster: str = "a", **kw) -> GatewayThread:
-    config = GatewayConfig(
-        redis_url=redis_url,
-        offload=False,
-        clusters=[ClusterSpec(cluster, capacity_tps=100)],
-        http_port=0,
-        http_api_key=KEY,
-        files_dir=str(files_dir),
-        **kw,
-    )
-    return GatewayThread(config)
-
-
-def _raw(url: str, key: str | None = KEY, data: bytes | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-@pytest.fixture
-def bare(redis_url, tmp_path):
-    """A gateway with its HTTP front, no engine (errors are found before any work runs)."""
-    gateway = _gateway(redis_url, tmp_path / "files", max_queued_per_client=3, max_request_bytes=4096)
-    gateway.start()
-    try:
-        yield gateway.config.http_url, OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
-    finally:
-        gateway.stop()
-
-
-def test_a_missing_or_wrong_key_is_401_in_openais_shape(bare):
-    url, _ = bare
-    for key in (None, "wrong"):
-        status, body = _raw(url + "/batches", key)
-        assert status == 401 and body["error"]["code"] == "invalid_api_key"
-        assert set(body["error"]) == {"message", "type", "param", "code"}
-    with pytest.raises(openai.AuthenticationError):
-        OpenAI(base_url=url, api_key="wrong", max_retries=0).batches.list()
-
-
-def test_unknown_ids_are_404(bare):
-    url, client = bare
-    with pytest.raises(openai.NotFoundError):
-        client.batches.retrieve("batch_nope")
-    with pytest.raises(openai.NotFoundError):
-        client.batches.cancel("batch_nope")
-    with pytest.raises(openai.NotFoundError):
-        client.files.content("file-nope")
-    with pytest.raises(openai.NotFoundError):
-        client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
-    status, body = _raw(url + "/no/such/route")
-    assert status == 404 and body["error"]["type"] == "invalid_request_error"
-
-
-def _bad(client, **kw) -> openai.BadRequestError:
-    args = {"endpoint": CHAT, "completion_window": "24h", **kw}
-    with pytest.raises(openai.BadRequestError) as e:
-        client.batches.create(**args)
-    return e.value
-
-
-def test_bad_input_is_400_naming_the_field(bare):
-    url, client = bare
-    good = client.files.create(
-        file=("g.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": "x"}}])), purpose="batch"
-    )
-    assert _bad(client, input_file_id=good.id, endpoint="/v1/embeddings").body["param"] == "endpoint"
-    assert _bad(client, input_file_id=good.id, completion_window="1h").body["param"] == "completion_window"
-    tools = [{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}], "tools": []}}]
-    f = client.files.create(file=("t.jsonl", jsonl(tools)), purpose="batch")
-    e = _bad(client, input_file_id=f.id)
-    assert "line 1" in e.message and "tools" in e.message and e.body["param"] == "input_file_id"
-    dup = [{"custom_id": "a", "body": {"prompt": "x"}}, {"custom_id": "a", "body": {"prompt": "y"}}]
-    f = client.files.create(file=("d.jsonl", jsonl(dup)), purpose="batch")
-    assert "appears twice" in _bad(client, input_file_id=f.id).message
-    f = client.files.create(file=("j.jsonl", b'{"custom_id": "a",\n'), purpose="batch")
-    assert "not valid JSON" in _bad(client, input_file_id=f.id).message
-    empty = client.files.create(
-        file=("e.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": " "}}])), purpose="batch"
-    )
-    assert "empty prompt" in _bad(client, input_file_id=empty.id).message  # the gateway's own validation
-    with pytest.raises(openai.BadRequestError) as e:
-        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
-    assert e.value.body["param"] == "purpose"
-    status, body = _raw(url + "/batches", data=b"not json")
-    assert status == 400 and body["error"]["message"]
-
-
-def test_the_grpc_limits_apply_413_and_429(bare):
-    _, client = bare
-    with pytest.raises(openai.APIStatusError) as e:
-        client.files.create(file=("big.jsonl", b"x" * 10_000), purpose="batch")
-    assert e.value.status_code == 413
-    rows = [{"custom_id": f"q{i}", "body": {"prompt": "hello"}} for i in range(4)]
-    f = client.files.create(file=("four.jsonl", jsonl(rows)), purpose="batch")
-    with pytest.raises(openai.RateLimitError) as e:
-        client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
-    assert "max_queued_per_client=3" in e.value.message
-    assert client.batches.list().data == []  # nothing half-created
 
 
 def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
     """The batch finishes while no gateway runs; the next gateway finalizes it from Redis."""
-    first = _gateway(redis_url, tmp_path / "files", cluster="idle")
+    first = http_gateway(redis_url, tmp_path / "files", cluster="idle")
     first.start()
     client = OpenAI(base_url=first.config.http_url, api_key=KEY, max_retries=0)
     rows = [
@@ -201,7 +47,7 @@ def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
         result = {"batch_id": c.query.batch_id, "query_id": c.query.query_id, "text": "ok",
                   "prompt_tokens": 3, "completion_tokens": 1, "finish_reason": "stop"}  # fmt: skip
         queue.complete(c.query.gid, result, "completed", 1)
-    second = _gateway(redis_url, tmp_path / "files", cluster="idle")
+    second = http_gateway(redis_url, tmp_path / "files", cluster="idle")
     second.start()
     try:
         client = OpenAI(base_url=second.config.http_url, api_key=KEY, max_retries=0)
@@ -217,7 +63,7 @@ def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
 
 
 def test_grpc_batches_are_retrievable_by_id_but_not_listed(redis_url, tmp_path):
-    gateway = _gateway(redis_url, tmp_path / "files", cluster="idle")
+    gateway = http_gateway(redis_url, tmp_path / "files", cluster="idle")
     address = gateway.start()
     try:
         with grpc.insecure_channel(address) as ch:
@@ -230,55 +76,6 @@ def test_grpc_batches_are_retrievable_by_id_but_not_listed(redis_url, tmp_path):
         assert client.batches.list().data == []
     finally:
         gateway.stop()
-
-
-def test_files_list_and_delete(redis_url, tmp_path):
-    gateway = _gateway(redis_url, tmp_path / "files", cluster="idle")  # no engine works on its batches
-    gateway.start()
-    try:
-        _list_and_delete(
-            gateway.config.http_url, OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
-        )
-    finally:
-        gateway.stop()
-
-
-def _list_and_delete(url: str, client: OpenAI) -> None:
-    uploads = [
-        client.files.create(file=(f"f{i}.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": "x"}}])), purpose="batch")
-        for i in range(4)
-    ]  # fmt: skip
-    listed = client.files.list()
-    assert listed.object == "list" and listed.has_more is False
-    ids = [f.id for f in listed.data]
-    assert sorted(ids) == sorted(u.id for u in uploads)
-    assert [f.created_at for f in listed.data] == sorted((f.created_at for f in listed.data), reverse=True)
-    assert [f.id for f in client.files.list(order="asc").data] == ids[::-1]
-    page = client.files.list(limit=3)
-    assert len(page.data) == 3 and page.has_more and page.last_id == ids[2]
-    assert [f.id for f in client.files.list(limit=3, after=ids[2]).data] == ids[3:]
-    assert [f.id for f in client.files.list(limit=1)] == ids  # the client's auto-pagination (after=)
-    assert client.files.list(purpose="batch_output").data == []
-    assert len(client.files.list(purpose="batch").data) == 4
-    for query in ("limit=0", "limit=10001", "order=sideways", "after=file-nope"):
-        status, body = _raw(f"{url}/files?{query}")
-        assert status == 400 and body["error"]["param"] == query.split("=")[0], (query, body)
-
-    batch = client.batches.create(input_file_id=uploads[0].id, endpoint=COMPLETIONS, completion_window="24h")
-    with pytest.raises(openai.ConflictError) as e:  # the finalizer still needs it
-        client.files.delete(uploads[0].id)
-    assert e.value.body["code"] == "file_in_use" and batch.id in e.value.message
-    gone = client.files.delete(uploads[1].id)
-    assert (gone.id, gone.object, gone.deleted) == (uploads[1].id, "file", True)
-    with pytest.raises(openai.NotFoundError):
-        client.files.retrieve(uploads[1].id)
-    with pytest.raises(openai.NotFoundError):
-        client.files.delete(uploads[1].id)
-    with pytest.raises(openai.NotFoundError):
-        client.batches.create(input_file_id=uploads[1].id, endpoint=COMPLETIONS, completion_window="24h")
-    assert uploads[1].id not in [f.id for f in client.files.list()]
-    assert wait_final(client, client.batches.cancel(batch.id).id, 30).status == "cancelled"
-    assert client.files.delete(uploads[0].id).deleted  # finalized: its input may go
 
 
 def test_in_progress_at_is_when_the_batch_left_validating(redis_url):
@@ -311,7 +108,7 @@ def test_in_progress_at_is_when_the_batch_left_validating(redis_url):
 def test_records_and_files_follow_the_batch_retention(redis_url, tmp_path):
     """With a retention of 3 s, a finished HTTP batch's record, list entry and files go when its
     gateway batch does; a file no batch used stays."""
-    gateway = _gateway(redis_url, tmp_path / "files", cluster="idle", retention_s=3)
+    gateway = http_gateway(redis_url, tmp_path / "files", cluster="idle", retention_s=3)
     gateway.start()
     queue = WorkQueue(connect(redis_url))
     try:
@@ -366,7 +163,7 @@ def live(redis_server, tmp_path_factory):
     redis.Redis.from_url(redis_server.url).flushall()
     tmp = tmp_path_factory.mktemp("openai")
     engine = start_engine("a", redis_server.url, tmp, *ENGINE_ARGS)
-    gateway = _gateway(redis_server.url, tmp / "files")
+    gateway = http_gateway(redis_server.url, tmp / "files")
     address = gateway.start()
     queue = WorkQueue(connect(redis_server.url))
     try:

@@ -1,0 +1,145 @@
+"""The OpenAI-compatible HTTP front's files, keys and errors, against a live gateway (real Redis).
+
+401 / 404 / 400 / 409 / 411 / 413 / 429 in OpenAI's error shape; list and delete files; ids the
+store never issues; the key file written private.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from openai import OpenAI
+
+from gateway.openai_format import CHAT, COMPLETIONS
+from tests.openai_http_helpers import KEY, http_gateway, jsonl, raw_call, wait_final
+
+
+@pytest.fixture
+def bare(redis_url, tmp_path):
+    """A gateway with its HTTP front, no engine (errors are found before any work runs)."""
+    gateway = http_gateway(redis_url, tmp_path / "files", max_queued_per_client=3, max_request_bytes=4096)
+    gateway.start()
+    try:
+        yield gateway.config.http_url, OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
+    finally:
+        gateway.stop()
+
+
+def test_a_missing_or_wrong_key_is_401_in_openais_shape(bare):
+    url, _ = bare
+    for key in (None, "wrong"):
+        status, body = raw_call(url + "/batches", key)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=url, api_key="wrong", max_retries=0).batches.list()
+
+
+def test_unknown_ids_are_404(bare):
+    url, client = bare
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.cancel("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-nope")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+    status, body = raw_call(url + "/no/such/route")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"
+
+
+def _bad(client, **kw) -> openai.BadRequestError:
+    args = {"endpoint": CHAT, "completion_window": "24h", **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(**args)
+    return e.value
+
+
+def test_bad_input_is_400_naming_the_field(bare):
+    url, client = bare
+    good = client.files.create(
+        file=("g.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": "x"}}])), purpose="batch"
+    )
+    assert _bad(client, input_file_id=good.id, endpoint="/v1/embeddings").body["param"] == "endpoint"
+    assert _bad(client, input_file_id=good.id, completion_window="1h").body["param"] == "completion_window"
+    tools = [{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}], "tools": []}}]
+    f = client.files.create(file=("t.jsonl", jsonl(tools)), purpose="batch")
+    e = _bad(client, input_file_id=f.id)
+    assert "line 1" in e.message and "tools" in e.message and e.body["param"] == "input_file_id"
+    dup = [{"custom_id": "a", "body": {"prompt": "x"}}, {"custom_id": "a", "body": {"prompt": "y"}}]
+    f = client.files.create(file=("d.jsonl", jsonl(dup)), purpose="batch")
+    assert "appears twice" in _bad(client, input_file_id=f.id).message
+    f = client.files.create(file=("j.jsonl", b'{"custom_id": "a",\n'), purpose="batch")
+    assert "not valid JSON" in _bad(client, input_file_id=f.id).message
+    empty = client.files.create(
+        file=("e.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": " "}}])), purpose="batch"
+    )
+    assert "empty prompt" in _bad(client, input_file_id=empty.id).message  # the gateway's own validation
+    with pytest.raises(openai.BadRequestError) as e:
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    assert e.value.body["param"] == "purpose"
+    status, body = raw_call(url + "/batches", data=b"not json")
+    assert status == 400 and body["error"]["message"]
+
+
+def test_the_grpc_limits_apply_413_and_429(bare):
+    _, client = bare
+    with pytest.raises(openai.APIStatusError) as e:
+        client.files.create(file=("big.jsonl", b"x" * 10_000), purpose="batch")
+    assert e.value.status_code == 413
+    rows = [{"custom_id": f"q{i}", "body": {"prompt": "hello"}} for i in range(4)]
+    f = client.files.create(file=("four.jsonl", jsonl(rows)), purpose="batch")
+    with pytest.raises(openai.RateLimitError) as e:
+        client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    assert "max_queued_per_client=3" in e.value.message
+    assert client.batches.list().data == []  # nothing half-created
+
+
+def test_files_list_and_delete(redis_url, tmp_path):
+    gateway = http_gateway(redis_url, tmp_path / "files", cluster="idle")  # no engine works on its batches
+    gateway.start()
+    try:
+        _list_and_delete(
+            gateway.config.http_url, OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
+        )
+    finally:
+        gateway.stop()
+
+
+def _list_and_delete(url: str, client: OpenAI) -> None:
+    uploads = [
+        client.files.create(file=(f"f{i}.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": "x"}}])), purpose="batch")
+        for i in range(4)
+    ]  # fmt: skip
+    listed = client.files.list()
+    assert listed.object == "list" and listed.has_more is False
+    ids = [f.id for f in listed.data]
+    assert sorted(ids) == sorted(u.id for u in uploads)
+    assert [f.created_at for f in listed.data] == sorted((f.created_at for f in listed.data), reverse=True)
+    assert [f.id for f in client.files.list(order="asc").data] == ids[::-1]
+    page = client.files.list(limit=3)
+    assert len(page.data) == 3 and page.has_more and page.last_id == ids[2]
+    assert [f.id for f in client.files.list(limit=3, after=ids[2]).data] == ids[3:]
+    assert [f.id for f in client.files.list(limit=1)] == ids  # the client's auto-pagination (after=)
+    assert client.files.list(purpose="batch_output").data == []
+    assert len(client.files.list(purpose="batch").data) == 4
+    for query in ("limit=0", "limit=10001", "order=sideways", "after=file-nope"):
+        status, body = raw_call(f"{url}/files?{query}")
+        assert status == 400 and body["error"]["param"] == query.split("=")[0], (query, body)
+
+    batch = client.batches.create(input_file_id=uploads[0].id, endpoint=COMPLETIONS, completion_window="24h")
+    with pytest.raises(openai.ConflictError) as e:  # the finalizer still needs it
+        client.files.delete(uploads[0].id)
+    assert e.value.body["code"] == "file_in_use" and batch.id in e.value.message
+    gone = client.files.delete(uploads[1].id)
+    assert (gone.id, gone.object, gone.deleted) == (uploads[1].id, "file", True)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploads[1].id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(uploads[1].id)
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id=uploads[1].id, endpoint=COMPLETIONS, completion_window="24h")
+    assert uploads[1].id not in [f.id for f in client.files.list()]
+    assert wait_final(client, client.batches.cancel(batch.id).id, 30).status == "cancelled"
+    assert client.files.delete(uploads[0].id).deleted  # finalized: its input may go
