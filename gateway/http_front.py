@@ -134,7 +134,9 @@ class OpenAIFront:
     async def upload(self, request: Request) -> Response:
         limit = self.config.max_request_bytes
         length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > limit + CHUNK:
+        if length is None:  # chunked: request.form() would spool it whole before any check
+            raise ApiError(411, "an upload needs a Content-Length header (no chunked uploads)", "file")
+        if length.isdigit() and int(length) > limit + CHUNK:
             raise ApiError(413, f"the upload has {length} bytes; the limit is {limit}", "file")
         form = await request.form(max_files=1, max_fields=8)
         try:
@@ -150,7 +152,7 @@ class OpenAIFront:
                     yield chunk
 
             try:
-                info = await asyncio.to_thread(self.store.put, new_file_id(), name, "batch", chunks())
+                info = await asyncio.to_thread(self.store.put, new_file_id(), name, "batch", chunks(), limit)
             except TooLarge as e:
                 raise ApiError(413, str(e), "file") from None
         finally:
@@ -245,10 +247,30 @@ class OpenAIFront:
             raise ApiError(404, f"file {file_id} was deleted", "input_file_id")
         try:
             await self.service.SubmitBatch(submission, CallContext(request))
-        except BaseException:
-            await asyncio.to_thread(ob.drop_record, self.queue, batch_id)
+        except Exception:
+            if not await self._forget_unless_created(batch_id):
+                raise
+            log.exception("batch %s: created, then the submission failed; keeping it", batch_id)
+        except BaseException:  # cancelled (the gateway stopping): keep a batch that exists
+            await self._forget_unless_created(batch_id)
             raise
         return JSONResponse(await asyncio.to_thread(self._object, batch_id))
+
+    async def _forget_unless_created(self, batch_id: str) -> bool:
+        """After a failed ``SubmitBatch``: drop the batch's record unless the gateway batch exists
+        (it runs: the finalizer needs the record); whether it exists. Shielded from cancellation."""
+
+        def settle() -> bool:
+            if self.queue.batch(batch_id) is not None:
+                return True
+            ob.drop_record(self.queue, batch_id)
+            return False
+
+        try:
+            return await asyncio.shield(asyncio.to_thread(settle))
+        except Exception:  # Redis down: the finalizer drops an orphan record after ORPHAN_S
+            log.exception("batch %s: cannot settle its record after a failed submission", batch_id)
+            return False
 
     def _object(self, batch_id: str) -> dict:
         if id_problem(batch_id, "batch id"):
@@ -263,10 +285,30 @@ class OpenAIFront:
     async def get(self, request: Request) -> Response:
         return JSONResponse(await asyncio.to_thread(self._object, request.path_params["batch_id"]))
 
+    def _over(self, batch_id: str) -> dict | None:
+        """For a cancel: None while the batch runs; the object unchanged when it was cancelled
+        already; 409 (OpenAI's answer for cancelling a completed batch) when it is over otherwise
+        (completed, failed, finalizing, expired); 404 for unknown ids."""
+        batch = self._object(batch_id)
+        info = self.queue.batch(batch_id)
+        if info is None:
+            if batch["status"] != "expired":
+                return None  # being created: CancelBatch answers
+        elif not info.final:
+            return None
+        elif info.status == "cancelled":
+            return batch
+        raise ApiError(409, f"Cannot cancel a batch with status '{batch['status']}'.", "batch_id")
+
     async def cancel(self, request: Request) -> Response:
+        """Cancel a running batch (``cancelling_at`` set once); see :meth:`_over` for the others."""
         batch_id = request.path_params["batch_id"]
-        await asyncio.to_thread(self._object, batch_id)  # 404 for unknown ids
-        await self.service.CancelBatch(pb.CancelBatchRequest(batch_id=batch_id), CallContext(request))
+        unchanged = await asyncio.to_thread(self._over, batch_id)
+        if unchanged is not None:
+            return JSONResponse(unchanged)
+        done = await self.service.CancelBatch(pb.CancelBatchRequest(batch_id=batch_id), CallContext(request))
+        if done.status in (pb.COMPLETED, pb.FAILED):  # it finished meanwhile
+            await asyncio.to_thread(self._over, batch_id)
         await asyncio.to_thread(
             self.queue.r.eval, ob.SET_ONCE, 1, ob.record_key(batch_id), "cancelling_at", time.time()
         )

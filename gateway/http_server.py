@@ -21,7 +21,6 @@ from gateway.config import GatewayConfig
 from gateway.http_front import OpenAIFront
 from gateway.openai_files import LocalFileStore
 from gateway.openai_finalizer import Finalizer
-from gateway.server import load_tokenizer
 from gateway.service import BatchService
 
 log = logging.getLogger(__name__)
@@ -61,9 +60,8 @@ class HttpServer:
         cfg = self.config
         if not cfg.http_api_key:
             raise ValueError("the HTTP front needs an API key: --http-api-key or $FLEETBATCH_HTTP_API_KEY")
-        store = LocalFileStore(Path(cfg.files_dir or "runs/openai-files"), max_bytes=cfg.max_request_bytes)
-        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer_dir)
-        app = OpenAIFront(self.service, self.queue, cfg, store, tokenizer).app()
+        store = LocalFileStore(Path(cfg.files_dir or "runs/openai-files"))  # uploads bounded by the front
+        app = OpenAIFront(self.service, self.queue, cfg, store, self.service.d.tokenizer).app()
         host = cfg.listen.rsplit(":", 1)[0]
         sock = _bind(host, cfg.http_port or 0)
         tls = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key} if cfg.tls_cert else {}

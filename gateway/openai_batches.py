@@ -9,7 +9,9 @@ batch object needs and the queue does not know: ``input_file_id``, ``endpoint``,
 **States.** ``validating`` and ``in_progress`` are the gateway's own; once the gateway batch is
 final the OpenAI batch is ``finalizing`` (``cancelling`` for a cancelled one) until the
 finalizer (:mod:`gateway.openai_finalizer`) has written its output and error files, then
-``completed``, ``failed`` (every request failed) or ``cancelled``. ``in_progress_at`` is when
+``completed``, ``failed`` (every request failed, or the finalizer could not write the files:
+``finalize_error``) or ``cancelled``. A record without its gateway batch is ``validating`` while
+the batch is being created and ``expired`` once the finalizer marks it so. ``in_progress_at`` is when
 the batch became ``in_progress`` (:func:`note_progress`).
 
 **Query ids.** When every ``custom_id`` is a valid query id (``[A-Za-z0-9_.-]{1,128}``) it is the
@@ -185,8 +187,15 @@ def _ts(value) -> int | None:
 
 
 def openai_status(info: BatchInfo | None, rec: dict) -> str:
+    """OpenAI's status. With no gateway batch: ``expired`` once the record says so (or once it
+    was finalized: the gateway batch expired first), ``validating`` while ``SubmitBatch`` is still
+    creating it (the record is written first), ``failed`` with no record either. ``failed`` too when the finalizer gave up (``finalize_error``)."""
+    if rec.get("finalize_error"):
+        return "failed"
     if info is None:
-        return "expired" if rec else "failed"
+        if not rec:
+            return "failed"
+        return "expired" if rec.get("expired_at") or rec.get("finalized_at") else "validating"
     if not info.final:
         return info.status  # validating | in_progress | cancelling
     if rec and not rec.get("finalized_at"):
@@ -202,7 +211,9 @@ def batch_object(batch_id: str, info: BatchInfo | None, rec: dict) -> dict:
     failed = (info.failed + info.cancelled) if info else 0
     errors = None
     if status == "failed":
-        message = "every request failed; see error_file_id" if info else "the batch was not created"
+        message = rec.get("finalize_error") or (
+            "every request failed; see error_file_id" if info else "the batch was not created"
+        )
         errors = {
             "object": "list",
             "data": [{"code": "failed", "message": message, "param": None, "line": None}],

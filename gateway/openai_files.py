@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import time
 from collections.abc import Iterable, Iterator
@@ -20,10 +21,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from gateway.validation import ID_RE
-
 PURPOSES = ("batch", "batch_output")
 CHUNK = 1 << 20
+#: the only ids the store issues: uploads (:func:`new_file_id`) and the finalizer's output and
+#: error files (``file_id_of``) are both ``file-`` and 24 hex digits
+FILE_ID_RE = re.compile(r"file-[0-9a-f]{24}")
 
 
 @dataclass
@@ -47,12 +49,16 @@ def new_file_id() -> str:
 
 
 class TooLarge(ValueError):
-    """A file over the store's size limit."""
+    """A file over the size limit given to ``put`` (uploads only)."""
 
 
 class FileStore(Protocol):
-    def put(self, file_id: str, filename: str, purpose: str, chunks: Iterable[bytes]) -> FileInfo:
-        """Store the bytes of ``chunks`` under ``file_id`` (replacing a file of that id)."""
+    def put(
+        self, file_id: str, filename: str, purpose: str, chunks: Iterable[bytes], max_bytes: int = 0
+    ) -> FileInfo:
+        """Store the bytes of ``chunks`` under ``file_id`` (replacing a file of that id);
+        :class:`TooLarge` past ``max_bytes`` (0: no bound; the front bounds uploads, not the
+        finalizer's output files)."""
         ...
 
     def info(self, file_id: str) -> FileInfo | None:
@@ -73,19 +79,22 @@ class FileStore(Protocol):
 
 
 class LocalFileStore:
-    """Files in one local (or shared) directory; ``max_bytes`` bounds one file (0: no bound)."""
+    """Files in one local (or shared) directory."""
 
-    def __init__(self, root: str | os.PathLike, max_bytes: int = 0) -> None:
+    def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
 
     def _path(self, file_id: str) -> Path:
-        if not ID_RE.match(file_id) or file_id.startswith("."):
+        """The file's path; ``FileNotFoundError`` for an id the store never issues (such as
+        ``file-<id>.json``, the name of another file's object)."""
+        if not FILE_ID_RE.fullmatch(file_id):
             raise FileNotFoundError(file_id)
         return self.root / file_id
 
-    def put(self, file_id: str, filename: str, purpose: str, chunks: Iterable[bytes]) -> FileInfo:
+    def put(
+        self, file_id: str, filename: str, purpose: str, chunks: Iterable[bytes], max_bytes: int = 0
+    ) -> FileInfo:
         path = self._path(file_id)
         tmp = path.with_name(f".{file_id}.{secrets.token_hex(4)}.tmp")
         size = 0
@@ -93,8 +102,8 @@ class LocalFileStore:
             with open(tmp, "wb") as f:
                 for chunk in chunks:
                     size += len(chunk)
-                    if self.max_bytes and size > self.max_bytes:
-                        raise TooLarge(f"the file has more than {self.max_bytes} bytes, the limit")
+                    if max_bytes and size > max_bytes:
+                        raise TooLarge(f"the file has more than {max_bytes} bytes, the limit")
                     f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
@@ -125,14 +134,12 @@ class LocalFileStore:
 
     def delete(self, file_id: str) -> bool:
         """The file object goes first (``info`` is None from then on), then the bytes."""
-        try:
-            path = self._path(file_id)
-        except FileNotFoundError:
+        if self.info(file_id) is None:  # also every id the store never issues
             return False
-        had = self.info(file_id) is not None
+        path = self._path(file_id)
         path.with_name(file_id + ".json").unlink(missing_ok=True)
         path.unlink(missing_ok=True)
-        return had
+        return True
 
     def files(self) -> Iterator[FileInfo]:
         """Scans the directory (one ``<id>.json`` read per file; temporary names start with a dot)."""

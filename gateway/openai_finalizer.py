@@ -8,6 +8,10 @@ half-written file. On its pass it also records when a batch became ``in_progress
 (:func:`gateway.openai_batches.note_progress`), sums the batch's token ``usage`` while it writes
 the output file, and then applies the retention of :mod:`gateway.openai_retention` (the record
 expires with the gateway batch; expired batches leave the list and their files are deleted).
+
+One batch that cannot be finalized (its input file gone, a full disk) holds up no other: each
+failure is logged and counted in the record (``finalize_failures``); after ``MAX_FAILURES`` the
+batch is ``failed``, its message in ``finalize_error``, and leaves the pending set.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from gateway.openai_batches import PENDING, names_of, note_progress, record_key
+from gateway.openai_batches import PENDING, SET_ONCE, names_of, note_progress, record_key
 from gateway.openai_files import FileStore, read_lines
 from gateway.openai_format import CHAT, output_line
 from gateway.openai_retention import expire_orphan, retire, sweep
@@ -31,6 +35,12 @@ log = logging.getLogger(__name__)
 ORPHAN_S = 600.0  # a record whose gateway batch never appeared within this long is dropped
 RESULT_CHUNK = 1000
 RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+MAX_FAILURES = 5  # passes (0.5 s apart) that fail on a batch before it is marked failed
+# KEYS: a record. Counts a failure unless the record is gone (never recreates it); returns the count.
+COUNT_FAILURE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+return redis.call('HINCRBY', KEYS[1], 'finalize_failures', 1)
+"""
 
 
 def file_id_of(batch_id: str, kind: str) -> str:
@@ -52,15 +62,43 @@ class Finalizer:
 
     def tick(self) -> int:
         """Finalize every pending batch that is final, then expire what is due; returns how many
-        were finalized."""
+        were finalized. A batch that fails is logged and counted (:meth:`failed`) and the pass
+        goes on; the sweep runs whatever the batches did."""
         done = 0
-        for batch_id in sorted(self.queue.r.smembers(PENDING)):
-            try:
-                done += self.finalize(batch_id)
-            except FileNotFoundError as e:
-                log.warning("batch %s: cannot write its output files: %s", batch_id, e)
-        sweep(self.queue, self.store)
+        try:
+            for batch_id in sorted(self.queue.r.smembers(PENDING)):
+                try:
+                    done += self.finalize(batch_id)
+                except Exception as e:
+                    log.warning("batch %s: cannot write its output files: %r", batch_id, e)
+                    self.failed(batch_id, e)
+        finally:
+            sweep(self.queue, self.store)
         return done
+
+    def failed(self, batch_id: str, error: Exception) -> None:
+        """Count a failed pass on the batch; at ``MAX_FAILURES`` mark it failed (``finalize_error``),
+        out of the pending set, retained as a finalized batch."""
+        r, key = self.queue.r, record_key(batch_id)
+        try:
+            if int(r.eval(COUNT_FAILURE, 1, key)) < MAX_FAILURES:
+                return
+            message = f"the output files could not be written: {type(error).__name__}: {error}"
+            if r.eval(SET_ONCE, 1, key, "finalize_error", message) is None:
+                return  # the record expired meanwhile
+            rec = r.hgetall(key)
+            for kind in ("output", "errors"):  # what a failed pass may have left
+                self.store.delete(file_id_of(batch_id, kind))
+            pipe = r.pipeline(transaction=True)
+            pipe.hset(key, mapping={"finalized_at": time.time(), "output_file_id": "", "error_file_id": ""})
+            pipe.srem(PENDING, batch_id)
+            retire(self.queue, batch_id, [rec.get("input_file_id", "")], self.retention_s, pipe)
+            pipe.execute()
+            log.error(
+                "batch %s: failed after %d attempts to finalize it: %s", batch_id, MAX_FAILURES, message
+            )
+        except Exception:
+            log.exception("batch %s: cannot record the failure to finalize it", batch_id)
 
     def finalize(self, batch_id: str) -> bool:
         r, key = self.queue.r, record_key(batch_id)

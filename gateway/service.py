@@ -67,6 +67,7 @@ class GatewayDeps:
     intake: IntakeSettings = field(default_factory=IntakeSettings.from_env)
     # a bound of a prompt's tokens: prompts of a large batch it proves short are counted in intake
     token_bound: Callable[[str], int] | None = None
+    tokenizer: object | None = None  # the serving tokenizer, for the HTTP front's chat templates
 
 
 def batch_proto(b: BatchInfo) -> pb.Batch:

@@ -6,6 +6,11 @@ store never issues; the key file written private.
 
 from __future__ import annotations
 
+import http.client
+import json
+import re
+import urllib.parse
+
 import openai
 import pytest
 from openai import OpenAI
@@ -143,3 +148,51 @@ def _list_and_delete(url: str, client: OpenAI) -> None:
     assert uploads[1].id not in [f.id for f in client.files.list()]
     assert wait_final(client, client.batches.cancel(batch.id).id, 30).status == "cancelled"
     assert client.files.delete(uploads[0].id).deleted  # finalized: its input may go
+
+
+def test_an_upload_without_content_length_is_411(bare):
+    """A chunked upload is refused before anything is read (it would be spooled whole first)."""
+    url, client = bare
+    parts = urllib.parse.urlsplit(url)
+    boundary = "b0undary"
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="c.jsonl"\r\n\r\n'
+        '{"custom_id": "a", "body": {"prompt": "x"}}\n\r\n'
+        f"--{boundary}--\r\n"
+    ).encode()
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        headers = {
+            "Authorization": f"Bearer {KEY}",
+            "Content-Type": f"multipart/form-data; boundary={boundary}",
+        }
+        conn.request("POST", parts.path + "/files", body=iter([body]), headers=headers, encode_chunked=True)
+        resp = conn.getresponse()
+        status, answer = resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+    assert status == 411 and set(answer["error"]) == {"message", "type", "param", "code"}
+    assert "Content-Length" in answer["error"]["message"] and answer["error"]["param"] == "file"
+    assert client.files.list().data == []
+
+
+def test_only_ids_the_store_issues_are_files(bare):
+    """``<id>.json`` is the name of a file's object, not a file: deleting it is 404 and the file
+    stays (and stays guarded while a batch reads it)."""
+    _, client = bare
+    f = client.files.create(
+        file=("g.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": "x"}}])), purpose="batch"
+    )
+    assert re.fullmatch(r"file-[0-9a-f]{24}", f.id)
+    batch = client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window="24h")
+    for other in (f.id + ".json", "." + f.id, f.id.upper(), f.id + "0"):
+        with pytest.raises(openai.NotFoundError):
+            client.files.delete(other)
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(other)
+    assert client.files.retrieve(f.id).filename == "g.jsonl"
+    assert [x.id for x in client.files.list()] == [f.id]
+    with pytest.raises(openai.ConflictError):
+        client.files.delete(f.id)
+    assert client.batches.retrieve(batch.id).input_file_id == f.id

@@ -1,0 +1,121 @@
+"""States of HTTP batches at their edges, against a live gateway (real Redis; the engine's side
+done through the queue API): output files over the upload limit; a batch that cannot be
+finalized fails without holding up the others; a record whose gateway batch is being created;
+a submission that fails after the gateway batch exists; cancelling a batch that is over.
+"""
+
+from __future__ import annotations
+
+import os
+
+import openai
+import pytest
+import redis
+from openai import OpenAI
+
+from gateway import openai_batches as ob
+from gateway.openai_format import COMPLETIONS
+from gateway.openai_retention import expire_orphan
+from tests.openai_http_helpers import KEY, complete_claimed, http_gateway, jsonl, wait_final
+from workqueue import WorkQueue, connect
+
+# every key but those of the per-client cap ({fb}:gw:...): a write there is refused
+NOT_GW = ("[^{]*", "?[^f]*", "??[^b]*", "???[^}]*", "????[^:]*", "?????[^g]*", "??????[^w]*", "???????[^:]*")
+
+
+def _rows(n: int, tag: str = "r") -> bytes:
+    return jsonl([{"custom_id": f"{tag}{i}", "body": {"prompt": "hello"}} for i in range(n)])
+
+
+@pytest.fixture
+def idle(redis_url, tmp_path):
+    """A gateway with its HTTP front on cluster ``idle`` (no engine: the test completes the
+    queries), uploads bounded to 4096 bytes; (client, queue, files directory)."""
+    gateway = http_gateway(
+        redis_url, tmp_path / "files", cluster="idle", max_request_bytes=4096, max_queued_per_client=100
+    )
+    gateway.start()
+    try:
+        client = OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
+        yield client, WorkQueue(connect(redis_url)), tmp_path / "files"
+    finally:
+        gateway.stop()
+
+
+def test_an_output_file_over_the_upload_limit_is_written(idle):
+    """The limit bounds uploads, not the finalizer's output files."""
+    client, queue, _ = idle
+    f = client.files.create(file=("s.jsonl", _rows(3)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window="24h")
+    assert complete_claimed(queue, "idle", 3, text="x" * 3000) == 3
+    done = wait_final(client, batch.id, 30)
+    assert done.status == "completed" and done.output_file_id
+    assert client.files.retrieve(done.output_file_id).bytes > 9000
+
+
+def test_a_batch_that_cannot_be_finalized_fails_and_holds_up_no_other(idle):
+    """Its input file gone from the store: after a few passes it is failed, with a message; the
+    other batches are finalized meanwhile."""
+    client, queue, files = idle
+    lost = client.files.create(file=("lost.jsonl", _rows(2, "l")), purpose="batch")
+    kept = client.files.create(file=("kept.jsonl", _rows(2, "k")), purpose="batch")
+    bad = client.batches.create(input_file_id=lost.id, endpoint=COMPLETIONS, completion_window="24h")
+    good = client.batches.create(input_file_id=kept.id, endpoint=COMPLETIONS, completion_window="24h")
+    os.remove(files / lost.id)
+    assert complete_claimed(queue, "idle", 4) == 4
+    assert wait_final(client, good.id, 30).status == "completed"
+    failed = wait_final(client, bad.id, 30)
+    assert failed.status == "failed" and failed.failed_at and failed.output_file_id is None
+    assert "could not be written" in failed.errors.data[0].message
+    assert not queue.r.sismember(ob.PENDING, bad.id)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(bad.id)
+
+
+def test_a_record_whose_gateway_batch_is_being_created_is_validating(idle):
+    """SubmitBatch is still running: the record is there, the gateway batch not yet."""
+    client, queue, _ = idle
+    ob.create_record(queue, "batch_creating", "file-" + "0" * 24, COMPLETIONS, "24h")
+    got = client.batches.retrieve("batch_creating")
+    assert got.status == "validating" and got.expired_at is None
+    assert [b.status for b in client.batches.list()] == ["validating"]
+    expire_orphan(queue, "batch_creating", 0)  # the finalizer's verdict when it never appears
+    assert client.batches.retrieve("batch_creating").status == "expired"
+
+
+def test_a_batch_created_before_its_submission_failed_keeps_its_record(idle, redis_url):
+    """The gateway batch exists when SubmitBatch fails (here: Redis refuses the per-client cap's
+    write, which comes after the batch is created): the record stays, the answer is the batch,
+    and it is finalized as any other."""
+    client, queue, _ = idle
+    f = client.files.create(file=("c.jsonl", _rows(2)), purpose="batch")
+    admin = redis.Redis.from_url(redis_url)
+    admin.execute_command("ACL", "SETUSER", "default", "resetkeys", "%R~*", *(f"%RW~{p}" for p in NOT_GW))
+    try:
+        batch = client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window="24h")
+    finally:
+        admin.execute_command("ACL", "SETUSER", "default", "resetkeys", "~*")
+    assert batch.status == "in_progress" and batch.input_file_id == f.id
+    assert [b.id for b in client.batches.list()] == [batch.id]
+    assert complete_claimed(queue, "idle", 2) == 2
+    done = wait_final(client, batch.id, 30)
+    assert done.status == "completed" and done.output_file_id
+
+
+def test_cancelling_a_batch_that_is_over_is_409_and_changes_nothing(idle):
+    client, queue, _ = idle
+    f = client.files.create(file=("o.jsonl", _rows(1)), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window="24h")
+    assert complete_claimed(queue, "idle", 1) == 1
+    assert wait_final(client, batch.id, 30).status == "completed"
+    with pytest.raises(openai.ConflictError) as e:
+        client.batches.cancel(batch.id)
+    assert e.value.status_code == 409 and "status 'completed'" in e.value.message
+    assert set(e.value.body) == {"message", "type", "param", "code"}
+    after = client.batches.retrieve(batch.id)
+    assert after.status == "completed" and after.cancelling_at is None
+    running = client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window="24h")
+    first = client.batches.cancel(running.id)
+    assert first.cancelling_at and wait_final(client, running.id, 30).status == "cancelled"
+    again = client.batches.cancel(running.id)  # cancelled already: the object, unchanged
+    assert again.status == "cancelled" and again.cancelling_at == first.cancelling_at
