@@ -87,9 +87,17 @@ def http_settings(args, run_dir: Path) -> Path | None:
         getattr(args, "http_api_key", None) or os.environ.get(HTTP_KEY_ENV) or secrets.token_urlsafe(18)
     )
     key_file = run_dir / "http-api-key"
-    key_file.write_text(args.http_api_key + "\n")
-    key_file.chmod(0o600)
+    write_private(key_file, args.http_api_key + "\n")
     return key_file
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a secret readable by its owner only from the first byte: created 0o600 by ``os.open``
+    (never world-readable in between); a file that existed is set to 0o600 too."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode applies to a new file only
+        f.write(text)
 
 
 async def up(args) -> int:
@@ -102,8 +110,7 @@ async def up(args) -> int:
     )
     token = os.environ.get("FLEETBATCH_ADMIN_TOKEN") or secrets.token_urlsafe(18)
     token_file = run_dir / "admin-token"
-    token_file.write_text(token + "\n")
-    token_file.chmod(0o600)
+    write_private(token_file, token + "\n")
     http_key_file = http_settings(args, run_dir)
     redis_server = None
     url = args.redis_url or os.environ.get(URL_ENV)

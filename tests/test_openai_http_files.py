@@ -6,9 +6,12 @@ store never issues; the key file written private.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
+import os
 import re
+import stat
 import urllib.parse
 
 import openai
@@ -16,6 +19,7 @@ import pytest
 from openai import OpenAI
 
 from gateway.openai_format import CHAT, COMPLETIONS
+from gateway.up import http_settings, write_private
 from tests.openai_http_helpers import KEY, http_gateway, jsonl, raw_call, wait_final
 
 
@@ -196,3 +200,20 @@ def test_only_ids_the_store_issues_are_files(bare):
     with pytest.raises(openai.ConflictError):
         client.files.delete(f.id)
     assert client.batches.retrieve(batch.id).input_file_id == f.id
+
+
+def test_secrets_are_written_owner_only_from_creation(tmp_path):
+    """The HTTP key file and the admin token: created 0o600 whatever the umask; a file that
+    existed with a wider mode is narrowed."""
+    old = os.umask(0)
+    try:
+        args = argparse.Namespace(http_port=0, http_api_key="k-123", files_dir=None)
+        key_file = http_settings(args, tmp_path)
+        assert key_file.read_text() == "k-123\n" and stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        wide = tmp_path / "admin-token"
+        wide.write_text("an old, longer token\n")
+        wide.chmod(0o644)
+        write_private(wide, "t\n")
+        assert wide.read_text() == "t\n" and stat.S_IMODE(wide.stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
