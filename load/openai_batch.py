@@ -1,13 +1,8 @@
-"""OpenAI Batch output: the results of a batch as the ``openai`` client and other tools read them.
+"""OpenAI Batch output files for ``loadgen submit --openai-out``: the results of a batch as the
+``openai`` client and other tools read them.
 
-The line format and the input parsing are :mod:`gateway.openai_format` (shared with the
-gateway's HTTP front); this module writes the files of ``loadgen submit --openai-out``.
-
-One line per request. A request that succeeded has ``response`` (``status_code`` 200,
-``request_id`` and a ``body``: a ``chat.completion`` for ``/v1/chat/completions``, a
-``text_completion`` for ``/v1/completions``, with ``choices`` and ``usage``) and ``error`` null;
-it goes to the output file. A request that failed or was cancelled has ``response`` null and
-``error`` (``code``, ``message``) and goes to the error file, as OpenAI's batches do.
+The line format (and its description) is :mod:`gateway.openai_format`, shared with the gateway's
+HTTP front; this module writes the output file and, beside it, the error file.
 """
 
 from __future__ import annotations
@@ -16,18 +11,7 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-# the pure part lives in the gateway, which serves the same files over HTTP; re-exported here
-from gateway.openai_format import (  # noqa: F401
-    ACCEPTED,
-    CHAT,
-    COMPLETIONS,
-    DEFAULT_TEMPLATE,
-    ENDPOINTS,
-    GENERATION_PROMPT,
-    check_body,
-    output_line,
-    render_chat,
-)
+from gateway.openai_format import CHAT, output_line
 
 
 def endpoints_of(input_path: str | Path) -> dict[str, str]:

@@ -10,8 +10,9 @@ import threading
 import pytest
 
 from gateway.config import ClusterSpec, GatewayConfig
+from gateway.openai_format import render_chat
 from load.cli import main
-from load.openai_batch import error_path, render_chat
+from load.openai_batch import error_path
 from load.workload import from_openai_jsonl
 from localmodels import default_tokenizer
 from tests.harness import GatewayThread, wait_until
