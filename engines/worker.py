@@ -23,7 +23,8 @@ import redis
 
 from engines.interface import Engine, EngineStats, Request, RequestOutput, SamplingParams
 from engines.pipeline import StageFailure
-from workqueue import ClaimedQuery, WorkQueue
+from workqueue import ClaimedQuery, Observation, QueryResult, QueryState, WorkQueue
+from workqueue.records import CANCELLED_BATCH_STATES, Timings
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,7 @@ class Worker:
         if not batches:
             return
         statuses = self.queue.batch_statuses(batches)
-        cancelled = {b for b, s in statuses.items() if s in ("cancelling", "cancelled")}
+        cancelled = {b for b, s in statuses.items() if s in CANCELLED_BATCH_STATES}
         if cancelled:
             with self._lock:
                 victims = [g for g, cq in self.inflight.items() if cq.query.batch_id in cancelled]
@@ -271,11 +272,13 @@ class Worker:
 
     def _flush(self) -> None:
         """Write waiting results, each once (a result already there is kept); stops at a Redis error."""
-        observed = []
+        observed: list[Observation] = []
         try:
             while self._unsent:
                 cq, out = self._unsent[0]
-                kind = {"abort": "cancelled", "error": "failed"}.get(out.finish_reason, "completed")
+                kind = {"abort": QueryState.CANCELLED, "error": QueryState.FAILED}.get(
+                    out.finish_reason, QueryState.COMPLETED
+                )
                 idx = self.queue.complete(
                     cq.query.gid, self._result(cq, out, kind), kind, out.completion_tokens
                 )
@@ -286,40 +289,41 @@ class Worker:
                 q = cq.query
                 if idx < 0:
                     log.info("query %s already had a result (it ran twice); kept the first", q.gid)
-                elif kind == "completed" and self.config.record_observed and q.forced_length is None:
+                elif kind == QueryState.COMPLETED and self.config.record_observed and q.forced_length is None:
                     observed.append(
-                        {
-                            "prompt": q.prompt,
-                            "length": out.completion_tokens,
-                            "source": q.metadata.get("source", ""),
-                            "cluster": self.config.cluster,
-                            "predicted": q.predicted_tokens,
-                        }
+                        Observation(
+                            q.prompt,
+                            out.completion_tokens,
+                            q.metadata.get("source", ""),
+                            self.config.cluster,
+                            q.predicted_tokens,
+                        )
                     )
         finally:
             if observed:
                 self.queue.record_observed(observed)
 
-    def _result(self, cq: ClaimedQuery, out: RequestOutput, kind: str) -> dict:
+    def _result(self, cq: ClaimedQuery, out: RequestOutput, kind: QueryState) -> QueryResult:
+        """The result record of a finished query (every field set)."""
         q = cq.query
-        return {
-            "batch_id": q.batch_id,
-            "query_id": q.query_id,
-            "text": out.text,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "cluster": self.config.cluster,
-            "timings": {
-                "enqueued_at": cq.enqueued_at,
-                "started_at": cq.claimed_at,
-                "first_token_at": out.first_token_time,
-                "finished_at": out.finish_time or time.time(),
-            },
-            "finish_reason": "cancelled" if kind == "cancelled" else out.finish_reason,
-            "error": out.error,
-            "predicted_tokens": q.predicted_tokens,
-            "attempts": cq.attempts,
-        }
+        return QueryResult(
+            batch_id=q.batch_id,
+            query_id=q.query_id,
+            text=out.text,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cluster=self.config.cluster,
+            timings=Timings(
+                enqueued_at=cq.enqueued_at,
+                started_at=cq.claimed_at,
+                first_token_at=out.first_token_time,
+                finished_at=out.finish_time or time.time(),
+            ),
+            finish_reason="cancelled" if kind == QueryState.CANCELLED else out.finish_reason,
+            error=out.error,
+            predicted_tokens=q.predicted_tokens,
+            attempts=cq.attempts,
+        )
 
     def _keep_alive(self) -> None:
         c = self.config

@@ -37,7 +37,7 @@ from gateway.quota import CLIENT_HEADER
 from gateway.service import BatchService
 from gateway.validation import id_problem
 from protos import fleetbatch_pb2 as pb
-from workqueue import WorkQueue
+from workqueue import BatchState, WorkQueue
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class OpenAIFront:
                 return None  # being created: CancelBatch answers
         elif not info.final:
             return None
-        elif info.status == "cancelled":
+        elif info.status == BatchState.CANCELLED:
             return batch
         raise ApiError(409, f"Cannot cancel a batch with status '{batch['status']}'.", "batch_id")
 

@@ -33,12 +33,11 @@ from gateway.policies import NoClusterError, QueryLoad
 from gateway.validation import Checked
 from gateway.views import cluster_views
 from protos import fleetbatch_pb2 as pb
-from workqueue import WorkQueue
+from workqueue import QueryResult, WorkQueue
 from workqueue.keys import gid
+from workqueue.records import CANCELLED_BATCH_STATES
 
 log = logging.getLogger(__name__)
-
-CANCELLING = ("cancelling", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -129,8 +128,8 @@ def payload(batch_id: str, row: dict, predicted: float) -> str:
 
 
 def _failed(batch_id: str, query_id: str, why: str) -> str:
-    result = {"batch_id": batch_id, "query_id": query_id, "finish_reason": "error", "error": why}
-    return json.dumps(result)
+    """The result JSON of a query failed at intake (``why`` in its ``error``)."""
+    return QueryResult(batch_id, query_id, finish_reason="error", error=why).to_json()
 
 
 class Intake:
@@ -184,7 +183,7 @@ class Intake:
     def _prepare(
         self, batch_id: str, status: str, rows: list[dict], counter: ThreadPoolExecutor | None = None
     ) -> list[tuple[str, str, float, str]]:
-        if status in CANCELLING:
+        if status in CANCELLED_BATCH_STATES:
             return [(gid(batch_id, r["id"]), "", 0.0, "") for r in rows]
         return self._assigned(batch_id, rows, counter)
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from gateway.openai_format import CHAT, parse_row
 from gateway.validation import ID_RE
 from protos import fleetbatch_pb2 as pb
-from workqueue import BatchInfo, WorkQueue, keys
+from workqueue import BatchInfo, BatchState, WorkQueue, keys
 from workqueue.keys import PREFIX
 
 LIST = PREFIX + "oai:batches"  # ZSET: ids of batches created over HTTP, by creation time
@@ -155,12 +155,12 @@ def note_progress(queue: WorkQueue, batch_id: str, info: BatchInfo | None, rec: 
     the finalizer's pass every 0.5 s) sees it ``in_progress`` or beyond (``completed`` /
     ``failed``); one cancelled before the front saw it in progress keeps ``in_progress_at`` null.
     """
-    if info is None or not rec or rec.get("in_progress_at") or info.status == "validating":
+    if info is None or not rec or rec.get("in_progress_at") or info.status == BatchState.VALIDATING:
         return
     intake = queue.r.hexists(keys.batch(batch_id), "intake_total")
     if not intake:
         when = info.created_at
-    elif info.status in ("in_progress", "completed", "failed"):
+    elif info.status in (BatchState.IN_PROGRESS, BatchState.COMPLETED, BatchState.FAILED):
         when = time.time()
     else:
         return
@@ -199,7 +199,7 @@ def openai_status(info: BatchInfo | None, rec: dict) -> str:
     if not info.final:
         return info.status  # validating | in_progress | cancelling
     if rec and not rec.get("finalized_at"):
-        return "cancelling" if info.status == "cancelled" else "finalizing"
+        return "cancelling" if info.status == BatchState.CANCELLED else "finalizing"
     return info.status  # completed | failed | cancelled
 
 

@@ -29,17 +29,18 @@ from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, chec
 from gateway.views import cluster_proto, cluster_views
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from workqueue import BatchInfo, QueuedQuery, WorkQueue
+from workqueue import BatchInfo, BatchState, QueryResult, QueryState, QueuedQuery, WorkQueue
+from workqueue.records import Timings
 
 log = logging.getLogger(__name__)
 
 STATUS = {
-    "validating": pb.VALIDATING,
-    "in_progress": pb.IN_PROGRESS,
-    "completed": pb.COMPLETED,
-    "failed": pb.FAILED,
-    "cancelling": pb.CANCELLING,
-    "cancelled": pb.CANCELLED,
+    BatchState.VALIDATING: pb.VALIDATING,
+    BatchState.IN_PROGRESS: pb.IN_PROGRESS,
+    BatchState.COMPLETED: pb.COMPLETED,
+    BatchState.FAILED: pb.FAILED,
+    BatchState.CANCELLING: pb.CANCELLING,
+    BatchState.CANCELLED: pb.CANCELLED,
 }
 
 
@@ -86,26 +87,27 @@ def batch_proto(b: BatchInfo) -> pb.Batch:
     )
 
 
-def result_proto(r: dict) -> pb.QueryResult:
-    t = r.get("timings") or {}
+def result_proto(r: QueryResult) -> pb.QueryResult:
+    """A stored result on the wire (absent fields read as zero or empty)."""
+    t = r.timings or Timings()
     return pb.QueryResult(
-        batch_id=r.get("batch_id", ""),
-        query_id=r.get("query_id", ""),
-        text=r.get("text", ""),
-        prompt_tokens=int(r.get("prompt_tokens", 0)),
-        completion_tokens=int(r.get("completion_tokens", 0)),
-        cluster=r.get("cluster", ""),
+        batch_id=r.batch_id,
+        query_id=r.query_id,
+        text=r.text or "",
+        prompt_tokens=int(r.prompt_tokens or 0),
+        completion_tokens=int(r.completion_tokens or 0),
+        cluster=r.cluster or "",
         timings=pb.Timings(
-            enqueued_at=float(t.get("enqueued_at", 0)),
-            started_at=float(t.get("started_at", 0)),
-            first_token_at=float(t.get("first_token_at", 0)),
-            finished_at=float(t.get("finished_at", 0)),
+            enqueued_at=float(t.enqueued_at or 0),
+            started_at=float(t.started_at or 0),
+            first_token_at=float(t.first_token_at or 0),
+            finished_at=float(t.finished_at or 0),
         ),
-        finish_reason=r.get("finish_reason", ""),
-        error=r.get("error", ""),
-        predicted_tokens=float(r.get("predicted_tokens") or 0),
-        index=int(r.get("index", 0)),
-        attempts=int(r.get("attempts", 0)),
+        finish_reason=r.finish_reason or "",
+        error=r.error or "",
+        predicted_tokens=float(r.predicted_tokens or 0),
+        index=int(r.index or 0),
+        attempts=int(r.attempts or 0),
     )
 
 
@@ -113,13 +115,8 @@ def fail_rows(queue: WorkQueue, batch_id: str, request: pb.SubmitBatchRequest, b
     """Finish each bad query of a fail-row batch as failed, its problem in ``error``."""
     for i, problem in sorted(bad.items()):
         qid = request.queries[i].id
-        result = {
-            "batch_id": batch_id,
-            "query_id": qid,
-            "finish_reason": "error",
-            "error": f"invalid query: {problem}",
-        }
-        queue.complete(QueuedQuery(batch_id, qid, "", 0, 0, 0.0).gid, result, "failed")
+        result = QueryResult(batch_id, qid, finish_reason="error", error=f"invalid query: {problem}")
+        queue.complete(QueuedQuery(batch_id, qid, "", 0, 0, 0.0).gid, result, QueryState.FAILED)
 
 
 class BatchService(pb_grpc.BatchServiceServicer):
@@ -345,7 +342,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
         idx = request.start_index
         q = self.d.queue
         while True:
-            rows = await asyncio.to_thread(q.results, request.batch_id, idx, idx + 499)
+            rows = await asyncio.to_thread(q.query_results, request.batch_id, idx, idx + 499)
             for r in rows:
                 yield result_proto(r)
             idx += len(rows)

@@ -41,7 +41,7 @@ from load.client import stream_results, to_request
 from load.workload import generated
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from workqueue import WorkQueue, connect, keys
+from workqueue import QueryResult, QueryState, WorkQueue, connect, keys
 from workqueue.embedded import EmbeddedRedis
 
 CLUSTERS = ("fast", "medium", "slow")
@@ -92,8 +92,8 @@ def _drain(queue: WorkQueue, stop: threading.Event, cluster: str) -> None:
             continue
         for c in claimed:
             q = c.query
-            result = {"batch_id": q.batch_id, "query_id": q.query_id, "text": "", "completion_tokens": 1}
-            queue.complete(q.gid, result, "completed", 1)
+            result = QueryResult(q.batch_id, q.query_id, text="", completion_tokens=1)
+            queue.complete(q.gid, result, QueryState.COMPLETED, 1)
 
 
 def _first_enqueue(queue: WorkQueue, t0: float, done: threading.Event, out: list[float]) -> None:

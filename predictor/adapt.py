@@ -38,6 +38,7 @@ from predictor.inference import predict_proba
 from predictor.labeled import LabeledSet, label, load_labeled, records_for, split
 from workqueue.embedded import EmbeddedRedis
 from workqueue.queue import WorkQueue
+from workqueue.records import Observation
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ def record(url: str, observed: LabeledSet, predicted: np.ndarray, source: str) -
     """Write the observations as the engines do (``WorkQueue.record_observed``, in flush-sized chunks)."""
     queue = WorkQueue.from_url(url)
     rows = [
-        {"prompt": p, "length": int(n), "source": source, "cluster": CLUSTER, "predicted": float(e)}
+        Observation(p, int(n), source, CLUSTER, float(e))
         for p, n, e in zip(observed.prompts, observed.lengths, predicted, strict=True)
     ]
     try:

@@ -2,18 +2,19 @@
 
 Engines push one JSON object per finished query onto the Redis LIST :data:`OBSERVED_KEY`:
 ``{"prompt": str, "length": int, "source": str, "cluster": str, "predicted": float | null}``,
-``length`` being completion tokens in the serving tokenizer.
+``length`` being completion tokens in the serving tokenizer. The record is
+:class:`workqueue.records.Observation`, which both sides use.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 
 import redis
 
 from fleetdata.datasets import Record
 from workqueue.keys import OBSERVED
+from workqueue.records import Observation
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +27,7 @@ def encode_observed(
     """The JSON element for one finished query."""
     if length < 0:
         raise ValueError(f"observed length must be non-negative, not {length}")
-    return json.dumps(
-        {
-            "prompt": prompt,
-            "length": int(length),
-            "source": source,
-            "cluster": cluster,
-            "predicted": predicted,
-        }
-    )
+    return Observation(prompt, int(length), source, cluster, predicted).to_json()
 
 
 def record_observed(
@@ -64,20 +57,19 @@ def read_observed(redis_url: str, limit: int | None = None) -> list[Record]:
     bad = 0
     for item in raw:
         try:
-            d = json.loads(item)
-            prompt, length = d["prompt"], int(d["length"])
-            if not isinstance(prompt, str) or not prompt.strip() or length < 0:
+            obs = Observation.from_json(item)
+            if not isinstance(obs.prompt, str) or not obs.prompt.strip() or obs.length < 0:
                 raise ValueError("empty prompt or negative length")
         except (ValueError, KeyError, TypeError):
             bad += 1
             continue
         out.append(
             Record(
-                prompt,
+                obs.prompt,
                 "",
-                d.get("source") or "observed",
-                length=length,
-                meta={"cluster": d.get("cluster", ""), "predicted": d.get("predicted")},
+                obs.source or "observed",
+                length=obs.length,
+                meta={"cluster": obs.cluster, "predicted": obs.predicted},
             )
         )
     if bad:

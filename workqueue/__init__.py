@@ -9,13 +9,27 @@ multi-key change atomic (:mod:`workqueue.scripts`), the typed queue API
 """
 
 from workqueue.embedded import EmbeddedRedis, connect, resolve_url
-from workqueue.queue import BatchInfo, ClaimedQuery, ClusterInfo, QueuedQuery, WorkQueue
+from workqueue.queue import (
+    BatchInfo,
+    BatchState,
+    ClaimedQuery,
+    ClusterInfo,
+    Observation,
+    QueryResult,
+    QueryState,
+    QueuedQuery,
+    WorkQueue,
+)
 
 __all__ = [
     "BatchInfo",
+    "BatchState",
     "ClaimedQuery",
     "ClusterInfo",
     "EmbeddedRedis",
+    "Observation",
+    "QueryResult",
+    "QueryState",
     "QueuedQuery",
     "WorkQueue",
     "connect",

@@ -26,7 +26,7 @@ from typing import Any
 import redis
 
 from workqueue import keys, scripts
-from workqueue.records import BatchInfo, QueuedQuery, as_float, as_int
+from workqueue.records import BatchInfo, BatchState, QueryResult, QueryState, QueuedQuery, as_float, as_int
 
 DEFAULT_RETENTION_S = 7 * 24 * 3600  # finished batches (status, results) are kept a week
 PRUNE_CHUNK = 1000  # batch ids one prune call looks at
@@ -142,7 +142,7 @@ class BatchOps:
             bkey,
             mapping={
                 "created_at": now,
-                "status": "in_progress" if rows else "completed",
+                "status": BatchState.IN_PROGRESS if rows else BatchState.COMPLETED,
                 "total": len(rows),
                 "completed": 0,
                 "failed": 0,
@@ -163,7 +163,7 @@ class BatchOps:
                     "payload": payload,
                     "tokens": tokens,
                     "cluster": c,
-                    "state": "queued",
+                    "state": QueryState.QUEUED,
                     "attempts": 0,
                     "enqueued_at": now,
                 },
@@ -213,7 +213,7 @@ class BatchOps:
             pipe.hset(
                 bkey,
                 mapping={
-                    "status": "validating",
+                    "status": BatchState.VALIDATING,
                     "total": len(rows),
                     "completed_at": 0,
                     "intake_total": len(rows),
@@ -357,6 +357,16 @@ class BatchOps:
             d = json.loads(row)
             d["index"] = start + i
             out.append(d)
+        return out
+
+    def query_results(self, batch_id: str, start: int = 0, end: int = -1) -> list[QueryResult]:
+        """:meth:`results`, typed: each :class:`QueryResult` with its ``index`` set."""
+        rows = self.r.lrange(keys.results(batch_id), start, end)
+        out = []
+        for i, row in enumerate(rows):
+            r = QueryResult.from_json(row)
+            r.index = start + i
+            out.append(r)
         return out
 
     def result_count(self, batch_id: str) -> int:

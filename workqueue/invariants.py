@@ -24,6 +24,7 @@ import redis
 
 from workqueue import keys
 from workqueue.batches import INTAKE, intake_key
+from workqueue.records import FINAL_QUERY_STATES, BatchState, QueryState
 
 TOLERANCE = 1e-6
 
@@ -53,7 +54,7 @@ def _intake_problems(r: redis.Redis, b: str, h: dict[str, str], waiting: int, se
     listed = r.zscore(INTAKE, b) is not None
     if listed != (waiting > 0):
         bad.append(f"batch {b}: {'in' if listed else 'not in'} the intake set with {waiting} rows left")
-    if h.get("status") == "validating" and seen:
+    if h.get("status") == BatchState.VALIDATING and seen:
         bad.append(f"batch {b}: validating with {seen} queries already enqueued or finished")
     return bad
 
@@ -68,7 +69,7 @@ def check(r: redis.Redis) -> list[str]:
         h = r.hgetall(keys.batch(b))
         if "status" not in h:
             continue
-        finished = sum(int(h.get(k, 0) or 0) for k in ("completed", "failed", "cancelled"))
+        finished = sum(int(h.get(k, 0) or 0) for k in FINAL_QUERY_STATES)  # a count per kind
         if finished != len(done[b]):
             bad.append(f"batch {b}: counts {finished} finished, done set has {len(done[b])}")
         n_results = r.llen(keys.results(b))
@@ -93,7 +94,7 @@ def check(r: redis.Redis) -> list[str]:
             bad.append(f"query {g} in {', '.join(where)} has no hash")
             continue
         kind, c = where[0].split(":", 1)
-        want = "queued" if kind == "queue" else "running"
+        want = QueryState.QUEUED if kind == "queue" else QueryState.RUNNING
         if h.get("state") != want or h.get("cluster") != c:
             bad.append(f"query {g} in {where[0]} has state {h.get('state')!r}, cluster {h.get('cluster')!r}")
     for key in r.scan_iter(match=keys.query("*"), count=1000):

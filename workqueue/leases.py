@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 import redis
 
 from workqueue import keys, scripts
-from workqueue.records import FINAL_STATES, ClaimedQuery, QueuedQuery, as_float
+from workqueue.records import FINAL_QUERY_STATES, ClaimedQuery, QueryResult, QueryState, QueuedQuery, as_float
 
 log = logging.getLogger(__name__)
 
@@ -111,16 +111,24 @@ class LeaseOps:
             )
         return int(requeued)
 
-    def complete(self, gid: str, result: Mapping, kind: str = "completed", actual_tokens: int = 0) -> int:
+    def complete(
+        self,
+        gid: str,
+        result: QueryResult | Mapping,
+        kind: QueryState | str = QueryState.COMPLETED,
+        actual_tokens: int = 0,
+    ) -> int:
         """Write a query's result once. Returns its index in the batch's results, or -1 if it already had one.
 
-        A completion that comes after the query's lease lapsed and it was requeued still counts
-        (when first) and takes the query back out of its queue."""
-        if kind not in FINAL_STATES:
-            raise ValueError(f"kind must be one of {FINAL_STATES}, not {kind!r}")
+        ``result`` is a :class:`QueryResult` (or a mapping, written as it is); ``kind`` one of
+        :data:`FINAL_QUERY_STATES`. A completion that comes after the query's lease lapsed and it
+        was requeued still counts (when first) and takes the query back out of its queue."""
+        if kind not in FINAL_QUERY_STATES:
+            raise ValueError(f"kind must be one of {', '.join(sorted(FINAL_QUERY_STATES))}, not {kind!r}")
+        row = result.to_json() if isinstance(result, QueryResult) else json.dumps(dict(result))
         return int(
             self._complete(
                 keys=[keys.query(gid), keys.batch(keys.split_gid(gid)[0])],
-                args=[gid, json.dumps(dict(result)), kind, int(actual_tokens), self.clock()],
+                args=[gid, row, str(kind), int(actual_tokens), self.clock()],
             )
         )

@@ -37,14 +37,29 @@ from workqueue.mover import MoverLease
 from workqueue.records import (
     FINAL_STATES,
     BatchInfo,
+    BatchState,
     ClaimedQuery,
     ClusterInfo,
+    Observation,
+    QueryResult,
+    QueryState,
     QueuedQuery,
     as_float,
     as_int,
 )
 
-__all__ = ["FINAL_STATES", "BatchInfo", "ClaimedQuery", "ClusterInfo", "QueuedQuery", "WorkQueue"]
+__all__ = [
+    "FINAL_STATES",
+    "BatchInfo",
+    "BatchState",
+    "ClaimedQuery",
+    "ClusterInfo",
+    "Observation",
+    "QueryResult",
+    "QueryState",
+    "QueuedQuery",
+    "WorkQueue",
+]
 
 
 class WorkQueue(LeaseOps, BatchOps):
@@ -172,11 +187,16 @@ class WorkQueue(LeaseOps, BatchOps):
 
     # ------------------------------------------------------------------ workers (claims: LeaseOps)
 
-    def record_observed(self, rows: Sequence[Mapping], cap: int = 1_000_000) -> None:
-        """Append observed (prompt, length) records for predictor retraining; keeps the newest ``cap``."""
+    def record_observed(self, rows: Sequence[Observation | Mapping], cap: int = 1_000_000) -> None:
+        """Append observed (prompt, length) records for predictor retraining; keeps the newest ``cap``.
+
+        Each row is an :class:`Observation` (or a mapping, written as it is)."""
         if rows:
             pipe = self.r.pipeline(transaction=False)
-            pipe.rpush(keys.OBSERVED, *[json.dumps(dict(r)) for r in rows])
+            pipe.rpush(
+                keys.OBSERVED,
+                *[r.to_json() if isinstance(r, Observation) else json.dumps(dict(r)) for r in rows],
+            )
             pipe.ltrim(keys.OBSERVED, -cap, -1)
             pipe.execute()
 

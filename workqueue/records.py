@@ -1,12 +1,54 @@
-"""The records the queue reads and writes: queries as enqueued and claimed, batch and cluster views."""
+"""The records the queue reads and writes, shared by the gateway and the engines.
+
+* states: :class:`QueryState` (a query's hash, and how it finished) and :class:`BatchState`
+  (a batch's ``status``), string enums whose values are what Redis holds;
+* queries as enqueued (:class:`QueuedQuery`) and claimed (:class:`ClaimedQuery`);
+* what a finished query leaves: its :class:`QueryResult` (in the batch's results list) and,
+  when it completed, an :class:`Observation` (``fb:observed``, for predictor retraining);
+* the batch and cluster views (:class:`BatchInfo`, :class:`ClusterInfo`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from workqueue import keys
 
-FINAL_STATES = ("completed", "failed", "cancelled")
+
+class QueryState(enum.StrEnum):
+    """A query's ``state`` in its hash; the last three are also how it finished (``complete``'s kind)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class BatchState(enum.StrEnum):
+    """A batch's ``status``: ``validating`` while the background intake stores its rows."""
+
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+#: how a query can finish (the kinds :meth:`WorkQueue.complete` takes)
+FINAL_QUERY_STATES = frozenset({QueryState.COMPLETED, QueryState.FAILED, QueryState.CANCELLED})
+#: the batch statuses nothing changes any more
+FINAL_BATCH_STATES = frozenset({BatchState.COMPLETED, BatchState.FAILED, BatchState.CANCELLED})
+#: a batch cancelled or being cancelled: its queries are dropped or aborted
+CANCELLED_BATCH_STATES = frozenset({BatchState.CANCELLING, BatchState.CANCELLED})
+#: final states of queries and batches alike (the members are equal strings: three of them)
+FINAL_STATES = FINAL_QUERY_STATES | FINAL_BATCH_STATES
 
 
 @dataclass
@@ -44,6 +86,8 @@ class ClaimedQuery:
 
 @dataclass
 class BatchInfo:
+    """A batch as its hash holds it; ``status`` is a :class:`BatchState` value."""
+
     batch_id: str
     status: str
     total: int
@@ -60,7 +104,7 @@ class BatchInfo:
 
     @property
     def final(self) -> bool:
-        return self.status in FINAL_STATES
+        return self.status in FINAL_BATCH_STATES
 
 
 @dataclass
@@ -99,6 +143,106 @@ class ClusterInfo:
     @property
     def kv_free_tokens(self) -> int:
         return max(0, self.kv_total_tokens - self.kv_used_tokens)
+
+
+@dataclass
+class Timings:
+    """When a query was enqueued, claimed, gave its first token and finished (Unix seconds)."""
+
+    enqueued_at: float = 0.0
+    started_at: float = 0.0
+    first_token_at: float | None = 0.0
+    finished_at: float = 0.0
+
+    def to_dict(self) -> dict[str, float | None]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Timings:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+@dataclass
+class QueryResult:
+    """One finished query's result, as a worker, the gateway or a queue script writes it.
+
+    A field left None is absent from the JSON: a worker's result carries every field but
+    ``index``, while the failures the gateway and the scripts write (an invalid query, a
+    cancelled or given-up one) carry only ids, ``finish_reason``, ``error`` and at most
+    ``cluster`` and ``attempts``. The JSON keeps the field order, so :meth:`to_json` writes
+    what the producers always wrote and ``from_json(s).to_json() == s`` for it. ``index``
+    (the position in the batch's results) is not stored: readers set it.
+    """
+
+    batch_id: str
+    query_id: str
+    text: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cluster: str | None = None
+    timings: Timings | None = None
+    finish_reason: str | None = None  # stop | length | abort | error | cancelled
+    error: str | None = None
+    predicted_tokens: float | None = None
+    attempts: int | None = None
+    index: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                out[f.name] = v.to_dict() if isinstance(v, Timings) else v
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QueryResult:
+        """The result in ``d`` (missing ids read as ``""``, unknown keys are ignored)."""
+        kw = {f.name: d[f.name] for f in fields(cls) if d.get(f.name) is not None}
+        if "timings" in kw:
+            kw["timings"] = Timings.from_dict(kw["timings"])
+        kw.setdefault("batch_id", "")
+        kw.setdefault("query_id", "")
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> QueryResult:
+        return cls.from_dict(json.loads(s))
+
+
+@dataclass
+class Observation:
+    """A completed query's (prompt, length) for predictor retraining (one element of ``fb:observed``).
+
+    ``length`` is its completion tokens in the serving tokenizer, ``predicted`` what the
+    gateway predicted for it (None when unknown).
+    """
+
+    prompt: str
+    length: int
+    source: str = ""
+    cluster: str = ""
+    predicted: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Observation:
+        """Raises KeyError, TypeError or ValueError when ``d`` has no prompt or no integer length."""
+        return cls(
+            d["prompt"], int(d["length"]), d.get("source", ""), d.get("cluster", ""), d.get("predicted")
+        )
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> Observation:
+        return cls.from_dict(json.loads(s))
 
 
 def as_float(v, default: float = 0.0) -> float:
