@@ -9,7 +9,8 @@ multi-key change atomic (:mod:`workqueue.scripts`), the typed queue API
 """
 
 from workqueue.embedded import EmbeddedRedis, connect, resolve_url
-from workqueue.queue import (
+from workqueue.queue import WorkQueue
+from workqueue.records import (
     BatchInfo,
     BatchState,
     ClaimedQuery,
@@ -18,7 +19,6 @@ from workqueue.queue import (
     QueryResult,
     QueryState,
     QueuedQuery,
-    WorkQueue,
 )
 
 __all__ = [

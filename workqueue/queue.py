@@ -35,31 +35,13 @@ from workqueue.batches import DEFAULT_RETENTION_S, BatchOps
 from workqueue.leases import DEFAULT_MAX_ATTEMPTS, LeaseOps
 from workqueue.mover import MoverLease
 from workqueue.records import (
-    FINAL_STATES,
-    BatchInfo,
-    BatchState,
-    ClaimedQuery,
     ClusterInfo,
     Observation,
-    QueryResult,
-    QueryState,
-    QueuedQuery,
     as_float,
     as_int,
 )
 
-__all__ = [
-    "FINAL_STATES",
-    "BatchInfo",
-    "BatchState",
-    "ClaimedQuery",
-    "ClusterInfo",
-    "Observation",
-    "QueryResult",
-    "QueryState",
-    "QueuedQuery",
-    "WorkQueue",
-]
+__all__ = ["WorkQueue"]
 
 
 class WorkQueue(LeaseOps, BatchOps):
