@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gateway.config import GatewayConfig
 from gateway.server import serve
+from protos import fleetbatch_pb2 as pb
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -147,3 +148,11 @@ def write_plan(
     )
     save_plan(plan, path)
     return path
+
+
+def batch_of(n: int, **kw) -> pb.SubmitBatchRequest:
+    """A SubmitBatchRequest of ``n`` short queries ``q0..q{n-1}`` (``kw``: batch fields)."""
+    req = pb.SubmitBatchRequest(**kw)
+    for i in range(n):
+        req.queries.add(id=f"q{i}", prompt=f"Explain topic number {i}.", max_tokens=8)
+    return req

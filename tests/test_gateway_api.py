@@ -10,7 +10,7 @@ import pytest
 from gateway.config import ClusterSpec, GatewayConfig
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from tests.harness import GatewayThread
+from tests.harness import GatewayThread, batch_of
 from workqueue import WorkQueue, connect, keys
 
 TOKEN = "test-admin-token"
@@ -37,13 +37,6 @@ def gateway(redis_url):
     )
     channel.close()
     g.stop()
-
-
-def batch_of(n: int, **kw) -> pb.SubmitBatchRequest:
-    req = pb.SubmitBatchRequest(**kw)
-    for i in range(n):
-        req.queries.add(id=f"q{i}", prompt=f"Explain topic number {i}.", max_tokens=8)
-    return req
 
 
 def invalid(stub, req) -> str:

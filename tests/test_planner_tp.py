@@ -16,17 +16,7 @@ from planner.costs import Assignment, Problem, Workload
 from planner.modelshape import ModelShape
 from planner.problem import build_problem
 from planner.search import device_orders, plan, tp_groupings
-
-
-def small_shape(layers: int) -> ModelShape:
-    cfg = OPTConfig(
-        hidden_size=5120,
-        num_hidden_layers=layers,
-        ffn_dim=20480,
-        num_attention_heads=40,
-        word_embed_proj_dim=5120,
-    )
-    return ModelShape(f"opt-13b-{layers}l", cfg)
+from tests.test_planner_ilp import small_shape
 
 
 def test_tp_never_slower_when_allreduce_is_free(monkeypatch):
