@@ -210,23 +210,9 @@ def test_retrain_from_redis_writes_next_version(model_parent, workload, redis_ur
         zip(*[synthetic(120, seed=1).prompts, synthetic(120, seed=1).lengths], strict=True)
     ):
         record_observed(client, p, int(n), source="observed", cluster=f"c{i % 2}")
-    rc = main(
-        [
-            "retrain",
-            "--model",
-            str(model_parent),
-            "--from-redis",
-            redis_url,
-            "--data",
-            str(jsonl),
-            "--serving-tokenizer",
-            str(tok),
-            "--original",
-            "100",
-            "--epochs",
-            "1",
-        ]
-    )
+    retrain = ["retrain", "--model", str(model_parent), "--from-redis", redis_url, "--data", str(jsonl)]
+    retrain += ["--serving-tokenizer", str(tok)]
+    rc = main([*retrain, "--original", "100", "--epochs", "1"])
     assert rc == 0
     r = last_json(capsys)
     assert r["version"] == "v2" and r["observed_examples"] == 120 and r["original_examples"] == 100
@@ -234,22 +220,7 @@ def test_retrain_from_redis_writes_next_version(model_parent, workload, redis_ur
     assert json.loads((model_parent / "v2" / "predictor.json").read_text())["retrained_from"].endswith("v1")
     # an empty list is a clear error, not a crash
     client.delete(OBSERVED_KEY)
-    assert (
-        main(
-            [
-                "retrain",
-                "--model",
-                str(model_parent),
-                "--from-redis",
-                redis_url,
-                "--data",
-                str(jsonl),
-                "--serving-tokenizer",
-                str(tok),
-            ]
-        )
-        == 2
-    )
+    assert main(retrain) == 2
     assert "no observed lengths" in capsys.readouterr().err
 
 
