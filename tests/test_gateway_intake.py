@@ -49,6 +49,16 @@ def enqueued(queue: WorkQueue, batch_id: str = "big") -> int:
     return int(queue.r.hget(keys.batch(batch_id), "intake_done") or 0)
 
 
+def finish_on_a_new_gateway(redis_url: str, queue: WorkQueue, what: str) -> None:
+    """Start another gateway on the same Redis and wait until it has enqueued the whole batch."""
+    g = gateway(redis_url)
+    g.start()
+    try:
+        wait_until(lambda: enqueued(queue) == N, 60, what, 0.05)
+    finally:
+        g.stop()
+
+
 @pytest.fixture
 def slow_chunks(monkeypatch):
     """Chunks of 500 rows with a pause between them, so a test can act mid-intake."""
@@ -100,12 +110,7 @@ def test_a_gateway_stopped_mid_intake_is_finished_by_another(redis_url, slow_chu
     assert queue.batch("big").status == "in_progress"
     time.sleep(0.5)
     assert enqueued(queue) == stopped_at  # nobody enqueues while no gateway runs
-    second = gateway(redis_url)
-    second.start()
-    try:
-        wait_until(lambda: enqueued(queue) == N, 60, "the second gateway to finish the intake", 0.05)
-    finally:
-        second.stop()
+    finish_on_a_new_gateway(redis_url, queue, "the second gateway to finish the intake")
     ids = queued(queue)
     assert len(ids) == len(set(ids)) == N and not check(queue.r)
 
@@ -132,12 +137,7 @@ def test_a_dead_holder_of_the_intake_lease_delays_the_batch_only_until_it_lapses
     assert dead.step("big", "dead-token") == 500  # one chunk, then the holder dies (no release)
     assert dead.step("big", "stale-token") == -1  # a lease it does not hold lands nothing
     t0 = time.monotonic()
-    g2 = gateway(redis_url)
-    g2.start()
-    try:
-        wait_until(lambda: enqueued(queue) == N, 60, "the lease to lapse and the intake to finish", 0.05)
-    finally:
-        g2.stop()
+    finish_on_a_new_gateway(redis_url, queue, "the lease to lapse and the intake to finish")
     assert time.monotonic() - t0 >= 1.0  # not before the dead holder's lease lapsed
     ids = [g for g in queued(queue) if g.startswith("big:")]
     assert len(ids) == len(set(ids)) == N and not check(queue.r)
