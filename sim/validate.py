@@ -6,8 +6,9 @@ generated, the gateway's predictions, in submission order), the same policy, bac
 size and capacity hints, and offloading off as in the study. The step cost is one
 :class:`sim.costs.LinearCost` for every run; its scale (the emulated device's speed, which the
 cost model cannot know) is fitted by leave-one-out: the held-out run's makespan is predicted
-with the median real/simulated ratio of the *other* runs. ``sim_makespan_error`` is the mean
-relative error of those predictions.
+with the median real/simulated ratio of the *other* runs of its session (one study repeat;
+the machine's speed drifts between sessions). ``sim_makespan_error`` is the mean relative
+error of those predictions.
 """
 
 from __future__ import annotations
@@ -80,28 +81,49 @@ def simulate(run: RealRun, cost: LinearCost) -> float:
 
 
 def validate(paths: list[str | Path], cost: LinearCost) -> dict:
+    """Leave-one-out makespan error of the simulator on real runs.
+
+    The held-out run's scale is the median real/simulated ratio of the other runs *of the same
+    session* (the runs in the same directory: one ``loadgen study`` repeat, measured minutes
+    apart on the same machine), or of all other runs when it is alone in its session. A shared
+    CPU's speed drifts between sessions (a third between two repeats on an idle machine), which
+    no cost model can know; ``sim_makespan_error_pooled`` fits one scale over every session,
+    as before, for comparison."""
     runs = [read_run(p) for p in paths]
     if len(runs) < 2:
         raise ValueError("validation needs at least two real runs (one scale is fitted on the others)")
     simulated = [simulate(r, cost) for r in runs]
-    ratios = [r.makespan_s / s for r, s in zip(runs, simulated, strict=True)]
-    rows, errors = [], []
-    for i, r in enumerate(runs):
-        scale = statistics.median(ratios[:i] + ratios[i + 1 :])
-        predicted = simulated[i] * scale
-        err = abs(predicted - r.makespan_s) / r.makespan_s
-        errors.append(err)
-        rows.append(
-            {
-                "run": str(r.path),
-                "real_makespan_s": round(r.makespan_s, 2),
-                "sim_makespan_s": round(predicted, 2),
-                "error": round(err, 3),
-            }
-        )
+    real = [r.makespan_s for r in runs]
+    predicted = held_out(real, simulated, [str(r.path.parent) for r in runs])
+    pooled = held_out(real, simulated, [""] * len(runs))
+    errors = [abs(p - m) / m for p, m in zip(predicted, real, strict=True)]
+    rows = [
+        {
+            "run": str(r.path),
+            "real_makespan_s": round(m, 2),
+            "sim_makespan_s": round(p, 2),
+            "error": round(e, 3),
+        }
+        for r, m, p, e in zip(runs, real, predicted, errors, strict=True)
+    ]
     return {
         "sim_makespan_error": round(statistics.fmean(errors), 3),
+        "sim_makespan_error_pooled": round(
+            statistics.fmean(abs(p - m) / m for p, m in zip(pooled, real, strict=True)), 3
+        ),
         "max_error": round(max(errors), 3),
-        "scale": round(statistics.median(ratios), 3),
+        "scale": round(statistics.median(m / s for m, s in zip(real, simulated, strict=True)), 3),
         "runs": rows,
     }
+
+
+def held_out(real: list[float], simulated: list[float], sessions: list[str]) -> list[float]:
+    """Each run's makespan predicted from its simulated one and the median real/simulated ratio of the
+    other runs of its session (of all other runs when it is alone in its session)."""
+    ratios = [m / s for m, s in zip(real, simulated, strict=True)]
+    out = []
+    for i, session in enumerate(sessions):
+        others = [j for j in range(len(real)) if j != i]
+        same = [j for j in others if sessions[j] == session] or others
+        out.append(simulated[i] * statistics.median(ratios[j] for j in same))
+    return out

@@ -18,6 +18,7 @@ from load.arrivals import poisson_arrivals  # noqa: E402
 from sim.cli import main  # noqa: E402
 from sim.core import ClusterSpec, SimConfig, Simulator  # noqa: E402
 from sim.costs import LinearCost  # noqa: E402
+from sim.validate import held_out  # noqa: E402
 from sim.workload import Workload, generated_workload  # noqa: E402
 
 
@@ -148,3 +149,16 @@ def test_mixed_workload_has_real_lengths_and_a_fitted_prediction(data_root, monk
         [ClusterSpec(f"c{i}", LinearCost(), "iteration", 4) for i in range(3)], w, SimConfig(policy="token")
     ).run()
     assert r.generated_tokens == sum(w.true_tokens)
+
+
+def test_the_held_out_scale_comes_from_the_runs_of_the_same_session():
+    # two sessions: the machine ran 1.5x slower in the first; the model is right up to that speed
+    simulated = [10.0, 20.0, 30.0, 10.0, 20.0, 30.0]
+    real = [15.0, 30.0, 45.0, 10.0, 20.0, 30.0]
+    sessions = ["r0", "r0", "r0", "r1", "r1", "r1"]
+    assert held_out(real, simulated, sessions) == pytest.approx(real)  # exact within each session
+    pooled = held_out(real, simulated, [""] * 6)  # one scale for both sessions is off in each
+    assert all(abs(p - m) / m > 0.15 for p, m in zip(pooled, real, strict=True))
+    assert held_out([12.0, 30.0], [10.0, 20.0], ["a", "b"]) == pytest.approx(
+        [15.0, 24.0]
+    )  # alone: all others
