@@ -88,6 +88,7 @@ def fit(
     mlm_extra: list[str] | None = None,
     teacher: Teacher | None = None,
     checkpoint: str | os.PathLike | None = None,
+    augmented: LabeledSet | None = None,
 ):
     """Build buckets, tokenizer and model from ``train_set`` and train; returns ``(model, tokenizer, buckets, result)``.
 
@@ -96,7 +97,10 @@ def fit(
     (e.g. the training split's responses; never validation or test text). A ``teacher`` (same
     bucket edges) is distilled into the new model alongside the labels. ``checkpoint``: a file for
     the training state, resumed from when it exists (then MLM pre-training is skipped: the saved
-    state holds the weights), see :func:`predictor.training.train`.
+    state holds the weights), see :func:`predictor.training.train`. ``augmented`` (noisy copies of
+    training prompts, :mod:`predictor.augment`) joins the training examples after the bucket
+    edges, the tokenizer and MLM pre-training have been made from the real prompts; a teacher's
+    probabilities then cover ``train_set`` followed by ``augmented``.
     """
     model_cfg = model_cfg or ModelConfig()
     train_cfg = train_cfg or TrainConfig(max_len=model_cfg.max_len)
@@ -139,7 +143,7 @@ def fit(
         model,
         tok,
         buckets,
-        train_set,
+        train_set if augmented is None else train_set.concat(augmented),
         val_set,
         train_cfg,
         progress,

@@ -278,6 +278,28 @@ def test_train_distils_a_teacher(model_parent, workload, tmp_path, capsys):
     assert not (tmp_path / "s" / "v2").exists()
 
 
+def test_train_augments_for_the_teacher(model_parent, workload, tmp_path, capsys):
+    jsonl, tok = workload
+    v1 = str(model_parent / "v1")
+    train = ["train", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(tmp_path / "s")]
+    common = [*train, "--epochs", "1", "--buckets", "5", *TINY_ARGS]
+    assert main([*common, "--teacher", v1]) == 0
+    plain = last_json(capsys)
+    assert main([*common, "--teacher", v1, "--augment", "2"]) == 0
+    r = last_json(capsys)
+    meta = json.loads((tmp_path / "s" / r["version"] / "predictor.json").read_text())
+    assert meta["augment"] == 2
+    # the copies are training examples; the edges (and so the teacher's) come from the real lengths
+    n = plain["train_examples"]
+    assert r["train_examples"] == n and plain["augmented_examples"] == 0
+    assert n < r["augmented_examples"] <= 2 * n
+    edges = [json.loads((tmp_path / "s" / v / "buckets.json").read_text())["edges"] for v in ("v1", "v2")]
+    assert edges[0] == edges[1]
+    # copies are labelled by a teacher: without one, a clear error and no model
+    assert main([*common, "--augment", "2"]) == 2
+    assert "--augment needs --teacher" in capsys.readouterr().err
+
+
 def test_mlm_reads_the_responses_of_the_training_prompts_only(tmp_path, capsys, caplog):
 
     data = synthetic(300, seed=3)

@@ -8,6 +8,7 @@ import logging
 import time
 
 from predictor import ensemble, metadata
+from predictor.augment import augment
 from predictor.commands.common import DEFAULT_OUT, comma_list, length_tokenizer, rounded, splits
 from predictor.labeled import LabeledSet, label, records_for
 from predictor.model import DEFAULT, QUICK, ModelConfig
@@ -122,6 +123,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "same data, --scheme, --buckets and --max-ratio). An ensemble's ranking at one model's cost",
     )
     p.add_argument(
+        "--augment",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --teacher: K noisy copies of each training prompt (words dropped, a span cut), "
+        "labelled by the teacher, join the training examples (default 0: none)",
+    )
+    p.add_argument(
         "--teacher-weight",
         type=float,
         default=0.5,
@@ -224,8 +233,19 @@ def run(args) -> dict:
     _, sp = splits(args, limit)
     if args.extra_train:
         sp["train"] = sp["train"].concat(extra_training(args, sp))
+    if args.augment and not args.teacher:
+        raise ValueError("--augment needs --teacher: the copies are labelled by the teacher")
+    copies = augment(sp["train"], args.augment, args.seed) if args.augment else None
+    if copies is not None:
+        log.info("%d noisy copies of training prompts join the training examples", len(copies))
     teacher = (
-        ensemble.teacher(comma_list(args.teacher), sp["train"].prompts, args.device) if args.teacher else None
+        ensemble.teacher(
+            comma_list(args.teacher),
+            sp["train"].prompts + ([] if copies is None else copies.prompts),
+            args.device,
+        )
+        if args.teacher
+        else None
     )
     val = sp["val"].sample(1000, args.seed) if args.quick else sp["val"]
     log.info("train %d, val %d examples", len(sp["train"]), len(val))
@@ -249,6 +269,7 @@ def run(args) -> dict:
         ),
         teacher=teacher,
         checkpoint=args.checkpoint,
+        augmented=copies,
     )
     extra = metadata.train_extra(
         args,
@@ -273,6 +294,7 @@ def run(args) -> dict:
         "scheme": buckets.scheme,
         "buckets": buckets.n,
         "train_examples": len(sp["train"]),
+        "augmented_examples": 0 if copies is None else len(copies),
         "initial_val_loss": round(result.initial_val_loss, 4),
         "best_val_loss": round(result.best_val_loss, 4),
         "steps": result.steps,
