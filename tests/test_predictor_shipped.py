@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import subprocess
@@ -93,7 +94,8 @@ def test_export_round_trip_keeps_predictions(tiny_source, tiny_shipped):
     np.testing.assert_allclose([p.median_tokens for p in a], [p.median_tokens for p in b], rtol=1e-2)
     meta = json.loads((tiny_shipped / "predictor.json").read_text())
     assert meta["shipped"]["serving_tokenizer"]["name"] == "test-tokenizer"
-    assert meta["shipped"]["from_version"] == "v1" and fp16.version == "shipped-v1"
+    weights = hashlib.sha1((tiny_shipped / "model.safetensors").read_bytes()).hexdigest()[:8]
+    assert meta["shipped"]["from_version"] == "v1" and fp16.version == f"shipped-v1-{weights}"
     assert src.point_estimate == fp16.point_estimate
     ref = json.loads((tiny_shipped / shipped.REFERENCE_FILE).read_text())
     assert ref["bucket"] == [p.bucket for p in src.predict(ref["prompts"])]
