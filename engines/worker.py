@@ -92,6 +92,7 @@ class Worker:
         keeper.start()
         log.info("worker %s serving cluster %r with the %s backend", self.worker_id, c.cluster, c.backend)
         idle_sleep = c.idle_poll_s
+        wake = self.queue.wake_listener(c.cluster)  # ends an idle wait when queries land in our queue
         try:
             while not self.stop_event.is_set():
                 failure = getattr(getattr(self.engine, "pipeline", None), "failure", None)
@@ -101,8 +102,8 @@ class Worker:
                 if time.monotonic() >= self._retry_at:
                     self._guarded(self._queue_work)
                 if not self.engine.has_unfinished():
-                    self.stop_event.wait(idle_sleep)
-                    idle_sleep = min(c.idle_poll_max_s, idle_sleep * 2)
+                    if not wake.wait(idle_sleep):  # announced work: ask the queue again at once
+                        idle_sleep = min(c.idle_poll_max_s, idle_sleep * 2)
                     continue
                 idle_sleep = c.idle_poll_s
                 t0, cpu0 = time.monotonic(), time.process_time()
@@ -124,6 +125,7 @@ class Worker:
                     break
         finally:
             self.stop_event.set()
+            wake.close()
             keeper.join(timeout=2)
             if self._unsent:  # one last try; what cannot be written is re-run after its lease lapses
                 self._guarded(self._flush)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from dataclasses import asdict
 
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from workqueue import QueuedQuery, WorkQueue, connect, keys
+from workqueue.wake import WakeListener
 
 
 def make_queue(url: str) -> WorkQueue:
@@ -187,3 +191,36 @@ def test_offloading_under_concurrent_consumers_never_loses_or_duplicates(redis_u
     assert len(q.results("b")) == n
     for c in "abc":
         assert q.queued_ids(c) == [] and q.inflight_ids(c) == []
+
+
+def test_idle_engines_are_woken_when_work_lands_in_their_queue(redis_url):
+    q = make_queue(redis_url)
+    a, b = q.wake_listener("a"), q.wake_listener("b")
+    try:
+        assert not a.wait(0.05) and not b.wait(0.05)  # subscribed; nothing announced yet
+        q.create_batch("b1", [(x, "a") for x in queries("b1", 3)])
+        assert a.wait(30)  # woken at once (the 30 s is only a bound)
+        assert not b.wait(0.05)  # only the clusters that got queries
+        # everything announced while a worker was busy ends one wait, not one per message
+        q.create_batch("b2", [(x, "a") for x in queries("b2", 1)])
+        q.create_batch("b3", [(x, "a") for x in queries("b3", 1)])
+        time.sleep(0.2)
+        assert a.wait(30) and not a.wait(0.05)
+        # the mover's moves wake the receiving cluster
+        assert q.move_tail("a", "b", 2)[0] == 2
+        assert b.wait(30) and not a.wait(0.05)
+        # the background intake's chunks too
+        row = QueuedQuery("b4", "q0", "hello", 4, 1, 4.0)
+        assert q.accept_batch("b4", ["{}"]) and q.take_intake("b4", "me", 30)
+        assert q.enqueue_chunk("b4", "me", 0, [(row.gid, json.dumps(asdict(row)), 5.0, "b")], 30) == 1
+        assert b.wait(30)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_listener_without_redis_times_out_like_the_poll_it_replaces():
+    client = redis.Redis.from_url("redis://127.0.0.1:1/0")  # nothing listens there
+    listener = WakeListener(client, "a")
+    assert not listener.wait(0.2)
+    assert not listener.wait(0.2)  # and again: it retries the subscription, still no error

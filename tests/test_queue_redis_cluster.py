@@ -112,8 +112,14 @@ def test_the_queue_works_on_a_redis_cluster(cluster_url):
         q.register_cluster(name, capacity_hint_tps=100)
         q.heartbeat(name, ttl_s=60, tokens_per_s=100)
     rows = [(QueuedQuery("x", f"q{i}", "p", 8, 4, 6.0), "a") for i in range(20)]
+    idle_a, idle_b = q.wake_listener("a"), q.wake_listener("b")
+    assert not idle_a.wait(0.05)
     assert q.create_batch("x", rows) and not q.create_batch("x", rows)
+    assert idle_a.wait(30)  # idle engines are woken on a cluster too
     assert q.move_tail("a", "b", 5) == (5, 50.0)
+    assert idle_b.wait(30)
+    idle_a.close()
+    idle_b.close()
     claimed = q.claim("a", 4, "w1", 30)
     assert len(claimed) == 4 and q.renew("a", [c.query.gid for c in claimed], 30) == 4
     for c in claimed[:3]:

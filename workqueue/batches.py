@@ -27,6 +27,7 @@ import redis
 
 from workqueue import keys, scripts
 from workqueue.records import BatchInfo, BatchState, QueryResult, QueryState, QueuedQuery, as_float, as_int
+from workqueue.wake import announce
 
 DEFAULT_RETENTION_S = 7 * 24 * 3600  # finished batches (status, results) are kept a week
 PRUNE_CHUNK = 1000  # batch ids one prune call looks at
@@ -110,7 +111,10 @@ class BatchOps:
                 for key in (bkey, keys.results(batch_id), keys.done(batch_id)):
                     pipe.expire(key, self.retention_s)
 
-        return self._create_once(batch_id, write, "creation")
+        created = self._create_once(batch_id, write, "creation")
+        if created:
+            announce(self.r, per_cluster)  # idle engines start now, not after their poll back-off
+        return created
 
     def _create_once(self, batch_id: str, write: Callable[[Any], None], what: str) -> bool:
         """Run ``write(pipe)`` in one optimistic transaction unless the batch exists; True when it ran.
@@ -268,7 +272,10 @@ class BatchOps:
         for g, payload, tokens, c in rows:
             args += [g, payload, tokens, c]
         k = [keys.batch(batch_id), intake_lease_key(batch_id), intake_key(batch_id), INTAKE, keys.CLUSTERS]
-        return int(self._enqueue_chunk(keys=k, args=args))
+        handled = int(self._enqueue_chunk(keys=k, args=args))
+        if handled > 0:
+            announce(self.r, (c for _, _, _, c in rows))
+        return handled
 
     def forget_intake(self, batch_id: str) -> None:
         """Drop the intake of a batch that no longer exists (expired or never created)."""

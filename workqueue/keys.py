@@ -9,6 +9,7 @@ Keys (prefix ``{fb}:``)::
     {fb}:c:{cluster}:inflight     ZSET  query ids taken by a worker, scored by lease deadline
     {fb}:c:{cluster}:pending      STR   predicted tokens (prompt + response) of the queued queries
     {fb}:c:{cluster}:stats        HASH  assigned/finished counters (predicted and actual tokens)
+    {fb}:c:{cluster}:wake         CHANNEL pub/sub: published when queries land in the queue (wakes idle engines)
     {fb}:q:{gid}                  HASH  one query: payload JSON, cluster, state, attempts, times
     {fb}:batches                  ZSET  batch ids by creation time
     {fb}:b:{batch}                HASH  batch status and request counts
@@ -40,6 +41,7 @@ TEMPLATES = {
     "inflight": "c:%s:inflight",
     "pending": "c:%s:pending",
     "cluster_stats": "c:%s:stats",
+    "wake": "c:%s:wake",
     "query": "q:%s",
     "batch": "b:%s",
     "results": "b:%s:results",
@@ -58,6 +60,11 @@ def _key(name: str, part: str) -> str:
 
 def cluster_info(name: str) -> str:
     return _key("cluster_info", name)
+
+
+def wake(name: str) -> str:
+    """The pub/sub channel announcing new queries in ``name``'s queue (not a key: nothing is stored)."""
+    return _key("wake", name)
 
 
 def heartbeat(name: str) -> str:

@@ -40,6 +40,7 @@ from workqueue.records import (
     as_float,
     as_int,
 )
+from workqueue.wake import WakeListener, announce
 
 __all__ = ["WorkQueue"]
 
@@ -196,7 +197,13 @@ class WorkQueue(LeaseOps, BatchOps):
         moved, tokens = self._move_tail(
             keys=[keys.queue(src), keys.queue(dst), keys.pending(src), keys.pending(dst)], args=[src, dst, n]
         )
+        if int(moved):
+            announce(self.r, [dst])
         return int(moved), float(tokens)
+
+    def wake_listener(self, cluster: str) -> WakeListener:
+        """A subscription that ends an idle worker's wait when queries land in ``cluster``'s queue."""
+        return WakeListener(self.r, cluster)
 
     def tail(self, cluster: str, n: int) -> list[tuple[str, float]]:
         """The last ``n`` queued query ids of a cluster (back of the queue last) with their predicted tokens."""
