@@ -26,12 +26,13 @@ def announce(client: redis.Redis, clusters: Iterable[str]) -> None:
     """Publish a wake message for each of ``clusters``, after the queries are in their queues.
 
     One call per cluster on the client, not in a pipeline: a Redis Cluster client refuses PUBLISH
-    in pipelines. A failed announcement only costs the engines their poll back-off.
+    in pipelines. A failed announcement (Redis gone, PUBLISH denied) only costs the engines their
+    poll back-off, never the caller its batch: the queries are already queued.
     """
     for c in sorted({c for c in clusters if c}):
         try:
             client.publish(keys.wake(c), "1")
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        except (redis.RedisError, OSError) as e:
             log.debug("could not announce work for %s (%s); its engines will poll", c, e)
 
 
@@ -49,7 +50,7 @@ class WakeListener:
         self._pubsub = None
         try:  # subscribed from the start: work announced before the first wait is not missed
             self._subscribe()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        except (redis.RedisError, OSError) as e:
             log.debug("wake channel unavailable (%s); polling", e)
             self.close()
 
@@ -67,7 +68,7 @@ class WakeListener:
                     while self._pubsub.get_message(timeout=0) is not None:
                         pass  # one wake-up for everything announced meanwhile
                     return True
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        except (redis.RedisError, OSError) as e:
             log.debug("wake channel unavailable (%s); polling", e)
             self.close()
             time.sleep(max(0.0, deadline - time.monotonic()))
