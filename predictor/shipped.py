@@ -192,7 +192,7 @@ def record_eval(report: str | os.PathLike | dict, dest: str | os.PathLike = SHIP
 
 
 def describe(loaded: store.LoadedModel) -> str:
-    """One line for the gateway log: ``learned (shipped-v1-2a676560, test tau 0.71, MAE 25.7 tokens, ...)``."""
+    """One line for the gateway log: ``learned (shipped-v1-12af268c, test tau 0.71, MAE 25.1 tokens, ...)``."""
     shipped = loaded.meta.get("shipped") or {}
     test = shipped.get("test") or {}
     parts = [loaded.version]
