@@ -10,6 +10,7 @@ import sys
 import grpc
 
 from cliutil import run_main
+from fleetdata.datasets import data_dir
 from load import bench_offload, chaos, compare_policies, openai_check, report, soak, study
 from load.client import format_summary, run_batch, summarise
 from load.deployment import LocalDeployment
@@ -173,7 +174,24 @@ def _submit(args, target: str) -> int:
     return 0 if summary["results"] == summary["queries"] and summary["duplicates"] == 0 else 1
 
 
+def demo_dataset(args) -> str | None:
+    """The demo's workload: what the user chose, else the mixed real workload (real prompts with
+    their recorded lengths) where the data directory exists, else None (the generated mix)."""
+    if args.dataset or args.jsonl:
+        return args.dataset
+    try:
+        data_dir()
+    except FileNotFoundError:
+        return None
+    return "mixed"
+
+
 def _demo(args) -> int:
+    args.dataset = demo_dataset(args)
+    print(
+        f"workload: {args.dataset + ' (real prompts, recorded lengths)' if args.dataset else 'generated mix'}",
+        flush=True,
+    )
     up_args = ["--predictor", args.predictor, *(args.gateway_arg or [])]
     print("starting: gateway up", " ".join(up_args), flush=True)
     try:

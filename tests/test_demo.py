@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from load.cli import build_parser, demo_dataset
 from tests.harness import REPO
 
 
@@ -23,4 +24,13 @@ def test_loadgen_demo_runs_the_local_deployment_end_to_end(tmp_path):
     assert "predicted out" in out.stdout  # predicted against actual tokens per cluster
     assert all(c["predicted_completion_tokens"] > 0 for c in summary["clusters"].values())
     assert "length predictor: learned" in out.stdout + out.stderr  # the shipped model, not the heuristic
+    assert "workload: mixed (real prompts, recorded lengths)" in out.stdout  # the data directory is here
     assert not (tmp_path / "run" / "gateway.json").exists(), "gateway up did not clean up"
+
+
+def test_the_demo_draws_real_prompts_where_the_data_is_and_generates_elsewhere(tmp_path, monkeypatch):
+    args = build_parser().parse_args(["demo"])
+    assert demo_dataset(args) == "mixed"  # ../shared/data is beside the repo here
+    assert demo_dataset(build_parser().parse_args(["demo", "--dataset", "gsm8k"])) == "gsm8k"
+    monkeypatch.setenv("FLEETBATCH_DATA", str(tmp_path / "nowhere"))
+    assert demo_dataset(args) is None  # no data directory: the generated mix
