@@ -58,7 +58,7 @@ def train_extra(
         "mlm_responses": bool(args.mlm_responses and not args.pretrained),
         "extra_train": args.extra_train,
         "teacher": teacher_sources,
-        "augment": getattr(args, "augment", 0),  # noisy copies per training prompt (predictor.augment)
+        "augment": args.augment,  # noisy copies per training prompt (predictor.augment)
         "max_ratio": max_ratio,
         "model_config": model_config,
         "train_examples": train_examples,

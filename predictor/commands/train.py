@@ -197,6 +197,8 @@ def training_responses(args, train_prompts: list[str]) -> list[str]:
 
 
 def run(args) -> dict:
+    if args.augment and not args.teacher:
+        raise ValueError("--augment needs --teacher: the copies are labelled by the teacher")
     base = QUICK if args.quick else DEFAULT
     mc = ModelConfig(
         layers=args.layers or base.layers,
@@ -233,8 +235,6 @@ def run(args) -> dict:
     _, sp = splits(args, limit)
     if args.extra_train:
         sp["train"] = sp["train"].concat(extra_training(args, sp))
-    if args.augment and not args.teacher:
-        raise ValueError("--augment needs --teacher: the copies are labelled by the teacher")
     copies = augment(sp["train"], args.augment, args.seed) if args.augment else None
     if copies is not None:
         log.info("%d noisy copies of training prompts join the training examples", len(copies))
