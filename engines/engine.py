@@ -103,6 +103,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.eos_token_id, self.max_positions)
         self._inflight: deque[tuple[SchedulerOutput, torch.Tensor | None]] = deque()
         self._kv_step = 0  # KV tokens held during the last step (stats: kv_step_tokens)
+        self._forwards: list[tuple[int, int, int]] = []  # the last step's forward passes (stats)
         self._busy: set[str] = set()  # queries in a micro-batch in flight
         self._aborting: set[str] = set()  # aborted while in flight: finished when their micro-batch is back
         self._done: list[RequestOutput] = []  # aborted / rejected, returned by the next step()
@@ -205,11 +206,13 @@ class LLMEngine:
         oldest one back, samples and updates. With one stage that is schedule -> run -> update.
         """
         finished, self._done = self._done, []
+        self._forwards = []
         while len(self._inflight) < self.num_stages:
             plan = self.scheduler.schedule(self._busy)
             finished.extend(self._unschedulable(plan))
             if not plan.chunks:
                 break
+            self._forwards.append(plan.forward())
             batch = StepBatch.from_chunks(plan.chunks, self.kv.block_size)
             if self.pipeline is None:
                 self._inflight.append((plan, self.runner.run_batch(batch)))
@@ -258,6 +261,7 @@ class LLMEngine:
             tokens_per_s=rate,
             generated_tokens=self.generated_tokens,
             kv_step_tokens=self._kv_step,
+            step_forwards=tuple(self._forwards),
         )
 
     def free_slots(self) -> int:

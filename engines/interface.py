@@ -71,6 +71,9 @@ class EngineStats:
     tokens_per_s: float = 0.0  # measured generation throughput (recent window)
     generated_tokens: int = 0  # since start
     kv_step_tokens: int = 0  # KV tokens held while the last step ran (what the step paid for)
+    # the last step's forward passes, (prefill tokens, decoded queries, repeats) each: what an emulated
+    # device charges for it (engines.device); empty where the backend does not report them
+    step_forwards: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def kv_free_tokens(self) -> int:

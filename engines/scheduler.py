@@ -47,6 +47,19 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
+    def forward(self) -> tuple[int, int, int]:
+        """``(prefill tokens, decoded queries, 1)``: this step's forward pass, as :mod:`engines.device`
+        charges it. A decode is one token that follows the query's last sampled token; any other
+        chunk (prompt, or recomputation after a preemption) is prefill. Read it before the update."""
+        prefill = decode = 0
+        for c in self.chunks:
+            out = c.seq.output_token_ids
+            if c.num_tokens == 1 and out and c.start + 1 == len(c.seq.prompt_token_ids) + len(out):
+                decode += 1
+            else:
+                prefill += c.num_tokens
+        return prefill, decode, 1
+
 
 class Scheduler:
     """Owns the request state (as vLLM v1's scheduler does): which queries wait, run and are known,

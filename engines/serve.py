@@ -10,6 +10,7 @@ import signal
 import torch
 
 from engines.config import EngineConfig
+from engines.device import StepCost
 from engines.engine import LLMEngine
 from engines.interface import Engine
 from engines.metrics import serve_metrics
@@ -67,6 +68,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "compute (CPU) time, so contention on a shared CPU does not change the emulated device",
     )
     p.add_argument(
+        "--device-cost",
+        default=None,
+        metavar="OVERHEAD,PREFILL,DECODE",
+        help="emulate a device by a cost model instead: each step lasts what its forward passes cost, "
+        "OVERHEAD ms per pass + PREFILL ms per prompt token + DECODE ms per decoded query (e.g. 8,0.05,0.5), "
+        "divided by --device-speed; the same charge for the static and native backends "
+        "(docs/study.md). A step whose compute takes longer lasts its compute and is counted as an overrun",
+    )
+    p.add_argument(
+        "--device-speed",
+        type=float,
+        default=1.0,
+        help="with --device-cost: the device's speed (0.5: every pass takes twice as long)",
+    )
+    p.add_argument(
         "--lease-s", type=float, default=15.0, help="lease of a claimed query; renewed while it runs"
     )
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period")
@@ -111,6 +127,22 @@ def run_serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             log.error("%s", e)
             return 2
+    device_cost = None
+    if args.device_cost is not None:
+        if args.slowdown:
+            log.error("--device-cost and --slowdown are two ways to emulate a device: pass one")
+            return 2
+        if args.backend == "vllm" or args.plan:
+            log.error(
+                "--device-cost emulates one-process native or static engines, not vllm or --plan stages"
+            )
+            return 2
+        try:
+            device_cost = StepCost.parse(args.device_cost, speed=args.device_speed)
+        except ValueError as e:
+            log.error("--device-cost: %s", e)
+            return 2
+        log.info("emulated device: %s", device_cost.describe())
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -130,6 +162,7 @@ def run_serve(args: argparse.Namespace) -> int:
         backend=args.backend,
         capacity_hint_tps=args.capacity,
         slowdown=args.slowdown,
+        device_cost=device_cost,
     )
     worker = Worker(queue, engine, config)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())

@@ -16,6 +16,13 @@ import torch
 from engines.interface import EngineStats, Request, RequestOutput
 
 
+def batch_forwards(rows: int, longest_prompt: int, new_tokens: int) -> tuple[tuple[int, int, int], ...]:
+    """The forward passes of one ``generate`` call, as a GPU computes them: every prompt padded to the
+    longest (the pass that samples the first token), then ``new_tokens - 1`` passes decoding every row,
+    padded or finished, until the longest is done. ``(prefill tokens, decoded rows, repeats)`` each."""
+    return ((rows * longest_prompt, 0, 1), (0, rows, max(0, new_tokens - 1)))
+
+
 class StaticBatchEngine:
     def __init__(self, model, tokenizer, max_batch: int = 8, max_prompt_tokens: int = 1024):
         self.model = model.eval()
@@ -27,6 +34,7 @@ class StaticBatchEngine:
         self._running = 0
         self._kv_used = 0
         self._kv_step = 0  # KV of the last batch while it ran: the whole batch's, until its longest ends
+        self._forwards: tuple[tuple[int, int, int], ...] = ()  # the last batch's forward passes (stats)
         self._generated = 0
         self._window: deque[tuple[float, int]] = deque(maxlen=32)  # (seconds, tokens) of recent steps
 
@@ -59,6 +67,7 @@ class StaticBatchEngine:
             tokens_per_s=toks / secs if secs > 0 else 0.0,
             generated_tokens=self._generated,
             kv_step_tokens=self._kv_step,
+            step_forwards=self._forwards,
         )
 
     def step(self) -> list[RequestOutput]:
@@ -66,6 +75,7 @@ class StaticBatchEngine:
         batch = self._take_batch()
         if not batch:
             self._kv_step = 0
+            self._forwards = ()
             return outputs
         self._running = len(batch)
         start = time.time()
@@ -124,6 +134,7 @@ class StaticBatchEngine:
         forced = s.forced_length is not None
         new_tokens = max(r.sampling.target_tokens for r in batch)
         self._kv_used = self._kv_step = len(batch) * (longest + new_tokens)
+        self._forwards = batch_forwards(len(batch), longest, new_tokens)
         kwargs = dict(max_new_tokens=new_tokens, pad_token_id=pad)
         if forced:
             kwargs["min_new_tokens"] = new_tokens

@@ -17,10 +17,11 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 
+from engines.device import DeviceClock, StepCost
 from engines.interface import Engine, EngineStats, Request, RequestOutput, SamplingParams
 from engines.pipeline import StageFailure
 from workqueue import ClaimedQuery, Observation, QueryResult, QueryState, WorkQueue
@@ -51,6 +52,9 @@ class WorkerConfig:
     # time is the process's CPU time (wall time when threads ran in parallel), so a busy shared CPU,
     # which stretches wall time but not CPU time, does not slow the emulated device down.
     slowdown: float = 0.0
+    # Emulated device by cost model (engines.device): each step lasts what its forward passes cost on
+    # the modelled device (its compute, when that took longer: an overrun), whatever this CPU's speed
+    device_cost: StepCost | None = None
     record_observed: bool = True
 
 
@@ -71,6 +75,7 @@ class Worker:
         self._unsent: list[tuple[ClaimedQuery, RequestOutput]] = []  # finished, result not yet written
         self._stats = EngineStats()  # the engine's stats, taken on the main loop after each step
         self.kv_token_seconds = 0.0  # KV held x wall time of each step (emulated slowdown included)
+        self.device = DeviceClock()  # steps and seconds of the emulated device (--device-cost)
         self._registered = False
         self._last_requeue = self._last_cancel = 0.0
         self._retry_at = 0.0  # when the loop may ask Redis again (backoff after an error)
@@ -112,11 +117,8 @@ class Worker:
                 except StageFailure as e:
                     self._give_back(str(e))
                     break
-                if c.slowdown > 0:
-                    wall = time.monotonic() - t0
-                    device_s = (1.0 + c.slowdown) * min(wall, time.process_time() - cpu0)
-                    self.stop_event.wait(max(0.0, device_s - wall))
                 self._stats = self.engine.stats()  # taken here, read by the lease keeper
+                outputs = self._emulate_device(t0, cpu0, outputs)
                 self.kv_token_seconds += self._stats.kv_step_tokens * (time.monotonic() - t0)
                 self._finish(outputs)
                 if self._unsent and time.monotonic() >= self._retry_at:
@@ -129,8 +131,37 @@ class Worker:
             keeper.join(timeout=2)
             if self._unsent:  # one last try; what cannot be written is re-run after its lease lapses
                 self._guarded(self._flush)
+        if c.device_cost is not None and self.device.steps:
+            log.info("emulated device: %s", self.device.describe())
         log.info("worker %s stopped after %d queries", self.worker_id, self.finished)
         return self.finished
+
+    def _emulate_device(self, t0: float, cpu0: float, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Make the step last what the emulated device takes for it (``device_cost`` or ``slowdown``),
+        and stamp the queries it finished with the end of the step on that device: a query is done
+        when the device's last pass over it is, not when this CPU's was."""
+        c = self.config
+        wall = time.monotonic() - t0
+        if c.device_cost is not None:
+            device_s = c.device_cost.forwards_s(self._stats.step_forwards)
+            self.device.record(device_s, wall)
+        elif c.slowdown > 0:
+            device_s = (1.0 + c.slowdown) * min(wall, time.process_time() - cpu0)
+        else:
+            return outputs
+        if device_s <= wall:
+            return outputs
+        step_start = time.time() - wall
+        self.stop_event.wait(device_s - wall)
+        end = time.time()
+        return [
+            replace(
+                o,
+                finish_time=end,
+                first_token_time=end if o.first_token_time >= step_start else o.first_token_time,
+            )
+            for o in outputs
+        ]
 
     def _queue_work(self) -> None:
         """Everything the loop asks of Redis: register, requeue lapsed leases, cancellations, claims, results."""
@@ -357,6 +388,8 @@ class Worker:
                     running_remaining_tokens=remaining,
                     capacity_hint_tps=c.capacity_hint_tps,
                     plan_tps=c.plan_tps,
+                    device_steps=self.device.steps,  # --device-cost: steps, and those its compute outlasted
+                    device_overrun_steps=self.device.overrun_steps,
                 )
             except Exception as e:  # Redis hiccup: keep trying, leases have slack
                 log.warning("heartbeat failed: %s", e)

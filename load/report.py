@@ -63,6 +63,18 @@ def cumulative_kv(rows: list[dict], start: float, end: float) -> dict[str, float
     return out
 
 
+def overrun_fraction(rows: list[dict]) -> float | None:
+    """Of the emulated devices' steps (``--device-cost``), the fraction whose real compute outlasted the
+    modelled time, from each cluster's last sample; None when no engine emulated a device that way."""
+    last: dict[str, dict] = {}
+    for r in rows:
+        last[r["cluster"]] = r
+    steps = sum(int(r.get("device_steps") or 0) for r in last.values())
+    if not steps:
+        return None
+    return round(sum(int(r.get("device_overrun_steps") or 0) for r in last.values()) / steps, 4)
+
+
 def build_report(run_dir: str | Path, plots: bool = True) -> dict:
     run = Path(run_dir)
     results = read_jsonl(run / RESULTS)
@@ -93,6 +105,7 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict:
         "completion_s": _percentiles(done),
         "latency_s": _percentiles(waited),  # each query's own: finished minus enqueued
         "cumulative_kv_token_s": round(sum(kv.values()), 1),
+        "device_overrun_fraction": overrun_fraction(series),
         "clusters": {
             name: {
                 "queries": c["queries"],

@@ -50,6 +50,8 @@ class Sampler:
                         "cluster": i.name,
                         "kv_step_tokens": i.kv_step_tokens,
                         "kv_token_seconds": i.kv_token_seconds,
+                        "device_steps": i.device_steps,
+                        "device_overrun_steps": i.device_overrun_steps,
                         "queue_length": i.queue_length,
                         "running": i.running,
                         "alive": i.alive,

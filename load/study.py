@@ -37,6 +37,7 @@ import grpc
 import yaml
 from tqdm import tqdm
 
+from engines.device import StepCost
 from load.arrivals import add_arrival_arguments, arrivals, groups
 from load.client import result_row, to_request
 from load.deployment import LocalDeployment
@@ -70,16 +71,28 @@ def setups(clusters: int) -> list[Setup]:
     ]
 
 
-def fleet_yaml(s: Setup, base_slowdown: float, batch: int, size: str) -> dict:
+def device_args(speed: float, args) -> list[str]:
+    """The ``engine serve`` arguments that emulate a cluster's device ``speed`` times slower than the fastest."""
+    if args.emulation == "cost":
+        return ["--device-cost", args.step_cost, "--device-speed", f"{1.0 / speed:.6g}"]
+    return ["--slowdown", str(speed * (1 + args.base_slowdown) - 1)]
+
+
+def fleet_yaml(s: Setup, args) -> dict:
     rows = []
     for i, speed in enumerate(s.speeds):
-        slowdown = speed * (1 + base_slowdown) - 1
         rows.append(
             {
                 "name": f"c{i + 1}",
                 "capacity_tps": round(100.0 / speed, 3),
                 "backend": s.backend,
-                "engine_args": ["--size", size, "--slowdown", str(slowdown), "--max-batch", str(batch)],
+                "engine_args": [
+                    "--size",
+                    args.size,
+                    *device_args(speed, args),
+                    "--max-batch",
+                    str(args.batch),
+                ],
             }
         )
     return {"clusters": rows}
@@ -98,9 +111,7 @@ def submit(stub, items: list[WorkItem], name: str, times: list[float] | None, ti
 
 def run_one(s: Setup, items: list[WorkItem], run_dir: Path, args, times: list[float] | None = None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "clusters.yaml").write_text(
-        yaml.safe_dump(fleet_yaml(s, args.base_slowdown, args.batch, args.size))
-    )
+    (run_dir / "clusters.yaml").write_text(yaml.safe_dump(fleet_yaml(s, args)))
     up_args = ["--config", str(run_dir / "clusters.yaml"), "--policy", s.policy, "--no-offload"]
     with (
         LocalDeployment(run_dir / "deploy", [*up_args, *args.gateway_arg]) as info,
@@ -117,7 +128,15 @@ def run_one(s: Setup, items: list[WorkItem], run_dir: Path, args, times: list[fl
                 )
             ]
             time.sleep(2.5)  # the engines' last heartbeats carry their final KV figures
-    meta = {"batch_id": batch_ids[0], "policy": s.policy, "backend": s.backend, "fleet": list(s.speeds)}
+    meta = {
+        "batch_id": batch_ids[0],
+        "policy": s.policy,
+        "backend": s.backend,
+        "fleet": list(s.speeds),
+        "emulation": args.emulation,
+    }
+    if args.emulation == "cost":
+        meta["device_cost_ms"] = args.step_cost  # the speed-1 device; cluster i runs at 1 / fleet[i]
     if times is not None:
         meta.update(batch_ids=batch_ids, arrivals=args.arrivals, arrival_span_s=round(max(times), 3))
     write_run(run_dir, rows, meta)
@@ -149,6 +168,8 @@ def ratios(r: dict[str, dict]) -> dict[str, float]:
 
 
 def run(args) -> dict:
+    if args.emulation == "cost":
+        StepCost.parse(args.step_cost)  # a bad cost model fails here, not in every engine
     items = workload(args)
     times = None
     if args.arrivals != "all":
@@ -193,14 +214,23 @@ def run(args) -> dict:
         queries=len(items),
         clusters=args.clusters,
         batch=args.batch,
-        base_slowdown=args.base_slowdown,
+        emulation=args.emulation,
+        **(
+            {"step_cost_ms": args.step_cost}
+            if args.emulation == "cost"
+            else {"base_slowdown": args.base_slowdown}
+        ),
         arrivals=args.arrivals,
         out=str(root),
     )
     if times is not None:
         out["arrival_span_s"] = round(max(times), 3)
-    iteration_runs = [str(p) for p in sorted(root.glob("r*/*iteration*")) if (p / "results.jsonl").exists()]
-    validated = _sim("validate", *iteration_runs) if len(iteration_runs) >= 2 and times is None else {}
+    # on a cost-model device the simulator replays every run on that device (static ones too); on
+    # the CPU-time emulation it fits the device's scale on the iteration-level runs
+    pattern = "r*/*" if args.emulation == "cost" else "r*/*iteration*"
+    replayed = [str(p) for p in sorted(root.glob(pattern)) if (p / "results.jsonl").exists()]
+    enough = len(replayed) >= (1 if args.emulation == "cost" else 2)
+    validated = _sim("validate", *replayed) if enough and times is None else {}
     out["sim_makespan_error"] = validated.get("sim_makespan_error")  # scale fitted per repeat
     out["sim_makespan_error_pooled"] = validated.get("sim_makespan_error_pooled")  # one scale for all
     out["sim_seconds_100x1m"] = (
@@ -241,7 +271,25 @@ def add_arguments(p) -> None:
     p.add_argument("--clusters", type=int, default=3, help="clusters per fleet")
     p.add_argument("--batch", type=int, default=8, help="engine batch size (MICO: 2-10)")
     p.add_argument(
-        "--base-slowdown", type=float, default=3.0, help="emulated device time per step, x compute"
+        "--emulation",
+        choices=("cost", "cpu"),
+        default="cost",
+        help="how engines emulate their devices: 'cost' (default): each step lasts what --step-cost "
+        "charges for its forward passes, the same for both backends; 'cpu': (1 + --base-slowdown) x the "
+        "step's own CPU time (docs/study.md)",
+    )
+    p.add_argument(
+        "--step-cost",
+        default="15,0.2,1",
+        metavar="OVERHEAD,PREFILL,DECODE",
+        help="the fastest device's cost model in ms: per forward pass, per prompt token, per decoded query "
+        "(default: the simulator's default device)",
+    )
+    p.add_argument(
+        "--base-slowdown",
+        type=float,
+        default=3.0,
+        help="--emulation cpu: emulated device time per step, x compute",
     )
     p.add_argument("--size", default="nano", help="random local model size")
     p.add_argument("--repeats", type=int, default=1, help="run the whole study this many times")

@@ -17,35 +17,14 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engines.device import StepCost
 from planner.latency import Profile, fit_profile
 
 
 @dataclass(frozen=True)
-class LinearCost:
-    """Per-cluster step cost; times are those of a speed-1 cluster, divided by ``speed``."""
-
-    prefill_per_token_s: float = 0.0002
-    decode_per_seq_s: float = 0.001
-    step_overhead_s: float = 0.015
-    speed: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("prefill_per_token_s", "decode_per_seq_s", "step_overhead_s"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, not {v!r}")
-        if not (math.isfinite(self.speed) and self.speed > 0):
-            raise ValueError(f"speed must be a finite number > 0, not {self.speed!r}")
-        if self.step_overhead_s + self.prefill_per_token_s + self.decode_per_seq_s <= 0:
-            raise ValueError("a step must take some time: all cost terms are 0")
-
-    def step_s(self, prefill_tokens: int, decode_seqs: int) -> float:
-        """Seconds of one step computing ``prefill_tokens`` prompt tokens and decoding ``decode_seqs`` queries."""
-        return (
-            self.step_overhead_s
-            + self.prefill_per_token_s * prefill_tokens
-            + self.decode_per_seq_s * decode_seqs
-        ) / self.speed
+class LinearCost(StepCost):
+    """Per-cluster step cost (:class:`engines.device.StepCost`, the emulated device of ``engine serve
+    --device-cost``); times are those of a speed-1 cluster, divided by ``speed``."""
 
     def with_speed(self, speed: float) -> LinearCost:
         return replace(self, speed=speed)

@@ -34,7 +34,7 @@ from engines.interface import Request, SamplingParams
 from engines.kv_cache import KVCacheManager
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Sequence
-from engines.static_engine import StaticBatchEngine
+from engines.static_engine import StaticBatchEngine, batch_forwards
 from sim.costs import LinearCost
 from sim.workload import Workload
 
@@ -165,13 +165,7 @@ class IterationEngine:
         if not plan.chunks:
             self._plan = None
             return None
-        prefill, decode = 0, 0
-        for c in plan.chunks:
-            n, out = c.num_tokens, c.seq.output_token_ids
-            if n == 1 and out and c.start + 1 == len(c.seq.prompt_token_ids) + len(out):
-                decode += 1
-            else:
-                prefill += n
+        prefill, decode, _ = plan.forward()
         self._plan = plan
         self._dt = self.cost.step_s(prefill, decode)
         return self._dt
@@ -338,6 +332,8 @@ class StaticEngine:
         b = len(batch)
         longest = max(len(r.prompt_token_ids) for r in batch)
         new = max(r.sampling.target_tokens for r in batch)
+        forwards = batch_forwards(b, longest, new)  # what the real engine reports to an emulated device
+        duration = self.cost.forwards_s(forwards)
         prefill = self.cost.step_s(b * longest, 0)
         decode = self.cost.step_s(0, b)
         # Hugging Face generate keeps every row (padded) until the longest is done; the engine reports
@@ -348,9 +344,9 @@ class StaticEngine:
             new * longest + new * (new + 1) // 2
         )
         self.kv_used_tokens = self._kv_step = b * (longest + new)
-        self.kv_token_seconds += self._kv_step * (prefill + new * decode)
-        self.num_steps += 1 + new
-        return prefill + new * decode
+        self.kv_token_seconds += self._kv_step * duration
+        self.num_steps += sum(n for _, _, n in forwards)
+        return duration
 
     def cut_bulk(self, elapsed: float) -> float | None:
         return None

@@ -35,6 +35,8 @@ def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path):
         assert report["queries"] == 16 and sum(c["queries"] for c in report["clusters"].values()) == 16
         assert report["cumulative_kv_token_s"] > 0 and report["makespan_s"] > 0
         assert all((d / f).stat().st_size > 5000 for f in ("kv.png", "finished.png", "cdf.png"))
+        # the engines emulated the default cost-model device and said how often their compute outlasted it
+        assert 0 <= report["device_overrun_fraction"] <= 1
     again = subprocess.run(
         [sys.executable, "-m", "load.cli", "report", str(out / "r0" / "token_static_equal"), "--no-plots"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -44,5 +46,7 @@ def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path):
         [out / "r0" / name for name in summary["runs"]], LinearCost()
     )  # the simulator replays them
     assert len(check["runs"]) == 2 and 0 <= check["sim_makespan_error"] < 10
+    assert check["fitted"] is False  # replayed on the runs' own device (meta.json), no scale fitted
+    assert summary["emulation"] == "cost" and summary["step_cost_ms"] == "15,0.2,1"
     assert all(r["real_makespan_s"] == pytest.approx(summary["runs"][Path(r["run"]).name]["makespan_s"], abs=0.01)
                for r in check["runs"])  # fmt: skip

@@ -156,6 +156,8 @@ class WorkQueue(LeaseOps, BatchOps):
                     kv_total_tokens=as_int(hb.get("kv_total_tokens")),
                     kv_step_tokens=as_int(hb.get("kv_step_tokens")),
                     kv_token_seconds=as_float(hb.get("kv_token_seconds")),
+                    device_steps=as_int(hb.get("device_steps")),
+                    device_overrun_steps=as_int(hb.get("device_overrun_steps")),
                     running_remaining_tokens=as_float(hb.get("running_remaining_tokens")),
                     queue_length=int(qlen),
                     inflight=int(infl),
