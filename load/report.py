@@ -165,7 +165,12 @@ def format_report(r: dict) -> str:
         f"{r['run']}: {r['queries']} queries, makespan {r['makespan_s']} s, {r['tokens_per_s']} tokens/s, "
         f"completion p50/p90/p99 {r['completion_s']['p50']}/{r['completion_s']['p90']}/{r['completion_s']['p99']} s, "
         f"latency p50/p90 {r['latency_s']['p50']}/{r['latency_s']['p90']} s, "
-        f"cumulative KV {r['cumulative_kv_token_s']} token-s",
+        f"cumulative KV {r['cumulative_kv_token_s']} token-s"
+        + (
+            f", {r['device_overrun_fraction']:.1%} of device steps overran the cost model"
+            if r.get("device_overrun_fraction") is not None
+            else ""
+        ),
         f"{'cluster':<12} {'queries':>8} {'predicted tok':>14} {'actual tok':>11} {'KV token-s':>11}",
     ]
     for name, c in r["clusters"].items():

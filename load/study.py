@@ -207,6 +207,7 @@ def run(args) -> dict:
             "makespan_s": v["makespan_s"],
             "cumulative_kv_token_s": v["cumulative_kv_token_s"],
             "latency_s": v["latency_s"],
+            "device_overrun_fraction": v.get("device_overrun_fraction"),
         }
         for k, v in all_reports.items()
     }
