@@ -169,7 +169,10 @@ def ratios(r: dict[str, dict]) -> dict[str, float]:
 
 def run(args) -> dict:
     if args.emulation == "cost":
-        StepCost.parse(args.step_cost)  # a bad cost model fails here, not in every engine
+        try:  # a bad cost model fails here, not in every engine
+            StepCost.parse(args.step_cost)
+        except ValueError as e:
+            raise ValueError(f"--step-cost: {e}") from None
     items = workload(args)
     times = None
     if args.arrivals != "all":
