@@ -6,7 +6,11 @@ queries submitted at once):
 
 * ``one_process``: the same model in one process with as many threads as one stage;
 * ``planned``: the plan's stages, one process each (gloo on CPU);
-* ``even``: with unlike stages, the same stages and micro-batches with the layers split evenly.
+* ``even``: with unlike stages, the same stages and micro-batches with the layers split evenly
+  (and the LM head on the last stage);
+* ``head_on_last``: when the plan shares the LM head between the first and last stage
+  (``planner plan --head-split``, on unless ``--no-head-split``), the same plan with the whole
+  head on the last stage.
 
 Without ``--plan`` the planner lays the model out itself: ``engine profile --concurrent N``'s
 measurement of the engine's own layer and LM head on this CPU (N profilers at once, as the N
@@ -117,6 +121,7 @@ def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
         str(args.gen_len),
         "--out",
         str(plan),
+        *(["--head-split"] if args.head_split else []),
     )
     return plan
 
@@ -131,7 +136,9 @@ def _workload(tokenizer, args) -> list[Request]:
     return reqs
 
 
-def _run(args, requests: list[Request], plan: Path | None, even: bool = False) -> dict:
+def _run(
+    args, requests: list[Request], plan: Path | None, even: bool = False, head_split: bool = True
+) -> dict:
     model, tok = load_or_build(args.model_dir, arch=args.arch, size=args.size)
     cfg = EngineConfig(
         kv_budget_tokens=args.num_queries * (args.prompt_len + args.gen_len) + 64,
@@ -139,7 +146,7 @@ def _run(args, requests: list[Request], plan: Path | None, even: bool = False) -
         prefill_chunk=max(args.prefill_chunk, args.prompt_len),
         max_running=args.num_queries,
         plan_path=str(plan) if plan else None,
-        pipeline=PipelineConfig(even_split=even),
+        pipeline=PipelineConfig(even_split=even, head_split=head_split),
     )
     engine = LLMEngine.build(model, tok, cfg)
     try:
@@ -176,7 +183,9 @@ def _run(args, requests: list[Request], plan: Path | None, even: bool = False) -
                 "decode_latency_ms": round(1e3 * d["decode_latency_s"] / n_dec, 3) if n_dec else None,
                 "decode_rows_per_micro_batch": round(d["decode_rows"] / n_dec, 2) if n_dec else None,
                 # the plan predicts its own layer split only
-                "predicted_decode_ms": None if even else round(1e3 * s.predicted_decode_s, 3),
+                "predicted_decode_ms": None
+                if even or not head_split
+                else round(1e3 * s.predicted_decode_s, 3),
             }
         )
     busy = sum(st["compute_s"] + st["emulated_s"] for st in stages)
@@ -189,15 +198,17 @@ def _run(args, requests: list[Request], plan: Path | None, even: bool = False) -
     }
 
 
-def _rounds(args, requests, plan: Path, uneven: bool) -> dict[str, list[dict]]:
+def _rounds(args, requests, plan: Path, uneven: bool, split: bool) -> dict[str, list[dict]]:
     """``--repeats`` rounds, each running every configuration once, back to back (interleaved, so a
     machine whose speed drifts over minutes slows all of a round's runs alike)."""
-    runs: dict[str, list[dict]] = {"one_process": [], "planned": [], "even": []}
+    runs: dict[str, list[dict]] = {"one_process": [], "planned": [], "even": [], "head_on_last": []}
     for r in range(args.repeats):
         runs["one_process"].append(_run(args, requests, None))
         runs["planned"].append(_run(args, requests, plan))
         if uneven:
             runs["even"].append(_run(args, requests, plan, even=True))
+        if split:
+            runs["head_on_last"].append(_run(args, requests, plan, head_split=False))
         log.info(
             "round %d: %s tokens/s",
             r + 1,
@@ -238,7 +249,8 @@ def bench_pipeline(args) -> dict:
         _, tok = load_or_build(args.model_dir, arch=args.arch, size=args.size)
         requests = _workload(tok, args)
         uneven = any(d.get("slowdown", 0) for d in plan_doc["devices"])
-        runs = _rounds(args, requests, plan, uneven)
+        split = plan_doc.get("head_split", 0.0) > 0
+        runs = _rounds(args, requests, plan, uneven, split)
     planned = max(runs["planned"], key=lambda r: r["tokens_per_s"])
     one = max(runs["one_process"], key=lambda r: r["tokens_per_s"])
     speedup, speedups = _ratio(runs, "planned", "one_process")
@@ -247,6 +259,7 @@ def bench_pipeline(args) -> dict:
         "layers": [st["layers"] for st in planned["stages"]],
         "stage_slowdowns": [st["slowdown"] for st in planned["stages"]],
         "decode_micro_batch": plan_doc["decode_micro_batch"],
+        "head_split": plan_doc.get("head_split", 0.0),
         "prefill_micro_batch": plan_doc["prefill_micro_batch"],
         "queries": len(requests),
         "prompt_len": args.prompt_len,
@@ -269,4 +282,11 @@ def bench_pipeline(args) -> dict:
             runs, "planned", "even"
         )
         out["even"] = even
+    if split:
+        last = max(runs["head_on_last"], key=lambda r: r["tokens_per_s"])
+        out["head_on_last_tokens_per_s"] = last["tokens_per_s"]
+        out["speedup_vs_head_on_last"], out["speedup_vs_head_on_last_rounds"] = _ratio(
+            runs, "planned", "head_on_last"
+        )
+        out["head_on_last"] = last
     return out

@@ -260,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pb.add_argument("--gen-len", type=int, default=96, help="every response forced to this many tokens")
     pb.add_argument("--bits", default="16", help="weight bit widths the planner may use (default 16)")
+    pb.add_argument(
+        "--no-head-split",
+        dest="head_split",
+        action="store_false",
+        help="with --stages: keep the LM head on the last stage (default: the planner may give the first "
+        "stage a share of its rows, and the bench also runs the plan with the head on the last stage)",
+    )
     pb.add_argument("--repeats", type=int, default=2, help="runs of each configuration; the best counts")
     add_engine_arguments(b)
     b.set_defaults(size="small", threads=1)

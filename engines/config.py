@@ -14,12 +14,14 @@ class PipelineConfig:
     ``backend`` ``auto`` picks NCCL on CUDA and gloo on CPU (stages run on the engine's
     ``device``; only the CPU so far). ``even_split`` ignores the plan's
     layer ranges and splits the layers evenly over its stages (the baseline a plan is measured
-    against).
+    against). ``head_split`` False keeps the whole LM head on the last stage even where the plan
+    gives the first stage a share of its rows (the baseline the share is measured against).
     """
 
     init_method: str | None = None
     backend: str = "auto"
     even_split: bool = False
+    head_split: bool = True
     start_timeout_s: float = 120.0
 
 

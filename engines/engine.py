@@ -21,7 +21,7 @@ from engines.interface import EngineStats, Request, RequestOutput
 from engines.kv_cache import KVCacheManager
 from engines.model_runner import ModelRunner, make_adapter
 from engines.pipeline import PipelineRunner, StageSpec
-from engines.plan import apply_plan, plan_stages, quantized_model
+from engines.plan import apply_plan, plan_head_split, plan_stages, quantized_model
 from engines.sampler import sample
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Sequence, SequenceStatus
@@ -92,6 +92,7 @@ class LLMEngine:
                 pc.start_timeout_s,
                 max_tokens=config.max_batch_tokens,
                 max_sampled=min(config.max_batch_tokens, config.max_running),
+                head_split=plan_head_split(config.plan_path or "", pc),
             )
             self.runner = self.pipeline.stage0
         else:

@@ -31,6 +31,7 @@ class DecoderAdapter:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    lm_head: torch.nn.Module
 
     def embed(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
 
@@ -45,7 +46,12 @@ class DecoderAdapter:
 
     def post(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor: ...
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+    def final(self, h: torch.Tensor) -> torch.Tensor:
+        """The hidden states the LM head reads: after the final norm (and OPT's output projection)."""
+        ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.final(h))
 
 
 class LlamaAdapter(DecoderAdapter):
@@ -89,8 +95,8 @@ class LlamaAdapter(DecoderAdapter):
         h = h + layer.self_attn.o_proj(attn)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def logits(self, h):
-        return self.lm_head(self.m.norm(h))
+    def final(self, h):
+        return self.m.norm(h)
 
 
 class GPT2Adapter(DecoderAdapter):
@@ -126,8 +132,8 @@ class GPT2Adapter(DecoderAdapter):
         h = h + layer.attn.c_proj(attn)
         return h + layer.mlp(layer.ln_2(h))
 
-    def logits(self, h):
-        return self.lm_head(self.t.ln_f(h))
+    def final(self, h):
+        return self.t.ln_f(h)
 
 
 class OPTAdapter(DecoderAdapter):
@@ -168,12 +174,12 @@ class OPTAdapter(DecoderAdapter):
             h = layer.final_layer_norm(h)
         return h
 
-    def logits(self, h):
+    def final(self, h):
         if self.d.final_layer_norm is not None:
             h = self.d.final_layer_norm(h)
         if self.d.project_out is not None:
             h = self.d.project_out(h)
-        return self.lm_head(h)
+        return h
 
 
 def resolve_device(name: str) -> torch.device:
@@ -331,6 +337,11 @@ class ModelRunner:
         if not batch.sample_rows:
             return h.new_empty(0, 0)
         return self.adapter.logits(h[torch.tensor(batch.sample_rows, device=h.device)])
+
+    def final_hidden(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """What the LM head reads ``[n_sampled, hidden]`` for the sampled rows (a pipeline whose
+        first stage computes part of the head gets these from the last)."""
+        return self.adapter.final(h[torch.tensor(batch.sample_rows, device=h.device, dtype=torch.long)])
 
     @torch.inference_mode()
     def run_batch(self, batch: StepBatch) -> torch.Tensor:

@@ -4,7 +4,9 @@ The driver (rank 0) owns the scheduler, embeds, runs stage 0's layers, and sampl
 1..S-1 are spawned processes (:mod:`engines.stage_worker`) holding only their own layers and
 their layers' paged KV pools. ``submit`` runs stage 0 on a micro-batch and sends it on without
 waiting; ``result`` receives the logits of the oldest micro-batch in flight from the last
-stage. The engine keeps up to ``num_stages`` micro-batches in flight, so every stage works at
+stage. With a head split (the plan's ``head_split``, ``planner.head_split``) the driver computes
+the LM head's first rows itself from the final hidden states the last stage sends back with the
+logits of the other rows, so a head-heavy last stage is balanced against the first. The engine keeps up to ``num_stages`` micro-batches in flight, so every stage works at
 once. KV blocks are numbered by the driver's block manager and mean the same slots in every
 stage, so freeing a finished query's blocks frees them in every stage at once.
 
@@ -30,7 +32,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from engines.model_runner import ModelRunner
-from engines.stage_model import cut_stage, model_dtype, module_bytes, vocab_size
+from engines.stage_model import cut_stage, head_rows, hidden_size, model_dtype, module_bytes, vocab_size
 from engines.stage_wire import STEP, STOP, Inbox, Outbox, capacity, pack, unpack
 from engines.stage_worker import (
     COUNTERS,
@@ -104,6 +106,7 @@ class PipelineRunner:
         start_timeout_s: float = 120.0,
         max_tokens: int = 512,
         max_sampled: int = 64,
+        head_split: float = 0.0,
     ) -> None:
         if len(stages) < 2:
             raise ValueError("a pipeline needs at least 2 stages (one stage runs in-process)")
@@ -117,9 +120,19 @@ class PipelineRunner:
         self.device = device
         self.vocab = vocab_size(model)
         self.dtype = model_dtype(model)
+        if not 0 <= head_split <= 1:
+            raise ValueError(f"head_split must be from 0 to 1, got {head_split}")
+        self.head_start = round(head_split * self.vocab)  # the driver computes LM-head rows [0, head_start)
+        self.head0 = head_rows(model, 0, self.head_start) if self.head_start else None
+        self.hidden = hidden_size(model)
         s0 = stages[0]
         self.stage0 = ModelRunner(model, num_blocks, block_size, kv_bits, range(s0.layer_start, s0.layer_end))
-        parts = [cut_stage(model, s.layer_start, s.layer_end, s.index == 0, s is stages[-1]) for s in stages]
+        parts = [
+            cut_stage(model, s.layer_start, s.layer_end, s.index == 0, s is stages[-1], self.head_start)
+            for s in stages
+        ]
+        if self.head0 is not None:
+            parts[0] = nn.ModuleList([parts[0], self.head0])  # for the memory count (shared rows once)
         self.memory = self._check_memory(parts)
         self.counters = StageCounters(memory_bytes=self.memory[0])
         self.trailer = torch.zeros(self.num_stages, NUM_COUNTERS, dtype=torch.float64)
@@ -141,7 +154,10 @@ class PipelineRunner:
             )
             S = self.num_stages
             self.outbox = Outbox(1)
-            self.inbox = Inbox(S - 1, capacity(0, S, NUM_COUNTERS, max_sampled, self.vocab, self.dtype), S)
+            self.payload_cols = self.vocab - self.head_start + (self.hidden if self.head_start else 0)
+            self.inbox = Inbox(
+                S - 1, capacity(0, S, NUM_COUNTERS, max_sampled, self.payload_cols, self.dtype), S
+            )
         except BaseException:
             _kill(self.procs)
             if dist.is_initialized():
@@ -198,6 +214,8 @@ class PipelineRunner:
                 os.getpid(),
                 max_tokens,
                 layout_cap,
+                self.head_start if s is self.stages[-1] else 0,
+                self.vocab,
             )
             p = ctx.Process(
                 target=stage_main, args=(args, child), name=f"fleetbatch-stage{s.index}", daemon=True
@@ -263,18 +281,33 @@ class PipelineRunner:
 
     def result(self) -> torch.Tensor:
         """Logits ``[n_sampled, vocab]`` of the oldest micro-batch in flight."""
-        self._inflight.popleft()
+        batch = self._inflight.popleft()
         t0 = time.perf_counter()
         try:
             buf = self.inbox.get()
         except RuntimeError as e:
             raise self._fail(e) from e
         self.counters.values["idle_s"] += time.perf_counter() - t0
-        msg = unpack(buf, self.num_stages, NUM_COUNTERS, self.vocab, self.dtype)
-        logits = msg.payload.to(self.device, copy=True)
+        msg = unpack(buf, self.num_stages, NUM_COUNTERS, self.payload_cols, self.dtype)
+        if self.head0 is None:
+            logits = msg.payload.to(self.device, copy=True)
+        else:
+            logits = self._head_rows(batch, msg.payload.to(self.device))
         self.trailer = msg.counters.clone()
         self.trailer[0] = self.counters.row()
         self.inbox.release()
+        return logits
+
+    def _head_rows(self, batch: StepBatch, payload: torch.Tensor) -> torch.Tensor:
+        """The whole logits from the last stage's ``[final hidden | its rows' logits]``: this stage's rows first."""
+        x, rest = payload[:, : self.hidden], payload[:, self.hidden :]
+
+        def compute():
+            with torch.inference_mode():
+                return torch.cat([self.head0(x), rest], dim=1)
+
+        logits, compute_s = timed(compute, self.device)
+        self.counters.add(batch, compute_s, emulate(self.stages[0].slowdown, compute_s))
         return logits
 
     @property

@@ -13,7 +13,7 @@ import copy
 import logging
 from pathlib import Path
 
-from engines.config import EngineConfig
+from engines.config import EngineConfig, PipelineConfig
 from engines.pipeline import StageSpec
 from planfile import Plan, load_plan
 from quant.apply import apply_bitmap, decoder_layers
@@ -59,6 +59,12 @@ def plan_stages(path: str, num_layers: int | None = None, even_split: bool = Fal
             )
         )
     return out
+
+
+def plan_head_split(path: str, config: PipelineConfig) -> float:
+    """The share of the LM head's rows the plan gives the first stage; 0 for the baselines that keep
+    the head on the last stage as vLLM does (``even_split``, or ``head_split`` off)."""
+    return 0.0 if config.even_split or not config.head_split else float(_read(path).head_split)
 
 
 def apply_plan(config: EngineConfig) -> list[str]:
@@ -112,9 +118,3 @@ def quantized_model(model, path: str, group_size: int | None = 128, copy_model: 
     note = f"per-layer bits applied: {sorted(set(bits))} over {n_layers} layers"
     log.info("plan %s: %s", path, note)
     return model, [note]
-    if all(b >= 16 for b in bits):
-        return ["plan keeps every layer at 16 bits"]
-    apply_bitmap(model, bits, group_size=group_size)
-    note = f"per-layer bits applied: {sorted(set(bits))} over {n_layers} layers"
-    log.info("plan %s: %s", path, note)
-    return [note]

@@ -38,8 +38,27 @@ def _replace(module: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return clone
 
 
-def cut_stage(model: nn.Module, layer_start: int, layer_end: int, first: bool, last: bool) -> nn.Module:
-    """The part of ``model`` that a stage holding layers ``[layer_start, layer_end)`` needs."""
+def head_rows(model: nn.Module, start: int, end: int) -> nn.Linear:
+    """A linear layer computing rows ``[start, end)`` of ``model``'s LM head: views of its weights, no copy."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"the LM head is a {type(head).__name__}, not a linear layer: it cannot be split by rows"
+        )
+    if not 0 <= start < end <= head.out_features:
+        raise ValueError(f"LM head rows [{start}, {end}) outside its {head.out_features} rows")
+    part = nn.Linear(head.in_features, end - start, bias=head.bias is not None, device="meta")
+    part.weight = nn.Parameter(head.weight.detach()[start:end], requires_grad=False)
+    if head.bias is not None:
+        part.bias = nn.Parameter(head.bias.detach()[start:end], requires_grad=False)
+    return part
+
+
+def cut_stage(
+    model: nn.Module, layer_start: int, layer_end: int, first: bool, last: bool, head_start: int = 0
+) -> nn.Module:
+    """The part of ``model`` that a stage holding layers ``[layer_start, layer_end)`` needs; the last
+    stage keeps the LM head's rows from ``head_start`` on (the first stage computes the others)."""
     layers_path, embed_paths, head_paths = _paths(model)
     layers = model.get_submodule(layers_path)
     if not 0 <= layer_start < layer_end <= len(layers):
@@ -57,6 +76,11 @@ def cut_stage(model: nn.Module, layer_start: int, layer_end: int, first: bool, l
         except AttributeError:
             continue
         out = _replace(out, path, nn.Identity())
+    if last and head_start > 0:
+        end = vocab_size(model)
+        out = _replace(
+            out, head_paths[0], head_rows(model, head_start, end) if head_start < end else nn.Identity()
+        )
     return out
 
 

@@ -53,14 +53,21 @@ class StageCounters:
     values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
 
     def record(self, batch: StepBatch, compute_s: float, sleep_s: float) -> None:
+        """One micro-batch through this stage."""
         v = self.values
         v["micro_batches"] += 1
+        if batch.is_decode_only:
+            v["decode_micro_batches"] += 1
+            v["decode_rows"] += batch.num_decode
+        self.add(batch, compute_s, sleep_s)
+
+    def add(self, batch: StepBatch, compute_s: float, sleep_s: float) -> None:
+        """Work on a micro-batch (more of it, for the first stage's share of the LM head)."""
+        v = self.values
         v["compute_s"] += compute_s
         v["sleep_s"] += sleep_s
         if batch.is_decode_only:
-            v["decode_micro_batches"] += 1
             v["decode_latency_s"] += compute_s + sleep_s
-            v["decode_rows"] += batch.num_decode
 
     def row(self) -> torch.Tensor:
         self.values["memory_bytes"] = float(self.memory_bytes)
@@ -117,6 +124,8 @@ class StageArgs:
     parent_pid: int
     max_tokens: int  # most tokens (rows) of one micro-batch
     max_layout: int  # most int64s of one micro-batch's layout
+    head_start: int = 0  # last stage: the first LM-head row it computes (the driver computes those before)
+    vocab: int = 0  # rows of the whole LM head
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -163,6 +172,19 @@ def stage_main(args: StageArgs, conn) -> None:
         dist.destroy_process_group()
 
 
+def last_stage_output(
+    runner: ModelRunner, h: torch.Tensor, batch: StepBatch, head_start: int, vocab: int
+) -> torch.Tensor:
+    """What the last stage sends back: the logits of the sampled rows, or, when the driver computes the
+    LM head's rows before ``head_start``, the final hidden states followed by this stage's rows."""
+    if head_start <= 0:
+        return runner.logits(h, batch)
+    if not batch.sample_rows:
+        return h.new_empty(0, 0)
+    x = runner.final_hidden(h, batch)
+    return x if head_start >= vocab else torch.cat([x, runner.adapter.lm_head(x)], dim=1)
+
+
 def serve_stage(args: StageArgs, runner: ModelRunner, model: nn.Module) -> None:
     """Receive, compute, forward until ``STOP``."""
     last = args.rank == args.world_size - 1
@@ -186,7 +208,7 @@ def serve_stage(args: StageArgs, runner: ModelRunner, model: nn.Module) -> None:
         def compute(h=h, batch=batch):
             with torch.inference_mode():
                 out = runner.forward(h, batch)
-                return runner.logits(out, batch) if last else out
+                return last_stage_output(runner, out, batch, args.head_start, args.vocab) if last else out
 
         out, compute_s = timed(compute, args.device)
         counters.record(batch, compute_s, emulate(args.slowdown, compute_s))

@@ -82,6 +82,11 @@ def plan_to_vllm(
         )
     if plan.kv_bits < 8:
         notes.append(f"{plan.kv_bits}-bit KV cache is not available in vLLM; using fp8")
+    if plan.head_split > 0:
+        notes.append(
+            f"the plan gives the first stage {plan.head_split:.0%} of the LM head's rows; vLLM keeps the whole "
+            "head on the last stage, so its last stage runs slower than the plan predicts"
+        )
     env = {"VLLM_PP_LAYER_PARTITION": ",".join(str(n) for n in layers)} if len(stages) > 1 else {}
     return VLLMArgs(args, env, notes)
 

@@ -7,7 +7,9 @@ emulated slower device that takes ``1 + slowdown`` times as long, as ``engine se
 ``stages`` (``layer_start``, ``layer_end`` exclusive, ``bits`` per layer, predicted memory (per
 device) and prefill/decode seconds, optional ``tp_device_indices``: the devices of a
 tensor-parallel stage, first = ``device_index``), ``kv_bits``, micro-batch sizes, workload, ``theta``, ``total_omega``,
-predicted batch latency and throughput (generated tokens/s), ``solve_seconds``.
+predicted batch latency and throughput (generated tokens/s), ``solve_seconds``, and an optional
+``head_split`` in [0, 1], default 0: the share of the LM head's vocabulary rows that the first
+stage computes (the last stage computes the rest), to balance a head-heavy last stage.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Plan:
     predicted_throughput_tokens_per_s: float
     solve_seconds: float
     version: int = PLAN_VERSION
+    head_split: float = 0.0  # share of the LM head's vocabulary rows computed by the first stage
     extra: dict[str, Any] = field(default_factory=dict)
 
     def layer_bits(self) -> list[int]:
@@ -188,6 +191,11 @@ def _validate(d: dict) -> None:
         "solve_seconds",
     ):
         _need(d, k, num, "plan")
+    split = d.get("head_split", 0.0)
+    if isinstance(split, bool) or not isinstance(split, num) or not 0 <= split <= 1:
+        raise PlanError(f"plan: 'head_split' must be a number from 0 to 1, got {split!r}")
+    if split > 0 and len(stages) < 2:
+        raise PlanError("plan: 'head_split' needs at least 2 stages (it moves LM-head rows to the first)")
 
 
 def plan_from_dict(d: dict) -> Plan:

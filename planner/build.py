@@ -59,6 +59,7 @@ def make_plan(problem: Problem, a: Assignment, e: Evaluation, method: str, solve
         predicted_batch_latency_s=float(e.latency_s),
         predicted_throughput_tokens_per_s=float(e.throughput),
         solve_seconds=float(solve_seconds),
+        head_split=round(float(e.head_split), 4),
         extra={
             "cluster": problem.cluster.name,
             "predicted_prefill_s": float(e.prefill_s),

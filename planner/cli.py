@@ -117,7 +117,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with bad_input(ClusterSpecError, ValueError):
         cluster = load_cluster(args.cluster)
         shape = load_shape(args.model)
-        problem = build_problem(cluster, shape, _workload(args), args.indicator, _profiles(args.profile))
+        problem = build_problem(
+            cluster,
+            shape,
+            _workload(args),
+            args.indicator,
+            _profiles(args.profile),
+            head_split=args.head_split,
+        )
     log.info("planning %s on %s with %s", shape.name, cluster.describe(), args.method)
     t0 = time.perf_counter()
     if args.method in ("uniform", "het"):
@@ -149,6 +156,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"mem {st.predicted_memory_bytes / 2**30:6.2f} GiB prefill {st.predicted_prefill_s * 1e3:8.2f} ms "
             f"decode {st.predicted_decode_s * 1e3:7.3f} ms"
         )
+    if pl.head_split:
+        print(f"LM head: {pl.head_split:.1%} of its rows on stage 0, the rest on stage {len(pl.stages) - 1}")
     summary = {
         "plan": str(args.out),
         "method": pl.method,
@@ -161,6 +170,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "predicted_batch_latency_s": pl.predicted_batch_latency_s,
         "predicted_throughput_tokens_per_s": pl.predicted_throughput_tokens_per_s,
         "solve_seconds": pl.solve_seconds,
+        "head_split": pl.head_split,
     }
     print(json.dumps(summary))
     return 0
@@ -248,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--stages",
         type=_positive,
         help="exactly this many pipeline stages (default: any number; devices may be left unused)",
+    )
+    p.add_argument(
+        "--head-split",
+        action="store_true",
+        help="let the first stage compute a share of the LM head's vocabulary rows, balancing it with "
+        "the last stage (run by the native engine's pipeline; vLLM keeps the head on the last stage)",
     )
     p.add_argument("--indicator", help="omega file from quant (default: quant's synthetic indicator)")
     p.add_argument(

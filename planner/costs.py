@@ -21,7 +21,9 @@ The decode term is the steady state of a pipeline whose micro-batches each need 
 round trip through all stages before their next step: it is right for any ``m_d`` (LLM-PQ's
 ``sum + (m-1) max`` form is right only when ``m_d`` >= number of stages). Stage times include
 receiving the activations from the previous stage over the link, and the LM head on the last
-(measured when the device's profile timed it, ``LatencyModel.head_s``, else the roofline).
+(measured when the device's profile timed it, ``LatencyModel.head_s``, else the roofline). With
+``Problem.head_split`` the first stage takes a share of the head's rows that evens out the first
+and last stages (``planner.head_split``; the native engine runs it, vLLM does not).
 
 Emulated slower devices (a device type's ``slowdown``, ``planner.catalog.with_slowdown``): the
 latency model of such a type is already scaled by ``1 + slowdown`` (``planner.problem``), measured
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from planner.cluster import Cluster
+from planner.head_split import split_head
 from planner.latency import LatencyModel, lm_head_s
 from planner.memory import MemoryModel, usable_bytes
 from planner.modelshape import ModelShape
@@ -115,6 +118,7 @@ class Evaluation:
     omega: float
     objective: float
     throughput: float
+    head_split: float = 0.0  # share of LM-head rows on the first stage (planner.head_split)
 
     @property
     def latency_s(self) -> float:
@@ -134,6 +138,7 @@ class Problem:
     workload: Workload
     omega: dict[int, dict[int, float]]
     latency: dict[str, LatencyModel]
+    head_split: bool = False  # score plans with the LM head shared by the first and last stage
     _cache: dict = field(default_factory=dict, repr=False)
     _units: list = field(default_factory=list, repr=False)
 
@@ -357,10 +362,11 @@ class Problem:
                 + -(-sum(self.layer_bytes(a.bits[i]) for i in range(lo, hi)) // self.unit_tp(dev))
             )
             cap.append(self.capacity(dev))
+        split = split_head(self, a, pre, dec, mem, cap) if self.head_split else 0.0
         m_p, m_d = self.micro_batches(a.v_prefill), self.micro_batches(a.v_decode)
         prefill = sum(pre) + (m_p * a.kappa - 1) * max(pre)
         decode = (self.workload.output_tokens - 1) * max(sum(dec), m_d * max(dec))
         omega = sum(self.omega[i][b] for i, b in enumerate(a.bits))
         objective = prefill + decode + self.workload.theta * omega * self.omega_scale
         tput = self.workload.batch * self.workload.output_tokens / (prefill + decode)
-        return Evaluation(pre, dec, mem, cap, prefill, decode, omega, objective, tput)
+        return Evaluation(pre, dec, mem, cap, prefill, decode, omega, objective, tput, split)

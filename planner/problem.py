@@ -97,6 +97,7 @@ def build_problem(
     indicator: str | Path | None = None,
     profiles: Mapping[str, Profile] | None = None,
     seed: int = 0,
+    head_split: bool = False,
 ) -> Problem:
     bits = tuple(sorted(workload.bits))
     return Problem(
@@ -105,4 +106,5 @@ def build_problem(
         workload,
         quality_indicator(shape, bits, indicator, seed),
         latency_models(cluster, shape, bits, profiles),
+        head_split=head_split,
     )

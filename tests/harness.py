@@ -110,6 +110,7 @@ def write_plan(
     slowdowns: list[float] | None = None,
     memory: int = 8 << 30,
     vocab: int = 8192,
+    head_split: float = 0.0,
 ):
     """A plan file for llama:``size`` whose stage k holds layers [cuts[k], cuts[k+1]) on CPU device k."""
     from planfile import Plan, StagePlan, save_plan
@@ -145,6 +146,7 @@ def write_plan(
         predicted_batch_latency_s=0.1,
         predicted_throughput_tokens_per_s=1000.0,
         solve_seconds=0.01,
+        head_split=head_split,
     )
     save_plan(plan, path)
     return path

@@ -137,12 +137,19 @@ def test_merged_profile_is_the_mean_of_concurrent_ones():
 
 def test_bench_runs_a_given_plan(tmp_path, data_root):
     """``engine bench --plan`` (documented in docs/engine.md) crashed with a TypeError without --stages."""
-    plan = harness_plan(tmp_path / "plan.json", "nano", [0, 1, 2], [16, 16], decode_mb=4, prefill_mb=2)
+    plan = harness_plan(
+        tmp_path / "plan.json", "nano", [0, 1, 2], [16, 16], decode_mb=4, prefill_mb=2, head_split=0.5
+    )
     base = [sys.executable, "-m", "engines.cli", "bench", "--plan", str(plan), "--size", "nano"]
     small = ["--num-queries", "8", "--prompt-len", "16", "--gen-len", "8", "--repeats", "1"]
     r = subprocess.run(base + small, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["stages"] == 2 and out["layers"] == [[0, 1], [1, 2]] and out["decode_micro_batch"] == 4
+    # the plan shares the LM head: the same plan with the head on the last stage runs beside it
+    assert out["head_split"] == 0.5 and out["speedup_vs_head_on_last"] > 0
+    assert out["head_on_last"]["tokens"] == out["planned"]["tokens"] == 8 * 8
+    assert out["planned"]["stages"][0]["predicted_decode_ms"] is not None
+    assert out["head_on_last"]["stages"][0]["predicted_decode_ms"] is None  # not the plan's prediction
     bad = subprocess.run(base + small + ["--stage-speeds", "1,2"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode != 0 and "--stage-speeds goes with --stages" in bad.stderr

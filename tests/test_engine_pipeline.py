@@ -79,12 +79,18 @@ def reference(tokenizer, tmp_path_factory):
     return _run(engine)
 
 
-@pytest.mark.parametrize("cuts", [[0, 2, 4], [0, 1, 3, 4]], ids=["2-stage", "3-stage"])
-def test_pipeline_equals_one_process(tokenizer, tmp_path, reference, cuts):
-    engine = _engine(tokenizer, write_plan(tmp_path / "plan.json", cuts), kv_budget_tokens=64)
+@pytest.mark.parametrize(
+    ("cuts", "head_split"),
+    [([0, 2, 4], 0.0), ([0, 1, 3, 4], 0.0), ([0, 2, 4], 0.3), ([0, 1, 3, 4], 0.55), ([0, 2, 4], 1.0)],
+    ids=["2-stage", "3-stage", "2-stage-head-split", "3-stage-head-split", "2-stage-whole-head-first"],
+)
+def test_pipeline_equals_one_process(tokenizer, tmp_path, reference, cuts, head_split):
+    plan = write_plan(tmp_path / "plan.json", cuts, head_split=head_split)
+    engine = _engine(tokenizer, plan, kv_budget_tokens=64)
     try:
         assert engine.num_stages == len(cuts) - 1
         assert len(engine.pipeline.stage_pids) == len(cuts) - 2
+        assert engine.pipeline.head_start == round(head_split * 1024)  # LM-head rows on the driver
         out = _run(engine)
         assert engine.num_preemptions > 0  # predictions of 1 token and a small cache force preemption
         counters = engine.pipeline.stage_counters()

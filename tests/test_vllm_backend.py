@@ -71,6 +71,14 @@ def test_mixed_bits_are_served_at_the_widest_width_and_said_so():
     assert any("pre-quantized" in n for n in t4.notes)
 
 
+def test_a_head_split_is_said_to_be_left_on_the_last_stage():
+    plan = make_plan([10, 14, 8], [16] * 32)
+    plan.head_split = 0.4
+    t = plan_to_vllm(plan, "/m")
+    assert t.env == {"VLLM_PP_LAYER_PARTITION": "10,14,8"}  # the layer partition stands
+    assert any("40% of the LM head" in n for n in t.notes)
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="--model"):
         plan_to_vllm(make_plan([2], [16, 16]), "")

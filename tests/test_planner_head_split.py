@@ -1,0 +1,94 @@
+"""The LM head shared by the first and last pipeline stage (``planner.head_split``): the share
+balances the two stages' decode micro-batches, the search scores plans with it, and the plan file
+carries it to the engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planfile import PlanError, load_plan, plan_from_dict
+from planner.cli import main
+from planner.cluster import Cluster, cluster_from_dict
+from planner.costs import Assignment, Workload
+from planner.head_split import head_share
+from planner.modelshape import load_shape
+from planner.problem import build_problem
+
+SHAPE = load_shape("llama:small")  # hidden 512, vocabulary 8192: the head outweighs a layer
+WORKLOAD = Workload(batch=16, prompt_len=64, output_tokens=32, bits=(16,))
+EVEN = Assignment(order=(0, 1), stage_layers=(4, 4), bits=(16,) * 8, v_prefill=4, v_decode=8)
+
+
+def _cluster(slowdowns: list[float]) -> Cluster:
+    devices = [{"type": "CPU", "count": 1, "slowdown": s} for s in slowdowns]
+    return cluster_from_dict({"name": "box", "nodes": [{"name": "box", "devices": devices}]})
+
+
+def test_head_share_evens_out_the_two_stages():
+    f = head_share(dec_first=4.0, dec_last=5.5, head_first=1.5, head_last=1.5)
+    assert f == pytest.approx(0.5)
+    assert 4.0 + f * 1.5 == pytest.approx(5.5 - f * 1.5)
+    assert head_share(5.0, 4.0, 1.0, 1.0) == 0.0  # the first stage is already the slower one
+    assert head_share(0.0, 10.0, 1.0, 1.0) == 1.0  # at most the whole head
+    assert head_share(1.0, 2.0, 0.0, 0.0) == 0.0
+
+
+def test_evaluation_balances_first_and_last_stage():
+    plain = build_problem(_cluster([0.0, 0.0]), SHAPE, WORKLOAD).evaluate(EVEN)
+    split = build_problem(_cluster([0.0, 0.0]), SHAPE, WORKLOAD, head_split=True).evaluate(EVEN)
+    assert plain.head_split == 0.0
+    assert plain.stage_decode_s[1] > plain.stage_decode_s[0]  # the head makes the last stage slower
+    assert 0 < split.head_split < 1
+    assert split.stage_decode_s[0] == pytest.approx(split.stage_decode_s[1], rel=1e-9)
+    assert max(split.stage_decode_s) < max(plain.stage_decode_s)
+    assert split.decode_s < plain.decode_s and split.objective < plain.objective
+    assert split.stage_memory_bytes[0] > plain.stage_memory_bytes[0]  # the untied head's rows it holds
+    assert split.stage_memory_bytes[1] == plain.stage_memory_bytes[1]  # the last stage is not credited
+
+
+def test_a_slow_first_stage_takes_less_or_none_of_the_head():
+    fast_first = build_problem(_cluster([0.0, 0.0]), SHAPE, WORKLOAD, head_split=True).evaluate(EVEN)
+    slow_first = build_problem(_cluster([1.0, 0.0]), SHAPE, WORKLOAD, head_split=True).evaluate(EVEN)
+    assert slow_first.head_split < fast_first.head_split
+    three = Assignment(order=(1, 0), stage_layers=(2, 6), bits=(16,) * 8, v_prefill=4, v_decode=8)
+    problem = build_problem(_cluster([0.0, 3.0]), SHAPE, WORKLOAD, head_split=True)
+    e = problem.evaluate(three)  # 6 layers on the slow device first: already the bottleneck
+    assert e.head_split == 0.0
+
+
+def _plan(tmp_path, *flags: str) -> dict:
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(
+        json.dumps({"name": "2xCPU", "nodes": [{"name": "n", "devices": [{"type": "CPU", "count": 2}]}]})
+    )
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--cluster", str(cluster), "--model", "llama:small", "--bits", "16", "--stages", "2"]
+    argv += ["--tp-sizes", "1", "--prefill-chunks", "1", "--batch", "16", "--prompt-len", "64"]
+    argv += ["--output-tokens", "32", "--time-limit", "2", "--out", str(out), *flags]
+    assert main(argv) == 0
+    load_plan(out)  # valid
+    return json.loads(out.read_text())
+
+
+def test_cli_writes_the_share_only_when_asked(tmp_path):
+    plain = _plan(tmp_path)
+    split = _plan(tmp_path, "--head-split")
+    assert plain["head_split"] == 0.0
+    assert 0 < split["head_split"] < 1
+    dec = [s["predicted_decode_s"] for s in split["stages"]]
+    assert dec[0] == pytest.approx(dec[1], rel=0.02)
+    assert split["predicted_batch_latency_s"] < plain["predicted_batch_latency_s"]
+
+
+def test_plan_file_checks_the_share(tmp_path):
+    d = _plan(tmp_path, "--head-split")
+    del d["head_split"]
+    assert plan_from_dict(d).head_split == 0.0  # plans written before the field read as before
+    for bad in (1.5, -0.1, "half", True):
+        with pytest.raises(PlanError, match="head_split"):
+            plan_from_dict({**d, "head_split": bad})
+    one = {**d, "stages": [{**d["stages"][0], "layer_end": 8, "bits": [16] * 8}], "head_split": 0.3}
+    with pytest.raises(PlanError, match="at least 2 stages"):
+        plan_from_dict(one)
