@@ -24,6 +24,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def gather(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``pool[idx]`` for a pool of slots ``[slots, ...]``: ``index_select`` copies each slot's row in one
+    piece, where advanced indexing copies element by element (measured: 5x faster for decode's
+    64 queries x 160 slots x 4 heads x 64 dims, which took over half of a decode step)."""
+    return pool.index_select(0, idx.reshape(-1)).view(*idx.shape, *pool.shape[1:])
+
+
 class DecoderAdapter:
     """The per-architecture parts of a forward pass, on flat ``[T, hidden]`` tensors."""
 
@@ -285,11 +292,12 @@ class ModelRunner:
         self.v_cache[i].index_copy_(0, slots, v.to(self.dtype))
 
     def _read(self, i: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at cache slots ``idx`` (any shape): ``[*idx.shape, kv_heads, head_dim]``."""
         if self.kv_bits == 8:
-            k = dequantize_kv(self.k_cache[i][idx], self.k_scale[i][idx], self.dtype)
-            v = dequantize_kv(self.v_cache[i][idx], self.v_scale[i][idx], self.dtype)
+            k = dequantize_kv(gather(self.k_cache[i], idx), gather(self.k_scale[i], idx), self.dtype)
+            v = dequantize_kv(gather(self.v_cache[i], idx), gather(self.v_scale[i], idx), self.dtype)
             return k, v
-        return self.k_cache[i][idx], self.v_cache[i][idx]
+        return gather(self.k_cache[i], idx), gather(self.v_cache[i], idx)
 
     def _attend(self, i: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         a = self.adapter
