@@ -223,6 +223,14 @@ def _ratio(runs: dict[str, list[dict]], a: str, b: str) -> tuple[float, list[flo
     return round(statistics.median(per), 3), [round(x, 3) for x in per]
 
 
+def _baseline(out: dict, runs: dict[str, list[dict]], name: str, key: str) -> None:
+    """Add a baseline configuration to ``out``: its best round, and ``planned`` over it per round."""
+    best = max(runs[name], key=lambda r: r["tokens_per_s"])
+    out[f"{name}_tokens_per_s"] = best["tokens_per_s"]
+    out[key], out[f"{key}_rounds"] = _ratio(runs, "planned", name)
+    out[name] = best
+
+
 def latency_error(run: dict) -> float:
     """Mean over stages of |measured - predicted| / predicted decode-micro-batch latency."""
     errs = [
@@ -276,17 +284,7 @@ def bench_pipeline(args) -> dict:
         "one_process": one,
     }
     if uneven:
-        even = max(runs["even"], key=lambda r: r["tokens_per_s"])
-        out["even_tokens_per_s"] = even["tokens_per_s"]
-        out["speedup_vs_even_partition"], out["speedup_vs_even_partition_rounds"] = _ratio(
-            runs, "planned", "even"
-        )
-        out["even"] = even
+        _baseline(out, runs, "even", "speedup_vs_even_partition")
     if split:
-        last = max(runs["head_on_last"], key=lambda r: r["tokens_per_s"])
-        out["head_on_last_tokens_per_s"] = last["tokens_per_s"]
-        out["speedup_vs_head_on_last"], out["speedup_vs_head_on_last_rounds"] = _ratio(
-            runs, "planned", "head_on_last"
-        )
-        out["head_on_last"] = last
+        _baseline(out, runs, "head_on_last", "speedup_vs_head_on_last")
     return out
