@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engines.decode_attention import DECODE_CHUNK_BYTES, DecodePlan, plan_decode
 from engines.kv_cache import KVCacheManager
 from engines.scheduler import ScheduledChunk
 from engines.step_batch import AttentionMeta, StepBatch
@@ -252,6 +253,8 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_bits = kv_bits
         self.layers = layers if layers is not None else range(a.num_layers)
+        #: K and V bytes gathered per decode attention call on the CPU (None: one call per step)
+        self.decode_chunk_bytes: int | None = DECODE_CHUNK_BYTES
         shape = (num_blocks * block_size, a.num_kv_heads, a.head_dim)
         store = torch.int8 if kv_bits == 8 else self.dtype
         self.k_cache = {i: torch.zeros(shape, dtype=store, device=self.device) for i in self.layers}
@@ -299,23 +302,38 @@ class ModelRunner:
             return k, v
         return gather(self.k_cache[i], idx), gather(self.v_cache[i], idx)
 
-    def _attend(self, i: int, q: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def decode_plan(self, meta: AttentionMeta) -> DecodePlan | None:
+        """How this step's decode attention runs (:mod:`engines.decode_attention`): on the CPU in
+        chunks that keep the gathered K and V in cache, on a GPU in one call."""
+        if meta.decode_slots is None:
+            return None
+        a = self.adapter
+        per_slot = 2 * a.num_kv_heads * a.head_dim * self.dtype.itemsize  # K and V as attention reads them
+        budget = self.decode_chunk_bytes if self.device.type == "cpu" else None
+        rows = None if meta.all_decode else meta.decode_rows
+        return plan_decode(rows, meta.decode_slots, meta.decode_mask, per_slot, budget)
+
+    def _attend(self, i: int, q: torch.Tensor, meta: AttentionMeta, plan: DecodePlan | None) -> torch.Tensor:
         a = self.adapter
         t = q.shape[0]
         scale = a.scale(i)
         gqa = a.num_kv_heads != a.num_heads
         out = q.new_empty(t, a.num_heads, a.head_dim)
-        if meta.decode_rows is not None:
-            qd = q if meta.all_decode else q[meta.decode_rows]
-            k, v = self._read(i, meta.decode_slots)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KVH, L, D]
-            o = F.scaled_dot_product_attention(
-                qd[:, :, None, :], k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-            )[:, :, 0, :]
-            if meta.all_decode:
-                out = o
+        if plan is not None:
+            qd = q if plan.rows is None else q[plan.rows]
+            parts = []
+            for c in plan.chunks:
+                k, v = self._read(i, c.slots)
+                k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KVH, L, D]
+                o = F.scaled_dot_product_attention(
+                    qd[c.lo : c.hi, :, None, :], k, v, attn_mask=c.mask, scale=scale, enable_gqa=gqa
+                )
+                parts.append(o)
+            od = (parts[0] if len(parts) == 1 else torch.cat(parts))[:, :, 0, :]
+            if plan.rows is None:
+                out = od
             else:
-                out[meta.decode_rows] = o
+                out.index_copy_(0, plan.rows, od)
         for row, n, slots, mask in meta.prefills:
             qp = q[row : row + n].transpose(0, 1)[None]  # [1, H, n, D]
             k, v = self._read(i, slots)
@@ -334,10 +352,11 @@ class ModelRunner:
         """Run this runner's layers over the flat hidden states ``h`` ``[T, hidden]``, filling their KV."""
         a = self.adapter
         aux = a.prepare(h, batch.positions)
+        plan = self.decode_plan(batch.meta)
         for i in self.layers:
             q, k, v = a.qkv(i, h, aux)
             self._write(i, batch.slots, k, v)
-            h = a.post(i, h, self._attend(i, q, batch.meta))
+            h = a.post(i, h, self._attend(i, q, batch.meta, plan))
         return h
 
     def logits(self, h: torch.Tensor, batch: StepBatch) -> torch.Tensor:
