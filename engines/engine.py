@@ -218,18 +218,21 @@ class LLMEngine:
             if self.pipeline is None:
                 self._inflight.append((plan, self.runner.run_batch(batch)))
             else:
-                self.pipeline.submit(batch)
+                greedy = all(c.seq.sampling.temperature <= 0 for c in plan.chunks if c.samples)
+                self.pipeline.submit(batch, greedy)
                 self._inflight.append((plan, None))
             self._busy.update(c.seq.request_id for c in plan.chunks)
         if not self._inflight:
             return finished
         self._kv_step = self.kv.used_blocks * self.kv.block_size  # held while this step runs
         plan, logits = self._inflight.popleft()
-        if logits is None:
-            logits = self.pipeline.result()
+        out = self.pipeline.result() if logits is None else logits  # logits, or a greedy batch's tokens
         self._busy.difference_update(c.seq.request_id for c in plan.chunks)
         sampling = [c.seq for c in plan.chunks if c.samples]
-        tokens = sample(logits, sampling) if sampling else []
+        if isinstance(out, list):
+            tokens = out
+        else:
+            tokens = sample(out, sampling) if sampling else []
         finished.extend(self._update(plan, sampling, tokens))
         for rid in [r for r in self._aborting if r not in self._busy]:
             self._aborting.discard(rid)

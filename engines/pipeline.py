@@ -33,7 +33,7 @@ from torch import nn
 
 from engines.model_runner import ModelRunner
 from engines.stage_model import cut_stage, head_rows, hidden_size, model_dtype, module_bytes, vocab_size
-from engines.stage_wire import STEP, STOP, Inbox, Outbox, capacity, pack, unpack
+from engines.stage_wire import GREEDY, STEP, STOP, Inbox, Outbox, capacity, pack, unpack
 from engines.stage_worker import (
     COUNTERS,
     NUM_COUNTERS,
@@ -154,9 +154,10 @@ class PipelineRunner:
             )
             S = self.num_stages
             self.outbox = Outbox(1)
-            self.payload_cols = self.vocab - self.head_start + (self.hidden if self.head_start else 0)
+            logits_cols = self.vocab - self.head_start + (self.hidden if self.head_start else 0)
+            cols = max(logits_cols, self.hidden + 1)  # logits, or a greedy reply's hidden | best
             self.inbox = Inbox(
-                S - 1, capacity(0, S, NUM_COUNTERS, max_sampled, self.payload_cols, self.dtype), S
+                S - 1, capacity(max_sampled, S, NUM_COUNTERS, max_sampled, cols, self.dtype), S
             )
         except BaseException:
             _kill(self.procs)
@@ -261,8 +262,10 @@ class PipelineRunner:
         return StageFailure(f"pipeline stopped: {self.failure or e}")
 
     # ---- micro-batches --------------------------------------------------------------------
-    def submit(self, batch: StepBatch) -> None:
-        """Run stage 0 on ``batch`` (embedding and its layers) and send it to stage 1."""
+    def submit(self, batch: StepBatch, greedy: bool = False) -> None:
+        """Run stage 0 on ``batch`` (embedding and its layers) and send it to stage 1. ``greedy``: every
+        query sampled in it decodes greedily, so the last stage picks the tokens (vLLM samples on
+        the last pipeline rank too) and only token ids come back instead of logits."""
         if self.failure:
             raise StageFailure(f"pipeline stopped: {self.failure}")
 
@@ -274,13 +277,14 @@ class PipelineRunner:
         self.counters.record(batch, compute_s, emulate(self.stages[0].slowdown, compute_s))
         self.trailer[0] = self.counters.row()
         try:
-            self.outbox.send(pack(STEP, batch.to_tensor(), self.trailer, h))
+            self.outbox.send(pack(STEP, batch.to_tensor(), self.trailer, h, GREEDY if greedy else 0))
         except RuntimeError as e:
             raise self._fail(e) from e
         self._inflight.append(batch)
 
-    def result(self) -> torch.Tensor:
-        """Logits ``[n_sampled, vocab]`` of the oldest micro-batch in flight."""
+    def result(self) -> torch.Tensor | list[int]:
+        """The oldest micro-batch in flight: the logits ``[n_sampled, vocab]`` of its sampled rows,
+        or, if it was submitted ``greedy``, their tokens."""
         batch = self._inflight.popleft()
         t0 = time.perf_counter()
         try:
@@ -288,27 +292,49 @@ class PipelineRunner:
         except RuntimeError as e:
             raise self._fail(e) from e
         self.counters.values["idle_s"] += time.perf_counter() - t0
-        msg = unpack(buf, self.num_stages, NUM_COUNTERS, self.payload_cols, self.dtype)
-        if self.head0 is None:
-            logits = msg.payload.to(self.device, copy=True)
+        msg = unpack(buf, self.num_stages, NUM_COUNTERS, self.dtype)
+        if msg.flags & GREEDY:
+            out = self._greedy(batch, msg.layout, msg.payload)
+        elif self.head0 is None:
+            out = msg.payload.to(self.device, copy=True)
         else:
-            logits = self._head_rows(batch, msg.payload.to(self.device))
+            out = self._head_rows(batch, msg.payload.to(self.device))
         self.trailer = msg.counters.clone()
         self.trailer[0] = self.counters.row()
         self.inbox.release()
-        return logits
+        return out
+
+    def _head(self, batch: StepBatch, fn):
+        """``fn()``, this stage's share of the LM head, timed and counted as its compute."""
+
+        def compute():
+            with torch.inference_mode():
+                return fn()
+
+        out, compute_s = timed(compute, self.device)
+        self.counters.add(batch, compute_s, emulate(self.stages[0].slowdown, compute_s))
+        return out
 
     def _head_rows(self, batch: StepBatch, payload: torch.Tensor) -> torch.Tensor:
         """The whole logits from the last stage's ``[final hidden | its rows' logits]``: this stage's rows first."""
         x, rest = payload[:, : self.hidden], payload[:, self.hidden :]
+        return self._head(batch, lambda: torch.cat([self.head0(x), rest], dim=1))
 
-        def compute():
-            with torch.inference_mode():
-                return torch.cat([self.head0(x), rest], dim=1)
+    def _greedy(self, batch: StepBatch, tokens: torch.Tensor, payload: torch.Tensor) -> list[int]:
+        """A greedy micro-batch's tokens: the last stage's, or, with a head split, whichever of its
+        best and this stage's best is larger (ties to the lower index, as ``argmax`` over all rows)."""
+        if self.head0 is None or not batch.sample_rows:
+            return tokens.tolist()
+        x = payload[:, : self.hidden].to(self.device)
 
-        logits, compute_s = timed(compute, self.device)
-        self.counters.add(batch, compute_s, emulate(self.stages[0].slowdown, compute_s))
-        return logits
+        def pick() -> torch.Tensor:
+            mine = self.head0(x).max(dim=-1)
+            if self.head_start >= self.vocab:
+                return mine.indices
+            theirs = payload[:, self.hidden].to(self.device)
+            return torch.where(theirs > mine.values, tokens.to(self.device), mine.indices)
+
+        return self._head(batch, pick).tolist()
 
     @property
     def in_flight(self) -> int:

@@ -1,10 +1,12 @@
 """Messages between pipeline stages: one packed byte buffer per hop, received into pre-posted buffers.
 
 A message is ``header | layout | counters | payload`` in one ``uint8`` tensor: the header is
-int64 ``[kind, layout_len, rows, 0]`` (the last field is reserved), the layout the micro-batch's
+int64 ``[kind, layout_len, rows, cols, flags]``, the layout the micro-batch's
 :class:`~engines.step_batch.StepBatch` (int64), the counters a float64 ``[stages, n]`` trailer
 that every stage fills in with its own row, and the payload the hidden states
-``[rows, hidden]`` (or, back to the driver, the logits ``[sampled, vocab]``).
+``[rows, hidden]`` (or, back to the driver, the logits ``[sampled, vocab]``). ``GREEDY`` in the
+flags marks a micro-batch whose sampled queries all decode greedily: the last stage picks
+their tokens itself and sends back token ids (in the layout field) instead of logits.
 
 One message per hop, and a receive always posted ahead into a buffer of the largest possible
 size (gloo fills a larger buffer with a shorter message): a sender never waits for the
@@ -20,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 STEP, STOP = 1, 2
-HEADER = 4  # int64 fields
+GREEDY = 1  # flag: every sampled query of the micro-batch is greedy (the last stage samples)
+HEADER = 5  # int64 fields
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -28,10 +31,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(
-    kind: int, layout: torch.Tensor, counters: torch.Tensor, payload: torch.Tensor | None
+    kind: int,
+    layout: torch.Tensor,
+    counters: torch.Tensor,
+    payload: torch.Tensor | None,
+    flags: int = 0,
 ) -> torch.Tensor:
-    rows = 0 if payload is None else payload.shape[0]
-    header = torch.tensor([kind, layout.numel(), rows, 0], dtype=torch.long)
+    rows, cols = (0, 0) if payload is None or payload.dim() != 2 else payload.shape
+    header = torch.tensor([kind, layout.numel(), rows, cols, flags], dtype=torch.long)
     parts = [_bytes(header), _bytes(layout), _bytes(counters)]
     if payload is not None and payload.numel():
         parts.append(_bytes(payload.detach().cpu() if payload.device.type != "cpu" else payload))
@@ -44,10 +51,11 @@ class Message:
     layout: torch.Tensor
     counters: torch.Tensor
     payload: torch.Tensor  # [rows, cols]; views into the receive buffer until it is released
+    flags: int = 0
 
 
-def unpack(buf: torch.Tensor, num_stages: int, num_counters: int, cols: int, dtype: torch.dtype) -> Message:
-    kind, layout_len, rows, _ = buf[: HEADER * 8].view(torch.long).tolist()
+def unpack(buf: torch.Tensor, num_stages: int, num_counters: int, dtype: torch.dtype) -> Message:
+    kind, layout_len, rows, cols, flags = buf[: HEADER * 8].view(torch.long).tolist()
     at = HEADER * 8
     layout = buf[at : at + 8 * layout_len].view(torch.long)
     at += 8 * layout_len
@@ -56,7 +64,7 @@ def unpack(buf: torch.Tensor, num_stages: int, num_counters: int, cols: int, dty
     at += n
     size = rows * cols * torch.empty((), dtype=dtype).element_size()
     payload = buf[at : at + size].view(dtype).view(rows, cols)
-    return Message(kind, layout, counters, payload)
+    return Message(kind, layout, counters, payload, flags)
 
 
 def capacity(

@@ -26,7 +26,7 @@ from torch import nn
 
 from engines.model_runner import ModelRunner
 from engines.stage_model import hidden_size, model_dtype
-from engines.stage_wire import STEP, STOP, Inbox, Outbox, capacity, pack, unpack
+from engines.stage_wire import GREEDY, STEP, STOP, Inbox, Outbox, capacity, pack, unpack
 from engines.step_batch import StepBatch
 
 log = logging.getLogger(__name__)
@@ -185,6 +185,24 @@ def last_stage_output(
     return x if head_start >= vocab else torch.cat([x, runner.adapter.lm_head(x)], dim=1)
 
 
+def last_stage_greedy(
+    runner: ModelRunner, h: torch.Tensor, batch: StepBatch, head_start: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A greedy micro-batch's reply: ``(tokens, payload)``. The tokens are the first index of the
+    largest logit of this stage's LM-head rows for every sampled row; when the driver computes the
+    rows before ``head_start``, the payload is ``[final hidden | that largest logit]`` for it to
+    compare with its own rows' (``None`` otherwise)."""
+    if not batch.sample_rows:
+        return torch.zeros(0, dtype=torch.long), None
+    if head_start <= 0:
+        return runner.logits(h, batch).max(dim=-1).indices, None
+    x = runner.final_hidden(h, batch)
+    if head_start >= vocab:
+        return torch.zeros(0, dtype=torch.long), x
+    best = runner.adapter.lm_head(x).max(dim=-1)
+    return best.indices + head_start, torch.cat([x, best.values[:, None]], dim=1)
+
+
 def serve_stage(args: StageArgs, runner: ModelRunner, model: nn.Module) -> None:
     """Receive, compute, forward until ``STOP``."""
     last = args.rank == args.world_size - 1
@@ -195,7 +213,7 @@ def serve_stage(args: StageArgs, runner: ModelRunner, model: nn.Module) -> None:
     outbox = Outbox(0 if last else args.rank + 1)
     while True:
         t0 = time.perf_counter()
-        msg = unpack(inbox.get(), S, NUM_COUNTERS, hidden, dtype)
+        msg = unpack(inbox.get(), S, NUM_COUNTERS, dtype)
         counters.values["idle_s"] += time.perf_counter() - t0
         if msg.kind == STOP:
             if not last:
@@ -204,14 +222,21 @@ def serve_stage(args: StageArgs, runner: ModelRunner, model: nn.Module) -> None:
             return
         batch = StepBatch.from_tensor(msg.layout)
         h = msg.payload.to(args.device)
+        greedy = last and bool(msg.flags & GREEDY)
 
-        def compute(h=h, batch=batch):
+        def compute(h=h, batch=batch, greedy=greedy):
             with torch.inference_mode():
                 out = runner.forward(h, batch)
+                if greedy:
+                    return last_stage_greedy(runner, out, batch, args.head_start, args.vocab)
                 return last_stage_output(runner, out, batch, args.head_start, args.vocab) if last else out
 
         out, compute_s = timed(compute, args.device)
         counters.record(batch, compute_s, emulate(args.slowdown, compute_s))
         msg.counters[args.rank] = counters.row()
-        outbox.send(pack(STEP, msg.layout[:0] if last else msg.layout, msg.counters, out))
+        if greedy:
+            tokens, payload = out
+            outbox.send(pack(STEP, tokens.cpu(), msg.counters, payload, msg.flags))
+        else:
+            outbox.send(pack(STEP, msg.layout[:0] if last else msg.layout, msg.counters, out, msg.flags))
         inbox.release()

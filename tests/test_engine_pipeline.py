@@ -54,9 +54,20 @@ def _engine(tokenizer, plan, **kw) -> LLMEngine:
     return LLMEngine.build(model, tokenizer, cfg)
 
 
-def _run(engine: LLMEngine) -> dict[str, list[int]]:
+def _sampled_requests() -> list[Request]:
+    """Odd queries sample (temperature, top-p, a seed each), even ones decode greedily."""
+    reqs = _requests()
+    for i, r in enumerate(reqs):
+        if i % 2:
+            r.sampling = SamplingParams(
+                temperature=0.9, top_p=0.95, seed=i, max_tokens=64, forced_length=LENGTHS[i]
+            )
+    return reqs
+
+
+def _run(engine: LLMEngine, requests: list[Request] | None = None) -> dict[str, list[int]]:
     """Two queries start; one more joins every other step; all run to the end."""
-    pending = _requests()
+    pending = requests or _requests()
     for r in pending[:2]:
         engine.add_request(r)
     pending = pending[2:]
@@ -103,6 +114,30 @@ def test_pipeline_equals_one_process(tokenizer, tmp_path, reference, cuts, head_
     assert not any(p.is_alive() for p in engine.pipeline.procs)
 
 
+def test_sampled_and_greedy_queries_equal_one_process(tokenizer, tmp_path):
+    """Micro-batches whose sampled queries are all greedy get their tokens from the last stage;
+    the others bring their logits back to the driver's seeded samplers. Both give the tokens of
+    one process."""
+    one = _engine(tokenizer, write_plan(tmp_path / "one.json", [0, 4]), kv_budget_tokens=64)
+    reference = _run(one, _sampled_requests())
+    engine = _engine(
+        tokenizer, write_plan(tmp_path / "plan.json", [0, 2, 4], head_split=0.3), kv_budget_tokens=64
+    )
+    flags, submit = [], engine.pipeline.submit
+
+    def recorded_submit(batch, greedy=False):
+        flags.append(greedy)
+        submit(batch, greedy)
+
+    engine.pipeline.submit = recorded_submit
+    try:
+        out = _run(engine, _sampled_requests())
+    finally:
+        engine.close()
+    assert out == reference
+    assert True in flags and False in flags  # both replies were exercised
+
+
 def test_micro_batches_in_flight_are_disjoint_and_fill_the_pipeline(tokenizer, tmp_path):
     engine = _engine(
         tokenizer, write_plan(tmp_path / "plan.json", [0, 2, 4], decode_mb=2), kv_budget_tokens=512
@@ -116,8 +151,8 @@ def test_micro_batches_in_flight_are_disjoint_and_fill_the_pipeline(tokenizer, t
         seen["max_decode"] = max(seen["max_decode"], sum(c.num_tokens == 1 for c in out.chunks))
         return out
 
-    def counted_submit(batch):
-        submit(batch)
+    def counted_submit(batch, greedy=False):
+        submit(batch, greedy)
         seen["max_in_flight"] = max(seen["max_in_flight"], engine.pipeline.in_flight)
 
     engine.scheduler.schedule, engine.pipeline.submit = checked_schedule, counted_submit
