@@ -2,7 +2,9 @@
 
 The planner fits its latency model to a profile (``profile.json``, version 1: ``device``,
 ``model``, ``source``, ``meta`` and ``samples[bits]`` with ``prefill`` ``[v, s, seconds]``,
-``decode`` ``[v, c, seconds]`` and ``head`` ``[v, 0, seconds]`` rows). ``planner profile``
+``decode`` ``[v, c, seconds]``, ``head`` ``[v, 0, seconds]`` and ``driver`` ``[v, 0, seconds]`` rows:
+the last is the engine's own work per decode micro-batch of ``v`` queries besides the model,
+which the first pipeline stage's process does). ``planner profile``
 times a Hugging Face layer; this one times what the engine really runs: one layer of
 :class:`~engines.model_runner.ModelRunner` over a :class:`~engines.step_batch.StepBatch` with
 the paged KV cache (gathered context, masked attention), so a plan made from it predicts the
@@ -32,8 +34,14 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from engines.config import EngineConfig
+from engines.interface import SamplingParams
+from engines.kv_cache import KVCacheManager
 from engines.model_runner import ModelRunner, make_adapter
+from engines.scheduler import Scheduler
+from engines.sequence import Sequence
 from engines.stage_model import hidden_size
+from engines.stage_wire import STEP, pack
 from engines.step_batch import ChunkLayout, StepBatch
 from localmodels import load_or_build
 from quant.apply import apply_bitmap
@@ -81,6 +89,39 @@ def _fastest(fn: Callable[[], object], min_time_s: float, flush: torch.Tensor | 
     return best
 
 
+def driver_call(v: int, context: int, block_size: int, hidden: int) -> Callable[[], object]:
+    """One decode micro-batch of the driver's own work besides the model, for ``v`` queries of
+    ``context`` tokens: the real scheduler picks them, their :class:`StepBatch` and its message to
+    the next stage are built, and their sampled tokens are applied. The first pipeline stage's
+    process does this on top of its layers (``planner.head_split`` balances it)."""
+    room = 4096  # tokens each query may still grow by while it is timed
+    total = v * (context + room + block_size)
+    cfg = EngineConfig(
+        kv_budget_tokens=total,
+        block_size=block_size,
+        max_running=v,
+        max_batch_tokens=v * context,
+        prefill_chunk=context,
+    )
+    kv = KVCacheManager(total // block_size, block_size)
+    sched = Scheduler(cfg, kv)
+    for q in range(v):
+        sp = SamplingParams(max_tokens=room, forced_length=room)
+        sched.add(Sequence(f"p{q}", [1] * (context - 1), sp, predicted_tokens=room))
+
+    def step() -> None:
+        out = sched.schedule()
+        batch = StepBatch.from_chunks(out.chunks, block_size)
+        pack(STEP, batch.to_tensor(), trailer, h[: len(out.chunks)])
+        sampled = [c.seq for c in out.chunks if c.samples]
+        sched.update_from_output(out, sampled, [1] * len(sampled), 0.0)
+
+    trailer = torch.zeros(2, 8, dtype=torch.float64)
+    h = torch.zeros(v, hidden)
+    step()  # the prompts' prefill: every query decodes from here on
+    return step
+
+
 def profile_engine(
     model: nn.Module,
     name: str,
@@ -106,6 +147,7 @@ def profile_engine(
         points += [(b, "decode", v, c) for v in decode_batches for c in lengths]
         if b == 16:
             points += [(b, "head", v, 0) for v in decode_batches]
+            points += [(b, "driver", v, 0) for v in decode_batches]
     runners = {}
     for b in bits:
         m = model
@@ -116,6 +158,9 @@ def profile_engine(
     for p in points:
         b, phase, v, x = p
         r = runners[b]
+        if phase == "driver":
+            calls[p] = driver_call(v, max(lengths), block_size, hidden)
+            continue
         batch = _batch(v, 0, x, block_size) if phase == "prefill" else _batch(v, x, 1, block_size)
         h = torch.randn(batch.num_tokens, hidden, dtype=r.dtype)
         call = (
@@ -153,7 +198,7 @@ def profile_engine(
         "model": model_entry(model, name),
         "source": "measured (engine)",
         "meta": {
-            "what": "engines.model_runner layer 0 (paged KV) and LM head, StepBatch inputs",
+            "what": "engines.model_runner layer 0 (paged KV) and LM head, StepBatch inputs; the driver's scheduling",
             "threads": 1,
             "clock": "thread",
             "reps": reps,

@@ -279,6 +279,11 @@ class Problem:
                 self._cache[key] = max(0.0, measured)
         return self._cache[key]
 
+    def driver_s(self, dev: int, v: int) -> float:
+        """The engine's own work per decode micro-batch of ``v`` queries, done by the first stage's
+        process beside its layers (measured by ``engine profile``; 0 when the profile lacks it)."""
+        return self.latency[self._dtype(dev).name].driver_s(v)
+
     def link_bytes_per_s(self, src: int, dst: int) -> float:
         """Link between the first devices of two units."""
         return self.cluster.bandwidth_bytes_per_s(self._lead(src), self._lead(dst))

@@ -10,6 +10,10 @@ the two stages that meet at sampling.
 
 ``f`` makes the first and last stages' decode micro-batches equally long (a decode micro-batch
 runs once per generated token; prefill takes the same share), within the first stage's memory.
+The first stage's process is also the engine's driver: per micro-batch it schedules, builds and
+sends the batch and applies its tokens. That work, measured by ``engine profile``
+(``Problem.driver_s``), counts on the first stage's side of the balance; the stage latencies the
+plan predicts stay those of the model's compute.
 The search scores every candidate with its best share, so the layer partition is chosen knowing
 it (``Problem.head_split``).
 """
@@ -39,7 +43,7 @@ def split_head(
         return 0.0
     first, last = a.order[0], a.order[-1]
     hf_d, hl_d = problem.head_s(first, a.v_decode), problem.head_s(last, a.v_decode)
-    f = head_share(dec[0], dec[-1], hf_d, hl_d)
+    f = head_share(dec[0] + problem.driver_s(first, a.v_decode), dec[-1], hf_d, hl_d)
     weights = problem.memory.head_bytes(also_first=True)  # what the share costs the first stage at f = 1
     if f > 0 and weights > 0 and mem[0] + f * weights > cap[0]:
         f = max(0.0, (cap[0] - mem[0]) / weights)

@@ -63,7 +63,8 @@ class Profile:
     """Timed samples of one decoder layer: ``samples[bits]["prefill"] = [(v, s, seconds)]``, ``["decode"] = [(v, c, seconds)]``.
 
     Optionally the LM head too: ``samples[16]["head"] = [(v, 0, seconds)]`` (``v`` tokens through the
-    final norm and the ``hidden -> vocab`` projection); profiles without it still load.
+    final norm and the ``hidden -> vocab`` projection), and ``samples[16]["driver"] = [(v, 0, seconds)]``
+    (the engine's own work per decode micro-batch of ``v`` queries); profiles without them still load.
     """
 
     device: str
@@ -125,12 +126,16 @@ class LatencyModel:
 
     ``head_coef`` (h0, h1): the measured LM head of ``v`` tokens takes h0 + h1*v seconds (fp16
     head, whatever the layers' bit widths); ``None`` when the profile did not time it.
+    ``driver_coef`` (d0, d1): the engine's own work per decode micro-batch of ``v`` queries
+    besides the model (scheduling, building and sending the batch, applying its tokens), which
+    the first stage's process does; host CPU work, so a device's slowdown does not scale it.
     """
 
     device: str
     prefill_coef: dict[int, tuple[float, ...]]
     decode_coef: dict[int, tuple[float, ...]]
     head_coef: tuple[float, float] | None = None
+    driver_coef: tuple[float, float] | None = None
 
     @property
     def bits(self) -> tuple[int, ...]:
@@ -158,11 +163,17 @@ class LatencyModel:
             return None
         return float(np.dot(self.head_coef, head_features(v)))
 
+    def driver_s(self, v: float) -> float:
+        """The engine's own work per decode micro-batch of ``v`` queries (0 when not profiled)."""
+        if self.driver_coef is None:
+            return 0.0
+        return max(0.0, float(np.dot(self.driver_coef, head_features(v))))
+
     def scaled(self, factor: float) -> LatencyModel:
-        """Every time ``factor`` times as long (layers and the measured head)."""
+        """Every time ``factor`` times as long (layers and the measured head; not the driver's host work)."""
         f = lambda d: {b: tuple(x * factor for x in c) for b, c in d.items()}  # noqa: E731
         head = None if self.head_coef is None else (self.head_coef[0] * factor, self.head_coef[1] * factor)
-        return LatencyModel(self.device, f(self.prefill_coef), f(self.decode_coef), head)
+        return LatencyModel(self.device, f(self.prefill_coef), f(self.decode_coef), head, self.driver_coef)
 
 
 def fit_head(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -195,7 +206,8 @@ def fit_profile(profile: Profile, bits: Iterable[int] | None = None) -> LatencyM
             fit_linear([decode_features(v, c) for v, c, _ in ph["decode"]], [t for *_, t in ph["decode"]])
         )
     head = fit_head(profile.samples.get(16, {}).get("head", []))
-    return LatencyModel(profile.device, pre, dec, head)
+    driver = fit_head(profile.samples.get(16, {}).get("driver", []))
+    return LatencyModel(profile.device, pre, dec, head, driver)
 
 
 def _kernel_factor(dev: DeviceType, bits: int) -> float:

@@ -105,6 +105,9 @@ def test_engine_profile_writes_a_profile_the_planner_plans_from(tmp_path):
     assert p.source == "measured (engine)" and len(p.samples[16]["decode"]) == 6
     lm = fit_profile(p)
     assert lm.decode_s(16, 8, 32) >= lm.decode_s(16, 1, 16) > 0 and lm.head_s(8) > 0  # fitted: no timing race
+    driver = p.samples[16]["driver"]  # the engine's own work per decode micro-batch (real scheduler)
+    assert [v for v, *_ in driver] == [1, 4, 8] and all(t > 0 for *_, t in driver)
+    assert lm.driver_s(8) > 0
     spec = tmp_path / "cluster.yaml"
     spec.write_text("nodes:\n  - name: box\n    devices: [{type: CPU, count: 3}]\n")
     plan = tmp_path / "plan.json"

@@ -13,8 +13,9 @@ from planner.cli import main
 from planner.cluster import Cluster, cluster_from_dict
 from planner.costs import Assignment, Workload
 from planner.head_split import head_share
+from planner.latency import Profile, roofline_profile
 from planner.modelshape import load_shape
-from planner.problem import build_problem
+from planner.problem import build_problem, latency_models
 
 SHAPE = load_shape("llama:small")  # hidden 512, vocabulary 8192: the head outweighs a layer
 WORKLOAD = Workload(batch=16, prompt_len=64, output_tokens=32, bits=(16,))
@@ -92,3 +93,46 @@ def test_plan_file_checks_the_share(tmp_path):
     one = {**d, "stages": [{**d["stages"][0], "layer_end": 8, "bits": [16] * 8}], "head_split": 0.3}
     with pytest.raises(PlanError, match="at least 2 stages"):
         plan_from_dict(one)
+
+
+def _profile_with_driver(cluster: Cluster, driver_s: float | None) -> dict[str, Profile]:
+    """The roofline's samples of the CPU, with a measured LM head and, unless None, the engine's
+    own work per decode micro-batch (``engine profile``'s ``driver`` rows)."""
+    dev = cluster.devices[0].type
+    prof = roofline_profile(dev, SHAPE, (16,))
+    head = [(v, 0.0, 1e-3 + 1e-4 * v) for v in (1, 8, 16)]
+    samples = {16: {**prof.samples[16], "head": head}}
+    if driver_s is not None:
+        samples[16]["driver"] = [(v, 0.0, driver_s) for v in (1, 8, 16)]
+    model = {
+        "name": SHAPE.name,
+        "hidden": SHAPE.hidden,
+        "intermediate": SHAPE.intermediate,
+        "vocab": SHAPE.vocab,
+    }
+    return {dev.name: Profile(dev.name, model, "measured", samples)}
+
+
+def test_the_drivers_own_work_moves_head_rows_to_the_last_stage():
+    cluster = _cluster([0.0, 0.0])
+    shares = {}
+    for driver in (None, 1e-12, 4e-4, 1e-2):
+        problem = build_problem(
+            cluster, SHAPE, WORKLOAD, profiles=_profile_with_driver(cluster, driver), head_split=True
+        )
+        e = problem.evaluate(EVEN)
+        shares[driver] = e.head_split
+        if (
+            driver is not None and 0 < e.head_split
+        ):  # balanced: compute + the driver's work on the first stage
+            assert e.stage_decode_s[0] + driver == pytest.approx(e.stage_decode_s[1], rel=1e-6)
+    assert shares[None] == pytest.approx(shares[1e-12]) and shares[None] > shares[4e-4] > 0
+    assert shares[1e-2] == 0.0  # the driver's work alone outweighs the head: all of it stays last
+
+
+def test_a_device_slowdown_does_not_scale_the_drivers_host_work():
+    cluster = _cluster([1.0, 0.0])
+    models = latency_models(cluster, SHAPE, (16,), _profile_with_driver(cluster, 5e-4))
+    slow = models[cluster.devices[0].type.name]
+    assert slow.driver_s(8) == pytest.approx(5e-4)
+    assert slow.head_s(8) == pytest.approx(2 * (1e-3 + 8e-4))  # the head is the device's: scaled
