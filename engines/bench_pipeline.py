@@ -8,6 +8,8 @@ queries submitted at once):
 * ``planned``: the plan's stages, one process each (gloo on CPU);
 * ``even``: with unlike stages, the same stages and micro-batches with the layers split evenly
   (and the LM head on the last stage);
+* ``even_listed``: when the planner ordered the devices otherwise than the cluster lists them,
+  the even split in the listed order too (what a user splitting by hand would run);
 * ``head_on_last``: when the plan shares the LM head between the first and last stage
   (``planner plan --head-split``, on unless ``--no-head-split``), the same plan with the whole
   head on the last stage.
@@ -198,15 +200,42 @@ def _run(
     }
 
 
-def _rounds(args, requests, plan: Path, uneven: bool, split: bool) -> dict[str, list[dict]]:
+def listed_order_plan(plan_doc: dict, path: Path) -> Path | None:
+    """The plan with its stages in the order the cluster lists their devices (written to ``path``; its
+    layers are split evenly when run), or None when the planner kept that order."""
+    stages = plan_doc["stages"]
+    listed = sorted(stages, key=lambda st: st["device_index"])
+    if listed == stages:
+        return None
+    bits = [b for st in stages for b in st["bits"]]
+    n = len(bits)
+    cuts = [round(k * n / len(listed)) for k in range(len(listed) + 1)]
+    doc = {**plan_doc, "head_split": 0.0, "stages": []}
+    for st, lo, hi in zip(listed, cuts, cuts[1:], strict=False):
+        doc["stages"].append({**st, "layer_start": lo, "layer_end": hi, "bits": bits[lo:hi]})
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _rounds(
+    args, requests, plan: Path, uneven: bool, split: bool, listed: Path | None = None
+) -> dict[str, list[dict]]:
     """``--repeats`` rounds, each running every configuration once, back to back (interleaved, so a
     machine whose speed drifts over minutes slows all of a round's runs alike)."""
-    runs: dict[str, list[dict]] = {"one_process": [], "planned": [], "even": [], "head_on_last": []}
+    runs: dict[str, list[dict]] = {
+        "one_process": [],
+        "planned": [],
+        "even": [],
+        "even_listed": [],
+        "head_on_last": [],
+    }
     for r in range(args.repeats):
         runs["one_process"].append(_run(args, requests, None))
         runs["planned"].append(_run(args, requests, plan))
         if uneven:
             runs["even"].append(_run(args, requests, plan, even=True))
+        if uneven and listed is not None:
+            runs["even_listed"].append(_run(args, requests, listed, even=True))
         if split:
             runs["head_on_last"].append(_run(args, requests, plan, head_split=False))
         log.info(
@@ -258,7 +287,8 @@ def bench_pipeline(args) -> dict:
         requests = _workload(tok, args)
         uneven = any(d.get("slowdown", 0) for d in plan_doc["devices"])
         split = plan_doc.get("head_split", 0.0) > 0
-        runs = _rounds(args, requests, plan, uneven, split)
+        listed = listed_order_plan(plan_doc, Path(tmp) / "listed.json") if uneven else None
+        runs = _rounds(args, requests, plan, uneven, split, listed)
     planned = max(runs["planned"], key=lambda r: r["tokens_per_s"])
     one = max(runs["one_process"], key=lambda r: r["tokens_per_s"])
     speedup, speedups = _ratio(runs, "planned", "one_process")
@@ -285,6 +315,8 @@ def bench_pipeline(args) -> dict:
     }
     if uneven:
         _baseline(out, runs, "even", "speedup_vs_even_partition")
+    if runs["even_listed"]:
+        _baseline(out, runs, "even_listed", "speedup_vs_even_listed_order")
     if split:
         _baseline(out, runs, "head_on_last", "speedup_vs_head_on_last")
     return out

@@ -10,11 +10,13 @@ import sys
 import pytest
 from prometheus_client import generate_latest
 
-from engines.bench_pipeline import latency_error, slowdowns_from_speeds
+from engines.bench_pipeline import latency_error, listed_order_plan, slowdowns_from_speeds
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
 from engines.metrics import StageCollector
+from engines.plan import plan_stages
+from tests import harness
 from tests.harness import REPO
 from tests.harness import write_plan as harness_plan
 from tests.test_engine_pipeline import write_plan
@@ -156,3 +158,22 @@ def test_bench_runs_a_given_plan(tmp_path, data_root):
     assert out["head_on_last"]["stages"][0]["predicted_decode_ms"] is None  # not the plan's prediction
     bad = subprocess.run(base + small + ["--stage-speeds", "1,2"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode != 0 and "--stage-speeds goes with --stages" in bad.stderr
+
+
+def test_listed_order_plan_splits_evenly_in_the_clusters_order(tmp_path):
+    """A plan that put the cluster's second device first gets an even split in the listed order too
+    (the hand-made layout), a valid plan file the engine runs; a plan in listed order needs none."""
+    path = harness.write_plan(tmp_path / "plan.json", "tiny", [0, 3, 4], [8, 4, 16, 8], slowdowns=[0.0, 1.0])
+    doc = json.loads(path.read_text())
+    assert listed_order_plan(doc, tmp_path / "same.json") is None
+    doc["stages"] = [
+        {**doc["stages"][1], "layer_start": 0, "layer_end": 1, "bits": [8]},
+        {**doc["stages"][0], "layer_start": 1, "layer_end": 4, "bits": [4, 16, 8]},
+    ]
+    doc["head_split"] = 0.3
+    listed = listed_order_plan(doc, tmp_path / "listed.json")
+    stages = plan_stages(str(listed), 4, even_split=True)
+    assert [(s.layer_start, s.layer_end, s.slowdown) for s in stages] == [(0, 2, 0.0), (2, 4, 1.0)]
+    again = json.loads(listed.read_text())
+    assert [st["device_index"] for st in again["stages"]] == [0, 1] and again["head_split"] == 0.0
+    assert [b for st in again["stages"] for b in st["bits"]] == [8, 4, 16, 8]  # the layers' own bits
