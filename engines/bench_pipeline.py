@@ -200,11 +200,17 @@ def _run(
     }
 
 
-def listed_order_plan(plan_doc: dict, path: Path) -> Path | None:
-    """The plan with its stages in the order the cluster lists their devices (written to ``path``; its
-    layers are split evenly when run), or None when the planner kept that order."""
+def listed_order_plan(plan_doc: dict, slowdowns: list[float], path: Path) -> Path | None:
+    """The plan with its stages on devices in the order ``--stage-speeds`` listed them (``slowdowns``),
+    written to ``path`` (its layers are split evenly when run), or None when the planner kept
+    that order."""
     stages = plan_doc["stages"]
-    listed = sorted(stages, key=lambda st: st["device_index"])
+    pool = list(stages)
+    listed = []
+    for want in slowdowns:  # the first unused stage whose device has this slowdown
+        st = next(st for st in pool if plan_doc["devices"][st["device_index"]].get("slowdown", 0.0) == want)
+        pool.remove(st)
+        listed.append(st)
     if listed == stages:
         return None
     bits = [b for st in stages for b in st["bits"]]
@@ -287,7 +293,9 @@ def bench_pipeline(args) -> dict:
         requests = _workload(tok, args)
         uneven = any(d.get("slowdown", 0) for d in plan_doc["devices"])
         split = plan_doc.get("head_split", 0.0) > 0
-        listed = listed_order_plan(plan_doc, Path(tmp) / "listed.json") if uneven else None
+        listed = None
+        if uneven and args.plan is None:
+            listed = listed_order_plan(plan_doc, slowdowns_from_speeds(speeds), Path(tmp) / "listed.json")
         runs = _rounds(args, requests, plan, uneven, split, listed)
     planned = max(runs["planned"], key=lambda r: r["tokens_per_s"])
     one = max(runs["one_process"], key=lambda r: r["tokens_per_s"])

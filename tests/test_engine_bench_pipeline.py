@@ -161,19 +161,16 @@ def test_bench_runs_a_given_plan(tmp_path, data_root):
 
 
 def test_listed_order_plan_splits_evenly_in_the_clusters_order(tmp_path):
-    """A plan that put the cluster's second device first gets an even split in the listed order too
-    (the hand-made layout), a valid plan file the engine runs; a plan in listed order needs none."""
+    """A plan that ordered the devices otherwise than ``--stage-speeds`` listed them gets an even split
+    in the listed order too (the hand-made layout), a valid plan file the engine runs; a plan in
+    listed order needs none."""
     path = harness.write_plan(tmp_path / "plan.json", "tiny", [0, 3, 4], [8, 4, 16, 8], slowdowns=[0.0, 1.0])
     doc = json.loads(path.read_text())
-    assert listed_order_plan(doc, tmp_path / "same.json") is None
-    doc["stages"] = [
-        {**doc["stages"][1], "layer_start": 0, "layer_end": 1, "bits": [8]},
-        {**doc["stages"][0], "layer_start": 1, "layer_end": 4, "bits": [4, 16, 8]},
-    ]
-    doc["head_split"] = 0.3
-    listed = listed_order_plan(doc, tmp_path / "listed.json")
+    assert listed_order_plan(doc, [0.0, 1.0], tmp_path / "same.json") is None
+    doc["head_split"] = 0.3  # the planner ran the fast device (0) first; the cluster lists the slow one first
+    listed = listed_order_plan(doc, [1.0, 0.0], tmp_path / "listed.json")
     stages = plan_stages(str(listed), 4, even_split=True)
-    assert [(s.layer_start, s.layer_end, s.slowdown) for s in stages] == [(0, 2, 0.0), (2, 4, 1.0)]
+    assert [(s.layer_start, s.layer_end, s.slowdown) for s in stages] == [(0, 2, 1.0), (2, 4, 0.0)]
     again = json.loads(listed.read_text())
-    assert [st["device_index"] for st in again["stages"]] == [0, 1] and again["head_split"] == 0.0
+    assert [st["device_index"] for st in again["stages"]] == [1, 0] and again["head_split"] == 0.0
     assert [b for st in again["stages"] for b in st["bits"]] == [8, 4, 16, 8]  # the layers' own bits
