@@ -4,7 +4,8 @@ Messages (:mod:`engines.stage_wire`) go down the chain 0 -> 1 -> ... -> S-1 by
 ``torch.distributed`` point-to-point, FIFO per pair; each carries the micro-batch layout, the
 hidden states and the per-stage counters (each stage fills in its own row). The last stage
 computes the logits of the sampled rows and sends them, with the counters, back to rank 0 (the
-driver). ``STOP`` travels down the chain and every stage exits.
+driver); for a micro-batch flagged ``GREEDY`` it picks the tokens itself and sends back their
+ids instead. ``STOP`` travels down the chain and every stage exits.
 
 A stage exits by itself when its parent (the driver) disappears, so no orphan outlives a
 killed engine.
