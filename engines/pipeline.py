@@ -54,6 +54,15 @@ log = logging.getLogger(__name__)
 SESSION_TIMEOUT = timedelta(days=365)
 
 
+def greedy_of_parts(first: torch.Tensor, rest_best: torch.Tensor, rest_tokens: torch.Tensor) -> torch.Tensor:
+    """``argmax`` over the whole vocabulary from the logits of its first rows ``first`` ``[n, k]`` and,
+    for the rest, each row's largest logit ``rest_best`` ``[n]`` and its index ``rest_tokens``:
+    the first largest, a NaN counting as the largest (as ``argmax``)."""
+    mine = first.max(dim=-1)
+    wins = (rest_best > mine.values) | (rest_best.isnan() & ~mine.values.isnan())
+    return torch.where(wins, rest_tokens, mine.indices)
+
+
 class StageFailure(RuntimeError):
     """A pipeline stage process died or could not start; the message names the stage."""
 
@@ -328,11 +337,10 @@ class PipelineRunner:
         x = payload[:, : self.hidden].to(self.device)
 
         def pick() -> torch.Tensor:
-            mine = self.head0(x).max(dim=-1)
+            mine = self.head0(x)
             if self.head_start >= self.vocab:
-                return mine.indices
-            theirs = payload[:, self.hidden].to(self.device)
-            return torch.where(theirs > mine.values, tokens.to(self.device), mine.indices)
+                return mine.max(dim=-1).indices
+            return greedy_of_parts(mine, payload[:, self.hidden].to(self.device), tokens.to(self.device))
 
         return self._head(batch, pick).tolist()
 

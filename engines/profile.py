@@ -94,7 +94,7 @@ def driver_call(v: int, context: int, block_size: int, hidden: int) -> Callable[
     ``context`` tokens: the real scheduler picks them, their :class:`StepBatch` and its message to
     the next stage are built, and their sampled tokens are applied. The first pipeline stage's
     process does this on top of its layers (``planner.head_split`` balances it)."""
-    room = 4096  # tokens each query may still grow by while it is timed
+    room = 1 << 15  # tokens each query may still grow by while it is timed (one per call)
     total = v * (context + room + block_size)
     cfg = EngineConfig(
         kv_budget_tokens=total,
@@ -102,6 +102,7 @@ def driver_call(v: int, context: int, block_size: int, hidden: int) -> Callable[
         max_running=v,
         max_batch_tokens=v * context,
         prefill_chunk=context,
+        safety_margin=0.0,  # every one of the v queries is admitted
     )
     kv = KVCacheManager(total // block_size, block_size)
     sched = Scheduler(cfg, kv)
@@ -119,6 +120,8 @@ def driver_call(v: int, context: int, block_size: int, hidden: int) -> Callable[
     trailer = torch.zeros(2, 8, dtype=torch.float64)
     h = torch.zeros(v, hidden)
     step()  # the prompts' prefill: every query decodes from here on
+    if len(sched.running) != v:
+        raise RuntimeError(f"the driver profile admitted {len(sched.running)} of {v} queries")
     return step
 
 

@@ -37,7 +37,9 @@ def pack(
     payload: torch.Tensor | None,
     flags: int = 0,
 ) -> torch.Tensor:
-    rows, cols = (0, 0) if payload is None or payload.dim() != 2 else payload.shape
+    if payload is not None and payload.dim() != 2:
+        raise ValueError(f"a message's payload is [rows, cols], got shape {tuple(payload.shape)}")
+    rows, cols = (0, 0) if payload is None else payload.shape
     header = torch.tensor([kind, layout.numel(), rows, cols, flags], dtype=torch.long)
     parts = [_bytes(header), _bytes(layout), _bytes(counters)]
     if payload is not None and payload.numel():

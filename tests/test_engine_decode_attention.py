@@ -1,6 +1,7 @@
 """Decode attention in cache-sized chunks (``engines.decode_attention``): every query in exactly one
 chunk, each chunk within its byte budget and padded only to its own longest context, and the
-same attention output and the same greedy tokens as one call over the whole step."""
+same attention output and the same greedy tokens as one call over the whole step. Also the
+greedy pick of a pipeline whose LM head is split between two stages equals ``argmax``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from engines.decode_attention import plan_decode
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
 from engines.model_runner import ModelRunner
+from engines.pipeline import greedy_of_parts
 from engines.step_batch import ChunkLayout, StepBatch
 from localmodels import build_model, default_tokenizer, generated_corpus
 
@@ -105,3 +107,26 @@ def test_engine_greedy_tokens_unchanged_by_chunking():
         outs.append({o.request_id: o.token_ids for o in engine.generate(reqs)})
     assert outs[0] == outs[1]
     assert all(len(t) == 12 for t in outs[0].values())
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.integers(2, 40),
+    cut=st.integers(1, 39),
+    levels=st.integers(1, 4),
+    nans=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 39)), max_size=3),
+    seed=st.integers(0, 1000),
+)
+def test_greedy_of_two_head_parts_is_argmax_over_the_vocabulary(rows, vocab, cut, levels, nans, seed):
+    """The driver's rows and the last stage's best combine to ``argmax`` of the whole logits: the
+    first largest index on ties (few distinct values make many), a NaN counting as the largest."""
+    cut = min(cut, vocab - 1)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=g).float()
+    for r, c in nans:
+        if r < rows and c < vocab:
+            logits[r, c] = float("nan")
+    rest = logits[:, cut:].max(dim=-1)
+    got = greedy_of_parts(logits[:, :cut], rest.values, rest.indices + cut)
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
