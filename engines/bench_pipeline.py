@@ -240,7 +240,7 @@ def _rounds(
         runs["planned"].append(_run(args, requests, plan))
         if uneven:
             runs["even"].append(_run(args, requests, plan, even=True))
-        if uneven and listed is not None:
+        if listed is not None:  # only set when the stages are unlike
             runs["even_listed"].append(_run(args, requests, listed, even=True))
         if split:
             runs["head_on_last"].append(_run(args, requests, plan, head_split=False))

@@ -4,10 +4,11 @@ The driver (rank 0) owns the scheduler, embeds, runs stage 0's layers, and sampl
 1..S-1 are spawned processes (:mod:`engines.stage_worker`) holding only their own layers and
 their layers' paged KV pools. ``submit`` runs stage 0 on a micro-batch and sends it on without
 waiting; ``result`` receives the logits of the oldest micro-batch in flight from the last
-stage, or, for a greedy micro-batch, the tokens the last stage picked. With a head split (the plan's ``head_split``, ``planner.head_split``) the driver computes
-the LM head's first rows itself from the final hidden states the last stage sends back with the
-logits of the other rows, so a head-heavy last stage is balanced against the first. The engine keeps up to ``num_stages`` micro-batches in flight, so every stage works at
-once. KV blocks are numbered by the driver's block manager and mean the same slots in every
+stage, or, for a greedy micro-batch, the tokens the last stage picked. With a head split (the
+plan's ``head_split``, ``planner.head_split``) the driver computes the LM head's first rows
+itself from the final hidden states the last stage sends back with the logits of the other
+rows, so a head-heavy last stage is balanced against the first. The engine keeps up to
+``num_stages`` micro-batches in flight, so every stage works at once. KV blocks are numbered by the driver's block manager and mean the same slots in every
 stage, so freeing a finished query's blocks frees them in every stage at once.
 
 A watchdog notices a stage process that dies, names it, and stops the others; the blocked

@@ -177,7 +177,8 @@ class LatencyModel:
 
 
 def fit_head(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float] | None:
-    """(h0, h1) of the LM head from ``(v, 0, seconds)`` samples; ``None`` without samples.
+    """(h0, h1) of the LM head, or of the driver's work, from ``(v, 0, seconds)`` samples (time
+    h0 + h1*v for ``v`` tokens or queries); ``None`` without samples.
 
     One batch size only: a constant (the mean), as nothing tells how the time grows with ``v``.
     """
