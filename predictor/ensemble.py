@@ -8,7 +8,7 @@ import logging
 import numpy as np
 
 from predictor import store
-from predictor.inference import predict_proba
+from predictor.inference import predict_proba, predict_with_features
 from predictor.pipeline import Teacher
 
 log = logging.getLogger("predictor")
@@ -34,13 +34,26 @@ def mean_probs(members: list[store.LoadedModel], prompts: list[str]) -> np.ndarr
     )
 
 
-def teacher(dirs: list[str], prompts: list[str], device: str) -> Teacher:
-    """The mean probabilities of the models in ``dirs`` (``--teacher``) on the training prompts."""
+def teacher(dirs: list[str], prompts: list[str], device: str, features: bool = False) -> Teacher:
+    """The mean probabilities of the models in ``dirs`` (``--teacher``) on the training prompts and,
+    with ``features``, their head inputs side by side (``--feature-weight``)."""
     if not dirs:
         raise ValueError("--teacher names no model directory")
     members = [store.load(d, device) for d in dirs]
     check_same_edges(members, "--teacher")
     log.info("distilling from %s on %d training prompts", ", ".join(dirs), len(prompts))
+    edges, sources = list(members[0].buckets.edges), [str(m.path) for m in members]
+    if not features:
+        return Teacher(edges, mean_probs(members, prompts), sources)
+    outs = [
+        predict_with_features(
+            m.model, m.tokenizer, prompts, m.max_len, 128, progress=True, truncation=m.truncation
+        )
+        for m in members
+    ]
     return Teacher(
-        list(members[0].buckets.edges), mean_probs(members, prompts), [str(m.path) for m in members]
+        edges,
+        np.mean([p for p, _ in outs], axis=0),
+        sources,
+        np.concatenate([f for _, f in outs], axis=1),
     )

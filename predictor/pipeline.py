@@ -27,11 +27,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Teacher:
     """What a student is distilled from: bucket probabilities (one model's, or the mean of an
-    ensemble's) on each training prompt, and the bucket edges they refer to."""
+    ensemble's) on each training prompt, and the bucket edges they refer to; optionally the vector
+    each teacher's head read on each prompt (side by side for an ensemble), for ``--feature-weight``."""
 
     edges: list[float]
     probs: np.ndarray
     sources: list[str]  # model directories, for the record
+    features: np.ndarray | None = None
 
 
 def calibrate(buckets: Buckets, probs: np.ndarray, lengths: np.ndarray) -> Buckets:
@@ -150,6 +152,7 @@ def fit(
         _val_figures(buckets, val_set.lengths),
         None if teacher is None else teacher.probs,
         checkpoint,
+        None if teacher is None else teacher.features,
     )
     return model, tok, buckets, result
 
@@ -165,6 +168,7 @@ def _train_and_calibrate(
     evaluate=None,
     teacher_probs: np.ndarray | None = None,
     checkpoint: str | os.PathLike | None = None,
+    teacher_features: np.ndarray | None = None,
 ) -> tuple[Buckets, TrainResult]:
     """Train on ``buckets``' labels, then fit the calibration and declare the point estimate on validation."""
     result = train(
@@ -181,6 +185,7 @@ def _train_and_calibrate(
         evaluate=evaluate,
         teacher_probs=teacher_probs,
         checkpoint_path=checkpoint,
+        teacher_features=teacher_features,
     )
     probs = predict_proba(
         model, tokenizer, val_set.prompts, train_cfg.max_len, truncation=train_cfg.truncation

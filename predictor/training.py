@@ -20,6 +20,7 @@ from tqdm import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from predictor import checkpoint
+from predictor.features import FeatureDistiller
 from predictor.inference import collate, encode
 
 log = logging.getLogger(__name__)
@@ -43,13 +44,16 @@ class TrainConfig:
     ema: float = 0.0  # >0: evaluate and keep an exponential moving average of the weights (decay per step)
     rank_weight: float = 0.0  # >0: weight of the pairwise ranking term on expected log tokens (rank_loss)
     teacher_weight: float = 0.5  # share of a teacher's bucket probabilities in the target, when one is given
+    feature_weight: float = (
+        0.0  # >0: weight of the feature-distillation term (predictor.features), with teacher features
+    )
 
     def __post_init__(self) -> None:
         if self.epochs <= 0 or self.batch_size < 1 or self.lr <= 0 or self.evals_per_epoch < 1:
             raise ValueError(f"training config out of range: {self}")
         if self.ordinal_sigma < 0 or not 0 <= self.ema < 1 or self.rank_weight < 0:
             raise ValueError(f"training config out of range: {self}")
-        if not 0 <= self.teacher_weight <= 1:
+        if not 0 <= self.teacher_weight <= 1 or self.feature_weight < 0:
             raise ValueError(f"training config out of range: {self}")
 
 
@@ -184,6 +188,7 @@ def train(
     evaluate=None,
     teacher_probs: np.ndarray | None = None,
     checkpoint_path: str | os.PathLike | None = None,
+    teacher_features: np.ndarray | None = None,
 ) -> TrainResult:
     """Train ``model`` in place; on return it holds the weights of the best validation loss.
 
@@ -192,7 +197,9 @@ def train(
     ``evaluate(val_probs) -> dict``, if given, adds figures (e.g. Kendall tau) to each history entry.
     ``teacher_probs`` (one row of bucket probabilities per training prompt, e.g. an ensemble's mean)
     distils a teacher: the target becomes ``(1 - w) * label target + w * teacher row`` with
-    ``w = cfg.teacher_weight``. ``checkpoint_path``: the training state is saved there at every
+    ``w = cfg.teacher_weight``. ``teacher_features`` (one row per training prompt: the vector the
+    teacher's head reads) adds ``cfg.feature_weight`` times the :class:`FeatureDistiller` term when
+    that weight is positive. ``checkpoint_path``: the training state is saved there at every
     evaluation and resumed from it when it exists (:mod:`predictor.checkpoint`); it is removed once
     training finishes, and kept when the ``max_minutes`` cap stops it.
     """
@@ -223,7 +230,13 @@ def train(
     steps_per_epoch = math.ceil(len(tr_ids) / cfg.batch_size)
     total_steps = max(1, math.ceil(cfg.epochs * steps_per_epoch))
     eval_every = max(1, steps_per_epoch // cfg.evals_per_epoch)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    distiller = (
+        FeatureDistiller(model, teacher_features, len(tr_ids))
+        if teacher_features is not None and cfg.feature_weight > 0
+        else None
+    )
+    params = list(model.parameters()) + ([] if distiller is None else list(distiller.parameters()))
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = get_linear_schedule_with_warmup(opt, int(cfg.warmup * total_steps), total_steps)
 
     ema = _Ema(model, cfg.ema) if cfg.ema > 0 else None
@@ -241,6 +254,8 @@ def train(
         order = rng.permutation(len(tr_ids))
     else:
         model.load_state_dict(saved["model"])
+        if distiller is not None:
+            distiller.load_state_dict(saved["features"])
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
         if ema is not None:
@@ -273,8 +288,10 @@ def train(
             loss = loss + cfg.rank_weight * rank_loss(
                 logits, torch.as_tensor(tr_len[idx], device=device), vals
             )
+        if distiller is not None:
+            loss = loss + cfg.feature_weight * distiller.loss(idx)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -335,6 +352,7 @@ def train(
                         "rng": rng.bit_generator.state,
                         "torch_rng": torch.get_rng_state(),
                         "model": model.state_dict(),
+                        "features": None if distiller is None else distiller.state_dict(),
                         "optimizer": opt.state_dict(),
                         "scheduler": sched.state_dict(),
                         "ema": None if ema is None else ema.shadow,
@@ -355,6 +373,8 @@ def train(
                 result.stopped_early = timed_out = True
                 break
     bar.close()
+    if distiller is not None:
+        distiller.close()
     if not timed_out:
         checkpoint.remove(checkpoint_path)
     result.steps = step

@@ -272,10 +272,33 @@ def test_train_distils_a_teacher(model_parent, workload, tmp_path, capsys):
     r = last_json(capsys)
     meta = json.loads((tmp_path / "s" / r["version"] / "predictor.json").read_text())
     assert meta["teacher"] == [v1, v1] and meta["train_config"]["teacher_weight"] == 0.5
+    # feature distillation from the two (their head inputs side by side), recorded in the config
+    assert (
+        main(
+            [
+                *train,
+                "--epochs",
+                "1",
+                "--buckets",
+                "5",
+                *TINY_ARGS,
+                "--teacher",
+                f"{v1},{v1}",
+                "--feature-weight",
+                "2",
+            ]
+        )
+        == 0
+    )
+    r = last_json(capsys)
+    meta = json.loads((tmp_path / "s" / r["version"] / "predictor.json").read_text())
+    assert meta["train_config"]["feature_weight"] == 2.0
+    assert main([*train, "--epochs", "1", "--buckets", "5", *TINY_ARGS, "--feature-weight", "1"]) == 2
+    assert "--feature-weight needs --teacher" in capsys.readouterr().err
     # a teacher on other buckets cannot be distilled: a clear error, no model written
     assert main([*train, "--epochs", "1", "--buckets", "3", *TINY_ARGS, "--teacher", v1]) == 2
     assert "bucket edges" in capsys.readouterr().err
-    assert not (tmp_path / "s" / "v2").exists()
+    assert not (tmp_path / "s" / "v3").exists()
 
 
 def test_train_augments_for_the_teacher(model_parent, workload, tmp_path, capsys):

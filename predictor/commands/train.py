@@ -137,6 +137,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="share of the teacher's probabilities in the target, 0 to 1 (default 0.5)",
     )
     p.add_argument(
+        "--feature-weight",
+        type=float,
+        default=0.0,
+        help="with --teacher: weight of feature distillation, the student's pooled vector mapped onto "
+        "the teacher's (mean squared error, per-dimension standardised; default 0: off)",
+    )
+    p.add_argument(
         "--ordinal-sigma",
         type=float,
         default=1.0,
@@ -199,6 +206,8 @@ def training_responses(args, train_prompts: list[str]) -> list[str]:
 def run(args) -> dict:
     if args.augment and not args.teacher:
         raise ValueError("--augment needs --teacher: the copies are labelled by the teacher")
+    if args.feature_weight and not args.teacher:
+        raise ValueError("--feature-weight needs --teacher: it distils the teacher's pooled vectors")
     base = QUICK if args.quick else DEFAULT
     mc = ModelConfig(
         layers=args.layers or base.layers,
@@ -230,6 +239,7 @@ def run(args) -> dict:
         ema=args.ema,
         rank_weight=args.rank_weight,
         teacher_weight=args.teacher_weight,
+        feature_weight=args.feature_weight,
     )
     t0 = time.monotonic()
     _, sp = splits(args, limit)
@@ -243,6 +253,7 @@ def run(args) -> dict:
             comma_list(args.teacher),
             sp["train"].prompts + ([] if copies is None else copies.prompts),
             args.device,
+            features=args.feature_weight > 0,
         )
         if args.teacher
         else None
