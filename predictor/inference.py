@@ -65,9 +65,10 @@ def predict_proba(
     truncation: str = "head_tail",
 ) -> np.ndarray:
     """Bucket probabilities ``(len(prompts), n_buckets)``; prompts are length-sorted into batches to cut padding."""
-    return predict_with_features(model, tokenizer, prompts, max_len, batch_size, progress, truncation, False)[
-        0
-    ]
+    probs, _ = predict_with_features(
+        model, tokenizer, prompts, max_len, batch_size, progress, truncation, features=False
+    )
+    return probs
 
 
 @torch.inference_mode()

@@ -44,9 +44,8 @@ class TrainConfig:
     ema: float = 0.0  # >0: evaluate and keep an exponential moving average of the weights (decay per step)
     rank_weight: float = 0.0  # >0: weight of the pairwise ranking term on expected log tokens (rank_loss)
     teacher_weight: float = 0.5  # share of a teacher's bucket probabilities in the target, when one is given
-    feature_weight: float = (
-        0.0  # >0: weight of the feature-distillation term (predictor.features), with teacher features
-    )
+    # >0: weight of the feature-distillation term (predictor.features), when teacher features are given
+    feature_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.epochs <= 0 or self.batch_size < 1 or self.lr <= 0 or self.evals_per_epoch < 1:
