@@ -8,7 +8,7 @@ import logging
 import numpy as np
 
 from predictor import store
-from predictor.inference import predict_proba, predict_with_features
+from predictor.inference import predict_with_features
 from predictor.pipeline import Teacher
 
 log = logging.getLogger("predictor")
@@ -21,17 +21,28 @@ def check_same_edges(members: list[store.LoadedModel], option: str) -> None:
             raise ValueError(f"{option}: {m.path} has other bucket edges than {members[0].path}")
 
 
+def _outputs(
+    members: list[store.LoadedModel], prompts: list[str], features: bool
+) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Each member's bucket probabilities on ``prompts`` and, with ``features``, its head inputs."""
+    return [
+        predict_with_features(
+            m.model,
+            m.tokenizer,
+            prompts,
+            m.max_len,
+            128,
+            progress=True,
+            truncation=m.truncation,
+            features=features,
+        )
+        for m in members
+    ]
+
+
 def mean_probs(members: list[store.LoadedModel], prompts: list[str]) -> np.ndarray:
     """The mean of the members' bucket probabilities on ``prompts``."""
-    return np.mean(
-        [
-            predict_proba(
-                m.model, m.tokenizer, prompts, m.max_len, 128, progress=True, truncation=m.truncation
-            )
-            for m in members
-        ],
-        axis=0,
-    )
+    return np.mean([p for p, _ in _outputs(members, prompts, False)], axis=0)
 
 
 def teacher(dirs: list[str], prompts: list[str], device: str, features: bool = False) -> Teacher:
@@ -42,18 +53,10 @@ def teacher(dirs: list[str], prompts: list[str], device: str, features: bool = F
     members = [store.load(d, device) for d in dirs]
     check_same_edges(members, "--teacher")
     log.info("distilling from %s on %d training prompts", ", ".join(dirs), len(prompts))
-    edges, sources = list(members[0].buckets.edges), [str(m.path) for m in members]
-    if not features:
-        return Teacher(edges, mean_probs(members, prompts), sources)
-    outs = [
-        predict_with_features(
-            m.model, m.tokenizer, prompts, m.max_len, 128, progress=True, truncation=m.truncation
-        )
-        for m in members
-    ]
+    outs = _outputs(members, prompts, features)
     return Teacher(
-        edges,
+        list(members[0].buckets.edges),
         np.mean([p for p, _ in outs], axis=0),
-        sources,
-        np.concatenate([f for _, f in outs], axis=1),
+        [str(m.path) for m in members],
+        np.concatenate([f for _, f in outs], axis=1) if features else None,
     )
