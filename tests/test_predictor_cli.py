@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import logging
 
+import numpy as np
 import pytest
 import redis
 import torch
 
-from predictor import store
+from predictor import ensemble, store
 from predictor.cli import main
 from predictor.labeled import LabeledSet, load_labeled, split
 from predictor.observed import OBSERVED_KEY, read_observed, record_observed
@@ -321,6 +322,39 @@ def test_train_augments_for_the_teacher(model_parent, workload, tmp_path, capsys
     # copies are labelled by a teacher: without one, a clear error and no model
     assert main([*common, "--augment", "2"]) == 2
     assert "--augment needs --teacher" in capsys.readouterr().err
+
+
+def test_teacher_outputs_are_kept_and_read_back(model_parent, workload, tmp_path, capsys, caplog):
+    """--teacher-cache: the teacher's pass is written once and read back by a later run on the same
+    prompts; the values read equal a fresh pass; other prompts (another --seed's copies) miss."""
+    jsonl, tok = workload
+    v1 = str(model_parent / "v1")
+    cache = tmp_path / "cache"
+    prompts = [f"question {i} about rivers" for i in range(40)]
+    fresh = ensemble.teacher([v1], prompts, "cpu", features=True)
+    kept = ensemble.teacher([v1], prompts, "cpu", features=True, cache=cache)
+    read = ensemble.teacher([v1], prompts, "cpu", features=True, cache=cache)
+    assert len(list(cache.glob("*.npz"))) == 1
+    for t in (kept, read):
+        np.testing.assert_allclose(t.probs, fresh.probs, rtol=1e-6)
+        np.testing.assert_allclose(t.features, fresh.features, rtol=1e-6)
+    ensemble.teacher([v1], prompts[:-1], "cpu", features=True, cache=cache)  # other prompts: a miss
+    ensemble.teacher([v1], prompts, "cpu", features=False, cache=cache)  # no features kept: a miss
+    assert len(list(cache.glob("*.npz"))) == 3
+    # through the CLI: a second identical run reads the file, another seed's copies miss
+    train = ["train", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(tmp_path / "s")]
+    common = [*train, "--epochs", "1", "--buckets", "5", *TINY_ARGS, "--teacher", v1, "--augment", "1"]
+    cli_cache = tmp_path / "cli-cache"
+    with caplog.at_level(logging.INFO, logger="predictor"):
+        assert main([*common, "--teacher-cache", str(cli_cache)]) == 0
+        assert main([*common, "--teacher-cache", str(cli_cache)]) == 0
+        assert len(list(cli_cache.glob("*.npz"))) == 1
+        assert "read from" in caplog.text
+        assert main([*common, "--teacher-cache", str(cli_cache), "--seed", "1"]) == 0
+    assert len(list(cli_cache.glob("*.npz"))) == 2
+    capsys.readouterr()
+    assert main([*train, "--epochs", "1", *TINY_ARGS, "--teacher-cache", str(cli_cache)]) == 2
+    assert "--teacher-cache needs --teacher" in capsys.readouterr().err
 
 
 def test_mlm_reads_the_responses_of_the_training_prompts_only(tmp_path, capsys, caplog):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 from predictor import ensemble, metadata
 from predictor.augment import augment
@@ -131,6 +132,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "labelled by the teacher, join the training examples (default 0: none)",
     )
     p.add_argument(
+        "--teacher-cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --teacher: keep each teacher's outputs on the training prompts (and --augment copies) "
+        "in DIR, and read them back in later runs with the same teacher, data and seed instead of "
+        "running the teacher again (default: not kept)",
+    )
+    p.add_argument(
         "--teacher-weight",
         type=float,
         default=0.5,
@@ -206,6 +216,8 @@ def training_responses(args, train_prompts: list[str]) -> list[str]:
 def run(args) -> dict:
     if args.augment and not args.teacher:
         raise ValueError("--augment needs --teacher: the copies are labelled by the teacher")
+    if args.teacher_cache and not args.teacher:
+        raise ValueError("--teacher-cache needs --teacher")
     if args.feature_weight and not args.teacher:
         raise ValueError("--feature-weight needs --teacher: it distils the teacher's pooled vectors")
     base = QUICK if args.quick else DEFAULT
@@ -254,6 +266,7 @@ def run(args) -> dict:
             sp["train"].prompts + ([] if copies is None else copies.prompts),
             args.device,
             features=args.feature_weight > 0,
+            cache=args.teacher_cache,
         )
         if args.teacher
         else None
