@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +83,7 @@ def _cached_outputs(
             return z["probs"], (z["features"] if features else None)
     probs, feats = _outputs([member], prompts, features)[0]
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")  # two runs may write at once
     arrays = {"probs": probs} | ({"features": feats} if features else {})
     np.savez(tmp, **arrays)
     tmp.replace(path)
