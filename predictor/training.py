@@ -270,110 +270,112 @@ def train(
     timed_out = False
     model.train()
     bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=not progress)
-    while step < total_steps:
-        if pos >= len(order):
-            order, pos = rng.permutation(len(tr_ids)), 0
-        idx = order[pos : pos + cfg.batch_size]
-        pos += cfg.batch_size
-        input_ids, mask = collate([tr_ids[i] for i in idx], pad)
-        y = torch.as_tensor(train_labels[idx], device=device)
-        logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
-        loss = _target_loss(logits, y, cfg, None if teacher_probs is None else teacher_probs[idx])
-        if use_exp:
-            loss = loss + cfg.log_weight * expectation_loss(
-                logits, torch.as_tensor(tr_len[idx], device=device), vals
-            )
-        if use_rank:
-            loss = loss + cfg.rank_weight * rank_loss(
-                logits, torch.as_tensor(tr_len[idx], device=device), vals
-            )
-        if distiller is not None:
-            loss = loss + cfg.feature_weight * distiller.loss(idx)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if ema is not None:
-            ema.update(model)
-        step += 1
-        running.append(loss.item())
-        bar.update(1)
-        out_of_time = cfg.max_minutes is not None and time.monotonic() - started > 60 * cfg.max_minutes
-        if step % eval_every == 0 or step == total_steps or out_of_time:
-            if ema is not None:  # evaluate (and keep) the averaged weights
-                live = copy.deepcopy(model.state_dict())
-                model.load_state_dict(ema.state_dict(model))
-            vprobs = np.zeros((len(va_ids), logits.shape[-1])) if evaluate is not None else None
-            vl, vacc = val_loss(model, va_ids, val_labels, pad, probs_out=vprobs)
-            entry = {
-                "step": step,
-                "epoch": round(step / steps_per_epoch, 3),
-                "train_loss": float(np.mean(running)),
-                "val_loss": vl,
-                "val_accuracy": vacc,
-            }
-            if evaluate is not None:
-                entry.update(evaluate(vprobs))
-            running = []
-            result.history.append(entry)
-            bar.set_postfix(val_loss=f"{vl:.3f}", val_acc=f"{vacc:.3f}")
-            log.info(
-                "step %d epoch %.2f: train loss %.4f, val loss %.4f, val acc %.3f%s",
-                step,
-                entry["epoch"],
-                entry["train_loss"],
-                vl,
-                vacc,
-                "".join(
-                    f", {k} {v:.4g}"
-                    for k, v in entry.items()
-                    if k.startswith("val_") and k not in ("val_loss", "val_accuracy")
-                ),
-            )
-            if vl < result.best_val_loss - 1e-4:
-                result.best_val_loss, result.best_step, bad = vl, step, 0
-                best_state = copy.deepcopy(model.state_dict())
-            if ema is not None:
-                model.load_state_dict(live)
-            improved = result.best_step == step
-            if not improved:
-                bad += 1
-            if checkpoint_path is not None:
-                checkpoint.save(
-                    checkpoint_path,
-                    {
-                        "fingerprint": fp,
-                        "step": step,
-                        "pos": pos,
-                        "bad": bad,
-                        "order": order,
-                        "rng": rng.bit_generator.state,
-                        "torch_rng": torch.get_rng_state(),
-                        "model": model.state_dict(),
-                        "features": None if distiller is None else distiller.state_dict(),
-                        "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(),
-                        "ema": None if ema is None else ema.shadow,
-                        "ema_updates": 0 if ema is None else ema.updates,
-                        "best": best_state,
-                        "result": {
-                            k: getattr(result, k)
-                            for k in ("history", "initial_val_loss", "best_val_loss", "best_step")
-                        },
-                    },
+    try:
+        while step < total_steps:
+            if pos >= len(order):
+                order, pos = rng.permutation(len(tr_ids)), 0
+            idx = order[pos : pos + cfg.batch_size]
+            pos += cfg.batch_size
+            input_ids, mask = collate([tr_ids[i] for i in idx], pad)
+            y = torch.as_tensor(train_labels[idx], device=device)
+            logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits
+            loss = _target_loss(logits, y, cfg, None if teacher_probs is None else teacher_probs[idx])
+            if use_exp:
+                loss = loss + cfg.log_weight * expectation_loss(
+                    logits, torch.as_tensor(tr_len[idx], device=device), vals
                 )
-            if not improved and bad >= cfg.patience:
-                log.info("early stop at step %d: no validation improvement in %d evaluations", step, bad)
-                result.stopped_early = True
-                break
-            if out_of_time:
-                log.info("stopping at step %d: time cap of %.1f minutes reached", step, cfg.max_minutes)
-                result.stopped_early = timed_out = True
-                break
-    bar.close()
-    if distiller is not None:
-        distiller.close()
+            if use_rank:
+                loss = loss + cfg.rank_weight * rank_loss(
+                    logits, torch.as_tensor(tr_len[idx], device=device), vals
+                )
+            if distiller is not None:
+                loss = loss + cfg.feature_weight * distiller.loss(idx)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update(model)
+            step += 1
+            running.append(loss.item())
+            bar.update(1)
+            out_of_time = cfg.max_minutes is not None and time.monotonic() - started > 60 * cfg.max_minutes
+            if step % eval_every == 0 or step == total_steps or out_of_time:
+                if ema is not None:  # evaluate (and keep) the averaged weights
+                    live = copy.deepcopy(model.state_dict())
+                    model.load_state_dict(ema.state_dict(model))
+                vprobs = np.zeros((len(va_ids), logits.shape[-1])) if evaluate is not None else None
+                vl, vacc = val_loss(model, va_ids, val_labels, pad, probs_out=vprobs)
+                entry = {
+                    "step": step,
+                    "epoch": round(step / steps_per_epoch, 3),
+                    "train_loss": float(np.mean(running)),
+                    "val_loss": vl,
+                    "val_accuracy": vacc,
+                }
+                if evaluate is not None:
+                    entry.update(evaluate(vprobs))
+                running = []
+                result.history.append(entry)
+                bar.set_postfix(val_loss=f"{vl:.3f}", val_acc=f"{vacc:.3f}")
+                log.info(
+                    "step %d epoch %.2f: train loss %.4f, val loss %.4f, val acc %.3f%s",
+                    step,
+                    entry["epoch"],
+                    entry["train_loss"],
+                    vl,
+                    vacc,
+                    "".join(
+                        f", {k} {v:.4g}"
+                        for k, v in entry.items()
+                        if k.startswith("val_") and k not in ("val_loss", "val_accuracy")
+                    ),
+                )
+                if vl < result.best_val_loss - 1e-4:
+                    result.best_val_loss, result.best_step, bad = vl, step, 0
+                    best_state = copy.deepcopy(model.state_dict())
+                if ema is not None:
+                    model.load_state_dict(live)
+                improved = result.best_step == step
+                if not improved:
+                    bad += 1
+                if checkpoint_path is not None:
+                    checkpoint.save(
+                        checkpoint_path,
+                        {
+                            "fingerprint": fp,
+                            "step": step,
+                            "pos": pos,
+                            "bad": bad,
+                            "order": order,
+                            "rng": rng.bit_generator.state,
+                            "torch_rng": torch.get_rng_state(),
+                            "model": model.state_dict(),
+                            "features": None if distiller is None else distiller.state_dict(),
+                            "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(),
+                            "ema": None if ema is None else ema.shadow,
+                            "ema_updates": 0 if ema is None else ema.updates,
+                            "best": best_state,
+                            "result": {
+                                k: getattr(result, k)
+                                for k in ("history", "initial_val_loss", "best_val_loss", "best_step")
+                            },
+                        },
+                    )
+                if not improved and bad >= cfg.patience:
+                    log.info("early stop at step %d: no validation improvement in %d evaluations", step, bad)
+                    result.stopped_early = True
+                    break
+                if out_of_time:
+                    log.info("stopping at step %d: time cap of %.1f minutes reached", step, cfg.max_minutes)
+                    result.stopped_early = timed_out = True
+                    break
+    finally:  # an error mid-training must not leave the distiller's hook on the model
+        bar.close()
+        if distiller is not None:
+            distiller.close()
     if not timed_out:
         checkpoint.remove(checkpoint_path)
     result.steps = step

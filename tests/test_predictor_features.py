@@ -15,7 +15,7 @@ from predictor.inference import predict_proba, predict_with_features
 from predictor.labeled import split
 from predictor.model import build_classifier, distilbert_config, train_wordpiece
 from predictor.pipeline import Teacher, fit
-from predictor.training import TrainConfig
+from predictor.training import TrainConfig, train
 from tests.predictor_fixtures import TINY, synthetic
 
 torch.set_num_threads(1)
@@ -119,3 +119,31 @@ def test_a_run_with_feature_distillation_resumes_from_its_checkpoint(data, tmp_p
         predict_proba(full_model, tok, prompts, TINY.max_len),
         atol=1e-5,
     )
+
+
+def test_an_error_mid_training_removes_the_distillers_hook(data):
+    """The distiller's hook on the head comes off even when training stops with an error (here an
+    ``evaluate`` callback that raises at the first evaluation); before, the model kept it."""
+    train_set, val = data["train"], data["val"]
+    tok = train_wordpiece(train_set.prompts, 300)
+    model = build_classifier(TINY, tok, 4)
+    labels = np.zeros(len(train_set), dtype=np.int64)
+
+    def failing(_probs):
+        raise RuntimeError("evaluation failed")
+
+    cfg = TrainConfig(epochs=1, max_len=TINY.max_len, feature_weight=1.0)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        train(
+            model,
+            tok,
+            train_set.prompts,
+            labels,
+            val.prompts,
+            np.zeros(len(val), dtype=np.int64),
+            cfg,
+            progress=False,
+            evaluate=failing,
+            teacher_features=_teacher_vectors(train_set.prompts),
+        )
+    assert not model.classifier._forward_pre_hooks
