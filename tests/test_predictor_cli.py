@@ -326,7 +326,8 @@ def test_train_augments_for_the_teacher(model_parent, workload, tmp_path, capsys
 
 def test_teacher_outputs_are_kept_and_read_back(model_parent, workload, tmp_path, capsys, caplog):
     """--teacher-cache: the teacher's pass is written once and read back by a later run on the same
-    prompts; the values read equal a fresh pass; other prompts (another --seed's copies) miss."""
+    prompts; the values read equal a fresh pass; other prompts (another --seed's copies) miss, and
+    --augment-seed keeps the copies (so the cache) while the student's --seed changes."""
     jsonl, tok = workload
     v1 = str(model_parent / "v1")
     cache = tmp_path / "cache"
@@ -351,8 +352,17 @@ def test_teacher_outputs_are_kept_and_read_back(model_parent, workload, tmp_path
         assert len(list(cli_cache.glob("*.npz"))) == 1
         assert "read from" in caplog.text
         assert main([*common, "--teacher-cache", str(cli_cache), "--seed", "1"]) == 0
+        assert len(list(cli_cache.glob("*.npz"))) == 2
+        # another student seed over the same copies (--augment-seed 0) reads the first file back
+        caplog.clear()
+        assert main([*common, "--teacher-cache", str(cli_cache), "--seed", "2", "--augment-seed", "0"]) == 0
+        assert "read from" in caplog.text
     assert len(list(cli_cache.glob("*.npz"))) == 2
+    meta = json.loads((tmp_path / "s" / "v4" / "predictor.json").read_text())
+    assert meta["augment_seed"] == 0
     capsys.readouterr()
+    assert main([*train, "--epochs", "1", *TINY_ARGS, "--augment-seed", "3"]) == 2
+    assert "--augment-seed needs --augment" in capsys.readouterr().err
     assert main([*train, "--epochs", "1", *TINY_ARGS, "--teacher-cache", str(cli_cache)]) == 2
     assert "--teacher-cache needs --teacher" in capsys.readouterr().err
 

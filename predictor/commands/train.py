@@ -132,6 +132,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "labelled by the teacher, join the training examples (default 0: none)",
     )
     p.add_argument(
+        "--augment-seed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="seed of the --augment copies (default: --seed). Fixing it while --seed varies keeps the "
+        "copies, so --teacher-cache still hits and only the student's own randomness changes",
+    )
+    p.add_argument(
         "--teacher-cache",
         type=Path,
         default=None,
@@ -216,6 +224,8 @@ def training_responses(args, train_prompts: list[str]) -> list[str]:
 def run(args) -> dict:
     if args.augment and not args.teacher:
         raise ValueError("--augment needs --teacher: the copies are labelled by the teacher")
+    if args.augment_seed is not None and not args.augment:
+        raise ValueError("--augment-seed needs --augment: it seeds the noisy copies")
     if args.teacher_cache and not args.teacher:
         raise ValueError("--teacher-cache needs --teacher")
     if args.feature_weight and not args.teacher:
@@ -257,7 +267,8 @@ def run(args) -> dict:
     _, sp = splits(args, limit)
     if args.extra_train:
         sp["train"] = sp["train"].concat(extra_training(args, sp))
-    copies = augment(sp["train"], args.augment, args.seed) if args.augment else None
+    augment_seed = args.seed if args.augment_seed is None else args.augment_seed
+    copies = augment(sp["train"], args.augment, augment_seed) if args.augment else None
     if copies is not None:
         log.info("%d noisy copies of training prompts join the training examples", len(copies))
     teacher = (
