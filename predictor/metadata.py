@@ -59,7 +59,7 @@ def train_extra(
         "extra_train": args.extra_train,
         "teacher": teacher_sources,
         "augment": args.augment,  # noisy copies per training prompt (predictor.augment)
-        "augment_seed": args.seed if args.augment_seed is None else args.augment_seed,
+        "augment_seed": args.augment_seed,
         "max_ratio": max_ratio,
         "model_config": model_config,
         "train_examples": train_examples,

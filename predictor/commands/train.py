@@ -226,6 +226,8 @@ def run(args) -> dict:
         raise ValueError("--augment needs --teacher: the copies are labelled by the teacher")
     if args.augment_seed is not None and not args.augment:
         raise ValueError("--augment-seed needs --augment: it seeds the noisy copies")
+    if args.augment_seed is None:  # resolved once: the copies and predictor.json read it
+        args.augment_seed = args.seed
     if args.teacher_cache and not args.teacher:
         raise ValueError("--teacher-cache needs --teacher")
     if args.feature_weight and not args.teacher:
@@ -267,8 +269,7 @@ def run(args) -> dict:
     _, sp = splits(args, limit)
     if args.extra_train:
         sp["train"] = sp["train"].concat(extra_training(args, sp))
-    augment_seed = args.seed if args.augment_seed is None else args.augment_seed
-    copies = augment(sp["train"], args.augment, augment_seed) if args.augment else None
+    copies = augment(sp["train"], args.augment, args.augment_seed) if args.augment else None
     if copies is not None:
         log.info("%d noisy copies of training prompts join the training examples", len(copies))
     teacher = (
