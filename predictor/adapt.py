@@ -34,7 +34,6 @@ from predictor import store
 from predictor.commands import retrain
 from predictor.commands.common import serving_tokenizer
 from predictor.evaluation import estimates, point_figures
-from predictor.inference import predict_proba
 from predictor.labeled import LabeledSet, label, load_labeled, records_for, split
 from workqueue.embedded import EmbeddedRedis
 from workqueue.queue import WorkQueue
@@ -141,9 +140,7 @@ def split_observed(data: LabeledSet, fraction: float, seed: int) -> tuple[Labele
 
 def score(loaded: store.LoadedModel, data: LabeledSet) -> dict:
     """Tau and MAE of the model's declared estimate; sum ratio of its calibrated expectation."""
-    probs = predict_proba(
-        loaded.model, loaded.tokenizer, data.prompts, loaded.max_len, truncation=loaded.truncation
-    )
+    probs = loaded.predict_proba(data.prompts)
     est = estimates(loaded.buckets, probs)
     point = point_figures(est[loaded.point_estimate], data.lengths)
     expected = est["expected"]
@@ -229,7 +226,7 @@ def run(args: argparse.Namespace) -> dict:
     """The benchmark; prints the table and returns the JSON summary (``predictor`` prints it last)."""
     served = served_name(args.served)
     before = store.load(args.model, args.device)
-    trained = trained_alpaca_models(before.meta)
+    trained = set().union(*(trained_alpaca_models(m.meta) for m in before.parts))  # an ensemble: any member's
     if served.startswith("alpaca_eval:") and served.split(":", 1)[1] in trained:
         raise ValueError(f"{served} was in {before.path}'s training data; serve another model")
     tokenizer = serving_tokenizer(args.serving_tokenizer)

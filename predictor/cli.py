@@ -15,7 +15,7 @@ import torch
 
 from cliutil import run_main
 from predictor import adapt
-from predictor.commands import bench, choose, evaluate, export, pretrained, retrain, train
+from predictor.commands import bench, choose, combine, evaluate, export, pretrained, retrain, train
 from predictor.commands.common import data_args, runtime_args
 
 #: name -> (module with add_arguments/run, help, description, data options: None, or whether they
@@ -49,6 +49,16 @@ SUBCOMMANDS = {
         "validation split, pick the declared one by the rule of predictor.evaluation.choose_point_estimate "
         "(lowest validation MAE) and record it in the version's predictor.json and metrics.json. "
         "`predictor train` and `retrain` do this themselves; use it for models saved earlier.",
+        True,
+    ),
+    "combine": (
+        combine,
+        "several trained models as one ensemble version (mean of their bucket probabilities)",
+        "Write an ensemble version directory: each member's files in a sub-directory (m1/, m2/, ...), the "
+        "calibration of the mean's expectation and its declared point estimate fit on the validation split "
+        "(as `predictor train` does for one model). It loads, serves, evaluates, retrains and exports like "
+        "any model version; inference costs one forward pass per member. Prints the validation figures of "
+        "the ensemble and of each member alone.",
         True,
     ),
     "export": (

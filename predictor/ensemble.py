@@ -44,9 +44,14 @@ def _outputs(
     ]
 
 
+def single_models(models: list[store.LoadedModel]) -> list[store.LoadedModel]:
+    """``models`` with each ensemble replaced by its members (every single model weighs the same)."""
+    return [part for m in models for part in m.parts]
+
+
 def mean_probs(members: list[store.LoadedModel], prompts: list[str]) -> np.ndarray:
-    """The mean of the members' bucket probabilities on ``prompts``."""
-    return np.mean([p for p, _ in _outputs(members, prompts, False)], axis=0)
+    """The mean of the members' bucket probabilities on ``prompts`` (an ensemble counts as its members)."""
+    return np.mean([p for p, _ in _outputs(single_models(members), prompts, False)], axis=0)
 
 
 def cache_key(member: store.LoadedModel, prompts: list[str], features: bool) -> str:
@@ -99,7 +104,7 @@ def teacher(
     (``--teacher-cache``), each model's outputs are kept there and reused by later runs."""
     if not dirs:
         raise ValueError("--teacher names no model directory")
-    members = [store.load(d, device) for d in dirs]
+    members = single_models([store.load(d, device) for d in dirs])
     check_same_edges(members, "--teacher")
     log.info("distilling from %s on %d training prompts", ", ".join(dirs), len(prompts))
     if cache is None:

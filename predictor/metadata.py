@@ -43,6 +43,15 @@ def version_metrics(result: TrainResult) -> dict:
     }
 
 
+def ensemble_metrics(result: TrainResult, member_results: list[TrainResult]) -> dict:
+    """``metrics.json`` of an ensemble version: the mean's validation figures, each member's training."""
+    return {
+        "point_estimate": result.point_estimate,
+        "val_estimates": result.val_estimates,
+        "members": [version_metrics(r) for r in member_results],
+    }
+
+
 def train_extra(
     args,
     model_config: dict,
@@ -69,7 +78,9 @@ def train_extra(
 def retrain_extra(loaded: store.LoadedModel, observed: int, original: int) -> dict:
     """``predictor.json`` additions of a retrained version: the base version's record and the data."""
     return {
-        **{k: v for k, v in loaded.meta.items() if k not in ("version", "created", "train_config")},
+        **{
+            k: v for k, v in loaded.meta.items() if k not in ("version", "created", "train_config", "members")
+        },
         "retrained_from": str(loaded.path),
         "observed_examples": observed,
         "original_examples": original,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -196,23 +196,89 @@ def _train_and_calibrate(
     return buckets, result
 
 
+def combine(
+    members: list[store.LoadedModel], val_set: LabeledSet, progress: bool = False
+) -> tuple[Buckets, TrainResult]:
+    """The bucket table (calibration fit anew) and declared point estimate of the mean of ``members``'
+    probabilities, both chosen on ``val_set`` as for any trained model."""
+    edges = members[0].buckets.edges
+    if any(m.buckets.edges != edges for m in members[1:]):
+        raise ValueError("an ensemble's members must share their bucket edges (same data and bucketing)")
+    whole = store.LoadedModel(None, None, members[0].buckets, {}, members[0].path, tuple(members))
+    probs = whole.predict_proba(val_set.prompts, 128, progress)
+    buckets = calibrate(members[0].buckets.with_calibration(1.0), probs, val_set.lengths)
+    log.info("ensemble of %d: calibration factor %.3f", len(members), buckets.calibration)
+    result = TrainResult()
+    choose_estimate(buckets, probs, val_set.lengths, result)
+    return buckets, result
+
+
+@dataclass
+class Retrained:
+    """A retrained model: its bucket table and result and, for an ensemble, each member's."""
+
+    buckets: Buckets
+    result: TrainResult
+    members: list[tuple[Buckets, TrainResult]]
+
+
 def retrain(
     loaded: store.LoadedModel,
     train_set: LabeledSet,
     val_set: LabeledSet,
     train_cfg: TrainConfig,
     progress: bool = True,
-) -> tuple[Buckets, TrainResult]:
-    """Fine-tune a loaded model in place on new data, keeping its tokenizer and bucket edges."""
-    return _train_and_calibrate(
-        loaded.model,
-        loaded.tokenizer,
-        loaded.buckets.with_calibration(1.0),  # re-fit from scratch on the new validation data
-        train_set,
-        val_set,
-        train_cfg,
-        progress,
-    )
+) -> Retrained:
+    """Fine-tune a loaded model in place on new data, keeping its tokenizer and bucket edges (an
+    ensemble: each member on the same data, then the mean's calibration and estimate anew)."""
+    done = [
+        _train_and_calibrate(
+            m.model,
+            m.tokenizer,
+            m.buckets.with_calibration(1.0),  # re-fit from scratch on the new validation data
+            train_set,
+            val_set,
+            train_cfg,
+            progress,
+        )
+        for m in loaded.parts
+    ]
+    if not loaded.members:
+        return Retrained(*done[0], [])
+    buckets, result = combine(list(loaded.members), val_set)
+    return Retrained(buckets, result, done)
+
+
+def save_retrained(
+    out: str | os.PathLike,
+    loaded: store.LoadedModel,
+    retrained: Retrained,
+    train_cfg: TrainConfig,
+    observed: int,
+    original: int,
+) -> Path:
+    """Save what :func:`retrain` made of ``loaded`` (from ``observed`` + ``original`` examples) as the
+    next version under ``out``."""
+    extra = metadata.retrain_extra(loaded, observed, original)
+    if not loaded.members:
+        return save_version(
+            out, loaded.model, loaded.tokenizer, retrained.buckets, retrained.result, train_cfg, extra
+        )
+    members = [
+        replace(
+            m,
+            model=m.model.cpu(),
+            buckets=b,
+            meta={
+                **metadata.version_meta(train_cfg, r, metadata.retrain_extra(m, observed, original)),
+                "version": m.version,
+            },
+        )
+        for m, (b, r) in zip(loaded.members, retrained.members, strict=True)
+    ]
+    meta = metadata.version_meta(train_cfg, retrained.result, extra)
+    metrics = metadata.ensemble_metrics(retrained.result, [r for _, r in retrained.members])
+    return store.save_ensemble(out, members, retrained.buckets, meta, metrics)
 
 
 def save_version(

@@ -19,7 +19,6 @@ import torch
 
 from predictor import shipped, store
 from predictor.baselines import prompt_length_heuristic
-from predictor.inference import predict_proba
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +117,7 @@ class LengthPredictor:
             est = prompt_length_heuristic(words)
             return [LengthPrediction(float(e), float(e), -1, float(e)) for e in est]
         with self._run_lock, torch.inference_mode():
-            probs = predict_proba(
-                loaded.model,
-                loaded.tokenizer,
-                prompts,
-                loaded.max_len,
-                self._max_batch,
-                truncation=loaded.truncation,
-            )
+            probs = loaded.predict_proba(prompts, self._max_batch)
         expected = loaded.buckets.expected(probs)
         buckets = probs.argmax(1)
         midpoint = loaded.buckets.midpoint(buckets)

@@ -34,7 +34,6 @@ from transformers import AutoTokenizer
 
 from localmodels import default_tokenizer
 from predictor import store
-from predictor.inference import predict_proba
 
 log = logging.getLogger(__name__)
 
@@ -115,15 +114,30 @@ def _dir_bytes(path: Path) -> int:
 
 def reference_predictions(loaded: store.LoadedModel, prompts=REFERENCE_PROMPTS) -> dict:
     """Bucket probabilities, argmax buckets and expected tokens of ``loaded`` on ``prompts``."""
-    probs = predict_proba(
-        loaded.model, loaded.tokenizer, list(prompts), loaded.max_len, truncation=loaded.truncation
-    )
+    probs = loaded.predict_proba(list(prompts))
     return {
         "prompts": list(prompts),
         "probs": probs.round(6).tolist(),
         "bucket": probs.argmax(1).tolist(),
         "expected_tokens": loaded.buckets.expected(probs).round(4).tolist(),
     }
+
+
+def _write_fp16(part: store.LoadedModel, dest: Path) -> None:
+    """One single model's files in ``dest``, its weights as fp16."""
+    dest.mkdir(parents=True, exist_ok=True)
+    part.model.half().save_pretrained(str(dest), safe_serialization=True)
+    part.model.float()
+    part.tokenizer.save_pretrained(str(dest))
+    (dest / "special_tokens_map.json").unlink(missing_ok=True)  # duplicated in tokenizer_config.json
+
+
+def _weights_sha1(root: Path, loaded: store.LoadedModel) -> str:
+    """SHA-1 over the weights file(s): one model's, or each member's in order."""
+    h = hashlib.sha1()
+    for name in loaded.meta.get("members") or ["."]:
+        h.update((root / name / "model.safetensors").read_bytes())
+    return h.hexdigest()
 
 
 def export(
@@ -133,9 +147,10 @@ def export(
     prompts=REFERENCE_PROMPTS,
     max_bytes: int = MAX_BYTES,
 ) -> Path:
-    """Copy the model at ``source`` (a version or parent directory) to ``dest`` with fp16 weights.
+    """Copy the model at ``source`` (a version or parent directory; one model or an ensemble, whose
+    members go to their sub-directories) to ``dest`` with fp16 weights.
 
-    Writes ``reference.json`` (the fp32 predictions on ``prompts``) and records the source, the
+    Writes ``reference.json`` (the source's predictions on ``prompts``) and records the source, the
     serving tokenizer (``serving_tokenizer``, by default :func:`serving_tokenizer_info`) and the
     source's validation history in ``predictor.json``. Replaces ``dest`` only once complete.
     """
@@ -145,15 +160,19 @@ def export(
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    loaded.model.half().save_pretrained(str(tmp), safe_serialization=True)
-    loaded.model.float()
-    loaded.tokenizer.save_pretrained(str(tmp))
-    for junk in ("special_tokens_map.json",):  # duplicated in tokenizer_config.json
-        (tmp / junk).unlink(missing_ok=True)
+    if loaded.members:
+        for member in loaded.members:
+            sub = tmp / member.path.name
+            _write_fp16(member, sub)
+            (sub / store.META_FILE).write_text(json.dumps(member.meta, indent=2), encoding="utf-8")
+            if (member.path / store.METRICS_FILE).is_file():
+                shutil.copy(member.path / store.METRICS_FILE, sub / store.METRICS_FILE)
+            member.buckets.save(sub / store.BUCKETS_FILE)
+    else:
+        _write_fp16(loaded, tmp)
     meta = dict(loaded.meta)
     # the weights' hash tells two exports of models that were each their run's v1 apart
-    weights = hashlib.sha1((tmp / "model.safetensors").read_bytes()).hexdigest()[:8]
-    meta["version"] = f"shipped-{loaded.version}-{weights}"
+    meta["version"] = f"shipped-{loaded.version}-{_weights_sha1(tmp, loaded)[:8]}"
     meta["shipped"] = {
         "from": str(loaded.path),
         "from_version": loaded.version,

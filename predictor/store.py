@@ -5,6 +5,11 @@ representative values, calibration), ``predictor.json`` (max_len, version, how i
 trained) and ``metrics.json``. A *parent directory* holds ``v1/``, ``v2/``, ... and a
 ``latest`` file naming the current one; it is written last and atomically, so readers
 never see a half-written version.
+
+An *ensemble* version directory holds no model of its own: its ``predictor.json`` lists
+``members``, sub-directories that are each a complete version directory with the same bucket
+edges, and it predicts the mean of their bucket probabilities; its ``buckets.json`` carries the
+calibration and its ``predictor.json`` the point estimate fit for that mean.
 """
 
 from __future__ import annotations
@@ -13,13 +18,16 @@ import json
 import logging
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
 from predictor.buckets import Buckets
+from predictor.inference import predict_proba
 from predictor.model import load_classifier
 
 log = logging.getLogger(__name__)
@@ -36,11 +44,31 @@ SHIPPED_NAME = "shipped"
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module  # DistilBertForSequenceClassification, or model.MeanPoolClassifier
-    tokenizer: object
+    model: (
+        torch.nn.Module | None
+    )  # DistilBertForSequenceClassification or model.MeanPoolClassifier; None: ensemble
+    tokenizer: object | None  # None for an ensemble (each member has its own)
     buckets: Buckets
     meta: dict
     path: Path
+    members: tuple[LoadedModel, ...] = ()  # an ensemble's members (empty for one model)
+
+    @property
+    def parts(self) -> tuple[LoadedModel, ...]:
+        """The single models whose probabilities this one averages: its members, or itself."""
+        return self.members or (self,)
+
+    def predict_proba(
+        self, prompts: Sequence[str], batch_size: int = 64, progress: bool = False
+    ) -> np.ndarray:
+        """Bucket probabilities ``(len(prompts), n_buckets)``: the mean of the members' for an ensemble."""
+        return np.mean(
+            [
+                predict_proba(m.model, m.tokenizer, prompts, m.max_len, batch_size, progress, m.truncation)
+                for m in self.parts
+            ],
+            axis=0,
+        )
 
     @property
     def version(self) -> str:
@@ -61,9 +89,21 @@ class LoadedModel:
         return str(self.meta.get("point_estimate", "expected"))
 
 
+def member_names(path: str | os.PathLike) -> list[str]:
+    """The member sub-directories an ensemble version directory lists (empty for one model)."""
+    meta = Path(path) / META_FILE
+    if not meta.is_file():
+        return []
+    names = [str(m) for m in json.loads(meta.read_text(encoding="utf-8")).get("members") or []]
+    for name in names:
+        if not name or Path(name).name != name or name in (".", ".."):
+            raise ValueError(f"{meta}: member {name!r} is not a sub-directory name")
+    return names
+
+
 def is_version_dir(path: str | os.PathLike) -> bool:
     p = Path(path)
-    return (p / BUCKETS_FILE).is_file() and (p / "config.json").is_file()
+    return (p / BUCKETS_FILE).is_file() and ((p / "config.json").is_file() or bool(member_names(p)))
 
 
 def versions(parent: str | os.PathLike) -> list[int]:
@@ -106,6 +146,27 @@ def next_version_dir(parent: str | os.PathLike) -> Path:
     return p / f"v{max(taken, default=0) + 1}"
 
 
+def write_version(
+    vdir: Path, model, tokenizer, buckets: Buckets, meta: dict, metrics: dict | None = None
+) -> None:
+    """Write one model's files into ``vdir`` (``model`` None: an ensemble's own files, members apart)."""
+    vdir.mkdir(parents=True, exist_ok=True)
+    if model is not None:
+        model.save_pretrained(str(vdir))
+        tokenizer.save_pretrained(str(vdir))
+    (vdir / META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    (vdir / METRICS_FILE).write_text(json.dumps(metrics or {}, indent=2), encoding="utf-8")
+    buckets.save(vdir / BUCKETS_FILE)  # written last: its presence marks the version complete
+
+
+def _publish(parent: Path, vdir: Path) -> Path:
+    tmp = parent / f".{LATEST_FILE}.tmp"
+    tmp.write_text(vdir.name + "\n", encoding="utf-8")
+    os.replace(tmp, parent / LATEST_FILE)
+    log.info("saved predictor model %s", vdir)
+    return vdir
+
+
 def save(
     out_parent: str | os.PathLike,
     model,
@@ -119,17 +180,31 @@ def save(
     parent.mkdir(parents=True, exist_ok=True)
     vdir = next_version_dir(parent)
     vdir.mkdir()
-    meta = {**meta, "version": vdir.name}
-    model.save_pretrained(str(vdir))
-    tokenizer.save_pretrained(str(vdir))
-    (vdir / META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    (vdir / METRICS_FILE).write_text(json.dumps(metrics or {}, indent=2), encoding="utf-8")
-    buckets.save(vdir / BUCKETS_FILE)  # written last: its presence marks the version complete
-    tmp = parent / f".{LATEST_FILE}.tmp"
-    tmp.write_text(vdir.name + "\n", encoding="utf-8")
-    os.replace(tmp, parent / LATEST_FILE)
-    log.info("saved predictor model %s", vdir)
-    return vdir
+    write_version(vdir, model, tokenizer, buckets, {**meta, "version": vdir.name}, metrics)
+    return _publish(parent, vdir)
+
+
+def save_ensemble(
+    out_parent: str | os.PathLike,
+    members: Sequence[LoadedModel],
+    buckets: Buckets,
+    meta: dict,
+    metrics: dict | None = None,
+) -> Path:
+    """Write a new ensemble version under ``out_parent`` (each member as ``m1/``, ``m2/``, ... with its
+    own files) and point ``latest`` at it; returns the version directory."""
+    if len(members) < 2:
+        raise ValueError("an ensemble needs at least two members")
+    parent = Path(out_parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    vdir = next_version_dir(parent)
+    vdir.mkdir()
+    names = [f"m{i}" for i in range(1, len(members) + 1)]
+    for name, m in zip(names, members, strict=True):
+        m_metrics = read_metrics(m.path) if is_version_dir(m.path) else {}
+        write_version(vdir / name, m.model, m.tokenizer, m.buckets, m.meta, m_metrics)
+    write_version(vdir, None, None, buckets, {**meta, "members": names, "version": vdir.name}, metrics)
+    return _publish(parent, vdir)
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedModel:
@@ -138,6 +213,15 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedM
     meta_path = vdir / META_FILE
     meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
     meta.setdefault("version", vdir.name)
+    if meta.get("members"):
+        members = tuple(load(vdir / name, device) for name in member_names(vdir))
+        if any(m.members for m in members):
+            raise ValueError(f"{vdir}: an ensemble's members must be single models")
+        buckets = Buckets.load(vdir / BUCKETS_FILE)
+        for m in members:
+            if m.buckets.edges != buckets.edges:
+                raise ValueError(f"{vdir}: member {m.path.name} has other bucket edges than the ensemble")
+        return LoadedModel(None, None, buckets, meta, vdir, members)
     tok = AutoTokenizer.from_pretrained(str(vdir), local_files_only=True)
     model = load_classifier(vdir)
     model.to(device).eval()

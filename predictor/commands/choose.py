@@ -6,7 +6,6 @@ import argparse
 
 from predictor import metadata, store
 from predictor.commands.common import model_arg, rounded, splits
-from predictor.inference import predict_proba
 from predictor.pipeline import choose_estimate
 from predictor.training import TrainResult
 
@@ -21,9 +20,7 @@ def run(args) -> dict:
     val = sp["val"]
     if not len(val):
         raise ValueError(f"the validation split of {args.data} is empty")
-    probs = predict_proba(
-        loaded.model, loaded.tokenizer, val.prompts, loaded.max_len, 128, truncation=loaded.truncation
-    )
+    probs = loaded.predict_proba(val.prompts, 128)
     result = TrainResult()
     choose_estimate(loaded.buckets, probs, val.lengths, result)
     metadata.record_point_estimate(loaded.path, result)

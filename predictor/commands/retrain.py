@@ -8,12 +8,12 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from predictor import metadata, store
+from predictor import store
 from predictor.commands.common import DEFAULT_OUT, data_args, runtime_args, serving_tokenizer, splits
 from predictor.labeled import label
 from predictor.observed import read_observed
-from predictor.pipeline import retrain, save_version
-from predictor.training import TrainConfig
+from predictor.pipeline import retrain, save_retrained
+from predictor.training import TrainConfig, TrainResult
 
 log = logging.getLogger("predictor")
 
@@ -46,6 +46,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _losses(r: TrainResult) -> dict:
+    return {
+        "initial_val_loss": round(r.initial_val_loss, 4),
+        "best_val_loss": round(r.best_val_loss, 4),
+        "steps": r.steps,
+    }
+
+
 def run(args) -> dict:
     loaded = store.load(args.model, args.device)
     observed = read_observed(args.from_redis, args.observed_limit)
@@ -74,22 +82,25 @@ def run(args) -> dict:
         len(obs),
         len(train_set) - len(obs),
     )
-    buckets, result = retrain(loaded, train_set, sp["val"], tc)
+    retrained = retrain(loaded, train_set, sp["val"], tc)
+    result = retrained.result
     out = (
         Path(args.out)
         if args.out
         else (Path(args.model).parent if store.is_version_dir(args.model) else Path(args.model))
     )
-    extra = metadata.retrain_extra(loaded, len(obs), len(train_set) - len(obs))
-    vdir = save_version(out, loaded.model, loaded.tokenizer, buckets, result, tc, extra)
+    vdir = save_retrained(out, loaded, retrained, tc, len(obs), len(train_set) - len(obs))
     return {
         "model_dir": str(vdir),
         "version": vdir.name,
         "retrained_from": loaded.version,
         "observed_examples": len(obs),
         "original_examples": len(train_set) - len(obs),
-        "initial_val_loss": round(result.initial_val_loss, 4),
-        "best_val_loss": round(result.best_val_loss, 4),
-        "steps": result.steps,
+        # an ensemble's members each train (and early-stop) on their own
+        **(
+            _losses(result)
+            if not retrained.members
+            else {"members": [_losses(r) for _, r in retrained.members]}
+        ),
         "point_estimate": result.point_estimate,
     }
