@@ -43,13 +43,24 @@ def version_metrics(result: TrainResult) -> dict:
     }
 
 
-def ensemble_metrics(result: TrainResult, member_results: list[TrainResult]) -> dict:
-    """``metrics.json`` of an ensemble version: the mean's validation figures, each member's training."""
-    return {
-        "point_estimate": result.point_estimate,
-        "val_estimates": result.val_estimates,
-        "members": [version_metrics(r) for r in member_results],
-    }
+def ensemble_meta(train_cfg: TrainConfig, result: TrainResult, extra: dict | None = None) -> dict:
+    """``predictor.json`` of a retrained ensemble: as :func:`version_meta`, less what only a member
+    has (its prompt length and truncation; each member records its own)."""
+    meta = version_meta(train_cfg, result, extra)
+    for key in ("max_len", "truncation"):
+        meta.pop(key)
+    for key in ("max_len", "truncation", "log_weight", "ordinal_sigma"):
+        meta["train_config"].pop(key)
+    return meta
+
+
+def ensemble_metrics(result: TrainResult, member_results: list[TrainResult] | None = None) -> dict:
+    """``metrics.json`` of an ensemble version: the mean's validation figures and, when retrained,
+    each member's training (each member's own ``metrics.json`` has it too)."""
+    out = {"point_estimate": result.point_estimate, "val_estimates": result.val_estimates}
+    if member_results:
+        out["members"] = [version_metrics(r) for r in member_results]
+    return out
 
 
 def train_extra(

@@ -197,15 +197,21 @@ def _train_and_calibrate(
 
 
 def combine(
-    members: list[store.LoadedModel], val_set: LabeledSet, progress: bool = False
+    members: list[store.LoadedModel],
+    val_set: LabeledSet,
+    progress: bool = False,
+    probs: np.ndarray | None = None,
 ) -> tuple[Buckets, TrainResult]:
-    """The bucket table (calibration fit anew) and declared point estimate of the mean of ``members``'
-    probabilities, both chosen on ``val_set`` as for any trained model."""
+    """The bucket table (the first member's, calibration fit anew) and declared point estimate of the
+    mean of ``members``' probabilities (``probs`` on ``val_set`` if already computed), both chosen on
+    ``val_set`` as for any trained model."""
+    members = [part for m in members for part in m.parts]
     edges = members[0].buckets.edges
     if any(m.buckets.edges != edges for m in members[1:]):
         raise ValueError("an ensemble's members must share their bucket edges (same data and bucketing)")
-    whole = store.LoadedModel(None, None, members[0].buckets, {}, members[0].path, tuple(members))
-    probs = whole.predict_proba(val_set.prompts, 128, progress)
+    if probs is None:
+        whole = store.LoadedModel(None, None, members[0].buckets, {}, members[0].path, tuple(members))
+        probs = whole.predict_proba(val_set.prompts, 128, progress)
     buckets = calibrate(members[0].buckets.with_calibration(1.0), probs, val_set.lengths)
     log.info("ensemble of %d: calibration factor %.3f", len(members), buckets.calibration)
     result = TrainResult()
@@ -213,13 +219,28 @@ def combine(
     return buckets, result
 
 
+def model_config(model: store.LoadedModel, train_cfg: TrainConfig) -> TrainConfig:
+    """``train_cfg`` with what fine-tuning must keep from how a single ``model`` was trained: its
+    prompt length and truncation, and its loss terms."""
+    base = model.meta.get("train_config", {})
+    return replace(
+        train_cfg,
+        max_len=model.max_len,
+        truncation=model.truncation,
+        log_weight=float(base.get("log_weight", 1.0)),
+        ordinal_sigma=float(base.get("ordinal_sigma", 0.0)),
+    )
+
+
 @dataclass
 class Retrained:
-    """A retrained model: its bucket table and result and, for an ensemble, each member's."""
+    """A retrained model: its bucket table and result and, for an ensemble, each member's
+    (bucket table, result, training config)."""
 
     buckets: Buckets
     result: TrainResult
-    members: list[tuple[Buckets, TrainResult]]
+    config: TrainConfig
+    members: list[tuple[Buckets, TrainResult, TrainConfig]]
 
 
 def retrain(
@@ -229,56 +250,62 @@ def retrain(
     train_cfg: TrainConfig,
     progress: bool = True,
 ) -> Retrained:
-    """Fine-tune a loaded model in place on new data, keeping its tokenizer and bucket edges (an
-    ensemble: each member on the same data, then the mean's calibration and estimate anew)."""
-    done = [
-        _train_and_calibrate(
+    """Fine-tune a loaded model in place on new data, keeping its tokenizer, bucket edges, prompt
+    length and loss terms (:func:`model_config`); an ensemble: each member on the same data, then the
+    mean's calibration and point estimate anew."""
+    done = []
+    for m in loaded.parts:
+        cfg = model_config(m, train_cfg)
+        buckets, result = _train_and_calibrate(
             m.model,
             m.tokenizer,
             m.buckets.with_calibration(1.0),  # re-fit from scratch on the new validation data
             train_set,
             val_set,
-            train_cfg,
+            cfg,
             progress,
         )
-        for m in loaded.parts
-    ]
+        done.append((buckets, result, cfg))
     if not loaded.members:
         return Retrained(*done[0], [])
     buckets, result = combine(list(loaded.members), val_set)
-    return Retrained(buckets, result, done)
+    return Retrained(buckets, result, train_cfg, done)
 
 
 def save_retrained(
-    out: str | os.PathLike,
-    loaded: store.LoadedModel,
-    retrained: Retrained,
-    train_cfg: TrainConfig,
-    observed: int,
-    original: int,
+    out: str | os.PathLike, loaded: store.LoadedModel, retrained: Retrained, observed: int, original: int
 ) -> Path:
     """Save what :func:`retrain` made of ``loaded`` (from ``observed`` + ``original`` examples) as the
     next version under ``out``."""
     extra = metadata.retrain_extra(loaded, observed, original)
     if not loaded.members:
         return save_version(
-            out, loaded.model, loaded.tokenizer, retrained.buckets, retrained.result, train_cfg, extra
+            out,
+            loaded.model,
+            loaded.tokenizer,
+            retrained.buckets,
+            retrained.result,
+            retrained.config,
+            extra,
         )
     members = [
         replace(
             m,
             model=m.model.cpu(),
             buckets=b,
-            meta={
-                **metadata.version_meta(train_cfg, r, metadata.retrain_extra(m, observed, original)),
-                "version": m.version,
-            },
+            meta=metadata.version_meta(cfg, r, metadata.retrain_extra(m, observed, original)),
         )
-        for m, (b, r) in zip(loaded.members, retrained.members, strict=True)
+        for m, (b, r, cfg) in zip(loaded.members, retrained.members, strict=True)
     ]
-    meta = metadata.version_meta(train_cfg, retrained.result, extra)
-    metrics = metadata.ensemble_metrics(retrained.result, [r for _, r in retrained.members])
-    return store.save_ensemble(out, members, retrained.buckets, meta, metrics)
+    meta = metadata.ensemble_meta(retrained.config, retrained.result, extra)
+    return store.save_ensemble(
+        out,
+        members,
+        retrained.buckets,
+        meta,
+        metadata.ensemble_metrics(retrained.result, [r for _, r, _ in retrained.members]),
+        [metadata.version_metrics(r) for _, r, _ in retrained.members],
+    )
 
 
 def save_version(

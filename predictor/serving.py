@@ -1,7 +1,7 @@
 """In-process batched length predictor for the gateway.
 
 One forward pass per :meth:`LengthPredictor.predict` call (chunked above ``max_batch``
-prompts), safe to call from several threads at once (the gateway uses
+prompts; one per member for an ensemble version), safe to call from several threads at once (the gateway uses
 ``asyncio.to_thread``), hot reload of a new model version without a restart, and a
 logged prompt-length heuristic when no model is configured.
 """
@@ -41,7 +41,8 @@ class LengthPrediction:
 
 
 class LengthPredictor:
-    """Thread-safe batched predictor; one forward pass per predict() call (chunked for huge batches)."""
+    """Thread-safe batched predictor; one forward pass per predict() call (chunked for huge batches;
+    one per member for an ensemble)."""
 
     def __init__(
         self, loaded: store.LoadedModel | None, source: Path | None = None, max_batch: int = 512

@@ -1,11 +1,13 @@
 """The length predictor shipped with the project, and how a deployment chooses its predictor.
 
 ``predictor/shipped_model/`` (package data) is an ordinary version directory (see
-:mod:`predictor.store`) with the weights in fp16 safetensors (under 5 MB), its WordPiece
-tokenizer, ``buckets.json`` and ``predictor.json``, whose ``shipped`` entry names the serving
-tokenizer its lengths were counted in, the model it was exported from and its test figures;
-``reference.json`` holds the fp32 source model's predictions on a few fixed prompts, so a test
-can check that the fp16 copy predicts the same.
+:mod:`predictor.store`), of one model or an ensemble (each member in its sub-directory), with the
+weights in fp16 safetensors (under 5 MB in all), each model's WordPiece tokenizer, ``buckets.json``
+and ``predictor.json``, whose ``shipped`` entry names the serving tokenizer its lengths were counted
+in, the model it was exported from and its test figures; ``reference.json`` holds the fp32 source
+model's predictions on a few fixed prompts, so a test can check that the fp16 copy predicts the same.
+DistilBERT members keep only the position embeddings their prompt length reaches (``max_len`` of
+512 rows): the rest are never read.
 
 ``gateway up`` (and ``loadgen demo``, which starts it) use it unless ``--predictor`` says
 otherwise: :func:`choose` maps ``shipped`` to this directory and ``heuristic`` to no model.
@@ -21,6 +23,7 @@ Rebuild it (the commands are in ``docs/predictor.md``)::
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import logging
@@ -32,6 +35,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from cliutil import run_main
 from localmodels import default_tokenizer
 from predictor import store
 
@@ -124,10 +128,16 @@ def reference_predictions(loaded: store.LoadedModel, prompts=REFERENCE_PROMPTS) 
 
 
 def _write_fp16(part: store.LoadedModel, dest: Path) -> None:
-    """One single model's files in ``dest``, its weights as fp16."""
+    """One single model's files in ``dest``, its weights as fp16 (a copy: ``part`` stays as it is).
+
+    A DistilBERT model keeps the first ``max_len`` position embeddings only: prompts are cut to
+    ``max_len`` tokens, so the others are never read (131 KB of fp16 at 512 x 128)."""
     dest.mkdir(parents=True, exist_ok=True)
-    part.model.half().save_pretrained(str(dest), safe_serialization=True)
-    part.model.float()
+    model = copy.deepcopy(part.model)
+    positions = getattr(model.config, "max_position_embeddings", 0)
+    if model.config.model_type == "distilbert" and part.max_len < positions:
+        model.resize_position_embeddings(part.max_len)
+    model.half().save_pretrained(str(dest), safe_serialization=True)
     part.tokenizer.save_pretrained(str(dest))
     (dest / "special_tokens_map.json").unlink(missing_ok=True)  # duplicated in tokenizer_config.json
 
@@ -161,8 +171,8 @@ def export(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if loaded.members:
-        for member in loaded.members:
-            sub = tmp / member.path.name
+        for name, member in zip(store.member_names(loaded.path), loaded.members, strict=True):
+            sub = tmp / name
             _write_fp16(member, sub)
             (sub / store.META_FILE).write_text(json.dumps(member.meta, indent=2), encoding="utf-8")
             if (member.path / store.METRICS_FILE).is_file():
@@ -231,10 +241,24 @@ def load_shipped(path: str | os.PathLike = SHIPPED_DIR):
     return LengthPredictor.from_dir(path)
 
 
+def _run(args: argparse.Namespace) -> dict:
+    if args.command == "export":
+        info = None
+        if args.serving_tokenizer:
+            tok = AutoTokenizer.from_pretrained(args.serving_tokenizer, local_files_only=True)
+            info = serving_tokenizer_info(tok, name=str(args.serving_tokenizer))
+        out = export(args.source, args.out, info)
+        return {"model_dir": str(out), "bytes": _dir_bytes(out)}
+    return record_eval(args.report, args.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m predictor.shipped", description=__doc__.split("\n\n")[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="copy a trained model into the package with fp16 weights")
+    e = sub.add_parser(
+        "export", help="copy a trained model (one, or an ensemble) into the package with fp16 weights"
+    )
     e.add_argument("--from", dest="source", required=True, help="model directory (version or parent)")
     e.add_argument("--out", default=str(SHIPPED_DIR), help="destination (default: the shipped model)")
     e.add_argument(
@@ -243,18 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("record-eval", help="store `predictor eval --report` figures in predictor.json")
     r.add_argument("report")
     r.add_argument("--out", default=str(SHIPPED_DIR))
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "export":
-        info = None
-        if args.serving_tokenizer:
-            tok = AutoTokenizer.from_pretrained(args.serving_tokenizer, local_files_only=True)
-            info = serving_tokenizer_info(tok, name=str(args.serving_tokenizer))
-        out = export(args.source, args.out, info)
-        print(json.dumps({"model_dir": str(out), "bytes": _dir_bytes(out)}))
-    else:
-        print(json.dumps(record_eval(args.report, args.out)))
-    return 0
+    return run_main(p, argv, _run, prog="python -m predictor.shipped", print_json=True)
 
 
 if __name__ == "__main__":

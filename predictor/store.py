@@ -44,9 +44,10 @@ SHIPPED_NAME = "shipped"
 
 @dataclass
 class LoadedModel:
-    model: (
-        torch.nn.Module | None
-    )  # DistilBertForSequenceClassification or model.MeanPoolClassifier; None: ensemble
+    """A model version in memory: one classifier with its tokenizer, or an ensemble of such members."""
+
+    # DistilBertForSequenceClassification or model.MeanPoolClassifier; None for an ensemble
+    model: torch.nn.Module | None
     tokenizer: object | None  # None for an ensemble (each member has its own)
     buckets: Buckets
     meta: dict
@@ -76,10 +77,16 @@ class LoadedModel:
 
     @property
     def max_len(self) -> int:
+        self._single("max_len")
         return int(self.meta.get("max_len", 128))
+
+    def _single(self, what: str) -> None:
+        if self.members:
+            raise ValueError(f"{self.path} is an ensemble: each member has its own {what}")
 
     @property
     def truncation(self) -> str:
+        self._single("truncation")
         return str(self.meta.get("truncation", "head"))
 
     @property
@@ -94,16 +101,31 @@ def member_names(path: str | os.PathLike) -> list[str]:
     meta = Path(path) / META_FILE
     if not meta.is_file():
         return []
-    names = [str(m) for m in json.loads(meta.read_text(encoding="utf-8")).get("members") or []]
+    try:
+        names = json.loads(meta.read_text(encoding="utf-8")).get("members") or []
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{meta} is not a JSON object: {e}") from e
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{meta}: members must be a list of sub-directory names")
     for name in names:
         if not name or Path(name).name != name or name in (".", ".."):
             raise ValueError(f"{meta}: member {name!r} is not a sub-directory name")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{meta}: a member is listed twice")
     return names
 
 
 def is_version_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a complete model version (one model, or an ensemble listing members)."""
     p = Path(path)
-    return (p / BUCKETS_FILE).is_file() and ((p / "config.json").is_file() or bool(member_names(p)))
+    if not (p / BUCKETS_FILE).is_file():
+        return False
+    if (p / "config.json").is_file():
+        return True
+    try:
+        return bool(member_names(p))
+    except ValueError:
+        return False  # load() names the problem
 
 
 def versions(parent: str | os.PathLike) -> list[int]:
@@ -125,6 +147,8 @@ def resolve(path: str | os.PathLike) -> Path:
     p = SHIPPED_DIR if str(path) == SHIPPED_NAME else Path(path)
     if is_version_dir(p):
         return p
+    if (p / BUCKETS_FILE).is_file() and (p / META_FILE).is_file():
+        member_names(p)  # a version whose ensemble record is broken: say what is wrong with it
     latest = p / LATEST_FILE
     if latest.is_file():
         name = latest.read_text(encoding="utf-8").strip()
@@ -147,7 +171,12 @@ def next_version_dir(parent: str | os.PathLike) -> Path:
 
 
 def write_version(
-    vdir: Path, model, tokenizer, buckets: Buckets, meta: dict, metrics: dict | None = None
+    vdir: Path,
+    model: torch.nn.Module | None,
+    tokenizer: object | None,
+    buckets: Buckets,
+    meta: dict,
+    metrics: dict | None = None,
 ) -> None:
     """Write one model's files into ``vdir`` (``model`` None: an ensemble's own files, members apart)."""
     vdir.mkdir(parents=True, exist_ok=True)
@@ -160,6 +189,7 @@ def write_version(
 
 
 def _publish(parent: Path, vdir: Path) -> Path:
+    """Point ``parent``'s ``latest`` at the complete version ``vdir`` (atomically)."""
     tmp = parent / f".{LATEST_FILE}.tmp"
     tmp.write_text(vdir.name + "\n", encoding="utf-8")
     os.replace(tmp, parent / LATEST_FILE)
@@ -190,9 +220,11 @@ def save_ensemble(
     buckets: Buckets,
     meta: dict,
     metrics: dict | None = None,
+    member_metrics: Sequence[dict] | None = None,
 ) -> Path:
     """Write a new ensemble version under ``out_parent`` (each member as ``m1/``, ``m2/``, ... with its
-    own files) and point ``latest`` at it; returns the version directory."""
+    own files; ``member_metrics`` their ``metrics.json``, by default copied from where they were
+    loaded) and point ``latest`` at it; returns the version directory."""
     if len(members) < 2:
         raise ValueError("an ensemble needs at least two members")
     parent = Path(out_parent)
@@ -200,8 +232,9 @@ def save_ensemble(
     vdir = next_version_dir(parent)
     vdir.mkdir()
     names = [f"m{i}" for i in range(1, len(members) + 1)]
-    for name, m in zip(names, members, strict=True):
-        m_metrics = read_metrics(m.path) if is_version_dir(m.path) else {}
+    if member_metrics is None:
+        member_metrics = [read_metrics(m.path) if is_version_dir(m.path) else {} for m in members]
+    for name, m, m_metrics in zip(names, members, member_metrics, strict=True):
         write_version(vdir / name, m.model, m.tokenizer, m.buckets, m.meta, m_metrics)
     write_version(vdir, None, None, buckets, {**meta, "members": names, "version": vdir.name}, metrics)
     return _publish(parent, vdir)
@@ -214,9 +247,11 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedM
     meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
     meta.setdefault("version", vdir.name)
     if meta.get("members"):
-        members = tuple(load(vdir / name, device) for name in member_names(vdir))
-        if any(m.members for m in members):
-            raise ValueError(f"{vdir}: an ensemble's members must be single models")
+        names = member_names(vdir)
+        missing = [n for n in names if not is_version_dir(vdir / n) or member_names(vdir / n)]
+        if missing:
+            raise ValueError(f"{vdir}: members {', '.join(missing)} are not single model directories")
+        members = tuple(load(vdir / name, device) for name in names)
         buckets = Buckets.load(vdir / BUCKETS_FILE)
         for m in members:
             if m.buckets.edges != buckets.edges:

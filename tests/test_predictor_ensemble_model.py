@@ -4,11 +4,13 @@ exports (fp16, as the shipped model) and retrains from observed lengths in a rea
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 import redis
 import torch
+from safetensors import safe_open
 
 from predictor import shipped, store
 from predictor.cli import main
@@ -108,8 +110,6 @@ def test_export_copies_an_ensemble_with_fp16_members(combined, tmp_path):
     copy = store.load(dest)
     assert [m.path.name for m in copy.members] == ["m1", "m2"]
     for name in ("m1", "m2"):
-        from safetensors import safe_open
-
         with safe_open(str(dest / name / "model.safetensors"), framework="pt") as f:
             assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
     ref = json.loads((dest / shipped.REFERENCE_FILE).read_text())
@@ -141,6 +141,18 @@ def test_retrain_of_an_ensemble_moves_every_member_toward_observed_lengths(
     assert r["observed_examples"] == 150 and len(r["members"]) == 2 and "best_val_loss" not in r
     before, after = store.load(parent), store.load(out)
     assert [m.path.name for m in after.members] == ["m1", "m2"]
+    for m_before, m_after in zip(before.members, after.members, strict=True):
+        # each member fine-tuned as it was trained: its prompt length, truncation and loss terms
+        cfg = m_after.meta["train_config"]
+        assert (
+            (cfg["max_len"], cfg["truncation"])
+            == (m_before.max_len, m_before.truncation)
+            == (32, "head_tail")
+        )
+        assert cfg["ordinal_sigma"] == m_before.meta["train_config"]["ordinal_sigma"] and cfg["epochs"] == 3
+        assert "members" not in m_after.meta
+        assert store.read_metrics(m_after.path)["steps"] == store.read_metrics(out)["members"][0]["steps"] > 0
+    assert "max_len" not in after.meta
     assert json.loads((out / "v1" / "predictor.json").read_text())["retrained_from"] == str(before.path)
     probe = synthetic(60, seed=21)
     probe = LabeledSet([f"served {p}" for p in probe.prompts], probe.lengths * 3, probe.sources)
@@ -164,4 +176,26 @@ def test_combine_bad_input_is_a_clear_error(members, workload, tmp_path, capsys)
     assert main([*args, "--members", f"{members[0]},{other}"]) == 2
     assert "other bucket edges" in capsys.readouterr().err
     assert main([*args, "--members", f"{members[0]},{tmp_path / 'missing'}"]) == 2
+    assert "missing" in capsys.readouterr().err
+    assert main([*args, "--members", f"{members[0]},{members[0]}"]) == 2
+    assert "more than once" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
+
+
+def test_a_malformed_ensemble_is_a_clear_error(combined, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(store.resolve(combined[0]), bad)
+    meta = json.loads((bad / "predictor.json").read_text())
+    for members, message in (
+        (["m1", "../m2"], "not a sub-directory"),
+        (["m1", "m1"], "twice"),
+        ("m1", "a list"),
+    ):
+        (bad / "predictor.json").write_text(json.dumps({**meta, "members": members}))
+        with pytest.raises(ValueError, match=message):
+            store.load(bad)
+    (bad / "predictor.json").write_text(json.dumps({**meta, "members": ["m1", "m3"]}))
+    with pytest.raises(ValueError, match="m3 are not single model"):
+        store.load(bad)
+    assert main(["eval", "--model", str(bad)]) == 2
+    assert "m3" in capsys.readouterr().err

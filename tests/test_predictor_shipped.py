@@ -19,7 +19,6 @@ from gateway.cli import build_parser as gateway_parser
 from gateway.up import gateway_config
 from predictor import shipped, store
 from predictor.cli import main as predictor_main
-from predictor.inference import predict_proba
 from predictor.labeled import split
 from predictor.pipeline import fit, save_version
 from predictor.serving import LengthPredictor
@@ -50,21 +49,26 @@ def tiny_shipped(tiny_source, tmp_path_factory) -> Path:
 
 def test_shipped_model_is_package_data_under_5_mb():
     d = shipped.SHIPPED_DIR
-    for f in ("model.safetensors", "config.json", "tokenizer.json", "buckets.json", "predictor.json"):
-        assert (d / f).is_file(), f
+    assert (d / "buckets.json").is_file() and (d / "predictor.json").is_file()
+    for part in store.member_names(d) or ["."]:  # one model, or each member of an ensemble
+        for f in ("model.safetensors", "config.json", "tokenizer.json", "buckets.json", "predictor.json"):
+            assert (d / part / f).is_file(), f"{part}/{f}"
+        with safe_open(str(d / part / "model.safetensors"), framework="pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
     assert shipped.REFERENCE_FILE in {p.name for p in d.iterdir()}
     assert sum(p.stat().st_size for p in d.rglob("*") if p.is_file()) <= shipped.MAX_BYTES
-    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
     meta = json.loads((d / "predictor.json").read_text())
     tok = meta["shipped"]["serving_tokenizer"]
     assert tok["name"] == shipped.DEFAULT_SERVING_TOKENIZER and tok["vocab_size"] > 0
     assert len(tok["vocab_sha1"]) == 40
     assert {"kendall_tau", "mae_tokens"} <= set(meta["shipped"]["test"])
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "shipped_model/*" in pyproject["tool"]["setuptools"]["package-data"]["predictor"]
-    ignored = subprocess.run(["git", "check-ignore", "-q", str(d / "model.safetensors")], cwd=REPO)
-    assert ignored.returncode == 1, "the shipped model must not be git-ignored"
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["predictor"]
+    assert {"shipped_model/*", "shipped_model/*/*"} <= set(patterns)  # an ensemble's members too
+    for part in store.member_names(d) or ["."]:
+        weights = d / part / "model.safetensors"
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(weights)], cwd=REPO)
+        assert ignored.returncode == 1, "the shipped model must not be git-ignored"
 
 
 def test_shipped_model_predicts_like_the_fp32_model_it_was_saved_from():
@@ -72,10 +76,8 @@ def test_shipped_model_predicts_like_the_fp32_model_it_was_saved_from():
     pred = shipped.load_shipped()
     assert not pred.is_fallback and pred.version.startswith("shipped-")
     loaded = store.load(shipped.SHIPPED_DIR)
-    assert next(loaded.model.parameters()).dtype == torch.float32
-    probs = predict_proba(
-        loaded.model, loaded.tokenizer, ref["prompts"], loaded.max_len, truncation=loaded.truncation
-    )
+    assert all(next(m.model.parameters()).dtype == torch.float32 for m in loaded.parts)
+    probs = loaded.predict_proba(ref["prompts"])
     assert np.abs(probs - np.asarray(ref["probs"])).max() < 1e-3  # fp16 weights: measured 4e-5
     out = pred.predict(ref["prompts"])
     assert [p.bucket for p in out] == ref["bucket"]
@@ -97,6 +99,13 @@ def test_export_round_trip_keeps_predictions(tiny_source, tiny_shipped):
     weights = hashlib.sha1((tiny_shipped / "model.safetensors").read_bytes()).hexdigest()[:8]
     assert meta["shipped"]["from_version"] == "v1" and fp16.version == f"shipped-v1-{weights}"
     assert src.point_estimate == fp16.point_estimate
+    # only the position embeddings that max_len reaches are shipped; the source keeps all of them
+    config = json.loads((tiny_shipped / "config.json").read_text())
+    assert (
+        config["max_position_embeddings"]
+        == TINY.max_len
+        < store.load(tiny_source).model.config.max_position_embeddings
+    )
     ref = json.loads((tiny_shipped / shipped.REFERENCE_FILE).read_text())
     assert ref["bucket"] == [p.bucket for p in src.predict(ref["prompts"])]
     with pytest.raises(ValueError, match="limit"):

@@ -7,6 +7,7 @@ import argparse
 import logging
 import time
 
+import numpy as np
 import torch
 
 from predictor import ensemble, metadata, store
@@ -28,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="parent directory to write the ensemble version into")
 
 
-def _val_figures(model: store.LoadedModel, probs, lengths) -> dict:
+def _val_figures(model: store.LoadedModel, probs: np.ndarray, lengths: np.ndarray) -> dict:
     """Kendall tau and MAE of ``model``'s declared estimate on validation probabilities."""
     f = point_figures(estimates(model.buckets, probs)[model.point_estimate], lengths)
     return {
@@ -38,18 +39,22 @@ def _val_figures(model: store.LoadedModel, probs, lengths) -> dict:
     }
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     dirs = comma_list(args.members)
     members = ensemble.single_models([store.load(d, args.device) for d in dirs])
     if len(members) < 2:
         raise ValueError(f"--members names {len(members)} model; an ensemble needs at least two")
+    paths = [m.path.resolve() for m in members]
+    if len(set(paths)) != len(paths):
+        raise ValueError("--members names one model more than once")
     ensemble.check_same_edges(members, "--members")
     _, sp = splits(args)
     val = sp["val"]
     if not len(val):
         raise ValueError(f"the validation split of {args.data} is empty")
-    alone = [_val_figures(m, m.predict_proba(val.prompts, 128), val.lengths) for m in members]
-    buckets, result = combine(members, val)
+    probs = [m.predict_proba(val.prompts, 128) for m in members]
+    alone = [_val_figures(m, p, val.lengths) for m, p in zip(members, probs, strict=True)]
+    buckets, result = combine(members, val, probs=np.mean(probs, axis=0))
     meta = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "data": args.data,
@@ -57,8 +62,8 @@ def run(args) -> dict:
         "torch": torch.__version__,
         "point_estimate": result.point_estimate,
     }
-    metrics = metadata.ensemble_metrics(result, [])
-    vdir = store.save_ensemble(args.out, members, buckets, meta, metrics | {"members_val": alone})
+    metrics = metadata.ensemble_metrics(result) | {"members_val": alone}
+    vdir = store.save_ensemble(args.out, members, buckets, meta, metrics)
     declared = result.val_estimates[result.point_estimate]
     return {
         "model_dir": str(vdir),

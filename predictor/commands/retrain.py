@@ -63,18 +63,9 @@ def run(args) -> dict:
     _, sp = splits(args)
     original = sp["train"].sample(args.original, args.seed) if args.original else None
     train_set = obs if original is None else original.concat(obs)
-    base = loaded.meta.get("train_config", {})
+    # prompt length, truncation and loss terms come from each model (pipeline.model_config)
     tc = replace(
-        TrainConfig(),
-        epochs=args.epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        max_len=loaded.max_len,
-        truncation=loaded.truncation,
-        seed=args.seed,
-        log_weight=float(base.get("log_weight", 1.0)),
-        ordinal_sigma=float(base.get("ordinal_sigma", 0.0)),
-        warmup=0.0,
+        TrainConfig(), epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed, warmup=0.0
     )
     log.info(
         "retraining %s on %d observed + %d original examples",
@@ -89,7 +80,7 @@ def run(args) -> dict:
         if args.out
         else (Path(args.model).parent if store.is_version_dir(args.model) else Path(args.model))
     )
-    vdir = save_retrained(out, loaded, retrained, tc, len(obs), len(train_set) - len(obs))
+    vdir = save_retrained(out, loaded, retrained, len(obs), len(train_set) - len(obs))
     return {
         "model_dir": str(vdir),
         "version": vdir.name,
@@ -100,7 +91,7 @@ def run(args) -> dict:
         **(
             _losses(result)
             if not retrained.members
-            else {"members": [_losses(r) for _, r in retrained.members]}
+            else {"members": [_losses(r) for _, r, _ in retrained.members]}
         ),
         "point_estimate": result.point_estimate,
     }
