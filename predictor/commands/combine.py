@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
     meta = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "data": args.data,
-        "combined_from": [str(m.path) for m in members],
+        "combined_from": [{"path": str(m.path), "version": m.version} for m in members],
         "torch": torch.__version__,
         "point_estimate": result.point_estimate,
     }
