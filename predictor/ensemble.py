@@ -18,13 +18,6 @@ from predictor.pipeline import Teacher
 log = logging.getLogger("predictor")
 
 
-def check_same_edges(members: list[store.LoadedModel], option: str) -> None:
-    """Models whose probabilities are averaged must share the first one's bucket edges."""
-    for m in members[1:]:
-        if m.buckets.edges != members[0].buckets.edges:
-            raise ValueError(f"{option}: {m.path} has other bucket edges than {members[0].path}")
-
-
 def _outputs(
     members: list[store.LoadedModel], prompts: list[str], features: bool
 ) -> list[tuple[np.ndarray, np.ndarray | None]]:
@@ -105,7 +98,7 @@ def teacher(
     if not dirs:
         raise ValueError("--teacher names no model directory")
     members = single_models([store.load(d, device) for d in dirs])
-    check_same_edges(members, "--teacher")
+    store.check_same_edges(members, "--teacher")
     log.info("distilling from %s on %d training prompts", ", ".join(dirs), len(prompts))
     if cache is None:
         outs = _outputs(members, prompts, features)

@@ -206,12 +206,9 @@ def combine(
     mean of ``members``' probabilities (``probs`` on ``val_set`` if already computed), both chosen on
     ``val_set`` as for any trained model."""
     members = [part for m in members for part in m.parts]
-    edges = members[0].buckets.edges
-    if any(m.buckets.edges != edges for m in members[1:]):
-        raise ValueError("an ensemble's members must share their bucket edges (same data and bucketing)")
+    store.check_same_edges(members, "ensemble")
     if probs is None:
-        whole = store.LoadedModel(None, None, members[0].buckets, {}, members[0].path, tuple(members))
-        probs = whole.predict_proba(val_set.prompts, 128, progress)
+        probs = np.mean([m.predict_proba(val_set.prompts, 128, progress) for m in members], axis=0)
     buckets = calibrate(members[0].buckets.with_calibration(1.0), probs, val_set.lengths)
     log.info("ensemble of %d: calibration factor %.3f", len(members), buckets.calibration)
     result = TrainResult()

@@ -172,12 +172,10 @@ def export(
     tmp.mkdir(parents=True)
     if loaded.members:
         for name, member in zip(store.member_names(loaded.path), loaded.members, strict=True):
-            sub = tmp / name
-            _write_fp16(member, sub)
-            (sub / store.META_FILE).write_text(json.dumps(member.meta, indent=2), encoding="utf-8")
-            if (member.path / store.METRICS_FILE).is_file():
-                shutil.copy(member.path / store.METRICS_FILE, sub / store.METRICS_FILE)
-            member.buckets.save(sub / store.BUCKETS_FILE)
+            _write_fp16(member, tmp / name)
+            store.write_version(
+                tmp / name, None, None, member.buckets, member.meta, store.read_metrics(member.path)
+            )
     else:
         _write_fp16(loaded, tmp)
     meta = dict(loaded.meta)
@@ -191,11 +189,8 @@ def export(
         "serving_tokenizer": serving_tokenizer or serving_tokenizer_info(),
         "test": {},
     }
-    (tmp / store.META_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    if (loaded.path / store.METRICS_FILE).is_file():
-        shutil.copy(loaded.path / store.METRICS_FILE, tmp / store.METRICS_FILE)
     (tmp / REFERENCE_FILE).write_text(json.dumps(reference), encoding="utf-8")
-    loaded.buckets.save(tmp / store.BUCKETS_FILE)
+    store.write_version(tmp, None, None, loaded.buckets, meta, store.read_metrics(loaded.path))
     size = _dir_bytes(tmp)
     if size > max_bytes:
         shutil.rmtree(tmp)

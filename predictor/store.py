@@ -96,6 +96,13 @@ class LoadedModel:
         return str(self.meta.get("point_estimate", "expected"))
 
 
+def check_same_edges(members: Sequence[LoadedModel], option: str) -> None:
+    """Models whose probabilities are averaged must share the first one's bucket edges."""
+    for m in members[1:]:
+        if m.buckets.edges != members[0].buckets.edges:
+            raise ValueError(f"{option}: {m.path} has other bucket edges than {members[0].path}")
+
+
 def member_names(path: str | os.PathLike) -> list[str]:
     """The member sub-directories an ensemble version directory lists (empty for one model)."""
     meta = Path(path) / META_FILE
@@ -178,7 +185,8 @@ def write_version(
     meta: dict,
     metrics: dict | None = None,
 ) -> None:
-    """Write one model's files into ``vdir`` (``model`` None: an ensemble's own files, members apart)."""
+    """Write one model's files into ``vdir`` (``model`` None: all but the weights and tokenizer, for an
+    ensemble's own files or weights written apart, as ``predictor.shipped`` writes fp16 copies)."""
     vdir.mkdir(parents=True, exist_ok=True)
     if model is not None:
         model.save_pretrained(str(vdir))

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> dict:
     paths = [m.path.resolve() for m in members]
     if len(set(paths)) != len(paths):
         raise ValueError("--members names one model more than once")
-    ensemble.check_same_edges(members, "--members")
+    store.check_same_edges(members, "--members")
     _, sp = splits(args)
     val = sp["val"]
     if not len(val):

@@ -61,7 +61,7 @@ def run(args) -> dict:
         "evaluating %s (%s buckets: %d) on %d %s examples", loaded.path, b.scheme, b.n, len(test), args.split
     )
     members = [loaded] + [store.load(d, args.device) for d in comma_list(args.ensemble or "")]
-    ensemble.check_same_edges(members, "--ensemble")
+    store.check_same_edges(members, "--ensemble")
     probs = ensemble.mean_probs(members, test.prompts)
     train_labels = b.label(train.lengths)
     point = loaded.point_estimate
