@@ -58,6 +58,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-batch", type=int, default=8, help="most queries running at once")
     p.add_argument(
+        "--kv-budget-tokens",
+        type=int,
+        default=None,
+        help="KV cache size in tokens of the native engine (default: its config's, 16384)",
+    )
+    p.add_argument(
         "--capacity", type=float, default=0.0, help="capacity hint in tokens/s (default: measured)"
     )
     p.add_argument(
@@ -103,6 +109,9 @@ def build_engine(args: argparse.Namespace) -> Engine:
         return VLLMEngine.from_args(args)
     if args.backend == "native":
         config = EngineConfig(max_running=args.max_batch, device=args.device)
+        if args.kv_budget_tokens is not None:
+            config.kv_budget_tokens = args.kv_budget_tokens
+            config.validate()
         if args.plan:
             config.plan_path = args.plan
             config.pipeline.init_method = args.rendezvous

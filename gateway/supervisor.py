@@ -32,7 +32,7 @@ def engine_command(spec: ClusterSpec, redis_url: str, threads: int, extra: Seque
     return [
         sys.executable, "-m", "engines.cli", "serve",
         "--cluster", spec.name,
-        "--redis-url", redis_url,
+        "--redis-url", spec.redis_url or redis_url,  # a spec's own URL: e.g. through a proxy
         "--backend", spec.backend,
         "--threads", str(threads),
         "--capacity", str(spec.capacity_tps),

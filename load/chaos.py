@@ -1,33 +1,46 @@
-"""``loadgen chaos``: one real deployment, every fault kind injected while a batch runs, then the books.
+"""``loadgen chaos``: one real deployment, eleven fault kinds injected while batches run, then the books.
 
 The deployment: an embedded Redis (AOF, ``appendfsync everysec``), two gateway replicas
-(both run offloaders), one engine process per cluster kept alive by
-:class:`gateway.supervisor.EngineSupervisor` (as under ``gateway up``) and a client that
-streams with ``start_index`` and switches replica on errors (:mod:`load.chaos_client`).
+(both run offloaders, background intake and the OpenAI-compatible HTTP front on one shared
+files directory), one engine process per cluster kept alive by
+:class:`gateway.supervisor.EngineSupervisor` (as under ``gateway up``), the first cluster's
+engine talking to Redis through a TCP proxy the harness controls (:mod:`load.tcp_proxy`), and
+clients that stream with ``start_index`` and switch replica on errors (:mod:`load.chaos_client`).
+The first cluster takes only small queries (``max_query_tokens``), the second any that fit its
+KV cache (:mod:`load.chaos_load`).
 
-Faults fire in turn as the batch progresses (each after the previous one healed):
+**Faults follow progress, not the clock.** The load comes in waves, one per fault plus one:
+fault ``k`` fires once ``--fire-at`` of wave ``k`` has results, and wave ``k + 1`` is submitted
+only after fault ``k`` healed, so every kind fires on a fast machine and on a slow one. In order
+(:mod:`load.chaos_faults`):
 
 * ``kill_engine``: SIGKILL the engine holding the most leases; the supervisor restarts it.
-* ``stop_engine``: SIGSTOP an engine past its lease, then SIGCONT: its leases lapse, its
-  queries run elsewhere, and its late completions must not count twice (R1 live).
-* ``kill_redis``: SIGKILL Redis and restart it on its data directory; engines and gateways
-  reconnect by themselves. With ``appendfsync everysec`` an acknowledged write may be lost
-  if Redis dies within a second of it: a lost result is re-run (its lease or queue entry
-  is restored with it), a lost submit would be repeated by the idempotent client.
-* ``racing_movers``: admin rebalance ``--apply`` on both replicas at once, repeatedly,
-  while both offloaders run (one mover at a time, by the mover lease).
-* ``kill_gateway``: SIGKILL the gateway replica the client streams from; it is restarted on
-  the same port (as a process manager would) and the client resumes with ``start_index``.
+* ``stop_engine``: SIGSTOP an engine past its lease, then SIGCONT (R1 live).
+* ``kill_redis``: SIGKILL Redis and restart it 1.5 s later on its data directory.
+* ``redis_outage``: Redis down for ``--outage-s`` (at least twice the lease), then back.
+* ``partition``: the proxy between the first cluster's engine and Redis cut for
+  ``--partition-s`` (live connections dropped, new ones refused), then healed.
+* ``racing_movers``: admin rebalances ``--apply`` on both replicas at once, with both offloaders.
+* ``kv_exhaust``: rows longer than an engine's KV cache, over gRPC and in an OpenAI batch.
+* ``unwritable_store``: every file write of the gateways fails while an OpenAI batch finalizes.
+* ``restart_in_intake``: the engine of the only cluster that can take some rows is SIGKILLed
+  while a large batch is in background intake.
+* ``kill_gateway``: SIGKILL the replica a client streams from; restarted on the same ports.
+* ``remove_sole_cluster``: the second cluster removed while its queue holds a row only it can take.
 
-Then: ``lost`` (queries without a result), ``duplicated`` (result rows beyond one per
-query, in Redis), ``stuck`` (queries not final ``settle_s`` after the last fault healed)
-and ``invariant_violations`` (:func:`workqueue.invariants.check` on the quiet queue).
+Then the books (:mod:`load.chaos_books`): ``lost``, ``duplicated``, ``stuck``,
+``invariant_violations``, the user's view of the OpenAI batches (``output_lines_missing``,
+``output_lines_duplicated``, ``openai_violations``), ``wrongly_failed`` and
+``engines_not_restarted``; the run fails (exit code 1) when any of them is above 0 or fewer
+fault kinds fired than asked. ``recovery_s``: per fault, seconds from its heal to the next
+result written.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -35,54 +48,90 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import redis
 import yaml
 
 from gateway.supervisor import EngineSupervisor
 from gateway.up import default_clusters
+from load.chaos_books import CHECKED, GrpcBatch, grpc_books, merged_counts, verdict
 from load.chaos_client import ResilientClient
+from load.chaos_faults import TOKEN, FaultsMixin
+from load.chaos_load import KV_BUDGET, SMALL_LIMIT, waves
+from load.chaos_openai import OpenAIBatches, OpenAIRun, user_view
 from load.chaos_procs import GatewayProcess, RestartableRedis
 from load.client import to_request
-from load.workload import generated
-from protos import fleetbatch_pb2 as pb
-from protos import fleetbatch_pb2_grpc as pb_grpc
+from load.tcp_proxy import TcpProxy
+from load.workload import WorkItem
 from workqueue import WorkQueue, connect
 from workqueue.invariants import check
 
 log = logging.getLogger(__name__)
 
-# in the order they fire; the gateway restart goes last (a slow restart must not let the batch
-# finish before the other faults had their turn)
-FAULTS = ("kill_engine", "stop_engine", "kill_redis", "racing_movers", "kill_gateway")
-TOKEN = "chaos-admin-token"
+# in the order they fire; the removed cluster stays removed, so that fault goes last
+FAULTS = (
+    "kill_engine",
+    "stop_engine",
+    "kill_redis",
+    "redis_outage",
+    "partition",
+    "racing_movers",
+    "kv_exhaust",
+    "unwritable_store",
+    "restart_in_intake",
+    "kill_gateway",
+    "remove_sole_cluster",
+)
 
 
 @dataclass
 class ChaosConfig:
     run_dir: Path
     queries: int = 1000
-    clusters: int = 2
     size: str = "nano"
     max_tokens: int = 48
-    lease_s: float = 3.0
-    settle_s: float = 60.0
+    lease_s: float = 15.0  # the engines' default
+    stop_s: float = 0.0  # SIGSTOP length (0: twice the lease + 2 s)
+    outage_s: float = 0.0  # Redis outage (0: twice the lease + 2 s)
+    partition_s: float = 60.0
+    store_s: float = 10.0  # the file store stays unwritable this long after the finalizer's first failure
+    settle_s: float = 120.0  # bound of every wait for batches to finish
+    restart_timeout_s: float = 300.0  # bound of the wait for a killed engine to be back
+    intake_rows: int = 200  # the batch in background intake (and the intake threshold)
+    fire_at: float = 0.3  # fault k fires once this share of wave k has results
+    progress_timeout_s: float = 600.0  # a wave without that progress this long ends the run
     seed: int = 0
-    slowdown: float = 3.0  # every engine sleeps this x its compute per step: a batch long enough to break
+    slowdown: float = 3.0  # every engine sleeps this x its compute per step
     engine_args: list[str] = field(default_factory=lambda: ["--max-batch", "4"])
     faults: tuple[str, ...] = FAULTS
 
+    def __post_init__(self) -> None:
+        self.stop_s = self.stop_s or 2 * self.lease_s + 2
+        self.outage_s = self.outage_s or 2 * self.lease_s + 2
+        if self.outage_s < 2 * self.lease_s:
+            raise ValueError(f"the Redis outage ({self.outage_s:g} s) must last at least twice the lease")
+        if self.queries < len(self.faults) + 1:
+            raise ValueError(f"--num must be at least {len(self.faults) + 1}: one wave per fault, plus one")
 
-class Chaos:
+
+class Chaos(FaultsMixin):
     def __init__(self, config: ChaosConfig):
         self.c = config
         self.stop = threading.Event()
         self.injected: dict[str, int] = dict.fromkeys(FAULTS, 0)
         self.recovery_s: dict[str, float] = {}
+        self.notes: dict[str, object] = {}
+        self.restarts_observed = 0
+        self.restarts_missed: list[str] = []
         self.redis: RestartableRedis | None = None
+        self.proxy: TcpProxy | None = None
         self.gateways: list[GatewayProcess] = []
         self.engines: EngineSupervisor | None = None
-        self.client: ResilientClient | None = None
+        self.names: list[str] = []
+        self.batches: list[GrpcBatch] = []
+        self.clients: list[ResilientClient] = []
+        self.openai: OpenAIBatches | None = None
+        self.openai_runs: list[OpenAIRun] = []
+        self.tag = secrets.token_hex(3)  # batch ids unique to this run (the Redis data dir may be reused)
 
     # ------------------------------------------------------------------ set-up
 
@@ -91,25 +140,44 @@ class Chaos:
         logs = c.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.redis = RestartableRedis(c.run_dir / "redis")
-        specs = default_clusters(c.clusters, "native", c.size)
+        self.proxy = TcpProxy(self.redis.url.removeprefix("unix://")).start()
+        specs = default_clusters(2, "native", c.size)
+        self.names = [s.name for s in specs]
         for s in specs:
-            s.engine_args += ["--lease-s", str(c.lease_s), "--slowdown", str(c.slowdown), *c.engine_args]
+            s.engine_args += ["--lease-s", str(c.lease_s), "--slowdown", str(c.slowdown)]
+            s.engine_args += ["--kv-budget-tokens", str(KV_BUDGET), *c.engine_args]
+        specs[0].redis_url = f"redis://{self.proxy.address}/0"  # the partition cuts this one
+        rows = [{"name": s.name, "capacity_tps": s.capacity_tps} for s in specs]
+        rows[0]["max_query_tokens"] = SMALL_LIMIT
         clusters_file = c.run_dir / "clusters.yaml"
-        clusters_file.write_text(
-            yaml.safe_dump({"clusters": [{"name": s.name, "capacity_tps": s.capacity_tps} for s in specs]})
-        )
-        self.gateways = [GatewayProcess(n, self.redis.url, clusters_file, TOKEN, logs) for n in ("a", "b")]
+        clusters_file.write_text(yaml.safe_dump({"clusters": rows}))
+        http_key = secrets.token_urlsafe(18)
+        intake_env = {  # batches of intake_rows and more go through a slow background intake
+            "FLEETBATCH_INTAKE_SYNC_MAX": str(c.intake_rows),
+            "FLEETBATCH_INTAKE_CHUNK": "8",
+            "FLEETBATCH_INTAKE_FIRST_CHUNK": "8",
+            "FLEETBATCH_INTAKE_PAUSE_S": "0.5",
+        }
+        self.gateways = [
+            GatewayProcess(
+                n,
+                self.redis.url,
+                clusters_file,
+                TOKEN,
+                logs,
+                files_dir=c.run_dir / "files",
+                http_key=http_key,
+                env=intake_env,
+            )  # fmt: skip
+            for n in ("a", "b")
+        ]
         for g in self.gateways:
             g.start()
+        self.openai = OpenAIBatches(self.gateways[0].http_url, http_key)
         self.engines = EngineSupervisor(specs, self.redis.url, logs, max_restarts=10)
         self.engines.start_all()
-        q = self.queue()
-        deadline = time.monotonic() + 300
-        while not all(i.alive for i in q.clusters([s.name for s in specs])):
-            if time.monotonic() > deadline:
-                raise TimeoutError("engines sent no heartbeat within 300 s")
-            self.engines.check()
-            time.sleep(0.2)
+        if not self._wait(lambda: all(i.alive for i in self.queue().clusters(self.names)), 300):
+            raise TimeoutError("engines sent no heartbeat within 300 s")
 
     def queue(self) -> WorkQueue:
         return WorkQueue(connect(self.redis.url))
@@ -123,16 +191,35 @@ class Chaos:
             self.engines.stop()
         for g in self.gateways:
             g.stop()
+        if self.proxy is not None:
+            self.proxy.close()
         if self.redis is not None:
             self.redis.close()
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ load and progress
+
+    def submit(self, name: str, items: list[WorkItem]) -> str:
+        """Submit a gRPC batch through a resilient client (its own thread); returns its id."""
+        batch_id = f"chaos-{self.c.seed}-{self.tag}-{name}"
+        client = ResilientClient([g.address for g in self.gateways], to_request(items, batch_id), self.stop)
+        self.clients.append(client)
+        self.batches.append(GrpcBatch(name, batch_id, [it.id for it in items], client))
+        client.start()
+        return batch_id
+
+    def openai_batch(self, name: str, items: list[WorkItem]) -> OpenAIRun:
+        run = self.openai.create(name, items)
+        self.openai_runs.append(run)
+        return run
 
     def _results(self, batch_id: str) -> int:
         try:
             return self.queue().result_count(batch_id)
         except Exception:  # Redis down: progress unknown  # noqa: BLE001
             return -1
+
+    def _all_results(self) -> int:
+        return sum(max(0, self._results(b.batch_id)) for b in self.batches)
 
     def _wait(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -146,12 +233,6 @@ class Chaos:
             time.sleep(0.2)
         return False
 
-    def _recovered(self, fault: str, batch_id: str, t_fault: float) -> None:
-        """Recovery time: from the fault to the first result written after it healed."""
-        before = self._results(batch_id)
-        if self._wait(lambda: self._results(batch_id) > before >= 0 or self._batch_final(batch_id), 120):
-            self.recovery_s[fault] = round(time.monotonic() - t_fault, 2)
-
     def _batch_final(self, batch_id: str) -> bool:
         try:
             b = self.queue().batch(batch_id)
@@ -159,135 +240,74 @@ class Chaos:
             return False
         return b is not None and b.final
 
-    # ------------------------------------------------------------------ faults
-
-    def _busiest_engine(self) -> str:
-        """The running engine (process up, heartbeat live) holding the most leases."""
-        infos = [i for i in self.queue().clusters() if i.alive and self.engines.procs[i.name].poll() is None]
-        return max(infos, key=lambda i: i.inflight).name
-
-    def _all_engines_back(self, since: float) -> bool:
-        return all(p.poll() is None for p in self.engines.procs.values()) and all(
-            i.alive and i.last_heartbeat > since for i in self.queue().clusters()
-        )
-
-    def kill_engine(self) -> None:
-        name = self._busiest_engine()
-        os.kill(self.engines.procs[name].pid, signal.SIGKILL)
-        log.warning("chaos: SIGKILL engine %s", name)
-        killed_at = time.time()
-        self._wait(lambda: self._all_engines_back(killed_at), 300)
-
-    def stop_engine(self) -> None:
-        name = self._busiest_engine()
-        pid = self.engines.procs[name].pid
-        pause = 2 * self.c.lease_s + 2
-        os.kill(pid, signal.SIGSTOP)
-        log.warning("chaos: SIGSTOP engine %s for %.1f s (lease %.1f s)", name, pause, self.c.lease_s)
-        time.sleep(pause)
-        os.kill(pid, signal.SIGCONT)
-        log.warning("chaos: SIGCONT engine %s", name)
-        resumed_at = time.time()
-        self._wait(lambda: self._all_engines_back(resumed_at), 120)
-
-    def kill_gateway(self) -> None:
-        """SIGKILL the replica the client is streaming from, then restart it on its port."""
-        g = next(g for g in self.gateways if g.address == self.client.target)
-        g.kill()
-        log.warning("chaos: SIGKILL gateway %s", g.name)
-        time.sleep(1.0)
-        g.start()
-
-    def kill_redis(self) -> None:
-        self.redis.kill()
-        log.warning("chaos: SIGKILL Redis")
-        time.sleep(1.5)
-        self.redis.restart()
-        log.warning("chaos: Redis restarted")
-        back = time.time()
-        self._wait(lambda: self._all_engines_back(back), 120)
-
-    def racing_movers(self) -> None:
-        def rebalance(target: str) -> None:
-            with grpc.insecure_channel(target) as ch:
-                admin = pb_grpc.AdminServiceStub(ch)
-                for _ in range(5):
-                    try:
-                        admin.Rebalance(
-                            pb.RebalanceRequest(dry_run=False),
-                            metadata=[("authorization", f"Bearer {TOKEN}")],
-                            timeout=30,
-                        )
-                    except grpc.RpcError as e:
-                        log.info("chaos: rebalance on %s: %s", target, e.code().name)
-
-        threads = [
-            threading.Thread(target=rebalance, args=(g.address,)) for g in self.gateways for _ in range(2)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        log.warning("chaos: %d admin rebalances raced with two offloaders", 5 * len(threads))
-
     # ------------------------------------------------------------------ the run
 
     def run(self) -> dict:
         c = self.c
         t0 = time.monotonic()
-        batch_id = f"chaos-{c.seed}"
-        items = generated(c.queries, seed=c.seed, max_tokens=c.max_tokens)
-        client = self.client = ResilientClient(
-            [g.address for g in self.gateways], to_request(items, batch_id), self.stop
-        )
-        thread = client.start()
+        load = waves(c.queries, len(c.faults) + 1, c.seed, c.max_tokens)
+        wave = self.submit("w0", load[0])
         last_heal = time.monotonic()
         for k, fault in enumerate(c.faults):
-            at = int(c.queries * (0.03 + 0.06 * k))  # progress at which this fault fires
+            need = max(1, int(len(load[k]) * c.fire_at))
             if not self._wait(
-                lambda at=at: self._results(batch_id) >= at or self._batch_final(batch_id), 600
+                lambda w=wave, n=need: self._results(w) >= n or self._batch_final(w), c.progress_timeout_s
             ):
-                break
-            if self._batch_final(batch_id):
-                log.warning("chaos: the batch finished before fault %s", fault)
+                log.error(
+                    "chaos: wave %d made no progress in %.0f s; stopping before %s",
+                    k,
+                    c.progress_timeout_s,
+                    fault,
+                )
                 break
             t_fault = time.monotonic()
             getattr(self, fault)()
             self.injected[fault] += 1
             last_heal = time.monotonic()
-            self._recovered(fault, batch_id, t_fault)
-        self._wait(lambda: self._batch_final(batch_id), max(0.0, last_heal + c.settle_s - time.monotonic()))
-        thread.join(timeout=max(1.0, last_heal + c.settle_s - time.monotonic()))
-        return self._books(batch_id, client, time.monotonic() - t0)
+            before = self._all_results()
+            wave = self.submit(f"w{k + 1}", load[k + 1])
+            if self._wait(lambda b=before: self._all_results() > b, 120):
+                self.recovery_s[fault] = round(time.monotonic() - last_heal, 2)
+            self.notes.setdefault("fault_s", {})[fault] = round(last_heal - t_fault, 2)
+        self._wait(
+            lambda: all(self._batch_final(b.batch_id) for b in self.batches),
+            max(0.0, last_heal + c.settle_s - time.monotonic()),
+        )
+        for run in self.openai_runs:
+            self.openai.read(run, max(30.0, last_heal + c.settle_s - time.monotonic()))
+        return self._books(time.monotonic() - t0)
 
-    def _books(self, batch_id: str, client: ResilientClient, wall_s: float) -> dict:
+    def _books(self, wall_s: float) -> dict:
         q = self.queue()
-        b = q.batch(batch_id)
-        rows = q.results(batch_id)
-        ids = {r["query_id"] for r in rows}
-        finished = (b.completed + b.failed + b.cancelled) if b else 0
         self._wait(lambda: sum(i.inflight for i in q.clusters()) == 0, 30)
-        infos = q.clusters()
-        return {
+        g = grpc_books(q, self.batches)
+        u = user_view(self.openai_runs)
+        infos = q.clusters(self.names)
+        report = {
             "faults": dict(self.injected),
-            "queries": self.c.queries,
-            "lost": self.c.queries - len(ids & set(client.results))
-            if client.final
-            else self.c.queries - len(ids),
-            "duplicated": len(rows) - len(ids),
-            "stuck": self.c.queries - finished,
+            "queries": sum(len(b.ids) for b in self.batches) + sum(len(r.rows) for r in self.openai_runs),
+            "lost": g["lost"],
+            "duplicated": g["duplicated"],
+            "stuck": g["stuck"],
             "invariant_violations": len(check(q.r)),
-            "failed": b.failed if b else 0,
-            "client_received": len(client.results),
-            "client_duplicates_dropped": client.duplicates_dropped,
-            "client_rereads": client.rereads,
-            "client_resubmits": client.resubmits,
-            "client_errors": client.errors,
-            "engines_alive": sum(i.alive for i in infos),
-            "engine_restarts": sum(self.engines.restarts.values()),
+            "output_lines_missing": u["output_lines_missing"],
+            "output_lines_duplicated": u["output_lines_duplicated"],
+            "wrongly_failed": g["wrongly_failed_rows"] + u["wrongly_failed_lines"],
+            "openai_violations": u["openai_violations"],
+            "engines_not_restarted": len(self.restarts_missed),
+            "engine_restarts": self.restarts_observed,
             "recovery_s": self.recovery_s,
+            "wrongly_failed_examples": g["wrongly_failed_examples"],
+            "openai_problems": u["openai_problems"],
+            "notes": self.notes,
+            "client_received": sum(len(cl.results) for cl in self.clients),
+            "client_errors": merged_counts(cl.errors for cl in self.clients),
+            "engines_alive": sum(i.alive for i in infos),
             "wall_s": round(wall_s, 1),
         }
+        report["problems"] = verdict(report, self.c.faults)
+        report["ok"] = not report["problems"]
+        return report
 
 
 def run_chaos(config: ChaosConfig) -> dict:
@@ -300,36 +320,47 @@ def run_chaos(config: ChaosConfig) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--num", "-n", type=int, default=1000, help="queries in the batch")
+    p.add_argument(
+        "--num", "-n", type=int, default=1000, help="generated queries, cut into one wave per fault + 1"
+    )
     p.add_argument("--slowdown", type=float, default=3.0, help="engines sleep this x their compute per step")
-    p.add_argument("--clusters", type=int, default=2, help="clusters (engine processes) of the default fleet")
     p.add_argument("--size", default="nano", help="size of the random local model")
     p.add_argument("--max-tokens", type=int, default=48, help="longest forced response")
+    p.add_argument("--lease-s", type=float, default=15.0, help="query lease of the engines")
     p.add_argument(
-        "--lease-s", type=float, default=3.0, help="query lease of the engines (SIGSTOP outlasts it)"
+        "--stop-s", type=float, default=0.0, help="SIGSTOP length (default: twice the lease + 2 s)"
+    )
+    p.add_argument(
+        "--outage-s", type=float, default=0.0, help="Redis outage (default: twice the lease + 2 s)"
+    )
+    p.add_argument("--partition-s", type=float, default=60.0, help="engine <-> Redis partition length")
+    p.add_argument(
+        "--store-s", type=float, default=10.0, help="file store unwritable this long after a finalize failed"
+    )
+    p.add_argument("--intake-rows", type=int, default=200, help="rows of the batch in background intake")
+    p.add_argument(
+        "--fire-at", type=float, default=0.3, help="fault k fires once this share of wave k is done"
     )
     p.add_argument(
         "--settle-s",
         type=float,
-        default=60.0,
+        default=120.0,
         help="after the last fault healed, a query not final by then is stuck",
     )
     p.add_argument(
         "--faults", default=",".join(FAULTS), help=f"comma-separated subset of {', '.join(FAULTS)}"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--run-dir", default="runs/chaos", help="Redis data and process logs")
+    p.add_argument("--run-dir", default="runs/chaos", help="Redis data, files and process logs")
 
 
 def format_report(r: dict) -> str:
-    lines = [f"{'fault':<15} {'injected':>8} {'recovery s':>11}"]
+    lines = [f"{'fault':<20} {'injected':>8} {'recovery s':>11}"]
     for f in FAULTS:
         rec = r["recovery_s"].get(f)
-        lines.append(f"{f:<15} {r['faults'][f]:>8} {rec if rec is not None else '-':>11}")
-    lines.append(
-        f"{r['queries']} queries: lost {r['lost']}, duplicated {r['duplicated']}, stuck {r['stuck']}, "
-        f"invariant violations {r['invariant_violations']} ({r['wall_s']} s)"
-    )
+        lines.append(f"{f:<20} {r['faults'][f]:>8} {rec if rec is not None else '-':>11}")
+    lines.append(", ".join(f"{k} {r[k]}" for k in CHECKED) + f" ({r['queries']} queries, {r['wall_s']} s)")
+    lines.append("PASS" if r["ok"] else "FAIL: " + "; ".join(r["problems"]))
     return "\n".join(lines)
 
 
@@ -341,14 +372,19 @@ def run(args) -> dict:
     config = ChaosConfig(
         run_dir=Path(args.run_dir).resolve(),
         queries=args.num,
-        clusters=args.clusters,
         size=args.size,
         max_tokens=args.max_tokens,
         lease_s=args.lease_s,
+        stop_s=args.stop_s,
+        outage_s=args.outage_s,
+        partition_s=args.partition_s,
+        store_s=args.store_s,
+        intake_rows=args.intake_rows,
+        fire_at=args.fire_at,
         slowdown=args.slowdown,
         settle_s=args.settle_s,
         seed=args.seed,
-        faults=faults,
+        faults=tuple(f for f in FAULTS if f in faults),  # always in the order of FAULTS
     )
     report = run_chaos(config)
     print(format_report(report), flush=True)

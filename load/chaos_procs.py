@@ -1,5 +1,6 @@
 """The processes `loadgen chaos` runs and breaks: an embedded Redis it can kill and restart
-(same data directory and socket) and gateway replicas it can kill and restart (same port)."""
+(same data directory and socket) and gateway replicas it can kill and restart (same ports),
+each with the OpenAI-compatible HTTP front on a shared files directory."""
 
 from __future__ import annotations
 
@@ -43,10 +44,24 @@ class RestartableRedis:
 class GatewayProcess:
     """One ``gateway serve`` replica on a fixed loopback port."""
 
-    def __init__(self, name: str, redis_url: str, clusters_file: Path, token: str, log_dir: Path):
+    def __init__(
+        self,
+        name: str,
+        redis_url: str,
+        clusters_file: Path,
+        token: str,
+        log_dir: Path,
+        *,
+        files_dir: Path,
+        http_key: str,
+        env: dict[str, str] | None = None,
+    ):
         self.name = name
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_port = free_port()
+        self.http_url = f"http://127.0.0.1:{self.http_port}/v1"
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", FLEETBATCH_HTTP_API_KEY=http_key, **(env or {}))
         self.cmd = [
             sys.executable,
             "-m",
@@ -62,7 +77,11 @@ class GatewayProcess:
             token,
             "--predictor",
             "heuristic",
-        ]  # fmt: skip  (restarts fast; the predictor is not under test)
+            "--http-port",
+            str(self.http_port),
+            "--files-dir",
+            str(files_dir),
+        ]  # fmt: skip  (restarts fast; the predictor is not under test; the HTTP key from the environment)
         self.log_path = log_dir / f"gateway-{name}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -70,7 +89,7 @@ class GatewayProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=die_with_parent, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                preexec_fn=die_with_parent, env=self.env,
             )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.address) as ch:
@@ -87,6 +106,10 @@ class GatewayProcess:
                         raise TimeoutError(
                             f"gateway {self.name} did not listen within {timeout_s:.0f} s"
                         ) from None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

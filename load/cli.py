@@ -210,8 +210,11 @@ def run(args: argparse.Namespace) -> int:
     modules = {"bench-offload": bench_offload, "compare-policies": compare_policies}
     modules.update(chaos=chaos, study=study, report=report, soak=soak)
     modules["openai-check"] = openai_check
-    print(json.dumps(modules[args.command].run(args)))
-    return 0
+    result = modules[args.command].run(args)
+    print(json.dumps(result))
+    return (
+        1 if isinstance(result, dict) and result.get("ok") is False else 0
+    )  # chaos: a count above 0, or a fault that did not fire
 
 
 def _describe(e: BaseException) -> str:

@@ -1,23 +1,52 @@
-"""`loadgen chaos` in CI: every fault kind injected into one real deployment while a batch runs.
+"""`loadgen chaos` in CI: all eleven fault kinds injected into one real deployment while batches run.
 
-SIGKILL of an engine, SIGSTOP of an engine past its lease, SIGKILL and restart of a gateway
-replica while the client streams with ``start_index``, SIGKILL and restart of Redis (AOF
-``everysec``), and admin rebalances racing two offloaders. Afterwards every query has exactly
-one result, none is stuck, the queue invariants hold, and every engine is back by itself."""
+SIGKILL and SIGSTOP of engines, SIGKILL of Redis and a Redis outage of more than twice the
+lease, a partition between an engine and Redis (a TCP proxy cut), racing admin rebalances,
+rows that exhaust the KV cache, an unwritable file store while an OpenAI batch finalizes, an
+engine restart during background intake, a SIGKILL of a gateway replica, and the removal of
+a cluster holding a row only it can take. Faults follow the load's progress (waves), so each
+fires on any machine; the lease (3 s), outage and partition are short here, the CLI's defaults
+are the realistic ones.
+
+Some counts expose the bugs of issue 31 that other branches fix (a KV-exhausting row missing
+from the OpenAI files, a finalizer giving up on a full disk, intake failing rows while their
+only cluster restarts, a removed cluster stranding its queue); the test asserts the goal, so it
+fails until those fixes are merged."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from load.chaos import FAULTS, ChaosConfig, run_chaos
+from load.chaos_books import CHECKED, verdict
 
 pytestmark = pytest.mark.fault
 
 
+def test_a_run_that_injected_fewer_kinds_or_lost_a_restart_fails():
+    report = {"faults": dict.fromkeys(FAULTS, 1), **dict.fromkeys(CHECKED, 0)}
+    assert verdict(report, FAULTS) == []
+    report["faults"]["partition"] = 0
+    report["engines_not_restarted"] = 1
+    assert verdict(report, FAULTS) == ["engines_not_restarted = 1", "faults not injected: partition"]
+
+
 def test_every_fault_kind_in_one_run_loses_doubles_and_strands_nothing(tmp_path):
-    report = run_chaos(ChaosConfig(run_dir=tmp_path / "chaos"))
+    config = ChaosConfig(
+        run_dir=tmp_path / "chaos",
+        queries=240,  # 12 waves of 20
+        lease_s=3.0,
+        stop_s=8.0,
+        outage_s=8.0,
+        partition_s=8.0,
+        settle_s=90.0,
+        restart_timeout_s=180.0,
+    )
+    report = run_chaos(config)
+    print(json.dumps(report))
     assert report["faults"] == dict.fromkeys(FAULTS, 1), report
-    assert (report["lost"], report["duplicated"], report["stuck"]) == (0, 0, 0), report
-    assert report["invariant_violations"] == 0, report
-    assert report["client_received"] == report["queries"], report
-    assert report["engines_alive"] == 2 and report["engine_restarts"] >= 1, report
+    assert report["engine_restarts"] >= 2 and report["engines_not_restarted"] == 0, report
+    assert {k: report[k] for k in CHECKED} == dict.fromkeys(CHECKED, 0), report
+    assert report["ok"], report["problems"]

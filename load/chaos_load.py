@@ -1,0 +1,59 @@
+"""The load of ``loadgen chaos``: waves of generated queries, and the rows some faults need.
+
+* **Waves.** The batch is cut into one wave per fault plus one; wave ``k + 1`` is submitted only
+  once fault ``k`` has fired and healed, so the run cannot finish before its last fault,
+  however fast the machine (issue 31, finding 11).
+* **Cluster limits.** The first cluster takes queries of at most ``SMALL_LIMIT`` tokens
+  (``max_query_tokens``); the second takes any that fit its KV cache. A *big* row (a long
+  prompt, a few tokens out) therefore fits only the second cluster.
+* **KV-exhausting rows**: a short prompt (the gateway predicts a short answer, so it admits
+  it) forced to generate as many tokens as the engine's whole KV cache holds: it outgrows the
+  cache and cannot ever run to its end. Failing it is legitimate; so is failing the one big row
+  left on a removed cluster (:data:`LEGIT_PREFIXES`).
+"""
+
+from __future__ import annotations
+
+from load.workload import WorkItem, generated
+
+SMALL_LIMIT = 128  # max_query_tokens of the first cluster: every generated row fits (<= ~70 tokens)
+KV_BUDGET = 384  # KV cache of every engine, in tokens: four generated rows or one big row fit
+BIG_PROMPT = " ".join(["the river carries water and stones to the sea"] * 20)  # ~200 tokens
+KV_PROMPT = "Count slowly from one to ten thousand, one number per line."  # ~16 tokens
+#: ids of rows that may fail for good: they cannot run (KV) or only a removed cluster could take them
+LEGIT_PREFIXES = ("kv-", "sole-")
+
+
+def waves(n: int, k: int, seed: int, max_tokens: int) -> list[list[WorkItem]]:
+    """``n`` generated queries cut into ``k`` waves (the first ones one larger when ``k`` does not divide ``n``)."""
+    items = generated(n, seed=seed, max_tokens=max_tokens)
+    size, extra = divmod(n, k)
+    out, start = [], 0
+    for w in range(k):
+        end = start + size + (1 if w < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def big_row(qid: str, out_tokens: int = 4) -> WorkItem:
+    """A row that fits only the second cluster (prompt + predicted > ``SMALL_LIMIT``)."""
+    return WorkItem(id=qid, prompt=BIG_PROMPT, max_tokens=out_tokens, forced_length=out_tokens)
+
+
+def kv_row(qid: str, kv_budget: int = KV_BUDGET) -> WorkItem:
+    """A row that outgrows the KV cache of ``kv_budget`` tokens."""
+    return WorkItem(id=qid, prompt=KV_PROMPT, max_tokens=kv_budget, forced_length=kv_budget)
+
+
+def intake_rows(n: int, seed: int, every: int = 5) -> list[WorkItem]:
+    """A large batch for background intake: cheap rows (2 tokens out), every ``every``-th one big."""
+    rows = []
+    for i, it in enumerate(generated(n, seed=seed + 7, max_tokens=2)):
+        rows.append(big_row(f"intake-big-{i:05d}", 2) if i % every == 0 else it)
+    return rows
+
+
+def legit_failure(query_id: str) -> bool:
+    """Whether a row may fail for good in a chaos run (see the module docstring)."""
+    return query_id.startswith(LEGIT_PREFIXES)
