@@ -63,9 +63,11 @@ def grpc_books(q: WorkQueue, batches: list[GrpcBatch]) -> dict:
         duplicated += len(rows) - len({r["query_id"] for r in rows})
         finished = (info.completed + info.failed + info.cancelled) if info else 0
         stuck += len(b.ids) - finished
-        bad = [r["query_id"] for r in rows if failed(r) and not legit_failure(r["query_id"])]
+        bad = [r for r in rows if failed(r) and not legit_failure(r["query_id"])]
         wrongly += len(bad)
-        failed_ids += [f"{b.name}:{x}" for x in bad[:5]]
+        failed_ids += [
+            f"{b.name}:{r['query_id']}: {r.get('error') or r.get('finish_reason')}" for r in bad[:2]
+        ]
     return {
         "lost": lost,
         "duplicated": duplicated,

@@ -38,6 +38,7 @@ class FaultsMixin:
     notes: dict[str, object]
     restarts_observed: int
     restarts_missed: list[str]
+    affected: str | None  # the cluster a fault hit, if one: its recovery is its next result
 
     # ------------------------------------------------------------------ shared helpers
 
@@ -88,6 +89,7 @@ class FaultsMixin:
                 return e.code().name
 
     def _kill_and_restart(self, name: str) -> None:
+        self.affected = name
         pid = self.engines.procs[name].pid
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
@@ -100,7 +102,7 @@ class FaultsMixin:
         self._kill_and_restart(self._busiest_engine())
 
     def stop_engine(self) -> None:
-        name = self._busiest_engine()
+        name = self.affected = self._busiest_engine()
         pid = self.engines.procs[name].pid
         os.kill(pid, signal.SIGSTOP)
         log.warning("chaos: SIGSTOP engine %s for %.1f s (lease %.1f s)", name, self.c.stop_s, self.c.lease_s)
@@ -153,7 +155,7 @@ class FaultsMixin:
 
     def partition(self) -> None:
         """Cut the proxy between the first cluster's engine and Redis for ``partition_s``."""
-        name = self.names[0]
+        name = self.affected = self.names[0]
         dropped = self.proxy.cut()
         log.warning(
             "chaos: partition %s <-> Redis for %.1f s (%d connections cut)", name, self.c.partition_s, dropped
@@ -215,8 +217,9 @@ class FaultsMixin:
     def remove_sole_cluster(self) -> None:
         """Remove the second cluster (``force``) while its queue holds a row no other cluster can take.
 
-        Its engine is paused (SIGSTOP, shorter than the heartbeat's timeout) from the submit to the
-        removal, so the row is still queued, not running, when the cluster goes."""
+        Its engine is paused (SIGSTOP) from the submit until 2 s after the removal, so the row is still
+        queued when the cluster goes, and the worker, whose loop checks for removal (every 0.5 s) before
+        it claims, sees the removal before it could claim again."""
         name = self.names[1]
         pid = self.engines.procs[name].pid
         os.kill(pid, signal.SIGSTOP)
@@ -230,6 +233,7 @@ class FaultsMixin:
                 self.gateways[0].address,
                 lambda a: a.RemoveCluster(pb.RemoveClusterRequest(name=name, force=True), **self._md(60)),
             )
+            self._hold(2.0)
         finally:
             os.kill(pid, signal.SIGCONT)
         self.notes["remove_cluster"] = code
