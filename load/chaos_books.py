@@ -65,9 +65,9 @@ def grpc_books(q: WorkQueue, batches: list[GrpcBatch]) -> dict:
         stuck += len(b.ids) - finished
         bad = [r for r in rows if failed(r) and not legit_failure(r["query_id"])]
         wrongly += len(bad)
-        failed_ids += [
-            f"{b.name}:{r['query_id']}: {r.get('error') or r.get('finish_reason')}" for r in bad[:2]
-        ]
+        if bad:
+            e = bad[0].get("error") or bad[0].get("finish_reason")
+            failed_ids.append(f"{b.name}: {len(bad)} rows, e.g. {bad[0]['query_id']}: {e}")
     return {
         "lost": lost,
         "duplicated": duplicated,

@@ -41,7 +41,7 @@ def test_every_fault_kind_in_one_run_loses_doubles_and_strands_nothing(tmp_path)
         stop_s=8.0,
         outage_s=8.0,
         partition_s=8.0,
-        settle_s=90.0,
+        settle_s=60.0,
         restart_timeout_s=180.0,
     )
     report = run_chaos(config)
