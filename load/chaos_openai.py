@@ -41,7 +41,7 @@ class OpenAIBatches:
             from openai import OpenAI
         except ImportError:
             raise ValueError("loadgen chaos needs the openai package: pip install openai") from None
-        for name in ("httpx", "openai"):  # the client logs every request at INFO
+        for name in ("httpx", "httpx2", "openai"):  # the client logs every request at INFO
             logging.getLogger(name).setLevel(logging.WARNING)
         self.client = OpenAI(base_url=base_url, api_key=api_key, max_retries=5, timeout=60)
 
