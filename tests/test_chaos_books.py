@@ -4,9 +4,11 @@ counts a missing or doubled ``custom_id``, ``request_counts`` that disagree with
 
 from __future__ import annotations
 
+import pytest
 from openai.types import Batch
 
-from load.chaos_load import kv_row, legit_failure
+from load.chaos import FAULTS, ChaosConfig
+from load.chaos_load import kv_row, legit_failure, waves
 from load.chaos_openai import OpenAIRun, user_view
 from load.openai_check import input_rows
 from load.workload import generated
@@ -79,3 +81,15 @@ def test_an_error_line_for_a_row_that_could_run_is_wrongly_failed():
     view = user_view([run_of(items, [out_line(ids[0])], [err_line(ids[1])], batch(1, 1, 2, (3, 5)))])
     assert view["wrongly_failed_lines"] == 1 and view["openai_violations"] == 0, view
     assert legit_failure("kv-grpc-0") and legit_failure("sole-0") and not legit_failure(ids[1])
+
+
+def test_the_load_comes_in_one_wave_per_fault_plus_one_and_the_outage_outlasts_two_leases(tmp_path):
+    w = waves(100, len(FAULTS) + 1, seed=0, max_tokens=8)
+    assert len(w) == 12 and sum(map(len, w)) == 100 and min(map(len, w)) == 8
+    assert len({it.id for wave in w for it in wave}) == 100
+    c = ChaosConfig(run_dir=tmp_path, lease_s=3.0)
+    assert c.outage_s == c.stop_s == 8.0
+    with pytest.raises(ValueError, match="twice the lease"):
+        ChaosConfig(run_dir=tmp_path, lease_s=3.0, outage_s=5.0)
+    with pytest.raises(ValueError, match="one wave per fault"):
+        ChaosConfig(run_dir=tmp_path, queries=5)
