@@ -7,6 +7,8 @@ emulate a WAN link (issue 33). Each direction of a connection has its own :class
   before it is forwarded, never overtaking the chunk before it (a TCP stream stays in order);
 * ``bandwidth_bps``: bytes per second forwarded in that direction, per connection (0: no cap).
 
+:meth:`TcpProxy.set_links` changes them at run time, live connections included.
+
 :meth:`TcpProxy.cut` drops every live connection (both ends see it closed) and refuses new ones
 (the listening socket is closed: ``ECONNREFUSED``); :meth:`TcpProxy.heal` listens again on the
 same port. The upstream is ``(host, port)`` or a unix socket path. Threads: one acceptor, and per
@@ -21,6 +23,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,9 @@ def _connect(upstream: Address, timeout_s: float) -> socket.socket:
 class _Pipe:
     """One direction of one connection: a reader stamps chunks, a writer forwards them when due."""
 
-    def __init__(self, src: socket.socket, dst: socket.socket, link: Link, rng: random.Random, done):
+    def __init__(
+        self, src: socket.socket, dst: socket.socket, link: Callable[[], Link], rng: random.Random, done
+    ):
         self.src, self.dst, self.link, self.rng, self.done = src, dst, link, rng, done
         self.chunks: queue.Queue[tuple[float, bytes] | None] = queue.Queue()
         self.threads = [
@@ -82,7 +87,7 @@ class _Pipe:
         last_due = 0.0
         try:
             while data := self.src.recv(CHUNK):
-                last_due = max(last_due, time.monotonic() + self.link.hold_s(self.rng))
+                last_due = max(last_due, time.monotonic() + self.link().hold_s(self.rng))
                 self.chunks.put((last_due, data))
         except OSError:
             pass
@@ -95,11 +100,12 @@ class _Pipe:
                 wait = due - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
-                if self.link.bandwidth_bps:
+                bandwidth = self.link().bandwidth_bps
+                if bandwidth:
                     for i in range(0, len(data), 4096):  # paced in small slices
                         piece = data[i : i + 4096]
                         self.dst.sendall(piece)
-                        time.sleep(len(piece) / self.link.bandwidth_bps)
+                        time.sleep(len(piece) / bandwidth)
                 else:
                     self.dst.sendall(data)
             self.dst.shutdown(socket.SHUT_WR)  # the source closed: pass the EOF on
@@ -115,8 +121,8 @@ class _Connection:
         self._lock = threading.Lock()
         self.proxy = proxy
         self.pipes = (
-            _Pipe(client, upstream, proxy.up, proxy.rng, self._one_done),
-            _Pipe(upstream, client, proxy.down, proxy.rng, self._one_done),
+            _Pipe(client, upstream, lambda: proxy.up, proxy.rng, self._one_done),
+            _Pipe(upstream, client, lambda: proxy.down, proxy.rng, self._one_done),
         )
 
     def start(self) -> None:
@@ -233,6 +239,13 @@ class TcpProxy:
             self._acceptor.join(timeout=5)
         for conn in live:
             conn.drop()
+
+    def set_links(self, up: Link | None = None, down: Link | None = None) -> None:
+        """Change a direction's impairments; live connections follow from their next chunk."""
+        if up is not None:
+            self.up = up
+        if down is not None:
+            self.down = down
 
     def cut(self) -> int:
         """Drop every live connection and refuse new ones; returns how many were dropped."""

@@ -79,6 +79,19 @@ def test_one_way_delay_and_jitter_hold_each_direction(echo):
         assert out == b"".join(f"{i:04d}".encode() for i in range(200))
 
 
+def test_links_change_on_a_live_connection(echo):
+    with TcpProxy(echo) as proxy:
+        host, port = proxy.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"a")
+            assert s.recv(1) == b"a"
+            proxy.set_links(down=Link(delay_s=0.3))
+            t0 = time.monotonic()
+            s.sendall(b"b")
+            assert s.recv(1) == b"b"
+            assert time.monotonic() - t0 >= 0.3
+
+
 def test_bandwidth_cap_paces_a_direction(echo):
     with TcpProxy(echo, up=Link(bandwidth_bps=100_000)) as proxy:
         t0 = time.monotonic()
