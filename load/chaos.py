@@ -14,8 +14,7 @@ fault ``k`` fires once ``--fire-at`` of wave ``k`` has results, and wave ``k + 1
 only after fault ``k`` healed, so every kind fires on a fast machine and on a slow one. In order
 (:mod:`load.chaos_faults`):
 
-* ``kill_engine``: SIGKILL the engine holding the most leases; the supervisor restarts it.
-* ``stop_engine``: SIGSTOP an engine past its lease, then SIGCONT (R1 live).
+* ``kill_engine``: SIGKILL the engine holding the most leases; ``stop_engine``: SIGSTOP one past its lease.
 * ``kill_redis``: SIGKILL Redis and restart it 1.5 s later on its data directory.
 * ``redis_outage``: Redis down for ``--outage-s`` (at least twice the lease), then back.
 * ``partition``: the proxy between the first cluster's engine and Redis cut for
@@ -50,7 +49,7 @@ import yaml
 
 from gateway.supervisor import EngineSupervisor
 from gateway.up import default_clusters
-from load.chaos_books import CHECKED, GrpcBatch, grpc_books, merged_counts, verdict
+from load.chaos_books import GrpcBatch, format_report, grpc_books, merged_counts, verdict
 from load.chaos_client import ResilientClient
 from load.chaos_faults import TOKEN, FaultsMixin
 from load.chaos_load import KV_BUDGET, SMALL_LIMIT, waves
@@ -235,6 +234,12 @@ class Chaos(FaultsMixin):
             time.sleep(0.2)
         return False
 
+    def _read(self, fn: Callable[[], int], default: int) -> int:
+        """``fn()``, retried (bounded) while Redis is unreachable; ``default`` if it never answers."""
+        box: list[int] = []
+        self._wait(lambda: box.append(fn()) is None, 60)
+        return box[0] if box else default
+
     def _batch_final(self, batch_id: str) -> bool:
         try:
             b = self.queue().batch(batch_id)
@@ -267,7 +272,7 @@ class Chaos(FaultsMixin):
             getattr(self, fault)()
             self.injected[fault] += 1
             last_heal = time.monotonic()
-            before = self._progress(self.affected)
+            before = self._read(lambda a=self.affected: self._progress(a), default=-1)
             wave = self.submit(f"w{k + 1}", load[k + 1])
             if self._wait(lambda b=before, a=self.affected: self._progress(a) > b, 120):
                 self.recovery_s[fault] = round(time.monotonic() - last_heal, 2)
@@ -357,16 +362,6 @@ def add_arguments(p) -> None:
     p.add_argument("--run-dir", default="runs/chaos", help="Redis data, files and process logs")
 
 
-def format_report(r: dict) -> str:
-    lines = [f"{'fault':<20} {'injected':>8} {'recovery s':>11}"]
-    for f in FAULTS:
-        rec = r["recovery_s"].get(f)
-        lines.append(f"{f:<20} {r['faults'][f]:>8} {rec if rec is not None else '-':>11}")
-    lines.append(", ".join(f"{k} {r[k]}" for k in CHECKED) + f" ({r['queries']} queries, {r['wall_s']} s)")
-    lines.append("PASS" if r["ok"] else "FAIL: " + "; ".join(r["problems"]))
-    return "\n".join(lines)
-
-
 def run(args) -> dict:
     faults = tuple(f for f in args.faults.split(",") if f)
     unknown = sorted(set(faults) - set(FAULTS))
@@ -390,5 +385,5 @@ def run(args) -> dict:
         faults=tuple(f for f in FAULTS if f in faults),  # always in the order of FAULTS
     )
     report = run_chaos(config)
-    print(format_report(report), flush=True)
+    print(format_report(report, FAULTS), flush=True)
     return report

@@ -93,3 +93,14 @@ def merged_counts(dicts) -> dict[str, int]:
         for k, v in d.items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+def format_report(r: dict, kinds: tuple[str, ...]) -> str:
+    """The human table printed before the JSON line: faults, recovery, the counts, the verdict."""
+    lines = [f"{'fault':<20} {'injected':>8} {'recovery s':>11}"]
+    for f in kinds:
+        rec = r["recovery_s"].get(f)
+        lines.append(f"{f:<20} {r['faults'][f]:>8} {rec if rec is not None else '-':>11}")
+    lines.append(", ".join(f"{k} {r[k]}" for k in CHECKED) + f" ({r['queries']} queries, {r['wall_s']} s)")
+    lines.append("PASS" if r["ok"] else "FAIL: " + "; ".join(r["problems"]))
+    return "\n".join(lines)
