@@ -179,7 +179,7 @@ class Worker:
         if now - self._last_requeue > c.requeue_check_s:
             with self._lock:
                 mine = list(self.inflight)
-            self.queue.renew(c.cluster, mine, c.lease_s)  # ours lapsed during an outage: still ours
+            self.queue.renew(c.cluster, mine, c.lease_s, self.worker_id)  # lapsed in an outage: still ours
             n = self.queue.requeue_expired(c.cluster)
             if n:
                 log.warning("requeued %d queries whose worker stopped renewing its lease", n)
@@ -242,9 +242,17 @@ class Worker:
         n = self.engine.free_slots()
         if n <= 0:
             return
-        claimed = self.queue.claim(self.config.cluster, n, self.worker_id, self.config.lease_s)
+        with self._lock:
+            mine = list(self.inflight)
+        # the claim renews our leases first: a query of ours requeued after an outage comes back as ours
+        claimed = self.queue.claim(self.config.cluster, n, self.worker_id, self.config.lease_s, renew=mine)
         for cq in claimed:
             q = cq.query
+            with self._lock:
+                running = self.inflight.get(q.gid)
+                if running is not None:  # already ours (never handed twice by the claim): keep running it
+                    self.inflight[q.gid] = replace(cq, claimed_at=running.claimed_at)
+                    continue
             sampling = SamplingParams(
                 temperature=q.temperature,
                 top_p=q.top_p or 1.0,
@@ -365,7 +373,7 @@ class Worker:
             try:
                 with self._lock:
                     gids = list(self.inflight)
-                self.queue.renew(c.cluster, gids, c.lease_s)
+                self.queue.renew(c.cluster, gids, c.lease_s, self.worker_id)
                 s = self._stats
                 remaining = 0.0
                 with self._lock:

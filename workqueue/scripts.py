@@ -13,6 +13,10 @@ Rules the scripts keep:
   (``redis.replicate_commands()``: the default since Redis 5, a no-op in Redis 7), which
   lets them call ``TIME`` before writing. Timestamps that only end up in records
   (``enqueued_at``, ``started_at``, ``completed_at``) come from the caller.
+* **Renewals go with the claim.** CLAIM first renews the leases of the queries its worker
+  runs, and RENEW (given the worker id) does the same: a query of that worker which
+  REQUEUE_EXPIRED put back after a Redis outage longer than the lease is taken back to it (no
+  new attempt), so a worker is never handed a query it already runs.
 * **A late completion reconciles.** ``finish`` may run for a query that REQUEUE_EXPIRED
   already put back (its worker was slow, not dead): the query's state is then ``queued``,
   and ``finish`` takes its id out of the queue that holds it and its tokens out of that
@@ -101,6 +105,32 @@ local function finish(g, result, kind, actual, now)
   return idx
 end
 
+-- A worker's renewal of the queries it runs (ARGV[from..]): on cluster c, a lease it holds is
+-- extended to deadline; a query of its that REQUEUE_EXPIRED put back in c's queue (the lease
+-- lapsed while the worker could not reach Redis, and it still runs the query) is taken back out of
+-- the queue and its tokens out of pending, and leased to it again: no new attempt, never handed
+-- to it (or another worker) as new work. Queries now held by another worker are left alone.
+-- Returns how many leases it extended or took back.
+local function reassert(c, worker, deadline, inflight, queue, pending, from)
+  local n = 0
+  for i = from, #ARGV do
+    local g = ARGV[i]
+    local q = k_query(g)
+    local h = redis.call('HMGET', q, 'state', 'worker', 'cluster', 'tokens')
+    if h[2] == worker and h[3] == c then
+      if h[1] == 'running' then
+        n = n + redis.call('ZADD', inflight, 'XX', 'CH', deadline, g)
+      elseif h[1] == 'queued' and redis.call('LREM', queue, 1, g) > 0 then
+        redis.call('INCRBYFLOAT', pending, -tonumber(h[4] or '0'))
+        redis.call('HSET', q, 'state', 'running')
+        redis.call('ZADD', inflight, deadline, g)
+        n = n + 1
+      end
+    end
+  end
+  return n
+end
+
 local function cancelled_result(g, cluster)
   local bid, qid = split_gid(g)
   return '{"batch_id":' .. cjson.encode(bid) .. ',"query_id":' .. cjson.encode(qid) ..
@@ -128,14 +158,17 @@ return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5])
 """
 )
 
-# KEYS: queue, inflight, pending of the cluster. ARGV: cluster, n, lease seconds, worker id, now (caller's clock: timestamps only).
-# Leases end at Redis time + lease seconds. Returns a flat list: gid, payload, attempts,
-# enqueued_at, ... for each claimed query.
+# KEYS: queue, inflight, pending of the cluster. ARGV: cluster, n, lease seconds, worker id, now (caller's clock: timestamps only),
+# then the gids the worker runs. Their leases are renewed first (``reassert``: its own requeued
+# queries come back to it), so a worker is never handed a query it already runs. Leases end at
+# Redis time + lease seconds. Returns a flat list: gid, payload, attempts, enqueued_at, ... for
+# each newly claimed query.
 CLAIM = (
     PRELUDE
     + r"""
 local c, n, worker, now = ARGV[1], tonumber(ARGV[2]), ARGV[4], ARGV[5]
 local deadline = server_now() + tonumber(ARGV[3])
+reassert(c, worker, deadline, KEYS[2], KEYS[1], KEYS[3], 6)
 local out = {}
 local taken = 0
 while taken < n do
@@ -166,15 +199,18 @@ return out
 """
 )
 
-# KEYS: the cluster's inflight. ARGV: cluster, lease seconds, gid... Extends the leases of those of the gids still in
-# the cluster's in-flight set to Redis time + lease seconds. Returns how many it extended.
+# KEYS: inflight, queue, pending of the cluster. ARGV: cluster, lease seconds, worker id ('': any), gid...
+# Extends the leases of those gids to Redis time + lease seconds: with a worker id, as ``reassert``
+# does (its own requeued queries come back to it); without one, those still in the in-flight set.
+# Returns how many it extended or took back.
 RENEW = (
     PRELUDE
     + r"""
-local c = ARGV[1]
+local c, worker = ARGV[1], ARGV[3]
 local deadline = server_now() + tonumber(ARGV[2])
+if worker ~= '' then return reassert(c, worker, deadline, KEYS[1], KEYS[2], KEYS[3], 4) end
 local n = 0
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', deadline, ARGV[i])
 end
 return n
