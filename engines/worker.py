@@ -4,7 +4,9 @@ The loop takes only as many queries as the engine can admit soon (``free_slots``
 work that has not started stays in Redis where an idle cluster can take it. A background
 thread renews the leases of in-flight queries and publishes the cluster heartbeat
 (running, waiting, KV used/free, measured tokens/s), so a long engine step never lets a
-lease lapse, while a dead worker's leases do lapse and its queries are requeued. A Redis
+lease lapse, while a dead worker's leases do lapse and its queries are requeued. Each claim
+carries the worker's renewals, so after an outage longer than a lease its requeued queries come
+back to it rather than being handed to it again as new work. A Redis
 outage does not stop the worker: results wait in memory (still leased) and every call to Redis
 is retried with exponential backoff until it answers again.
 """
@@ -24,7 +26,7 @@ import redis
 from engines.device import DeviceClock, StepCost
 from engines.interface import Engine, EngineStats, Request, RequestOutput, SamplingParams
 from engines.pipeline import StageFailure
-from workqueue import ClaimedQuery, Observation, QueryResult, QueryState, WorkQueue
+from workqueue import ClaimedQuery, Observation, QueryResult, QueryState, WorkQueue, outcome
 from workqueue.records import CANCELLED_BATCH_STATES, Timings
 
 log = logging.getLogger(__name__)
@@ -250,27 +252,14 @@ class Worker:
             q = cq.query
             with self._lock:
                 running = self.inflight.get(q.gid)
-                if running is not None:  # already ours (never handed twice by the claim): keep running it
-                    self.inflight[q.gid] = replace(cq, claimed_at=running.claimed_at)
-                    continue
-            sampling = SamplingParams(
-                temperature=q.temperature,
-                top_p=q.top_p or 1.0,
-                seed=q.seed,
-                max_tokens=q.max_tokens,
-                forced_length=q.forced_length,
-            )
-            with self._lock:
-                self.inflight[q.gid] = cq
+                self.inflight[q.gid] = cq if running is None else replace(cq, claimed_at=running.claimed_at)
+            if running is not None:  # already ours (the claim never hands it twice): keep running it
+                continue
+            sampling = SamplingParams(q.temperature, q.top_p or 1.0, q.seed, q.max_tokens, q.forced_length)
+            predicted = int(q.predicted_tokens) or None
             try:
                 self.engine.add_request(
-                    Request(
-                        q.gid,
-                        q.prompt,
-                        sampling,
-                        predicted_tokens=int(q.predicted_tokens) or None,
-                        arrival_time=cq.claimed_at,
-                    )
+                    Request(q.gid, q.prompt, sampling, predicted_tokens=predicted, arrival_time=cq.claimed_at)
                 )
             except (ValueError, RuntimeError) as e:  # a query the engine cannot run fails alone
                 log.error("query %s rejected by the engine: %s", q.gid, e)
@@ -317,9 +306,8 @@ class Worker:
         try:
             while self._unsent:
                 cq, out = self._unsent[0]
-                kind = {"abort": QueryState.CANCELLED, "error": QueryState.FAILED}.get(
-                    out.finish_reason, QueryState.COMPLETED
-                )
+                how = outcome(out.finish_reason, out.error)
+                kind = how.state
                 idx = self.queue.complete(
                     cq.query.gid, self._result(cq, out, kind), kind, out.completion_tokens
                 )
@@ -330,7 +318,7 @@ class Worker:
                 q = cq.query
                 if idx < 0:
                     log.info("query %s already had a result (it ran twice); kept the first", q.gid)
-                elif kind == QueryState.COMPLETED and self.config.record_observed and q.forced_length is None:
+                elif how.answered and self.config.record_observed and q.forced_length is None:
                     observed.append(
                         Observation(
                             q.prompt,

@@ -16,9 +16,11 @@ from workqueue.records import (
     ClaimedQuery,
     ClusterInfo,
     Observation,
+    Outcome,
     QueryResult,
     QueryState,
     QueuedQuery,
+    outcome,
 )
 
 __all__ = [
@@ -28,10 +30,12 @@ __all__ = [
     "ClusterInfo",
     "EmbeddedRedis",
     "Observation",
+    "Outcome",
     "QueryResult",
     "QueryState",
     "QueuedQuery",
     "WorkQueue",
     "connect",
+    "outcome",
     "resolve_url",
 ]

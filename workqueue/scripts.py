@@ -13,10 +13,8 @@ Rules the scripts keep:
   (``redis.replicate_commands()``: the default since Redis 5, a no-op in Redis 7), which
   lets them call ``TIME`` before writing. Timestamps that only end up in records
   (``enqueued_at``, ``started_at``, ``completed_at``) come from the caller.
-* **Renewals go with the claim.** CLAIM first renews the leases of the queries its worker
-  runs, and RENEW (given the worker id) does the same: a query of that worker which
-  REQUEUE_EXPIRED put back after a Redis outage longer than the lease is taken back to it (no
-  new attempt), so a worker is never handed a query it already runs.
+* **Renewals go with the claim.** CLAIM (and RENEW with a worker id) renews a worker's leases and
+  takes back its queries requeued meanwhile: a worker is never handed a query it already runs.
 * **A late completion reconciles.** ``finish`` may run for a query that REQUEUE_EXPIRED
   already put back (its worker was slow, not dead): the query's state is then ``queued``,
   and ``finish`` takes its id out of the queue that holds it and its tokens out of that
@@ -105,12 +103,9 @@ local function finish(g, result, kind, actual, now)
   return idx
 end
 
--- A worker's renewal of the queries it runs (ARGV[from..]): on cluster c, a lease it holds is
--- extended to deadline; a query of its that REQUEUE_EXPIRED put back in c's queue (the lease
--- lapsed while the worker could not reach Redis, and it still runs the query) is taken back out of
--- the queue and its tokens out of pending, and leased to it again: no new attempt, never handed
--- to it (or another worker) as new work. Queries now held by another worker are left alone.
--- Returns how many leases it extended or took back.
+-- A worker renews the queries it runs (ARGV[from..]) on cluster c: its leases move to deadline, and
+-- those REQUEUE_EXPIRED put back in c's queue come back to it (out of the queue and pending, no new
+-- attempt). Others' queries are left alone. Returns how many it renewed or took back.
 local function reassert(c, worker, deadline, inflight, queue, pending, from)
   local n = 0
   for i = from, #ARGV do
@@ -159,10 +154,8 @@ return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5])
 )
 
 # KEYS: queue, inflight, pending of the cluster. ARGV: cluster, n, lease seconds, worker id, now (caller's clock: timestamps only),
-# then the gids the worker runs. Their leases are renewed first (``reassert``: its own requeued
-# queries come back to it), so a worker is never handed a query it already runs. Leases end at
-# Redis time + lease seconds. Returns a flat list: gid, payload, attempts, enqueued_at, ... for
-# each newly claimed query.
+# then the gids the worker runs, renewed first (``reassert``). Leases end at Redis time + lease seconds.
+# Returns a flat list: gid, payload, attempts, enqueued_at, ... for each newly claimed query.
 CLAIM = (
     PRELUDE
     + r"""
@@ -200,9 +193,7 @@ return out
 )
 
 # KEYS: inflight, queue, pending of the cluster. ARGV: cluster, lease seconds, worker id ('': any), gid...
-# Extends the leases of those gids to Redis time + lease seconds: with a worker id, as ``reassert``
-# does (its own requeued queries come back to it); without one, those still in the in-flight set.
-# Returns how many it extended or took back.
+# Leases to Redis time + lease seconds: with a worker id by ``reassert``, else those still in flight.
 RENEW = (
     PRELUDE
     + r"""
