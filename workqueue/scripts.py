@@ -17,7 +17,7 @@ Rules the scripts keep:
   already put back (its worker was slow, not dead): the query's state is then ``queued``,
   and ``finish`` takes its id out of the queue that holds it and its tokens out of that
   cluster's ``pending`` counter, so nothing runs it again and the counter stays exact.
-* **Ids without a query hash are dropped.** CLAIM and MOVE_TAIL skip an id whose hash is
+* **Ids without a query hash are dropped.** CLAIM, MOVE_TAIL and MOVE_IDS skip an id whose hash is
   gone (a query finished while queued, under older code) and never recreate the hash.
 * **Finished batches expire.** When a batch reaches a final state, its hash, results and
   done set get a TTL of the batch's ``retention_s`` (set at creation; 0 keeps them forever).
@@ -99,6 +99,25 @@ local function finish(g, result, kind, actual, now)
     retire(bid)
   end
   return idx
+end
+
+-- Append the moved ids (in order) to dst's queue (KEYS[2]) and move their tokens from src's
+-- pending (KEYS[3]) and stats to dst's (KEYS[4]); returns the predicted tokens moved.
+local function land(moved, src, dst)
+  local tokens = 0
+  for _, g in ipairs(moved) do
+    local t = tonumber(redis.call('HGET', k_query(g), 'tokens') or '0')
+    tokens = tokens + t
+    redis.call('HSET', k_query(g), 'cluster', dst)
+    redis.call('RPUSH', KEYS[2], g)
+    redis.call('HINCRBYFLOAT', k_cluster_stats(src), 'assigned_predicted_tokens', -t)
+    redis.call('HINCRBYFLOAT', k_cluster_stats(dst), 'assigned_predicted_tokens', t)
+    redis.call('HINCRBY', k_cluster_stats(src), 'moved_out', 1)
+    redis.call('HINCRBY', k_cluster_stats(dst), 'moved_in', 1)
+  end
+  redis.call('INCRBYFLOAT', KEYS[3], -tokens)
+  redis.call('INCRBYFLOAT', KEYS[4], tokens)
+  return tokens
 end
 
 local function cancelled_result(g, cluster)
@@ -219,29 +238,39 @@ return {n, failed}
 MOVE_TAIL = (
     PRELUDE
     + r"""
-local src, dst, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local moved = {}
-local tokens = 0
-while #moved < n do
+local n = tonumber(ARGV[3])
+local popped = {}
+while #popped < n do
   local g = redis.call('RPOP', KEYS[1])
   if not g then break end
-  if redis.call('EXISTS', k_query(g)) == 1 then moved[#moved + 1] = g end
+  if redis.call('EXISTS', k_query(g)) == 1 then popped[#popped + 1] = g end
 end
-for i = #moved, 1, -1 do
-  local g = moved[i]
-  local q = k_query(g)
-  local t = tonumber(redis.call('HGET', q, 'tokens') or '0')
-  tokens = tokens + t
-  redis.call('HSET', q, 'cluster', dst)
-  redis.call('RPUSH', KEYS[2], g)
-  redis.call('HINCRBYFLOAT', k_cluster_stats(src), 'assigned_predicted_tokens', -t)
-  redis.call('HINCRBYFLOAT', k_cluster_stats(dst), 'assigned_predicted_tokens', t)
-  redis.call('HINCRBY', k_cluster_stats(src), 'moved_out', 1)
-  redis.call('HINCRBY', k_cluster_stats(dst), 'moved_in', 1)
+local moved = {}
+for i = #popped, 1, -1 do moved[#popped + 1 - i] = popped[i] end
+return {#moved, tostring(land(moved, ARGV[1], ARGV[2]))}
+"""
+)
+
+# KEYS: as MOVE_TAIL. ARGV: src, dst, window, gid... Moves exactly those ids still queued on src (among the last
+# `window` entries of its queue; others are skipped) to dst's tail, in their order on src: their slots become
+# tombstones that one LREM from the tail removes, so a call is O(window). Returns {moved, predicted tokens moved}.
+MOVE_IDS = (
+    PRELUDE
+    + r"""
+local TOMB, want, moved, removed = '\0moving', {}, {}, 0
+for i = 4, #ARGV do want[ARGV[i]] = true end
+local start = math.max(0, redis.call('LLEN', KEYS[1]) - tonumber(ARGV[3]))
+local ids = redis.call('LRANGE', KEYS[1], start, -1)
+for i, g in ipairs(ids) do
+  if want[g] then
+    want[g] = nil
+    redis.call('LSET', KEYS[1], start + i - 1, TOMB)
+    removed = removed + 1
+    if redis.call('EXISTS', k_query(g)) == 1 then moved[#moved + 1] = g end
+  end
 end
-redis.call('INCRBYFLOAT', KEYS[3], -tokens)
-redis.call('INCRBYFLOAT', KEYS[4], tokens)
-return {#moved, tostring(tokens)}
+if removed > 0 then redis.call('LREM', KEYS[1], -removed, TOMB) end
+return {#moved, tostring(land(moved, ARGV[1], ARGV[2]))}
 """
 )
 
