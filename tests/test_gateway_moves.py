@@ -213,4 +213,7 @@ def test_move_ids_moves_exactly_the_ids_still_queued_on_the_source(redis_url):
     assert queue.queued_ids("a") == ["x:q1", "x:q3", "x:q5"]
     assert queue.queued_ids("b") == ["x:q2", "x:q4"]  # in their order on the source
     assert queue.move_ids("a", "b", []) == (0, 0.0)
+    assert queue.move_ids("a", "b", ["x:q1"], window=2) == (0, 0.0)  # not among the last 2: stays
+    assert queue.move_ids("a", "b", ["x:q1", "x:q1"], window=3) == (1, 14.0)  # a repeat moves once
+    assert queue.queued_ids("a") == ["x:q3", "x:q5"]
     assert check(queue.r) == []

@@ -101,11 +101,11 @@ local function finish(g, result, kind, actual, now)
   return idx
 end
 
--- Append the moved ids (in order) to dst's queue (KEYS[2]) and move their tokens from src's
--- pending (KEYS[3]) and stats to dst's (KEYS[4]); returns the predicted tokens moved.
+-- Append ids (listed back of src first) to dst's queue KEYS[2] in src order, tokens from KEYS[3] to KEYS[4].
 local function land(moved, src, dst)
   local tokens = 0
-  for _, g in ipairs(moved) do
+  for i = #moved, 1, -1 do
+    local g = moved[i]
     local t = tonumber(redis.call('HGET', k_query(g), 'tokens') or '0')
     tokens = tokens + t
     redis.call('HSET', k_query(g), 'cluster', dst)
@@ -238,39 +238,40 @@ return {n, failed}
 MOVE_TAIL = (
     PRELUDE
     + r"""
-local n = tonumber(ARGV[3])
-local popped = {}
-while #popped < n do
+local n, moved = tonumber(ARGV[3]), {}
+while #moved < n do
   local g = redis.call('RPOP', KEYS[1])
   if not g then break end
-  if redis.call('EXISTS', k_query(g)) == 1 then popped[#popped + 1] = g end
+  if redis.call('EXISTS', k_query(g)) == 1 then moved[#moved + 1] = g end
 end
-local moved = {}
-for i = #popped, 1, -1 do moved[#popped + 1 - i] = popped[i] end
 return {#moved, tostring(land(moved, ARGV[1], ARGV[2]))}
 """
 )
 
-# KEYS: as MOVE_TAIL. ARGV: src, dst, window, gid... Moves exactly those ids still queued on src (among the last
-# `window` entries of its queue; others are skipped) to dst's tail, in their order on src: their slots become
-# tombstones that one LREM from the tail removes, so a call is O(window). Returns {moved, predicted tokens moved}.
+# KEYS: as MOVE_TAIL. ARGV: src, dst, window, gid... Moves exactly those ids still queued on src (looked for from the
+# back, in pages, until all are found or `window` entries were seen) to dst's tail, in their order on src: their slots
+# become tombstones that one LREM from the tail removes. Cost: O(how far from the back the farthest one stands).
 MOVE_IDS = (
     PRELUDE
     + r"""
-local TOMB, want, moved, removed = '\0moving', {}, {}, 0
-for i = 4, #ARGV do want[ARGV[i]] = true end
-local start = math.max(0, redis.call('LLEN', KEYS[1]) - tonumber(ARGV[3]))
-local ids = redis.call('LRANGE', KEYS[1], start, -1)
-for i, g in ipairs(ids) do
-  if want[g] then
-    want[g] = nil
-    redis.call('LSET', KEYS[1], start + i - 1, TOMB)
-    removed = removed + 1
-    if redis.call('EXISTS', k_query(g)) == 1 then moved[#moved + 1] = g end
+local TOMB, want, left, found, removed, seen = '\0moving', {}, 0, {}, 0, 0
+for i = 4, #ARGV do if not want[ARGV[i]] then want[ARGV[i]] = true; left = left + 1 end end
+local window = math.min(tonumber(ARGV[3]), redis.call('LLEN', KEYS[1]))
+while left > 0 and seen < window do
+  local page = math.min(1000, window - seen)
+  local ids = redis.call('LRANGE', KEYS[1], -(seen + page), -(seen + 1))
+  for i = #ids, 1, -1 do
+    local g = ids[i]
+    if want[g] then
+      want[g], left, removed = nil, left - 1, removed + 1
+      redis.call('LSET', KEYS[1], -(seen + #ids - i + 1), TOMB)
+      if redis.call('EXISTS', k_query(g)) == 1 then found[#found + 1] = g end
+    end
   end
+  seen = seen + page
 end
 if removed > 0 then redis.call('LREM', KEYS[1], -removed, TOMB) end
-return {#moved, tostring(land(moved, ARGV[1], ARGV[2]))}
+return {#found, tostring(land(found, ARGV[1], ARGV[2]))}
 """
 )
 
