@@ -216,8 +216,9 @@ class WorkQueue(LeaseOps, BatchOps):
 
         Movers plan from a read of a queue's tail (:meth:`tail`) and move later: queries may
         have been claimed or appended meanwhile, and only the planned ones move. The script
-        looks at the last ``window`` entries of ``src``'s queue (default: ``len(gids)`` plus
-        :data:`MOVE_WINDOW_SLACK`); planned ids further from the tail stay for a later round."""
+        looks for them from the back of ``src``'s queue and stops once all are found or
+        ``window`` entries were seen (default: ``len(gids)`` plus :data:`MOVE_WINDOW_SLACK`);
+        planned ids further from the back stay for a later round."""
         gids = list(gids)
         if src == dst or not gids:
             return 0, 0.0
