@@ -104,7 +104,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         if remove and plan.kept.get(remove):
             raise WouldStrand(
                 f"cannot remove {remove}: "
-                + "; ".join(RebalancePlan({}, {remove: plan.kept[remove]}).kept_lines())
+                + "; ".join(RebalancePlan([], {remove: plan.kept[remove]}).kept_lines())
                 + " (drain it instead, cancel their batches, or add a cluster they fit on)"
             )
         if remove:  # stop new assignments first, then move the queue away
