@@ -143,7 +143,11 @@ def _add_common(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
     )
-    s.add_argument("--no-offload", action="store_true", help="disable backoff offloading between clusters")
+    s.add_argument(
+        "--no-offload",
+        action="store_true",
+        help="no offloading between live clusters (lease recovery and evacuation still run)",
+    )
     s.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted")
     s.add_argument(
         "--max-prompt-bytes",

@@ -17,7 +17,7 @@ from gateway.config import GatewayConfig, redact_url
 from gateway.errors import MalformedRequestInterceptor, RedisUnavailableInterceptor
 from gateway.http_server import HttpServer  # starlette + uvicorn: ~70 ms of ~400 (python -X importtime)
 from gateway.metrics import GatewayMetrics
-from gateway.offloader import Offloader
+from gateway.offloader import OffloadConfig, Offloader
 from gateway.policies import make_policy
 from gateway.service import BatchService, GatewayDeps
 from gateway.tls import server_credentials
@@ -182,10 +182,9 @@ async def serve(
             raise
     stop = stop or asyncio.Event()
     tasks = []
-    if config.offload:
-        tasks.append(
-            asyncio.create_task(_offload_loop(Offloader(deps.queue, metrics=deps.metrics), config, stop))
-        )
+    # lease recovery and evacuation always run; --no-offload turns off only moves between live clusters
+    offloader = Offloader(deps.queue, OffloadConfig(balance=config.offload), metrics=deps.metrics)
+    tasks.append(asyncio.create_task(_offload_loop(offloader, config, stop)))
     tasks.append(asyncio.create_task(_reload_loop(deps, stop)))
     tasks.append(asyncio.create_task(batches.intake.loop(stop)))  # large batches, accepted, enqueue here
     if ready is not None:

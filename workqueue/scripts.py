@@ -19,7 +19,7 @@ Rules the scripts keep:
   already put back (its worker was slow, not dead): the query's state is then ``queued``,
   and ``finish`` takes its id out of the queue that holds it and its tokens out of that
   cluster's ``pending`` counter, so nothing runs it again and the counter stays exact.
-* **Ids without a query hash are dropped.** CLAIM and MOVE_TAIL skip an id whose hash is
+* **Ids without a query hash are dropped.** CLAIM and the moves (:mod:`workqueue.move_scripts`) skip an id whose hash is
   gone (a query finished while queued, under older code) and never recreate the hash.
 * **Finished batches expire.** When a batch reaches a final state, its hash, results and
   done set get a TTL of the batch's ``retention_s`` (set at creation; 0 keeps them forever).
@@ -237,38 +237,6 @@ for i = #expired, 1, -1 do
   end
 end
 return {n, failed}
-"""
-)
-
-# KEYS: queue of src, queue of dst, pending of src, pending of dst. ARGV: src, dst, n. Moves up to n queries from the tail of src's queue to the tail of
-# dst's, keeping their order; ids without a query hash are dropped on the way.
-# Returns {moved, predicted tokens moved}.
-MOVE_TAIL = (
-    PRELUDE
-    + r"""
-local src, dst, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local moved = {}
-local tokens = 0
-while #moved < n do
-  local g = redis.call('RPOP', KEYS[1])
-  if not g then break end
-  if redis.call('EXISTS', k_query(g)) == 1 then moved[#moved + 1] = g end
-end
-for i = #moved, 1, -1 do
-  local g = moved[i]
-  local q = k_query(g)
-  local t = tonumber(redis.call('HGET', q, 'tokens') or '0')
-  tokens = tokens + t
-  redis.call('HSET', q, 'cluster', dst)
-  redis.call('RPUSH', KEYS[2], g)
-  redis.call('HINCRBYFLOAT', k_cluster_stats(src), 'assigned_predicted_tokens', -t)
-  redis.call('HINCRBYFLOAT', k_cluster_stats(dst), 'assigned_predicted_tokens', t)
-  redis.call('HINCRBY', k_cluster_stats(src), 'moved_out', 1)
-  redis.call('HINCRBY', k_cluster_stats(dst), 'moved_in', 1)
-end
-redis.call('INCRBYFLOAT', KEYS[3], -tokens)
-redis.call('INCRBYFLOAT', KEYS[4], tokens)
-return {#moved, tostring(tokens)}
 """
 )
 
