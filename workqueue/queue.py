@@ -32,6 +32,7 @@ import redis
 
 from workqueue import keys, scripts
 from workqueue.batches import DEFAULT_RETENTION_S, BatchOps
+from workqueue.intake_ops import IntakeOps
 from workqueue.leases import DEFAULT_MAX_ATTEMPTS, LeaseOps
 from workqueue.mover import MoverLease
 from workqueue.records import (
@@ -45,7 +46,7 @@ from workqueue.wake import WakeListener, announce
 __all__ = ["WorkQueue"]
 
 
-class WorkQueue(LeaseOps, BatchOps):
+class WorkQueue(LeaseOps, BatchOps, IntakeOps):
     """All queue operations on one Redis connection (thread-safe: redis-py pools connections).
 
     ``clock`` stamps records (lease deadlines use Redis time whatever it says);
@@ -64,6 +65,7 @@ class WorkQueue(LeaseOps, BatchOps):
         self.r = client
         self._init_leases(client, clock, max_attempts)
         self._init_batches(client, retention_s)
+        self._init_intake_ops(client)
         self._move_tail = client.register_script(scripts.MOVE_TAIL)
 
     @classmethod
