@@ -13,6 +13,17 @@ lost its lease (or died mid-chunk) never enqueues a row twice, and another repli
 where it stopped. A batch cancelled during intake gets its remaining rows finished as
 cancelled, none enqueued. Engines start on the first chunk; intake then runs at the
 predictor's own pace.
+
+**Fair turns.** :meth:`Intake.tick` is one round over the unfinished intakes, oldest first:
+each batch gets one turn of about ``turn`` rows, then gives its lease back, so a 1M-query
+batch never keeps a later batch ``validating`` until it is done.
+
+**Waiting for a cluster** (:mod:`gateway.placement`). A chunk with rows that only a cluster
+not alive now could take (restarting, loading its model) waits, bounded by ``wait_s``
+(``gateway serve --intake-wait-s``), then fails those rows; a row over every configured
+cluster's limit fails at once, naming the limit. **A lost intake list** fails the batch's
+rows not yet enqueued once (:meth:`workqueue.WorkQueue.fail_lost_intake`), and the batch
+leaves intake.
 """
 
 from __future__ import annotations
@@ -70,6 +81,10 @@ class IntakeSettings:
         )
 
 
+class IntakeLost(Exception):
+    """The batch's intake list is gone; its rows not yet enqueued were counted failed."""
+
+
 class Intake:
     """Runs the background intake of one gateway replica (see the module docstring)."""
 
@@ -101,7 +116,10 @@ class Intake:
         """Enqueue the next chunk (``size`` rows, default ``chunk``) of ``batch_id`` under the lease
         ``token``; returns the rows landed (0: the intake is finished or gone; negative: the lease
         or cursor was lost, stop)."""
-        got = self._read(batch_id, size or self.settings.chunk, 0)
+        try:
+            got = self._read(batch_id, size or self.settings.chunk, 0)
+        except IntakeLost:
+            return 0
         if got is None:
             return 0
         status, done, rows = got
@@ -127,6 +145,8 @@ class Intake:
         lost = self.queue.fail_lost_intake(batch_id, why)
         if lost > 0:
             log.error("batch %s: %s (counted failed)", batch_id, why)
+        if lost >= 0:
+            raise IntakeLost(why)
 
     def _prepare(
         self, batch_id: str, status: str, rows: list[dict], counter: ThreadPoolExecutor | None = None
@@ -202,9 +222,12 @@ class Intake:
         p = place(loads, read_clusters(self.queue), self.assign)
         errors = dict(p.never)
         if p.later:
+            now = self.queue.clock()
             since = self.queue.intake_wait(batch_id)
-            waited = self.queue.clock() - since if since is not None else 0.0
+            waited = now - since if since is not None else 0.0
             if waited < self.wait_s:
+                if since is not None and since >= now:  # the wait begins: said once, not every poll
+                    log.warning("batch %s: %s", batch_id, waiting_message(len(p.later), 0.0))
                 raise IntakeWaits(waiting_message(len(p.later), waited))
             log.warning(
                 "batch %s: %d queries waited %.0f s for a cluster; failing them",
@@ -282,6 +305,8 @@ class Intake:
                 finished, n = self.turn(batch_id, stop, self.settings.turn)
             except IntakeWaits as e:
                 log.debug("batch %s: intake waits: %s", batch_id, e)
+                continue
+            except IntakeLost:
                 continue
             landed += n
             if finished:
