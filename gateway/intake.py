@@ -15,8 +15,9 @@ cancelled, none enqueued. Engines start on the first chunk; intake then runs at 
 predictor's own pace.
 
 **Fair turns.** :meth:`Intake.tick` is one round over the unfinished intakes, oldest first:
-each batch gets one turn of about ``turn`` rows, then gives its lease back, so a 1M-query
-batch never keeps a later batch ``validating`` until it is done.
+each batch gets one turn of about ``turn`` rows (longer while no other batch waits), then
+gives its lease back, so a 1M-query batch never keeps a later batch ``validating`` until it
+is done.
 
 **Waiting for a cluster** (:mod:`gateway.placement`). A chunk with rows that only a cluster
 not alive now could take (restarting, loading its model) waits, bounded by ``wait_s``
@@ -64,7 +65,7 @@ class IntakeSettings:
     lease_ttl_s: float = 30.0  # a replica that dies holding a batch's intake blocks it this long
     poll_s: float = 0.5  # how often an idle replica looks for unfinished intakes
     pause_s: float = 0.0  # pause between chunks (yields CPU and Redis to other work)
-    turn: int = 4096  # rows a batch lands per turn before the next batch's turn (no head-of-line blocking)
+    turn: int = 8192  # rows a batch lands per turn while others wait (no head-of-line blocking)
 
     @classmethod
     def from_env(cls) -> IntakeSettings:
@@ -251,8 +252,8 @@ class Intake:
         self, batch_id: str, stop: threading.Event | None = None, budget: int | None = None
     ) -> tuple[bool, int]:
         """One turn of the batch: take its lease and enqueue chunks until its intake is done, about
-        ``budget`` rows have landed (None: no bound), the lease is held elsewhere or lost, or
-        ``stop`` is set. Returns ``(finished, rows landed)``.
+        ``budget`` rows have landed while another batch is in intake (None: no bound), the lease
+        is held elsewhere or lost, or ``stop`` is set. Returns ``(finished, rows landed)``.
 
         Pipelined: chunk k lands in a helper thread while chunk k+1 is predicted. Chunk k+1's
         rows are read before chunk k is handed over (so the list's head is where the read
@@ -277,7 +278,9 @@ class Intake:
                 out = self._prepare(batch_id, status, rows[:size], counter)
                 while True:
                     size = min(2 * size, s.chunk)
-                    more = not _stopped(stop) and (budget is None or landed + len(out) < budget)
+                    more = not _stopped(stop) and (
+                        budget is None or landed + len(out) < budget or not self._others_wait(batch_id)
+                    )
                     after = self._read(batch_id, size, len(out)) if more else None
                     landing = pool.submit(self._land, batch_id, token, cursor, out)
                     nxt = self._prepare(batch_id, after[0], after[2], counter) if after is not None else None
@@ -293,6 +296,10 @@ class Intake:
                     cursor, out = after[1], nxt
         finally:
             self.queue.drop_intake(batch_id, token)
+
+    def _others_wait(self, batch_id: str) -> bool:
+        """Whether another batch is in intake (a turn that used its rows then ends)."""
+        return any(b != batch_id for b in self.queue.intake_batches(2))
 
     def tick(self, stop: threading.Event | None = None) -> int:
         """One round over the unfinished intakes, oldest first: each gets one turn of about ``turn``

@@ -6,7 +6,7 @@
   naming the limit; the synchronous path answers INVALID_ARGUMENT for it and UNAVAILABLE
   only while the cluster that fits is not alive, and a large batch is accepted meanwhile.
 * Turns are fair: one round gives every batch in intake one turn, so a big batch accepted
-  first does not keep a later one waiting until it is done.
+  first does not keep a later one waiting until it is done; alone, a batch's turn runs on.
 * A batch whose intake list is lost is failed once (rows never enqueued counted failed), leaves
   the intake set, and a client retrying its batch_id gets that final state.
 """
@@ -80,11 +80,12 @@ def fleet(redis_url):
 def test_rows_for_a_restarting_cluster_wait_and_land_when_its_heartbeat_is_back(fleet):
     queue, clock, intake = fleet
     accept(queue, "w", 4, prompt_tokens=200)  # over small's limit: only big can take them
-    assert intake.tick() == 0
+    landed = intake.tick()
+    assert queue.batch("w").failed == 0 and landed == 0
     clock.now += 59  # within the bound: still waiting, nothing failed
-    assert intake.tick() == 0
+    landed = intake.tick()
     info = queue.batch("w")
-    assert info.status == "validating" and info.failed == 0 and enqueued(queue, "w") == 0
+    assert info.status == "validating" and info.failed == 0 and enqueued(queue, "w") == 0 and landed == 0
     assert not check(queue.r)
     queue.heartbeat("big", 3600.0)  # the engine is back
     assert intake.tick() == 4
@@ -96,7 +97,8 @@ def test_rows_for_a_restarting_cluster_wait_and_land_when_its_heartbeat_is_back(
 def test_rows_fail_with_a_clear_error_once_the_wait_is_over(fleet):
     queue, clock, intake = fleet
     accept(queue, "w", 3, prompt_tokens=200)
-    assert intake.tick() == 0 and queue.batch("w").failed == 0
+    landed = intake.tick()
+    assert queue.batch("w").failed == 0 and landed == 0
     clock.now += 61
     assert intake.tick() == 3
     info = queue.batch("w")
@@ -109,11 +111,12 @@ def test_rows_fail_with_a_clear_error_once_the_wait_is_over(fleet):
 def test_a_row_over_every_configured_limit_fails_at_once_naming_it(fleet):
     queue, _, intake = fleet
     accept(queue, "w", 2, prompt_tokens=2000)  # over big's limit too: permanent
-    assert intake.tick() == 2
+    landed = intake.tick()
     info = queue.batch("w")
     assert info.status == "failed" and info.failed == 2
     for r in queue.results("w"):
         assert "largest per-query limit of any configured cluster is 1000" in r["error"]
+    assert landed == 2
     assert not check(queue.r)
 
 
@@ -136,12 +139,12 @@ def test_turns_are_fair_a_big_batch_does_not_block_a_later_one(redis_url):
     accept(queue, "big", 100)
     clock.now += 1
     accept(queue, "late", 20)
-    assert intake.tick() == 20  # one round: one turn each
-    assert enqueued(queue, "big") == 10 and enqueued(queue, "late") == 10
-    while intake.tick():
-        pass
-    assert enqueued(queue, "big") == 100 and enqueued(queue, "late") == 20
-    assert order.index("late") < 2 and len(order) - order[::-1].index("late") - 1 < 4  # done by round 2
+    landed = intake.tick()  # one round: one turn each
+    assert enqueued(queue, "big") == 10 and enqueued(queue, "late") == 10 and landed == 20
+    assert intake.tick() == 20 and enqueued(queue, "late") == 20  # round 2: the late batch is done
+    assert intake.tick() == 80  # alone now: its turn runs on to the end
+    assert intake.tick() == 0 and enqueued(queue, "big") == 100
+    assert order[:4] == ["big", "late", "big", "late"] and set(order[4:]) == {"big"}
     assert not check(queue.r)
 
 
@@ -155,7 +158,8 @@ def test_a_lost_intake_list_fails_its_rows_once_and_the_batch_finishes(redis_url
         IntakeSettings(chunk=10, first_chunk=10, land=10, turn=10),
     )
     accept(queue, "z", 30)
-    assert intake.tick() == 10
+    assert queue.take_intake("z", "t", 30.0) and intake.step("z", "t") == 10  # one chunk enqueued
+    queue.drop_intake("z", "t")
     queue.r.delete(intake_key("z"))  # lost: evicted, deleted, or gone in a failover
     caplog.set_level(logging.ERROR, logger="gateway.intake")
     for _ in range(3):
