@@ -20,6 +20,7 @@ import pytest
 
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.intake import Intake, IntakeSettings, encode_rows
+from gateway.openai_batches import batch_object
 from gateway.policies import make_policy
 from gateway.validation import Checked
 from protos import fleetbatch_pb2 as pb
@@ -169,7 +170,8 @@ def test_a_lost_intake_list_fails_its_rows_once_and_the_batch_finishes(redis_url
     assert queue.r.zscore(INTAKE, "z") is None and queue.intake_batches() == []
     info = queue.batch("z")
     assert info.status == "in_progress" and info.failed == 20 and info.total == 30
-    assert "20 of 30 rows not yet enqueued" in queue.r.hget(keys.batch("z"), "error")
+    assert "20 of 30 rows not yet enqueued" in info.error
+    assert info.error in batch_object("z", info, {})["errors"]["data"][0]["message"]  # OpenAI's view
     assert not check(queue.r)
     for c in queue.claim("a", 10, "w", 30.0):  # the rows that were enqueued still run
         q = c.query
