@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from cliutil import run_main
-from gateway.config import HTTP_KEY_ENV, NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
+from gateway.config import HTTP_KEY_ENV, INTAKE_WAIT_S, NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
 from gateway.policies import POLICIES
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -186,6 +186,13 @@ def _add_common(s: argparse.ArgumentParser) -> None:
         type=float,
         default=168.0,
         help="keep a finished batch's status and results this long, then Redis drops them (0: forever)",
+    )
+    s.add_argument(
+        "--intake-wait-s",
+        type=float,
+        default=INTAKE_WAIT_S,
+        help="how long background intake waits for a cluster that can take a query (one restarting or "
+        "loading its model) before it fails the query",
     )
 
 

@@ -16,6 +16,8 @@ TOKEN_ENV = "FLEETBATCH_ADMIN_TOKEN"
 HTTP_KEY_ENV = "FLEETBATCH_HTTP_API_KEY"  # the OpenAI-compatible HTTP front's Bearer key
 #: positions of the project's default serving model (``localmodels.build_model``'s default)
 DEFAULT_MAX_POSITIONS = 2048
+#: default bound, in seconds, on how long background intake waits for a cluster that can take a query
+INTAKE_WAIT_S = 300.0
 #: cluster names (and every other id that becomes part of a Redis key)
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}\Z")  # \Z: "$" would accept a trailing newline
 
@@ -58,6 +60,7 @@ class GatewayConfig:
     retention_s: float = 7 * 24 * 3600  # finished batches expire from Redis after this long (0: never)
     offload: bool = True
     offload_interval_s: float = 0.5
+    intake_wait_s: float = INTAKE_WAIT_S  # intake waits this long for a cluster that can take a query
     metrics_port: int = 0  # 0: no Prometheus endpoint
     clusters: list[ClusterSpec] = field(default_factory=list)
     bound_address: str = ""  # set by the server once it listens (port 0 picks a free one)
@@ -90,6 +93,7 @@ class GatewayConfig:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             retention_s=args.retention_hours * 3600,
+            intake_wait_s=args.intake_wait_s,
             clusters=clusters,
             http_port=getattr(args, "http_port", None),
             http_api_key=getattr(args, "http_api_key", None) or os.environ.get(HTTP_KEY_ENV, ""),

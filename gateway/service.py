@@ -23,6 +23,7 @@ from gateway.intake import Intake, IntakeSettings, encode_rows
 from gateway.listing import read_clusters
 from gateway.metrics import GatewayMetrics
 from gateway.offload import LinkCost
+from gateway.placement import configured_views, first_misfit
 from gateway.policies import AssignmentPolicy, NoClusterError, QueryLoad
 from gateway.quota import ClientLocks, client_of, header_problem, remember, unfinished
 from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
@@ -132,6 +133,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             deps.intake,
             self._count_assigned,
             count_tokens=deps.count_tokens,
+            wait_s=deps.config.intake_wait_s,
         )
 
     def _count_assigned(self, names: list[str]) -> None:
@@ -224,11 +226,11 @@ class BatchService(pb_grpc.BatchServiceServicer):
     ) -> pb.Batch:
         """A large batch: store its validated rows and answer VALIDATING; :mod:`gateway.intake` enqueues it."""
         d = self.d
-        views = cluster_views(await asyncio.to_thread(read_clusters, d.queue))
-        if not any(v.usable for v in views):
+        active = configured_views(await asyncio.to_thread(read_clusters, d.queue))
+        if not active:  # with one, intake waits (bounded) for it to accept work
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                "cannot assign the batch: no cluster accepts work (all draining, dead or with zero capacity)",
+                "cannot assign the batch: no cluster is active (all draining or removed)",
             )
         rows = encode_rows(request, checked)  # encoded slice by slice while stored
         created = await asyncio.to_thread(
@@ -269,11 +271,13 @@ class BatchService(pb_grpc.BatchServiceServicer):
             )
             for i, p in zip(good, predicted, strict=True)
         ]
-        views = cluster_views(await asyncio.to_thread(read_clusters, d.queue))
+        infos = await asyncio.to_thread(read_clusters, d.queue)
         try:
-            names = await asyncio.to_thread(self._assign, loads, views)
+            names = await asyncio.to_thread(self._assign, loads, cluster_views(infos))
         except NoClusterError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot assign the batch: {e}")
+            never = first_misfit(loads, infos)  # permanent: no configured cluster can ever take it
+            code = grpc.StatusCode.INVALID_ARGUMENT if never else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"cannot assign the batch: {never or e}")
         queued = []
         for i, load in zip(good, loads, strict=True):
             q = request.queries[i]

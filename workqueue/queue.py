@@ -32,6 +32,7 @@ import redis
 
 from workqueue import keys, move_scripts
 from workqueue.batches import DEFAULT_RETENTION_S, BatchOps
+from workqueue.intake_ops import IntakeOps
 from workqueue.leases import DEFAULT_MAX_ATTEMPTS, LeaseOps
 from workqueue.mover import MoverLease
 from workqueue.records import (
@@ -49,7 +50,7 @@ __all__ = ["MOVE_WINDOW_SLACK", "WorkQueue"]
 MOVE_WINDOW_SLACK = 20_000
 
 
-class WorkQueue(LeaseOps, BatchOps):
+class WorkQueue(LeaseOps, BatchOps, IntakeOps):
     """All queue operations on one Redis connection (thread-safe: redis-py pools connections).
 
     ``clock`` stamps records (lease deadlines use Redis time whatever it says);
@@ -68,6 +69,7 @@ class WorkQueue(LeaseOps, BatchOps):
         self.r = client
         self._init_leases(client, clock, max_attempts)
         self._init_batches(client, retention_s)
+        self._init_intake_ops(client)
         self._move_tail = client.register_script(move_scripts.MOVE_TAIL)
         self._move_ids = client.register_script(move_scripts.MOVE_IDS)
 

@@ -134,6 +134,7 @@ class BatchInfo:
     queries_per_cluster: dict[str, int] = field(default_factory=dict)
     predicted_tokens_per_cluster: dict[str, float] = field(default_factory=dict)
     fingerprint: str = ""  # digest of the submitted queries: a retry with other queries is refused
+    error: str = ""  # what failed the batch as a whole (its intake list lost), if anything
 
     @property
     def final(self) -> bool:

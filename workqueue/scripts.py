@@ -59,6 +59,23 @@ local function retire(bid)
   end
 end
 
+-- A batch whose every query is counted finished takes its final status (and starts its retention).
+local function settle(bid, now)
+  local b = k_batch(bid)
+  local h = redis.call('HMGET', b, 'total', 'completed', 'failed', 'cancelled', 'status')
+  local finished = tonumber(h[2] or '0') + tonumber(h[3] or '0') + tonumber(h[4] or '0')
+  if finished >= tonumber(h[1] or '0') then
+    local status = 'completed'
+    if h[5] == 'cancelling' or h[5] == 'cancelled' then
+      status = 'cancelled'
+    elseif tonumber(h[2] or '0') == 0 and tonumber(h[3] or '0') > 0 then
+      status = 'failed'
+    end
+    redis.call('HSET', b, 'status', status, 'completed_at', now)
+    retire(bid)
+  end
+end
+
 -- Record the final result of one query once; returns its index in the result list, or -1
 -- when the query already had a result (results are write-once per query id).
 -- A query still marked queued was requeued after its lease lapsed and is finished late by
@@ -88,18 +105,7 @@ local function finish(g, result, kind, actual, now)
     end
   end
   redis.call('DEL', q)
-  local h = redis.call('HMGET', b, 'total', 'completed', 'failed', 'cancelled', 'status')
-  local finished = tonumber(h[2] or '0') + tonumber(h[3] or '0') + tonumber(h[4] or '0')
-  if finished >= tonumber(h[1] or '0') then
-    local status = 'completed'
-    if h[5] == 'cancelling' or h[5] == 'cancelled' then
-      status = 'cancelled'
-    elseif tonumber(h[2] or '0') == 0 and tonumber(h[3] or '0') > 0 then
-      status = 'failed'
-    end
-    redis.call('HSET', b, 'status', status, 'completed_at', now)
-    retire(bid)
-  end
+  settle(bid, now)
   return idx
 end
 
