@@ -187,10 +187,11 @@ class Finalizer:
         endpoint = rec.get("endpoint", CHAT)
         usage = [0, 0]
         fields: dict[str, str | int | float] = {"output_file_id": "", "error_file_id": ""}
+        unrun = info.error or "the request has no result: it was never run"
         for kind, want_error in (("output", False), ("errors", True)):
             file_id = file_id_of(batch_id, kind)
             counted = [0]
-            lines = self._lines(batch_id, endpoint, names, want_error, usage, counted)
+            lines = self._lines(batch_id, endpoint, names, want_error, usage, counted, unrun)
             self.store.put(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", lines)
             if counted[0]:
                 fields["error_file_id" if want_error else "output_file_id"] = file_id
@@ -207,18 +208,25 @@ class Finalizer:
         want_error: bool,
         usage: list[int],
         counted: list[int],
+        unrun: str,
     ) -> Iterator[bytes]:
         """The file's lines in chunks; adds the output lines' prompt and completion tokens to ``usage``
-        and the lines to ``counted``."""
-        start = 0
+        and the lines to ``counted``. Every request of the input has exactly one line in one of the
+        two files: a result seen twice is written once, and the error file ends with a line (error
+        ``unrun``) for each request that has no result at all (rows whose intake was lost)."""
+        start, seen = 0, set()
         while True:
             rows = self.queue.results(batch_id, start, start + RESULT_CHUNK - 1)
             if not rows:
-                return
+                break
             start += len(rows)
             out = []
             for row in rows:
-                custom_id, model = names.get(row.get("query_id", ""), (row.get("query_id", ""), ""))
+                qid = str(row.get("query_id", ""))
+                if qid in seen:
+                    continue
+                seen.add(qid)
+                custom_id, model = names.get(qid, (qid, ""))
                 line = output_line(row, endpoint, model or "fleetbatch", custom_id)
                 if (line["error"] is not None) != want_error:
                     continue
@@ -229,3 +237,17 @@ class Finalizer:
                 out.append(json.dumps(line, ensure_ascii=False) + "\n")
             counted[0] += len(out)
             yield "".join(out).encode()
+        if want_error:
+            out = [
+                json.dumps(output_line(_unrun(batch_id, q, unrun), endpoint, "", c), ensure_ascii=False)
+                + "\n"
+                for q, (c, _) in names.items()
+                if q not in seen
+            ]
+            counted[0] += len(out)
+            yield "".join(out).encode()
+
+
+def _unrun(batch_id: str, query_id: str, error: str) -> dict:
+    """The result a request that never ran stands for in the error file."""
+    return {"batch_id": batch_id, "query_id": query_id, "finish_reason": "error", "error": error}

@@ -13,7 +13,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_files import LocalFileStore, new_file_id, read_lines
 from gateway.openai_finalizer import Finalizer, file_id_of, retry_delay
 from gateway.openai_format import COMPLETIONS
-from workqueue import QueuedQuery, WorkQueue, connect
+from workqueue import QueuedQuery, WorkQueue, connect, keys
 
 ROWS = [{"custom_id": f"c{i}", "url": COMPLETIONS, "body": {"prompt": f"hello {i}"}} for i in range(3)]
 
@@ -104,3 +104,23 @@ def test_it_gives_up_when_the_retention_ends_before_the_next_try(redis_url, tmp_
     assert "could not be written" in rec["finalize_error"] and rec["output_file_id"] == ""
     assert not queue.r.sismember(ob.PENDING, "batch_b")
     assert sample(metrics, "fleetbatch_finalize_gave_up_total") == 1
+
+
+def test_every_request_has_exactly_one_line_across_the_two_files(redis_url, tmp_path):
+    """A result row written twice gives one line; a request with no result (its intake list was
+    lost) still gets its line, in the error file: each custom_id exactly once, whatever Redis holds."""
+    queue, store = WorkQueue(connect(redis_url)), LocalFileStore(tmp_path)
+    finished_batch(queue, store, "batch_c")
+    results = keys.results("batch_c")
+    rows = queue.r.lrange(results, 0, -1)
+    queue.r.rpush(results, rows[0])  # c0's row twice
+    queue.r.lrem(results, 1, rows[1])  # c1's row gone
+    fin = Finalizer(queue, store)
+    assert fin.tick() == 1
+    rec = queue.r.hgetall(ob.record_key("batch_c"))
+    out = [json.loads(x) for x in read_lines(store, rec["output_file_id"])]
+    err = [json.loads(x) for x in read_lines(store, rec["error_file_id"])]
+    assert sorted(line["custom_id"] for line in out + err) == ["c0", "c1", "c2"]
+    assert [line["custom_id"] for line in out] == ["c0"]
+    missing = next(line for line in err if line["custom_id"] == "c1")
+    assert missing["response"] is None and "never run" in missing["error"]["message"]
