@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from cliutil import run_main
+from gateway.auth import CLIENT_TOKEN_ENV, TOKENS_ENV, client_token, load_tokens
 from gateway.config import HTTP_KEY_ENV, NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
 from gateway.policies import POLICIES
 
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--clusters", default=None, help="clusters.yaml: name, capacity_tps, plan, backend per cluster"
     )
+    s.add_argument(
+        "--client-tokens", help=f"file of CLIENT:TOKEN lines, client tokens (default: ${TOKENS_ENV})"
+    )
+    s.add_argument("--no-auth", action="store_true", help="no client tokens: anyone may use the batch API")
     _add_common(s)
     _add_http(s, None, "off", "runs/openai-files")
 
@@ -63,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--run-dir", default="runs/local", help="Redis data, logs, admin token, gateway.json")
     u.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine process")
     u.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for engines to start")
+    u.add_argument(
+        "--no-auth", action="store_true", help="no client token (default: one in RUN_DIR/client-token)"
+    )
     u.add_argument(
         "--engine-arg", action="append", help="extra argument for every `engine serve` (repeatable)"
     )
@@ -106,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--target", default=DEFAULT_TARGET, help="gateway address host:port")
     st.add_argument("--json", action="store_true", help="print JSON")
     st.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect over TLS")
+    st.add_argument("--token", help=f"client token (default: ${CLIENT_TOKEN_ENV}, else --token-file)")
+    st.add_argument("--token-file", default="runs/local/client-token", help="file of the client token")
     return p
 
 
@@ -143,6 +153,11 @@ def _add_common(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
     )
+    s.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address of the metrics endpoint (default: loopback; 0.0.0.0 to be scraped from outside)",
+    )
     s.add_argument("--no-offload", action="store_true", help="disable backoff offloading between clusters")
     s.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted")
     s.add_argument(
@@ -156,6 +171,18 @@ def _add_common(s: argparse.ArgumentParser) -> None:
         type=float,
         default=256.0,
         help="gRPC receive limit in MiB: larger requests are RESOURCE_EXHAUSTED",
+    )
+    s.add_argument(
+        "--max-inflight-mb",
+        type=float,
+        default=512.0,
+        help="requests decoded and handled at once, in MiB; a request past it is RESOURCE_EXHAUSTED (retry)",
+    )
+    s.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=1000,
+        help="calls served at once, result streams included; more are RESOURCE_EXHAUSTED",
     )
     s.add_argument(
         "--max-positions",
@@ -187,14 +214,20 @@ def _add_common(s: argparse.ArgumentParser) -> None:
 
 def _serve(args) -> int:
     from gateway.server import run
-    from workqueue.embedded import resolve_url
+    from workqueue.embedded import redact_url, resolve_url
 
     clusters = load_clusters(args.clusters) if args.clusters else []
+    tokens = {} if args.no_auth else load_tokens(args.client_tokens)
+    if not tokens and not args.no_auth:
+        raise ValueError(
+            f"no client tokens: pass --client-tokens FILE or set ${TOKENS_ENV} (CLIENT:TOKEN entries), "
+            "or --no-auth to serve the batch API to anyone who reaches it"
+        )
     url, embedded = resolve_url(args.redis_url)
     if embedded is not None:
-        print(f"no Redis URL given: started an embedded Redis at {url}", flush=True)
+        print(f"no Redis URL given: started an embedded Redis at {redact_url(url)}", flush=True)
     config = GatewayConfig.from_args(
-        args, redis_url=url, admin_token=args.admin_token or "", clusters=clusters
+        args, redis_url=url, admin_token=args.admin_token or "", clusters=clusters, client_tokens=tokens
     )
     try:
         run(config)
@@ -254,7 +287,7 @@ def _rebalance(args) -> int:
     md = [("authorization", f"Bearer {_token(args)}")]
     from gateway.tls import channel
 
-    with channel(args.target, args.tls_ca) as ch:
+    with channel(args.target, args.tls_ca, token="") as ch:  # the admin token goes per call
         admin = pb_grpc.AdminServiceStub(ch)
         try:
             if args.add:
@@ -331,7 +364,7 @@ def _status(args) -> int:
     from protos import fleetbatch_pb2 as pb
     from protos import fleetbatch_pb2_grpc as pb_grpc
 
-    with channel(args.target, args.tls_ca) as ch:
+    with channel(args.target, args.tls_ca, token=client_token(args.token, args.token_file)) as ch:
         try:
             resp = pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=10)
         except grpc.RpcError as e:

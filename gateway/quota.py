@@ -1,7 +1,8 @@
 """A per-client cap on queued queries (``max_queued_per_client``).
 
-A client is named by its ``x-client-id`` request header, else by its address (the host of
-the gRPC peer). The gateway keeps each client's batch ids in a Redis set; a submission is
+A client is the one its Bearer token names when the gateway has client tokens
+(:mod:`gateway.auth`); else (the HTTP front, a gateway without tokens) its ``x-client-id``
+request header, else its address (the host of the gRPC peer). The gateway keeps each client's batch ids in a Redis set; a submission is
 refused with ``RESOURCE_EXHAUSTED`` when the client's unfinished queries (total minus
 completed, failed and cancelled, over its batches not yet final) plus the new batch's would
 exceed the cap. Final or expired batches leave the set as they are seen. Submissions of one
@@ -11,7 +12,7 @@ client are checked one at a time within a gateway, so concurrent batches cannot 
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+import weakref
 
 from gateway.validation import id_problem
 from workqueue import WorkQueue
@@ -56,10 +57,19 @@ def remember(queue: WorkQueue, client: str, batch_id: str) -> None:
 
 
 class ClientLocks:
-    """One asyncio lock per client name, so a client's submissions are checked one at a time."""
+    """One asyncio lock per client name, so a client's submissions are checked one at a time.
+
+    A lock lives while a submission holds or waits for it (weakly kept here), so the table holds
+    only the clients submitting now, however many clients have come and gone."""
 
     def __init__(self) -> None:
-        self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     def __call__(self, client: str) -> asyncio.Lock:
-        return self._locks[client]
+        lock = self._locks.get(client)
+        if lock is None:
+            lock = self._locks[client] = asyncio.Lock()
+        return lock
+
+    def __len__(self) -> int:
+        return len(self._locks)
