@@ -164,10 +164,10 @@ async def serve(
     host = config.listen.rsplit(":", 1)[0]
     config.bound_address = f"{host}:{port}"
     log.info(
-        "gateway listening on %s%s%s (policy %s, Redis %s, positions %d, request limit %d bytes)",
+        "gateway listening on %s%s (%s, policy %s, Redis %s, positions %d, request limit %d bytes)",
         config.bound_address,
         " with TLS" if config.tls_cert else "",
-        ", client tokens required" if deps.auth.enabled else ", NO client authentication",
+        "client tokens required" if deps.auth.enabled else "NO client authentication",
         config.policy,
         redact_url(config.redis_url),
         config.model_positions(),
