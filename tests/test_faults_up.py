@@ -43,7 +43,10 @@ def check_secrets(run_dir: Path, info: dict) -> None:
     from protos import fleetbatch_pb2 as pb
     from protos import fleetbatch_pb2_grpc as pb_grpc
 
-    for f in (run_dir / "gateway.json", Path(info["client_token_file"]), Path(info["admin_token_file"])):
+    assert (run_dir / "gateway.json").stat().st_mode & 0o077 == 0, (
+        "gateway.json (the Redis URL) is readable by others"
+    )
+    for f in (Path(info["client_token_file"]), Path(info["admin_token_file"])):
         assert f.stat().st_mode & 0o077 == 0, f"{f} is readable by others"
     for pid in info["engine_pids"].values():
         assert "--redis-url" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
