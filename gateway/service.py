@@ -25,7 +25,15 @@ from gateway.listing import read_clusters
 from gateway.metrics import GatewayMetrics
 from gateway.offload import LinkCost
 from gateway.policies import AssignmentPolicy, NoClusterError, QueryLoad
-from gateway.quota import ClientLocks, client_of, header_problem, remember, unfinished
+from gateway.quota import (
+    ClientLocks,
+    client_of,
+    header_problem,
+    may_see,
+    remember,
+    set_owner,
+    unfinished,
+)
 from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.views import cluster_proto, cluster_views
 from protos import fleetbatch_pb2 as pb
@@ -164,9 +172,12 @@ class BatchService(pb_grpc.BatchServiceServicer):
         if request.batch_id:
             existing = await asyncio.to_thread(d.queue.batch, batch_id)
             if existing is not None:
+                caller = d.auth.client(context.invocation_metadata())
+                if not await asyncio.to_thread(may_see, d.queue, batch_id, caller):
+                    await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"batch_id {batch_id!r} is taken")
                 return await self._resubmitted(existing, request, context)
         if cfg.max_queued_per_client <= 0:
-            return await self._create(request, checked, batch_id, context, t0)
+            return await self._owned(await self._create(request, checked, batch_id, context, t0), context)
         client = await self._client(context)
         async with self._client_lock(client):
             left = await asyncio.to_thread(unfinished, d.queue, client)
@@ -179,7 +190,13 @@ class BatchService(pb_grpc.BatchServiceServicer):
                 )
             batch = await self._create(request, checked, batch_id, context, t0)
             await asyncio.to_thread(remember, d.queue, client, batch.id)
-            return batch
+            return await self._owned(batch, context)
+
+    async def _owned(self, batch: pb.Batch, context) -> pb.Batch:
+        """``batch`` as the caller's, when a client token names the caller."""
+        if (client := self.d.auth.client(context.invocation_metadata())) is not None:
+            await asyncio.to_thread(set_owner, self.d.queue, batch.id, client)
+        return batch
 
     async def _client(self, context) -> str:
         """The caller: the client its token names (gRPC with client tokens), else its ``x-client-id``
@@ -334,7 +351,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         info = await asyncio.to_thread(self.d.queue.batch, batch_id)
-        if info is None:
+        caller = self.d.auth.client(context.invocation_metadata())
+        if info is None or not await asyncio.to_thread(may_see, self.d.queue, batch_id, caller):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no batch {batch_id!r}")
         return info
 

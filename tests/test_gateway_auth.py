@@ -275,3 +275,26 @@ def test_requests_past_the_in_flight_bytes_are_resource_exhausted_until_one_ends
         loop.call_soon_threadsafe(box["stop"].set)
         thread.join(30)
         assert not thread.is_alive()
+
+
+def test_a_clients_batches_are_its_own(gateway):
+    """Another client's calls on a batch are NOT_FOUND (its existence is not told); the admin sees all."""
+    with channel(gateway, token=ALICE) as alice, channel(gateway, token=BOB) as bob:
+        a, b = pb_grpc.BatchServiceStub(alice), pb_grpc.BatchServiceStub(bob)
+        a.SubmitBatch(submission(2, "alices"), timeout=30)
+        assert a.GetBatch(pb.GetBatchRequest(batch_id="alices"), timeout=30).request_counts.total == 2
+        calls = [
+            lambda: b.GetBatch(pb.GetBatchRequest(batch_id="alices"), timeout=30),
+            lambda: b.CancelBatch(pb.CancelBatchRequest(batch_id="alices"), timeout=30),
+            lambda: list(b.StreamResults(pb.StreamResultsRequest(batch_id="alices"), timeout=30)),
+        ]
+        assert [_code(c) for c in calls] == [grpc.StatusCode.NOT_FOUND] * len(calls)
+        assert (
+            _code(lambda: b.SubmitBatch(submission(2, "alices"), timeout=30))
+            == grpc.StatusCode.ALREADY_EXISTS
+        )
+        assert a.SubmitBatch(submission(2, "alices"), timeout=30).id == "alices"  # her retry is fine
+        assert a.GetBatch(pb.GetBatchRequest(batch_id="alices"), timeout=30).status == pb.IN_PROGRESS
+    with channel(gateway, token=ADMIN) as admin:
+        stub = pb_grpc.BatchServiceStub(admin)
+        assert stub.CancelBatch(pb.CancelBatchRequest(batch_id="alices"), timeout=30).id == "alices"
