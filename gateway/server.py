@@ -154,6 +154,10 @@ async def serve(
         port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
+    if deps.auth.enabled and not config.tls_cert and not _loopback(config.listen):
+        log.warning(
+            "client tokens travel in plaintext to %s: serve TLS (--tls-cert/--tls-key)", config.listen
+        )
     await server.start()
     for name in services[:2]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -202,6 +206,11 @@ async def serve(
         t.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await t
+
+
+def _loopback(listen: str) -> bool:
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _interceptors(auth: Authenticator, config: GatewayConfig) -> list[grpc.aio.ServerInterceptor]:
