@@ -52,6 +52,9 @@ class GatewayConfig:
     max_prompt_bytes: int = 256 * 1024  # checked before tokenizing
     max_metadata_bytes: int = 16 * 1024  # per metadata map (keys + values, UTF-8)
     max_request_bytes: int = 256 * 1024 * 1024  # gRPC receive limit: larger is RESOURCE_EXHAUSTED
+    max_inflight_bytes: int = 512 * 1024 * 1024  # requests being decoded and handled at once, in bytes
+    max_concurrent_rpcs: int = 1000  # calls (streams included) served at once; more: RESOURCE_EXHAUSTED
+    client_tokens: dict[str, str] = field(default_factory=dict)  # token -> client id; empty: no auth
     max_positions: int = 0  # the model's positions (start token counted); 0: from the tokenizer dir
     on_bad_query: str = "reject"  # reject | fail-row: what a bad query does when the request leaves it open
     tls_cert: str | None = None  # PEM certificate chain: serve gRPC over TLS (with tls_key)
@@ -62,6 +65,7 @@ class GatewayConfig:
     offload_interval_s: float = 0.5
     intake_wait_s: float = INTAKE_WAIT_S  # intake waits this long for a cluster that can take a query
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    metrics_host: str = "127.0.0.1"  # the Prometheus endpoint's address (0.0.0.0 in a pod)
     clusters: list[ClusterSpec] = field(default_factory=list)
     bound_address: str = ""  # set by the server once it listens (port 0 picks a free one)
     http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port; None: off)
@@ -71,7 +75,13 @@ class GatewayConfig:
 
     @classmethod
     def from_args(
-        cls, args, *, redis_url: str, admin_token: str, clusters: list[ClusterSpec]
+        cls,
+        args,
+        *,
+        redis_url: str,
+        admin_token: str,
+        clusters: list[ClusterSpec],
+        client_tokens: dict[str, str] | None = None,
     ) -> GatewayConfig:
         """The config of ``gateway serve`` / ``gateway up`` from their shared command-line options."""
         return cls(
@@ -83,10 +93,14 @@ class GatewayConfig:
             predictor_threads=args.predictor_threads,
             tokenizer_dir=args.tokenizer,
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             offload=not args.no_offload,
             max_prompt_tokens=args.max_prompt_tokens,
             max_prompt_bytes=args.max_prompt_bytes,
             max_request_bytes=int(args.max_request_mb * 1024 * 1024),
+            max_inflight_bytes=int(args.max_inflight_mb * 1024 * 1024),
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
+            client_tokens=dict(client_tokens or {}),
             max_positions=args.max_positions,
             on_bad_query=args.on_bad_query,
             max_queued_per_client=args.max_queued_per_client,
