@@ -241,8 +241,10 @@ class LLMEngine:
 
     def _unschedulable(self, plan: SchedulerOutput) -> list[RequestOutput]:
         out = []
-        for seq in plan.out_of_memory:  # the scheduler already let it go
-            out.append(self._output(seq, "length", "KV cache too small for this query"))
+        for seq in plan.out_of_memory:  # the scheduler already let it go: the query fails, it has no answer
+            need = seq.num_prompt_tokens + len(seq.output_token_ids) + 1
+            why = f"the KV cache ({self.kv.total_tokens} tokens) cannot hold this query: it needs {need} or more"
+            out.append(self._output(seq, "error", why))
         if plan.preempted:
             self.num_preemptions += len(plan.preempted)
             log.debug("preempted %s (KV blocks ran out)", [s.request_id for s in plan.preempted])

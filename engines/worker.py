@@ -4,7 +4,9 @@ The loop takes only as many queries as the engine can admit soon (``free_slots``
 work that has not started stays in Redis where an idle cluster can take it. A background
 thread renews the leases of in-flight queries and publishes the cluster heartbeat
 (running, waiting, KV used/free, measured tokens/s), so a long engine step never lets a
-lease lapse, while a dead worker's leases do lapse and its queries are requeued. A Redis
+lease lapse, while a dead worker's leases do lapse and its queries are requeued. Each claim
+carries the worker's renewals, so after an outage longer than a lease its requeued queries come
+back to it rather than being handed to it again as new work. A Redis
 outage does not stop the worker: results wait in memory (still leased) and every call to Redis
 is retried with exponential backoff until it answers again.
 """
@@ -24,7 +26,7 @@ import redis
 from engines.device import DeviceClock, StepCost
 from engines.interface import Engine, EngineStats, Request, RequestOutput, SamplingParams
 from engines.pipeline import StageFailure
-from workqueue import ClaimedQuery, Observation, QueryResult, QueryState, WorkQueue
+from workqueue import ClaimedQuery, Observation, QueryResult, QueryState, WorkQueue, outcome
 from workqueue.records import CANCELLED_BATCH_STATES, Timings
 
 log = logging.getLogger(__name__)
@@ -179,7 +181,7 @@ class Worker:
         if now - self._last_requeue > c.requeue_check_s:
             with self._lock:
                 mine = list(self.inflight)
-            self.queue.renew(c.cluster, mine, c.lease_s)  # ours lapsed during an outage: still ours
+            self.queue.renew(c.cluster, mine, c.lease_s, self.worker_id)  # lapsed in an outage: still ours
             n = self.queue.requeue_expired(c.cluster)
             if n:
                 log.warning("requeued %d queries whose worker stopped renewing its lease", n)
@@ -242,27 +244,22 @@ class Worker:
         n = self.engine.free_slots()
         if n <= 0:
             return
-        claimed = self.queue.claim(self.config.cluster, n, self.worker_id, self.config.lease_s)
+        with self._lock:
+            mine = list(self.inflight)
+        # the claim renews our leases first: a query of ours requeued after an outage comes back as ours
+        claimed = self.queue.claim(self.config.cluster, n, self.worker_id, self.config.lease_s, renew=mine)
         for cq in claimed:
             q = cq.query
-            sampling = SamplingParams(
-                temperature=q.temperature,
-                top_p=q.top_p or 1.0,
-                seed=q.seed,
-                max_tokens=q.max_tokens,
-                forced_length=q.forced_length,
-            )
             with self._lock:
-                self.inflight[q.gid] = cq
+                running = self.inflight.get(q.gid)
+                self.inflight[q.gid] = cq if running is None else replace(cq, claimed_at=running.claimed_at)
+            if running is not None:  # already ours (the claim never hands it twice): keep running it
+                continue
+            sampling = SamplingParams(q.temperature, q.top_p or 1.0, q.seed, q.max_tokens, q.forced_length)
+            predicted = int(q.predicted_tokens) or None
             try:
                 self.engine.add_request(
-                    Request(
-                        q.gid,
-                        q.prompt,
-                        sampling,
-                        predicted_tokens=int(q.predicted_tokens) or None,
-                        arrival_time=cq.claimed_at,
-                    )
+                    Request(q.gid, q.prompt, sampling, predicted_tokens=predicted, arrival_time=cq.claimed_at)
                 )
             except (ValueError, RuntimeError) as e:  # a query the engine cannot run fails alone
                 log.error("query %s rejected by the engine: %s", q.gid, e)
@@ -309,9 +306,8 @@ class Worker:
         try:
             while self._unsent:
                 cq, out = self._unsent[0]
-                kind = {"abort": QueryState.CANCELLED, "error": QueryState.FAILED}.get(
-                    out.finish_reason, QueryState.COMPLETED
-                )
+                how = outcome(out.finish_reason, out.error)
+                kind = how.state
                 idx = self.queue.complete(
                     cq.query.gid, self._result(cq, out, kind), kind, out.completion_tokens
                 )
@@ -322,7 +318,7 @@ class Worker:
                 q = cq.query
                 if idx < 0:
                     log.info("query %s already had a result (it ran twice); kept the first", q.gid)
-                elif kind == QueryState.COMPLETED and self.config.record_observed and q.forced_length is None:
+                elif how.answered and self.config.record_observed and q.forced_length is None:
                     observed.append(
                         Observation(
                             q.prompt,
@@ -365,7 +361,7 @@ class Worker:
             try:
                 with self._lock:
                     gids = list(self.inflight)
-                self.queue.renew(c.cluster, gids, c.lease_s)
+                self.queue.renew(c.cluster, gids, c.lease_s, self.worker_id)
                 s = self._stats
                 remaining = 0.0
                 with self._lock:

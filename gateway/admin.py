@@ -5,6 +5,12 @@ Every call needs ``authorization: Bearer <token>``, compared in constant time. A
 ``INVALID_ARGUMENT`` and leaves Redis as it was. Adding a cluster that exists is
 ``ALREADY_EXISTS`` unless the request asks to ``update`` it. Removed clusters leave the
 listing once nothing of theirs is queued or running.
+
+Drains and rebalances move every queued query that fits on an accepting cluster; one that
+fits on none stays where it is and the answer's ``message`` names it. Removing a cluster
+that holds such a query is ``FAILED_PRECONDITION`` naming it, and changes nothing: the
+cluster is not marked removed, so its engine can still run it (drain the cluster instead,
+cancel the batch, or add a cluster the query fits on).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import grpc
 
 from gateway.listing import read_clusters
 from gateway.policies import NoClusterError
-from gateway.rebalance import format_plan, plan_rebalance, simulate_moves
+from gateway.rebalance import RebalancePlan, format_plan, plan_moves, simulate_moves
 from gateway.validation import cluster_problems, id_problem
 from gateway.views import cluster_proto, cluster_views, queued_loads, view_proto
 from protos import fleetbatch_pb2 as pb
@@ -36,6 +42,10 @@ MOVER_WAIT_S = 10.0  # how long an applied rebalance waits for the mover lease
 
 class MoverBusy(RuntimeError):
     """The mover lease stayed taken (an offloader or another rebalance is moving work)."""
+
+
+class WouldStrand(RuntimeError):
+    """Removing the cluster would leave queued queries that fit on no other cluster."""
 
 
 class AdminService(pb_grpc.AdminServiceServicer):
@@ -67,9 +77,10 @@ class AdminService(pb_grpc.AdminServiceServicer):
             clusters=[cluster_proto(i, v) for i, v in zip(infos, views, strict=True)]
         )
 
-    def _rebalance(self, drain: Sequence[str], dry_run: bool) -> pb.RebalanceResponse:
+    def _rebalance(self, drain: Sequence[str], dry_run: bool, remove: str = "") -> pb.RebalanceResponse:
         """Plan (and unless ``dry_run``, apply) under the mover lease: one mover at a time, across
-        the offloaders of every replica and other rebalances (:mod:`workqueue.mover`)."""
+        the offloaders of every replica and other rebalances (:mod:`workqueue.mover`). With
+        ``remove``, that cluster is marked removed only if it keeps no queued query."""
         if dry_run:
             return self._plan_and_apply(drain, dry_run)
         lease = self.d.queue.mover_lease("rebalance", wait_s=MOVER_WAIT_S)
@@ -78,9 +89,9 @@ class AdminService(pb_grpc.AdminServiceServicer):
                 raise MoverBusy(
                     f"another mover holds the lease ({lease.holder()}) after {MOVER_WAIT_S:g} s; retry"
                 )
-            return self._plan_and_apply(drain, dry_run)
+            return self._plan_and_apply(drain, dry_run, remove)
 
-    def _plan_and_apply(self, drain: Sequence[str], dry_run: bool) -> pb.RebalanceResponse:
+    def _plan_and_apply(self, drain: Sequence[str], dry_run: bool, remove: str = "") -> pb.RebalanceResponse:
         q = self.d.queue
         infos = read_clusters(q, listed=True, keep=drain)
         names = {i.name for i in infos}
@@ -89,18 +100,30 @@ class AdminService(pb_grpc.AdminServiceServicer):
             raise KeyError(f"unknown cluster(s): {', '.join(unknown)}")
         views = cluster_views(infos)
         queued = {i.name: queued_loads(q, i.name) for i in infos}
-        moves = plan_rebalance(views, queued, drain=drain, links=self.d.links)
+        plan = plan_moves(views, queued, drain=drain, links=self.d.links)
+        if remove and plan.kept.get(remove):
+            raise WouldStrand(
+                f"cannot remove {remove}: "
+                + "; ".join(RebalancePlan([], {remove: plan.kept[remove]}).kept_lines())
+                + " (drain it instead, cancel their batches, or add a cluster they fit on)"
+            )
+        if remove:  # stop new assignments first, then move the queue away
+            q.set_cluster_state(remove, "removed")
+            log.info("cluster %s removed", remove)
+        moves = plan.moves
         after, _ = simulate_moves(views, queued, moves)
         resp = pb.RebalanceResponse(
             before=[cluster_proto(i, v) for i, v in zip(infos, views, strict=True)],
             after=[view_proto(v) for v in after],
             applied=not dry_run,
-            message=format_plan(views, after, moves),
+            message=format_plan(views, after, moves, plan.kept_lines()),
         )
+        for line in plan.kept_lines():
+            log.warning("rebalance: %s", line)
         for m in moves:
             moved = 0
             if not dry_run:
-                moved, _ = q.move_tail(m.src, m.dst, m.count)
+                moved, _ = q.move_ids(m.src, m.dst, m.keys)
                 self.d.metrics.moves.labels(m.src, m.dst).inc(moved)
                 log.info("rebalance: moved %d/%d queries %s -> %s", moved, m.count, m.src, m.dst)
             resp.moves.append(
@@ -108,12 +131,14 @@ class AdminService(pb_grpc.AdminServiceServicer):
             )
         return resp
 
-    async def _run_rebalance(self, context, drain: Sequence[str], dry_run: bool) -> pb.RebalanceResponse:
+    async def _run_rebalance(
+        self, context, drain: Sequence[str], dry_run: bool, remove: str = ""
+    ) -> pb.RebalanceResponse:
         try:
-            return await asyncio.to_thread(self._rebalance, drain, dry_run)
+            return await asyncio.to_thread(self._rebalance, drain, dry_run, remove)
         except KeyError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
-        except NoClusterError as e:
+        except (NoClusterError, WouldStrand) as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except MoverBusy as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -182,7 +207,5 @@ class AdminService(pb_grpc.AdminServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"cluster {request.name} has {infos[0].inflight} running queries; drain it first or pass force",
             )
-        if not request.dry_run:  # stop new assignments first, then move the queue away
-            await asyncio.to_thread(self.d.queue.set_cluster_state, request.name, "removed")
-            log.info("cluster %s removed", request.name)
-        return await self._run_rebalance(context, [request.name], request.dry_run)
+        # marked removed under the mover lease, once the plan shows every queued query can go elsewhere
+        return await self._run_rebalance(context, [request.name], request.dry_run, remove=request.name)

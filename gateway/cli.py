@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 from cliutil import run_main
-from gateway.config import HTTP_KEY_ENV, NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
-from gateway.policies import POLICIES
+from gateway.auth import CLIENT_TOKEN_ENV, TOKENS_ENV, client_token, load_tokens
+from gateway.cli_options import add_common, add_http
+from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -41,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--clusters", default=None, help="clusters.yaml: name, capacity_tps, plan, backend per cluster"
     )
-    _add_common(s)
-    _add_http(s, None, "off", "runs/openai-files")
+    s.add_argument(
+        "--client-tokens", help=f"file of CLIENT:TOKEN lines, client tokens (default: ${TOKENS_ENV})"
+    )
+    s.add_argument("--no-auth", action="store_true", help="no client tokens: anyone may use the batch API")
+    add_common(s)
+    add_http(s, None, "off", "runs/openai-files")
 
     u = sub.add_parser(
         "up",
@@ -64,10 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine process")
     u.add_argument("--engine-timeout", type=float, default=300.0, help="seconds to wait for engines to start")
     u.add_argument(
+        "--no-auth", action="store_true", help="no client token (default: one in RUN_DIR/client-token)"
+    )
+    u.add_argument(
         "--engine-arg", action="append", help="extra argument for every `engine serve` (repeatable)"
     )
-    _add_common(u)
-    _add_http(u, 0, "any free port", None)
+    add_common(u)
+    add_http(u, 0, "any free port", None)
 
     r = sub.add_parser(
         "rebalance",
@@ -106,95 +114,27 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--target", default=DEFAULT_TARGET, help="gateway address host:port")
     st.add_argument("--json", action="store_true", help="print JSON")
     st.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect over TLS")
+    st.add_argument("--token", help=f"client token (default: ${CLIENT_TOKEN_ENV}, else --token-file)")
+    st.add_argument("--token-file", default="runs/local/client-token", help="file of the client token")
     return p
-
-
-def _add_http(s: argparse.ArgumentParser, port: int | None, shown: str, files_dir: str | None) -> None:
-    s.add_argument(
-        "--http-port",
-        type=int,
-        default=port,
-        help=f"serve the OpenAI-compatible /v1/files and /v1/batches on this port (0: any free port; "
-        f"default: {shown})",
-    )
-    s.add_argument(
-        "--http-api-key", default=None, help=f"Bearer key of the HTTP front (default: ${HTTP_KEY_ENV})"
-    )
-    s.add_argument(
-        "--files-dir",
-        default=files_dir,
-        help=f"directory of the HTTP front's files (default: {files_dir or 'RUN_DIR/files'})",
-    )
-
-
-def _add_common(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--policy", default="token", choices=sorted(POLICIES), help="assignment policy")
-    s.add_argument(
-        "--predictor",
-        default=None,
-        help="length predictor: a model directory, 'shipped' (the default: the learned model shipped "
-        "with fleetbatch) or 'heuristic' (prompt-length heuristic)",
-    )
-    s.add_argument(
-        "--tokenizer", default=None, help="serving model directory whose tokenizer counts prompt tokens"
-    )
-    s.add_argument("--predictor-threads", type=int, default=1, help="torch threads for length prediction")
-    s.add_argument("--admin-token", default=None, help=f"admin API token (default: ${TOKEN_ENV})")
-    s.add_argument(
-        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
-    )
-    s.add_argument("--no-offload", action="store_true", help="disable backoff offloading between clusters")
-    s.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted")
-    s.add_argument(
-        "--max-prompt-bytes",
-        type=int,
-        default=256 * 1024,
-        help="longest prompt in UTF-8 bytes, checked before tokenizing",
-    )
-    s.add_argument(
-        "--max-request-mb",
-        type=float,
-        default=256.0,
-        help="gRPC receive limit in MiB: larger requests are RESOURCE_EXHAUSTED",
-    )
-    s.add_argument(
-        "--max-positions",
-        type=int,
-        default=0,
-        help="the model's positions (start token counted; 0: from --tokenizer's config, else 2048)",
-    )
-    s.add_argument(
-        "--on-bad-query",
-        choices=("reject", "fail-row"),
-        default="reject",
-        help="a bad query rejects its batch, or fails alone (when the request does not choose)",
-    )
-    s.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
-    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    s.add_argument(
-        "--max-queued-per-client",
-        type=int,
-        default=0,
-        help="queries one client (x-client-id header, else its address) may have unfinished (0: no cap)",
-    )
-    s.add_argument(
-        "--retention-hours",
-        type=float,
-        default=168.0,
-        help="keep a finished batch's status and results this long, then Redis drops them (0: forever)",
-    )
 
 
 def _serve(args) -> int:
     from gateway.server import run
-    from workqueue.embedded import resolve_url
+    from workqueue.embedded import redact_url, resolve_url
 
     clusters = load_clusters(args.clusters) if args.clusters else []
+    tokens = {} if args.no_auth else load_tokens(args.client_tokens)
+    if not tokens and not args.no_auth:
+        raise ValueError(
+            f"no client tokens: pass --client-tokens FILE or set ${TOKENS_ENV} (CLIENT:TOKEN entries), "
+            "or --no-auth to serve the batch API to anyone who reaches it"
+        )
     url, embedded = resolve_url(args.redis_url)
     if embedded is not None:
-        print(f"no Redis URL given: started an embedded Redis at {url}", flush=True)
+        print(f"no Redis URL given: started an embedded Redis at {redact_url(url)}", flush=True)
     config = GatewayConfig.from_args(
-        args, redis_url=url, admin_token=args.admin_token or "", clusters=clusters
+        args, redis_url=url, admin_token=args.admin_token or "", clusters=clusters, client_tokens=tokens
     )
     try:
         run(config)
@@ -254,7 +194,7 @@ def _rebalance(args) -> int:
     md = [("authorization", f"Bearer {_token(args)}")]
     from gateway.tls import channel
 
-    with channel(args.target, args.tls_ca) as ch:
+    with channel(args.target, args.tls_ca, token="") as ch:  # the admin token goes per call
         admin = pb_grpc.AdminServiceStub(ch)
         try:
             if args.add:
@@ -331,7 +271,7 @@ def _status(args) -> int:
     from protos import fleetbatch_pb2 as pb
     from protos import fleetbatch_pb2_grpc as pb_grpc
 
-    with channel(args.target, args.tls_ca) as ch:
+    with channel(args.target, args.tls_ca, token=client_token(args.token, args.token_file)) as ch:
         try:
             resp = pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=10)
         except grpc.RpcError as e:

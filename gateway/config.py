@@ -16,6 +16,8 @@ TOKEN_ENV = "FLEETBATCH_ADMIN_TOKEN"
 HTTP_KEY_ENV = "FLEETBATCH_HTTP_API_KEY"  # the OpenAI-compatible HTTP front's Bearer key
 #: positions of the project's default serving model (``localmodels.build_model``'s default)
 DEFAULT_MAX_POSITIONS = 2048
+#: default bound, in seconds, on how long background intake waits for a cluster that can take a query
+INTAKE_WAIT_S = 300.0
 #: cluster names (and every other id that becomes part of a Redis key)
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}\Z")  # \Z: "$" would accept a trailing newline
 
@@ -50,6 +52,9 @@ class GatewayConfig:
     max_prompt_bytes: int = 256 * 1024  # checked before tokenizing
     max_metadata_bytes: int = 16 * 1024  # per metadata map (keys + values, UTF-8)
     max_request_bytes: int = 256 * 1024 * 1024  # gRPC receive limit: larger is RESOURCE_EXHAUSTED
+    max_inflight_bytes: int = 512 * 1024 * 1024  # requests being decoded and handled at once, in bytes
+    max_concurrent_rpcs: int = 1000  # calls (streams included) served at once; more: RESOURCE_EXHAUSTED
+    client_tokens: dict[str, str] = field(default_factory=dict)  # token -> client id; empty: no auth
     max_positions: int = 0  # the model's positions (start token counted); 0: from the tokenizer dir
     on_bad_query: str = "reject"  # reject | fail-row: what a bad query does when the request leaves it open
     tls_cert: str | None = None  # PEM certificate chain: serve gRPC over TLS (with tls_key)
@@ -58,7 +63,9 @@ class GatewayConfig:
     retention_s: float = 7 * 24 * 3600  # finished batches expire from Redis after this long (0: never)
     offload: bool = True
     offload_interval_s: float = 0.5
+    intake_wait_s: float = INTAKE_WAIT_S  # intake waits this long for a cluster that can take a query
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    metrics_host: str = "127.0.0.1"  # the Prometheus endpoint's address (0.0.0.0 in a pod)
     clusters: list[ClusterSpec] = field(default_factory=list)
     bound_address: str = ""  # set by the server once it listens (port 0 picks a free one)
     http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port; None: off)
@@ -68,7 +75,13 @@ class GatewayConfig:
 
     @classmethod
     def from_args(
-        cls, args, *, redis_url: str, admin_token: str, clusters: list[ClusterSpec]
+        cls,
+        args,
+        *,
+        redis_url: str,
+        admin_token: str,
+        clusters: list[ClusterSpec],
+        client_tokens: dict[str, str] | None = None,
     ) -> GatewayConfig:
         """The config of ``gateway serve`` / ``gateway up`` from their shared command-line options."""
         return cls(
@@ -80,16 +93,21 @@ class GatewayConfig:
             predictor_threads=args.predictor_threads,
             tokenizer_dir=args.tokenizer,
             metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             offload=not args.no_offload,
             max_prompt_tokens=args.max_prompt_tokens,
             max_prompt_bytes=args.max_prompt_bytes,
             max_request_bytes=int(args.max_request_mb * 1024 * 1024),
+            max_inflight_bytes=int(args.max_inflight_mb * 1024 * 1024),
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
+            client_tokens=dict(client_tokens or {}),
             max_positions=args.max_positions,
             on_bad_query=args.on_bad_query,
             max_queued_per_client=args.max_queued_per_client,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             retention_s=args.retention_hours * 3600,
+            intake_wait_s=args.intake_wait_s,
             clusters=clusters,
             http_port=getattr(args, "http_port", None),
             http_api_key=getattr(args, "http_api_key", None) or os.environ.get(HTTP_KEY_ENV, ""),

@@ -76,7 +76,7 @@ class HttpServer:
                 serving.result()
                 raise OSError("the HTTP front stopped while starting")
             await asyncio.sleep(0.02)
-        finalizer = Finalizer(self.queue, store, retention_s=cfg.retention_s)
+        finalizer = Finalizer(self.queue, store, retention_s=cfg.retention_s, metrics=self.service.d.metrics)
         self._tasks.append(asyncio.create_task(self._finalize_loop(finalizer)))
         port = sock.getsockname()[1]
         shown = f"[{host.strip('[]')}]" if ":" in host.strip("[]") else host

@@ -13,6 +13,18 @@ lost its lease (or died mid-chunk) never enqueues a row twice, and another repli
 where it stopped. A batch cancelled during intake gets its remaining rows finished as
 cancelled, none enqueued. Engines start on the first chunk; intake then runs at the
 predictor's own pace.
+
+**Fair turns.** :meth:`Intake.tick` is one round over the unfinished intakes, oldest first:
+each batch gets one turn of about ``turn`` rows (longer while no other batch waits), then
+gives its lease back, so a 1M-query batch never keeps a later batch ``validating`` until it
+is done.
+
+**Waiting for a cluster** (:mod:`gateway.placement`). A chunk with rows that only a cluster
+not alive now could take (restarting, loading its model) waits, bounded by ``wait_s``
+(``gateway serve --intake-wait-s``), then fails those rows; a row over every configured
+cluster's limit fails at once, naming the limit. **A lost intake list** fails the batch's
+rows not yet enqueued once (:meth:`workqueue.WorkQueue.fail_lost_intake`), and the batch
+leaves intake.
 """
 
 from __future__ import annotations
@@ -28,16 +40,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from gateway.config import INTAKE_WAIT_S
+from gateway.intake_rows import EncodedRows, encode_rows, failed_result, payload
 from gateway.listing import read_clusters
-from gateway.policies import NoClusterError, QueryLoad
-from gateway.validation import Checked
-from gateway.views import cluster_views
-from protos import fleetbatch_pb2 as pb
-from workqueue import QueryResult, WorkQueue
+from gateway.placement import IntakeWaits, gave_up, place, waiting_message
+from gateway.policies import QueryLoad
+from workqueue import WorkQueue
 from workqueue.keys import gid
 from workqueue.records import CANCELLED_BATCH_STATES
 
 log = logging.getLogger(__name__)
+
+__all__ = ["EncodedRows", "Intake", "IntakeSettings", "encode_rows", "payload"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,7 @@ class IntakeSettings:
     lease_ttl_s: float = 30.0  # a replica that dies holding a batch's intake blocks it this long
     poll_s: float = 0.5  # how often an idle replica looks for unfinished intakes
     pause_s: float = 0.0  # pause between chunks (yields CPU and Redis to other work)
+    turn: int = 8192  # rows a batch lands per turn while others wait (no head-of-line blocking)
 
     @classmethod
     def from_env(cls) -> IntakeSettings:
@@ -63,73 +78,12 @@ class IntakeSettings:
             lease_ttl_s=float(env("FLEETBATCH_INTAKE_LEASE_S", cls.lease_ttl_s)),
             poll_s=float(env("FLEETBATCH_INTAKE_POLL_S", cls.poll_s)),
             pause_s=float(env("FLEETBATCH_INTAKE_PAUSE_S", cls.pause_s)),
+            turn=max(1, int(env("FLEETBATCH_INTAKE_TURN", cls.turn))),
         )
 
 
-class EncodedRows(Sequence[str]):
-    """The batch's rows as JSON, one per query, encoded when a slice is read (the whole batch is
-    never held as JSON at once): what enqueueing needs later, the validated limits and token counts."""
-
-    def __init__(self, request: pb.SubmitBatchRequest, checked: Checked) -> None:
-        self.request, self.checked = request, checked
-
-    def __len__(self) -> int:
-        return len(self.request.queries)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self._row(k) for k in range(*i.indices(len(self)))]
-        return self._row(i if i >= 0 else len(self) + i)
-
-    def _row(self, i: int) -> str:
-        q, checked = self.request.queries[i], self.checked
-        row = {"id": q.id, "prompt": q.prompt, "max_tokens": checked.max_tokens[i]}
-        if i in checked.bad:
-            row["bad"] = checked.bad[i]
-        else:
-            if i in checked.uncounted:  # counted by the intake, which fails it above its cap
-                row["token_cap"] = checked.uncounted[i]
-            else:
-                row["prompt_tokens"] = checked.prompt_tokens[i]
-            row["temperature"] = q.sampling.temperature
-            row["top_p"] = q.sampling.top_p or 1.0
-            if q.sampling.HasField("seed"):
-                row["seed"] = q.sampling.seed
-            if q.HasField("forced_length"):
-                row["forced_length"] = q.forced_length
-            if q.metadata:
-                row["metadata"] = dict(q.metadata)
-        return json.dumps(row, separators=(",", ":"))
-
-
-def encode_rows(request: pb.SubmitBatchRequest, checked: Checked) -> EncodedRows:
-    """One JSON row per query (see :class:`EncodedRows`)."""
-    return EncodedRows(request, checked)
-
-
-def payload(batch_id: str, row: dict, predicted: float) -> str:
-    """The query's payload JSON, field for field ``asdict(QueuedQuery(...))`` (built directly: asdict's
-    deep copies cost more than the rest of a chunk's bookkeeping)."""
-    return json.dumps(
-        {
-            "batch_id": batch_id,
-            "query_id": row["id"],
-            "prompt": row["prompt"],
-            "max_tokens": row["max_tokens"],
-            "prompt_tokens": row["prompt_tokens"],
-            "predicted_tokens": predicted,
-            "temperature": row["temperature"],
-            "top_p": row["top_p"],
-            "seed": row.get("seed"),
-            "forced_length": row.get("forced_length"),
-            "metadata": row.get("metadata", {}),
-        }
-    )
-
-
-def _failed(batch_id: str, query_id: str, why: str) -> str:
-    """The result JSON of a query failed at intake (``why`` in its ``error``)."""
-    return QueryResult(batch_id, query_id, finish_reason="error", error=why).to_json()
+class IntakeLost(Exception):
+    """The batch's intake list is gone; its rows not yet enqueued were counted failed."""
 
 
 class Intake:
@@ -143,7 +97,10 @@ class Intake:
         settings: IntakeSettings,
         on_assigned: Callable[[list[str]], None] = lambda names: None,
         count_tokens: Callable[[list[str]], list[int]] | None = None,
+        wait_s: float = INTAKE_WAIT_S,
     ) -> None:
+        """``wait_s``: how long a batch waits for a cluster that can take its rows (``--intake-wait-s``)."""
+        self.wait_s = wait_s
         self.queue = queue
         self.count_tokens = count_tokens
         self.predict_tokens = predict_tokens
@@ -160,7 +117,10 @@ class Intake:
         """Enqueue the next chunk (``size`` rows, default ``chunk``) of ``batch_id`` under the lease
         ``token``; returns the rows landed (0: the intake is finished or gone; negative: the lease
         or cursor was lost, stop)."""
-        got = self._read(batch_id, size or self.settings.chunk, 0)
+        try:
+            got = self._read(batch_id, size or self.settings.chunk, 0)
+        except IntakeLost:
+            return 0
         if got is None:
             return 0
         status, done, rows = got
@@ -175,10 +135,19 @@ class Intake:
             q.forget_intake(batch_id)
             return None
         if not raw:
-            if done + start < total:
-                log.error("batch %s: intake list lost with %d of %d rows left", batch_id, total - done, total)
+            if done + start < total:  # the list holds every row not yet landed: it is gone
+                self._lost(batch_id, total - done, total)
             return None
         return status, done + start, [json.loads(r) for r in raw]
+
+    def _lost(self, batch_id: str, left: int, total: int) -> None:
+        """Fail the rows of a batch whose intake list is gone (once: the batch leaves intake)."""
+        why = f"intake list lost with {left} of {total} rows not yet enqueued; they were never run"
+        lost = self.queue.fail_lost_intake(batch_id, why)
+        if lost > 0:
+            log.error("batch %s: %s (counted failed)", batch_id, why)
+        if lost >= 0:
+            raise IntakeLost(why)
 
     def _prepare(
         self, batch_id: str, status: str, rows: list[dict], counter: ThreadPoolExecutor | None = None
@@ -231,97 +200,125 @@ class Intake:
             QueryLoad(r["id"], r["prompt_tokens"], float(min(p, r["max_tokens"])))
             for r, p in zip(good, predicted, strict=True)
         ]
-        names = self._names(loads) if loads else []
-        where = {load.key: (load, c) for load, c in zip(loads, names, strict=True)}
+        why = self._place(batch_id, loads)
         out = []
         for r in rows:
             g = gid(batch_id, r["id"])
             if "bad" in r:
-                out.append((g, _failed(batch_id, r["id"], f"invalid query: {r['bad']}"), 0.0, ""))
+                out.append((g, failed_result(batch_id, r["id"], f"invalid query: {r['bad']}"), 0.0, ""))
                 continue
-            load, c = where[r["id"]]
+            load, c, error = why[r["id"]]
             if c is None:
-                out.append(
-                    (g, _failed(batch_id, r["id"], "no accepting cluster can take this query"), 0.0, "")
-                )
+                out.append((g, failed_result(batch_id, r["id"], error), 0.0, ""))
                 continue
             out.append((g, payload(batch_id, r, load.predicted_tokens), load.total_tokens, c))
         return out
 
-    def _names(self, loads: list[QueryLoad]) -> list[str | None]:
-        """Assign the chunk; if one query fits nowhere, assign one by one and leave the misfits None.
-        Raises :class:`NoClusterError` while no cluster accepts work at all (the chunk waits)."""
-        views = cluster_views(read_clusters(self.queue))
-        try:
-            return list(self.assign(loads, views))
-        except NoClusterError:
-            if not any(v.usable for v in views):
-                raise
-        names: list[str | None] = []
-        for load in loads:
-            try:
-                names.append(self.assign([load], views)[0])
-            except NoClusterError as e:
-                log.warning("%s", e)
-                names.append(None)
-        return names
+    def _place(self, batch_id: str, loads: list[QueryLoad]) -> dict[str, tuple[QueryLoad, str | None, str]]:
+        """Per query: ``(load, cluster, "")``, or ``(load, None, why it fails)`` (:mod:`gateway.placement`).
+        Raises :class:`IntakeWaits` while some query fits only a cluster that accepts no work now
+        and the batch has waited less than ``wait_s``."""
+        if not loads:
+            return {}
+        p = place(loads, read_clusters(self.queue), self.assign)
+        errors = dict(p.never)
+        if p.later:
+            now = self.queue.clock()
+            since = self.queue.intake_wait(batch_id)
+            waited = now - since if since is not None else 0.0
+            if waited < self.wait_s:
+                if since is not None and since >= now:  # the wait begins: said once, not every poll
+                    log.warning("batch %s: %s", batch_id, waiting_message(len(p.later), 0.0))
+                raise IntakeWaits(waiting_message(len(p.later), waited))
+            log.warning(
+                "batch %s: %d queries waited %.0f s for a cluster; failing them",
+                batch_id,
+                len(p.later),
+                waited,
+            )
+            errors |= dict.fromkeys(p.later, gave_up(self.wait_s))
+        else:
+            self.queue.intake_waited(batch_id)
+        return {load.key: (load, p.names[i], errors.get(i, "")) for i, load in enumerate(loads)}
 
     # ------------------------------------------------------------------ whole batches
 
     def run_batch(self, batch_id: str, stop: threading.Event | None = None) -> bool:
         """Take the batch's lease and enqueue chunks until its intake is done (True), the lease is
-        held elsewhere or lost, or ``stop`` is set (False).
+        held elsewhere or lost, or ``stop`` is set (False)."""
+        return self.turn(batch_id, stop)[0]
+
+    def turn(
+        self, batch_id: str, stop: threading.Event | None = None, budget: int | None = None
+    ) -> tuple[bool, int]:
+        """One turn of the batch: take its lease and enqueue chunks until its intake is done, about
+        ``budget`` rows have landed while another batch is in intake (None: no bound), the lease
+        is held elsewhere or lost, or ``stop`` is set. Returns ``(finished, rows landed)``.
 
         Pipelined: chunk k lands in a helper thread while chunk k+1 is predicted. Chunk k+1's
         rows are read before chunk k is handed over (so the list's head is where the read
-        expects it), and chunk k+1 is handed over only after chunk k landed whole.
+        expects it), and chunk k+1 is handed over only after chunk k landed whole. A batch's
+        first chunk is small (``first_chunk``), then sizes double up to ``chunk``.
         """
         s = self.settings
         token = f"{self.owner}:{uuid.uuid4().hex[:8]}"
         if not self.queue.take_intake(batch_id, token, s.lease_ttl_s):
-            return False
-        size = min(s.first_chunk, s.chunk)
+            return False, 0
+        landed = 0
         try:
-            got = self._read(batch_id, size, 0)
+            got = self._read(batch_id, s.chunk, 0)
             if got is None:
-                return True
+                return True, 0
+            status, cursor, rows = got
+            size = min(s.first_chunk, s.chunk) if cursor == 0 else s.chunk
             with (
                 ThreadPoolExecutor(1, thread_name_prefix="intake-land") as pool,
                 ThreadPoolExecutor(1, thread_name_prefix="intake-count") as counter,
             ):
-                status, cursor, rows = got
-                out = self._prepare(batch_id, status, rows, counter)
+                out = self._prepare(batch_id, status, rows[:size], counter)
                 while True:
                     size = min(2 * size, s.chunk)
-                    after = None if _stopped(stop) else self._read(batch_id, size, len(out))
+                    more = not _stopped(stop) and (
+                        budget is None or landed + len(out) < budget or not self._others_wait(batch_id)
+                    )
+                    after = self._read(batch_id, size, len(out)) if more else None
                     landing = pool.submit(self._land, batch_id, token, cursor, out)
                     nxt = self._prepare(batch_id, after[0], after[2], counter) if after is not None else None
                     n = landing.result()
                     if n != len(out):
                         log.warning("batch %s: intake lease or cursor lost (%d); leaving it", batch_id, n)
-                        return False
+                        return False, landed
+                    landed += n
                     if after is None:
-                        return not _stopped(stop)
+                        return more, landed  # read to the end (finished), or the turn is over
                     if s.pause_s:
                         time.sleep(s.pause_s)
                     cursor, out = after[1], nxt
         finally:
             self.queue.drop_intake(batch_id, token)
 
+    def _others_wait(self, batch_id: str) -> bool:
+        """Whether another batch is in intake (a turn that used its rows then ends)."""
+        return any(b != batch_id for b in self.queue.intake_batches(2))
+
     def tick(self, stop: threading.Event | None = None) -> int:
-        """One pass over the unfinished intakes; returns how many this replica finished."""
-        finished = 0
+        """One round over the unfinished intakes, oldest first: each gets one turn of about ``turn``
+        rows, so no batch waits for another to finish. Returns the rows landed in the round."""
+        landed = 0
         for batch_id in self.queue.intake_batches():
-            if stop is not None and stop.is_set():
+            if _stopped(stop):
                 break
             try:
-                t0 = time.perf_counter()
-                if self.run_batch(batch_id, stop):
-                    finished += 1
-                    log.info("batch %s: intake finished (%.2f s here)", batch_id, time.perf_counter() - t0)
-            except NoClusterError as e:
-                log.warning("batch %s: intake waits: %s", batch_id, e)
-        return finished
+                finished, n = self.turn(batch_id, stop, self.settings.turn)
+            except IntakeWaits as e:
+                log.debug("batch %s: intake waits: %s", batch_id, e)
+                continue
+            except IntakeLost:
+                continue
+            landed += n
+            if finished:
+                log.info("batch %s: intake finished", batch_id)
+        return landed
 
     # ------------------------------------------------------------------ the replica's loop
 
@@ -331,7 +328,8 @@ class Intake:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     async def loop(self, stop: asyncio.Event) -> None:
-        """Until ``stop``: run :meth:`tick` in a worker thread, then wait for a wake-up or ``poll_s``.
+        """Until ``stop``: run :meth:`tick` in a worker thread, again at once while rounds land rows,
+        else after a wake-up or ``poll_s``.
 
         On ``stop`` (or cancellation) the thread finishes the chunk at hand and gives its lease
         back before this returns, so a stopped gateway enqueues nothing afterwards."""
@@ -342,14 +340,18 @@ class Intake:
             while not stop.is_set():
                 self._wake.clear()
                 work = asyncio.ensure_future(asyncio.to_thread(self.tick, halt))
+                landed = 0
                 try:
-                    await asyncio.shield(work)
+                    landed = await asyncio.shield(work)
                 except asyncio.CancelledError:  # shutting down: let the chunk at hand land, the lease go back
                     halt.set()
                     await asyncio.wait([work], timeout=self.settings.lease_ttl_s)
                     raise
                 except Exception:
                     log.exception("intake tick failed")
+                if landed:  # a round that made progress: the next round at once
+                    await asyncio.sleep(0)
+                    continue
                 waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
                 try:
                     await asyncio.wait(

@@ -46,6 +46,19 @@ class GatewayMetrics:
             "fleetbatch_finished_actual_tokens", "Generated tokens of finished queries", labels, registry=r
         )
         self.alive = Gauge("fleetbatch_cluster_alive", "1 while heartbeats arrive", labels, registry=r)
+        self.finalize_failures = Counter(
+            "fleetbatch_finalize_failed_passes",
+            "Passes that could not write a batch's output files",
+            registry=r,
+        )
+        self.finalize_retrying = Gauge(
+            "fleetbatch_finalize_retrying_batches", "Batches waiting to retry writing their files", registry=r
+        )
+        self.finalize_gave_up = Counter(
+            "fleetbatch_finalize_gave_up",
+            "Batches failed: their retention ended before the files",
+            registry=r,
+        )
 
     def observe_clusters(self, infos: Sequence[ClusterInfo], views: Sequence[ClusterView]) -> None:
         for info, view in zip(infos, views, strict=True):

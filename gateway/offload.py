@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from gateway.policies import ClusterView, QueryLoad
 
@@ -49,12 +49,18 @@ class LinkCost:
 
 @dataclass(frozen=True)
 class Move:
-    """Move ``count`` queries (``tokens`` predicted tokens in all) from the back of ``src``'s queue to ``dst``."""
+    """Move ``count`` queries (``tokens`` predicted tokens in all) from ``src``'s queue to the back of ``dst``'s.
+
+    ``keys`` are the planned queries' keys in their order on ``src`` (a move carries exactly
+    those, never whatever sits at the back of the queue when it runs); plans compare equal
+    whatever their keys.
+    """
 
     src: str
     dst: str
     count: int
     tokens: float
+    keys: tuple[str, ...] = field(default=(), compare=False)
 
 
 def default_bytes_per_query(q: QueryLoad) -> int:
@@ -112,7 +118,9 @@ def tail_move(
         if at_donor - at_recipient <= link.transfer_seconds(moved_bytes):
             break
         best = Move(donor.name, recipient.name, count, moved_tokens)
-    return best
+    if best is None:
+        return None
+    return replace(best, keys=tuple(q.key for q in tail[len(tail) - best.count :]))
 
 
 def plan_offload(

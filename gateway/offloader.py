@@ -3,8 +3,14 @@
 Every tick the offloader (1) requeues queries whose worker died (expired leases), (2)
 moves the queued work of dead, draining or removed clusters to live ones, and (3) for each
 idle or nearly idle cluster whose backoff allows it, asks :func:`gateway.offload.plan_offload`
-for a paying move and carries it out with the atomic ``MOVE_TAIL`` Lua script. A cluster
-that got nothing waits exponentially longer before asking again.
+for a paying move. Steps (1) and (2) always run; (3) only with ``balance`` (``gateway serve
+--no-offload`` turns it off). A cluster that got nothing waits exponentially longer before
+asking again.
+
+Every move carries the ids it planned (the atomic ``MOVE_IDS`` Lua script): queries claimed
+or appended between the plan and the move stay where they are. A queued query of a dead or
+draining cluster that fits on no accepting cluster stays in its queue (logged when the set
+of such queries changes); the rest of the queue moves past it.
 """
 
 from __future__ import annotations
@@ -13,10 +19,10 @@ import logging
 from dataclasses import dataclass, field
 
 from gateway.metrics import GatewayMetrics
-from gateway.offload import Backoff, LinkCost, plan_offload
+from gateway.offload import Backoff, LinkCost, Move, plan_offload
 from gateway.policies import NoClusterError
-from gateway.rebalance import plan_rebalance
-from gateway.views import cluster_views, queued_loads
+from gateway.rebalance import plan_moves
+from gateway.views import MAX_TAIL_READ, cluster_views, queued_loads
 from workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -31,6 +37,7 @@ class OffloadConfig:
     links: LinkCost = field(default_factory=LinkCost)
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
+    balance: bool = True  # step (3): moves between live clusters (off: `gateway serve --no-offload`)
 
 
 class Offloader:
@@ -42,6 +49,7 @@ class Offloader:
         self.metrics = metrics
         self.backoffs: dict[str, Backoff] = {}
         self.moved_total = 0
+        self.kept: dict[str, list[str]] = {}  # per stuck cluster: queued ids that fit on no accepting cluster
 
     def _backoff(self, name: str) -> Backoff:
         if name not in self.backoffs:
@@ -49,8 +57,10 @@ class Offloader:
             self.backoffs[name] = Backoff(base_s=c.backoff_base_s, max_s=c.backoff_max_s)
         return self.backoffs[name]
 
-    def _move(self, src: str, dst: str, count: int, why: str) -> int:
-        moved, tokens = self.queue.move_tail(src, dst, count)
+    def _move(self, move: Move, why: str) -> int:
+        """Carry out ``move``: exactly its planned ids that are still queued on its source."""
+        src, dst = move.src, move.dst
+        moved, tokens = self.queue.move_ids(src, dst, move.keys)
         if moved:
             self.moved_total += moved
             if self.metrics is not None:
@@ -82,6 +92,8 @@ class Offloader:
         views = cluster_views(infos)
         if self.metrics is not None:
             self.metrics.observe_clusters(infos, views)
+        if not self.config.balance:
+            return n_moved
         by_name = {v.name: v for v in views}
         busy = [v for v in views if v.queue_length > 0]
         for v in views:
@@ -101,24 +113,40 @@ class Offloader:
                 backoff.failed()
                 log.debug("%s idle, nothing worth taking; next ask in %.1f s", v.name, backoff.delay_s)
                 continue
-            if self._move(move.src, move.dst, move.count, "offload") > 0:
+            if (moved := self._move(move, "offload")) > 0:
                 backoff.succeeded()
-                n_moved += move.count
+                n_moved += moved
             else:
                 backoff.failed()
         return n_moved
 
     def _evacuate(self, infos) -> int:
-        """Move queued work off clusters that cannot run it (dead, draining, removed)."""
+        """Move queued work off clusters that cannot run it (dead, draining, removed); queries that
+        fit on no accepting cluster stay (see :meth:`_report_kept`)."""
         views = cluster_views(infos)
         stuck = [v.name for v, i in zip(views, infos, strict=True) if not v.accepting and i.queue_length > 0]
         if not stuck or not any(v.usable for v in views):
             return 0
-        # bounded reads: only the stuck queues' tails, a chunk per tick (the rest moves next tick)
-        queued = {name: queued_loads(self.queue, name, self.config.evacuate_chunk) for name in stuck}
+        # bounded reads: only the stuck queues' tails, a chunk (past the queries known to stay) per tick
+        chunk = self.config.evacuate_chunk
+        queued = {
+            name: queued_loads(self.queue, name, min(MAX_TAIL_READ, chunk + len(self.kept.get(name, ()))))
+            for name in stuck
+        }
         try:
-            moves = plan_rebalance(views, queued, drain=stuck, links=self.config.links)
+            plan = plan_moves(views, queued, drain=stuck, links=self.config.links)
         except NoClusterError as e:
             log.warning("cannot evacuate %s: %s", ", ".join(stuck), e)
             return 0
-        return sum(self._move(m.src, m.dst, m.count, "evacuate") for m in moves if m.src in stuck)
+        self._report_kept(
+            {name: [q.key for q in plan.kept.get(name, [])] for name in stuck}, plan.kept_lines()
+        )
+        return sum(self._move(m, "evacuate") for m in plan.moves if m.src in stuck)
+
+    def _report_kept(self, kept: dict[str, list[str]], lines: list[str]) -> None:
+        """Log the queries that stay on a stuck cluster when they change (not on every tick)."""
+        kept = {name: ids for name, ids in kept.items() if ids}
+        if kept != self.kept:
+            for line in lines:
+                log.warning("cannot evacuate: %s; they wait for it (or for a cluster they fit on)", line)
+        self.kept = kept

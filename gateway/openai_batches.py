@@ -210,9 +210,11 @@ def batch_object(batch_id: str, info: BatchInfo | None, rec: dict) -> dict:
     done = _ts(rec.get("finalized_at")) or (int(info.completed_at) if info and info.completed_at else None)
     failed = (info.failed + info.cancelled) if info else 0
     errors = None
-    if status == "failed":
-        message = rec.get("finalize_error") or (
-            "every request failed; see error_file_id" if info else "the batch was not created"
+    if status == "failed" or (info and info.error):
+        message = (
+            rec.get("finalize_error")
+            or (info and info.error)
+            or ("every request failed; see error_file_id" if info else "the batch was not created")
         )
         errors = {
             "object": "list",

@@ -15,6 +15,7 @@ with the documented default (:data:`DEFAULT_TEMPLATE`). ``max_tokens`` /
 ``text_completion`` for ``/v1/completions``, with ``choices`` and ``usage``) and ``error``
 null; it goes to the output file. A request that failed or was cancelled has ``response``
 null and ``error`` (``code``, ``message``) and goes to the error file, as OpenAI's batches do.
+Which it is comes from :func:`workqueue.outcome`, the rule the worker's counts follow too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from workqueue import Outcome, outcome
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -159,13 +162,14 @@ def output_line(result: Mapping, endpoint: str, model: str, custom_id: str | Non
         "response": None,
         "error": None,
     }
-    if reason in ("error", "cancelled", "abort") or result.get("error"):
-        code = "cancelled" if reason in ("cancelled", "abort") else "server_error"
+    how = outcome(reason, result.get("error"))
+    if not how.answered:
+        code = "cancelled" if how is Outcome.CANCELLED else "server_error"
         line["error"] = {"code": code, "message": result.get("error") or f"request {reason}"}
         return line
     prompt, completion = int(result.get("prompt_tokens") or 0), int(result.get("completion_tokens") or 0)
     created = int(float((result.get("timings") or {}).get("finished_at") or 0))
-    finish = "stop" if reason == "stop" else "length"
+    finish = "length" if how is Outcome.TRUNCATED else "stop"
     if endpoint == COMPLETIONS:
         body = {
             "object": "text_completion",

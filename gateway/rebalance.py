@@ -1,13 +1,15 @@
 """`gateway rebalance` planning: the queue moves that equalise expected finish times.
 
-:func:`plan_rebalance` works in two phases on a copy of the state:
+:func:`plan_moves` works in two phases on a copy of the state:
 
-1. **Drain.** Every cluster named in ``drain`` or not accepting work gives away *all* its
-   queued (not started) queries. They go, back of the queue first, to the accepting
-   clusters in proportion to each one's water-filling share (the capacity-aware target of
-   :func:`gateway.policies.water_fill_targets`), in contiguous runs so there are few moves,
-   and only where they fit (per-query KV limit). A query that fits nowhere raises
-   :class:`~gateway.policies.NoClusterError`.
+1. **Drain.** Every cluster named in ``drain`` or not accepting work gives away its queued
+   (not started) queries. They go, back of the queue first, to the accepting clusters in
+   proportion to each one's water-filling share (the capacity-aware target of
+   :func:`gateway.policies.water_fill_targets`), in runs so there are few moves, and only
+   where they fit (per-query KV limit). A query that fits on no accepting cluster is
+   *kept*: it stays where it is, the plan lists it (:attr:`RebalancePlan.kept`), and the
+   rest of the queue moves past it. With no accepting cluster at all there is nowhere to
+   drain to: :class:`~gateway.policies.NoClusterError`.
 2. **Balance.** :func:`balance_targets` gives each accepting cluster the final load that
    equalises finish times when only queued work can move (running work stays). Clusters
    above target give tails (:func:`gateway.offload.tail_move`, each ending within half a
@@ -15,11 +17,13 @@
    pays (queueing delay saved > transfer cost) and fits. Donor and taker roles are fixed
    up front, so nothing moves twice and the loop ends.
 
-Moves are applied in list order; each takes ``count`` queries from the back of ``src``'s
-queue *at that moment* and appends them, in their original relative order, to the back of
-``dst``'s queue (:func:`simulate_moves` is the reference). Running work is never moved:
-``pending_tokens`` counts it, ``queued`` does not. Adding a cluster is a rebalance with a
-new empty :class:`ClusterView`; removing one is ``drain``.
+Each :class:`~gateway.offload.Move` names the queries it carries (``keys``, in their order
+on ``src``); applying it takes those queries out of ``src``'s queue and appends them, in
+that order, to the back of ``dst``'s (:func:`simulate_moves` is the reference; the gateway
+moves exactly those ids, skipping any that left the queue meanwhile). Running work is never
+moved: ``pending_tokens`` counts it, ``queued`` does not. Adding a cluster is a rebalance
+with a new empty :class:`ClusterView`; removing one is ``drain``. :func:`plan_rebalance`
+is :func:`plan_moves` without the kept queries.
 """
 
 from __future__ import annotations
@@ -56,12 +60,32 @@ def _check(
         raise ValueError(f"cannot drain unknown clusters: {', '.join(unknown)}; known: {', '.join(names)}")
 
 
-def _append(moves: list[Move], src: str, dst: str, count: int, tokens: float) -> None:
+def _append(moves: list[Move], src: str, dst: str, block: Sequence[QueryLoad], tokens: float) -> None:
+    keys = tuple(q.key for q in block)
     if moves and moves[-1].src == src and moves[-1].dst == dst:
-        last = moves[-1]
-        moves[-1] = Move(src, dst, last.count + count, last.tokens + tokens)
+        last = moves[-1]  # the new block stood in front of the last one on src
+        moves[-1] = Move(src, dst, last.count + len(block), last.tokens + tokens, keys + last.keys)
     else:
-        moves.append(Move(src, dst, count, tokens))
+        moves.append(Move(src, dst, len(block), tokens, keys))
+
+
+@dataclasses.dataclass
+class RebalancePlan:
+    """The moves, and per drained cluster the queries that fit on no accepting cluster and stay."""
+
+    moves: list[Move]
+    kept: dict[str, list[QueryLoad]] = dataclasses.field(default_factory=dict)
+
+    def kept_lines(self) -> list[str]:
+        """One line per drained cluster that keeps queries, naming them (the first 10)."""
+        lines = []
+        for src, kept in sorted(self.kept.items()):
+            names = ", ".join(repr(q.key) for q in kept[:10]) + (", ..." if len(kept) > 10 else "")
+            lines.append(
+                f"{src} keeps {len(kept)} queued quer{'y' if len(kept) == 1 else 'ies'} that fit on no "
+                f"accepting cluster: {names}"
+            )
+        return lines
 
 
 class _State:
@@ -72,14 +96,25 @@ class _State:
         self.views = {c.name: c for c in clusters}
         self.queues = {c.name: list(queued.get(c.name, ())) for c in clusters}
 
-    def move(self, src: str, dst: str, count: int) -> float:
+    def move(self, src: str, dst: str, count: int) -> list[QueryLoad]:
+        """Move the last ``count`` queued queries of ``src``; returns them (front first)."""
         q = self.queues[src]
         if not 0 < count <= len(q):
             raise ValueError(f"move of {count} queries from {src!r}, which has {len(q)} queued")
         block = q[len(q) - count :]
-        del q[len(q) - count :]
+        self.move_block(src, dst, block)
+        return block
+
+    def move_block(self, src: str, dst: str, block: Sequence[QueryLoad]) -> float:
+        """Move these queries (objects of ``src``'s queue, front first) to the back of ``dst``'s; their tokens."""
+        chosen = {id(x) for x in block}
+        q = self.queues[src]
+        self.queues[src] = [x for x in q if id(x) not in chosen]
+        if len(self.queues[src]) != len(q) - len(block):
+            raise ValueError(f"move of queries that are not queued on {src!r}")
         self.queues[dst].extend(block)
         tokens = math.fsum(x.total_tokens for x in block)
+        count = len(block)
         s, d = self.views[src], self.views[dst]
         self.views[src] = dataclasses.replace(
             s, pending_tokens=max(0.0, s.pending_tokens - tokens), queue_length=max(0, s.queue_length - count)
@@ -93,13 +128,22 @@ class _State:
 def simulate_moves(
     clusters: Sequence[ClusterView], queued: Mapping[str, Sequence[QueryLoad]], moves: Sequence[Move]
 ) -> tuple[list[ClusterView], dict[str, list[QueryLoad]]]:
-    """The cluster views and queues after applying ``moves`` in order (``ValueError`` on an impossible move)."""
+    """The cluster views and queues after applying ``moves`` in order (``ValueError`` on an impossible move).
+
+    A move with ``keys`` carries those queries; one without carries the back ``count`` of ``src``."""
     _check(clusters, queued, ())
     state = _State(clusters, queued)
     for m in moves:
         if m.src not in state.views or m.dst not in state.views:
             raise ValueError(f"move {m.src!r} -> {m.dst!r} names an unknown cluster")
-        state.move(m.src, m.dst, m.count)
+        if not m.keys:
+            state.move(m.src, m.dst, m.count)
+            continue
+        by_key = {q.key: q for q in state.queues[m.src]}
+        missing = [k for k in m.keys if k not in by_key]
+        if missing or len(m.keys) != m.count:
+            raise ValueError(f"move {m.src!r} -> {m.dst!r} names queries not queued there: {missing[:5]}")
+        state.move_block(m.src, m.dst, [by_key[k] for k in m.keys])
     return [state.views[n] for n in state.order], state.queues
 
 
@@ -110,12 +154,24 @@ def plan_rebalance(
     links: Links = LinkCost(),
     bytes_per_query: Callable[[QueryLoad], int] | None = None,
 ) -> list[Move]:
-    """Moves (from the back of queues) that equalise expected finish times; drained clusters empty their queues."""
+    """The moves of :func:`plan_moves` (queries that fit nowhere stay where they are)."""
+    return plan_moves(clusters, queued, drain, links, bytes_per_query).moves
+
+
+def plan_moves(
+    clusters: Sequence[ClusterView],
+    queued: Mapping[str, Sequence[QueryLoad]],
+    drain: Collection[str] = (),
+    links: Links = LinkCost(),
+    bytes_per_query: Callable[[QueryLoad], int] | None = None,
+) -> RebalancePlan:
+    """Moves that equalise expected finish times; drained clusters give away every queued query
+    that fits on an accepting cluster and keep (and report) the rest."""
     _check(clusters, queued, drain)
     state = _State(clusters, queued)
     drained = [c.name for c in clusters if c.name in set(drain) or not c.accepting]
     receivers = [c.name for c in clusters if c.usable and c.name not in set(drained)]
-    moves: list[Move] = []
+    plan = RebalancePlan([])
 
     for src in drained:
         queue = state.queues[src]
@@ -128,27 +184,26 @@ def plan_rebalance(
             zip(receivers, water_fill_targets(views, math.fsum(q.total_tokens for q in queue)), strict=True)
         )
         current: str | None = None
-        run = 0
+        run: list[QueryLoad] = []  # back of the queue first
         for q in reversed(list(queue)):
-            if current is None or deficit[current] <= 0 or not state.views[current].fits(q):
-                fitting = [n for n in receivers if state.views[n].fits(q)]
-                if not fitting:
-                    raise NoClusterError(
-                        f"cannot drain {src!r}: query {q.key!r} needs {q.total_tokens:g} tokens and fits on no accepting cluster"
-                    )
+            fitting = [n for n in receivers if state.views[n].fits(q)]
+            if not fitting:
+                plan.kept.setdefault(src, []).insert(0, q)
+                continue
+            if current is None or deficit[current] <= 0 or current not in fitting:
                 nxt = max(fitting, key=lambda n: deficit[n])
                 if nxt != current and run:
-                    _append(moves, src, current, run, state.move(src, current, run))
-                    run = 0
+                    _append(plan.moves, src, current, run[::-1], state.move_block(src, current, run[::-1]))
+                    run = []
                 current = nxt
-            run += 1
+            run.append(q)
             deficit[current] -= q.total_tokens
         if run:
-            _append(moves, src, current, run, state.move(src, current, run))
+            _append(plan.moves, src, current, run[::-1], state.move_block(src, current, run[::-1]))
 
     if len(receivers) > 1:
-        _balance(state, receivers, links, bytes_per_query, moves)
-    return moves
+        _balance(state, receivers, links, bytes_per_query, plan.moves)
+    return plan
 
 
 def balance_targets(views: Sequence[ClusterView], queued_tokens: Sequence[float]) -> list[float]:
@@ -201,14 +256,21 @@ def _balance(
                     break
             if move is None:
                 break
-            tokens = state.move(move.src, move.dst, move.count)
+            block = state.move(move.src, move.dst, move.count)
+            tokens = math.fsum(q.total_tokens for q in block)
             excess[donor] -= tokens
             excess[move.dst] += tokens
-            _append(moves, move.src, move.dst, move.count, tokens)
+            _append(moves, move.src, move.dst, block, tokens)
 
 
-def format_plan(before: Sequence[ClusterView], after: Sequence[ClusterView], moves: Sequence[Move]) -> str:
-    """A plain-text table of pending tokens, capacity and expected finish before/after, then the moves."""
+def format_plan(
+    before: Sequence[ClusterView],
+    after: Sequence[ClusterView],
+    moves: Sequence[Move],
+    kept: Sequence[str] = (),
+) -> str:
+    """A plain-text table of pending tokens, capacity and expected finish before/after, the moves,
+    then ``kept`` (lines naming queries that stay: :meth:`RebalancePlan.kept_lines`)."""
     after_by = {c.name: c for c in after}
     lines = [
         f"{'cluster':<16} {'capacity_tps':>12} {'pending':>12} {'finish_s':>10} {'pending_after':>14} {'finish_after_s':>14}"
@@ -224,4 +286,5 @@ def format_plan(before: Sequence[ClusterView], after: Sequence[ClusterView], mov
         lines.append("no moves: expected finish times are as equal as paying moves can make them")
     for m in moves:
         lines.append(f"move {m.count} queries ({m.tokens:.0f} tokens) from the back of {m.src} to {m.dst}")
+    lines.extend(kept)
     return "\n".join(lines)

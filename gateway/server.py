@@ -13,11 +13,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.admin import AdminService
+from gateway.auth import Authenticator, AuthInterceptor
 from gateway.config import GatewayConfig, redact_url
 from gateway.errors import MalformedRequestInterceptor, RedisUnavailableInterceptor
 from gateway.http_server import HttpServer  # starlette + uvicorn: ~70 ms of ~400 (python -X importtime)
+from gateway.limits import InflightBytes, InflightBytesInterceptor
 from gateway.metrics import GatewayMetrics
-from gateway.offloader import Offloader
+from gateway.offloader import OffloadConfig, Offloader
 from gateway.policies import make_policy
 from gateway.service import BatchService, GatewayDeps
 from gateway.tls import server_credentials
@@ -102,6 +104,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
 
     deps = GatewayDeps(
         config=config,
+        auth=Authenticator(config.client_tokens, config.token() if config.client_tokens else ""),
         queue=queue,
         count_tokens=count_tokens,
         predict_tokens=predict_tokens,
@@ -129,11 +132,9 @@ async def serve(
 ) -> None:
     deps = await asyncio.to_thread(build_deps, config)
     server = grpc.aio.server(
-        interceptors=[
-            RedisUnavailableInterceptor(pb.DESCRIPTOR.package),
-            MalformedRequestInterceptor(pb.DESCRIPTOR),
-        ],
+        interceptors=_interceptors(deps.auth, config),  # the first is the outermost
         options=[("grpc.max_receive_message_length", config.max_request_bytes)],
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs or None,
     )
     batches = BatchService(deps)
     pb_grpc.add_BatchServiceServicer_to_server(batches, server)
@@ -153,19 +154,24 @@ async def serve(
         port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
+    if deps.auth.enabled and not config.tls_cert and not _loopback(config.listen):
+        log.warning(
+            "client tokens travel in plaintext to %s: serve TLS (--tls-cert/--tls-key)", config.listen
+        )
     await server.start()
     for name in services[:2]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     if config.metrics_port:
-        deps.metrics.serve(config.metrics_port)
-        log.info("Prometheus metrics on http://127.0.0.1:%d/metrics", config.metrics_port)
+        deps.metrics.serve(config.metrics_port, config.metrics_host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
     host = config.listen.rsplit(":", 1)[0]
     config.bound_address = f"{host}:{port}"
     log.info(
-        "gateway listening on %s%s (policy %s, Redis %s, positions %d, request limit %d bytes)",
+        "gateway listening on %s%s (%s, policy %s, Redis %s, positions %d, request limit %d bytes)",
         config.bound_address,
         " with TLS" if config.tls_cert else "",
+        "client tokens required" if deps.auth.enabled else "NO client authentication",
         config.policy,
         redact_url(config.redis_url),
         config.model_positions(),
@@ -182,10 +188,9 @@ async def serve(
             raise
     stop = stop or asyncio.Event()
     tasks = []
-    if config.offload:
-        tasks.append(
-            asyncio.create_task(_offload_loop(Offloader(deps.queue, metrics=deps.metrics), config, stop))
-        )
+    # lease recovery and evacuation always run; --no-offload turns off only moves between live clusters
+    offloader = Offloader(deps.queue, OffloadConfig(balance=config.offload), metrics=deps.metrics)
+    tasks.append(asyncio.create_task(_offload_loop(offloader, config, stop)))
     tasks.append(asyncio.create_task(_reload_loop(deps, stop)))
     tasks.append(asyncio.create_task(batches.intake.loop(stop)))  # large batches, accepted, enqueue here
     if ready is not None:
@@ -200,6 +205,24 @@ async def serve(
         t.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await t
+
+
+def _loopback(listen: str) -> bool:
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _interceptors(auth: Authenticator, config: GatewayConfig) -> list[grpc.aio.ServerInterceptor]:
+    """Client tokens first (a refused call is not decoded), then the in-flight bytes, then errors."""
+    chain: list[grpc.aio.ServerInterceptor] = []
+    if auth.enabled:
+        chain.append(AuthInterceptor(auth, pb.DESCRIPTOR.services_by_name["BatchService"].full_name))
+    if config.max_inflight_bytes > 0:
+        chain.append(
+            InflightBytesInterceptor(InflightBytes(config.max_inflight_bytes), pb.DESCRIPTOR.package)
+        )
+    chain += [RedisUnavailableInterceptor(pb.DESCRIPTOR.package), MalformedRequestInterceptor(pb.DESCRIPTOR)]
+    return chain
 
 
 async def _offload_loop(offloader: Offloader, config: GatewayConfig, stop: asyncio.Event) -> None:

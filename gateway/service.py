@@ -18,13 +18,23 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.intake import Intake, IntakeSettings, encode_rows
 from gateway.listing import read_clusters
 from gateway.metrics import GatewayMetrics
 from gateway.offload import LinkCost
+from gateway.placement import configured_views, first_misfit
 from gateway.policies import AssignmentPolicy, NoClusterError, QueryLoad
-from gateway.quota import ClientLocks, client_of, header_problem, remember, unfinished
+from gateway.quota import (
+    ClientLocks,
+    client_of,
+    header_problem,
+    may_see,
+    remember,
+    set_owner,
+    unfinished,
+)
 from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.views import cluster_proto, cluster_views
 from protos import fleetbatch_pb2 as pb
@@ -69,6 +79,7 @@ class GatewayDeps:
     # a bound of a prompt's tokens: prompts of a large batch it proves short are counted in intake
     token_bound: Callable[[str], int] | None = None
     tokenizer: object | None = None  # the serving tokenizer, for the HTTP front's chat templates
+    auth: Authenticator = field(default_factory=lambda: Authenticator({}))  # client tokens (none: no auth)
 
 
 def batch_proto(b: BatchInfo) -> pb.Batch:
@@ -132,6 +143,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             deps.intake,
             self._count_assigned,
             count_tokens=deps.count_tokens,
+            wait_s=deps.config.intake_wait_s,
         )
 
     def _count_assigned(self, names: list[str]) -> None:
@@ -162,14 +174,13 @@ class BatchService(pb_grpc.BatchServiceServicer):
         if request.batch_id:
             existing = await asyncio.to_thread(d.queue.batch, batch_id)
             if existing is not None:
+                caller = d.auth.client(context.invocation_metadata())
+                if not await asyncio.to_thread(may_see, d.queue, batch_id, caller):
+                    await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"batch_id {batch_id!r} is taken")
                 return await self._resubmitted(existing, request, context)
         if cfg.max_queued_per_client <= 0:
-            return await self._create(request, checked, batch_id, context, t0)
-        md = dict(context.invocation_metadata())
-        problem = header_problem(md)
-        if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        client = client_of(md, context.peer())
+            return await self._owned(await self._create(request, checked, batch_id, context, t0), context)
+        client = await self._client(context)
         async with self._client_lock(client):
             left = await asyncio.to_thread(unfinished, d.queue, client)
             if left + len(request.queries) > cfg.max_queued_per_client:
@@ -181,7 +192,25 @@ class BatchService(pb_grpc.BatchServiceServicer):
                 )
             batch = await self._create(request, checked, batch_id, context, t0)
             await asyncio.to_thread(remember, d.queue, client, batch.id)
-            return batch
+            return await self._owned(batch, context)
+
+    async def _owned(self, batch: pb.Batch, context) -> pb.Batch:
+        """``batch`` as the caller's, when a client token names the caller."""
+        if (client := self.d.auth.client(context.invocation_metadata())) is not None:
+            await asyncio.to_thread(set_owner, self.d.queue, batch.id, client)
+        return batch
+
+    async def _client(self, context) -> str:
+        """The caller: the client its token names (gRPC with client tokens), else its ``x-client-id``
+        header or its address (the HTTP front, whose key is one for all; a gateway without tokens)."""
+        authenticated = self.d.auth.client(context.invocation_metadata())
+        if authenticated is not None:
+            return authenticated
+        md = dict(context.invocation_metadata())
+        problem = header_problem(md)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        return client_of(md, context.peer())
 
     async def _create(
         self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float
@@ -190,13 +219,14 @@ class BatchService(pb_grpc.BatchServiceServicer):
         if checked.uncounted or len(request.queries) >= d.intake.sync_max_queries:
             return await self._accept(request, checked, batch_id, context, t0)
         queued, names = await self._assign_all(request, checked, batch_id, context)
+        digest = await asyncio.to_thread(fingerprint, request)  # hashes every query: off the loop
         created = await asyncio.to_thread(
             d.queue.create_batch,
             batch_id,
             list(zip(queued, names, strict=True)),
             policy=d.policy.name,
             metadata=dict(request.metadata),
-            fingerprint=fingerprint(request),
+            fingerprint=digest,
         )
         if created and checked.bad:
             await asyncio.to_thread(fail_rows, d.queue, batch_id, request, checked.bad)
@@ -224,20 +254,21 @@ class BatchService(pb_grpc.BatchServiceServicer):
     ) -> pb.Batch:
         """A large batch: store its validated rows and answer VALIDATING; :mod:`gateway.intake` enqueues it."""
         d = self.d
-        views = cluster_views(await asyncio.to_thread(read_clusters, d.queue))
-        if not any(v.usable for v in views):
+        active = configured_views(await asyncio.to_thread(read_clusters, d.queue))
+        if not active:  # with one, intake waits (bounded) for it to accept work
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
-                "cannot assign the batch: no cluster accepts work (all draining, dead or with zero capacity)",
+                "cannot assign the batch: no cluster is active (all draining or removed)",
             )
         rows = encode_rows(request, checked)  # encoded slice by slice while stored
+        digest = await asyncio.to_thread(fingerprint, request)  # hashes every query: off the loop
         created = await asyncio.to_thread(
             d.queue.accept_batch,
             batch_id,
             rows,
             policy=d.policy.name,
             metadata=dict(request.metadata),
-            fingerprint=fingerprint(request),
+            fingerprint=digest,
         )
         info = await asyncio.to_thread(d.queue.batch, batch_id)
         if not created:
@@ -269,11 +300,13 @@ class BatchService(pb_grpc.BatchServiceServicer):
             )
             for i, p in zip(good, predicted, strict=True)
         ]
-        views = cluster_views(await asyncio.to_thread(read_clusters, d.queue))
+        infos = await asyncio.to_thread(read_clusters, d.queue)
         try:
-            names = await asyncio.to_thread(self._assign, loads, views)
+            names = await asyncio.to_thread(self._assign, loads, cluster_views(infos))
         except NoClusterError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot assign the batch: {e}")
+            never = first_misfit(loads, infos)  # permanent: no configured cluster can ever take it
+            code = grpc.StatusCode.INVALID_ARGUMENT if never else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"cannot assign the batch: {never or e}")
         queued = []
         for i, load in zip(good, loads, strict=True):
             q = request.queries[i]
@@ -309,7 +342,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"batch {existing.batch_id} exists with {existing.total} queries, this submission has {len(request.queries)}",
             )
-        if existing.fingerprint and existing.fingerprint != fingerprint(request):
+        if existing.fingerprint and existing.fingerprint != await asyncio.to_thread(fingerprint, request):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"batch {existing.batch_id} exists with other queries (same count, different ids, prompts "
@@ -322,7 +355,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         info = await asyncio.to_thread(self.d.queue.batch, batch_id)
-        if info is None:
+        caller = self.d.auth.client(context.invocation_metadata())
+        if info is None or not await asyncio.to_thread(may_see, self.d.queue, batch_id, caller):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no batch {batch_id!r}")
         return info
 

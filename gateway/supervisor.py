@@ -23,16 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.config import ClusterSpec
-from workqueue.embedded import die_with_parent
+from workqueue.embedded import URL_ENV, die_with_parent
 
 log = logging.getLogger(__name__)
 
 
-def engine_command(spec: ClusterSpec, redis_url: str, threads: int, extra: Sequence[str]) -> list[str]:
+def engine_command(spec: ClusterSpec, threads: int, extra: Sequence[str]) -> list[str]:
+    """``engine serve`` for ``spec``; the Redis URL goes in its environment (:func:`engine_env`),
+    never on its command line, which every user of the host can read."""
     return [
         sys.executable, "-m", "engines.cli", "serve",
         "--cluster", spec.name,
-        "--redis-url", spec.redis_url or redis_url,  # a spec's own URL: e.g. through a proxy
         "--backend", spec.backend,
         "--threads", str(threads),
         "--capacity", str(spec.capacity_tps),
@@ -40,6 +41,10 @@ def engine_command(spec: ClusterSpec, redis_url: str, threads: int, extra: Seque
         *spec.engine_args,
         *extra,
     ]  # fmt: skip
+
+
+def engine_env(redis_url: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", **{URL_ENV: redis_url})
 
 
 @dataclass
@@ -66,13 +71,12 @@ class EngineSupervisor:
             self._start(spec)
 
     def _start(self, spec: ClusterSpec) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(self.log_dir / f"engine-{spec.name}.log", "ab") as logfile:
             self.procs[spec.name] = subprocess.Popen(
-                engine_command(spec, self.redis_url, self.threads, self.extra),
+                engine_command(spec, self.threads, self.extra),
                 stdout=logfile,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env=engine_env(spec.redis_url or self.redis_url),  # a spec's own URL: e.g. through a proxy
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )

@@ -2,9 +2,11 @@
 
 Starts an embedded Redis, one ``engine serve`` process per cluster (by default three
 clusters whose engines run at different speeds, to mimic unlike GPUs) and the gateway in
-this process. It writes ``<run-dir>/gateway.json`` (address, Redis URL, admin token file,
-engine pids, the OpenAI-compatible HTTP front's URL and key file) once everything is up, and
-stops everything cleanly on Ctrl-C / SIGTERM. An engine that dies is restarted (:mod:`gateway.supervisor`); a SIGKILL of ``gateway up``
+this process. It writes ``<run-dir>/gateway.json`` (address, Redis URL, admin and client token
+files, engine pids, the OpenAI-compatible HTTP front's URL and key file) once everything is up, and
+stops everything cleanly on Ctrl-C / SIGTERM. Secrets stay off command lines and out of
+world-readable files: the token files and ``gateway.json`` are 0600, the engines get the Redis URL
+in their environment, and the printed URL has its password masked. An engine that dies is restarted (:mod:`gateway.supervisor`); a SIGKILL of ``gateway up``
 leaves no engine or Redis process behind.
 """
 
@@ -21,12 +23,14 @@ import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from gateway.auth import CLIENT_TOKEN_ENV
 from gateway.config import HTTP_KEY_ENV, ClusterSpec, GatewayConfig, load_clusters
 from gateway.server import serve
 from gateway.supervisor import EngineSupervisor
 from workqueue import WorkQueue, connect
-from workqueue.embedded import URL_ENV, EmbeddedRedis
+from workqueue.embedded import URL_ENV, EmbeddedRedis, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +73,27 @@ async def wait_for_engines(
         await asyncio.sleep(0.2)
 
 
-def gateway_config(args, redis_url: str, admin_token: str, specs: list[ClusterSpec]) -> GatewayConfig:
+def gateway_config(
+    args, redis_url: str, admin_token: str, specs: list[ClusterSpec], client_token: str = ""
+) -> GatewayConfig:
     """The gateway's settings; the length predictor is the learned model shipped with the project
-    unless ``--predictor`` names a model directory or ``heuristic``."""
-    return GatewayConfig.from_args(args, redis_url=redis_url, admin_token=admin_token, clusters=specs)
+    unless ``--predictor`` names a model directory or ``heuristic``. ``client_token`` is the token
+    of the client ``local`` (none: the batch API needs no token)."""
+    tokens = {client_token: "local"} if client_token else {}
+    return GatewayConfig.from_args(
+        args, redis_url=redis_url, admin_token=admin_token, clusters=specs, client_tokens=tokens
+    )
+
+
+def client_token_file(args, run_dir: Path) -> Path | None:
+    """The batch API's token of ``gateway up`` (``$FLEETBATCH_TOKEN`` or a new one), written 0600 to
+    ``<run-dir>/client-token``; None with ``--no-auth``."""
+    path = run_dir / "client-token"
+    if getattr(args, "no_auth", False):
+        path.unlink(missing_ok=True)
+        return None
+    write_private(path, (os.environ.get(CLIENT_TOKEN_ENV) or secrets.token_urlsafe(24)) + "\n")
+    return path
 
 
 def http_settings(args, run_dir: Path) -> Path | None:
@@ -92,12 +113,33 @@ def http_settings(args, run_dir: Path) -> Path | None:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write a secret readable by its owner only from the first byte: created 0o600 by ``os.open``
-    (never world-readable in between); a file that existed is set to 0o600 too."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write a file readable by its owner only from the first byte, atomically: a new file created
+    0o600 by ``os.open`` (never world-readable in between), then renamed over ``path``, so a reader
+    sees the old text or the new, never a torn one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         os.fchmod(fd, 0o600)  # O_CREAT's mode applies to a new file only
         f.write(text)
+    os.replace(tmp, path)
+
+
+def banner(info: Mapping[str, Any]) -> str:
+    """What ``gateway up`` prints once everything is up (from ``gateway.json``'s ``info``): where
+    things are, never a secret (the Redis URL's password is masked, tokens are named by their file)."""
+    lines = [
+        f"gateway listening on {info['address']}",
+        f"  Redis: {redact_url(info['redis_url'])}",
+        f"  clusters: {', '.join(info['clusters'])} (logs in {info['logs']})",
+        f"  admin token: {info['admin_token_file']}",
+        f"  client token: {info['client_token_file']} (sent as 'authorization: Bearer <token>')"
+        if info.get("client_token_file")
+        else "  client token: none (--no-auth: anyone who reaches the port may use the batch API)",
+    ]
+    if info.get("http_url"):
+        lines.append(f"  OpenAI-compatible API: {info['http_url']} (key: {info['http_api_key_file']})")
+    lines.append("  Ctrl-C stops everything")
+    return "\n".join(lines)
 
 
 async def up(args) -> int:
@@ -112,6 +154,7 @@ async def up(args) -> int:
     token_file = run_dir / "admin-token"
     write_private(token_file, token + "\n")
     http_key_file = http_settings(args, run_dir)
+    client_file = client_token_file(args, run_dir)
     redis_server = None
     url = args.redis_url or os.environ.get(URL_ENV)
     if not url:
@@ -133,7 +176,8 @@ async def up(args) -> int:
             max_restarts=getattr(args, "engine_restarts", 5),
         )
         engines.start_all()
-        config = gateway_config(args, url, token, specs)
+        client_token = client_file.read_text().strip() if client_file else ""
+        config = gateway_config(args, url, token, specs, client_token)
         ready = asyncio.Event()
         gateway = asyncio.create_task(serve(config, ready=ready, stop=stop))
         ready_wait = asyncio.create_task(ready.wait())
@@ -145,6 +189,7 @@ async def up(args) -> int:
             "address": config.bound_address,
             "redis_url": url,
             "admin_token_file": str(token_file),
+            "client_token_file": str(client_file) if client_file else None,
             "clusters": [s.name for s in specs],
             "engine_pids": engines.pids,
             "pid": os.getpid(),
@@ -154,17 +199,11 @@ async def up(args) -> int:
         if config.http_url:
             info.update(http_url=config.http_url, http_api_key_file=str(http_key_file))
         info_file = run_dir / "gateway.json"
-        info_file.write_text(json.dumps(info, indent=2))
-        engines.on_change = lambda pids: info_file.write_text(
-            json.dumps({**info, "engine_pids": pids}, indent=2)
+        write_private(info_file, json.dumps(info, indent=2))  # it holds the Redis URL
+        engines.on_change = lambda pids: write_private(
+            info_file, json.dumps({**info, "engine_pids": pids}, indent=2)
         )
-        print(f"gateway listening on {config.bound_address}", flush=True)
-        print(f"  Redis: {url}", flush=True)
-        print(f"  clusters: {', '.join(s.name for s in specs)} (logs in {run_dir / 'logs'})", flush=True)
-        print(f"  admin token: {token_file}", flush=True)
-        if config.http_url:
-            print(f"  OpenAI-compatible API: {config.http_url} (key: {http_key_file})", flush=True)
-        print("  Ctrl-C stops everything", flush=True)
+        print(banner(info), flush=True)
         watcher = asyncio.create_task(engines.watch(stop))
         await gateway
         watcher.cancel()

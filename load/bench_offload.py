@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from gateway.auth import deployment_token
 from load.client import run_batch, summarise
 from load.deployment import LocalDeployment
 from load.workload import from_dataset
@@ -59,7 +60,9 @@ def _one_run(args, items, offload: bool) -> dict:
         run_dir = Path(tmp)
         up_args = ["--config", str(_fleet(args, run_dir)), "--policy", args.policy]
         with LocalDeployment(run_dir, up_args + ([] if offload else ["--no-offload"]), args.timeout) as info:
-            batch, results, wall = run_batch(info["address"], items, progress=True, timeout_s=args.timeout)
+            batch, results, wall = run_batch(
+                info["address"], items, progress=True, timeout_s=args.timeout, token=deployment_token(info)
+            )
             return summarise(batch, results, wall)
 
 

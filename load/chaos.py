@@ -51,7 +51,7 @@ from gateway.supervisor import EngineSupervisor
 from gateway.up import default_clusters
 from load.chaos_books import GrpcBatch, format_report, grpc_books, merged_counts, verdict
 from load.chaos_client import ResilientClient
-from load.chaos_faults import TOKEN, FaultsMixin
+from load.chaos_faults import CLIENT_TOKEN, TOKEN, FaultsMixin
 from load.chaos_load import KV_BUDGET, SMALL_LIMIT, waves
 from load.chaos_openai import OpenAIBatches, OpenAIRun, user_view
 from load.chaos_procs import GatewayProcess, RestartableRedis
@@ -164,6 +164,7 @@ class Chaos(FaultsMixin):
                 logs,
                 files_dir=c.run_dir / "files",
                 http_key=http_key,
+                client_token=CLIENT_TOKEN,
                 env=intake_env,
             )  # fmt: skip
             for n in ("a", "b")
@@ -198,7 +199,9 @@ class Chaos(FaultsMixin):
     def submit(self, name: str, items: list[WorkItem]) -> str:
         """Submit a gRPC batch through a resilient client (its own thread); returns its id."""
         batch_id = f"chaos-{self.c.seed}-{self.tag}-{name}"
-        client = ResilientClient([g.address for g in self.gateways], to_request(items, batch_id), self.stop)
+        client = ResilientClient(
+            [g.address for g in self.gateways], to_request(items, batch_id), self.stop, CLIENT_TOKEN
+        )
         self.clients.append(client)
         self.batches.append(GrpcBatch(name, batch_id, [it.id for it in items], client))
         client.start()

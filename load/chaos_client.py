@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from gateway.tls import channel
 from load.client import result_row
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -22,13 +23,16 @@ RETRY_S = 0.5
 
 
 class ResilientClient:
-    def __init__(self, targets: Sequence[str], request: pb.SubmitBatchRequest, stop: threading.Event):
+    def __init__(
+        self, targets: Sequence[str], request: pb.SubmitBatchRequest, stop: threading.Event, token: str
+    ):
         if not request.batch_id:
             raise ValueError("a resilient client needs a batch_id (retried submits must be idempotent)")
         self.targets = list(targets)
         self.request = request
         self.batch_id = request.batch_id
         self.stop = stop
+        self.token = token  # the client's Bearer token
         self.results: dict[str, dict] = {}
         self.duplicates_dropped = 0
         self.next_index = 0  # the first result index not yet received
@@ -44,7 +48,7 @@ class ResilientClient:
         return self.targets[self._turn % len(self.targets)]
 
     def _channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.target)
+        return channel(self.target, token=self.token)
 
     def _failed(self, e: grpc.RpcError) -> None:
         code = e.code().name if hasattr(e, "code") else type(e).__name__

@@ -29,6 +29,7 @@ from workqueue.batches import INTAKE
 log = logging.getLogger(__name__)
 
 TOKEN = "chaos-admin-token"
+CLIENT_TOKEN = "chaos-client-token-0001"  # the batch client's Bearer token (as client "chaos")
 
 
 class FaultsMixin:

@@ -52,6 +52,7 @@ class GatewayProcess:
         token: str,
         log_dir: Path,
         *,
+        client_token: str,
         files_dir: Path,
         http_key: str,
         env: dict[str, str] | None = None,
@@ -61,7 +62,13 @@ class GatewayProcess:
         self.address = f"127.0.0.1:{self.port}"
         self.http_port = free_port()
         self.http_url = f"http://127.0.0.1:{self.http_port}/v1"
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", FLEETBATCH_HTTP_API_KEY=http_key, **(env or {}))
+        secrets = {  # in the environment, never on the command line
+            "FLEETBATCH_HTTP_API_KEY": http_key,
+            "FLEETBATCH_REDIS_URL": redis_url,
+            "FLEETBATCH_ADMIN_TOKEN": token,
+            "FLEETBATCH_CLIENT_TOKENS": f"chaos:{client_token}",
+        }
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", **secrets, **(env or {}))
         self.cmd = [
             sys.executable,
             "-m",
@@ -69,19 +76,15 @@ class GatewayProcess:
             "serve",
             "--listen",
             self.address,
-            "--redis-url",
-            redis_url,
             "--clusters",
             str(clusters_file),
-            "--admin-token",
-            token,
             "--predictor",
             "heuristic",
             "--http-port",
             str(self.http_port),
             "--files-dir",
             str(files_dir),
-        ]  # fmt: skip  (restarts fast; the predictor is not under test; the HTTP key from the environment)
+        ]  # fmt: skip  (restarts fast; the predictor is not under test; secrets from the environment)
         self.log_path = log_dir / f"gateway-{name}.log"
         self.proc: subprocess.Popen | None = None
 

@@ -11,6 +11,7 @@ import grpc
 
 from cliutil import run_main
 from fleetdata.datasets import data_dir
+from gateway.auth import CLIENT_TOKEN_ENV, client_token, deployment_token
 from load import bench_offload, chaos, compare_policies, openai_check, report, soak, study
 from load.client import format_summary, run_batch, summarise
 from load.deployment import LocalDeployment
@@ -68,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a bad query rejects the batch, or fails alone (default: the gateway's setting)",
     )
     s.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect to the gateway over TLS")
+    s.add_argument(
+        "--token", default=None, help=f"client token (default: ${CLIENT_TOKEN_ENV} or --token-file)"
+    )
+    s.add_argument(
+        "--token-file",
+        default="runs/local/client-token",
+        help="file holding the client token (default: gateway up's, when it exists)",
+    )
     _add_workload_args(s)
 
     d = sub.add_parser(
@@ -145,7 +154,7 @@ def _workload(args):
     return generated(args.num, args.seed, args.max_tokens, forced)
 
 
-def _submit(args, target: str) -> int:
+def _submit(args, target: str, token: str | None = None) -> int:
     resume = getattr(args, "resume", None)
     if resume and not args.out:
         raise ValueError("--resume needs --out: the file that holds the results seen so far")
@@ -162,6 +171,7 @@ def _submit(args, target: str) -> int:
         resume=bool(resume),
         on_bad_query=getattr(args, "on_bad_query", None) or "",
         tls_ca=getattr(args, "tls_ca", None),
+        token=token if token is not None else client_token(args.token, args.token_file),
     )
     if args.out:
         print(f"results written to {args.out}")
@@ -196,7 +206,7 @@ def _demo(args) -> int:
     print("starting: gateway up", " ".join(up_args), flush=True)
     try:
         with LocalDeployment(args.run_dir, up_args, args.timeout, quiet=False) as info:
-            return _submit(args, info["address"])
+            return _submit(args, info["address"], deployment_token(info))
     except (RuntimeError, TimeoutError) as e:
         print(f"loadgen demo: {e}", file=sys.stderr)
         return 1

@@ -133,16 +133,18 @@ def run_batch(
     on_bad_query: str = "",
     retry_s: float = 60.0,
     tls_ca: str | None = None,
+    token: str | None = None,
 ) -> tuple[pb.Batch, list[dict], float]:
     """Submit (or with ``resume``, find ``batch_id``), stream every result until the batch is final.
 
     Returns (batch, results, wall seconds); with ``out``, results are appended there as they come
-    (the file is started afresh unless resuming). The batch id goes to stderr at once."""
+    (the file is started afresh unless resuming). The batch id goes to stderr at once. ``token``: the
+    client token sent with every call (None: ``$FLEETBATCH_TOKEN``)."""
     results: list[dict] = read_results(out) if (out and resume) else []
     if out and not resume:
         Path(out).write_text("")
     options = [("grpc.max_send_message_length", 512 * 1024 * 1024)]
-    with channel(target, tls_ca, options) as ch:
+    with channel(target, tls_ca, options, token=token) as ch:
         stub = pb_grpc.BatchServiceStub(ch)
         t0 = time.time()
         if resume:

@@ -21,9 +21,9 @@ import logging
 import time
 from pathlib import Path
 
-import grpc
-
+from gateway.auth import deployment_token
 from gateway.openai_format import CHAT, COMPLETIONS
+from gateway.tls import channel
 from load.deployment import LocalDeployment
 from load.workload import WorkItem, from_dataset, generated
 from protos import fleetbatch_pb2 as pb
@@ -159,7 +159,7 @@ def run(args) -> dict:
         key = Path(info["http_api_key_file"]).read_text().strip()
         client = OpenAI(base_url=info["http_url"], api_key=key, max_retries=2)
         batch, out, err, wall = _flow(client, data, args.endpoint, args.timeout)
-        with grpc.insecure_channel(info["address"]) as ch:
+        with channel(info["address"], token=deployment_token(info)) as ch:
             same = pb_grpc.BatchServiceStub(ch).GetBatch(pb.GetBatchRequest(batch_id=batch.id), timeout=30)
     wanted = {r["custom_id"] for r in rows}
     seen = [x.get("custom_id") for x in out + err]

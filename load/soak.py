@@ -27,7 +27,9 @@ intake is measured on): the soak measures the gateway, not the model. The last l
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -35,14 +37,14 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
-
+from gateway.auth import TOKENS_ENV
+from gateway.tls import channel
 from load.client import stream_results, to_request
 from load.workload import generated
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from workqueue import QueryResult, QueryState, WorkQueue, connect, keys
-from workqueue.embedded import EmbeddedRedis
+from workqueue.embedded import URL_ENV, EmbeddedRedis
 
 CLUSTERS = ("fast", "medium", "slow")
 
@@ -65,17 +67,20 @@ def _memory(pid: int) -> dict[str, float]:
 
 
 def _start_gateway(
-    redis_url: str, predictor: str, threads: int, run_dir: Path
+    redis_url: str, predictor: str, threads: int, run_dir: Path, token: str
 ) -> tuple[subprocess.Popen, str]:
     (run_dir / "clusters.yaml").write_text(
         "clusters:\n" + "".join(f"  - {{name: {c}, capacity_tps: 100}}\n" for c in CLUSTERS)
     )
     cmd = [
-        sys.executable, "-m", "gateway.cli", "serve", "--listen", "127.0.0.1:0", "--redis-url", redis_url,
+        sys.executable, "-m", "gateway.cli", "serve", "--listen", "127.0.0.1:0",
         "--clusters", str(run_dir / "clusters.yaml"), "--no-offload", "--predictor", predictor,
         "--predictor-threads", str(threads), "--max-request-mb", "1024",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    env = dict(
+        os.environ, **{URL_ENV: redis_url, TOKENS_ENV: f"soak:{token}"}
+    )  # secrets off the command line
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     for line in proc.stderr:
         m = re.search(r"gateway listening on (\S+)", line)
         if m:
@@ -125,14 +130,15 @@ def _wait_intake(queue: WorkQueue, batch_id: str, timeout: float) -> None:
 def _one_run(predictor: str, args, items, run_dir: Path) -> dict:
     with EmbeddedRedis(run_dir / f"redis-{predictor.replace('/', '_')}", persist=False) as server:
         queue = WorkQueue(connect(server.url), retention_s=0)
-        proc, address = _start_gateway(server.url, predictor, args.predictor_threads, run_dir)
+        token = secrets.token_urlsafe(24)
+        proc, address = _start_gateway(server.url, predictor, args.predictor_threads, run_dir, token)
         stop, done = threading.Event(), threading.Event()
         try:
             base = _memory(proc.pid)["VmRSS"]
             request = to_request(items, batch_id="soak")
             first: list[float] = []
             options = [("grpc.max_send_message_length", 1 << 30)]
-            with grpc.insecure_channel(address, options=options) as ch:
+            with channel(address, options=options, token=token) as ch:
                 stub = pb_grpc.BatchServiceStub(ch)
                 t0 = time.perf_counter()
                 watcher = threading.Thread(target=_first_enqueue, args=(queue, t0, done, first), daemon=True)

@@ -33,11 +33,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import yaml
 from tqdm import tqdm
 
 from engines.device import StepCost
+from gateway.auth import deployment_token
+from gateway.tls import channel
 from load.arrivals import add_arrival_arguments, arrivals, groups
 from load.client import result_row, to_request
 from load.deployment import LocalDeployment
@@ -115,7 +116,7 @@ def run_one(s: Setup, items: list[WorkItem], run_dir: Path, args, times: list[fl
     up_args = ["--config", str(run_dir / "clusters.yaml"), "--policy", s.policy, "--no-offload"]
     with (
         LocalDeployment(run_dir / "deploy", [*up_args, *args.gateway_arg]) as info,
-        grpc.insecure_channel(info["address"]) as ch,
+        channel(info["address"], token=deployment_token(info)) as ch,
     ):
         stub = pb_grpc.BatchServiceStub(ch)
         with Sampler(info["redis_url"], run_dir, interval_s=0.5):

@@ -33,6 +33,30 @@ def read_info(run_dir: Path) -> dict | None:
         return None
 
 
+def check_secrets(run_dir: Path, info: dict) -> None:
+    """Issue 31 (finding 7, 10): gateway.json and the token files are the owner's alone, no engine has
+    the Redis URL on its command line, and the batch API wants the client token gateway up wrote."""
+    import grpc
+
+    from gateway.auth import deployment_token
+    from gateway.tls import channel
+    from protos import fleetbatch_pb2 as pb
+    from protos import fleetbatch_pb2_grpc as pb_grpc
+
+    assert (run_dir / "gateway.json").stat().st_mode & 0o077 == 0, (
+        "gateway.json (the Redis URL) is readable by others"
+    )
+    for f in (Path(info["client_token_file"]), Path(info["admin_token_file"])):
+        assert f.stat().st_mode & 0o077 == 0, f"{f} is readable by others"
+    for pid in info["engine_pids"].values():
+        assert "--redis-url" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    with channel(info["address"], token="") as ch, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=30)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with channel(info["address"], token=deployment_token(info)) as ch:
+        assert pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=30).clusters
+
+
 def test_a_killed_engine_is_restarted_and_a_killed_gateway_up_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "gateway.cli", "up", "--listen", "127.0.0.1:0", "--clusters", "2",
@@ -42,6 +66,7 @@ def test_a_killed_engine_is_restarted_and_a_killed_gateway_up_leaves_no_process(
     try:
         info = wait_until(lambda: read_info(run_dir), 300, "gateway up to start")
         queue = WorkQueue(connect(info["redis_url"]))
+        check_secrets(run_dir, info)
         old = info["engine_pids"]["fast"]
         os.kill(old, signal.SIGKILL)
         info = wait_until(

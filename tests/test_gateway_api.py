@@ -226,19 +226,25 @@ def test_a_restarted_gateway_loses_nothing(redis_url):
         second.stop()
 
 
-def test_gateway_serve_cli_starts_and_stops_cleanly(redis_url):
+def test_gateway_serve_cli_starts_and_stops_cleanly(redis_url, capsys):
+    import os
     import re
     import signal
     import subprocess
     import sys
 
+    from gateway.cli import main
+    from gateway.tls import channel
     from tests.harness import REPO
 
+    token = "ci-token-0123456789abcdef"  # the client tokens and the Redis URL come by environment
+    env = dict(os.environ, FLEETBATCH_CLIENT_TOKENS=f"ci:{token}", FLEETBATCH_REDIS_URL=redis_url)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--listen", "127.0.0.1:0", "--redis-url", redis_url],
+        [sys.executable, "-m", "gateway.cli", "serve", "--listen", "127.0.0.1:0"],
         cwd=REPO,
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
     try:
         address = None
@@ -248,8 +254,14 @@ def test_gateway_serve_cli_starts_and_stops_cleanly(redis_url):
                 address = m.group(1)
                 break
         assert address, "gateway serve never said where it listens"
-        with grpc.insecure_channel(address) as ch:
+        with channel(address, token=token) as ch:
             assert pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=10) is not None
+        with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as e:
+            pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert main(["status", "--target", address, "--token", token, "--json"]) == 0
+        assert main(["status", "--target", address, "--token", "wrong-token-0123456789"]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
     finally:

@@ -2,6 +2,7 @@
 
 Hypothesis drives acceptance of batches for background intake (some rows bad, failing alone),
 intake steps by three replicas that take, lose (lapse) and retake per-batch intake leases,
+lost intake lists (the rows not yet enqueued counted failed),
 synchronous creations, claims, completions, requeues of lapsed leases, tail moves and cancels;
 :func:`workqueue.invariants.check` (total = done + queued + running + not yet enqueued) runs
 after every step, and no row is ever enqueued twice.
@@ -21,7 +22,7 @@ from gateway.intake import Intake, IntakeSettings, encode_rows
 from gateway.validation import Checked
 from protos import fleetbatch_pb2 as pb
 from workqueue import QueuedQuery, WorkQueue, connect, keys
-from workqueue.batches import intake_lease_key
+from workqueue.batches import INTAKE, intake_key, intake_lease_key
 from workqueue.invariants import check
 
 CLUSTERS = ("a", "b", "c")
@@ -95,6 +96,16 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
             self.enqueued |= new
             if n < 0:
                 assert not new
+
+        @rule(who=st.integers(0, 2), pick=st.integers(0, 30))
+        def lose_then_step(self, who, pick) -> None:
+            """The intake list is lost (evicted, deleted); the next step fails its rows once."""
+            b = self._pick(pick)
+            if not b:
+                return
+            self.clients[who].r.delete(intake_key(b))
+            assert self.intakes[who].step(b, f"w{who}") == 0
+            assert self.clients[who].r.zscore(INTAKE, b) is None
 
         @rule(who=st.integers(0, 2), c=st.sampled_from(CLUSTERS), n=st.integers(1, 3), lapsed=st.booleans())
         def claim_and_finish(self, who, c, n, lapsed) -> None:

@@ -1,6 +1,6 @@
 """States of HTTP batches at their edges, against a live gateway (real Redis; the engine's side
 done through the queue API): output files over the upload limit; a batch that cannot be
-finalized fails without holding up the others; a record whose gateway batch is being created;
+finalized is retried without holding up the others; a record whose gateway batch is being created;
 a submission that fails after the gateway batch exists; cancelling a batch that is over.
 """
 
@@ -16,6 +16,7 @@ from openai import OpenAI
 from gateway import openai_batches as ob
 from gateway.openai_format import COMPLETIONS
 from gateway.openai_retention import expire_orphan
+from tests.harness import wait_until
 from tests.openai_http_helpers import KEY, complete_claimed, http_gateway, jsonl, wait_final
 from workqueue import WorkQueue, connect
 
@@ -53,23 +54,27 @@ def test_an_output_file_over_the_upload_limit_is_written(idle):
     assert client.files.retrieve(done.output_file_id).bytes > 9000
 
 
-def test_a_batch_that_cannot_be_finalized_fails_and_holds_up_no_other(idle):
-    """Its input file gone from the store: after a few passes it is failed, with a message; the
-    other batches are finalized meanwhile."""
+def test_a_batch_that_cannot_be_finalized_is_retried_and_holds_up_no_other(idle):
+    """Its input file gone from the store: it stays ``finalizing`` and is retried with backoff (not
+    failed after a few passes, as it was: issue 31); the other batches are finalized meanwhile, and
+    it is finalized once the file is back. Giving up at the end of the retention:
+    ``test_openai_finalizer.py``."""
     client, queue, files = idle
     lost = client.files.create(file=("lost.jsonl", _rows(2, "l")), purpose="batch")
     kept = client.files.create(file=("kept.jsonl", _rows(2, "k")), purpose="batch")
     bad = client.batches.create(input_file_id=lost.id, endpoint=COMPLETIONS, completion_window="24h")
     good = client.batches.create(input_file_id=kept.id, endpoint=COMPLETIONS, completion_window="24h")
+    saved = (files / lost.id).read_bytes()
     os.remove(files / lost.id)
     assert complete_claimed(queue, "idle", 4) == 4
     assert wait_final(client, good.id, 30).status == "completed"
-    failed = wait_final(client, bad.id, 30)
-    assert failed.status == "failed" and failed.failed_at and failed.output_file_id is None
-    assert "could not be written" in failed.errors.data[0].message
-    assert not queue.r.sismember(ob.PENDING, bad.id)
-    with pytest.raises(openai.ConflictError):
-        client.batches.cancel(bad.id)
+    record = ob.record_key(bad.id)
+    wait_until(lambda: int(queue.r.hget(record, "finalize_failures") or 0) >= 2, 30, "two failed passes")
+    assert client.batches.retrieve(bad.id).status == "finalizing"
+    assert queue.r.sismember(ob.PENDING, bad.id) and not queue.r.hget(record, "finalize_error")
+    (files / lost.id).write_bytes(saved)  # the store heals
+    done = wait_final(client, bad.id, 60)
+    assert done.status == "completed" and done.output_file_id and done.request_counts.completed == 2
 
 
 def test_a_record_whose_gateway_batch_is_being_created_is_validating(idle):

@@ -1,7 +1,7 @@
 """Random interleavings of several clients on a real Redis keep the queue's invariants.
 
 Hypothesis drives submit, claim (with live or already-lapsed leases), renew, requeue of lapsed
-leases, completion (also late, by a worker whose lease lapsed), tail moves and cancel across
+leases, completion (also late, by a worker whose lease lapsed), tail moves, moves of planned ids and cancel across
 three clients; :func:`workqueue.invariants.check` runs after every step. Lapsed leases come from
 negative lease times, not from sleeping.
 """
@@ -102,6 +102,17 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
         )
         def move(self, who, src, dst, n) -> None:
             self.clients[who].move_tail(src, dst, n)
+
+        @rule(
+            who=st.integers(0, 2),
+            src=st.sampled_from(CLUSTERS),
+            dst=st.sampled_from(CLUSTERS),
+            picks=st.lists(st.integers(0, 30), max_size=4),
+        )
+        def move_planned_ids(self, who, src, dst, picks) -> None:
+            """Ids read from the queues (repeats, ids queued on dst, ones that left since) move only if on src."""
+            seen = self.clients[who].queued_ids(src) + self.clients[who].queued_ids(dst)
+            self.clients[who].move_ids(src, dst, [seen[p % len(seen)] for p in picks] if seen else [])
 
         @rule(who=st.integers(0, 2), pick=st.integers(0, 20))
         def cancel(self, who, pick) -> None:

@@ -42,13 +42,13 @@ class SlowMoves(WorkQueue):
     most = 0
     lock = threading.Lock()
 
-    def move_tail(self, src: str, dst: str, n: int) -> tuple[int, float]:
+    def move_ids(self, src: str, dst: str, gids, window=None) -> tuple[int, float]:
         with SlowMoves.lock:
             SlowMoves.active += 1
             SlowMoves.most = max(SlowMoves.most, SlowMoves.active)
         time.sleep(0.2)
         try:
-            return super().move_tail(src, dst, n)
+            return super().move_ids(src, dst, gids, window)
         finally:
             with SlowMoves.lock:
                 SlowMoves.active -= 1

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from engines.interface import RequestOutput
 from engines.worker import Worker, WorkerConfig
-from gateway.intake import _failed
+from gateway.intake_rows import failed_result
 from gateway.service import fail_rows, result_proto
 from predictor.observed import encode_observed, read_observed
 from protos import fleetbatch_pb2 as pb
@@ -112,7 +112,7 @@ def test_cancelled_and_failed_results_keep_their_shape():
     old = json.dumps(
         {"batch_id": "b1", "query_id": "q0", "finish_reason": "error", "error": "invalid query: x"}
     )
-    assert _failed("b1", "q0", "invalid query: x") == old
+    assert failed_result("b1", "q0", "invalid query: x") == old
     assert QueryResult.from_json(old).to_json() == old
     # the queue scripts' failures (cjson, no spaces) read back with the same keys and values
     for lua in (

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from gateway.offload import LinkCost, Move
 from gateway.policies import ClusterView, NoClusterError, QueryLoad
-from gateway.rebalance import balance_targets, expected_finish_s, format_plan, plan_rebalance, simulate_moves
+from gateway.rebalance import (
+    balance_targets,
+    expected_finish_s,
+    format_plan,
+    plan_moves,
+    plan_rebalance,
+    simulate_moves,
+)
 
 FREE = LinkCost(latency_s=0.0, bandwidth_bytes_per_s=1e15)
 
@@ -92,8 +99,16 @@ def test_memory_limits_respected():
     clusters = [ClusterView("a", 1.0, pending_tokens=1000), ClusterView("b", 1.0, max_query_tokens=150)]
     queued = {"a": [*queue("s", 5), *queue("l", 5, tokens=200)]}  # back of the queue is long: nothing moves
     assert plan_rebalance(clusters, queued, links=FREE) == []
-    with pytest.raises(NoClusterError, match="'l4' needs 200"):
-        plan_rebalance(clusters, queued, drain=["a"], links=FREE)
+    # draining a: the long queries fit nowhere and stay (reported); the short ones move past them
+    plan = plan_moves(clusters, queued, drain=["a"], links=FREE)
+    assert plan.moves == [Move("a", "b", 5, 500.0)]
+    assert plan.moves[0].keys == tuple(f"s{i}" for i in range(5))
+    assert [q.key for q in plan.kept["a"]] == [f"l{i}" for i in range(5)]
+    assert plan.kept_lines() == [
+        "a keeps 5 queued queries that fit on no accepting cluster: 'l0', 'l1', 'l2', 'l3', 'l4'"
+    ]
+    after, queues = simulate_moves(clusters, queued, plan.moves)
+    assert [q.key for q in queues["a"]] == [f"l{i}" for i in range(5)]
 
 
 def test_errors_are_clear():
@@ -156,9 +171,10 @@ def test_rebalance_conserves_queries_and_never_raises_the_makespan(specs, data):
     clusters, queued = build(specs)
     drain = data.draw(st.lists(st.sampled_from([c.name for c in clusters]), max_size=2, unique=True))
     try:
-        moves = plan_rebalance(clusters, queued, drain=drain, links=LinkCost(0.001, 1e9))
+        plan = plan_moves(clusters, queued, drain=drain, links=LinkCost(0.001, 1e9))
     except NoClusterError:
-        return  # a drained query fits nowhere, or nothing accepts: reported, nothing planned
+        return  # nothing accepts: reported, nothing planned
+    moves = plan.moves
     after, queues = simulate_moves(clusters, queued, moves)
     before_keys = Counter(q.key for qs in queued.values() for q in qs)
     after_keys = Counter(q.key for qs in queues.values() for q in qs)
@@ -167,9 +183,11 @@ def test_rebalance_conserves_queries_and_never_raises_the_makespan(specs, data):
     by_name = {c.name: c for c in after}
     for m in moves:
         assert m.count > 0 and m.src != m.dst and m.dst not in drained
+    receivers = [c for c in clusters if c.usable and c.name not in drained]
     for name, qs in queues.items():
-        if name in drained:
-            assert qs == []
+        if name in drained:  # a drained cluster keeps exactly the queries that fit on no receiver
+            assert [q.key for q in qs] == [q.key for q in plan.kept.get(name, [])]
+            assert not any(r.fits(q) for q in qs for r in receivers)
         for q in qs:
             if q.key not in {x.key for x in queued[name]}:
                 assert by_name[name].fits(q)  # moved queries only go where they fit

@@ -3,8 +3,8 @@
 One place for the key schema (:mod:`workqueue.keys`), the Lua scripts that make every
 multi-key change atomic (:mod:`workqueue.scripts`), the typed queue API
 (:mod:`workqueue.queue`, its claim and lease side in :mod:`workqueue.leases`, its batches in
-:mod:`workqueue.batches`, the mover lease in :mod:`workqueue.mover`, its records in
-:mod:`workqueue.records`) and the embedded Redis server used when no URL is given
+:mod:`workqueue.batches`, intake waits and lost intake lists in :mod:`workqueue.intake_ops`,
+the mover lease in :mod:`workqueue.mover`, its records in :mod:`workqueue.records`) and the embedded Redis server used when no URL is given
 (:mod:`workqueue.embedded`). The gateway and the engines meet only here and in the protos.
 """
 
@@ -16,9 +16,11 @@ from workqueue.records import (
     ClaimedQuery,
     ClusterInfo,
     Observation,
+    Outcome,
     QueryResult,
     QueryState,
     QueuedQuery,
+    outcome,
 )
 
 __all__ = [
@@ -28,10 +30,12 @@ __all__ = [
     "ClusterInfo",
     "EmbeddedRedis",
     "Observation",
+    "Outcome",
     "QueryResult",
     "QueryState",
     "QueuedQuery",
     "WorkQueue",
     "connect",
+    "outcome",
     "resolve_url",
 ]

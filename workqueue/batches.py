@@ -300,6 +300,7 @@ class BatchOps:
             policy=h.get("policy", ""),
             metadata=json.loads(h.get("metadata") or "{}"),
             fingerprint=h.get("fingerprint", ""),
+            error=h.get("error", ""),
             queries_per_cluster=json.loads(h.get("queries_per_cluster") or "{}"),
             predicted_tokens_per_cluster=json.loads(h.get("predicted_tokens_per_cluster") or "{}"),
         )

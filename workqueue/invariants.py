@@ -9,7 +9,8 @@
   a query with a result has no hash left (no orphan query keys);
 * a batch counts ``completed + failed + cancelled`` = its ``done`` set = its result list, and
   ``total`` = done + queued + running + not yet enqueued (rows still in its intake list, for a
-  batch accepted for background intake: ``intake_total - intake_done`` of them, exactly);
+  batch accepted for background intake: ``intake_total - intake_done`` of them, exactly), the
+  rows of a lost intake list (``intake_lost``, counted finished with no result) aside;
 * a batch is in the intake set exactly while its intake is unfinished, and a batch still
   ``validating`` has nothing enqueued, nothing running and nothing done;
 * each cluster's ``pending`` counter equals the predicted tokens of its queued queries (the
@@ -24,6 +25,7 @@ import redis
 
 from workqueue import keys
 from workqueue.batches import INTAKE, intake_key
+from workqueue.intake_ops import LOST
 from workqueue.records import FINAL_QUERY_STATES, BatchState, QueryState
 
 TOLERANCE = 1e-6
@@ -69,7 +71,8 @@ def check(r: redis.Redis) -> list[str]:
         h = r.hgetall(keys.batch(b))
         if "status" not in h:
             continue
-        finished = sum(int(h.get(k, 0) or 0) for k in FINAL_QUERY_STATES)  # a count per kind
+        lost = int(h.get(LOST, 0) or 0)  # rows of a lost intake list: counted, never done
+        finished = sum(int(h.get(k, 0) or 0) for k in FINAL_QUERY_STATES) - lost  # a count per kind
         if finished != len(done[b]):
             bad.append(f"batch {b}: counts {finished} finished, done set has {len(done[b])}")
         n_results = r.llen(keys.results(b))
@@ -77,10 +80,10 @@ def check(r: redis.Redis) -> list[str]:
             bad.append(f"batch {b}: {n_results} results for {len(done[b])} done queries")
         live = sum(1 for g in places if keys.split_gid(g)[0] == b)
         waiting = int(h.get("intake_total", 0) or 0) - int(h.get("intake_done", 0) or 0)
-        if int(h.get("total", 0) or 0) != len(done[b]) + live + waiting:
+        if int(h.get("total", 0) or 0) != len(done[b]) + live + waiting + lost:
             bad.append(
                 f"batch {b}: total {h.get('total')} != {len(done[b])} done + {live} queued or running"
-                f" + {waiting} not yet enqueued"
+                f" + {waiting} not yet enqueued + {lost} lost at intake"
             )
         bad += _intake_problems(r, b, h, waiting, live + len(done[b]))
     for g, where in places.items():

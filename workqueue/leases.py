@@ -6,6 +6,10 @@ lease length, and expiry is checked against Redis time too, so skewed client clo
 expire a live lease nor keep a dead one. The worker renews its leases while it works and
 *completes* each query once; a second completion of the same query id is ignored.
 
+A worker's claim carries its renewals (:meth:`LeaseOps.claim` ``renew``): when a Redis outage
+outlasted its leases and the requeue ran before it could renew, its queries come back to it
+rather than being handed to it (or another worker) as new work.
+
 A worker that dies stops renewing; :meth:`LeaseOps.requeue_expired` puts the queries whose
 lease lapsed back at the head of their queue. A worker that was only slow may still
 complete such a query: the completion counts (it is the first result) and *reconciles* the
@@ -54,15 +58,22 @@ class LeaseOps:
         self._renew = client.register_script(scripts.RENEW)
         self._requeue = client.register_script(scripts.REQUEUE_EXPIRED)
 
-    def claim(self, cluster: str, n: int, worker_id: str, lease_s: float) -> list[ClaimedQuery]:
+    def claim(
+        self, cluster: str, n: int, worker_id: str, lease_s: float, renew: Iterable[str] = ()
+    ) -> list[ClaimedQuery]:
         """Take up to ``n`` queries from the head of the cluster's queue under a lease of
-        ``lease_s`` seconds of Redis time (zero or less: already lapsed)."""
-        if n <= 0:
+        ``lease_s`` seconds of Redis time (zero or less: already lapsed).
+
+        ``renew``: the gids the worker runs. In the same script, before it pops anything, their
+        leases are renewed and those of them requeued after their lease lapsed come back to the
+        worker (as :meth:`renew` with ``worker_id`` does), so it is never handed one of them."""
+        renew = list(renew)
+        if n <= 0 and not renew:
             return []
         now = self.clock()
         flat = self._claim(
             keys=[keys.queue(cluster), keys.inflight(cluster), keys.pending(cluster)],
-            args=[cluster, n, float(lease_s), worker_id, now],
+            args=[cluster, max(0, n), float(lease_s), worker_id, now, *renew],
         )
         out = []
         for i in range(0, len(flat), 4):
@@ -72,16 +83,20 @@ class LeaseOps:
             )
         return out
 
-    def renew(self, cluster: str, gids: Iterable[str], lease_s: float) -> int:
+    def renew(self, cluster: str, gids: Iterable[str], lease_s: float, worker_id: str = "") -> int:
         """Extend the leases of those ``gids`` still in flight on ``cluster`` to Redis time +
-        ``lease_s``; returns how many it extended (ids requeued or finished meanwhile are left alone)."""
+        ``lease_s``; returns how many it extended (ids finished meanwhile are left alone).
+
+        With ``worker_id``, only the leases that worker holds, and those of its queries that were
+        requeued after their lease lapsed (a Redis outage longer than the lease) and that nobody
+        claimed since come back to it, out of the queue, with no new attempt. Without, ids requeued
+        meanwhile are left alone."""
         gids = list(gids)
         n = 0
+        ks = [keys.inflight(cluster), keys.queue(cluster), keys.pending(cluster)]
         for i in range(0, len(gids), RENEW_CHUNK):
             n += int(
-                self._renew(
-                    keys=[keys.inflight(cluster)], args=[cluster, float(lease_s), *gids[i : i + RENEW_CHUNK]]
-                )
+                self._renew(keys=ks, args=[cluster, float(lease_s), worker_id, *gids[i : i + RENEW_CHUNK]])
             )
         return n
 

@@ -30,8 +30,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import redis
 
-from workqueue import keys, scripts
+from workqueue import keys, move_scripts
 from workqueue.batches import DEFAULT_RETENTION_S, BatchOps
+from workqueue.intake_ops import IntakeOps
 from workqueue.leases import DEFAULT_MAX_ATTEMPTS, LeaseOps
 from workqueue.mover import MoverLease
 from workqueue.records import (
@@ -42,10 +43,14 @@ from workqueue.records import (
 )
 from workqueue.wake import WakeListener, announce
 
-__all__ = ["WorkQueue"]
+__all__ = ["MOVE_WINDOW_SLACK", "WorkQueue"]
+
+#: entries beyond a move's own ids that :meth:`WorkQueue.move_ids` looks at from the back of the
+#: source queue: room for queries appended, and ids a plan skipped, between the plan and the move
+MOVE_WINDOW_SLACK = 20_000
 
 
-class WorkQueue(LeaseOps, BatchOps):
+class WorkQueue(LeaseOps, BatchOps, IntakeOps):
     """All queue operations on one Redis connection (thread-safe: redis-py pools connections).
 
     ``clock`` stamps records (lease deadlines use Redis time whatever it says);
@@ -64,7 +69,9 @@ class WorkQueue(LeaseOps, BatchOps):
         self.r = client
         self._init_leases(client, clock, max_attempts)
         self._init_batches(client, retention_s)
-        self._move_tail = client.register_script(scripts.MOVE_TAIL)
+        self._init_intake_ops(client)
+        self._move_tail = client.register_script(move_scripts.MOVE_TAIL)
+        self._move_ids = client.register_script(move_scripts.MOVE_IDS)
 
     @classmethod
     def from_url(cls, url: str, **kw) -> WorkQueue:
@@ -198,6 +205,29 @@ class WorkQueue(LeaseOps, BatchOps):
             return 0, 0.0
         moved, tokens = self._move_tail(
             keys=[keys.queue(src), keys.queue(dst), keys.pending(src), keys.pending(dst)], args=[src, dst, n]
+        )
+        if int(moved):
+            announce(self.r, [dst])
+        return int(moved), float(tokens)
+
+    def move_ids(
+        self, src: str, dst: str, gids: Sequence[str], window: int | None = None
+    ) -> tuple[int, float]:
+        """Atomically move exactly those of ``gids`` still queued on ``src`` to the back of ``dst``'s
+        queue, in their order on ``src``; returns (moved, predicted tokens moved).
+
+        Movers plan from a read of a queue's tail (:meth:`tail`) and move later: queries may
+        have been claimed or appended meanwhile, and only the planned ones move. The script
+        looks for them from the back of ``src``'s queue and stops once all are found or
+        ``window`` entries were seen (default: ``len(gids)`` plus :data:`MOVE_WINDOW_SLACK`);
+        planned ids further from the back stay for a later round."""
+        gids = list(gids)
+        if src == dst or not gids:
+            return 0, 0.0
+        window = len(gids) + MOVE_WINDOW_SLACK if window is None else window
+        moved, tokens = self._move_ids(
+            keys=[keys.queue(src), keys.queue(dst), keys.pending(src), keys.pending(dst)],
+            args=[src, dst, max(1, int(window)), *gids],
         )
         if int(moved):
             announce(self.r, [dst])

@@ -3,8 +3,9 @@
 * states: :class:`QueryState` (a query's hash, and how it finished) and :class:`BatchState`
   (a batch's ``status``), string enums whose values are what Redis holds;
 * queries as enqueued (:class:`QueuedQuery`) and claimed (:class:`ClaimedQuery`);
-* what a finished query leaves: its :class:`QueryResult` (in the batch's results list) and,
-  when it completed, an :class:`Observation` (``fb:observed``, for predictor retraining);
+* what a finished query leaves: its :class:`QueryResult` (in the batch's results list), its
+  :class:`Outcome` (decided by :func:`outcome` alone) and, when it was answered, an
+  :class:`Observation` (``fb:observed``, for predictor retraining);
 * the batch and cluster views (:class:`BatchInfo`, :class:`ClusterInfo`).
 """
 
@@ -39,6 +40,38 @@ class BatchState(enum.StrEnum):
     FAILED = "failed"
     CANCELLING = "cancelling"
     CANCELLED = "cancelled"
+
+
+class Outcome(enum.StrEnum):
+    """How a finished query came out, decided by :func:`outcome` alone: a real answer that ended on
+    its own (``completed``) or at its token limit (``truncated``), ``failed`` or ``cancelled``."""
+
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def state(self) -> QueryState:
+        """The final :class:`QueryState` it counts as in its batch (a truncated answer is completed)."""
+        return QueryState.COMPLETED if self is Outcome.TRUNCATED else QueryState(self.value)
+
+    @property
+    def answered(self) -> bool:
+        """A real answer: it goes to the output file, and is an observation of the response length."""
+        return self in (Outcome.COMPLETED, Outcome.TRUNCATED)
+
+
+def outcome(finish_reason: str | None, error: str | None = None) -> Outcome:
+    """The one rule for a result's outcome, from its ``finish_reason`` and ``error``: cancelled
+    (``cancelled``, ``abort``), failed (``error``, or any result that carries an error, such as a
+    query the KV cache cannot hold), truncated (``length``), else completed (``stop``)."""
+    reason = finish_reason or ""
+    if reason in ("cancelled", "abort"):
+        return Outcome.CANCELLED
+    if error or reason == "error":
+        return Outcome.FAILED
+    return Outcome.TRUNCATED if reason == "length" else Outcome.COMPLETED
 
 
 #: how a query can finish (the kinds :meth:`WorkQueue.complete` takes)
@@ -101,6 +134,7 @@ class BatchInfo:
     queries_per_cluster: dict[str, int] = field(default_factory=dict)
     predicted_tokens_per_cluster: dict[str, float] = field(default_factory=dict)
     fingerprint: str = ""  # digest of the submitted queries: a retry with other queries is refused
+    error: str = ""  # what failed the batch as a whole (its intake list lost), if anything
 
     @property
     def final(self) -> bool:
@@ -188,6 +222,10 @@ class QueryResult:
     predicted_tokens: float | None = None
     attempts: int | None = None
     index: int | None = None
+
+    @property
+    def outcome(self) -> Outcome:
+        return outcome(self.finish_reason, self.error)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

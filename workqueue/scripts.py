@@ -13,11 +13,13 @@ Rules the scripts keep:
   (``redis.replicate_commands()``: the default since Redis 5, a no-op in Redis 7), which
   lets them call ``TIME`` before writing. Timestamps that only end up in records
   (``enqueued_at``, ``started_at``, ``completed_at``) come from the caller.
+* **Renewals go with the claim.** CLAIM (and RENEW with a worker id) renews a worker's leases and
+  takes back its queries requeued meanwhile: a worker is never handed a query it already runs.
 * **A late completion reconciles.** ``finish`` may run for a query that REQUEUE_EXPIRED
   already put back (its worker was slow, not dead): the query's state is then ``queued``,
   and ``finish`` takes its id out of the queue that holds it and its tokens out of that
   cluster's ``pending`` counter, so nothing runs it again and the counter stays exact.
-* **Ids without a query hash are dropped.** CLAIM and MOVE_TAIL skip an id whose hash is
+* **Ids without a query hash are dropped.** CLAIM and the moves (:mod:`workqueue.move_scripts`) skip an id whose hash is
   gone (a query finished while queued, under older code) and never recreate the hash.
 * **Finished batches expire.** When a batch reaches a final state, its hash, results and
   done set get a TTL of the batch's ``retention_s`` (set at creation; 0 keeps them forever).
@@ -57,6 +59,23 @@ local function retire(bid)
   end
 end
 
+-- A batch whose every query is counted finished takes its final status (and starts its retention).
+local function settle(bid, now)
+  local b = k_batch(bid)
+  local h = redis.call('HMGET', b, 'total', 'completed', 'failed', 'cancelled', 'status')
+  local finished = tonumber(h[2] or '0') + tonumber(h[3] or '0') + tonumber(h[4] or '0')
+  if finished >= tonumber(h[1] or '0') then
+    local status = 'completed'
+    if h[5] == 'cancelling' or h[5] == 'cancelled' then
+      status = 'cancelled'
+    elseif tonumber(h[2] or '0') == 0 and tonumber(h[3] or '0') > 0 then
+      status = 'failed'
+    end
+    redis.call('HSET', b, 'status', status, 'completed_at', now)
+    retire(bid)
+  end
+end
+
 -- Record the final result of one query once; returns its index in the result list, or -1
 -- when the query already had a result (results are write-once per query id).
 -- A query still marked queued was requeued after its lease lapsed and is finished late by
@@ -86,19 +105,31 @@ local function finish(g, result, kind, actual, now)
     end
   end
   redis.call('DEL', q)
-  local h = redis.call('HMGET', b, 'total', 'completed', 'failed', 'cancelled', 'status')
-  local finished = tonumber(h[2] or '0') + tonumber(h[3] or '0') + tonumber(h[4] or '0')
-  if finished >= tonumber(h[1] or '0') then
-    local status = 'completed'
-    if h[5] == 'cancelling' or h[5] == 'cancelled' then
-      status = 'cancelled'
-    elseif tonumber(h[2] or '0') == 0 and tonumber(h[3] or '0') > 0 then
-      status = 'failed'
-    end
-    redis.call('HSET', b, 'status', status, 'completed_at', now)
-    retire(bid)
-  end
+  settle(bid, now)
   return idx
+end
+
+-- A worker renews the queries it runs (ARGV[from..]) on cluster c: its leases move to deadline, and
+-- those REQUEUE_EXPIRED put back in c's queue come back to it (out of the queue and pending, no new
+-- attempt). Others' queries are left alone. Returns how many it renewed or took back.
+local function reassert(c, worker, deadline, inflight, queue, pending, from)
+  local n = 0
+  for i = from, #ARGV do
+    local g = ARGV[i]
+    local q = k_query(g)
+    local h = redis.call('HMGET', q, 'state', 'worker', 'cluster', 'tokens')
+    if h[2] == worker and h[3] == c then
+      if h[1] == 'running' then
+        n = n + redis.call('ZADD', inflight, 'XX', 'CH', deadline, g)
+      elseif h[1] == 'queued' and redis.call('LREM', queue, 1, g) > 0 then
+        redis.call('INCRBYFLOAT', pending, -tonumber(h[4] or '0'))
+        redis.call('HSET', q, 'state', 'running')
+        redis.call('ZADD', inflight, deadline, g)
+        n = n + 1
+      end
+    end
+  end
+  return n
 end
 
 local function cancelled_result(g, cluster)
@@ -128,14 +159,15 @@ return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5])
 """
 )
 
-# KEYS: queue, inflight, pending of the cluster. ARGV: cluster, n, lease seconds, worker id, now (caller's clock: timestamps only).
-# Leases end at Redis time + lease seconds. Returns a flat list: gid, payload, attempts,
-# enqueued_at, ... for each claimed query.
+# KEYS: queue, inflight, pending of the cluster. ARGV: cluster, n, lease seconds, worker id, now (caller's clock: timestamps only),
+# then the gids the worker runs, renewed first (``reassert``). Leases end at Redis time + lease seconds.
+# Returns a flat list: gid, payload, attempts, enqueued_at, ... for each newly claimed query.
 CLAIM = (
     PRELUDE
     + r"""
 local c, n, worker, now = ARGV[1], tonumber(ARGV[2]), ARGV[4], ARGV[5]
 local deadline = server_now() + tonumber(ARGV[3])
+reassert(c, worker, deadline, KEYS[2], KEYS[1], KEYS[3], 6)
 local out = {}
 local taken = 0
 while taken < n do
@@ -166,15 +198,16 @@ return out
 """
 )
 
-# KEYS: the cluster's inflight. ARGV: cluster, lease seconds, gid... Extends the leases of those of the gids still in
-# the cluster's in-flight set to Redis time + lease seconds. Returns how many it extended.
+# KEYS: inflight, queue, pending of the cluster. ARGV: cluster, lease seconds, worker id ('': any), gid...
+# Leases to Redis time + lease seconds: with a worker id by ``reassert``, else those still in flight.
 RENEW = (
     PRELUDE
     + r"""
-local c = ARGV[1]
+local c, worker = ARGV[1], ARGV[3]
 local deadline = server_now() + tonumber(ARGV[2])
+if worker ~= '' then return reassert(c, worker, deadline, KEYS[1], KEYS[2], KEYS[3], 4) end
 local n = 0
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', deadline, ARGV[i])
 end
 return n
@@ -210,38 +243,6 @@ for i = #expired, 1, -1 do
   end
 end
 return {n, failed}
-"""
-)
-
-# KEYS: queue of src, queue of dst, pending of src, pending of dst. ARGV: src, dst, n. Moves up to n queries from the tail of src's queue to the tail of
-# dst's, keeping their order; ids without a query hash are dropped on the way.
-# Returns {moved, predicted tokens moved}.
-MOVE_TAIL = (
-    PRELUDE
-    + r"""
-local src, dst, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local moved = {}
-local tokens = 0
-while #moved < n do
-  local g = redis.call('RPOP', KEYS[1])
-  if not g then break end
-  if redis.call('EXISTS', k_query(g)) == 1 then moved[#moved + 1] = g end
-end
-for i = #moved, 1, -1 do
-  local g = moved[i]
-  local q = k_query(g)
-  local t = tonumber(redis.call('HGET', q, 'tokens') or '0')
-  tokens = tokens + t
-  redis.call('HSET', q, 'cluster', dst)
-  redis.call('RPUSH', KEYS[2], g)
-  redis.call('HINCRBYFLOAT', k_cluster_stats(src), 'assigned_predicted_tokens', -t)
-  redis.call('HINCRBYFLOAT', k_cluster_stats(dst), 'assigned_predicted_tokens', t)
-  redis.call('HINCRBY', k_cluster_stats(src), 'moved_out', 1)
-  redis.call('HINCRBY', k_cluster_stats(dst), 'moved_in', 1)
-end
-redis.call('INCRBYFLOAT', KEYS[3], -tokens)
-redis.call('INCRBYFLOAT', KEYS[4], tokens)
-return {#moved, tostring(tokens)}
 """
 )
 

@@ -1,0 +1,145 @@
+"""Who is calling the batch API: per-client Bearer tokens, checked by a server interceptor.
+
+Every ``fleetbatch.v1.BatchService`` call needs ``authorization: Bearer <token>`` in its
+metadata; a missing or unknown token is ``UNAUTHENTICATED`` before the handler runs. Each token
+names one client (``alice:<token>``): that name is the client of the per-client cap
+(:mod:`gateway.quota`), so a client cannot act as another by sending a header. The admin token
+(``FLEETBATCH_ADMIN_TOKEN``) is also a client token, of the client ``admin``. The admin API keeps
+its own check (:mod:`gateway.admin`); health checks and reflection need no token.
+
+Tokens come from a file (``gateway serve --client-tokens FILE``) or ``$FLEETBATCH_CLIENT_TOKENS``,
+one ``CLIENT:TOKEN`` per line or comma-separated, ``#`` starting a comment. Clients send their token
+from ``$FLEETBATCH_TOKEN`` or a file (:func:`client_token`; ``gateway up`` writes one, 0600, and
+names it in ``gateway.json`` as ``client_token_file``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+
+import grpc
+
+from gateway.validation import id_problem
+
+TOKENS_ENV = "FLEETBATCH_CLIENT_TOKENS"  # the server's CLIENT:TOKEN table
+CLIENT_TOKEN_ENV = "FLEETBATCH_TOKEN"  # a client's own token
+ADMIN_CLIENT = "admin"
+MIN_TOKEN_CHARS = 16
+AUTH_HEADER = "authorization"
+
+
+def parse_tokens(text: str, source: str) -> dict[str, str]:
+    """``CLIENT:TOKEN`` entries (newline- or comma-separated) as a token -> client table."""
+    table: dict[str, str] = {}
+    for raw in text.replace(",", "\n").splitlines():
+        entry = raw.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        client, sep, token = entry.partition(":")
+        client, token = client.strip(), token.strip()
+        if not sep or not token:
+            raise ValueError(f"{source}: expected CLIENT:TOKEN, got an entry without a token")
+        problem = id_problem(client, "client id")
+        if problem:
+            raise ValueError(f"{source}: {problem}")
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ValueError(
+                f"{source}: the token of {client!r} is shorter than {MIN_TOKEN_CHARS} characters"
+            )
+        if token in table:
+            raise ValueError(f"{source}: clients {table[token]!r} and {client!r} have the same token")
+        table[token] = client
+    return table
+
+
+def load_tokens(path: str | None) -> dict[str, str]:
+    """The token table of ``path`` (when given), else of ``$FLEETBATCH_CLIENT_TOKENS`` (may be empty)."""
+    if path:
+        try:
+            return parse_tokens(Path(path).read_text(encoding="utf-8"), path)
+        except OSError as e:
+            raise FileNotFoundError(f"cannot read the client tokens file {path}: {e.strerror}") from None
+    return parse_tokens(os.environ.get(TOKENS_ENV, ""), f"${TOKENS_ENV}")
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class Authenticator:
+    """Maps a call's Bearer token to its client. Looked up by the token's SHA-256, so the lookup
+    takes the same time whatever prefix of a real token a caller guesses."""
+
+    def __init__(self, tokens: Mapping[str, str], admin_token: str = "") -> None:
+        self._clients = {_digest(t): c for t, c in tokens.items()}
+        if admin_token:
+            self._clients.setdefault(_digest(admin_token), ADMIN_CLIENT)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._clients)
+
+    def client(self, metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+        """The client whose token the metadata carries, or None."""
+        value = dict(metadata).get(AUTH_HEADER)
+        if not isinstance(value, str) or not value.startswith("Bearer "):
+            return None
+        return self._clients.get(_digest(value[len("Bearer ") :].strip()))
+
+
+def _deny(message: str):
+    async def abort(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def abort_stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - an async generator, never reached
+
+    return abort, abort_stream
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """``UNAUTHENTICATED`` for calls of ``service`` (full name) without a known Bearer token."""
+
+    def __init__(self, auth: Authenticator, service: str) -> None:
+        self.auth, self.prefix = auth, f"/{service}/"
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self.prefix):
+            return handler
+        if self.auth.client(details.invocation_metadata or ()) is not None:
+            return handler
+        given = any(k == AUTH_HEADER for k, _ in details.invocation_metadata or ())
+        unary, stream = _deny(
+            "wrong client token" if given else "missing client token: send 'authorization: Bearer <token>'"
+        )
+        # no deserializer: a refused request is never decoded
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(stream, None, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
+
+
+def client_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> str:
+    """A client's token: ``token``, else ``$FLEETBATCH_TOKEN``, else the first line of ``token_file``
+    (when it exists), else "" (no token sent)."""
+    if token:
+        return token
+    if os.environ.get(CLIENT_TOKEN_ENV):
+        return os.environ[CLIENT_TOKEN_ENV]
+    if token_file and Path(token_file).exists():
+        return Path(token_file).read_text(encoding="utf-8").strip()
+    return ""
+
+
+def deployment_token(info: Mapping[str, object]) -> str:
+    """The client token of a ``gateway up`` deployment, from its ``gateway.json`` (``info``)."""
+    path = info.get("client_token_file")
+    return Path(str(path)).read_text(encoding="utf-8").strip() if path else ""

@@ -1,0 +1,113 @@
+"""The options ``gateway serve`` and ``gateway up`` share: the HTTP front, and the gateway's
+policy, predictor, limits, intake and offloading settings (parsed into :class:`GatewayConfig`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from gateway.config import HTTP_KEY_ENV, INTAKE_WAIT_S, TOKEN_ENV
+from gateway.policies import POLICIES
+
+
+def add_http(s: argparse.ArgumentParser, port: int | None, shown: str, files_dir: str | None) -> None:
+    s.add_argument(
+        "--http-port",
+        type=int,
+        default=port,
+        help=f"serve the OpenAI-compatible /v1/files and /v1/batches on this port (0: any free port; "
+        f"default: {shown})",
+    )
+    s.add_argument(
+        "--http-api-key", default=None, help=f"Bearer key of the HTTP front (default: ${HTTP_KEY_ENV})"
+    )
+    s.add_argument(
+        "--files-dir",
+        default=files_dir,
+        help=f"directory of the HTTP front's files (default: {files_dir or 'RUN_DIR/files'})",
+    )
+
+
+def add_common(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--policy", default="token", choices=sorted(POLICIES), help="assignment policy")
+    s.add_argument(
+        "--predictor",
+        default=None,
+        help="length predictor: a model directory, 'shipped' (the default: the learned model shipped "
+        "with fleetbatch) or 'heuristic' (prompt-length heuristic)",
+    )
+    s.add_argument(
+        "--tokenizer", default=None, help="serving model directory whose tokenizer counts prompt tokens"
+    )
+    s.add_argument("--predictor-threads", type=int, default=1, help="torch threads for length prediction")
+    s.add_argument("--admin-token", default=None, help=f"admin API token (default: ${TOKEN_ENV})")
+    s.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)"
+    )
+    s.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address of the metrics endpoint (default: loopback; 0.0.0.0 to be scraped from outside)",
+    )
+    s.add_argument(
+        "--no-offload",
+        action="store_true",
+        help="no offloading between live clusters (lease recovery and evacuation still run)",
+    )
+    s.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted")
+    s.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=256 * 1024,
+        help="longest prompt in UTF-8 bytes, checked before tokenizing",
+    )
+    s.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=256.0,
+        help="gRPC receive limit in MiB: larger requests are RESOURCE_EXHAUSTED",
+    )
+    s.add_argument(
+        "--max-inflight-mb",
+        type=float,
+        default=512.0,
+        help="requests decoded and handled at once, in MiB; a request past it is RESOURCE_EXHAUSTED (retry)",
+    )
+    s.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=1000,
+        help="calls served at once, result streams included; more are RESOURCE_EXHAUSTED",
+    )
+    s.add_argument(
+        "--max-positions",
+        type=int,
+        default=0,
+        help="the model's positions (start token counted; 0: from --tokenizer's config, else 2048)",
+    )
+    s.add_argument(
+        "--on-bad-query",
+        choices=("reject", "fail-row"),
+        default="reject",
+        help="a bad query rejects its batch, or fails alone (when the request does not choose)",
+    )
+    s.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
+    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    s.add_argument(
+        "--max-queued-per-client",
+        type=int,
+        default=0,
+        help="queries one client (x-client-id header, else its address) may have unfinished (0: no cap)",
+    )
+    s.add_argument(
+        "--retention-hours",
+        type=float,
+        default=168.0,
+        help="keep a finished batch's status and results this long, then Redis drops them (0: forever)",
+    )
+    s.add_argument(
+        "--intake-wait-s",
+        type=float,
+        default=INTAKE_WAIT_S,
+        help="how long background intake waits for a cluster that can take a query (one restarting or "
+        "loading its model) before it fails the query",
+    )

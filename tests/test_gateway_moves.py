@@ -1,0 +1,219 @@
+"""Moving queued work (issue 31, findings 2, 6 and 10): misfits never block a drain, lease
+recovery and evacuation run with ``--no-offload``, and a move carries exactly the planned ids.
+
+Real Redis, real gateways on loopback; clusters get ``max_query_tokens`` limits so that one
+queued query fits on no cluster but its own.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from gateway.config import ClusterSpec, GatewayConfig
+from gateway.offloader import OffloadConfig, Offloader
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+from tests.harness import GatewayThread, wait_until
+from workqueue import QueuedQuery, WorkQueue, connect, keys
+from workqueue.invariants import check
+
+TOKEN = "moves-token"
+MD = [("authorization", f"Bearer {TOKEN}")]
+
+
+def small(i: int, batch: str = "b") -> QueuedQuery:
+    """14 tokens (4 prompt + 10 predicted): fits everywhere."""
+    return QueuedQuery(batch, f"q{i}", "p", 8, 4, 10.0)
+
+
+def huge(qid: str, batch: str = "b") -> QueuedQuery:
+    """504 tokens: fits only a cluster without a limit."""
+    return QueuedQuery(batch, qid, "p", 8, 4, 500.0)
+
+
+def fleet(queue: WorkQueue, *, big_state: str = "active") -> None:
+    """``a`` (limit 100 tokens) and ``big`` (no limit), both alive."""
+    queue.register_cluster("a", capacity_hint_tps=100, max_query_tokens=100)
+    queue.register_cluster("big", capacity_hint_tps=100)
+    for name in ("a", "big"):
+        queue.heartbeat(name, ttl_s=60, tokens_per_s=100)
+    if big_state != "active":
+        queue.set_cluster_state("big", big_state)
+
+
+def big_queue(queue: WorkQueue) -> None:
+    """``big`` holds 10 small queries with one huge one in the middle (b:q0..q4, b:huge, b:q5..q9)."""
+    rows = [(small(i), "big") for i in range(5)] + [(huge("huge"), "big")]
+    rows += [(small(i), "big") for i in range(5, 10)]
+    queue.create_batch("b", rows)
+
+
+# ---------------------------------------------------------------- finding 2: misfits never block
+
+
+@pytest.mark.parametrize("how", ["removed", "draining", "dead"])
+def test_evacuation_moves_everything_but_a_misfit_and_keeps_the_misfit_where_it_is(redis_url, how, caplog):
+    queue = WorkQueue(connect(redis_url))
+    fleet(queue, big_state="active" if how == "dead" else how)
+    big_queue(queue)
+    if how == "dead":
+        queue.r.delete(keys.heartbeat("big"))  # its heartbeat expired: the engine died
+    Offloader(queue).tick()
+    a, big = queue.clusters(["a", "big"])
+    assert big.queue_length == 1 and queue.queued_ids("big") == ["b:huge"]
+    assert sorted(queue.queued_ids("a")) == sorted(f"b:q{i}" for i in range(10))
+    assert a.pending_tokens == 10 * 14 and big.pending_tokens == 504
+    assert "b:huge" in caplog.text and "fit on no accepting cluster" in caplog.text
+    assert check(queue.r) == []
+
+
+@pytest.fixture
+def admin_gateway(redis_url):
+    config = GatewayConfig(
+        redis_url=redis_url,
+        admin_token=TOKEN,
+        offload=False,
+        clusters=[
+            ClusterSpec("a", capacity_tps=100, max_query_tokens=100),
+            ClusterSpec("big", capacity_tps=100),
+        ],
+    )
+    g = GatewayThread(config)
+    channel = grpc.insecure_channel(g.start())
+    queue = WorkQueue(connect(redis_url))
+    yield pb_grpc.AdminServiceStub(channel), queue
+    channel.close()
+    g.stop()
+
+
+def test_removing_a_cluster_that_holds_a_query_nobody_else_can_take_is_refused_and_changes_nothing(
+    admin_gateway,
+):
+    admin, queue = admin_gateway
+    fleet(queue)
+    big_queue(queue)
+    with pytest.raises(grpc.RpcError) as e:
+        admin.RemoveCluster(pb.RemoveClusterRequest(name="big"), metadata=MD)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "b:huge" in e.value.details()
+    big = queue.clusters(["big"])[0]
+    assert (big.state, big.queue_length) == ("active", 11)  # not removed, nothing moved
+    # a dry run shows the plan and names the query that would stay
+    plan = admin.RemoveCluster(pb.RemoveClusterRequest(name="big", dry_run=True), metadata=MD)
+    assert sum(m.count for m in plan.moves) == 10 and "b:huge" in plan.message
+    assert queue.clusters(["big"])[0].queue_length == 11
+    # once the misfit is gone (cancelled, finished), the cluster can be removed
+    queue.complete("b:huge", {"batch_id": "b", "query_id": "huge", "finish_reason": "stop"})
+    removed = admin.RemoveCluster(pb.RemoveClusterRequest(name="big"), metadata=MD)
+    assert sum(m.moved for m in removed.moves) == 10
+    assert queue.clusters(["big"])[0].state == "removed"
+    assert check(queue.r) == []
+
+
+def test_draining_a_cluster_moves_the_rest_and_names_the_query_that_stays(admin_gateway):
+    admin, queue = admin_gateway
+    fleet(queue)
+    big_queue(queue)
+    drained = admin.DrainCluster(pb.DrainClusterRequest(name="big"), metadata=MD)
+    assert sum(m.moved for m in drained.moves) == 10
+    assert "b:huge" in drained.message
+    a, big = queue.clusters(["a", "big"])
+    assert (a.queue_length, big.queue_length, big.state) == (10, 1, "draining")
+    assert check(queue.r) == []
+
+
+# ---------------------------------------------------------------- finding 6: --no-offload
+
+
+def test_with_offload_off_the_gateway_still_requeues_lapsed_leases_and_evacuates_dead_clusters(redis_url):
+    queue = WorkQueue(connect(redis_url))
+    queue.register_cluster("solo", capacity_hint_tps=100)
+    queue.register_cluster("live", capacity_hint_tps=100)
+    queue.register_cluster("dead", capacity_hint_tps=100)
+    queue.heartbeat("solo", ttl_s=60, tokens_per_s=100)
+    queue.create_batch("b", [(small(0), "solo"), (small(1), "dead"), (small(2), "dead")])
+    queue.heartbeat("live", ttl_s=60, tokens_per_s=100)  # dead never heartbeats: not accepting
+    assert [c.query.gid for c in queue.claim("solo", 1, "worker-that-dies", lease_s=0.0)] == ["b:q0"]
+    g = GatewayThread(
+        GatewayConfig(
+            redis_url=redis_url,
+            offload=False,
+            offload_interval_s=0.05,
+            clusters=[ClusterSpec(n, capacity_tps=100) for n in ("solo", "live", "dead")],
+        )
+    )
+    g.start()
+    try:
+        wait_until(lambda: queue.queued_ids("solo") == ["b:q0"], 30, "the lapsed lease requeued")
+        wait_until(lambda: queue.clusters(["dead"])[0].queue_length == 0, 30, "the dead queue evacuated")
+        assert queue.queued_ids("live") == ["b:q1", "b:q2"]
+    finally:
+        g.stop()
+    assert check(queue.r) == []
+
+
+def test_with_offload_off_live_clusters_keep_their_queues(redis_url):
+    queue = WorkQueue(connect(redis_url))
+    for name in ("busy", "idle"):
+        queue.register_cluster(name, capacity_hint_tps=100)
+        queue.heartbeat(name, ttl_s=60, tokens_per_s=100)
+    queue.create_batch("b", [(QueuedQuery("b", f"q{i}", "p", 8, 4, 96.0), "busy") for i in range(50)])
+    assert Offloader(queue, OffloadConfig(balance=False)).tick() == 0
+    assert queue.clusters(["busy"])[0].queue_length == 50
+    assert Offloader(queue).tick() > 0  # with balancing on, the idle cluster takes some
+
+
+# ---------------------------------------------------------------- finding 10: the planned ids move
+
+
+class AppendsBeforeMoving(WorkQueue):
+    """A queue where a huge query lands on ``busy``'s tail between the offloader's plan and its move."""
+
+    appended = False
+
+    def _append_once(self) -> None:
+        if not self.appended:
+            self.appended = True
+            self.create_batch("late", [(huge("big-late", batch="late"), "busy")])
+
+    def move_tail(self, src: str, dst: str, n: int) -> tuple[int, float]:
+        self._append_once()
+        return super().move_tail(src, dst, n)
+
+    def move_ids(self, src: str, dst: str, gids, window=None) -> tuple[int, float]:
+        self._append_once()
+        return super().move_ids(src, dst, gids, window)
+
+
+def test_the_offloader_moves_the_ids_it_planned_not_whatever_is_at_the_tail(redis_url):
+    queue = AppendsBeforeMoving(connect(redis_url))
+    queue.register_cluster("busy", capacity_hint_tps=100)
+    queue.register_cluster("idle", capacity_hint_tps=100, max_query_tokens=200)
+    for name in ("busy", "idle"):
+        queue.heartbeat(name, ttl_s=60, tokens_per_s=100)
+    queue.create_batch("b", [(QueuedQuery("b", f"q{i}", "p", 8, 4, 96.0), "busy") for i in range(50)])
+    moved = Offloader(queue).tick()
+    assert queue.appended and moved > 0
+    on_idle = queue.queued_ids("idle")
+    assert "late:big-late" not in on_idle, "a query that does not fit idle was moved there"
+    assert on_idle == [f"b:q{i}" for i in range(50 - len(on_idle), 50)]  # the planned tail, in order
+    assert queue.queued_ids("busy")[-1] == "late:big-late"
+    assert check(queue.r) == []
+
+
+def test_move_ids_moves_exactly_the_ids_still_queued_on_the_source(redis_url):
+    queue = WorkQueue(connect(redis_url))
+    for name in ("a", "b"):
+        queue.register_cluster(name, capacity_hint_tps=100)
+    queue.create_batch("x", [(small(i, batch="x"), "a") for i in range(6)])
+    queue.claim("a", 1, "w", lease_s=60)  # x:q0 left the queue: it runs
+    moved, tokens = queue.move_ids("a", "b", ["x:q0", "x:q4", "x:q2", "x:nope"])
+    assert (moved, tokens) == (2, 28.0)
+    assert queue.queued_ids("a") == ["x:q1", "x:q3", "x:q5"]
+    assert queue.queued_ids("b") == ["x:q2", "x:q4"]  # in their order on the source
+    assert queue.move_ids("a", "b", []) == (0, 0.0)
+    assert queue.move_ids("a", "b", ["x:q1"], window=2) == (0, 0.0)  # not among the last 2: stays
+    assert queue.move_ids("a", "b", ["x:q1", "x:q1"], window=3) == (1, 14.0)  # a repeat moves once
+    assert queue.queued_ids("a") == ["x:q3", "x:q5"]
+    assert check(queue.r) == []

@@ -1,0 +1,76 @@
+"""Issue 31, finding 1: a worker whose lease lapsed (a Redis outage longer than the lease) is handed
+back a query it still runs. The lapse is injected (the lease's deadline set in the past, as a
+lapsed lease leaves it), then "the offloader" requeues it before the worker renews, as happens
+when Redis comes back. The worker must keep running the query and write its real result once."""
+
+from __future__ import annotations
+
+from engines.config import EngineConfig
+from engines.engine import LLMEngine
+from engines.worker import Worker, WorkerConfig
+from localmodels import build_model, default_tokenizer
+from workqueue import QueuedQuery, WorkQueue, connect, keys
+
+
+def lapse(queue: WorkQueue, cluster: str, gid: str) -> None:
+    """The lease of ``gid`` runs out (as after an outage longer than the lease)."""
+    queue.r.zadd(keys.inflight(cluster), {gid: 0}, xx=True)
+
+
+def make_worker(queue: WorkQueue) -> Worker:
+    tok = default_tokenizer()
+    engine = LLMEngine(
+        build_model("llama", "nano", tokenizer=tok, seed=3),
+        tok,
+        EngineConfig(kv_budget_tokens=512, block_size=4),
+    )
+    return Worker(queue, engine, WorkerConfig(cluster="w", backend="native", record_observed=False))
+
+
+def test_a_requeued_query_the_worker_still_runs_is_not_failed(redis_url):
+    queue = WorkQueue(connect(redis_url))
+    q = QueuedQuery("b1", "q0", "a question about rivers", 64, 6, 20.0, forced_length=20)
+    assert queue.create_batch("b1", [(q, "w")])
+    worker = make_worker(queue)
+    worker._queue_work()  # the loop's Redis round: it claims the query
+    assert list(worker.inflight) == [q.gid] and worker.engine.has_unfinished()
+    lapse(queue, "w", q.gid)
+    assert queue.requeue_expired("w") == 1  # the offloader, before the worker's keeper renews
+    assert worker.run(max_queries=1) == 1
+    (result,) = queue.results("b1")
+    assert result["finish_reason"] == "length" and not result.get("error"), result
+    assert result["completion_tokens"] == 20 and result["attempts"] == 1
+    info = queue.batch("b1")
+    assert (info.status, info.completed, info.failed) == ("completed", 1, 0)
+    assert queue.queued_ids("w") == [] and queue.inflight_ids("w") == []
+    assert abs(float(queue.r.get(keys.pending("w")) or 0)) < 1e-6
+
+
+def test_a_claim_takes_back_the_workers_own_requeued_queries_first(redis_url):
+    """The claim carries the worker's renewals: its own requeued queries come back to it (no new
+    attempt, out of the queue and its pending tokens), and the claim pops only other queries."""
+    queue = WorkQueue(connect(redis_url))
+    qs = [QueuedQuery("b1", f"q{i}", f"prompt {i}", 16, 4, 6.0) for i in range(3)]
+    assert queue.create_batch("b1", [(x, "w") for x in qs])
+    (mine,) = queue.claim("w", 1, "w1", 30)
+    lapse(queue, "w", mine.query.gid)
+    assert queue.requeue_expired("w") == 1
+    assert queue.queued_ids("w") == ["b1:q0", "b1:q1", "b1:q2"]
+    got = queue.claim("w", 1, "w1", 30, renew=[mine.query.gid])
+    assert [c.query.gid for c in got] == ["b1:q1"]
+    assert sorted(queue.inflight_ids("w")) == ["b1:q0", "b1:q1"]
+    assert queue.queued_ids("w") == ["b1:q2"]
+    assert abs(float(queue.r.get(keys.pending("w"))) - 10.0) < 1e-6
+    assert queue.r.hget(keys.query("b1:q0"), "attempts") == "1"
+    # a query requeued and then claimed by another worker is that worker's now: not taken back
+    lapse(queue, "w", "b1:q1")
+    assert queue.requeue_expired("w") == 1
+    (other,) = queue.claim("w", 1, "w2", 30)
+    assert other.query.gid == "b1:q1"
+    assert queue.claim("w", 0, "w1", 30, renew=["b1:q0", "b1:q1"]) == []
+    assert queue.r.hget(keys.query("b1:q1"), "worker") == "w2"
+    # the keeper's renewal takes its own requeued queries back too
+    lapse(queue, "w", "b1:q0")
+    assert queue.requeue_expired("w") == 1
+    assert queue.renew("w", ["b1:q0"], 30, worker_id="w1") == 1
+    assert queue.queued_ids("w") == ["b1:q2"] and "b1:q0" in queue.inflight_ids("w")
