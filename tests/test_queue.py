@@ -224,3 +224,17 @@ def test_a_listener_without_redis_times_out_like_the_poll_it_replaces():
     listener = WakeListener(client, "a")
     assert not listener.wait(0.2)
     assert not listener.wait(0.2)  # and again: it retries the subscription, still no error
+
+
+def test_a_removed_cluster_claims_nothing_new_but_keeps_its_leases(redis_url):
+    """From the moment a cluster is marked removed its worker takes nothing more from the queue (the
+    movers empty it), though it keeps renewing what it runs: no window in which the worker, which
+    checks the state only now and then, takes work its removal was to move away."""
+    q = make_queue(redis_url)
+    q.create_batch("b1", [(x, "a") for x in queries("b1", 3)], policy="round_robin")
+    (first,) = q.claim("a", 1, "w1", lease_s=30)
+    q.set_cluster_state("a", "removed")
+    assert q.claim("a", 5, "w1", lease_s=30, renew=[first.query.gid]) == []
+    assert q.queued_ids("a") == ["b1:q1", "b1:q2"] and q.inflight_ids("a") == ["b1:q0"]
+    q.set_cluster_state("a", "active")  # re-added: claims again
+    assert [c.query.query_id for c in q.claim("a", 5, "w1", lease_s=30)] == ["q1", "q2"]

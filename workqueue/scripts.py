@@ -15,6 +15,8 @@ Rules the scripts keep:
   (``enqueued_at``, ``started_at``, ``completed_at``) come from the caller.
 * **Renewals go with the claim.** CLAIM (and RENEW with a worker id) renews a worker's leases and
   takes back its queries requeued meanwhile: a worker is never handed a query it already runs.
+  A cluster marked ``removed`` claims nothing new from the moment it is marked (its queue is
+  the movers' to empty), whenever its worker next looks at the cluster's state.
 * **A late completion reconciles.** ``finish`` may run for a query that REQUEUE_EXPIRED
   already put back (its worker was slow, not dead): the query's state is then ``queued``,
   and ``finish`` takes its id out of the queue that holds it and its tokens out of that
@@ -170,6 +172,7 @@ local deadline = server_now() + tonumber(ARGV[3])
 reassert(c, worker, deadline, KEYS[2], KEYS[1], KEYS[3], 6)
 local out = {}
 local taken = 0
+if redis.call('HGET', k_cluster_info(c), 'state') == 'removed' then n = 0 end  -- a removed cluster takes nothing new
 while taken < n do
   local g = redis.call('LPOP', KEYS[1])
   if not g then break end
