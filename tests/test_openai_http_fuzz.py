@@ -188,6 +188,29 @@ def odd_row(draw, i: int) -> dict:
     return row
 
 
+EDGES = [*HUGE, 2**31 - 1, 2**63 - 1, -1, 0, 1, 4097, 1e39, -0.0, 10.5, True]
+NUMBERS = ["max_tokens", "max_completion_tokens", "seed", "temperature", "top_p", "n"]
+
+
+@st.composite
+def edge_row(draw, i: int) -> dict:
+    """A valid row but for one number at an edge, or one text with a lone surrogate."""
+    row = draw(valid_row(i))
+    if draw(st.booleans()):
+        row["body"][draw(st.sampled_from(NUMBERS))] = draw(st.sampled_from(EDGES))
+    else:
+        where = draw(st.sampled_from(["custom_id", "prompt", "model", "content"]))
+        text = draw(words) + SURROGATE
+        if where == "custom_id":
+            row["custom_id"] = text
+        elif where == "content" or (where == "prompt" and "messages" in row["body"]):
+            row["body"]["messages"] = [{"role": "user", "content": text}]
+            row["body"].pop("prompt", None)
+        else:
+            row["body"][where] = text
+    return row
+
+
 def encode(row: dict) -> bytes:
     try:
         return json.dumps(row, ensure_ascii=False).encode()
@@ -204,9 +227,12 @@ def files(draw) -> tuple[bytes, bool]:
     """A JSONL file, and whether every line is valid."""
     lines, valid = [], True
     for i in range(draw(st.integers(0, 5))):
-        kind = draw(st.sampled_from(["valid", "valid", "odd", "raw"]))
+        kind = draw(st.sampled_from(["valid", "valid", "edge", "odd", "raw"]))
         if kind == "valid":
             lines.append(encode(draw(valid_row(i))))
+        elif kind == "edge":
+            lines.append(encode(draw(edge_row(i))))
+            valid = False
         elif kind == "odd":
             lines.append(encode(draw(odd_row(i))))
             valid = False
