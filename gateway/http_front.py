@@ -8,7 +8,10 @@ HTTP ones (``INVALID_ARGUMENT`` 400, ``NOT_FOUND`` 404, ``ALREADY_EXISTS`` 409,
 ``RESOURCE_EXHAUSTED`` 429, ``UNAVAILABLE`` 503) with OpenAI's error body
 (``{"error": {"message", "type", "param", "code"}}``). Every request needs
 ``Authorization: Bearer <key>`` (401 otherwise). The client of the per-client cap is the
-``x-client-id`` header, else the peer's address, as over gRPC.
+``x-client-id`` header, else the peer's address, as over gRPC. An invalid input file is no
+4xx: the batch is created and ``failed`` at once with ``errors`` naming its lines, as OpenAI
+does (:meth:`OpenAIFront.create`). Creations and cancels run to their end even when their
+request is cut, and the front waits for them when it stops (:meth:`OpenAIFront.drain`).
 """
 
 from __future__ import annotations

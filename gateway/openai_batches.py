@@ -161,11 +161,15 @@ def build_request(
     ids, _ = query_ids([r.custom_id for r in reqs], numbers)
     req = pb.SubmitBatchRequest(batch_id=batch_id, metadata=metadata, on_bad_query=pb.ON_BAD_QUERY_REJECT)
     for qid, r, n in zip(ids, reqs, numbers, strict=True):
-        q = req.queries.add(id=qid, prompt=r.prompt, max_tokens=r.max_tokens)
-        q.sampling.temperature = r.temperature
-        q.sampling.top_p = r.top_p
-        if r.seed is not None:
-            q.sampling.seed = r.seed
+        q = req.queries.add(id=qid)
+        try:  # parse_row checked every value; protobuf is the judge of last resort
+            q.prompt, q.max_tokens = r.prompt, r.max_tokens
+            q.sampling.temperature, q.sampling.top_p = r.temperature, r.top_p
+            if r.seed is not None:
+                q.sampling.seed = r.seed
+        except ValueError as e:
+            errors.add(n, f"cannot be sent: {e}")
+            continue
         for problem in query_problems(q, limits) if limits else ():
             errors.add(n, problem)
     errors.raise_any()
