@@ -260,6 +260,33 @@ def create_bodies(draw) -> tuple[bytes, bool]:
     return encode(body), ok
 
 
+@st.composite
+def bad_uploads(draw) -> tuple[bytes, str]:
+    """A ``POST /v1/files`` body that is no well-formed upload, and its content type."""
+    kind = draw(st.sampled_from(["multipart/form-data; boundary=XX", "multipart/form-data", "application/json",
+                                 "text/plain", "multipart/form-data; boundary=" + "b" * 200]))  # fmt: skip
+    body = draw(
+        st.sampled_from(
+            [
+                b"",
+                b"--XX\r\n",
+                b"--XX--\r\n",
+                b'--XX\r\nContent-Disposition: form-data; name="file"\r\n\r\nx',
+                b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--XX--\r\n',
+                b'--XX\r\nContent-Disposition: form-data; name="file"; filename="\xff"\r\n\r\n{}\r\n--XX--\r\n',
+                b"{}",
+            ]
+        )  # fmt: skip
+        | st.binary(max_size=40)
+    )
+    if draw(rarely(3)):  # well-formed but for an odd file name
+        name = draw(st.sampled_from([b"\xff\xfe", b"..\\..", b"a\x00b", b"\xed\xa0\x80", b"%00", b""]))
+        body = (b'--XX\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--XX\r\n'
+                b'Content-Disposition: form-data; name="file"; filename="' + name + b'"\r\n\r\n{}\r\n--XX--\r\n')  # fmt: skip
+        kind = "multipart/form-data; boundary=XX"
+    return body, kind
+
+
 def path_id(draw) -> str:
     """An id of this run (``KNOWN-<n>``, filled in later), or an odd one."""
     made = st.integers(0, 19).map(lambda n: f"KNOWN-{n}")
@@ -317,6 +344,9 @@ def test_generated_files_and_bodies_never_get_a_5xx_and_rejected_files_enqueue_n
     def one_case(data):
         content, lines_ok = data.draw(files())
         purpose = data.draw(st.sampled_from(["batch"] * 8 + ["fine-tune", ""]))
+        if data.draw(rarely(10)):  # a malformed upload body
+            raw, kind = data.draw(bad_uploads())
+            _checked(api.call("POST", "/files", raw, {"Content-Type": kind}), counts, "upload")
         up = _checked(api.upload(content, purpose), counts, "upload")
         file_id = up["body"]["id"] if up["status"] == 200 else None
         body, body_ok = data.draw(create_bodies())
