@@ -299,7 +299,12 @@ def other_calls(draw) -> tuple[str, str, dict]:
     kind = draw(st.sampled_from(["get", "cancel", "blist", "file", "content", "delete", "flist"]))
     ident = path_id(draw)
     params = {
-        k: draw(st.sampled_from(["1", "0", "20", "10001", "-1", "x", "asc", "desc", "batch", ""]) | texts)
+        k: draw(
+            st.sampled_from(
+                ["1", "0", "20", "10001", "-1", "x", "asc", "desc", "batch", "", "²", "٣", "9" * 5000]
+            )
+            | texts
+        )
         for k in draw(st.lists(st.sampled_from(["limit", "after", "order", "purpose"]), max_size=3))
     }
     return {

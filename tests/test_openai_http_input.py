@@ -221,6 +221,16 @@ def test_a_batch_created_while_the_front_stops_keeps_its_record(redis_url, tmp_p
     assert status == 200 and body["id"] == made[0] and body["status"] == "in_progress"
 
 
+def test_odd_list_limits_are_400(front):
+    """``limit=²`` (``str.isdigit`` but not ``int``) and a 5,000-digit limit were 500s."""
+    client, _, _ = front
+    url = str(client.base_url).rstrip("/")
+    for path in ("/files", "/batches"):
+        for limit in ("%C2%B2", "9" * 5000, "%D9%A3", "0"):
+            status, body = raw_call(f"{url}{path}?limit={limit}")
+            assert status == 400 and body["error"]["param"] == "limit", (path, limit[:10], body)
+
+
 def test_accepted_connections_send_without_nagle_delay():
     """The front's socket says TCP, so asyncio sets TCP_NODELAY on each connection it accepts:
     with protocol 0 it did not, and every response on a kept-alive connection waited for the
