@@ -33,7 +33,7 @@ from starlette.routing import Route
 from gateway import openai_batches as ob
 from gateway.config import GatewayConfig
 from gateway.errors import REDIS_DOWN
-from gateway.http_shared import ApiError, Auth, CallContext, error_response, utf8_problem
+from gateway.http_shared import ApiError, Auth, CallContext, error_response, json_body, utf8_problem
 from gateway.openai_files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines
 from gateway.openai_format import ENDPOINTS
 from gateway.openai_retention import InUse, delete_file, deleting, retire
@@ -46,6 +46,7 @@ from workqueue import BatchState, WorkQueue
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+BODY_LIMIT = 1 << 20  # bytes of a JSON request body (metadata has at most 16 KiB)
 BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
 
 
@@ -172,10 +173,7 @@ class OpenAIFront:
         """A malformed request is a 4xx and creates nothing; otherwise the batch is created (its
         record written before the answer) and, when its input file is invalid, ``failed`` at once
         with ``errors`` naming the lines, nothing enqueued (OpenAI's behaviour)."""
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "the request body must be a JSON object") from None
+        body = await json_body(request, BODY_LIMIT)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         unknown = sorted(set(body) - BATCH_FIELDS)

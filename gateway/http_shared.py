@@ -5,6 +5,7 @@ call, and the ``Authorization: Bearer <key>`` check (ASGI middleware)."""
 from __future__ import annotations
 
 import hmac
+import json
 
 import grpc
 from starlette.requests import Request
@@ -53,6 +54,20 @@ class CallContext:
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise ApiError(HTTP_STATUS.get(code, 500), details, code=code.name.lower())
+
+
+async def json_body(request: Request, limit: int):
+    """The request's JSON body, read up to ``limit`` bytes (413 past it: never held whole in
+    memory); 400 when it is not JSON (nesting too deep included)."""
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise ApiError(413, f"the request body has more than {limit} bytes, the limit")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the request body must be a JSON object") from None
 
 
 def utf8_problem(metadata: dict[str, str]) -> str | None:

@@ -91,7 +91,7 @@ def _rows(lines: Iterable[bytes]) -> Iterator[tuple[int, dict]]:
             continue
         try:
             yield n, json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
             raise BadInput(f"input file line {n}: not valid JSON ({e})", "input_file_id") from None
 
 
@@ -141,12 +141,12 @@ def build_request(
             continue
         try:
             row = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
             errors.add(n, f"not valid JSON ({e})", "invalid_json_line")
             continue
         try:
             r = parse_row(row, 0, tokenizer, endpoint)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             errors.add(n, str(e))
             continue
         if r.custom_id in seen:

@@ -218,7 +218,7 @@ def encode(row: dict) -> bytes:
         return json.dumps(row).encode()
 
 
-RAW_LINES = [b"{", b"not json", b"\xff\xfe{}", b"[]", b"null", b'"x"', b"{}",
+RAW_LINES = [b"[" * 5000 + b"]" * 5000, b"{", b"not json", b"\xff\xfe{}", b"[]", b"null", b'"x"', b"{}",
              b'{"custom_id": "big", "body": {"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}}"]  # fmt: skip
 
 
@@ -248,7 +248,8 @@ def create_bodies(draw) -> tuple[bytes, bool]:
     """A ``POST /v1/batches`` body, and whether it is well-formed (``FILE`` stands for the
     uploaded file's id: what is drawn depends on nothing outside)."""
     if draw(rarely(12)):
-        return draw(st.sampled_from([b"", b"[]", b"nul", b'"x"', b"{\xff}"]) | st.binary(max_size=20)), False
+        raw = [b"", b"[]", b"nul", b'"x"', b"{\xff}", b"[" * 5000 + b"]" * 5000]
+        return draw(st.sampled_from(raw) | st.binary(max_size=20)), False
     body = {"input_file_id": "FILE", "endpoint": draw(st.sampled_from([CHAT, COMPLETIONS])), "completion_window": "24h"}  # fmt: skip
     ok = True
     if draw(st.booleans()):

@@ -231,6 +231,23 @@ def test_odd_list_limits_are_400(front):
             assert status == 400 and body["error"]["param"] == "limit", (path, limit[:10], body)
 
 
+def test_deep_or_huge_json_is_a_4xx_or_a_failed_line(front):
+    """JSON nested too deep raised RecursionError (no ValueError): a 500 for a request body and for
+    a line; a request body is read up to 1 MiB, not whole whatever its size."""
+    client, queue, _ = front
+    url = str(client.base_url).rstrip("/")
+    deep = b"[" * 100_000 + b"]" * 100_000
+    status, body = raw_call(url + "/batches", data=deep)
+    assert status == 400, body
+    status, body = raw_call(url + "/batches", data=b" " * (2 << 20) + b"{}")
+    assert status == 413, body
+    _, batch = _create(client, jsonl([{"custom_id": "a", "body": {"prompt": "hi"}}]) + deep + b"\n")
+    assert batch.status == "failed" and [(e.line, e.code) for e in batch.errors.data] == [
+        (2, "invalid_json_line")
+    ]
+    _nothing_enqueued(queue, batch.id)
+
+
 def test_accepted_connections_send_without_nagle_delay():
     """The front's socket says TCP, so asyncio sets TCP_NODELAY on each connection it accepts:
     with protocol 0 it did not, and every response on a kept-alive connection waited for the
