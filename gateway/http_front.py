@@ -8,16 +8,19 @@ HTTP ones (``INVALID_ARGUMENT`` 400, ``NOT_FOUND`` 404, ``ALREADY_EXISTS`` 409,
 ``RESOURCE_EXHAUSTED`` 429, ``UNAVAILABLE`` 503) with OpenAI's error body
 (``{"error": {"message", "type", "param", "code"}}``). Every request needs
 ``Authorization: Bearer <key>`` (401 otherwise). The client of the per-client cap is the
-``x-client-id`` header, else the peer's address, as over gRPC.
+``x-client-id`` header, else the peer's address, as over gRPC. An invalid input file is no
+4xx: the batch is created and ``failed`` at once with ``errors`` naming its lines, as OpenAI
+does (:meth:`OpenAIFront.create`). Creations and cancels run to their end even when their
+request is cut, and the front waits for them when it stops (:meth:`OpenAIFront.drain`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
 
 import grpc
 from starlette.applications import Starlette
@@ -30,59 +33,21 @@ from starlette.routing import Route
 from gateway import openai_batches as ob
 from gateway.config import GatewayConfig
 from gateway.errors import REDIS_DOWN
+from gateway.http_shared import ApiError, Auth, CallContext, error_response, json_body, utf8_problem
 from gateway.openai_files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines
 from gateway.openai_format import ENDPOINTS
-from gateway.openai_retention import InUse, delete_file, deleting
-from gateway.quota import CLIENT_HEADER
+from gateway.openai_retention import InUse, delete_file, deleting, retire
+from gateway.quota import header_problem
 from gateway.service import BatchService
-from gateway.validation import id_problem
+from gateway.validation import Limits, id_problem, metadata_problem, problems_by_query
 from protos import fleetbatch_pb2 as pb
 from workqueue import BatchState, WorkQueue
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-}
+BODY_LIMIT = 1 << 20  # bytes of a JSON request body (metadata has at most 16 KiB)
 BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
-
-
-class CallContext:
-    """What :class:`BatchService` asks of a gRPC context, for an in-process call."""
-
-    def __init__(self, request: Request):
-        client = request.client
-        self._peer = f"ipv4:{client.host}:{client.port}" if client else "unknown"
-        header = request.headers.get(CLIENT_HEADER)
-        self._metadata = [(CLIENT_HEADER, header)] if header is not None else []
-
-    def invocation_metadata(self) -> list[tuple[str, str]]:
-        return self._metadata
-
-    def peer(self) -> str:
-        return self._peer
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise ApiError(HTTP_STATUS.get(code, 500), details, code=code.name.lower())
 
 
 class OpenAIFront:
@@ -94,6 +59,8 @@ class OpenAIFront:
         self.service, self.queue, self.config, self.store = service, queue, config, store
         self.tokenizer = tokenizer
         self.key = config.http_api_key
+        self.limits = Limits.of(config)
+        self._inflight: set[asyncio.Task] = set()  # creations and cancels (:meth:`durable`)
 
     def app(self) -> Starlette:
         routes = [
@@ -110,7 +77,7 @@ class OpenAIFront:
         handlers = {ApiError: self._api_error, HTTPException: self._http_error, Exception: self._crash}
         handlers.update(dict.fromkeys(REDIS_DOWN, self._redis_down))
         app = Starlette(routes=routes, exception_handlers=handlers)
-        app.add_middleware(_Auth, key=self.key)
+        app.add_middleware(Auth, key=self.key)
         return app
 
     async def _api_error(self, request: Request, e: Exception) -> Response:
@@ -203,10 +170,10 @@ class OpenAIFront:
     # ---------------------------------------------------------------- batches
 
     async def create(self, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "the request body must be a JSON object") from None
+        """A malformed request is a 4xx and creates nothing; otherwise the batch is created (its
+        record written before the answer) and, when its input file is invalid, ``failed`` at once
+        with ``errors`` naming the lines, nothing enqueued (OpenAI's behaviour)."""
+        body = await json_body(request, BODY_LIMIT)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         unknown = sorted(set(body) - BATCH_FIELDS)
@@ -226,35 +193,90 @@ class OpenAIFront:
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
         ):
             raise ApiError(400, "metadata must map strings to strings", "metadata")
+        problem = utf8_problem(metadata) or metadata_problem(metadata, self.limits.max_metadata_bytes)
+        if problem:
+            raise ApiError(400, problem, "metadata")
+        context = CallContext(request)
+        problem = header_problem(dict(context.invocation_metadata()))
+        if problem:
+            raise ApiError(400, problem)
         info = await asyncio.to_thread(self._info, file_id)
         if info.purpose != "batch":
             raise ApiError(400, f"file {file_id} has purpose {info.purpose!r}, not 'batch'", "input_file_id")
-        batch_id = ob.new_batch_id()
+        work = self._create(ob.new_batch_id(), file_id, endpoint, window, metadata, context)
+        return JSONResponse(await self.durable(work))
+
+    async def _create(
+        self, batch_id: str, file_id: str, endpoint: str, window: str, metadata: dict, context: CallContext
+    ) -> dict:
+        await asyncio.to_thread(ob.create_record, self.queue, batch_id, file_id, endpoint, window)
+        if await asyncio.to_thread(deleting, self.queue, self.store, file_id):
+            await asyncio.to_thread(ob.drop_record, self.queue, batch_id)
+            raise ApiError(404, f"file {file_id} was deleted", "input_file_id")
         try:
-            submission = await asyncio.to_thread(
+            submission, lines = await asyncio.to_thread(
                 ob.build_request,
                 read_lines(self.store, file_id),
                 endpoint,
                 self.tokenizer,
                 batch_id,
                 metadata,
+                self.limits,
             )
-        except ob.BadInput as e:
-            raise ApiError(400, str(e), e.param) from None
-        await asyncio.to_thread(ob.create_record, self.queue, batch_id, file_id, endpoint, window)
-        if await asyncio.to_thread(deleting, self.queue, self.store, file_id):
-            await asyncio.to_thread(ob.drop_record, self.queue, batch_id)
-            raise ApiError(404, f"file {file_id} was deleted", "input_file_id")
+        except ob.InvalidFile as e:
+            return await asyncio.to_thread(self._fail, batch_id, file_id, e.errors)
         try:
-            await self.service.SubmitBatch(submission, CallContext(request))
+            await self.service.SubmitBatch(submission, context)
+        except ApiError as e:
+            if e.code != grpc.StatusCode.INVALID_ARGUMENT.name.lower():  # 429, 503: retry later
+                if not await self._forget_unless_created(batch_id):
+                    raise
+                log.exception("batch %s: created, then the submission failed; keeping it", batch_id)
+            else:  # the request's own fields were checked above: these are the file's problems
+                errors = ob.errors_of(problems_by_query(e.message), lines)
+                return await asyncio.to_thread(self._fail, batch_id, file_id, errors)
         except Exception:
             if not await self._forget_unless_created(batch_id):
                 raise
             log.exception("batch %s: created, then the submission failed; keeping it", batch_id)
-        except BaseException:  # cancelled (the gateway stopping): keep a batch that exists
+        except BaseException:  # cancelled (the drain gave up): keep a batch that exists
             await self._forget_unless_created(batch_id)
             raise
-        return JSONResponse(await asyncio.to_thread(self._object, batch_id))
+        return await asyncio.to_thread(self._object, batch_id)
+
+    def _fail(self, batch_id: str, file_id: str, errors: list[ob.LineError]) -> dict:
+        """The batch of an invalid input file: ``failed``, retained as a finalized batch."""
+        pipe = self.queue.r.pipeline(transaction=True)
+        ob.fail_invalid(pipe, batch_id, errors)
+        retire(self.queue, batch_id, [file_id], self.config.retention_s, pipe)
+        pipe.execute()
+        log.info("batch %s: its input file %s is invalid (%d errors): failed", batch_id, file_id, len(errors))
+        return self._object(batch_id)
+
+    async def durable(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` (a creation, a cancel: Redis writes that must not stop halfway) to its end
+        even when the request is cancelled, as uvicorn does to requests still running when its
+        graceful shutdown times out; :meth:`drain` waits for it."""
+        task = asyncio.ensure_future(work)
+        self._inflight.add(task)
+        task.add_done_callback(self._settled)
+        return await asyncio.shield(task)
+
+    def _settled(self, task: asyncio.Task) -> None:
+        self._inflight.discard(task)
+        error = None if task.cancelled() else task.exception()  # retrieved: its request may be gone
+        if error is not None and not isinstance(error, ApiError):
+            log.warning("a batch creation or cancel failed: %r", error)
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to ``timeout`` s for the creations and cancels in flight; how many were left."""
+        if self._inflight:
+            log.info("HTTP front: waiting for %d batch creations or cancels", len(self._inflight))
+            await asyncio.wait(set(self._inflight), timeout=timeout)
+        for task in self._inflight:
+            log.error("HTTP front: a batch creation or cancel did not end within %.0f s", timeout)
+            task.cancel()
+        return len(self._inflight)
 
     async def _forget_unless_created(self, batch_id: str) -> bool:
         """After a failed ``SubmitBatch``: drop the batch's record unless the gateway batch exists
@@ -292,7 +314,7 @@ class OpenAIFront:
         batch = self._object(batch_id)
         info = self.queue.batch(batch_id)
         if info is None:
-            if batch["status"] != "expired":
+            if batch["status"] == "validating":
                 return None  # being created: CancelBatch answers
         elif not info.final:
             return None
@@ -306,13 +328,16 @@ class OpenAIFront:
         unchanged = await asyncio.to_thread(self._over, batch_id)
         if unchanged is not None:
             return JSONResponse(unchanged)
-        done = await self.service.CancelBatch(pb.CancelBatchRequest(batch_id=batch_id), CallContext(request))
+        return JSONResponse(await self.durable(self._cancel(batch_id, CallContext(request))))
+
+    async def _cancel(self, batch_id: str, context: CallContext) -> dict:
+        done = await self.service.CancelBatch(pb.CancelBatchRequest(batch_id=batch_id), context)
         if done.status in (pb.COMPLETED, pb.FAILED):  # it finished meanwhile
             await asyncio.to_thread(self._over, batch_id)
         await asyncio.to_thread(
             self.queue.r.eval, ob.SET_ONCE, 1, ob.record_key(batch_id), "cancelling_at", time.time()
         )
-        return JSONResponse(await asyncio.to_thread(self._object, batch_id))
+        return await asyncio.to_thread(self._object, batch_id)
 
     async def listing(self, request: Request) -> Response:
         """Batches created over HTTP only (``{fb}:oai:batches``), newest first."""
@@ -327,9 +352,12 @@ class OpenAIFront:
 
 
 def _whole(raw: str, name: str, most: int) -> int:
-    """A query parameter that must be a whole number in ``[1, most]`` (400 otherwise)."""
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
-        raise ApiError(400, f"{name} must be a whole number in [1, {most}], not {raw!r}", name)
+    """A query parameter that must be a whole number in ``[1, most]`` (400 otherwise). ASCII digits
+    only, and few: ``str.isdigit`` is also true of ``²``, which ``int`` refuses, and ``int`` refuses
+    more than 4,300 digits (both were 500s, found by the fuzz test)."""
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or not 1 <= int(raw) <= most:
+        shown = raw if len(raw) <= 40 else raw[:40] + "..."
+        raise ApiError(400, f"{name} must be a whole number in [1, {most}], not {shown!r}", name)
     return int(raw)
 
 
@@ -342,21 +370,3 @@ def _page(data: list[dict], more: bool) -> dict:
         "last_id": data[-1]["id"] if data else None,
         "has_more": more,
     }
-
-
-class _Auth:
-    """ASGI middleware: ``Authorization: Bearer <key>`` on every request, else 401 in OpenAI's shape."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            headers = dict(scope.get("headers") or [])
-            got = headers.get(b"authorization", b"")
-            if not (got.startswith(b"Bearer ") and hmac.compare_digest(got[7:].strip(), self.key)):
-                message = "Incorrect or missing API key: send 'Authorization: Bearer <key>'"
-                response = error_response(401, message, code="invalid_api_key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

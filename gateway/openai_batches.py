@@ -10,7 +10,9 @@ batch object needs and the queue does not know: ``input_file_id``, ``endpoint``,
 final the OpenAI batch is ``finalizing`` (``cancelling`` for a cancelled one) until the
 finalizer (:mod:`gateway.openai_finalizer`) has written its output and error files, then
 ``completed``, ``failed`` (every request failed, or the finalizer could not write the files:
-``finalize_error``) or ``cancelled``. A record without its gateway batch is ``validating`` while
+``finalize_error``) or ``cancelled``. A batch whose input file is invalid is created, then
+``failed`` at once, as OpenAI's are: ``errors`` lists each bad line (``invalid``), and no gateway
+batch exists (nothing is enqueued). A record without its gateway batch is ``validating`` while
 the batch is being created and ``expired`` once the finalizer marks it so. ``in_progress_at`` is when
 the batch became ``in_progress`` (:func:`note_progress`).
 
@@ -25,9 +27,10 @@ import json
 import secrets
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from gateway.openai_format import CHAT, parse_row
-from gateway.validation import ID_RE
+from gateway.validation import ID_RE, Limits, query_problems
 from protos import fleetbatch_pb2 as pb
 from workqueue import BatchInfo, BatchState, WorkQueue, keys
 from workqueue.keys import PREFIX
@@ -35,6 +38,7 @@ from workqueue.keys import PREFIX
 LIST = PREFIX + "oai:batches"  # ZSET: ids of batches created over HTTP, by creation time
 PENDING = PREFIX + "oai:finalize"  # SET: ids whose output files are not written yet
 WINDOW_S = 24 * 3600
+MAX_ERRORS = 100  # lines an invalid input file's ``errors`` list (the rest are counted)
 # KEYS: a record. ARGV: field, value. Sets the field unless it is set (or the record expired
 # meanwhile: never recreates it); returns the field's value (nil when there is no record).
 SET_ONCE = """
@@ -60,6 +64,26 @@ class BadInput(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class LineError:
+    """One entry of OpenAI's batch ``errors``: the input file's ``line`` (1-based; None for the file)."""
+
+    message: str
+    line: int | None = None
+    code: str = "invalid_request"
+
+    def as_json(self) -> dict:
+        return {"code": self.code, "message": self.message, "param": None, "line": self.line}
+
+
+class InvalidFile(ValueError):
+    """An input file the batch fails on (``failed`` with ``errors``; nothing enqueued)."""
+
+    def __init__(self, errors: list[LineError]):
+        super().__init__("; ".join(e.message for e in errors[:3]))
+        self.errors = errors
+
+
 def _rows(lines: Iterable[bytes]) -> Iterator[tuple[int, dict]]:
     """``(line number, parsed JSON)`` of each non-empty line."""
     for n, raw in enumerate(lines, 1):
@@ -67,7 +91,7 @@ def _rows(lines: Iterable[bytes]) -> Iterator[tuple[int, dict]]:
             continue
         try:
             yield n, json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
             raise BadInput(f"input file line {n}: not valid JSON ({e})", "input_file_id") from None
 
 
@@ -78,35 +102,100 @@ def query_ids(custom_ids: list[str], lines: list[int]) -> tuple[list[str], bool]
     return [f"line-{n}" for n in lines], True
 
 
+class _Errors:
+    """The errors of an input file, the first ``MAX_ERRORS`` listed, the rest counted."""
+
+    def __init__(self) -> None:
+        self.listed: list[LineError] = []
+        self.more = 0
+
+    def add(self, line: int | None, message: str, code: str = "invalid_request") -> None:
+        if len(self.listed) < MAX_ERRORS:
+            self.listed.append(LineError(f"line {line}: {message}" if line else message, line, code))
+        else:
+            self.more += 1
+
+    def raise_any(self) -> None:
+        self.listed.sort(key=lambda e: e.line or 0)
+        if self.more:
+            self.listed.append(LineError(f"and {self.more} more lines with errors", None, "too_many_errors"))
+        if self.listed:
+            raise InvalidFile(self.listed)
+
+
 def build_request(
-    lines: Iterable[bytes], endpoint: str, tokenizer, batch_id: str, metadata: dict[str, str]
-) -> pb.SubmitBatchRequest:
-    """The gateway submission of an input file; :class:`BadInput` naming the line and field otherwise."""
-    reqs, numbers, seen = [], [], {}
-    for n, row in _rows(lines):
+    lines: Iterable[bytes],
+    endpoint: str,
+    tokenizer,
+    batch_id: str,
+    metadata: dict[str, str],
+    limits: Limits | None = None,
+) -> tuple[pb.SubmitBatchRequest, list[int]]:
+    """The gateway submission of an input file and each query's line; :class:`InvalidFile`
+    naming every bad line (the first ``MAX_ERRORS``) otherwise. With ``limits``, each query is
+    also checked as the gateway will (:func:`gateway.validation.query_problems`, no tokenizing),
+    so those problems name their line too."""
+    reqs, numbers, seen, errors = [], [], {}, _Errors()
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
+            errors.add(n, f"not valid JSON ({e})", "invalid_json_line")
+            continue
         try:
             r = parse_row(row, 0, tokenizer, endpoint)
-        except ValueError as e:
-            raise BadInput(f"input file line {n}: {e}", "input_file_id") from None
+        except (ValueError, RecursionError) as e:
+            errors.add(n, str(e))
+            continue
         if r.custom_id in seen:
-            raise BadInput(
-                f"input file line {n}: custom_id {r.custom_id!r} appears twice (also line {seen[r.custom_id]})",
-                "input_file_id",
-            )
+            errors.add(n, f"custom_id {r.custom_id!r} appears twice (also line {seen[r.custom_id]})",
+                       "duplicate_custom_id")  # fmt: skip
+            continue
         seen[r.custom_id] = n
         reqs.append(r)
         numbers.append(n)
-    if not reqs:
-        raise BadInput("the input file holds no requests", "input_file_id")
+    if not reqs and not errors.listed:
+        errors.add(None, "the input file holds no requests", "empty_file")
     ids, _ = query_ids([r.custom_id for r in reqs], numbers)
-    req = pb.SubmitBatchRequest(batch_id=batch_id, metadata=metadata)
-    for qid, r in zip(ids, reqs, strict=True):
-        q = req.queries.add(id=qid, prompt=r.prompt, max_tokens=r.max_tokens)
-        q.sampling.temperature = r.temperature
-        q.sampling.top_p = r.top_p
-        if r.seed is not None:
-            q.sampling.seed = r.seed
-    return req
+    req = pb.SubmitBatchRequest(batch_id=batch_id, metadata=metadata, on_bad_query=pb.ON_BAD_QUERY_REJECT)
+    for qid, r, n in zip(ids, reqs, numbers, strict=True):
+        q = req.queries.add(id=qid)
+        try:  # parse_row checked every value; protobuf is the judge of last resort
+            q.prompt, q.max_tokens = r.prompt, r.max_tokens
+            q.sampling.temperature, q.sampling.top_p = r.temperature, r.top_p
+            if r.seed is not None:
+                q.sampling.seed = r.seed
+        except ValueError as e:
+            errors.add(n, f"cannot be sent: {e}")
+            continue
+        for problem in query_problems(q, limits) if limits else ():
+            errors.add(n, problem)
+    errors.raise_any()
+    return req, numbers
+
+
+def errors_of(problems: list[tuple[int | None, str]], lines: list[int]) -> list[LineError]:
+    """The gateway's problems (by query position, :func:`gateway.validation.problems_by_query`)
+    of the submission :func:`build_request` made, by input file line (``lines``: each query's)."""
+    errors = _Errors()
+    for i, message in problems:
+        errors.add(lines[i] if i is not None and 0 <= i < len(lines) else None, message)
+    try:
+        errors.raise_any()
+    except InvalidFile as e:
+        return e.errors
+    return []
+
+
+def fail_invalid(pipe, batch_id: str, errors: list[LineError]) -> None:
+    """Queue on ``pipe`` what marks a batch whose input file is invalid ``failed`` (``errors``),
+    finalized at once (there is nothing to write) and out of the pending set."""
+    now = time.time()
+    data = json.dumps([e.as_json() for e in errors], ensure_ascii=False)
+    pipe.hset(record_key(batch_id), mapping={"invalid": data, "finalized_at": now})
+    pipe.srem(PENDING, batch_id)
 
 
 def names_of(lines: Iterable[bytes]) -> dict[str, tuple[str, str]]:
@@ -189,8 +278,9 @@ def _ts(value) -> int | None:
 def openai_status(info: BatchInfo | None, rec: dict) -> str:
     """OpenAI's status. With no gateway batch: ``expired`` once the record says so (or once it
     was finalized: the gateway batch expired first), ``validating`` while ``SubmitBatch`` is still
-    creating it (the record is written first), ``failed`` with no record either. ``failed`` too when the finalizer gave up (``finalize_error``)."""
-    if rec.get("finalize_error"):
+    creating it (the record is written first), ``failed`` with no record either. ``failed`` too when
+    the input file was invalid (``invalid``: no gateway batch) or the finalizer gave up (``finalize_error``)."""
+    if rec.get("finalize_error") or rec.get("invalid"):
         return "failed"
     if info is None:
         if not rec:
@@ -210,7 +300,9 @@ def batch_object(batch_id: str, info: BatchInfo | None, rec: dict) -> dict:
     done = _ts(rec.get("finalized_at")) or (int(info.completed_at) if info and info.completed_at else None)
     failed = (info.failed + info.cancelled) if info else 0
     errors = None
-    if status == "failed" or (info and info.error):
+    if rec.get("invalid"):
+        errors = {"object": "list", "data": json.loads(rec["invalid"])}
+    elif status == "failed" or (info and info.error):
         message = (
             rec.get("finalize_error")
             or (info and info.error)

@@ -21,10 +21,10 @@ Which it is comes from :func:`workqueue.outcome`, the rule the worker's counts f
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gateway.validation import number_problem
 from workqueue import Outcome, outcome
 
 CHAT = "/v1/chat/completions"
@@ -71,10 +71,15 @@ def _text(content) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts: only text is supported
-        kinds = sorted({p.get("type", "?") for p in content if isinstance(p, dict)} - {"text"})
+        if not all(isinstance(p, dict) for p in content):
+            raise ValueError("message content parts must be objects ({'type': 'text', 'text': ...})")
+        kinds = sorted({str(p.get("type", "?")) for p in content} - {"text"})
         if kinds:
             raise ValueError(f"message content of type {', '.join(kinds)} is not supported (text only)")
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        texts = [p.get("text", "") for p in content]
+        if not all(isinstance(t, str) for t in texts):
+            raise ValueError("the 'text' of a message content part must be a string")
+        return "".join(texts)
     raise ValueError(
         f"message content must be a string or a list of text parts, not {type(content).__name__}"
     )
@@ -90,19 +95,31 @@ def render_chat(messages: list, tokenizer=None) -> str:
         raise ValueError("messages must be objects with 'role' and 'content'")
     turns = [{"role": str(m.get("role", "user")), "content": _text(m.get("content", ""))} for m in messages]
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template may refuse roles or orders (jinja's raise_exception)
+            raise ValueError(f"the chat template refused the messages: {e}") from None
     return "".join(DEFAULT_TEMPLATE.format(**t) for t in turns) + GENERATION_PROMPT
 
 
-def _number(body: Mapping, key: str, default: float, integer: bool = False) -> float:
+def _number(body: Mapping, key: str, default: float, field: str | None = None) -> float:
+    """``body[key]`` checked against the range of the query's number ``field`` (default ``key``)."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{key} must be a {'whole ' if integer else ''}number, not {value!r}")
-    if integer and value != int(value):
-        raise ValueError(f"{key} must be a whole number, not {value!r}")
-    return int(value) if integer else float(value)
+    problem = number_problem(field or key, value, key)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def _utf8(text: str, what: str) -> str:
+    """``text``, if it can be sent (JSON allows lone surrogates, which UTF-8 cannot carry)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} holds a lone surrogate (\\ud800-\\udfff), which is not text") from None
+    return text
 
 
 def parse_row(row, default_max_tokens: int = 0, tokenizer=None, endpoint: str | None = None) -> OpenAIRequest:
@@ -133,17 +150,17 @@ def parse_row(row, default_max_tokens: int = 0, tokenizer=None, endpoint: str | 
         prompt = raw if isinstance(raw, str) else "\n".join(raw)
     else:
         raise ValueError("body needs 'messages' or 'prompt'")
-    max_tokens = _number(body, "max_tokens", 0, True) or _number(body, "max_completion_tokens", 0, True)
+    max_tokens = _number(body, "max_tokens", 0) or _number(body, "max_completion_tokens", 0, "max_tokens")
     seed = body.get("seed")
     return OpenAIRequest(
-        custom_id=str(row["custom_id"]),
+        custom_id=_utf8(str(row["custom_id"]), "custom_id"),
         url=url,
-        prompt=prompt,
+        prompt=_utf8(prompt, "the prompt"),
         max_tokens=int(max_tokens) or default_max_tokens,
-        temperature=_number(body, "temperature", 0.0),
-        top_p=_number(body, "top_p", 1.0),
-        seed=None if seed is None else int(_number(body, "seed", 0, True)),
-        model=str(body.get("model") or ""),
+        temperature=float(_number(body, "temperature", 0.0)),
+        top_p=float(_number(body, "top_p", 1.0)),
+        seed=None if seed is None else int(_number(body, "seed", 0)),
+        model=_utf8(str(body.get("model") or ""), "model"),
     )
 
 

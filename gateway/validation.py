@@ -16,6 +16,7 @@ duplicate ids) always reject the batch. Other row problems either reject it too
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -25,16 +26,43 @@ from protos import fleetbatch_pb2 as pb
 ID_RE = NAME_RE
 ALPHABET = "1-128 characters of [A-Za-z0-9_.-]"
 ON_BAD_QUERY = {"reject": pb.ON_BAD_QUERY_REJECT, "fail-row": pb.ON_BAD_QUERY_FAIL_ROW}
+#: The range of every number a client gives a query, the one rule for both roads in: each fits
+#: the protobuf field it crosses into (``Query.max_tokens`` and ``forced_length`` int32,
+#: ``Sampling.seed`` int64, ``temperature`` and ``top_p`` float32) and what the engines take. An
+#: OpenAI input line is checked before its message is built (protobuf raises on a number past its
+#: range: that was a 500), a gRPC message by :func:`query_problems`. The gateway's configurable
+#: bound on ``max_tokens`` and ``forced_length`` (``max_max_tokens``) is checked after, on the message.
+NUMBER_RANGES: dict[str, tuple[int, int] | tuple[float, float]] = {
+    "max_tokens": (0, 2**31 - 1),
+    "forced_length": (1, 2**31 - 1),
+    "seed": (0, 2**63 - 1),
+    "temperature": (0.0, 10.0),
+    "top_p": (0.0, 1.0),  # 0 is read as 1
+}
 
 
 class InvalidBatch(ValueError):
-    """A batch that cannot be accepted; ``problems`` lists each reason."""
+    """A batch that cannot be accepted; ``problems`` lists each reason (a query's first names it:
+    ``query #<position> ('<id>'): ``); the message shows the first ten, ``"; "`` between them."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems
         shown = "; ".join(problems[:10])
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
         super().__init__(shown + more)
+
+
+_QUERY = re.compile(r"query #(\d+)(?: \('[^']*'\))?: ")
+
+
+def problems_by_query(message: str) -> list[tuple[int | None, str]]:
+    """The problems of an :class:`InvalidBatch` message (as a gRPC status carries it), each with
+    its query's position (None: the batch's own), the query's name taken off."""
+    out: list[tuple[int | None, str]] = []
+    for part in re.split(r"; (?=query #\d+)", message):
+        m = _QUERY.match(part)
+        out.append((int(m.group(1)), part[m.end() :]) if m else (None, part))
+    return out
 
 
 @dataclass(frozen=True)
@@ -81,6 +109,31 @@ def id_problem(value: str, what: str) -> str | None:
     if not ID_RE.match(value):
         shown = value if len(value) <= 40 else value[:40] + "..."
         return f"{what} {shown!r} must be {ALPHABET}"
+    return None
+
+
+def _shown(value: int | float) -> str:
+    """A number for a message (Python refuses to print an int of more than 4,300 digits)."""
+    if isinstance(value, int) and abs(value) >= 2**64:
+        return f"{'a negative' if value < 0 else 'an'} integer of {abs(value).bit_length()} bits"
+    return repr(value)
+
+
+def number_problem(field: str, value: object, name: str | None = None) -> str | None:
+    """Why ``value`` cannot be the query's number ``field`` (:data:`NUMBER_RANGES`), or None;
+    ``name``: the field as the client called it (``max_completion_tokens``), for the message."""
+    low, high = NUMBER_RANGES[field]
+    name = name or field
+    whole = isinstance(low, int)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        return f"{name} must be a {'whole ' if whole else ''}number, not {shown}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{name} must be a finite number, not {value}"
+    if whole and isinstance(value, float) and not value.is_integer():
+        return f"{name} must be a whole number, not {value!r}"
+    if not low <= value <= high:
+        return f"{name} {_shown(value)} outside [{low}, {high}]"
     return None
 
 
@@ -154,12 +207,10 @@ def query_problems(q: pb.Query, limits: Limits) -> list[str]:
     if q.max_tokens < 0 or q.max_tokens > limits.max_max_tokens:
         out.append(f"max_tokens {q.max_tokens} outside [0, {limits.max_max_tokens}]")
     s = q.sampling
-    if not math.isfinite(s.temperature) or s.temperature < 0 or s.temperature > 10:
-        out.append(f"temperature {s.temperature} outside [0, 10]")
-    if not math.isfinite(s.top_p) or s.top_p < 0 or s.top_p > 1:
-        out.append(f"top_p {s.top_p} outside (0, 1]")
-    if s.HasField("seed") and s.seed < 0:
-        out.append("seed must be >= 0")
+    numbers = [("temperature", s.temperature), ("top_p", s.top_p)]
+    if s.HasField("seed"):
+        numbers.append(("seed", s.seed))
+    out.extend(p for f, v in numbers if (p := number_problem(f, v)))
     if q.HasField("forced_length"):
         fl = q.forced_length
         if not 1 <= fl <= limits.max_max_tokens:

@@ -74,13 +74,15 @@ def http_gateway(redis_url: str, files_dir, cluster: str = "a", **kw) -> Gateway
     return GatewayThread(config)
 
 
-def raw_call(url: str, key: str | None = KEY, data: bytes | None = None) -> tuple[int, dict]:
+def raw_call(
+    url: str, key: str | None = KEY, data: bytes | None = None, timeout: float = 10
+) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     req.add_header("Content-Type", "application/json")
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())

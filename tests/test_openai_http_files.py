@@ -66,6 +66,8 @@ def _bad(client, **kw) -> openai.BadRequestError:
 
 
 def test_bad_input_is_400_naming_the_field(bare):
+    """A malformed request is a 400 naming its field; a bad input file is a failed batch
+    (``tests/test_openai_http_input.py``)."""
     url, client = bare
     good = client.files.create(
         file=("g.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": "x"}}])), purpose="batch"
@@ -74,17 +76,9 @@ def test_bad_input_is_400_naming_the_field(bare):
     assert _bad(client, input_file_id=good.id, completion_window="1h").body["param"] == "completion_window"
     tools = [{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}], "tools": []}}]
     f = client.files.create(file=("t.jsonl", jsonl(tools)), purpose="batch")
-    e = _bad(client, input_file_id=f.id)
-    assert "line 1" in e.message and "tools" in e.message and e.body["param"] == "input_file_id"
-    dup = [{"custom_id": "a", "body": {"prompt": "x"}}, {"custom_id": "a", "body": {"prompt": "y"}}]
-    f = client.files.create(file=("d.jsonl", jsonl(dup)), purpose="batch")
-    assert "appears twice" in _bad(client, input_file_id=f.id).message
-    f = client.files.create(file=("j.jsonl", b'{"custom_id": "a",\n'), purpose="batch")
-    assert "not valid JSON" in _bad(client, input_file_id=f.id).message
-    empty = client.files.create(
-        file=("e.jsonl", jsonl([{"custom_id": "a", "body": {"prompt": " "}}])), purpose="batch"
-    )
-    assert "empty prompt" in _bad(client, input_file_id=empty.id).message  # the gateway's own validation
+    failed = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    assert failed.status == "failed" and failed.errors.data[0].line == 1
+    assert "tools" in failed.errors.data[0].message
     with pytest.raises(openai.BadRequestError) as e:
         client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
     assert e.value.body["param"] == "purpose"
