@@ -11,8 +11,8 @@ twice still has exactly one result. The claim side lives in :mod:`workqueue.leas
   clients' (a skewed client clock neither expires live leases nor keeps dead ones);
 * a late completion, by a worker whose lease lapsed after its query was requeued, counts
   and takes the query back out of its queue and its tokens out of ``pending``;
-* a query whose ``max_attempts``-th claim lapses (default 3) fails with its error
-  recorded instead of running forever, and the rest of its batch goes on.
+* a query that used its ``max_attempts`` claims (default 3) fails, with its error recorded,
+  at its next claim instead of running forever, and the rest of its batch goes on.
 
 Batch creation (atomic, idempotent by id), results, lazy cancel and retention live in
 :mod:`workqueue.batches`; moves between clusters happen under the mover lease
@@ -54,8 +54,8 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps):
     """All queue operations on one Redis connection (thread-safe: redis-py pools connections).
 
     ``clock`` stamps records (lease deadlines use Redis time whatever it says);
-    ``max_attempts`` is how many lapsed claims a query gets before it fails (None or 0: no
-    limit); see :mod:`workqueue.leases`.
+    ``max_attempts`` is how many claims a query gets: one popped after that many fails (None
+    or 0: no limit); see :mod:`workqueue.leases`.
     """
 
     def __init__(
