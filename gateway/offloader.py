@@ -29,7 +29,7 @@ from gateway.offload import Backoff, LinkCost, Move, plan_offload
 from gateway.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.rebalance import RebalancePlan, plan_moves
 from gateway.views import cluster_views, queued_loads
-from workqueue import ClusterInfo, QueryResult, WorkQueue
+from workqueue import ClusterInfo, QueryResult, WorkQueue, keys
 from workqueue.queue import MOVE_WINDOW_SLACK
 
 log = logging.getLogger(__name__)
@@ -163,9 +163,8 @@ class Offloader:
             for m in plan.moves
             if m.src in stuck
         )
-        for (
-            name
-        ) in stuck:  # the next tick reads past what stays; from the back again at the front or too deep
+        # the next tick reads past what stays; from the back again once past the front, or too deep
+        for name in stuck:
             depth = skip[name] + len(kept[name])
             self.skip[name] = depth if queued[name] and depth <= MAX_EVACUATE_DEPTH else 0
         return moved
@@ -184,7 +183,7 @@ class Offloader:
         )
         results = {}
         for q in doomed:
-            bid, qid = q.key.split(":", 1)
+            bid, qid = keys.split_gid(q.key)
             results[q.key] = QueryResult(bid, qid, cluster=name, finish_reason="error", error=why)
         n = self.queue.fail_queued(name, results, window + MOVE_WINDOW_SLACK)
         log.error(
