@@ -4,9 +4,10 @@ The loop takes only as many queries as the engine can admit soon (``free_slots``
 work that has not started stays in Redis where an idle cluster can take it. A background
 thread renews the leases of in-flight queries and publishes the cluster heartbeat
 (running, waiting, KV used/free, measured tokens/s), so a long engine step never lets a
-lease lapse, while a dead worker's leases do lapse and its queries are requeued. Each claim
-carries the worker's renewals, so after an outage longer than a lease its requeued queries come
-back to it rather than being handed to it again as new work. A Redis
+lease lapse, while a dead worker's leases do lapse and its queries are requeued. A claim made
+when the last renewal is over a third of a lease old (after an outage, a stopped process)
+carries the worker's renewals, so its queries requeued meanwhile come back to it rather than
+being handed out as new work; other claims carry none (O(claimed) in Redis). A Redis
 outage does not stop the worker: results wait in memory (still leased) and every call to Redis
 is retried with exponential backoff until it answers again.
 """
@@ -83,6 +84,7 @@ class Worker:
         self._retry_at = 0.0  # when the loop may ask Redis again (backoff after an error)
         self._backoff = 0.0
         self._down_since: float | None = None
+        self.renewed_at = time.monotonic()  # when the last renewal of every lease it held began
 
     # ------------------------------------------------------------------ main loop
 
@@ -179,9 +181,7 @@ class Worker:
             self._registered = True
         self._flush()  # results first: after an outage they must not lose to the requeue below
         if now - self._last_requeue > c.requeue_check_s:
-            with self._lock:
-                mine = list(self.inflight)
-            self.queue.renew(c.cluster, mine, c.lease_s, self.worker_id)  # lapsed in an outage: still ours
+            self._renew_all()  # lapsed in an outage: still ours
             n = self.queue.requeue_expired(c.cluster)
             if n:
                 log.warning("requeued %d queries whose worker stopped renewing its lease", n)
@@ -244,10 +244,13 @@ class Worker:
         n = self.engine.free_slots()
         if n <= 0:
             return
+        started = time.monotonic()
+        stale = started - self.renewed_at > self.config.lease_s / 3  # after an outage: take ours back
         with self._lock:
-            mine = list(self.inflight)
-        # the claim renews our leases first: a query of ours requeued after an outage comes back as ours
+            mine = list(self.inflight) if stale else []
         claimed = self.queue.claim(self.config.cluster, n, self.worker_id, self.config.lease_s, renew=mine)
+        if stale:
+            self.renewed_at = started
         for cq in claimed:
             q = cq.query
             with self._lock:
@@ -354,19 +357,24 @@ class Worker:
             attempts=cq.attempts,
         )
 
+    def _renew_all(self) -> list[str]:
+        """Renew (or take back, after a lapse) the lease of every query it runs; returns their gids."""
+        started = time.monotonic()
+        with self._lock:
+            gids = list(self.inflight)
+        self.queue.renew(self.config.cluster, gids, self.config.lease_s, self.worker_id)
+        self.renewed_at = started
+        return gids
+
     def _keep_alive(self) -> None:
         c = self.config
         period = max(0.05, min(c.heartbeat_s, c.lease_s / 3))
         while not self.stop_event.wait(period):
             try:
-                with self._lock:
-                    gids = list(self.inflight)
-                self.queue.renew(c.cluster, gids, c.lease_s, self.worker_id)
+                gids = self._renew_all()
                 s = self._stats
-                remaining = 0.0
                 with self._lock:
-                    for cq in self.inflight.values():
-                        remaining += cq.query.predicted_tokens
+                    remaining = sum((cq.query.predicted_tokens for cq in self.inflight.values()), 0.0)
                 self.queue.heartbeat(
                     c.cluster,
                     c.heartbeat_ttl_s,

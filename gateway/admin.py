@@ -10,7 +10,10 @@ Drains and rebalances move every queued query that fits on an accepting cluster;
 fits on none stays where it is and the answer's ``message`` names it. Removing a cluster
 that holds such a query is ``FAILED_PRECONDITION`` naming it, and changes nothing: the
 cluster is not marked removed, so its engine can still run it (drain the cluster instead,
-cancel the batch, or add a cluster the query fits on).
+cancel the batch, or add a cluster the query fits on); a dry run answers the same. The check
+reads the queue's last 20,000 ids: a query deeper in the queue, or assigned to the cluster just
+before it was marked, is failed alone by the offloader if it fits on no active cluster
+(:mod:`gateway.offloader`).
 """
 
 from __future__ import annotations
@@ -80,9 +83,10 @@ class AdminService(pb_grpc.AdminServiceServicer):
     def _rebalance(self, drain: Sequence[str], dry_run: bool, remove: str = "") -> pb.RebalanceResponse:
         """Plan (and unless ``dry_run``, apply) under the mover lease: one mover at a time, across
         the offloaders of every replica and other rebalances (:mod:`workqueue.mover`). With
-        ``remove``, that cluster is marked removed only if it keeps no queued query."""
+        ``remove``, that cluster is marked removed only if it keeps no queued query (a dry run
+        refuses as the real call would)."""
         if dry_run:
-            return self._plan_and_apply(drain, dry_run)
+            return self._plan_and_apply(drain, dry_run, remove)
         lease = self.d.queue.mover_lease("rebalance", wait_s=MOVER_WAIT_S)
         with lease as held:
             if not held:
@@ -107,7 +111,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
                 + "; ".join(RebalancePlan([], {remove: plan.kept[remove]}).kept_lines())
                 + " (drain it instead, cancel their batches, or add a cluster they fit on)"
             )
-        if remove:  # stop new assignments first, then move the queue away
+        if remove and not dry_run:  # stop new assignments first, then move the queue away
             q.set_cluster_state(remove, "removed")
             log.info("cluster %s removed", remove)
         moves = plan.moves
@@ -202,7 +206,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         if not await self._exists(request.name):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no cluster {request.name!r}")
         infos = await asyncio.to_thread(read_clusters, self.d.queue, [request.name])
-        if infos[0].inflight > 0 and not request.force and not request.dry_run:
+        if infos[0].inflight > 0 and not request.force:  # a dry run answers as the real call would
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"cluster {request.name} has {infos[0].inflight} running queries; drain it first or pass force",

@@ -10,7 +10,13 @@ asking again.
 Every move carries the ids it planned (the atomic ``MOVE_IDS`` Lua script): queries claimed
 or appended between the plan and the move stay where they are. A queued query of a dead or
 draining cluster that fits on no accepting cluster stays in its queue (logged when the set
-of such queries changes); the rest of the queue moves past it.
+of such queries changes); the rest of the queue moves past it: each tick reads a chunk of
+the queue from the back, past the queries already known to stay there (up to
+:data:`MAX_EVACUATE_DEPTH` deep, then again from the back), so any number of them never
+blocks the rest. A removed cluster runs nothing: its queued query that fits on no active
+cluster at all (alive or not) can never run, and is failed alone, once, with an error that
+names the cluster and why (it got there past ``RemoveCluster``'s check: deeper in the queue
+than the check reads, or assigned just before the cluster was marked).
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ from dataclasses import dataclass, field
 
 from gateway.metrics import GatewayMetrics
 from gateway.offload import Backoff, LinkCost, Move, plan_offload
-from gateway.policies import NoClusterError
-from gateway.rebalance import plan_moves
-from gateway.views import MAX_TAIL_READ, cluster_views, queued_loads
-from workqueue import WorkQueue
+from gateway.policies import ClusterView, NoClusterError, QueryLoad
+from gateway.rebalance import RebalancePlan, plan_moves
+from gateway.views import cluster_views, queued_loads
+from workqueue import ClusterInfo, QueryResult, WorkQueue, keys
+from workqueue.queue import MOVE_WINDOW_SLACK
 
 log = logging.getLogger(__name__)
+
+MAX_EVACUATE_DEPTH = 200_000  # queued ids known to stay that evacuation reads past, before it starts again
 
 
 @dataclass
@@ -49,7 +58,8 @@ class Offloader:
         self.metrics = metrics
         self.backoffs: dict[str, Backoff] = {}
         self.moved_total = 0
-        self.kept: dict[str, list[str]] = {}  # per stuck cluster: queued ids that fit on no accepting cluster
+        self.kept: dict[str, list[str]] = {}  # per stuck cluster: queued ids at its back that fit nowhere now
+        self.skip: dict[str, int] = {}  # per stuck cluster: entries at the back of its queue known to stay
 
     def _backoff(self, name: str) -> Backoff:
         if name not in self.backoffs:
@@ -57,10 +67,11 @@ class Offloader:
             self.backoffs[name] = Backoff(base_s=c.backoff_base_s, max_s=c.backoff_max_s)
         return self.backoffs[name]
 
-    def _move(self, move: Move, why: str) -> int:
-        """Carry out ``move``: exactly its planned ids that are still queued on its source."""
+    def _move(self, move: Move, why: str, window: int | None = None) -> int:
+        """Carry out ``move``: exactly its planned ids that are still queued on its source (looked
+        for within ``window`` entries from its back)."""
         src, dst = move.src, move.dst
-        moved, tokens = self.queue.move_ids(src, dst, move.keys)
+        moved, tokens = self.queue.move_ids(src, dst, move.keys, window)
         if moved:
             self.moved_total += moved
             if self.metrics is not None:
@@ -120,33 +131,76 @@ class Offloader:
                 backoff.failed()
         return n_moved
 
-    def _evacuate(self, infos) -> int:
+    def _evacuate(self, infos: list[ClusterInfo]) -> int:
         """Move queued work off clusters that cannot run it (dead, draining, removed); queries that
-        fit on no accepting cluster stay (see :meth:`_report_kept`)."""
+        fit on no accepting cluster stay (see :meth:`_report_kept`), except on a removed cluster
+        when they fit on no active one (:meth:`_fail_stranded`)."""
         views = cluster_views(infos)
         stuck = [v.name for v, i in zip(views, infos, strict=True) if not v.accepting and i.queue_length > 0]
+        self.skip = {name: n for name, n in self.skip.items() if name in stuck}
         if not stuck or not any(v.usable for v in views):
             return 0
-        # bounded reads: only the stuck queues' tails, a chunk (past the queries known to stay) per tick
+        # bounded reads: a chunk of each stuck queue's tail, past the entries known to stay there
         chunk = self.config.evacuate_chunk
-        queued = {
-            name: queued_loads(self.queue, name, min(MAX_TAIL_READ, chunk + len(self.kept.get(name, ()))))
-            for name in stuck
-        }
+        skip = {name: self.skip.get(name, 0) for name in stuck}
+        queued = {name: queued_loads(self.queue, name, chunk, skip[name]) for name in stuck}
         try:
             plan = plan_moves(views, queued, drain=stuck, links=self.config.links)
         except NoClusterError as e:
             log.warning("cannot evacuate %s: %s", ", ".join(stuck), e)
             return 0
-        self._report_kept(
-            {name: [q.key for q in plan.kept.get(name, [])] for name in stuck}, plan.kept_lines()
+        removed = {i.name for i in infos if i.state == "removed"}
+        active = [v for v, i in zip(views, infos, strict=True) if i.state == "active"]
+        kept = {
+            name: self._fail_stranded(name, plan.kept.get(name, []), active, skip[name] + chunk)
+            if name in removed
+            else plan.kept.get(name, [])
+            for name in stuck
+        }
+        self._report_kept({name: kept[name] for name in stuck if skip[name] == 0}, set(stuck))
+        moved = sum(
+            self._move(m, "evacuate", skip[m.src] + chunk + MOVE_WINDOW_SLACK)
+            for m in plan.moves
+            if m.src in stuck
         )
-        return sum(self._move(m, "evacuate") for m in plan.moves if m.src in stuck)
+        # the next tick reads past what stays; from the back again once past the front, or too deep
+        for name in stuck:
+            depth = skip[name] + len(kept[name])
+            self.skip[name] = depth if queued[name] and depth <= MAX_EVACUATE_DEPTH else 0
+        return moved
 
-    def _report_kept(self, kept: dict[str, list[str]], lines: list[str]) -> None:
-        """Log the queries that stay on a stuck cluster when they change (not on every tick)."""
-        kept = {name: ids for name, ids in kept.items() if ids}
-        if kept != self.kept:
-            for line in lines:
-                log.warning("cannot evacuate: %s; they wait for it (or for a cluster they fit on)", line)
-        self.kept = kept
+    def _fail_stranded(
+        self, name: str, kept: list[QueryLoad], active: list[ClusterView], window: int
+    ) -> list[QueryLoad]:
+        """Fail the queries of removed cluster ``name`` that fit on no active cluster (alive or
+        not): nothing can ever run them. Returns the rest, which wait for a cluster they fit on."""
+        doomed = [q for q in kept if not any(v.fits(q) for v in active if v.name != name)]
+        if not doomed:
+            return kept
+        why = (
+            f"cluster {name} was removed while this query was queued on it, and it fits on no other "
+            "active cluster (its prompt + predicted response exceeds their max_query_tokens / KV budget)"
+        )
+        results = {}
+        for q in doomed:
+            bid, qid = keys.split_gid(q.key)
+            results[q.key] = QueryResult(bid, qid, cluster=name, finish_reason="error", error=why)
+        n = self.queue.fail_queued(name, results, window + MOVE_WINDOW_SLACK)
+        log.error(
+            "failed %d queued quer%s of removed cluster %s that fit on no other active cluster: %s",
+            n,
+            "y" if n == 1 else "ies",
+            name,
+            ", ".join(q.key for q in doomed[:10]) + (", ..." if len(doomed) > 10 else ""),
+        )
+        gone = {q.key for q in doomed}
+        return [q for q in kept if q.key not in gone]
+
+    def _report_kept(self, kept: dict[str, list[QueryLoad]], stuck: set[str]) -> None:
+        """Log the queries that stay at the back of a stuck cluster when they change (not on every
+        tick). ``kept``: the clusters whose queue was read from its back this tick."""
+        now = {name: [q.key for q in loads] for name, loads in kept.items() if loads}
+        changed = {name: kept[name] for name in now if now[name] != self.kept.get(name)}
+        for line in RebalancePlan([], changed).kept_lines():
+            log.warning("cannot evacuate: %s; they wait for it (or for a cluster they fit on)", line)
+        self.kept = {n: ids for n, ids in self.kept.items() if n in stuck and n not in kept} | now

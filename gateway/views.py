@@ -77,8 +77,10 @@ def view_proto(view: ClusterView) -> pb.ClusterStatus:
 MAX_TAIL_READ = 20_000  # most queued ids read from one queue at a time (queues may hold millions)
 
 
-def queued_loads(queue: WorkQueue, cluster: str, limit: int = MAX_TAIL_READ) -> list[QueryLoad]:
-    """The last ``limit`` queued queries of a cluster as assigner loads (front first), read from
-    Redis. Reads are bounded: a plan made from them moves at most ``limit`` queries per queue,
-    and the rest move on a later round."""
-    return [QueryLoad(g, 0, t) for g, t in queue.tail(cluster, min(limit, MAX_TAIL_READ))]
+def queued_loads(
+    queue: WorkQueue, cluster: str, limit: int = MAX_TAIL_READ, skip: int = 0
+) -> list[QueryLoad]:
+    """The last ``limit`` queued queries of a cluster (before its last ``skip``) as assigner loads
+    (front first), read from Redis. Reads are bounded: a plan made from them moves at most
+    ``limit`` queries per queue, and the rest move on a later round."""
+    return [QueryLoad(g, 0, t) for g, t in queue.tail(cluster, min(limit, MAX_TAIL_READ), skip)]

@@ -1,4 +1,5 @@
-"""Moving queued work (issue 31, findings 2, 6 and 10): misfits never block a drain, lease
+"""Moving queued work (issue 31, findings 2, 6 and 10, and their review): misfits never block a
+drain (however many), a removed cluster's query that fits nowhere is failed alone, lease
 recovery and evacuation run with ``--no-offload``, and a move carries exactly the planned ids.
 
 Real Redis, real gateways on loopback; clusters get ``max_query_tokens`` limits so that one
@@ -12,6 +13,7 @@ import pytest
 
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.offloader import OffloadConfig, Offloader
+from gateway.views import MAX_TAIL_READ
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, wait_until
@@ -52,7 +54,7 @@ def big_queue(queue: WorkQueue) -> None:
 # ---------------------------------------------------------------- finding 2: misfits never block
 
 
-@pytest.mark.parametrize("how", ["removed", "draining", "dead"])
+@pytest.mark.parametrize("how", ["draining", "dead"])
 def test_evacuation_moves_everything_but_a_misfit_and_keeps_the_misfit_where_it_is(redis_url, how, caplog):
     queue = WorkQueue(connect(redis_url))
     fleet(queue, big_state="active" if how == "dead" else how)
@@ -99,15 +101,98 @@ def test_removing_a_cluster_that_holds_a_query_nobody_else_can_take_is_refused_a
     assert "b:huge" in e.value.details()
     big = queue.clusters(["big"])[0]
     assert (big.state, big.queue_length) == ("active", 11)  # not removed, nothing moved
-    # a dry run shows the plan and names the query that would stay
-    plan = admin.RemoveCluster(pb.RemoveClusterRequest(name="big", dry_run=True), metadata=MD)
-    assert sum(m.count for m in plan.moves) == 10 and "b:huge" in plan.message
-    assert queue.clusters(["big"])[0].queue_length == 11
+    # a dry run answers as the real call would, and changes nothing either
+    with pytest.raises(grpc.RpcError) as e:
+        admin.RemoveCluster(pb.RemoveClusterRequest(name="big", dry_run=True), metadata=MD)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "b:huge" in e.value.details()
+    big = queue.clusters(["big"])[0]
+    assert (big.state, big.queue_length) == ("active", 11)
     # once the misfit is gone (cancelled, finished), the cluster can be removed
     queue.complete("b:huge", {"batch_id": "b", "query_id": "huge", "finish_reason": "stop"})
     removed = admin.RemoveCluster(pb.RemoveClusterRequest(name="big"), metadata=MD)
     assert sum(m.moved for m in removed.moves) == 10
     assert queue.clusters(["big"])[0].state == "removed"
+    assert check(queue.r) == []
+
+
+def test_a_dry_run_remove_of_a_cluster_that_runs_queries_is_refused_as_the_real_call(admin_gateway):
+    admin, queue = admin_gateway
+    fleet(queue)
+    queue.create_batch("b", [(small(0), "big")])
+    queue.claim("big", 1, "w", lease_s=60)
+    for dry_run in (True, False):
+        with pytest.raises(grpc.RpcError) as e:
+            admin.RemoveCluster(pb.RemoveClusterRequest(name="big", dry_run=dry_run), metadata=MD)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "running" in e.value.details()
+    plan = admin.RemoveCluster(pb.RemoveClusterRequest(name="big", dry_run=True, force=True), metadata=MD)
+    assert not plan.applied and queue.clusters(["big"])[0].state == "active"
+
+
+def test_a_removed_clusters_query_that_fits_nowhere_is_failed_alone_once(redis_url, caplog):
+    """Review of issue 31: a misfit that reached a removed cluster past RemoveCluster's check (deeper
+    than it reads, or assigned just before the mark) would wait forever, as the removed cluster claims
+    nothing. The offloader fails it alone with a clear error; the rest of the queue moves."""
+    queue = WorkQueue(connect(redis_url))
+    fleet(queue, big_state="removed")
+    big_queue(queue)
+    offloader = Offloader(queue)
+    assert offloader.tick() == 10
+    assert queue.queued_ids("big") == [] and len(queue.queued_ids("a")) == 10
+    (row,) = queue.results("b")
+    assert (row["query_id"], row["finish_reason"], row["cluster"]) == ("huge", "error", "big")
+    assert "cluster big was removed" in row["error"] and "fits on no other active cluster" in row["error"]
+    info = queue.batch("b")
+    assert (info.failed, info.completed, info.status) == (1, 0, "in_progress")
+    assert "b:huge" in caplog.text and "removed cluster big" in caplog.text
+    assert queue.clusters(["big"])[0].pending_tokens == 0
+    assert check(queue.r) == []
+    assert offloader.tick() == 0 and len(queue.results("b")) == 1  # once
+
+
+def test_a_removed_clusters_misfit_that_fits_on_a_dead_active_cluster_waits_for_it(redis_url):
+    queue = WorkQueue(connect(redis_url))
+    fleet(queue, big_state="removed")
+    queue.register_cluster("big2", capacity_hint_tps=100)  # no limit, but its engine is down
+    big_queue(queue)
+    Offloader(queue).tick()
+    assert queue.queued_ids("big") == ["b:huge"] and queue.results("b") == []
+    assert check(queue.r) == []
+
+
+def test_remove_with_a_misfit_deeper_than_the_check_reads_fails_it_and_evacuates_the_rest(admin_gateway):
+    admin, queue = admin_gateway
+    fleet(queue)
+    n = MAX_TAIL_READ + 100
+    rows = [(huge("huge"), "big")] + [(small(i), "big") for i in range(n)]  # the misfit at the head
+    assert queue.create_batch("b", rows)
+    removed = admin.RemoveCluster(pb.RemoveClusterRequest(name="big"), metadata=MD)  # its check passes
+    assert sum(m.moved for m in removed.moves) == MAX_TAIL_READ
+    offloader = Offloader(queue, OffloadConfig(evacuate_chunk=5000))
+    for _ in range(20):
+        if not queue.queued_ids("big"):
+            break
+        offloader.tick()
+    assert queue.queued_ids("big") == []
+    (row,) = queue.results("b")
+    assert row["query_id"] == "huge" and "cluster big was removed" in row["error"]
+    assert queue.clusters(["a"])[0].queue_length == n
+    assert check(queue.r) == []
+
+
+def test_evacuation_reads_past_any_number_of_misfits(redis_url):
+    """More misfits than one read holds (the offloader read at most 20,000 ids from the back) must not
+    block the queries in front of them."""
+    queue = WorkQueue(connect(redis_url))
+    fleet(queue, big_state="draining")
+    rows = [(small(i), "big") for i in range(10)] + [(huge(f"h{i}"), "big") for i in range(MAX_TAIL_READ)]
+    assert queue.create_batch("b", rows)
+    offloader = Offloader(queue, OffloadConfig(evacuate_chunk=5000))
+    for _ in range(20):
+        if len(queue.queued_ids("a")) == 10:
+            break
+        offloader.tick()
+    assert sorted(queue.queued_ids("a")) == sorted(f"b:q{i}" for i in range(10))
+    assert queue.clusters(["big"])[0].queue_length == MAX_TAIL_READ and queue.results("b") == []
     assert check(queue.r) == []
 
 

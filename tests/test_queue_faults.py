@@ -1,5 +1,6 @@
 """Queue faults of issue 13 (R1, R2, R3, R5) against a real Redis: late completions, skewed
-clocks, concurrent and half-done batch creation, poison queries.
+clocks, concurrent and half-done batch creation, poison queries (which give up at their next
+claim, so a live worker on its last attempt can take its query back after a long outage).
 
 Lapsed leases come from negative lease times (the deadline is already past when the claim
 returns), not from sleeping; the one test that needs a lease to run out in real time sleeps
@@ -11,7 +12,10 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from workqueue import QueuedQuery, WorkQueue, connect, keys
+from workqueue.invariants import check
 
 
 def make_queue(url: str, **kw) -> WorkQueue:
@@ -204,20 +208,30 @@ def test_half_created_batch_is_overwritten(redis_url):
 # ---------------------------------------------------------------------- R5: poison queries
 
 
+def lapse_after_crashes(q: WorkQueue, gid: str, times: int) -> None:
+    """``times`` workers claim the head query ``gid`` and die: each lease lapses and is requeued."""
+    for attempt in range(1, times + 1):
+        (c,) = q.claim("a", 1, f"crashing-worker-{attempt}", lease_s=-1.0)
+        assert (c.query.gid, c.attempts) == (gid, attempt)
+        assert q.requeue_expired("a") == 1  # the worker died: its lease lapsed, the query goes back
+
+
 def test_poison_query_fails_after_max_attempts_and_the_batch_goes_on(redis_url):
     q = make_queue(redis_url)  # max_attempts defaults to 3
     assert q.create_batch("b1", [(x, "a") for x in queries("b1", 3)])
-    for attempt in (1, 2, 3):
-        (c,) = q.claim("a", 1, f"crashing-worker-{attempt}", lease_s=-1.0)
-        assert (c.query.gid, c.attempts) == ("b1:q0", attempt)
-        q.requeue_expired("a")  # the worker died: its lease lapsed
-    assert q.queued_ids("a") == ["b1:q1", "b1:q2"], "the poison query was requeued again"
+    lapse_after_crashes(q, "b1:q0", 3)
+    # requeued like any lapsed lease: it fails at its next claim, not before
+    assert q.queued_ids("a") == ["b1:q0", "b1:q1", "b1:q2"] and abs(pending(q, "a") - 30.0) < 1e-6
+    assert q.batch("b1").failed == 0
+    got = q.claim("a", 5, "good-worker", 30)
+    assert [c.query.gid for c in got] == ["b1:q1", "b1:q2"], "the poison query was handed out again"
     (row,) = q.results("b1")
-    assert row["query_id"] == "q0" and row["finish_reason"] == "error"
+    assert row["query_id"] == "q0" and row["finish_reason"] == "error" and row["cluster"] == "a"
     assert "failed 3 times" in row["error"] and row["attempts"] == 3
     info = q.batch("b1")
     assert (info.status, info.failed) == ("in_progress", 1)
-    for c in q.claim("a", 5, "good-worker", 30):
+    assert check(q.r) == []
+    for c in got:
         q.complete(c.query.gid, {"query_id": c.query.query_id}, "completed", 2)
     info = q.batch("b1")
     assert (info.status, info.completed, info.failed) == ("completed", 2, 1)
@@ -227,13 +241,65 @@ def test_poison_query_fails_after_max_attempts_and_the_batch_goes_on(redis_url):
     assert q.complete("b1:q0", {"query_id": "q0"}) == -1
 
 
+@pytest.mark.parametrize("how", ["claim", "keeper"])
+def test_a_live_worker_on_its_last_attempt_takes_its_query_back_after_a_long_outage(redis_url, how):
+    """Review of issue 31: the query's max_attempts-th lease lapsed in a Redis outage while its worker
+    lived. The requeue must not fail it: the worker's renewal (with its claim, or its keeper's) takes it
+    back and its real result is the one written."""
+    q = make_queue(redis_url)
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 2)])
+    lapse_after_crashes(q, "b1:q0", 2)
+    (mine,) = q.claim("a", 1, "live-worker", 30)
+    assert mine.attempts == 3
+    q.r.zadd(keys.inflight("a"), {mine.query.gid: 0}, xx=True)  # the outage outlasted its lease
+    assert q.requeue_expired("a") == 1  # Redis is back: the offloader requeues before the worker renews
+    assert q.batch("b1").failed == 0 and q.results("b1") == []
+    if how == "claim":
+        (other,) = q.claim("a", 1, "live-worker", 30, renew=[mine.query.gid])
+        assert other.query.gid == "b1:q1"
+    else:
+        assert q.renew("a", [mine.query.gid], 30, worker_id="live-worker") == 1
+    assert mine.query.gid in q.inflight_ids("a") and "b1:q0" not in q.queued_ids("a")
+    assert q.complete(mine.query.gid, {"query_id": "q0", "text": "real"}, "completed", 3) == 0
+    (row,) = q.results("b1")
+    assert row["text"] == "real"
+    info = q.batch("b1")
+    assert (info.completed, info.failed) == (1, 0)
+    assert check(q.r) == []
+
+
+def test_a_poison_query_moved_to_another_cluster_fails_at_its_claim_there(redis_url):
+    """A dead cluster's poison query, requeued and then evacuated, still gives up at its next claim."""
+    q = make_queue(redis_url)
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 2)])
+    q.register_cluster("b")
+    lapse_after_crashes(q, "b1:q0", 3)
+    assert q.move_tail("a", "b", 2) == (2, 20.0)
+    (c,) = q.claim("b", 5, "w-b", 30)
+    assert c.query.gid == "b1:q1"
+    (row,) = q.results("b1")
+    assert row["query_id"] == "q0" and row["cluster"] == "b" and "failed 3 times" in row["error"]
+    assert q.queued_ids("b") == [] and abs(pending(q, "b")) < 1e-6
+    assert check(q.r) == []
+
+
 def test_max_attempts_is_configurable_and_counts_released_queries(redis_url):
     q = make_queue(redis_url, max_attempts=1)
     assert q.max_attempts == 1
     assert q.create_batch("b1", [(x, "a") for x in queries("b1", 1)])
     (c,) = q.claim("a", 1, "w", 30)
-    assert q.release("a", [c.query.gid]) == 0  # given back by a failing engine: no attempt left
+    assert q.release("a", [c.query.gid]) == 1  # given back by a failing engine: queued again
+    assert q.claim("a", 1, "w2", 30) == []  # no attempt left: it fails at its next claim
     info = q.batch("b1")
     assert (info.status, info.failed) == ("failed", 1)
     assert "failed 1 time " in q.results("b1")[0]["error"]
     assert q.queued_ids("a") == [] and query_keys(q) == []
+    assert abs(pending(q, "a")) < 1e-6
+
+
+def test_without_a_limit_a_query_is_claimed_again_and_again(redis_url):
+    q = make_queue(redis_url, max_attempts=None)
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 1)])
+    lapse_after_crashes(q, "b1:q0", 5)
+    (c,) = q.claim("a", 1, "w", 30)
+    assert c.attempts == 6 and q.results("b1") == []

@@ -1,8 +1,11 @@
 """Random interleavings of several clients on a real Redis keep the queue's invariants.
 
-Hypothesis drives submit, claim (with live or already-lapsed leases), renew, requeue of lapsed
-leases, completion (also late, by a worker whose lease lapsed), tail moves, moves of planned ids and cancel across
-three clients; :func:`workqueue.invariants.check` runs after every step. Lapsed leases come from
+Hypothesis drives submit, claim (with live or already-lapsed leases, carrying the worker's
+renewals or not), renew (plain, or a worker's reassert, which takes back its requeued queries),
+requeue of lapsed leases, give-ups at a claim after max_attempts, completion (also late, by a
+worker whose lease lapsed), tail moves, moves and failures of planned ids and cancel across three
+clients; :func:`workqueue.invariants.check` runs after every step. A worker's held ids lapse, get
+requeued, moved, claimed by others or finished before it reasserts them. Lapsed leases come from
 negative lease times, not from sleeping.
 """
 
@@ -24,7 +27,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from workqueue import QueuedQuery, WorkQueue, connect
+from workqueue import QueryResult, QueuedQuery, WorkQueue, connect
 from workqueue.invariants import check
 
 CLUSTERS = ("a", "b", "c")
@@ -63,9 +66,12 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
             c=st.sampled_from(CLUSTERS),
             n=st.integers(1, 3),
             lapsed=st.booleans(),
+            carry=st.booleans(),
         )
-        def claim(self, who, c, n, lapsed):
-            got = self.clients[who].claim(c, n, f"w{who}", -5.0 if lapsed else 30.0)
+        def claim(self, who, c, n, lapsed, carry):
+            """A claim, carrying the worker's renewals (of whatever it held, on any cluster) or not."""
+            renew = list(self.held[who]) if carry else []
+            got = self.clients[who].claim(c, n, f"w{who}", -5.0 if lapsed else 30.0, renew=renew)
             self.held[who] += [cq.query.gid for cq in got]
             return multiple(*[(who, cq.query.gid) for cq in got])
 
@@ -80,6 +86,21 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
         def renew(self, who) -> None:
             for c in CLUSTERS:
                 self.clients[who].renew(c, self.held[who], 30.0)
+
+        @rule(who=st.integers(0, 2), c=st.sampled_from(CLUSTERS), lapsed=st.booleans())
+        def reassert(self, who, c, lapsed) -> None:
+            """The worker's keeper renews by worker id: its requeued queries still on c come back to it."""
+            self.clients[who].renew(c, self.held[who], -5.0 if lapsed else 30.0, worker_id=f"w{who}")
+
+        @rule(
+            who=st.integers(0, 2), c=st.sampled_from(CLUSTERS), picks=st.lists(st.integers(0, 30), max_size=3)
+        )
+        def fail_planned_ids(self, who, c, picks) -> None:
+            """Ids read from a queue (repeats, ones that left since) are failed only if still queued there."""
+            seen = self.clients[who].queued_ids(c) + self.clients[who].inflight_ids(c)
+            gids = [seen[p % len(seen)] for p in picks] if seen else []
+            rows = {g: QueryResult(*g.split(":", 1), finish_reason="error", error="test") for g in gids}
+            self.clients[who].fail_queued(c, rows)
 
         @rule(who=st.integers(0, 2), c=st.sampled_from(CLUSTERS))
         def requeue_lapsed(self, who, c) -> None:
@@ -130,5 +151,5 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
 def test_random_interleavings_keep_the_invariants(redis_server):
     run_state_machine_as_test(
         make_machine(redis_server.url),
-        settings=settings(max_examples=200, stateful_step_count=40, deadline=None, print_blob=True),
+        settings=settings(max_examples=170, stateful_step_count=40, deadline=None, print_blob=True),
     )

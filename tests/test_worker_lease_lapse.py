@@ -17,14 +17,35 @@ def lapse(queue: WorkQueue, cluster: str, gid: str) -> None:
     queue.r.zadd(keys.inflight(cluster), {gid: 0}, xx=True)
 
 
-def make_worker(queue: WorkQueue) -> Worker:
+def outage(worker: Worker) -> None:
+    """The worker could not renew for a whole lease (Redis was down, or the process stopped)."""
+    worker.renewed_at -= worker.config.lease_s
+
+
+def make_worker(queue: WorkQueue, lease_s: float = 15.0, **engine_kw) -> Worker:
     tok = default_tokenizer()
     engine = LLMEngine(
         build_model("llama", "nano", tokenizer=tok, seed=3),
         tok,
-        EngineConfig(kv_budget_tokens=512, block_size=4),
+        EngineConfig(kv_budget_tokens=512, block_size=4, **engine_kw),
     )
-    return Worker(queue, engine, WorkerConfig(cluster="w", backend="native", record_observed=False))
+    config = WorkerConfig(cluster="w", backend="native", record_observed=False, lease_s=lease_s)
+    return Worker(queue, engine, config)
+
+
+class ClaimSpy:
+    """Records the ``renew`` list of every claim the worker makes (the real claim runs)."""
+
+    def __init__(self, queue: WorkQueue) -> None:
+        self.claim = queue.claim
+        self.renews: list[tuple[list[str], int]] = []  # (renew, queries the worker held)
+        self.held = lambda: 0
+        queue.claim = self  # type: ignore[method-assign]
+
+    def __call__(self, cluster, n, worker_id, lease_s, renew=()):
+        renew = list(renew)
+        self.renews.append((renew, self.held()))
+        return self.claim(cluster, n, worker_id, lease_s, renew=renew)
 
 
 def test_a_requeued_query_the_worker_still_runs_is_not_failed(redis_url):
@@ -34,6 +55,7 @@ def test_a_requeued_query_the_worker_still_runs_is_not_failed(redis_url):
     worker = make_worker(queue)
     worker._queue_work()  # the loop's Redis round: it claims the query
     assert list(worker.inflight) == [q.gid] and worker.engine.has_unfinished()
+    outage(worker)
     lapse(queue, "w", q.gid)
     assert queue.requeue_expired("w") == 1  # the offloader, before the worker's keeper renews
     assert worker.run(max_queries=1) == 1
@@ -74,3 +96,38 @@ def test_a_claim_takes_back_the_workers_own_requeued_queries_first(redis_url):
     assert queue.requeue_expired("w") == 1
     assert queue.renew("w", ["b1:q0"], 30, worker_id="w1") == 1
     assert queue.queued_ids("w") == ["b1:q2"] and "b1:q0" in queue.inflight_ids("w")
+
+
+def test_claims_carry_no_renewals_while_the_keeper_renews(redis_url):
+    """Review of issue 31: every claim passed every running gid (O(running) Lua per claim). A real
+    run with two engine slots: queries finish one by one and each freed slot is claimed while the
+    other query runs; with the keeper's renewals fresh, no claim carries any."""
+    queue = WorkQueue(connect(redis_url))
+    qs = [QueuedQuery("b1", f"q{i}", f"prompt {i}", 64, 6, 8.0, forced_length=4 + 6 * i) for i in range(6)]
+    assert queue.create_batch("b1", [(x, "w") for x in qs])
+    worker = make_worker(queue, lease_s=600.0, max_running=2, queue_depth=0)
+    spy = ClaimSpy(queue)
+    spy.held = lambda: len(worker.inflight)
+    assert worker.run(max_queries=6) == 6
+    assert queue.batch("b1").completed == 6
+    assert any(held for _, held in spy.renews), "no claim was made while a query ran"
+    assert [r for r, _ in spy.renews if r] == [], "a claim carried renewals though the keeper renewed"
+
+
+def test_after_an_outage_the_claim_carries_the_renewals_and_takes_its_query_back(redis_url):
+    queue = WorkQueue(connect(redis_url))
+    assert queue.create_batch("b1", [(QueuedQuery("b1", "q0", "p", 64, 6, 20.0, forced_length=20), "w")])
+    worker = make_worker(queue)
+    spy = ClaimSpy(queue)
+    worker._queue_work()  # claims q0
+    assert list(worker.inflight) == ["b1:q0"]
+    outage(worker)
+    lapse(queue, "w", "b1:q0")
+    assert queue.requeue_expired("w") == 1
+    assert queue.create_batch("b2", [(QueuedQuery("b2", "q1", "p", 64, 6, 20.0, forced_length=20), "w")])
+    worker._admit()
+    assert spy.renews[-1][0] == ["b1:q0"]
+    assert sorted(worker.inflight) == ["b1:q0", "b2:q1"]
+    assert queue.queued_ids("w") == [] and queue.r.hget(keys.query("b1:q0"), "attempts") == "1"
+    worker._admit()  # the renewal just went with the claim: the next claim carries none
+    assert spy.renews[-1][0] == []

@@ -17,13 +17,16 @@ queue, taking the requeued id out of its queue and its tokens out of the cluster
 ``pending`` counter.
 
 **max_attempts** (default 3; ``None`` or 0: no limit) bounds how often one query is run.
-The check is in the requeue, where a lost attempt is seen: when a lease lapses (or is given
-back by :meth:`LeaseOps.release`) and that claim was the query's ``max_attempts``-th, the
-query is not requeued but finished as ``failed``, with a result whose ``finish_reason`` is
-``error`` and whose ``error`` says it failed that many times. It counts in its batch's
-``failed`` count and the rest of the batch goes on. Deciding there (rather than at the
-next claim) keeps a poison query out of every queue, the ``pending`` counters and tail
-moves, and fails it as soon as its last attempt is known to be lost.
+A lapsed lease (or one given back by :meth:`LeaseOps.release`) always goes back to the queue;
+the check is in the claim: a query popped after it already had ``max_attempts`` claims is
+not handed out but finished as ``failed``, with a result whose ``finish_reason`` is ``error``
+and whose ``error`` says it failed that many times. It counts in its batch's ``failed``
+count and the rest of the batch goes on. Deciding there (rather than when the lease lapses)
+lets a worker that is alive take back its query on its last attempt after a Redis outage
+outlasted the lease: its claim's or its keeper's renewal reasserts the query before anyone
+pops it, so its real result is written; a worker that really died never comes back, and the
+next claim, on this cluster or on the one the query was moved to, fails it. Until then the
+query is queued like any other (in its queue, its cluster's ``pending`` counter, movable).
 """
 
 from __future__ import annotations
@@ -71,10 +74,17 @@ class LeaseOps:
         if n <= 0 and not renew:
             return []
         now = self.clock()
-        flat = self._claim(
+        gave_up, *flat = self._claim(
             keys=[keys.queue(cluster), keys.inflight(cluster), keys.pending(cluster)],
-            args=[cluster, max(0, n), float(lease_s), worker_id, now, *renew],
+            args=[cluster, max(0, n), float(lease_s), worker_id, now, self.max_attempts, *renew],
         )
+        if int(gave_up):
+            log.warning(
+                "%s: %d queries failed: each had used its %d attempts (their workers died or lost their leases)",
+                cluster,
+                int(gave_up),
+                self.max_attempts,
+            )
         out = []
         for i in range(0, len(flat), 4):
             _, payload, attempts, enqueued_at = flat[i : i + 4]
@@ -102,8 +112,8 @@ class LeaseOps:
 
     def release(self, cluster: str, gids: Iterable[str]) -> int:
         """Give claimed queries back now (their worker cannot finish them): their leases end and they
-        return to the head of the queue, as a lapsed lease would make them (a query on its last
-        attempt fails instead). Returns how many were requeued."""
+        return to the head of the queue, as a lapsed lease would make them (one that used its last
+        attempt fails at its next claim). Returns how many were requeued."""
         gids = list(gids)
         if not gids:
             return 0
@@ -111,20 +121,13 @@ class LeaseOps:
         return self.requeue_expired(cluster)
 
     def requeue_expired(self, cluster: str) -> int:
-        """Put queries whose lease lapsed (in Redis time) back at the head of the queue; those that
-        used their ``max_attempts`` fail instead. Returns how many were requeued."""
-        requeued, failed = self._requeue(
-            keys=[keys.inflight(cluster), keys.queue(cluster), keys.pending(cluster)],
-            args=[cluster, self.max_attempts, self.clock()],
-        )
-        if int(failed):
-            log.warning(
-                "%s: %d queries failed after %d attempts (their workers died or lost their leases)",
-                cluster,
-                int(failed),
-                self.max_attempts,
+        """Put queries whose lease lapsed (in Redis time) back at the head of the queue (those that used
+        their ``max_attempts`` fail at their next claim). Returns how many were requeued."""
+        return int(
+            self._requeue(
+                keys=[keys.inflight(cluster), keys.queue(cluster), keys.pending(cluster)], args=[cluster]
             )
-        return int(requeued)
+        )
 
     def complete(
         self,

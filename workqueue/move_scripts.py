@@ -1,6 +1,9 @@
-"""Lua scripts that move queued work between clusters' queues (offloading, evacuation, rebalance).
+"""Lua scripts that take planned ids out of a cluster's queue: to move them to another cluster's
+queue (offloading, evacuation, rebalance) or to fail them (a removed cluster's queries that can
+run nowhere else).
 
 They share :data:`workqueue.scripts.PRELUDE` and the rules :mod:`workqueue.scripts` lists, plus
+``take``: how planned ids are found (from the back, in pages, within a window) and removed, and
 ``land``: how moved ids arrive on the destination (its queue tail, the ``pending`` counters and
 the clusters' move statistics), the same for every kind of move.
 """
@@ -30,6 +33,29 @@ local function land(moved, src, dst)
   redis.call('INCRBYFLOAT', KEYS[4], tokens)
   return tokens
 end
+
+-- Take the ids of the set `want` (`left` of them) out of `queue`, looked for from the back, in pages, until all
+-- are found or `window` entries were seen: their slots become tombstones that one LREM from the tail removes.
+-- Cost: O(how far from the back the farthest one stands). Returns those with a query hash, back first.
+local function take(queue, window, want, left)
+  local TOMB, found, removed, seen = '\0taking', {}, 0, 0
+  window = math.min(window, redis.call('LLEN', queue))
+  while left > 0 and seen < window do
+    local page = math.min(1000, window - seen)
+    local ids = redis.call('LRANGE', queue, -(seen + page), -(seen + 1))
+    for i = #ids, 1, -1 do
+      local g = ids[i]
+      if want[g] then
+        want[g], left, removed = nil, left - 1, removed + 1
+        redis.call('LSET', queue, -(seen + #ids - i + 1), TOMB)
+        if redis.call('EXISTS', k_query(g)) == 1 then found[#found + 1] = g end
+      end
+    end
+    seen = seen + page
+  end
+  if removed > 0 then redis.call('LREM', queue, -removed, TOMB) end
+  return found
+end
 """
 )
 
@@ -55,23 +81,31 @@ return {#moved, tostring(land(moved, ARGV[1], ARGV[2]))}
 MOVE_IDS = (
     MOVE_PRELUDE
     + r"""
-local TOMB, want, left, found, removed, seen = '\0moving', {}, 0, {}, 0, 0
+local want, left = {}, 0
 for i = 4, #ARGV do if not want[ARGV[i]] then want[ARGV[i]] = true; left = left + 1 end end
-local window = math.min(tonumber(ARGV[3]), redis.call('LLEN', KEYS[1]))
-while left > 0 and seen < window do
-  local page = math.min(1000, window - seen)
-  local ids = redis.call('LRANGE', KEYS[1], -(seen + page), -(seen + 1))
-  for i = #ids, 1, -1 do
-    local g = ids[i]
-    if want[g] then
-      want[g], left, removed = nil, left - 1, removed + 1
-      redis.call('LSET', KEYS[1], -(seen + #ids - i + 1), TOMB)
-      if redis.call('EXISTS', k_query(g)) == 1 then found[#found + 1] = g end
-    end
-  end
-  seen = seen + page
-end
-if removed > 0 then redis.call('LREM', KEYS[1], -removed, TOMB) end
+local found = take(KEYS[1], tonumber(ARGV[3]), want, left)
 return {#found, tostring(land(found, ARGV[1], ARGV[2]))}
+"""
+)
+
+# KEYS: queue, pending of the cluster. ARGV: cluster, window, now, then gid, result JSON pairs. Those ids still
+# queued on the cluster (looked for as MOVE_IDS does) leave its queue and its pending counter and are finished as
+# failed with their result (write-once: ``finish``). Returns how many were failed.
+FAIL_IDS = (
+    MOVE_PRELUDE
+    + r"""
+local now, rows, want, left = ARGV[3], {}, {}, 0
+for i = 4, #ARGV - 1, 2 do
+  if not want[ARGV[i]] then want[ARGV[i]], rows[ARGV[i]], left = true, ARGV[i + 1], left + 1 end
+end
+local n, tokens = 0, 0
+for _, g in ipairs(take(KEYS[1], tonumber(ARGV[2]), want, left)) do
+  local q = k_query(g)
+  tokens = tokens + tonumber(redis.call('HGET', q, 'tokens') or '0')
+  redis.call('HSET', q, 'state', 'failing')  -- out of the queue already: finish() must not scan it
+  if finish(g, rows[g], 'failed', 0, now) >= 0 then n = n + 1 end
+end
+redis.call('INCRBYFLOAT', KEYS[2], -tokens)
+return n
 """
 )

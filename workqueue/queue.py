@@ -11,8 +11,8 @@ twice still has exactly one result. The claim side lives in :mod:`workqueue.leas
   clients' (a skewed client clock neither expires live leases nor keeps dead ones);
 * a late completion, by a worker whose lease lapsed after its query was requeued, counts
   and takes the query back out of its queue and its tokens out of ``pending``;
-* a query whose ``max_attempts``-th claim lapses (default 3) fails with its error
-  recorded instead of running forever, and the rest of its batch goes on.
+* a query that used its ``max_attempts`` claims (default 3) fails, with its error recorded,
+  at its next claim instead of running forever, and the rest of its batch goes on.
 
 Batch creation (atomic, idempotent by id), results, lazy cancel and retention live in
 :mod:`workqueue.batches`; moves between clusters happen under the mover lease
@@ -38,6 +38,8 @@ from workqueue.mover import MoverLease
 from workqueue.records import (
     ClusterInfo,
     Observation,
+    QueryResult,
+    QueryState,
     as_float,
     as_int,
 )
@@ -54,8 +56,8 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps):
     """All queue operations on one Redis connection (thread-safe: redis-py pools connections).
 
     ``clock`` stamps records (lease deadlines use Redis time whatever it says);
-    ``max_attempts`` is how many lapsed claims a query gets before it fails (None or 0: no
-    limit); see :mod:`workqueue.leases`.
+    ``max_attempts`` is how many claims a query gets: one popped after that many fails (None
+    or 0: no limit); see :mod:`workqueue.leases`.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps):
         self._init_intake_ops(client)
         self._move_tail = client.register_script(move_scripts.MOVE_TAIL)
         self._move_ids = client.register_script(move_scripts.MOVE_IDS)
+        self._fail_ids = client.register_script(move_scripts.FAIL_IDS)
 
     @classmethod
     def from_url(cls, url: str, **kw) -> WorkQueue:
@@ -233,13 +236,30 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps):
             announce(self.r, [dst])
         return int(moved), float(tokens)
 
+    def fail_queued(self, cluster: str, results: Mapping[str, QueryResult], window: int | None = None) -> int:
+        """Fail those of the queries ``results`` names (gid -> its failed result) still queued on
+        ``cluster``: each leaves the queue and the ``pending`` counter and gets its result once, as
+        :meth:`complete` writes it. They are looked for as :meth:`move_ids` looks for its ids (from
+        the back, ``window`` entries). Returns how many were failed."""
+        bad = [g for g, r in results.items() if r.outcome.state != QueryState.FAILED]
+        if bad:
+            raise ValueError(f"fail_queued takes failed results only: {', '.join(bad[:5])}")
+        if not results:
+            return 0
+        window = len(results) + MOVE_WINDOW_SLACK if window is None else window
+        args: list[str | int | float] = [cluster, max(1, int(window)), self.clock()]
+        for g, r in results.items():
+            args += [g, r.to_json()]
+        return int(self._fail_ids(keys=[keys.queue(cluster), keys.pending(cluster)], args=args))
+
     def wake_listener(self, cluster: str) -> WakeListener:
         """A subscription that ends an idle worker's wait when queries land in ``cluster``'s queue."""
         return WakeListener(self.r, cluster)
 
-    def tail(self, cluster: str, n: int) -> list[tuple[str, float]]:
-        """The last ``n`` queued query ids of a cluster (back of the queue last) with their predicted tokens."""
-        gids = self.r.lrange(keys.queue(cluster), -n, -1) if n > 0 else []
+    def tail(self, cluster: str, n: int, skip: int = 0) -> list[tuple[str, float]]:
+        """The last ``n`` queued query ids of a cluster before its last ``skip`` (back of the queue
+        last) with their predicted tokens."""
+        gids = self.r.lrange(keys.queue(cluster), -(skip + n), -(skip + 1)) if n > 0 else []
         if not gids:
             return []
         pipe = self.r.pipeline(transaction=False)

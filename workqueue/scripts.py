@@ -26,9 +26,10 @@ Rules the scripts keep:
 * **Finished batches expire.** When a batch reaches a final state, its hash, results and
   done set get a TTL of the batch's ``retention_s`` (set at creation; 0 keeps them forever).
   A late completion for a batch that already expired records nothing.
-* **Poison queries fail.** REQUEUE_EXPIRED gives up on a query whose lapsed lease was its
-  ``max_attempts``-th claim: it is finished as ``failed`` (``finish_reason`` ``error``) and
-  the rest of its batch goes on.
+* **Poison queries fail at their next claim.** REQUEUE_EXPIRED puts every lapsed query back;
+  CLAIM gives up on a popped query that already used its ``max_attempts`` claims: it is
+  finished as ``failed`` (``finish_reason`` ``error``) and the rest of its batch goes on.
+  Until then its live owner (an outage outlasted its lease) can still take it back.
 """
 
 from __future__ import annotations
@@ -162,29 +163,35 @@ return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5])
 )
 
 # KEYS: queue, inflight, pending of the cluster. ARGV: cluster, n, lease seconds, worker id, now (caller's clock: timestamps only),
-# then the gids the worker runs, renewed first (``reassert``). Leases end at Redis time + lease seconds.
-# Returns a flat list: gid, payload, attempts, enqueued_at, ... for each newly claimed query.
+# max attempts (0: no limit), then the gids the worker runs, renewed first (``reassert``). Leases end at Redis time +
+# lease seconds. A popped query that already had max attempts claims is finished as failed (it gave up), not handed out.
+# Returns a flat list: how many gave up, then gid, payload, attempts, enqueued_at, ... for each newly claimed query.
 CLAIM = (
     PRELUDE
     + r"""
-local c, n, worker, now = ARGV[1], tonumber(ARGV[2]), ARGV[4], ARGV[5]
+local c, n, worker, now, max_attempts = ARGV[1], tonumber(ARGV[2]), ARGV[4], ARGV[5], tonumber(ARGV[6])
 local deadline = server_now() + tonumber(ARGV[3])
-reassert(c, worker, deadline, KEYS[2], KEYS[1], KEYS[3], 6)
-local out = {}
-local taken = 0
+reassert(c, worker, deadline, KEYS[2], KEYS[1], KEYS[3], 7)
+local out = {0}
+local taken, gave_up = 0, 0
 if redis.call('HGET', k_cluster_info(c), 'state') == 'removed' then n = 0 end  -- a removed cluster takes nothing new
 while taken < n do
   local g = redis.call('LPOP', KEYS[1])
   if not g then break end
   local q = k_query(g)
-  local fields = redis.call('HMGET', q, 'payload', 'tokens', 'enqueued_at')
+  local fields = redis.call('HMGET', q, 'payload', 'tokens', 'enqueued_at', 'attempts')
   if fields[1] then
     redis.call('INCRBYFLOAT', KEYS[3], -tonumber(fields[2] or '0'))
     local bid = split_gid(g)
     local status = redis.call('HGET', k_batch(bid), 'status')
+    local used = tonumber(fields[4] or '0')
     if status == 'cancelling' or status == 'cancelled' then
       redis.call('HSET', q, 'state', 'cancelling')  -- already popped: finish() must not scan the queue for it
       finish(g, cancelled_result(g, c), 'cancelled', 0, now)
+    elseif max_attempts > 0 and used >= max_attempts then
+      redis.call('HSET', q, 'state', 'failing')  -- already popped: finish() must not scan the queue for it
+      finish(g, gave_up_result(g, c, used, max_attempts), 'failed', 0, now)
+      gave_up = gave_up + 1
     else
       local attempts = redis.call('HINCRBY', q, 'attempts', 1)
       redis.call('HSET', q, 'state', 'running', 'worker', worker, 'started_at', now, 'cluster', c)
@@ -197,6 +204,7 @@ while taken < n do
     end
   end
 end
+out[1] = gave_up
 return out
 """
 )
@@ -217,35 +225,28 @@ return n
 """
 )
 
-# KEYS: inflight, queue, pending of the cluster. ARGV: cluster, max attempts (0: no limit), now (caller's clock: timestamps only).
-# Leases past their deadline (in Redis time) go back to the head of the queue, except a
-# query whose lapsed claim was its max_attempts-th: that one is finished as failed.
-# Returns {requeued, failed}.
+# KEYS: inflight, queue, pending of the cluster. ARGV: cluster. Leases past their deadline (in Redis time) go back
+# to the head of the queue (a query that used its max attempts fails at its next CLAIM, unless its owner takes it
+# back first). Returns how many were requeued.
 REQUEUE_EXPIRED = (
     PRELUDE
     + r"""
-local c, max_attempts, now = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local c = ARGV[1]
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', server_now())
-local n, failed = 0, 0
+local n = 0
 for i = #expired, 1, -1 do
   local g = expired[i]
   redis.call('ZREM', KEYS[1], g)
   local q = k_query(g)
-  local h = redis.call('HMGET', q, 'state', 'tokens', 'attempts')
+  local h = redis.call('HMGET', q, 'state', 'tokens')
   if h[1] == 'running' then
-    local attempts = tonumber(h[3] or '0')
-    if max_attempts > 0 and attempts >= max_attempts then
-      finish(g, gave_up_result(g, c, attempts, max_attempts), 'failed', 0, now)
-      failed = failed + 1
-    else
-      redis.call('HSET', q, 'state', 'queued', 'cluster', c)
-      redis.call('LPUSH', KEYS[2], g)
-      redis.call('INCRBYFLOAT', KEYS[3], tonumber(h[2] or '0'))
-      n = n + 1
-    end
+    redis.call('HSET', q, 'state', 'queued', 'cluster', c)
+    redis.call('LPUSH', KEYS[2], g)
+    redis.call('INCRBYFLOAT', KEYS[3], tonumber(h[2] or '0'))
+    n = n + 1
   end
 end
-return {n, failed}
+return n
 """
 )
 
