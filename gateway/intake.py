@@ -345,16 +345,17 @@ class Intake:
             while not stop.is_set():
                 self._wake.clear()
                 work = asyncio.ensure_future(asyncio.to_thread(self.tick, halt))
-                landed = 0
+                landed, more = 0, False
                 try:
                     landed = await asyncio.shield(work)
+                    more = bool(self._round)  # the tick stopped at round_batches: the round goes on
                 except asyncio.CancelledError:  # shutting down: let the chunk at hand land, the lease go back
                     halt.set()
                     await asyncio.wait([work], timeout=self.settings.lease_ttl_s)
                     raise
                 except Exception:
                     log.exception("intake tick failed")
-                if landed or self._round:  # progress, or a round that goes on: the next tick at once
+                if landed or more:  # progress, or a round that goes on: the next tick at once
                     await asyncio.sleep(0)
                     continue
                 waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
