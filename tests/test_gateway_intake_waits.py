@@ -7,14 +7,18 @@
 * A tick pages through every batch in intake, so batches behind a full page of waiting ones
   get their turns; a tick gives at most ``round_batches`` turns and the next resumes there.
 * A batch's first turn reads only the rows it uses (``first_chunk``).
+* One function says whether a query fits anywhere, for intake, assignment and drains.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gateway.intake import Intake, IntakeSettings, encode_rows
-from gateway.policies import make_policy
+from gateway.policies import ClusterView, NoClusterError, QueryLoad, make_policy, misfit
+from gateway.rebalance import plan_moves
 from gateway.validation import Checked
 from protos import fleetbatch_pb2 as pb
 from workqueue import WorkQueue, connect, keys
@@ -181,3 +185,21 @@ def test_a_first_turn_reads_only_the_rows_it_uses(fleet):
     assert it.tick() == 8 and enqueued(queue, "f") == enqueued(queue, "g") == 4
     assert queue.reads and max(queue.reads) == 4
     assert not check(queue.r)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "token"])
+def test_one_rule_says_where_a_query_fits_for_intake_assignment_and_drains(policy):
+    """Placement (configured clusters), the policies and drains (accepting clusters) all ask
+    :func:`gateway.policies.misfit`, so their answers and words cannot drift apart."""
+    small = ClusterView("small", 100.0, max_query_tokens=50)
+    big = ClusterView("big", 100.0, max_query_tokens=1000, accepting=False)  # restarting
+    huge = QueryLoad("huge", 2000, 8.0)
+    mid = QueryLoad("mid", 200, 8.0)
+    with pytest.raises(NoClusterError) as e:
+        make_policy(policy).assign([mid], [small, big])
+    assert str(e.value) == misfit(mid, [small]) and "of any accepting cluster is 50" in str(e.value)
+    configured = [small, replace(big, accepting=True)]
+    assert misfit(mid, configured, "configured") is None  # waits for 'big': not a permanent misfit
+    assert "of any configured cluster is 1000" in misfit(huge, configured, "configured")
+    plan = plan_moves([small, big, ClusterView("c", 100.0)], {"c": [mid, huge]}, drain=["c"])
+    assert [q.key for q in plan.kept["c"]] == ["mid", "huge"]  # both fit no accepting cluster
