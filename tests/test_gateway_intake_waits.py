@@ -108,6 +108,24 @@ def test_a_waiting_chunk_is_predicted_once_however_often_it_is_polled(fleet):
     assert it.waiting_batches() == 0 and not check(queue.r)
 
 
+def test_a_later_chunk_that_waits_is_kept_and_the_rows_before_it_count_as_landed(fleet):
+    queue, clock = fleet
+    predict = Predictor()
+    it = intake(queue, predict)
+    req = pb.SubmitBatchRequest(batch_id="m")
+    for i in range(20):
+        req.queries.add(id=f"q{i}", prompt=f"m {i}", max_tokens=8)
+    tokens = [5] * 10 + [200] * 10  # the first chunk fits 'small'; the second only 'big'
+    assert queue.accept_batch("m", encode_rows(req, Checked(tokens, [8] * 20)), fingerprint="")
+    assert it.tick() == 10 and predict.calls == 2 and it.waiting_batches() == 1
+    clock.now += 30
+    assert it.tick() == 0 and predict.calls == 2
+    queue.heartbeat("big", 3600.0)
+    assert it.tick() == 10 and predict.calls == 2 and enqueued(queue, "m") == 20
+    assert len(queue.queued_ids("small")) == len(queue.queued_ids("big")) == 10
+    assert it.waiting_batches() == 0 and not check(queue.r)
+
+
 def test_a_kept_chunk_still_fails_at_the_bound_without_a_new_prediction(fleet):
     queue, clock = fleet
     predict = Predictor()
