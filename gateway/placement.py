@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.listing import read_clusters
-from gateway.policies import ClusterView, QueryLoad, misfit
+from gateway.policies import ClusterView, QueryLoad, fitting, misfit
 from gateway.views import cluster_views
 from workqueue import ClusterInfo, WorkQueue
 
@@ -76,7 +76,7 @@ def place(loads: Sequence[QueryLoad], infos: Sequence[ClusterInfo], assign: Assi
         why = misfit(load, configured, "configured")
         if why is not None:
             never[i] = why
-        elif misfit(load, live) is None:
+        elif fitting(load, live):
             now.append(i)
         else:
             later.append(i)

@@ -126,6 +126,18 @@ def test_a_later_chunk_that_waits_is_kept_and_the_rows_before_it_count_as_landed
     assert it.waiting_batches() == 0 and not check(queue.r)
 
 
+def test_with_no_cluster_alive_every_row_waits(fleet):
+    queue, _ = fleet
+    queue.r.delete(keys.heartbeat("small"))  # both restart now
+    predict = Predictor()
+    it = intake(queue, predict)
+    accept(queue, "w", 3)  # fits either, once one is back
+    assert it.tick() == 0 and it.tick() == 0 and predict.calls == 1
+    assert queue.batch("w").failed == 0 and it.waiting_batches() == 1
+    queue.heartbeat("small", 3600.0)
+    assert it.tick() == 3 and len(queue.queued_ids("small")) == 3 and not check(queue.r)
+
+
 def test_a_kept_chunk_still_fails_at_the_bound_without_a_new_prediction(fleet):
     queue, clock = fleet
     predict = Predictor()
