@@ -17,12 +17,15 @@ predictor's own pace.
 **Fair turns.** :meth:`Intake.tick` is one round over the unfinished intakes, oldest first:
 each batch gets one turn of about ``turn`` rows (longer while no other batch waits), then
 gives its lease back, so a 1M-query batch never keeps a later batch ``validating`` until it
-is done.
+is done. The round reads the intake set a page (``page`` ids) at a time, so no number of
+older batches keeps a later one from its turn; a tick gives at most ``round_batches`` turns
+and the next tick goes on from there.
 
 **Waiting for a cluster** (:mod:`gateway.placement`). A chunk with rows that only a cluster
 not alive now could take (restarting, loading its model) waits, bounded by ``wait_s``
 (``gateway serve --intake-wait-s``), then fails those rows; a row over every configured
-cluster's limit fails at once, naming the limit. **A lost intake list** fails the batch's
+cluster's limit fails at once, naming the limit. The waiting chunk is counted and predicted
+once: each later poll only places it again (:mod:`gateway.intake_chunks`). **A lost intake list** fails the batch's
 rows not yet enqueued once (:meth:`workqueue.WorkQueue.fail_lost_intake`), and the batch
 leaves intake.
 """
@@ -41,12 +44,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from gateway.config import INTAKE_WAIT_S
-from gateway.intake_rows import EncodedRows, encode_rows, failed_result, payload
-from gateway.listing import read_clusters
-from gateway.placement import IntakeWaits, gave_up, place, waiting_message
+from gateway.intake_chunks import Chunk, Landing, Waiting, cancelled, landing, predict_chunk
+from gateway.intake_rows import EncodedRows, encode_rows, payload
+from gateway.placement import IntakeWaits, place_or_wait
 from gateway.policies import QueryLoad
 from workqueue import WorkQueue
-from workqueue.keys import gid
 from workqueue.records import CANCELLED_BATCH_STATES
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,8 @@ class IntakeSettings:
     poll_s: float = 0.5  # how often an idle replica looks for unfinished intakes
     pause_s: float = 0.0  # pause between chunks (yields CPU and Redis to other work)
     turn: int = 8192  # rows a batch lands per turn while others wait (no head-of-line blocking)
+    page: int = 100  # batch ids read from the intake set per Redis call while a tick goes round
+    round_batches: int = 1000  # turns one tick gives at most (the next tick goes on from there)
 
     @classmethod
     def from_env(cls) -> IntakeSettings:
@@ -79,6 +83,8 @@ class IntakeSettings:
             poll_s=float(env("FLEETBATCH_INTAKE_POLL_S", cls.poll_s)),
             pause_s=float(env("FLEETBATCH_INTAKE_PAUSE_S", cls.pause_s)),
             turn=max(1, int(env("FLEETBATCH_INTAKE_TURN", cls.turn))),
+            page=max(1, int(env("FLEETBATCH_INTAKE_PAGE", cls.page))),
+            round_batches=max(1, int(env("FLEETBATCH_INTAKE_ROUND", cls.round_batches))),
         )
 
 
@@ -110,6 +116,13 @@ class Intake:
         self.owner = f"intake:{uuid.uuid4().hex[:12]}"
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.waiting = Waiting()  # the chunk each waiting batch waits with, predicted once
+        self._next = 0  # index in the intake set where the next tick goes on with the round
+        self._round: set[str] = set()  # the batches given a turn in this round (empty: between rounds)
+
+    def waiting_batches(self) -> int:
+        """How many batches this replica keeps a waiting chunk for."""
+        return len(self.waiting)
 
     # ------------------------------------------------------------------ one chunk
 
@@ -124,7 +137,7 @@ class Intake:
         if got is None:
             return 0
         status, done, rows = got
-        return self._land(batch_id, token, done, self._prepare(batch_id, status, rows))
+        return self._land(batch_id, token, done, self._prepare(batch_id, status, done, rows))
 
     def _read(self, batch_id: str, size: int, start: int) -> tuple[str, int, list[dict]] | None:
         """``(status, cursor, rows)``: ``size`` rows from index ``start`` of the intake list (the
@@ -150,13 +163,33 @@ class Intake:
             raise IntakeLost(why)
 
     def _prepare(
-        self, batch_id: str, status: str, rows: list[dict], counter: ThreadPoolExecutor | None = None
-    ) -> list[tuple[str, str, float, str]]:
+        self,
+        batch_id: str,
+        status: str,
+        cursor: int,
+        rows: list[dict],
+        counter: ThreadPoolExecutor | None = None,
+        ident: str | None = None,
+    ) -> Landing:
+        """What the chunk of ``rows`` at ``cursor`` lands; a chunk that waits is kept under ``ident``
+        (the batch's ``created_at``; None: not kept) before :class:`IntakeWaits` goes up."""
         if status in CANCELLED_BATCH_STATES:
-            return [(gid(batch_id, r["id"]), "", 0.0, "") for r in rows]
-        return self._assigned(batch_id, rows, counter)
+            self.waiting.drop(batch_id)
+            return cancelled(batch_id, rows)
+        chunk = predict_chunk(cursor, rows, self.predict_tokens, self.count_tokens, counter)
+        return self._placed(batch_id, chunk, ident)
 
-    def _land(self, batch_id: str, token: str, cursor: int, out: list[tuple[str, str, float, str]]) -> int:
+    def _placed(self, batch_id: str, chunk: Chunk, ident: str | None) -> Landing:
+        try:
+            placed = place_or_wait(self.queue, batch_id, chunk.loads, self.assign, self.wait_s)
+        except IntakeWaits:
+            if ident is not None:
+                self.waiting.keep(batch_id, ident, chunk)
+            raise
+        self.waiting.drop(batch_id)
+        return landing(batch_id, chunk, placed)
+
+    def _land(self, batch_id: str, token: str, cursor: int, out: Landing) -> int:
         """Land ``out`` at ``cursor``, ``land`` rows per script call; the rows landed, or negative
         (lease or cursor lost: the rest is not landed)."""
         s, landed = self.settings, 0
@@ -169,91 +202,20 @@ class Intake:
             self.on_assigned([c for _, _, _, c in part if c])
         return landed
 
-    def _count(self, rows: list[dict]) -> None:
-        """Count the tokens of rows staged uncounted (``token_cap``); one above its cap turns bad."""
-        todo = [r for r in rows if "prompt_tokens" not in r and "bad" not in r]
-        if not todo:
-            return
-        if self.count_tokens is None:
-            raise RuntimeError("rows staged without token counts need an intake with count_tokens")
-        for r, n in zip(todo, self.count_tokens([r["prompt"] for r in todo]), strict=True):
-            r["prompt_tokens"] = n
-            if n > r["token_cap"]:  # the bound is an upper bound: this is a guard, not a path
-                r["bad"] = f"prompt has {n} tokens; its limit is {r['token_cap']}"
-
-    def _assigned(
-        self, batch_id: str, rows: list[dict], counter: ThreadPoolExecutor | None = None
-    ) -> list[tuple[str, str, float, str]]:
-        fresh = [r for r in rows if "bad" not in r]
-        counting = (
-            counter.submit(self._count, rows) if counter else None
-        )  # the tokenizer beside the predictor
-        if counting is None:
-            self._count(rows)
-        predicted = self.predict_tokens([r["prompt"] for r in fresh]) if fresh else []
-        if counting is not None:
-            counting.result()
-        good = [r for r in rows if "bad" not in r]
-        if len(good) != len(fresh):
-            predicted = [p for r, p in zip(fresh, predicted, strict=True) if "bad" not in r]
-        loads = [
-            QueryLoad(r["id"], r["prompt_tokens"], float(min(p, r["max_tokens"])))
-            for r, p in zip(good, predicted, strict=True)
-        ]
-        why = self._place(batch_id, loads)
-        out = []
-        for r in rows:
-            g = gid(batch_id, r["id"])
-            if "bad" in r:
-                out.append((g, failed_result(batch_id, r["id"], f"invalid query: {r['bad']}"), 0.0, ""))
-                continue
-            load, c, error = why[r["id"]]
-            if c is None:
-                out.append((g, failed_result(batch_id, r["id"], error), 0.0, ""))
-                continue
-            out.append((g, payload(batch_id, r, load.predicted_tokens), load.total_tokens, c))
-        return out
-
-    def _place(self, batch_id: str, loads: list[QueryLoad]) -> dict[str, tuple[QueryLoad, str | None, str]]:
-        """Per query: ``(load, cluster, "")``, or ``(load, None, why it fails)`` (:mod:`gateway.placement`).
-        Raises :class:`IntakeWaits` while some query fits only a cluster that accepts no work now
-        and the batch has waited less than ``wait_s``."""
-        if not loads:
-            return {}
-        p = place(loads, read_clusters(self.queue), self.assign)
-        errors = dict(p.never)
-        if p.later:
-            now = self.queue.clock()
-            since = self.queue.intake_wait(batch_id)
-            waited = now - since if since is not None else 0.0
-            if waited < self.wait_s:
-                if since is not None and since >= now:  # the wait begins: said once, not every poll
-                    log.warning("batch %s: %s", batch_id, waiting_message(len(p.later), 0.0))
-                raise IntakeWaits(waiting_message(len(p.later), waited))
-            log.warning(
-                "batch %s: %d queries waited %.0f s for a cluster; failing them",
-                batch_id,
-                len(p.later),
-                waited,
-            )
-            errors |= dict.fromkeys(p.later, gave_up(self.wait_s))
-        else:
-            self.queue.intake_waited(batch_id)
-        return {load.key: (load, p.names[i], errors.get(i, "")) for i, load in enumerate(loads)}
-
     # ------------------------------------------------------------------ whole batches
 
     def run_batch(self, batch_id: str, stop: threading.Event | None = None) -> bool:
         """Take the batch's lease and enqueue chunks until its intake is done (True), the lease is
-        held elsewhere or lost, or ``stop`` is set (False)."""
+        held elsewhere or lost, the batch waits for a cluster, or ``stop`` is set (False)."""
         return self.turn(batch_id, stop)[0]
 
     def turn(
         self, batch_id: str, stop: threading.Event | None = None, budget: int | None = None
     ) -> tuple[bool, int]:
         """One turn of the batch: take its lease and enqueue chunks until its intake is done, about
-        ``budget`` rows have landed while another batch is in intake (None: no bound), the lease
-        is held elsewhere or lost, or ``stop`` is set. Returns ``(finished, rows landed)``.
+        ``budget`` rows have landed while another batch is in intake (None: no bound), a chunk
+        waits for a cluster, the lease is held elsewhere or lost, or ``stop`` is set. Returns
+        ``(finished, rows landed)``.
 
         Pipelined: chunk k lands in a helper thread while chunk k+1 is predicted. Chunk k+1's
         rows are read before chunk k is handed over (so the list's head is where the read
@@ -266,30 +228,39 @@ class Intake:
             return False, 0
         landed = 0
         try:
-            got = self._read(batch_id, s.chunk, 0)
-            if got is None:
-                return True, 0
-            status, cursor, rows = got
-            size = min(s.first_chunk, s.chunk) if cursor == 0 else s.chunk
             with (
                 ThreadPoolExecutor(1, thread_name_prefix="intake-land") as pool,
                 ThreadPoolExecutor(1, thread_name_prefix="intake-count") as counter,
             ):
-                out = self._prepare(batch_id, status, rows[:size], counter)
+                try:
+                    first = self._first(batch_id, counter)
+                except IntakeWaits as e:
+                    log.debug("batch %s: intake waits: %s", batch_id, e)
+                    return False, 0
+                if first is None:
+                    return True, 0
+                ident, cursor, out = first
+                size = min(s.first_chunk, s.chunk) if cursor == 0 else s.chunk
                 while True:
                     size = min(2 * size, s.chunk)
                     more = not _stopped(stop) and (
                         budget is None or landed + len(out) < budget or not self._others_wait(batch_id)
                     )
                     after = self._read(batch_id, size, len(out)) if more else None
-                    landing = pool.submit(self._land, batch_id, token, cursor, out)
-                    nxt = self._prepare(batch_id, after[0], after[2], counter) if after is not None else None
-                    n = landing.result()
+                    job = pool.submit(self._land, batch_id, token, cursor, out)
+                    nxt = None
+                    try:
+                        if after is not None:
+                            nxt = self._prepare(batch_id, after[0], after[1], after[2], counter, ident)
+                    except IntakeWaits as e:  # this chunk lands; the next one waits
+                        log.debug("batch %s: intake waits: %s", batch_id, e)
+                        after, more = None, False
+                    n = job.result()
                     if n != len(out):
                         log.warning("batch %s: intake lease or cursor lost (%d); leaving it", batch_id, n)
                         return False, landed
                     landed += n
-                    if after is None:
+                    if after is None or nxt is None:
                         return more, landed  # read to the end (finished), or the turn is over
                     if s.pause_s:
                         time.sleep(s.pause_s)
@@ -297,28 +268,62 @@ class Intake:
         finally:
             self.queue.drop_intake(batch_id, token)
 
+    def _first(self, batch_id: str, counter: ThreadPoolExecutor) -> tuple[str, int, Landing] | None:
+        """``(the batch's created_at, cursor, what lands)`` of a turn's first chunk: the chunk kept
+        while the batch waited if it is still the batch's head (only placed again), else the
+        rows read (``first_chunk`` at a batch's start, else ``chunk``) and prepared. None:
+        nothing is left to enqueue. Raises :class:`IntakeWaits` while the chunk waits."""
+        s = self.settings
+        status, done, total, ident = self.queue.intake_head(batch_id)
+        if status is not None and done < total and status not in CANCELLED_BATCH_STATES:
+            kept = self.waiting.get(batch_id, ident, done)
+            if kept is not None:
+                return ident, done, self._placed(batch_id, kept, ident)
+        got = self._read(batch_id, min(s.first_chunk, s.chunk) if done == 0 else s.chunk, 0)
+        if got is None:
+            self.waiting.drop(batch_id)
+            return None
+        status, cursor, rows = got
+        return ident, cursor, self._prepare(batch_id, status, cursor, rows, counter, ident)
+
     def _others_wait(self, batch_id: str) -> bool:
         """Whether another batch is in intake (a turn that used its rows then ends)."""
-        return any(b != batch_id for b in self.queue.intake_batches(2))
+        return any(b != batch_id for b in self.queue.intake_page(0, 2))
 
     def tick(self, stop: threading.Event | None = None) -> int:
-        """One round over the unfinished intakes, oldest first: each gets one turn of about ``turn``
-        rows, so no batch waits for another to finish. Returns the rows landed in the round."""
-        landed = 0
-        for batch_id in self.queue.intake_batches():
-            if _stopped(stop):
+        """Give one turn of about ``turn`` rows to each unfinished intake, oldest first, reading the
+        intake set ``page`` ids at a time, so no batch waits for another to finish. A round that
+        would give more than ``round_batches`` turns goes on at the next tick. Returns the rows
+        landed."""
+        s, landed, turns = self.settings, 0, 0
+        while True:
+            page = self.queue.intake_page(self._next, s.page)
+            for batch_id in page:
+                if _stopped(stop) or turns >= s.round_batches:
+                    return landed  # the round goes on at the next tick, from self._next
+                if batch_id in self._round:  # moved down by a batch that left the set
+                    self._next += 1
+                    continue
+                self._round.add(batch_id)
+                turns += 1
+                finished, n = self._turn(batch_id, stop)
+                landed += n
+                if not finished:  # a finished batch left the set: the next one took its index
+                    self._next += 1
+            if len(page) < s.page:
                 break
-            try:
-                finished, n = self.turn(batch_id, stop, self.settings.turn)
-            except IntakeWaits as e:
-                log.debug("batch %s: intake waits: %s", batch_id, e)
-                continue
-            except IntakeLost:
-                continue
-            landed += n
-            if finished:
-                log.info("batch %s: intake finished", batch_id)
+        self.waiting.prune(self._round)  # a kept chunk of a batch no longer in intake goes
+        self._next, self._round = 0, set()
         return landed
+
+    def _turn(self, batch_id: str, stop: threading.Event | None) -> tuple[bool, int]:
+        try:
+            finished, n = self.turn(batch_id, stop, self.settings.turn)
+        except IntakeLost:
+            return True, 0
+        if finished:
+            log.info("batch %s: intake finished", batch_id)
+        return finished, n
 
     # ------------------------------------------------------------------ the replica's loop
 
@@ -340,16 +345,17 @@ class Intake:
             while not stop.is_set():
                 self._wake.clear()
                 work = asyncio.ensure_future(asyncio.to_thread(self.tick, halt))
-                landed = 0
+                landed, more = 0, False
                 try:
                     landed = await asyncio.shield(work)
+                    more = bool(self._round)  # the tick stopped at round_batches: the round goes on
                 except asyncio.CancelledError:  # shutting down: let the chunk at hand land, the lease go back
                     halt.set()
                     await asyncio.wait([work], timeout=self.settings.lease_ttl_s)
                     raise
                 except Exception:
                     log.exception("intake tick failed")
-                if landed:  # a round that made progress: the next round at once
+                if landed or more:  # progress, or a round that goes on: the next tick at once
                     await asyncio.sleep(0)
                     continue
                 waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]

@@ -20,12 +20,18 @@ configured cluster whose limit is unknown may take any query.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gateway.policies import ClusterView, QueryLoad
+from gateway.listing import read_clusters
+from gateway.policies import ClusterView, QueryLoad, fitting, misfit
 from gateway.views import cluster_views
-from workqueue import ClusterInfo
+from workqueue import ClusterInfo, WorkQueue
+
+log = logging.getLogger(__name__)
+
+Assign = Callable[[Sequence[QueryLoad], list[ClusterView]], list[str]]
 
 
 class IntakeWaits(Exception):
@@ -52,28 +58,13 @@ def configured_views(infos: Sequence[ClusterInfo]) -> list[ClusterView]:
     ]
 
 
-def misfit(load: QueryLoad, configured: Sequence[ClusterView]) -> str | None:
-    """Why ``load`` fits no configured cluster (None: one could take it, or none is configured)."""
-    if not configured or any(v.fits(load) for v in configured):
-        return None
-    best = max(v.query_limit for v in configured)
-    return (
-        f"query {load.key!r} needs {load.total_tokens:g} tokens (prompt + predicted); the largest "
-        f"per-query limit of any configured cluster is {best:g}"
-    )
-
-
 def first_misfit(loads: Sequence[QueryLoad], infos: Sequence[ClusterInfo]) -> str | None:
     """The reason of the first query that fits no configured cluster (None: every one may fit)."""
     configured = configured_views(infos)
-    return next((why for why in (misfit(q, configured) for q in loads) if why is not None), None)
+    return next((why for why in (misfit(q, configured, "configured") for q in loads) if why), None)
 
 
-def place(
-    loads: Sequence[QueryLoad],
-    infos: Sequence[ClusterInfo],
-    assign: Callable[[Sequence[QueryLoad], list[ClusterView]], list[str]],
-) -> Placement:
+def place(loads: Sequence[QueryLoad], infos: Sequence[ClusterInfo], assign: Assign) -> Placement:
     """Sort ``loads`` into now / never / later (module docstring) and assign the first kind."""
     views = cluster_views(infos)
     live = [v for v in views if v.usable]
@@ -82,10 +73,10 @@ def place(
     later: list[int] = []
     now: list[int] = []
     for i, load in enumerate(loads):
-        why = misfit(load, configured)
+        why = misfit(load, configured, "configured")
         if why is not None:
             never[i] = why
-        elif any(v.fits(load) for v in live):
+        elif fitting(load, live):
             now.append(i)
         else:
             later.append(i)
@@ -94,6 +85,33 @@ def place(
         for i, name in zip(now, assign([loads[i] for i in now], views), strict=True):
             names[i] = name
     return Placement(names, never, later)
+
+
+def place_or_wait(
+    queue: WorkQueue, batch_id: str, loads: Sequence[QueryLoad], assign: Assign, wait_s: float
+) -> dict[str, tuple[str | None, str]]:
+    """A chunk of background intake placed: per query ``(cluster, "")`` or ``(None, why it fails)``.
+    Raises :class:`IntakeWaits` while some query fits only a cluster that accepts no work now
+    and the batch has waited less than ``wait_s`` (since when: in the batch, on the queue's clock)."""
+    if not loads:
+        return {}
+    p = place(loads, read_clusters(queue), assign)
+    errors = dict(p.never)
+    if p.later:
+        now = queue.clock()
+        since = queue.intake_wait(batch_id)
+        waited = now - since if since is not None else 0.0
+        if waited < wait_s:
+            if since is not None and since >= now:  # the wait begins: said once, not every poll
+                log.warning("batch %s: %s", batch_id, waiting_message(len(p.later), 0.0))
+            raise IntakeWaits(waiting_message(len(p.later), waited))
+        log.warning(
+            "batch %s: %d queries waited %.0f s for a cluster; failing them", batch_id, len(p.later), waited
+        )
+        errors |= dict.fromkeys(p.later, gave_up(wait_s))
+    else:
+        queue.intake_waited(batch_id)
+    return {load.key: (p.names[i], errors.get(i, "")) for i, load in enumerate(loads)}
 
 
 def waiting_message(n: int, waited_s: float) -> str:

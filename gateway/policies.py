@@ -130,12 +130,29 @@ def _usable(clusters: Sequence[ClusterView]) -> list[ClusterView]:
     return usable
 
 
-def _no_fit(q: QueryLoad, clusters: Sequence[ClusterView]) -> NoClusterError:
+def fitting(q: QueryLoad, clusters: Sequence[ClusterView]) -> list[ClusterView]:
+    """The clusters of ``clusters`` that can take ``q`` (:meth:`ClusterView.fits`)."""
+    return [c for c in clusters if c.fits(q)]
+
+
+def misfit(q: QueryLoad, clusters: Sequence[ClusterView], which: str = "accepting") -> str | None:
+    """The one rule of whether a query fits anywhere: None when a cluster of ``clusters`` can take
+    ``q`` (or none is given), else why not, naming the largest per-query limit among them.
+
+    ``which`` names the set the caller passes: ``accepting`` (the usable clusters, which take work
+    now: assignment, drains, moves) or ``configured`` (every active cluster, alive or not: a
+    query that fits none of them never will, :mod:`gateway.placement`)."""
+    if not clusters or any(c.fits(q) for c in clusters):
+        return None
     best = max(c.query_limit for c in clusters)
-    return NoClusterError(
+    return (
         f"query {q.key!r} needs {q.total_tokens:g} tokens (prompt + predicted); the largest per-query limit "
-        f"of an accepting cluster is {best:g}"
+        f"of any {which} cluster is {best:g}"
     )
+
+
+def _no_fit(q: QueryLoad, clusters: Sequence[ClusterView]) -> NoClusterError:
+    return NoClusterError(misfit(q, clusters) or f"query {q.key!r} fits no cluster")
 
 
 class RoundRobin:

@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from gateway.offload import LinkCost, Links, Move, link_cost, tail_move
-from gateway.policies import ClusterView, NoClusterError, QueryLoad, water_fill_targets
+from gateway.policies import ClusterView, NoClusterError, QueryLoad, fitting, water_fill_targets
 
 
 def expected_finish_s(c: ClusterView, extra_tokens: float = 0.0) -> float:
@@ -186,12 +186,12 @@ def plan_moves(
         current: str | None = None
         run: list[QueryLoad] = []  # back of the queue first
         for q in reversed(list(queue)):
-            fitting = [n for n in receivers if state.views[n].fits(q)]
-            if not fitting:
+            fit = [c.name for c in fitting(q, [state.views[n] for n in receivers])]
+            if not fit:
                 plan.kept.setdefault(src, []).insert(0, q)
                 continue
-            if current is None or deficit[current] <= 0 or current not in fitting:
-                nxt = max(fitting, key=lambda n: deficit[n])
+            if current is None or deficit[current] <= 0 or current not in fit:
+                nxt = max(fit, key=lambda n: deficit[n])
                 if nxt != current and run:
                     _append(plan.moves, src, current, run[::-1], state.move_block(src, current, run[::-1]))
                     run = []

@@ -1,5 +1,6 @@
-"""Background intake's bookkeeping beyond landing rows: how long a batch has waited for a cluster,
-and what becomes of a batch whose intake list was lost.
+"""Background intake's bookkeeping beyond landing rows: which batches are in intake (a page at a
+time), where a batch's next chunk starts, how long a batch has waited for a cluster, and what
+becomes of a batch whose intake list was lost.
 
 **Waiting.** A chunk whose rows only a cluster that is not alive now could take waits for it
 (see :mod:`gateway.placement`); the batch hash remembers since when (``intake_waiting_since``,
@@ -22,6 +23,7 @@ import redis
 
 from workqueue import keys, scripts
 from workqueue.batches import INTAKE, intake_key
+from workqueue.records import as_int
 
 WAITING = "intake_waiting_since"  # batch hash field: when intake began to wait for a cluster
 LOST = "intake_lost"  # batch hash field: rows counted finished because the intake list was lost
@@ -67,6 +69,17 @@ class IntakeOps:
     def _init_intake_ops(self, client: redis.Redis) -> None:
         self._wait = client.register_script(WAIT)
         self._lost_intake = client.register_script(LOST_INTAKE)
+
+    def intake_page(self, start: int, n: int) -> list[str]:
+        """Up to ``n`` ids of batches in intake, from index ``start`` of the intake set (oldest first)."""
+        return self.r.zrange(INTAKE, start, start + n - 1)
+
+    def intake_head(self, batch_id: str) -> tuple[str | None, int, int, str]:
+        """``(status, intake_done, intake_total, created_at)`` of a batch in intake: where its next
+        chunk starts, and which batch it is (a batch created again under the id has another
+        ``created_at``); no rows are read."""
+        h = self.r.hmget(keys.batch(batch_id), "status", "intake_done", "intake_total", "created_at")
+        return h[0], as_int(h[1]), as_int(h[2]), h[3] or ""
 
     def intake_wait(self, batch_id: str) -> float | None:
         """Since when the batch's intake waits for a cluster (starting now if it was not waiting);
