@@ -59,3 +59,22 @@ def test_every_fault_kind_in_one_run_loses_doubles_and_strands_nothing(tmp_path)
     assert report["engine_restarts"] >= 2 and report["engines_not_restarted"] == 0, report
     assert {k: report[k] for k in CHECKED} == dict.fromkeys(CHECKED, 0), report
     assert report["ok"], report["problems"]
+
+
+def test_a_fault_that_fires_on_a_finished_wave_does_not_count(tmp_path):
+    """``--fire-at 1``: the fault fires once its wave is done, so no engine holds a lease. The old
+    harness SIGKILLed an idle engine and counted the fault; now it is a miss and the run fails."""
+    config = ChaosConfig(
+        run_dir=tmp_path / "chaos",
+        queries=4,
+        lease_s=3.0,
+        fire_at=1.0,
+        settle_s=60.0,
+        faults=("kill_engine",),
+    )
+    report = run_chaos(config)
+    print(json.dumps(report))
+    assert report["faults"]["kill_engine"] == 0, report["evidence"]
+    assert "held a lease" in report["fault_misses"]["kill_engine"], report["fault_misses"]
+    assert not report["ok"] and any("kill_engine did not bite" in p for p in report["problems"]), report
+    assert report["lost"] == report["stuck"] == 0, report
