@@ -130,7 +130,7 @@ def merged_counts(dicts) -> dict[str, int]:
 
 def format_report(r: dict, kinds: tuple[str, ...]) -> str:
     """The human table printed before the JSON line: faults, recovery, the counts, the verdict."""
-    lines = [f"{'fault':<20} {'injected':>8} {'recovery s':>11}"]
+    lines = [f"{'fault':<20} {'bit':>8} {'recovery s':>11}"]
     for f in kinds:
         rec = r["recovery_s"].get(f)
         lines.append(f"{f:<20} {r['faults'][f]:>8} {rec if rec is not None else '-':>11}")

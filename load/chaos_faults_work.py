@@ -208,7 +208,7 @@ class WorkFaults:
             bite = Bite()
             self._healed(bite)  # the heal is the SIGCONT
         bite.evidence.update(row=row, row_state_at_removal=list(state), code=code, details=details[:200])
-        log.warning("chaos: cluster %s removed while holding %s: %s %s", name, row, code, details)
+        log.warning("chaos: removal of cluster %s while it holds %s: %s %s", name, row, code, details)
         if state != ("queued", name):
             return bite.miss(f"{row} was {state[0]} on {state[1]} at the removal, not queued on {name}")
         if code != "FAILED_PRECONDITION" or row not in details:
