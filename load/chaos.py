@@ -270,8 +270,9 @@ class Chaos(ProcessFaults, WorkFaults):
         )
         for run in self.openai_runs:
             self.openai.read(run, max(30.0, last_heal + c.settle_s - time.monotonic()))
+        seen_by = time.monotonic() + 5.0  # all settled: a watcher still waiting has no result to see
         for t in self.watchers:
-            t.join(timeout=max(0.0, last_heal + RECOVERY_WAIT_S - time.monotonic()))
+            t.join(timeout=max(0.0, seen_by - time.monotonic()))
         for fault, bite in self.bites.items():  # checks that need the settled run
             why = bite.confirm() if bite.confirm is not None and bite.bit else ""
             if why:
