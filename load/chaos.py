@@ -5,31 +5,30 @@ The deployment: an embedded Redis (AOF, ``appendfsync everysec``), two gateway r
 files directory), one engine process per cluster kept alive by
 :class:`gateway.supervisor.EngineSupervisor` (as under ``gateway up``), the first cluster's
 engine talking to Redis through a TCP proxy the harness controls (:mod:`load.tcp_proxy`), and
-clients that stream with ``start_index`` and switch replica on errors (:mod:`load.chaos_client`).
-The first cluster takes only small queries (``max_query_tokens``), the second any that fit its
-KV cache (:mod:`load.chaos_load`).
+clients that stream with ``start_index`` and switch replica on transient errors
+(:mod:`load.chaos_client`). The first cluster takes only small queries (``max_query_tokens``),
+the second any that fit its KV cache (:mod:`load.chaos_load`).
 
 **Faults follow progress, not the clock.** The load comes in waves, one per fault plus one:
 fault ``k`` fires once ``--fire-at`` of wave ``k`` has results, and wave ``k + 1`` is submitted
-only after fault ``k`` healed, so every kind fires on a fast machine and on a slow one. In order
-(:mod:`load.chaos_faults`):
+only after fault ``k`` healed, so every kind fires on a fast machine and on a slow one. In the
+order of :data:`FAULTS`: SIGKILL and SIGSTOP of a busy engine, SIGKILL of Redis, a Redis outage
+of ``--outage-s``, a partition of ``--partition-s`` between the first engine and Redis (a
+blackhole by default: ``--partition-mode``), racing admin rebalances, KV-exhausting rows, an
+unwritable file store, an engine restart during intake, a SIGKILL of a gateway replica, and the
+removal of a cluster holding a row only it can take (:mod:`load.chaos_faults`,
+:mod:`load.chaos_faults_work`).
 
-* ``kill_engine``: SIGKILL the engine holding the most leases; ``stop_engine``: SIGSTOP one past its lease.
-* ``kill_redis``: SIGKILL Redis and restart it 1.5 s later on its data directory.
-* ``redis_outage``: Redis down for ``--outage-s`` (at least twice the lease), then back.
-* ``partition``: the proxy between the first cluster's engine and Redis cut for
-  ``--partition-s`` (live connections dropped, new ones refused), then healed.
-* ``racing_movers``: admin rebalances ``--apply`` on both replicas at once, with both offloaders.
-* ``kv_exhaust``: rows longer than an engine's KV cache, over gRPC and in an OpenAI batch.
-* ``unwritable_store``: every file write of the gateways fails while an OpenAI batch finalizes.
-* ``restart_in_intake``: the engine of the only cluster that can take some rows is SIGKILLed
-  while a large batch is in background intake.
-* ``kill_gateway``: SIGKILL the replica a client streams from; restarted on the same ports.
-* ``remove_sole_cluster``: the second cluster removed while its queue holds a row only it can take.
+**A fault counts only when it bit.** Each returns evidence (:class:`load.chaos_bite.Bite`):
+leases held by the engine it hit, pings that failed, connections the partition froze and a
+lapsed heartbeat, the admin calls' status codes, the KV error on the rows, a failed finalizer
+pass, a batch still in intake, a refusal naming the row... ``faults`` counts the kinds that
+bit, ``fault_misses`` says why the others did not, ``evidence`` holds what each did.
 
 Then the books (:mod:`load.chaos_books`); the run fails (exit code 1) when a count there is
-above 0 or fewer fault kinds fired than asked. ``recovery_s``: per fault, seconds from its heal
-to the next result written (by the cluster it hit, for a fault on one engine).
+above 0, a fault did not bite, or a client met a permanent error. ``recovery_s``: per fault,
+seconds from the moment it healed (Redis started, proxy healed, SIGCONT sent, process
+restarted...) to the next result written (by the cluster it hit, for a fault on one engine).
 """
 
 from __future__ import annotations
@@ -41,17 +40,19 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TypeVar
 
 import redis
 import yaml
 
 from gateway.supervisor import EngineSupervisor
 from gateway.up import default_clusters
+from load.chaos_bite import Bite
 from load.chaos_books import GrpcBatch, format_report, grpc_books, merged_counts, verdict
 from load.chaos_client import ResilientClient
-from load.chaos_faults import CLIENT_TOKEN, TOKEN, FaultsMixin
+from load.chaos_config import FAULTS, ChaosConfig, add_arguments, config_from_args  # noqa: F401  (add_arguments: the CLI reads it here)
+from load.chaos_faults import CLIENT_TOKEN, TOKEN, ProcessFaults
+from load.chaos_faults_work import WorkFaults
 from load.chaos_load import KV_BUDGET, SMALL_LIMIT, waves
 from load.chaos_openai import OpenAIBatches, OpenAIRun, user_view
 from load.chaos_procs import GatewayProcess, RestartableRedis
@@ -63,57 +64,19 @@ from workqueue.invariants import check
 
 log = logging.getLogger(__name__)
 
-# in the order they fire; the removed cluster stays removed, so that fault goes last
-FAULTS = (
-    "kill_engine",
-    "stop_engine",
-    "kill_redis",
-    "redis_outage",
-    "partition",
-    "racing_movers",
-    "kv_exhaust",
-    "unwritable_store",
-    "restart_in_intake",
-    "kill_gateway",
-    "remove_sole_cluster",
-)
+T = TypeVar("T")
+RECOVERY_WAIT_S = 120.0  # how long after a heal the run watches for the next result
 
 
-@dataclass
-class ChaosConfig:
-    run_dir: Path
-    queries: int = 1000
-    size: str = "nano"
-    max_tokens: int = 48
-    lease_s: float = 15.0  # the engines' default
-    stop_s: float = 0.0  # SIGSTOP length (0: twice the lease + 2 s)
-    outage_s: float = 0.0  # Redis outage (0: twice the lease + 2 s)
-    partition_s: float = 60.0
-    store_s: float = 10.0  # the file store stays unwritable this long after the finalizer's first failure
-    settle_s: float = 120.0  # bound of every wait for batches to finish
-    restart_timeout_s: float = 300.0  # bound of the wait for a killed engine to be back
-    intake_rows: int = 200  # the batch in background intake (and the intake threshold)
-    fire_at: float = 0.3  # fault k fires once this share of wave k has results
-    progress_timeout_s: float = 600.0  # a wave without that progress this long ends the run
-    seed: int = 0
-    slowdown: float = 3.0  # every engine sleeps this x its compute per step
-    engine_args: list[str] = field(default_factory=lambda: ["--max-batch", "4"])
-    faults: tuple[str, ...] = FAULTS
-
-    def __post_init__(self) -> None:
-        self.stop_s = self.stop_s or 2 * self.lease_s + 2
-        self.outage_s = self.outage_s or 2 * self.lease_s + 2
-        if self.outage_s < 2 * self.lease_s:
-            raise ValueError(f"the Redis outage ({self.outage_s:g} s) must last at least twice the lease")
-        if self.queries < len(self.faults) + 1:
-            raise ValueError(f"--num must be at least {len(self.faults) + 1}: one wave per fault, plus one")
-
-
-class Chaos(FaultsMixin):
+class Chaos(ProcessFaults, WorkFaults):
     def __init__(self, config: ChaosConfig):
         self.c = config
         self.stop = threading.Event()
-        self.injected: dict[str, int] = dict.fromkeys(FAULTS, 0)
+        self.injected: dict[str, int] = dict.fromkeys(FAULTS, 0)  # faults that bit
+        self.bites: dict[str, Bite] = {}
+        self.current = ""  # the fault being injected
+        self.wave = ""  # the batch id of the wave it fires on
+        self.watchers: list[threading.Thread] = []
         self.recovery_s: dict[str, float] = {}
         self.notes: dict[str, object] = {}
         self.restarts_observed = 0
@@ -237,9 +200,9 @@ class Chaos(FaultsMixin):
             time.sleep(0.2)
         return False
 
-    def _read(self, fn: Callable[[], int], default: int) -> int:
+    def _read(self, fn: Callable[[], T], default: T) -> T:
         """``fn()``, retried (bounded) while Redis is unreachable; ``default`` if it never answers."""
-        box: list[int] = []
+        box: list[T] = []
         self._wait(lambda: box.append(fn()) is None, 60)
         return box[0] if box else default
 
@@ -251,6 +214,27 @@ class Chaos(FaultsMixin):
         return b is not None and b.final
 
     # ------------------------------------------------------------------ the run
+
+    def _healed(self, bite: Bite) -> None:
+        """The fault being injected healed now: note the time, and watch in the background for the next
+        result (by the cluster it hit, if one), which sets its ``recovery_s``."""
+        bite.healed_at = healed = time.monotonic()
+        fault, affected = self.current, self.affected
+        before = self._read(lambda: self._progress(affected), default=-1)
+
+        def watch() -> None:
+            while before >= 0 and not self.stop.is_set() and time.monotonic() - healed < RECOVERY_WAIT_S:
+                try:
+                    if self._progress(affected) > before:
+                        self.recovery_s[fault] = round(time.monotonic() - healed, 2)
+                        return
+                except (OSError, redis.RedisError):
+                    pass
+                self.stop.wait(0.25)
+
+        t = threading.Thread(target=watch, name=f"chaos-recovery-{fault}", daemon=True)
+        t.start()
+        self.watchers.append(t)
 
     def run(self) -> dict:
         c = self.c
@@ -271,21 +255,29 @@ class Chaos(FaultsMixin):
                 )
                 break
             t_fault = time.monotonic()
-            self.affected = None
-            getattr(self, fault)()
-            self.injected[fault] += 1
-            last_heal = time.monotonic()
-            before = self._read(lambda a=self.affected: self._progress(a), default=-1)
-            wave = self.submit(f"w{k + 1}", load[k + 1])
-            if self._wait(lambda b=before, a=self.affected: self._progress(a) > b, 120):
-                self.recovery_s[fault] = round(time.monotonic() - last_heal, 2)
+            self.affected, self.wave, self.current = None, wave, fault
+            bite = self.bites[fault] = getattr(self, fault)()
+            if bite.bit:
+                self.injected[fault] += 1
+            else:
+                log.error("chaos: %s did not bite: %s", fault, bite.missed)
+            last_heal = bite.healed_at or time.monotonic()
             self.notes.setdefault("fault_s", {})[fault] = round(last_heal - t_fault, 2)
+            wave = self.submit(f"w{k + 1}", load[k + 1])
         self._wait(
             lambda: all(self._batch_final(b.batch_id) for b in self.batches),
             max(0.0, last_heal + c.settle_s - time.monotonic()),
         )
         for run in self.openai_runs:
             self.openai.read(run, max(30.0, last_heal + c.settle_s - time.monotonic()))
+        seen_by = time.monotonic() + 5.0  # all settled: a watcher still waiting has no result to see
+        for t in self.watchers:
+            t.join(timeout=max(0.0, seen_by - time.monotonic()))
+        for fault, bite in self.bites.items():  # checks that need the settled run
+            why = bite.confirm() if bite.confirm is not None and bite.bit else ""
+            if why:
+                bite.miss(why)
+                self.injected[fault] -= 1
         return self._books(time.monotonic() - t0)
 
     def _books(self, wall_s: float) -> dict:
@@ -296,10 +288,13 @@ class Chaos(FaultsMixin):
         infos = q.clusters(self.names)
         report = {
             "faults": dict(self.injected),
+            "fault_misses": {f: b.missed for f, b in self.bites.items() if not b.bit},
             "queries": sum(len(b.ids) for b in self.batches) + sum(len(r.rows) for r in self.openai_runs),
             "lost": g["lost"],
             "duplicated": g["duplicated"],
             "stuck": g["stuck"],
+            "overcounted": g["overcounted"],
+            "count_mismatches": g["count_mismatches"],
             "invariant_violations": len(check(q.r)),
             "output_lines_missing": u["output_lines_missing"],
             "output_lines_duplicated": u["output_lines_duplicated"],
@@ -308,6 +303,9 @@ class Chaos(FaultsMixin):
             "engines_not_restarted": len(self.restarts_missed),
             "engine_restarts": self.restarts_observed,
             "recovery_s": self.recovery_s,
+            "evidence": {f: b.evidence for f, b in self.bites.items()},
+            "client_failures": [f"{b.name}: {b.client.fatal}" for b in self.batches if b.client.fatal],
+            "count_problems": g["count_problems"],
             "wrongly_failed_examples": g["wrongly_failed_examples"],
             "openai_problems": u["openai_problems"],
             "notes": self.notes,
@@ -330,63 +328,7 @@ def run_chaos(config: ChaosConfig) -> dict:
         chaos.close()
 
 
-def add_arguments(p) -> None:
-    p.add_argument(
-        "--num", "-n", type=int, default=1000, help="generated queries, cut into one wave per fault + 1"
-    )
-    p.add_argument("--slowdown", type=float, default=3.0, help="engines sleep this x their compute per step")
-    p.add_argument("--size", default="nano", help="size of the random local model")
-    p.add_argument("--max-tokens", type=int, default=48, help="longest forced response")
-    p.add_argument("--lease-s", type=float, default=15.0, help="query lease of the engines")
-    p.add_argument(
-        "--stop-s", type=float, default=0.0, help="SIGSTOP length (default: twice the lease + 2 s)"
-    )
-    p.add_argument(
-        "--outage-s", type=float, default=0.0, help="Redis outage (default: twice the lease + 2 s)"
-    )
-    p.add_argument("--partition-s", type=float, default=60.0, help="engine <-> Redis partition length")
-    p.add_argument(
-        "--store-s", type=float, default=10.0, help="file store unwritable this long after a finalize failed"
-    )
-    p.add_argument("--intake-rows", type=int, default=200, help="rows of the batch in background intake")
-    p.add_argument(
-        "--fire-at", type=float, default=0.3, help="fault k fires once this share of wave k is done"
-    )
-    p.add_argument(
-        "--settle-s",
-        type=float,
-        default=120.0,
-        help="after the last fault healed, a query not final by then is stuck",
-    )
-    p.add_argument(
-        "--faults", default=",".join(FAULTS), help=f"comma-separated subset of {', '.join(FAULTS)}"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--run-dir", default="runs/chaos", help="Redis data, files and process logs")
-
-
 def run(args) -> dict:
-    faults = tuple(f for f in args.faults.split(",") if f)
-    unknown = sorted(set(faults) - set(FAULTS))
-    if unknown:
-        raise ValueError(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
-    config = ChaosConfig(
-        run_dir=Path(args.run_dir).resolve(),
-        queries=args.num,
-        size=args.size,
-        max_tokens=args.max_tokens,
-        lease_s=args.lease_s,
-        stop_s=args.stop_s,
-        outage_s=args.outage_s,
-        partition_s=args.partition_s,
-        store_s=args.store_s,
-        intake_rows=args.intake_rows,
-        fire_at=args.fire_at,
-        slowdown=args.slowdown,
-        settle_s=args.settle_s,
-        seed=args.seed,
-        faults=tuple(f for f in FAULTS if f in faults),  # always in the order of FAULTS
-    )
-    report = run_chaos(config)
+    report = run_chaos(config_from_args(args))
     print(format_report(report, FAULTS), flush=True)
     return report

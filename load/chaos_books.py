@@ -4,14 +4,20 @@ Over every gRPC batch of the run (the waves and the batches some faults submit):
 
 * ``lost``: queries without a result, in Redis (and at the client, when its stream ended);
 * ``duplicated``: result rows beyond one per query, in Redis;
-* ``stuck``: queries not final when the run stopped waiting;
-* ``wrongly_failed``: failed rows that could have run (any row but the deliberate misfits of
-  :func:`load.chaos_load.legit_failure`), plus such error lines in the OpenAI files;
+* ``stuck``: queries not final when the run stopped waiting (per batch, never below 0, so a
+  batch that counts too many cannot hide one that counts too few);
+* ``overcounted``: finished queries a batch counts beyond its size;
+* ``count_mismatches``: batches whose ``completed`` / ``failed`` / ``cancelled`` differ from
+  their result rows counted by :func:`workqueue.outcome` (what gRPC reports against the rows);
+* ``wrongly_failed``: rows without an answer (``not outcome(...).answered``) that could have
+  run: any row but the deliberate misfits failed with their own error
+  (:func:`load.chaos_load.legit_failure`), plus such error lines in the OpenAI files;
 
 then ``invariant_violations`` (:func:`workqueue.invariants.check` on the quiet queue) and the
 user's view of the OpenAI batches (:func:`load.chaos_openai.user_view`). :func:`verdict` lists
-why a run failed: a count of :data:`CHECKED` above 0, fewer fault kinds than asked, or a
-killed engine whose restart was not observed.
+why a run failed: a count of :data:`CHECKED` above 0, a fault that did not bite, fewer fault
+kinds than asked, a killed engine whose restart was not observed, or a client that met a
+permanent error.
 """
 
 from __future__ import annotations
@@ -20,13 +26,15 @@ from dataclasses import dataclass
 
 from load.chaos_client import ResilientClient
 from load.chaos_load import legit_failure
-from workqueue import WorkQueue
+from workqueue import QueryState, WorkQueue, outcome
 
 #: the counts that must be 0 for a run to pass
 CHECKED = (
     "lost",
     "duplicated",
     "stuck",
+    "overcounted",
+    "count_mismatches",
     "invariant_violations",
     "output_lines_missing",
     "output_lines_duplicated",
@@ -34,7 +42,6 @@ CHECKED = (
     "openai_violations",
     "engines_not_restarted",
 )
-FAILED_REASONS = ("error", "cancelled", "abort")
 
 
 @dataclass
@@ -45,25 +52,43 @@ class GrpcBatch:
     client: ResilientClient
 
 
-def failed(row: dict) -> bool:
-    """Whether a result row is a failure (today's rows: an error set or a failing finish reason)."""
-    return bool(row.get("error")) or row.get("finish_reason") in FAILED_REASONS
+def row_state(row: dict) -> QueryState:
+    """How a result row counts in its batch (the one rule: :func:`workqueue.outcome`)."""
+    return outcome(row.get("finish_reason"), row.get("error")).state
 
 
 def grpc_books(q: WorkQueue, batches: list[GrpcBatch]) -> dict:
-    lost = duplicated = stuck = wrongly = 0
+    lost = duplicated = stuck = over = wrongly = 0
     failed_ids: list[str] = []
+    mismatches: list[str] = []
     for b in batches:
         info = q.batch(b.batch_id)
         rows = q.results(b.batch_id)
-        have = {r["query_id"] for r in rows}
+        first: dict[str, dict] = {}
+        for r in rows:
+            first.setdefault(r["query_id"], r)
+        have = set(first)
         if b.client.final:
             have &= set(b.client.results)
         lost += len(set(b.ids) - have)
-        duplicated += len(rows) - len({r["query_id"] for r in rows})
-        finished = (info.completed + info.failed + info.cancelled) if info else 0
-        stuck += len(b.ids) - finished
-        bad = [r for r in rows if failed(r) and not legit_failure(r["query_id"])]
+        duplicated += len(rows) - len(first)
+        counted = (info.completed, info.failed, info.cancelled) if info else (0, 0, 0)
+        stuck += max(0, len(b.ids) - sum(counted))
+        over += max(0, sum(counted) - len(b.ids))
+        states = [row_state(r) for r in first.values()]
+        by_rows = tuple(
+            states.count(s) for s in (QueryState.COMPLETED, QueryState.FAILED, QueryState.CANCELLED)
+        )
+        if by_rows != counted:
+            mismatches.append(
+                f"{b.name}: (completed, failed, cancelled) counted {counted}, rows hold {by_rows}"
+            )
+        bad = [
+            r
+            for r in first.values()
+            if not outcome(r.get("finish_reason"), r.get("error")).answered
+            and not legit_failure(r["query_id"], r.get("error"))
+        ]
         wrongly += len(bad)
         if bad:
             e = bad[0].get("error") or bad[0].get("finish_reason")
@@ -72,17 +97,25 @@ def grpc_books(q: WorkQueue, batches: list[GrpcBatch]) -> dict:
         "lost": lost,
         "duplicated": duplicated,
         "stuck": stuck,
+        "overcounted": over,
+        "count_mismatches": len(mismatches),
+        "count_problems": mismatches[:10],
         "wrongly_failed_rows": wrongly,
         "wrongly_failed_examples": failed_ids[:10],
     }
 
 
 def verdict(report: dict, asked: tuple[str, ...]) -> list[str]:
-    """Why the run failed (empty: it passed)."""
+    """Why the run failed (empty: it passed). ``faults`` counts only faults that bit;
+    ``fault_misses`` says why each of the others did not; ``client_failures`` are permanent errors."""
     why = [f"{k} = {report[k]}" for k in CHECKED if report.get(k)]
+    why += [f"{f} did not bite: {m}" for f, m in report.get("fault_misses", {}).items()]
     missing = [f for f in asked if not report["faults"].get(f)]
     if missing:
-        why.append(f"faults not injected: {', '.join(missing)}")
+        why.append(
+            f"faults that did not bite: {', '.join(missing)} ({len(asked) - len(missing)} of {len(asked)} kinds)"
+        )
+    why += [f"client: {e}" for e in report.get("client_failures", [])]
     return why
 
 
@@ -97,7 +130,7 @@ def merged_counts(dicts) -> dict[str, int]:
 
 def format_report(r: dict, kinds: tuple[str, ...]) -> str:
     """The human table printed before the JSON line: faults, recovery, the counts, the verdict."""
-    lines = [f"{'fault':<20} {'injected':>8} {'recovery s':>11}"]
+    lines = [f"{'fault':<20} {'bit':>8} {'recovery s':>11}"]
     for f in kinds:
         rec = r["recovery_s"].get(f)
         lines.append(f"{f:<20} {r['faults'][f]:>8} {rec if rec is not None else '-':>11}")

@@ -8,8 +8,9 @@
   prompt, a few tokens out) therefore fits only the second cluster.
 * **KV-exhausting rows**: a short prompt (the gateway predicts a short answer, so it admits
   it) forced to generate as many tokens as the engine's whole KV cache holds: it outgrows the
-  cache and cannot ever run to its end. Failing it is legitimate; so is failing the one big row
-  left on a removed cluster (:data:`LEGIT_PREFIXES`).
+  cache and cannot ever run to its end. Failing it *with the KV cache's error* is legitimate;
+  so is failing the one big row left on a removed cluster *with an error naming the removal*
+  (:func:`legit_failure`). Any other failure of them is a wrongly failed row.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ SMALL_LIMIT = 128  # max_query_tokens of the first cluster: every generated row 
 KV_BUDGET = 384  # KV cache of every engine, in tokens: four generated rows or one big row fit
 BIG_PROMPT = " ".join(["the river carries water and stones to the sea"] * 20)  # ~200 tokens
 KV_PROMPT = "Count slowly from one to ten thousand, one number per line."  # ~16 tokens
-#: ids of rows that may fail for good: they cannot run (KV) or only a removed cluster could take them
-LEGIT_PREFIXES = ("kv-", "sole-")
+#: rows that may fail for good, by id prefix, and the words their error must hold: they cannot run
+#: (the KV cache cannot hold them) or only a removed cluster could take them
+LEGIT_ERRORS = {"kv-": "kv cache", "sole-": "removed"}
 
 
 def waves(n: int, k: int, seed: int, max_tokens: int) -> list[list[WorkItem]]:
@@ -54,6 +56,9 @@ def intake_rows(n: int, seed: int, every: int = 5) -> list[WorkItem]:
     return rows
 
 
-def legit_failure(query_id: str) -> bool:
-    """Whether a row may fail for good in a chaos run (see the module docstring)."""
-    return query_id.startswith(LEGIT_PREFIXES)
+def legit_failure(query_id: str, error: str | None) -> bool:
+    """Whether a row may fail for good in a chaos run, with this ``error`` (see the module docstring)."""
+    return any(
+        query_id.startswith(prefix) and words in (error or "").lower()
+        for prefix, words in LEGIT_ERRORS.items()
+    )

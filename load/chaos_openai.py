@@ -81,6 +81,12 @@ class OpenAIBatches:
         return [json.loads(x) for x in self.client.files.content(file_id).text.splitlines() if x.strip()]
 
 
+def _message(line: dict) -> str:
+    """An error line's message (``error.message``, or the error body of a non-200 response)."""
+    err = line.get("error") or ((line.get("response") or {}).get("body") or {}).get("error") or {}
+    return str(err.get("message", "")) if isinstance(err, dict) else str(err)
+
+
 def user_view(runs: list[OpenAIRun]) -> dict:
     """The user-level counts over the OpenAI batches (see the module docstring)."""
     missing = duplicated = wrongly_failed = 0
@@ -90,7 +96,9 @@ def user_view(runs: list[OpenAIRun]) -> dict:
         seen = [x.get("custom_id") for x in run.output + run.errors]
         missing += len(set(wanted) - set(seen))
         duplicated += len(seen) - len(set(seen))
-        wrongly_failed += sum(1 for x in run.errors if not legit_failure(str(x.get("custom_id"))))
+        wrongly_failed += sum(
+            1 for x in run.errors if not legit_failure(str(x.get("custom_id")), _message(x))
+        )
         if run.problem:
             problems.append(f"{run.name} ({run.batch_id}): {run.problem}")
         b = run.batch

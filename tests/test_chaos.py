@@ -1,12 +1,13 @@
 """`loadgen chaos` in CI: all eleven fault kinds injected into one real deployment while batches run.
 
-SIGKILL and SIGSTOP of engines, SIGKILL of Redis and a Redis outage of more than twice the
-lease, a partition between an engine and Redis (a TCP proxy cut), racing admin rebalances,
+SIGKILL and SIGSTOP of busy engines, SIGKILL of Redis and a Redis outage of more than twice the
+lease, a partition between an engine and Redis (a TCP proxy blackhole), racing admin rebalances,
 rows that exhaust the KV cache, an unwritable file store while an OpenAI batch finalizes, an
 engine restart during background intake, a SIGKILL of a gateway replica, and the removal of
 a cluster holding a row only it can take. Faults follow the load's progress (waves), so each
 fires on any machine; the lease (3 s), outage and partition are short here, the CLI's defaults
-are the realistic ones.
+are the realistic ones. Every fault must bite (its evidence in ``evidence``): a fault that
+fired without effect does not count.
 
 Some counts expose the bugs of issue 31 that other branches fix (a KV-exhausting row missing
 from the OpenAI files, a finalizer giving up on a full disk, intake failing rows while their
@@ -25,12 +26,19 @@ from load.chaos_books import CHECKED, verdict
 pytestmark = pytest.mark.fault
 
 
-def test_a_run_that_injected_fewer_kinds_or_lost_a_restart_fails():
+def test_a_run_whose_faults_did_not_all_bite_or_that_lost_a_restart_or_a_client_fails():
     report = {"faults": dict.fromkeys(FAULTS, 1), **dict.fromkeys(CHECKED, 0)}
     assert verdict(report, FAULTS) == []
     report["faults"]["partition"] = 0
+    report["fault_misses"] = {"partition": "no connection was frozen, held, dropped or refused"}
     report["engines_not_restarted"] = 1
-    assert verdict(report, FAULTS) == ["engines_not_restarted = 1", "faults not injected: partition"]
+    report["client_failures"] = ["w3: SubmitBatch on 127.0.0.1:1: INVALID_ARGUMENT bad"]
+    assert verdict(report, FAULTS) == [
+        "engines_not_restarted = 1",
+        "partition did not bite: no connection was frozen, held, dropped or refused",
+        "faults that did not bite: partition (10 of 11 kinds)",
+        "client: w3: SubmitBatch on 127.0.0.1:1: INVALID_ARGUMENT bad",
+    ]
 
 
 def test_every_fault_kind_in_one_run_loses_doubles_and_strands_nothing(tmp_path):
@@ -46,7 +54,27 @@ def test_every_fault_kind_in_one_run_loses_doubles_and_strands_nothing(tmp_path)
     )
     report = run_chaos(config)
     print(json.dumps(report))
-    assert report["faults"] == dict.fromkeys(FAULTS, 1), report
+    assert report["faults"] == dict.fromkeys(FAULTS, 1), report["fault_misses"]
+    assert report["client_failures"] == [], report
     assert report["engine_restarts"] >= 2 and report["engines_not_restarted"] == 0, report
     assert {k: report[k] for k in CHECKED} == dict.fromkeys(CHECKED, 0), report
     assert report["ok"], report["problems"]
+
+
+def test_a_fault_that_fires_on_a_finished_wave_does_not_count(tmp_path):
+    """``--fire-at 1``: the fault fires once its wave is done, so no engine holds a lease. The old
+    harness SIGKILLed an idle engine and counted the fault; now it is a miss and the run fails."""
+    config = ChaosConfig(
+        run_dir=tmp_path / "chaos",
+        queries=4,
+        lease_s=3.0,
+        fire_at=1.0,
+        settle_s=60.0,
+        faults=("kill_engine",),
+    )
+    report = run_chaos(config)
+    print(json.dumps(report))
+    assert report["faults"]["kill_engine"] == 0, report["evidence"]
+    assert "held a lease" in report["fault_misses"]["kill_engine"], report["fault_misses"]
+    assert not report["ok"] and any("kill_engine did not bite" in p for p in report["problems"]), report
+    assert report["lost"] == report["stuck"] == 0, report

@@ -1,11 +1,14 @@
 """The harness's TCP proxy (load/tcp_proxy.py) on real loopback sockets: bytes pass unchanged,
-delay and bandwidth slow a direction down (lower bounds only: a loaded machine only adds), the
-cut drops live connections and refuses new ones, heal accepts again on the same port, and a
-Redis client through it sees the partition as a connection error."""
+delay and bandwidth slow a direction down (lower bounds only: a loaded machine only adds), a
+slow writer holds its reader back (bounded buffer), a blackhole cut freezes live connections
+and holds new connects until the heal delivers everything, a reset cut resets both, the port
+stays bound across a cut, and a Redis client through it sees each partition."""
 
 from __future__ import annotations
 
+import errno
 import random
+import select
 import socket
 import threading
 import time
@@ -106,36 +109,109 @@ def test_bad_knobs_are_refused():
         Link(bandwidth_bps=float("inf"))
 
 
-def test_cut_drops_live_connections_refuses_new_ones_and_heal_accepts_again(echo):
+def connected(proxy: TcpProxy) -> socket.socket:
+    host, port = proxy.address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def wait_for(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_a_slow_writer_holds_its_reader_back(echo):
+    """A 1 kB/s cap: the proxy reads at most its bounded queue ahead, so the sender blocks after a
+    few MB (kernel buffers); an unbounded queue would swallow all 64 MB at once."""
+    with TcpProxy(echo, up=Link(bandwidth_bps=1000)) as proxy:
+        s = connected(proxy)
+        s.setblocking(False)
+        sent, chunk = 0, b"z" * 65536
+        while sent < 64 * 2**20:
+            _, writable, _ = select.select([], [s], [], 5.0)
+            if not writable:
+                break  # blocked for 5 s: the proxy stopped reading
+            try:
+                sent += s.send(chunk)
+            except BlockingIOError:
+                continue
+        assert sent < 32 * 2**20, f"the proxy read {sent} bytes ahead of a 1 kB/s link"
+        s.close()
+
+
+def test_a_blackhole_freezes_live_connections_holds_new_ones_and_heal_delivers_everything(echo):
     with TcpProxy(echo) as proxy:
-        host, port = proxy.address.rsplit(":", 1)
-        live = socket.create_connection((host, int(port)), timeout=30)
+        live = connected(proxy)
         live.sendall(b"ping")
         assert live.recv(4) == b"ping"
-        deadline = time.monotonic() + 30
-        while proxy.live != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert proxy.cut() == 1 and proxy.is_cut
-        try:  # the live connection is closed under it: EOF or a reset, never an answer
+        wait_for(lambda: proxy.live == 1)
+        assert proxy.cut() == 1 and proxy.mode == "blackhole"
+        live.sendall(b"lost?")
+        late = connected(proxy)  # accepted: the connect itself succeeds, then nothing comes back
+        late.sendall(b"late")
+        for s in (live, late):
+            s.settimeout(1.0)
+            with pytest.raises(TimeoutError):
+                s.recv(16)  # nothing is forwarded while it lasts
+            s.settimeout(30)
+        assert proxy.stats()["blackholed"] == 1 and proxy.stats()["held_connects"] == 1
+        proxy.heal()
+        assert live.recv(5) == b"lost?" and late.recv(4) == b"late"
+        live.close()
+        late.close()
+
+
+def test_a_reset_cut_resets_live_connections_and_new_connects(echo):
+    with TcpProxy(echo) as proxy:
+        live = connected(proxy)
+        live.sendall(b"ping")
+        assert live.recv(4) == b"ping"
+        wait_for(lambda: proxy.live == 1)
+        assert proxy.cut("reset") == 1 and proxy.is_cut
+        with pytest.raises(ConnectionResetError):  # reset under it, never an answer
             live.sendall(b"again")
             assert live.recv(5) == b""
-        except OSError:
-            pass
         live.close()
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection((host, int(port)), timeout=30)
+        refused = connected(proxy)
+        with pytest.raises(ConnectionResetError):
+            refused.sendall(b"x")
+            assert refused.recv(1) == b""
+        refused.close()
+        assert proxy.stats()["dropped"] == 1 and proxy.stats()["refused"] == 1
         proxy.heal()
-        assert proxy.address == f"{host}:{port}"
         assert roundtrip(proxy.address, b"back") == b"back"
+        with pytest.raises(ValueError, match="mode"):
+            proxy.cut("drop")
+
+
+def test_the_port_stays_bound_across_a_cut(echo):
+    """A heal never rebinds: nobody can take the port while the proxy is cut."""
+    with TcpProxy(echo) as proxy:
+        port = int(proxy.address.rsplit(":", 1)[1])
+        for mode in ("blackhole", "reset"):
+            proxy.cut(mode)
+            other = socket.socket()
+            with pytest.raises(OSError) as e:
+                other.bind(("127.0.0.1", port))
+            other.close()
+            assert e.value.errno == errno.EADDRINUSE
+            proxy.heal()
+            assert roundtrip(proxy.address, b"same port") == b"same port"
 
 
 def test_a_redis_client_through_the_proxy_sees_the_partition(redis_url):
     path = redis_url.removeprefix("unix://")
     with TcpProxy(path) as proxy:  # a unix-socket upstream
-        r = redis.Redis.from_url(f"redis://{proxy.address}/0", socket_timeout=10, socket_connect_timeout=10)
+        r = redis.Redis.from_url(f"redis://{proxy.address}/0", socket_timeout=1, socket_connect_timeout=10)
         r.set("proxied", "1")
-        proxy.cut()
+        proxy.cut("reset")
         with pytest.raises(redis.ConnectionError):
             r.get("proxied")
         proxy.heal()
         assert r.get("proxied") == b"1"  # redis-py reconnects on the next command
+        proxy.cut()  # a blackhole: only a socket timeout gets the client out
+        with pytest.raises(redis.TimeoutError):
+            r.get("proxied")
+        proxy.heal()
+        assert r.get("proxied") == b"1"
