@@ -215,3 +215,46 @@ def test_a_redis_client_through_the_proxy_sees_the_partition(redis_url):
             r.get("proxied")
         proxy.heal()
         assert r.get("proxied") == b"1"
+
+
+def test_the_queue_client_never_hangs_on_a_blackholed_redis(redis_url, monkeypatch):
+    """``workqueue.connect``'s client gives up on a reply that does not come (a partition that drops
+    packets) with a TimeoutError, after its few retries, instead of waiting for the heal; the
+    worker's backoff and the gateway's UNAVAILABLE take it from there."""
+    from workqueue import connect
+
+    monkeypatch.setenv("FLEETBATCH_REDIS_TIMEOUT_S", "0.5")
+    with TcpProxy(redis_url.removeprefix("unix://")) as proxy:
+        r = connect(f"redis://{proxy.address}/0")
+        r.set("proxied", "1")
+        proxy.cut()  # a blackhole
+        outcome: list[BaseException | str] = []
+
+        def call() -> None:
+            try:
+                outcome.append(r.get("proxied"))
+            except BaseException as e:  # noqa: BLE001 - what the call ended with is the result
+                outcome.append(e)
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        t.join(60)  # a bound on the test, not a timing assertion
+        stuck = t.is_alive()
+        proxy.heal()
+        t.join(60)
+        assert not stuck, "the call was still waiting on the blackholed Redis after 60 s"
+        assert len(outcome) == 1 and isinstance(outcome[0], redis.TimeoutError), outcome
+        assert r.get("proxied") == "1"  # and it reconnects once the partition heals
+
+
+def test_the_queue_clients_timeout_is_checked():
+    from workqueue.embedded import client_options
+
+    mp = pytest.MonkeyPatch()
+    try:
+        for bad in ("0", "-1", "soon", "1e9"):
+            mp.setenv("FLEETBATCH_REDIS_TIMEOUT_S", bad)
+            with pytest.raises(ValueError, match="FLEETBATCH_REDIS_TIMEOUT_S"):
+                client_options()
+    finally:
+        mp.undo()

@@ -28,6 +28,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.cluster
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 log = logging.getLogger(__name__)
 
@@ -199,23 +201,50 @@ def redact_url(url: str | None) -> str:
 
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+TIMEOUT_ENV = "FLEETBATCH_REDIS_TIMEOUT_S"
+# longest wait for one reply (every script here is bounded far below it); redis-py 8 defaults to 5 s
+# too, older releases to no limit at all: set here, it does not depend on the library's version
+DEFAULT_TIMEOUT_S = 5.0
+RETRIES = 2  # the library's own retries of a failed call (callers back off on their own after that)
+
+
+def client_options() -> dict:
+    """Keyword arguments of every client :func:`connect` makes (timeouts, keepalive, retries)."""
+    raw = os.environ.get(TIMEOUT_ENV) or str(DEFAULT_TIMEOUT_S)
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = float("nan")
+    if not 0 < timeout < 3600:
+        raise ValueError(f"${TIMEOUT_ENV} must be seconds between 0 and 3600, not {raw!r}")
+    return {
+        "decode_responses": True,
+        "socket_connect_timeout": min(5.0, timeout),
+        "socket_timeout": timeout,
+        "socket_keepalive": True,
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), RETRIES),
+    }
 
 
 def connect(url: str) -> redis.Redis:
     """A client with string responses; fails fast with a clear message when Redis is unreachable.
+
+    No call waits on Redis for ever: a reply that does not come within ``$FLEETBATCH_REDIS_TIMEOUT_S``
+    (5 s) is a ``TimeoutError``, retried :data:`RETRIES` times with a short backoff, so across a
+    network partition that drops packets (no reset, no refusal) callers get an error they handle
+    (the worker's backoff, the gateway's ``UNAVAILABLE``) instead of hanging until it heals.
 
     ``redis+cluster://host:port`` (or ``rediss+cluster://``) connects to a Redis Cluster through
     any of its nodes; every key carries the ``{fb}`` hash tag, so scripts and transactions work
     there as on a single server (:mod:`workqueue.keys`).
     """
     scheme, sep, rest = url.partition("://")
+    options = client_options()
     try:
         if sep and scheme in CLUSTER_SCHEMES:
-            client = redis.cluster.RedisCluster.from_url(
-                f"{CLUSTER_SCHEMES[scheme]}://{rest}", decode_responses=True, socket_connect_timeout=5
-            )
+            client = redis.cluster.RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}", **options)
         else:
-            client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5)
+            client = redis.Redis.from_url(url, **options)
         client.ping()
     except (redis.exceptions.ConnectionError, redis.exceptions.RedisClusterException, FileNotFoundError) as e:
         raise ConnectionError(f"cannot reach Redis at {redact_url(url)}: {e}") from e
