@@ -209,7 +209,7 @@ RETRIES = 2  # the library's own retries of a failed call (callers back off on t
 
 
 def client_options() -> dict:
-    """Keyword arguments of every client :func:`connect` makes (timeouts, keepalive, retries)."""
+    """Keyword arguments of every client :func:`connect` makes, over TCP or a unix socket (timeouts, retries)."""
     raw = os.environ.get(TIMEOUT_ENV) or str(DEFAULT_TIMEOUT_S)
     try:
         timeout = float(raw)
@@ -221,7 +221,6 @@ def client_options() -> dict:
         "decode_responses": True,
         "socket_connect_timeout": min(5.0, timeout),
         "socket_timeout": timeout,
-        "socket_keepalive": True,
         "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), RETRIES),
     }
 
