@@ -8,6 +8,8 @@ admin API's token is checked before its request is decoded.
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 
 import grpc
@@ -22,7 +24,7 @@ from gateway.quota import client_key, client_of
 from gateway.tls import channel
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from tests.harness import GatewayThread, batch_of
+from tests.harness import GatewayThread, batch_of, wait_until
 from tests.openai_http_helpers import KEY, http_gateway, jsonl, raw_call
 from workqueue import QueuedQuery, WorkQueue, connect, keys
 
@@ -201,6 +203,48 @@ def test_an_admin_call_without_the_admin_token_is_refused_before_it_is_decoded(r
                 grpc.StatusCode.INVALID_ARGUMENT
             )
             stub = pb_grpc.AdminServiceStub(ch)
-            assert stub.GetClusterStatus(pb.GetClusterStatusRequest(), metadata=admin, timeout=30).clusters
+            assert stub.GetClusterStatus(pb.ListClustersRequest(), metadata=admin, timeout=30).clusters
+    finally:
+        g.stop()
+
+
+def test_the_http_fronts_creations_count_in_the_in_flight_bytes(redis_url, tmp_path):
+    """An HTTP batch creation holds its input in memory as a gRPC submission does: while one is in
+    flight (held here reading its input file, a FIFO the test writes when it is done), a gRPC
+    request past the budget (``--max-inflight-mb``) is RESOURCE_EXHAUSTED, as it would be past
+    another gRPC request."""
+    rows = jsonl([{"custom_id": f"r{i}", "body": {"prompt": "hello"}} for i in range(3)])
+    g = http_gateway(redis_url, tmp_path / "files", max_inflight_bytes=len(rows))
+    address = g.start()
+    try:
+        client = OpenAI(base_url=g.config.http_url, api_key=KEY, max_retries=0)
+        f = client.files.create(file=("in.jsonl", rows), purpose="batch")
+        fifo = tmp_path / "files" / f.id
+        fifo.unlink()
+        os.mkfifo(fifo)  # the creation waits in its read until the test writes the rows
+        body = json.dumps({"input_file_id": f.id, "endpoint": COMPLETIONS, "completion_window": "24h"})
+        created: list = []
+        creating = threading.Thread(
+            target=lambda: created.append(raw_call(f"{g.config.http_url}/batches", data=body.encode(), timeout=120)),
+            daemon=True,
+        )
+        creating.start()
+        invalid = batch_of(1)
+        invalid.queries[0].id = ""  # refused by validation, when it is decoded at all
+
+        def refused() -> bool:
+            with grpc.insecure_channel(address) as ch:
+                code = _code(lambda: pb_grpc.BatchServiceStub(ch).SubmitBatch(invalid, timeout=30))
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), code
+            return code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        try:
+            wait_until(refused, 60, "a gRPC request to be refused while the HTTP creation is in flight")
+        finally:
+            with open(fifo, "wb") as w:  # lets the creation go on
+                w.write(rows)
+        creating.join(120)
+        assert created and created[0][0] == 200, created
+        wait_until(lambda: not refused(), 60, "the creation's bytes to be given back")
     finally:
         g.stop()
