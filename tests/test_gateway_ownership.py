@@ -80,7 +80,9 @@ def test_the_owner_is_written_in_the_transaction_that_creates_the_batch(front, r
     r.echo(marker)
     reader.join(60)
     assert not reader.is_alive()
-    status_write = next(i for i, c in enumerate(seen) if c.startswith("HSET {fb}:b:small ") and " status " in c)
+    status_write = next(
+        i for i, c in enumerate(seen) if c.startswith("HSET {fb}:b:small ") and " status " in c
+    )
     begin = max(i for i in range(status_write) if seen[i] == "MULTI")
     end = min(i for i in range(status_write, len(seen)) if seen[i] == "EXEC")
     creation = seen[begin:end]
@@ -114,7 +116,9 @@ def test_two_clients_racing_on_one_batch_id_one_gets_it(front):
         stubs = {"alice": pb_grpc.BatchServiceStub(a_ch), "bob": pb_grpc.BatchServiceStub(b_ch)}
         for k in range(4):
             bid = f"race{k}"
-            futures = {n: s.SubmitBatch.future(batch_of(1, batch_id=bid), timeout=60) for n, s in stubs.items()}
+            futures = {
+                n: s.SubmitBatch.future(batch_of(1, batch_id=bid), timeout=60) for n, s in stubs.items()
+            }
             won = []
             for name, f in futures.items():
                 try:
@@ -225,7 +229,9 @@ def test_the_http_fronts_creations_count_in_the_in_flight_bytes(redis_url, tmp_p
         body = json.dumps({"input_file_id": f.id, "endpoint": COMPLETIONS, "completion_window": "24h"})
         created: list = []
         creating = threading.Thread(
-            target=lambda: created.append(raw_call(f"{g.config.http_url}/batches", data=body.encode(), timeout=120)),
+            target=lambda: created.append(
+                raw_call(f"{g.config.http_url}/batches", data=body.encode(), timeout=120)
+            ),
             daemon=True,
         )
         creating.start()
