@@ -52,11 +52,17 @@ def front(redis_url, tmp_path):
         g.stop()
 
 
-def test_the_owner_is_written_in_the_transaction_that_creates_the_batch(front, redis_url):
+def test_the_owner_is_written_in_the_transaction_that_creates_the_batch(redis_url, monkeypatch):
     """Not in a second write after it, which a deadline, a Redis error or a SIGKILL in between left
     undone: an ownerless batch any client could read and cancel. Redis's MONITOR shows the owner's
-    write between the MULTI and the EXEC that create the batch."""
-    address, _, _ = front
+    write between the MULTI and the EXEC that create the batch, for a batch created in
+    ``SubmitBatch`` and for one accepted for background intake."""
+    monkeypatch.setenv("FLEETBATCH_INTAKE_SYNC_MAX", "4")  # 4 queries or more: background intake
+    config = GatewayConfig(
+        redis_url=redis_url, offload=False, clusters=[ClusterSpec("a")], client_tokens=TOKENS
+    )
+    g = GatewayThread(config)
+    address = g.start()
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     seen: list[str] = []
     marker = "end-of-the-submissions"
@@ -72,21 +78,25 @@ def test_the_owner_is_written_in_the_transaction_that_creates_the_batch(front, r
 
     reader = threading.Thread(target=watch, daemon=True)
     reader.start()
-    assert started.wait(30)
-    r.ping()
-    with channel(address, token=ALICE) as ch:
-        stub = pb_grpc.BatchServiceStub(ch)
-        stub.SubmitBatch(batch_of(2, batch_id="small"), timeout=60)
-    r.echo(marker)
-    reader.join(60)
-    assert not reader.is_alive()
-    status_write = next(
-        i for i, c in enumerate(seen) if c.startswith("HSET {fb}:b:small ") and " status " in c
-    )
-    begin = max(i for i in range(status_write) if seen[i] == "MULTI")
-    end = min(i for i in range(status_write, len(seen)) if seen[i] == "EXEC")
-    creation = seen[begin:end]
-    assert any("{fb}:b:small" in c and " owner alice" in c for c in creation), seen[begin:]
+    try:
+        assert started.wait(30)
+        r.ping()
+        with channel(address, token=ALICE) as ch:
+            stub = pb_grpc.BatchServiceStub(ch)
+            stub.SubmitBatch(batch_of(2, batch_id="small"), timeout=60)
+            assert stub.SubmitBatch(batch_of(5, batch_id="large"), timeout=60).status == pb.VALIDATING
+        r.echo(marker)
+        reader.join(60)
+        assert not reader.is_alive()
+    finally:
+        g.stop()
+    for bid in ("small", "large"):
+        key = "{fb}:b:" + bid
+        status_write = next(i for i, c in enumerate(seen) if c.startswith(f"HSET {key} ") and " status " in c)
+        begin = max(i for i in range(status_write) if seen[i] == "MULTI")
+        end = min(i for i in range(status_write, len(seen)) if seen[i] == "EXEC")
+        creation = seen[begin:end]
+        assert any(key in c and " owner alice" in c for c in creation), seen[begin:]
 
 
 def test_an_ownerless_batch_is_claimed_by_the_first_client_that_resubmits_it(front):
