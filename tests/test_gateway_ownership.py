@@ -254,11 +254,18 @@ def test_the_http_fronts_creations_count_in_the_in_flight_bytes(redis_url, tmp_p
             assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), code
             return code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
+        def reading() -> int | None:  # the creation has opened its input (its bytes are counted)
+            try:
+                return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no reader yet
+                return None
+
+        fd = wait_until(reading, 60, "the HTTP creation to read its input file")
         try:
             wait_until(refused, 60, "a gRPC request to be refused while the HTTP creation is in flight")
         finally:
-            with open(fifo, "wb") as w:  # lets the creation go on
-                w.write(rows)
+            os.write(fd, rows)  # lets the creation go on
+            os.close(fd)
         creating.join(120)
         assert created and created[0][0] == 200, created
         wait_until(lambda: not refused(), 60, "the creation's bytes to be given back")
