@@ -19,13 +19,13 @@ before it was marked, is failed alone by the offloader if it fits on no active c
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import grpc
 
+from gateway.auth import admin_refusal
 from gateway.listing import read_clusters
 from gateway.policies import NoClusterError
 from gateway.rebalance import RebalancePlan, format_plan, plan_moves, simulate_moves
@@ -58,14 +58,10 @@ class AdminService(pb_grpc.AdminServiceServicer):
         self.d = deps
 
     async def _authorize(self, context) -> None:
-        token = self.d.config.token()
-        if not token:
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, "the admin API is disabled: no admin token configured"
-            )
-        given = dict(context.invocation_metadata()).get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin token")
+        """Again here (:class:`gateway.auth.AdminInterceptor` checks first), should a server lack it."""
+        refusal = admin_refusal(context.invocation_metadata(), self.d.config.token())
+        if refusal is not None:
+            await context.abort(*refusal)
 
     async def _check_name(self, name: str, context, what: str = "cluster name") -> None:
         problem = id_problem(name, what)

@@ -4,8 +4,10 @@ Every ``fleetbatch.v1.BatchService`` call needs ``authorization: Bearer <token>`
 metadata; a missing or unknown token is ``UNAUTHENTICATED`` before the handler runs. Each token
 names one client (``alice:<token>``): that name is the client of the per-client cap
 (:mod:`gateway.quota`), so a client cannot act as another by sending a header. The admin token
-(``FLEETBATCH_ADMIN_TOKEN``) is also a client token, of the client ``admin``. The admin API keeps
-its own check (:mod:`gateway.admin`); health checks and reflection need no token.
+(``FLEETBATCH_ADMIN_TOKEN``) is also a client token, of the client ``admin``, which sees every
+batch (no tokens-file entry may be named ``admin``). The admin API needs the admin token, checked
+by :class:`AdminInterceptor` before a request is decoded; health checks and reflection need no token.
+The HTTP front calls the batch service in-process as a client of its own (:data:`HTTP_CLIENT`).
 
 Tokens come from a file (``gateway serve --client-tokens FILE``) or ``$FLEETBATCH_CLIENT_TOKENS``,
 one ``CLIENT:TOKEN`` per line or comma-separated, ``#`` starting a comment. Clients send their token
@@ -16,6 +18,7 @@ names it in ``gateway.json`` as ``client_token_file``).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -27,31 +30,41 @@ from gateway.validation import id_problem
 TOKENS_ENV = "FLEETBATCH_CLIENT_TOKENS"  # the server's CLIENT:TOKEN table
 CLIENT_TOKEN_ENV = "FLEETBATCH_TOKEN"  # a client's own token
 ADMIN_CLIENT = "admin"
+#: the HTTP front's own identity (its key is one for all): it owns the batches made over HTTP. The
+#: ``:`` keeps it apart from token clients, whose names cannot hold one (:func:`id_problem`).
+HTTP_CLIENT = "http:front"
 MIN_TOKEN_CHARS = 16
 AUTH_HEADER = "authorization"
 
 
 def parse_tokens(text: str, source: str) -> dict[str, str]:
-    """``CLIENT:TOKEN`` entries (newline- or comma-separated) as a token -> client table."""
+    """``CLIENT:TOKEN`` entries (newline- or comma-separated) as a token -> client table; an error
+    names the line. ``admin`` is the admin token's client (:data:`ADMIN_CLIENT`): no entry may take it."""
     table: dict[str, str] = {}
-    for raw in text.replace(",", "\n").splitlines():
-        entry = raw.split("#", 1)[0].strip()
-        if not entry:
-            continue
-        client, sep, token = entry.partition(":")
-        client, token = client.strip(), token.strip()
-        if not sep or not token:
-            raise ValueError(f"{source}: expected CLIENT:TOKEN, got an entry without a token")
-        problem = id_problem(client, "client id")
-        if problem:
-            raise ValueError(f"{source}: {problem}")
-        if len(token) < MIN_TOKEN_CHARS:
-            raise ValueError(
-                f"{source}: the token of {client!r} is shorter than {MIN_TOKEN_CHARS} characters"
-            )
-        if token in table:
-            raise ValueError(f"{source}: clients {table[token]!r} and {client!r} have the same token")
-        table[token] = client
+    for n, line in enumerate(text.splitlines(), 1):
+        for raw in line.split("#", 1)[0].split(","):
+            entry, where = raw.strip(), f"{source} line {n}"
+            if not entry:
+                continue
+            client, sep, token = entry.partition(":")
+            client, token = client.strip(), token.strip()
+            if not sep or not token:
+                raise ValueError(f"{where}: expected CLIENT:TOKEN, got an entry without a token")
+            problem = id_problem(client, "client id")
+            if problem:
+                raise ValueError(f"{where}: {problem}")
+            if client == ADMIN_CLIENT:
+                raise ValueError(
+                    f"{where}: the client name {ADMIN_CLIENT!r} is the admin token's (it sees every "
+                    "batch); give this client another name"
+                )
+            if len(token) < MIN_TOKEN_CHARS:
+                raise ValueError(
+                    f"{where}: the token of {client!r} is shorter than {MIN_TOKEN_CHARS} characters"
+                )
+            if token in table:
+                raise ValueError(f"{where}: clients {table[token]!r} and {client!r} have the same token")
+            table[token] = client
     return table
 
 
@@ -89,16 +102,46 @@ class Authenticator:
             return None
         return self._clients.get(_digest(value[len("Bearer ") :].strip()))
 
+    def caller(self, context: object) -> str | None:
+        """The proven identity of a call: the client its token names, or an in-process caller's own
+        (:class:`InProcessCall`); None for a caller without a client token."""
+        if isinstance(context, InProcessCall):
+            return context.client
+        return self.client(context.invocation_metadata())  # type: ignore[attr-defined]
 
-def _deny(message: str):
+
+class InProcessCall:
+    """The context of a call made inside the gateway (the HTTP front's): it names its own client."""
+
+    client: str = HTTP_CLIENT
+
+
+def admin_refusal(
+    metadata: Sequence[tuple[str, str | bytes]], token: str
+) -> tuple[grpc.StatusCode, str] | None:
+    """Why a call with ``metadata`` may not use the admin API whose token is ``token``, or None."""
+    if not token:
+        return grpc.StatusCode.PERMISSION_DENIED, "the admin API is disabled: no admin token configured"
+    given = dict(metadata).get(AUTH_HEADER, "")
+    given = given.encode() if isinstance(given, str) else given
+    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        return grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin token"
+    return None
+
+
+def _refused(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that answers ``code``; no deserializer: the refused request is never decoded."""
+
     async def abort(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     async def abort_stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
         yield  # pragma: no cover - an async generator, never reached
 
-    return abort, abort_stream
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(abort_stream, None, handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(abort, None, handler.response_serializer)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -118,13 +161,29 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if self.auth.client(details.invocation_metadata or ()) is not None:
             return handler
         given = any(k == AUTH_HEADER for k, _ in details.invocation_metadata or ())
-        unary, stream = _deny(
+        message = (
             "wrong client token" if given else "missing client token: send 'authorization: Bearer <token>'"
         )
-        # no deserializer: a refused request is never decoded
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(stream, None, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(unary, None, handler.response_serializer)
+        return _refused(handler, grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+class AdminInterceptor(grpc.aio.ServerInterceptor):
+    """The admin token on every call of ``service`` (the admin API), checked before its request is
+    decoded or counted against the in-flight bytes (:func:`admin_refusal`)."""
+
+    def __init__(self, token: Callable[[], str], service: str) -> None:
+        self.token, self.prefix = token, f"/{service}/"
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self.prefix):
+            return handler
+        refusal = admin_refusal(details.invocation_metadata or (), self.token())
+        return handler if refusal is None else _refused(handler, *refusal)
 
 
 def client_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> str:

@@ -96,7 +96,7 @@ def add_common(s: argparse.ArgumentParser) -> None:
         "--max-queued-per-client",
         type=int,
         default=0,
-        help="queries one client (x-client-id header, else its address) may have unfinished (0: no cap)",
+        help="queries one client (its token's, else its x-client-id header, else its address) may have unfinished (0: no cap)",
     )
     s.add_argument(
         "--retention-hours",

@@ -7,8 +7,10 @@ per-client cap, assignment and background intake are the gRPC API's; gRPC status
 HTTP ones (``INVALID_ARGUMENT`` 400, ``NOT_FOUND`` 404, ``ALREADY_EXISTS`` 409,
 ``RESOURCE_EXHAUSTED`` 429, ``UNAVAILABLE`` 503) with OpenAI's error body
 (``{"error": {"message", "type", "param", "code"}}``). Every request needs
-``Authorization: Bearer <key>`` (401 otherwise). The client of the per-client cap is the
-``x-client-id`` header, else the peer's address, as over gRPC. An invalid input file is no
+``Authorization: Bearer <key>`` (401 otherwise). The front is a client of its own
+(:data:`gateway.auth.HTTP_CLIENT`): it owns the batches made over HTTP and answers 404 for every
+other id, a gRPC client's batch included. The client of the per-client cap is ``hdr:`` and the
+``x-client-id`` header, else ``ip:`` and the peer's address, as over gRPC without tokens. An invalid input file is no
 4xx: the batch is created and ``failed`` at once with ``errors`` naming its lines, as OpenAI
 does (:meth:`OpenAIFront.create`). Creations and cancels run to their end even when their
 request is cut, and the front waits for them when it stops (:meth:`OpenAIFront.drain`).
@@ -31,13 +33,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway import openai_batches as ob
+from gateway.auth import HTTP_CLIENT
 from gateway.config import GatewayConfig
 from gateway.errors import REDIS_DOWN
 from gateway.http_shared import ApiError, Auth, CallContext, error_response, json_body, utf8_problem
 from gateway.openai_files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines
 from gateway.openai_format import ENDPOINTS
 from gateway.openai_retention import InUse, delete_file, deleting, retire
-from gateway.quota import header_problem
+from gateway.quota import header_problem, may_see
 from gateway.service import BatchService
 from gateway.validation import Limits, id_problem, metadata_problem, problems_by_query
 from protos import fleetbatch_pb2 as pb
@@ -203,8 +206,24 @@ class OpenAIFront:
         info = await asyncio.to_thread(self._info, file_id)
         if info.purpose != "batch":
             raise ApiError(400, f"file {file_id} has purpose {info.purpose!r}, not 'batch'", "input_file_id")
-        work = self._create(ob.new_batch_id(), file_id, endpoint, window, metadata, context)
+        work = self._counted(
+            info.bytes, self._create(ob.new_batch_id(), file_id, endpoint, window, metadata, context)
+        )
         return JSONResponse(await self.durable(work))
+
+    async def _counted(self, size: int, work: Coroutine[Any, Any, T]) -> T:
+        """``work`` (a creation) with its input file's ``size`` counted in the gateway's in-flight
+        bytes (``--max-inflight-mb``), as a gRPC request's are: 429 (retry later) before anything is
+        written, when it does not fit."""
+        budget = self.service.d.inflight
+        if budget is not None and not budget.acquire(size):
+            work.close()
+            raise ApiError(429, budget.refusal(size), code="resource_exhausted")
+        try:
+            return await work
+        finally:
+            if budget is not None:
+                budget.release(size)
 
     async def _create(
         self, batch_id: str, file_id: str, endpoint: str, window: str, metadata: dict, context: CallContext
@@ -299,7 +318,7 @@ class OpenAIFront:
             raise ApiError(404, f"no batch {batch_id!r}", "batch_id")
         info = self.queue.batch(batch_id)
         rec = self.queue.r.hgetall(ob.record_key(batch_id))
-        if info is None and not rec:
+        if not rec or not may_see(self.queue, batch_id, HTTP_CLIENT):  # a gRPC client's batch
             raise ApiError(404, f"no batch {batch_id!r}", "batch_id")
         ob.note_progress(self.queue, batch_id, info, rec)
         return ob.batch_object(batch_id, info, rec)

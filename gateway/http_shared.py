@@ -11,6 +11,7 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from gateway.auth import InProcessCall
 from gateway.quota import CLIENT_HEADER
 
 HTTP_STATUS = {
@@ -37,8 +38,10 @@ def error_response(
     return JSONResponse(body, status_code=status)
 
 
-class CallContext:
-    """What :class:`BatchService` asks of a gRPC context, for an in-process call."""
+class CallContext(InProcessCall):
+    """What :class:`BatchService` asks of a gRPC context, for an in-process call: the caller is the
+    HTTP front (its batches are its own), the client of the per-client cap its ``x-client-id`` header
+    or its address."""
 
     def __init__(self, request: Request):
         client = request.client

@@ -5,7 +5,8 @@ gRPC bounds one message (``--max-request-mb``) and the calls served at once
 bytes are decoded until its handler returns. One that would take the total past the limit is
 not decoded: it answers ``RESOURCE_EXHAUSTED`` (retry later), so a few clients sending the
 largest batches at once cannot make the gateway hold many decoded copies of them. A request
-larger than the whole limit is still served when nothing else is in flight.
+larger than the whole limit is still served when nothing else is in flight. The HTTP front's
+batch creations are counted in the same budget, as their input file's bytes (:class:`gateway.http_front.OpenAIFront`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ class InflightBytes:
     def release(self, n: int) -> None:
         with self._lock:
             self.used -= n
+
+    def refusal(self, n: int) -> str:
+        """What a request of ``n`` bytes that did not fit is told."""
+        return (
+            f"the gateway is handling {self.used} request bytes (limit {self.limit}, "
+            f"--max-inflight-mb); this request has {n}: retry later"
+        )
 
 
 class _Held:
@@ -71,11 +79,7 @@ class InflightBytesInterceptor(grpc.aio.ServerInterceptor):
 
         async def wrapped(held: _Held, context):
             if held.request is None:
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the gateway is handling {budget.used} request bytes (limit {budget.limit}, "
-                    f"--max-inflight-mb); this request has {held.size}: retry later",
-                )
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, budget.refusal(held.size))
             try:
                 return await behavior(held.request, context)
             finally:

@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.admin import AdminService
-from gateway.auth import Authenticator, AuthInterceptor
+from gateway.auth import AdminInterceptor, Authenticator, AuthInterceptor
 from gateway.config import GatewayConfig, redact_url
 from gateway.errors import MalformedRequestInterceptor, RedisUnavailableInterceptor
 from gateway.http_server import HttpServer  # starlette + uvicorn: ~70 ms of ~400 (python -X importtime)
@@ -113,6 +113,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
         predictor=predictor,
         token_bound=token_bound(tokenizer),
         tokenizer=tokenizer,
+        inflight=InflightBytes(config.max_inflight_bytes) if config.max_inflight_bytes > 0 else None,
     )
     return deps
 
@@ -132,7 +133,7 @@ async def serve(
 ) -> None:
     deps = await asyncio.to_thread(build_deps, config)
     server = grpc.aio.server(
-        interceptors=_interceptors(deps.auth, config),  # the first is the outermost
+        interceptors=_interceptors(deps, config),  # the first is the outermost
         options=[("grpc.max_receive_message_length", config.max_request_bytes)],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs or None,
     )
@@ -212,15 +213,17 @@ def _loopback(listen: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _interceptors(auth: Authenticator, config: GatewayConfig) -> list[grpc.aio.ServerInterceptor]:
-    """Client tokens first (a refused call is not decoded), then the in-flight bytes, then errors."""
-    chain: list[grpc.aio.ServerInterceptor] = []
-    if auth.enabled:
-        chain.append(AuthInterceptor(auth, pb.DESCRIPTOR.services_by_name["BatchService"].full_name))
-    if config.max_inflight_bytes > 0:
-        chain.append(
-            InflightBytesInterceptor(InflightBytes(config.max_inflight_bytes), pb.DESCRIPTOR.package)
-        )
+def _interceptors(deps: GatewayDeps, config: GatewayConfig) -> list[grpc.aio.ServerInterceptor]:
+    """Tokens first (the admin token on the admin API, client tokens on the batch API: a refused
+    call is not decoded), then the in-flight bytes, then errors."""
+    services = pb.DESCRIPTOR.services_by_name
+    chain: list[grpc.aio.ServerInterceptor] = [
+        AdminInterceptor(config.token, services["AdminService"].full_name)
+    ]
+    if deps.auth.enabled:
+        chain.append(AuthInterceptor(deps.auth, services["BatchService"].full_name))
+    if deps.inflight is not None:
+        chain.append(InflightBytesInterceptor(deps.inflight, pb.DESCRIPTOR.package))
     chain += [RedisUnavailableInterceptor(pb.DESCRIPTOR.package), MalformedRequestInterceptor(pb.DESCRIPTOR)]
     return chain
 

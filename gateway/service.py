@@ -18,23 +18,16 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gateway import quota
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.intake import Intake, IntakeSettings, encode_rows
+from gateway.limits import InflightBytes
 from gateway.listing import read_clusters
 from gateway.metrics import GatewayMetrics
 from gateway.offload import LinkCost
 from gateway.placement import configured_views, first_misfit
 from gateway.policies import AssignmentPolicy, NoClusterError, QueryLoad
-from gateway.quota import (
-    ClientLocks,
-    client_of,
-    header_problem,
-    may_see,
-    remember,
-    set_owner,
-    unfinished,
-)
 from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.views import cluster_proto, cluster_views
 from protos import fleetbatch_pb2 as pb
@@ -80,6 +73,7 @@ class GatewayDeps:
     token_bound: Callable[[str], int] | None = None
     tokenizer: object | None = None  # the serving tokenizer, for the HTTP front's chat templates
     auth: Authenticator = field(default_factory=lambda: Authenticator({}))  # client tokens (none: no auth)
+    inflight: InflightBytes | None = None  # --max-inflight-mb, shared by gRPC calls and the HTTP front
 
 
 def batch_proto(b: BatchInfo) -> pb.Batch:
@@ -135,7 +129,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
         self.d = deps
         self._policy_lock = threading.Lock()  # policies may keep state (round robin's cursor)
         self._limits = Limits.of(deps.config)
-        self._client_lock = ClientLocks()
+        self._client_lock = quota.ClientLocks()
         self.intake = Intake(
             deps.queue,
             deps.predict_tokens,
@@ -174,15 +168,15 @@ class BatchService(pb_grpc.BatchServiceServicer):
         if request.batch_id:
             existing = await asyncio.to_thread(d.queue.batch, batch_id)
             if existing is not None:
-                caller = d.auth.client(context.invocation_metadata())
-                if not await asyncio.to_thread(may_see, d.queue, batch_id, caller):
-                    await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"batch_id {batch_id!r} is taken")
                 return await self._resubmitted(existing, request, context)
+        owner = d.auth.caller(context)  # written with the batch, as its place in its client's set
         if cfg.max_queued_per_client <= 0:
-            return await self._owned(await self._create(request, checked, batch_id, context, t0), context)
+            return await self._create(
+                request, checked, batch_id, context, t0, quota.creation_writes(batch_id, owner, None)
+            )
         client = await self._client(context)
         async with self._client_lock(client):
-            left = await asyncio.to_thread(unfinished, d.queue, client)
+            left = await asyncio.to_thread(quota.unfinished, d.queue, client)
             if left + len(request.queries) > cfg.max_queued_per_client:
                 d.metrics.rejected.inc()
                 await context.abort(
@@ -190,34 +184,27 @@ class BatchService(pb_grpc.BatchServiceServicer):
                     f"client {client!r} has {left} queries queued or running and submits "
                     f"{len(request.queries)}; the cap is max_queued_per_client={cfg.max_queued_per_client}",
                 )
-            batch = await self._create(request, checked, batch_id, context, t0)
-            await asyncio.to_thread(remember, d.queue, client, batch.id)
-            return await self._owned(batch, context)
-
-    async def _owned(self, batch: pb.Batch, context) -> pb.Batch:
-        """``batch`` as the caller's, when a client token names the caller."""
-        if (client := self.d.auth.client(context.invocation_metadata())) is not None:
-            await asyncio.to_thread(set_owner, self.d.queue, batch.id, client)
-        return batch
+            writes = quota.creation_writes(batch_id, owner, client)  # the batch counts as soon as it exists
+            return await self._create(request, checked, batch_id, context, t0, writes)
 
     async def _client(self, context) -> str:
-        """The caller: the client its token names (gRPC with client tokens), else its ``x-client-id``
-        header or its address (the HTTP front, whose key is one for all; a gateway without tokens)."""
+        """The caller's quota client: the client its token names (gRPC with client tokens), else ``hdr:``
+        its ``x-client-id`` header or ``ip:`` its address (the HTTP front; a gateway without tokens)."""
         authenticated = self.d.auth.client(context.invocation_metadata())
         if authenticated is not None:
             return authenticated
         md = dict(context.invocation_metadata())
-        problem = header_problem(md)
+        problem = quota.header_problem(md)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        return client_of(md, context.peer())
+        return quota.client_of(md, context.peer())
 
     async def _create(
-        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float
+        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float, writes
     ) -> pb.Batch:
         d = self.d
         if checked.uncounted or len(request.queries) >= d.intake.sync_max_queries:
-            return await self._accept(request, checked, batch_id, context, t0)
+            return await self._accept(request, checked, batch_id, context, t0, writes)
         queued, names = await self._assign_all(request, checked, batch_id, context)
         digest = await asyncio.to_thread(fingerprint, request)  # hashes every query: off the loop
         created = await asyncio.to_thread(
@@ -227,6 +214,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             policy=d.policy.name,
             metadata=dict(request.metadata),
             fingerprint=digest,
+            extra=writes,
         )
         if created and checked.bad:
             await asyncio.to_thread(fail_rows, d.queue, batch_id, request, checked.bad)
@@ -250,7 +238,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
         return batch_proto(info)
 
     async def _accept(
-        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float
+        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float, writes
     ) -> pb.Batch:
         """A large batch: store its validated rows and answer VALIDATING; :mod:`gateway.intake` enqueues it."""
         d = self.d
@@ -269,6 +257,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             policy=d.policy.name,
             metadata=dict(request.metadata),
             fingerprint=digest,
+            extra=writes,
         )
         info = await asyncio.to_thread(d.queue.batch, batch_id)
         if not created:
@@ -336,7 +325,11 @@ class BatchService(pb_grpc.BatchServiceServicer):
             return self.d.policy.assign(loads, views)
 
     async def _resubmitted(self, existing: BatchInfo, request, context) -> pb.Batch:
-        """A retry of the same submission gets the existing batch; anything else with its id is refused."""
+        """A retry of the same submission gets the existing batch; anything else with its id is refused,
+        as is a caller who is not its owner (a retry makes one without an owner the caller's)."""
+        caller, taken = self.d.auth.caller(context), f"batch_id {existing.batch_id!r} is taken"
+        if not await asyncio.to_thread(quota.may_see, self.d.queue, existing.batch_id, caller):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, taken)  # tells another's batch nothing more
         if existing.total != len(request.queries):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -348,6 +341,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
                 f"batch {existing.batch_id} exists with other queries (same count, different ids, prompts "
                 "or settings); choose a new batch_id",
             )
+        if not await asyncio.to_thread(quota.may_resubmit, self.d.queue, existing.batch_id, caller):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, taken)  # another claimed it meanwhile
         return batch_proto(existing)
 
     async def _get(self, batch_id: str, context) -> BatchInfo:
@@ -355,8 +350,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         info = await asyncio.to_thread(self.d.queue.batch, batch_id)
-        caller = self.d.auth.client(context.invocation_metadata())
-        if info is None or not await asyncio.to_thread(may_see, self.d.queue, batch_id, caller):
+        caller = self.d.auth.caller(context)
+        if info is None or not await asyncio.to_thread(quota.may_see, self.d.queue, batch_id, caller):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no batch {batch_id!r}")
         return info
 

@@ -7,8 +7,8 @@ each prompt a user message, ``max_tokens`` its recorded response length; or
 ``/v1/completions``), then with ``OpenAI(base_url=..., api_key=...)``: uploads it, creates the
 batch, polls it to a final state, downloads the output and error files and checks every line
 against OpenAI's batch output shape (:func:`line_problems`), and the final batch object's
-``usage`` and times against them (:func:`batch_problems`). It also reads the batch over gRPC
-(the same id). The last line printed is one JSON object: ``requests``, ``completed``, ``failed``,
+``usage`` and times against them (:func:`batch_problems`). It also reads the batch over gRPC (the same id,
+with the admin token: the batch is the HTTP front's). The last line printed is one JSON object: ``requests``, ``completed``, ``failed``,
 ``output_lines``, ``output_lines_valid``, ``error_lines``, ``status``, ``grpc_status``, ``usage``,
 ``wall_s`` (upload to the output downloaded) and ``tokens_per_s``.
 """
@@ -21,7 +21,6 @@ import logging
 import time
 from pathlib import Path
 
-from gateway.auth import deployment_token
 from gateway.openai_format import CHAT, COMPLETIONS
 from gateway.tls import channel
 from load.deployment import LocalDeployment
@@ -159,7 +158,8 @@ def run(args) -> dict:
         key = Path(info["http_api_key_file"]).read_text().strip()
         client = OpenAI(base_url=info["http_url"], api_key=key, max_retries=2)
         batch, out, err, wall = _flow(client, data, args.endpoint, args.timeout)
-        with channel(info["address"], token=deployment_token(info)) as ch:
+        admin = Path(info["admin_token_file"]).read_text().strip()  # the front's batch: the admin's to read
+        with channel(info["address"], token=admin) as ch:
             same = pb_grpc.BatchServiceStub(ch).GetBatch(pb.GetBatchRequest(batch_id=batch.id), timeout=30)
     wanted = {r["custom_id"] for r in rows}
     seen = [x.get("custom_id") for x in out + err]

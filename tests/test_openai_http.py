@@ -62,7 +62,9 @@ def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
         second.stop()
 
 
-def test_grpc_batches_are_retrievable_by_id_but_not_listed(redis_url, tmp_path):
+def test_grpc_batches_are_not_the_http_fronts(redis_url, tmp_path):
+    """Neither retrievable, cancellable nor listed over HTTP (404, as an unknown id): the HTTP key
+    is one for all and the batch is a gRPC client's (issue 31's review; they were retrievable)."""
     gateway = http_gateway(redis_url, tmp_path / "files", cluster="idle")
     address = gateway.start()
     try:
@@ -71,8 +73,10 @@ def test_grpc_batches_are_retrievable_by_id_but_not_listed(redis_url, tmp_path):
             req.queries.add(id="q0", prompt="hello", max_tokens=4)
             pb_grpc.BatchServiceStub(ch).SubmitBatch(req, timeout=30)
         client = OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
-        got = client.batches.retrieve("over-grpc")
-        assert got.status == "in_progress" and got.request_counts.total == 1 and got.input_file_id == ""
+        with pytest.raises(openai.NotFoundError):
+            client.batches.retrieve("over-grpc")
+        with pytest.raises(openai.NotFoundError):
+            client.batches.cancel("over-grpc")
         assert client.batches.list().data == []
     finally:
         gateway.stop()

@@ -81,6 +81,7 @@ class BatchOps:
         policy: str = "",
         metadata: Mapping[str, str] | None = None,
         fingerprint: str = "",
+        extra: Callable[[Any], None] | None = None,
     ) -> bool:
         """Create the batch and enqueue every query on its cluster in one transaction.
 
@@ -90,7 +91,8 @@ class BatchOps:
         check and the writes are one optimistic transaction (WATCH on the batch hash, then
         MULTI/EXEC), retried when another writer touched the hash in between. A batch hash
         without ``status`` (all the older code had written when it died mid-creation) counts
-        as absent and is overwritten.
+        as absent and is overwritten. ``extra(pipe)``: the caller's own writes, queued last in
+        the creating transaction (the batch's owner, say), so they land with the batch or not at all.
         """
         if ":" in batch_id or not batch_id:
             raise ValueError(f"bad batch id {batch_id!r}")
@@ -110,6 +112,8 @@ class BatchOps:
             if not rows and self.retention_s:  # final at birth
                 for key in (bkey, keys.results(batch_id), keys.done(batch_id)):
                     pipe.expire(key, self.retention_s)
+            if extra:
+                extra(pipe)
 
         created = self._create_once(batch_id, write, "creation")
         if created:
@@ -189,11 +193,12 @@ class BatchOps:
         metadata: Mapping[str, str] | None = None,
         fingerprint: str = "",
         chunk: int = STAGE_CHUNK,
+        extra: Callable[[Any], None] | None = None,
     ) -> bool:
         """Accept a batch for background intake: store its ``rows`` durably, then create it ``validating``.
 
         Same contract as :meth:`create_batch` (atomic, idempotent by ``batch_id``; True when this
-        call created it). The rows go to a staging list of this call in transactions of ``chunk``
+        call created it; ``extra`` as there). The rows go to a staging list of this call in transactions of ``chunk``
         rows (a gateway that dies here leaves only that list, which expires); then one optimistic
         transaction checks that no batch has the id, creates the batch hash (``total`` =
         ``intake_total`` = the rows, ``intake_done`` 0), renames the staging list to the batch's
@@ -228,6 +233,8 @@ class BatchOps:
             pipe.rename(stage, intake_key(batch_id))
             pipe.persist(intake_key(batch_id))
             pipe.zadd(INTAKE, {batch_id: now})
+            if extra:
+                extra(pipe)
 
         try:
             return self._create_once(batch_id, write, "acceptance")
