@@ -144,11 +144,15 @@ def _refused(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
     return grpc.unary_unary_rpc_method_handler(abort, None, handler.response_serializer)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """``UNAUTHENTICATED`` for calls of ``service`` (full name) without a known Bearer token."""
+class _GuardInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls of one service (full name) before their request is decoded: :meth:`refusal`
+    says why (a status code and a message), or ``None`` to let the call through."""
 
-    def __init__(self, auth: Authenticator, service: str) -> None:
-        self.auth, self.prefix = auth, f"/{service}/"
+    def __init__(self, service: str) -> None:
+        self.prefix = f"/{service}/"
+
+    def refusal(self, metadata: Sequence[tuple[str, str | bytes]]) -> tuple[grpc.StatusCode, str] | None:
+        raise NotImplementedError
 
     async def intercept_service(
         self,
@@ -158,32 +162,37 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(self.prefix):
             return handler
-        if self.auth.client(details.invocation_metadata or ()) is not None:
-            return handler
-        given = any(k == AUTH_HEADER for k, _ in details.invocation_metadata or ())
+        refusal = self.refusal(details.invocation_metadata or ())
+        return handler if refusal is None else _refused(handler, *refusal)
+
+
+class AuthInterceptor(_GuardInterceptor):
+    """``UNAUTHENTICATED`` for calls of ``service`` (full name) without a known Bearer token."""
+
+    def __init__(self, auth: Authenticator, service: str) -> None:
+        super().__init__(service)
+        self.auth = auth
+
+    def refusal(self, metadata: Sequence[tuple[str, str | bytes]]) -> tuple[grpc.StatusCode, str] | None:
+        if self.auth.client(metadata) is not None:
+            return None
+        given = any(k == AUTH_HEADER for k, _ in metadata)
         message = (
             "wrong client token" if given else "missing client token: send 'authorization: Bearer <token>'"
         )
-        return _refused(handler, grpc.StatusCode.UNAUTHENTICATED, message)
+        return grpc.StatusCode.UNAUTHENTICATED, message
 
 
-class AdminInterceptor(grpc.aio.ServerInterceptor):
+class AdminInterceptor(_GuardInterceptor):
     """The admin token on every call of ``service`` (the admin API), checked before its request is
     decoded or counted against the in-flight bytes (:func:`admin_refusal`)."""
 
     def __init__(self, token: Callable[[], str], service: str) -> None:
-        self.token, self.prefix = token, f"/{service}/"
+        super().__init__(service)
+        self.token = token
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(self.prefix):
-            return handler
-        refusal = admin_refusal(details.invocation_metadata or (), self.token())
-        return handler if refusal is None else _refused(handler, *refusal)
+    def refusal(self, metadata: Sequence[tuple[str, str | bytes]]) -> tuple[grpc.StatusCode, str] | None:
+        return admin_refusal(metadata, self.token())
 
 
 def client_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> str:

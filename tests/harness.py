@@ -11,8 +11,11 @@ import time
 from pathlib import Path
 
 from gateway.config import GatewayConfig
+from gateway.intake import encode_rows
 from gateway.server import serve
+from gateway.validation import Checked
 from protos import fleetbatch_pb2 as pb
+from workqueue import WorkQueue, keys
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -158,3 +161,17 @@ def batch_of(n: int, **kw) -> pb.SubmitBatchRequest:
     for i in range(n):
         req.queries.add(id=f"q{i}", prompt=f"Explain topic number {i}.", max_tokens=8)
     return req
+
+
+def accept(queue: WorkQueue, batch_id: str, n: int, prompt_tokens: int = 5) -> None:
+    """Accept a batch of ``n`` rows for background intake, as SubmitBatch does for a large one."""
+    req = pb.SubmitBatchRequest(batch_id=batch_id)
+    for i in range(n):
+        req.queries.add(id=f"q{i}", prompt=f"{batch_id} {i}", max_tokens=8)
+    checked = Checked(prompt_tokens=[prompt_tokens] * n, max_tokens=[8] * n)
+    assert queue.accept_batch(batch_id, encode_rows(req, checked), fingerprint="")
+
+
+def enqueued(queue: WorkQueue, batch_id: str) -> int:
+    """How many of a batch's rows intake has enqueued so far."""
+    return int(queue.r.hget(keys.batch(batch_id), "intake_done") or 0)

@@ -19,13 +19,12 @@ import grpc
 import pytest
 
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.intake import Intake, IntakeSettings, encode_rows
+from gateway.intake import Intake, IntakeSettings
 from gateway.openai_batches import batch_object
 from gateway.policies import make_policy
-from gateway.validation import Checked
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from tests.harness import GatewayThread, wait_until
+from tests.harness import GatewayThread, accept, enqueued, wait_until
 from workqueue import WorkQueue, connect, keys
 from workqueue.batches import INTAKE, intake_key
 from workqueue.invariants import check
@@ -39,18 +38,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def accept(queue: WorkQueue, batch_id: str, n: int, prompt_tokens: int = 5) -> None:
-    req = pb.SubmitBatchRequest(batch_id=batch_id)
-    for i in range(n):
-        req.queries.add(id=f"q{i}", prompt=f"{batch_id} {i}", max_tokens=8)
-    checked = Checked(prompt_tokens=[prompt_tokens] * n, max_tokens=[8] * n)
-    assert queue.accept_batch(batch_id, encode_rows(req, checked), fingerprint="")
-
-
-def enqueued(queue: WorkQueue, batch_id: str) -> int:
-    return int(queue.r.hget(keys.batch(batch_id), "intake_done") or 0)
 
 
 def restarting(queue: WorkQueue, name: str) -> None:

@@ -21,6 +21,7 @@ from gateway.policies import ClusterView, NoClusterError, QueryLoad, make_policy
 from gateway.rebalance import plan_moves
 from gateway.validation import Checked
 from protos import fleetbatch_pb2 as pb
+from tests.harness import accept, enqueued
 from workqueue import WorkQueue, connect, keys
 from workqueue.invariants import check
 
@@ -58,18 +59,6 @@ class ReadCounting(WorkQueue):
     def intake_state(self, batch_id: str, n: int, start: int = 0):
         self.reads.append(n)
         return super().intake_state(batch_id, n, start)
-
-
-def accept(queue: WorkQueue, batch_id: str, n: int, prompt_tokens: int = 5) -> None:
-    req = pb.SubmitBatchRequest(batch_id=batch_id)
-    for i in range(n):
-        req.queries.add(id=f"q{i}", prompt=f"{batch_id} {i}", max_tokens=8)
-    checked = Checked(prompt_tokens=[prompt_tokens] * n, max_tokens=[8] * n)
-    assert queue.accept_batch(batch_id, encode_rows(req, checked), fingerprint="")
-
-
-def enqueued(queue: WorkQueue, batch_id: str) -> int:
-    return int(queue.r.hget(keys.batch(batch_id), "intake_done") or 0)
 
 
 def intake(queue: WorkQueue, predict: Predictor, **settings) -> Intake:
