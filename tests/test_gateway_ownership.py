@@ -124,7 +124,7 @@ def test_two_clients_racing_on_one_batch_id_one_gets_it(front):
     address, _, queue = front
     with channel(address, token=ALICE) as a_ch, channel(address, token=BOB) as b_ch:
         stubs = {"alice": pb_grpc.BatchServiceStub(a_ch), "bob": pb_grpc.BatchServiceStub(b_ch)}
-        for k in range(4):
+        for k in range(3):  # the cap is 3 queued queries a client: one client may win every round
             bid = f"race{k}"
             futures = {
                 n: s.SubmitBatch.future(batch_of(1, batch_id=bid), timeout=60) for n, s in stubs.items()
