@@ -4,6 +4,8 @@ It validates batches submitted over gRPC (:mod:`gateway.validation`), predicts e
 response length, assigns queries to clusters at token granularity (:mod:`gateway.policies`)
 and enqueues them in Redis through :mod:`workqueue`; it streams results back, runs the
 backoff offloader (:mod:`gateway.offload`, :mod:`gateway.offloader`) and the admin API
-(:mod:`gateway.admin`: rebalance, drain, add, remove). It never talks to an engine directly:
+(:mod:`gateway.admin`: rebalance, drain, add, remove). Every call is authenticated (client
+Bearer tokens and the admin token, :mod:`gateway.auth`) and bounded (:mod:`gateway.limits`).
+It never talks to an engine directly:
 the gateway and the engines meet only in :mod:`workqueue` and :mod:`protos`.
 """
