@@ -175,3 +175,19 @@ def accept(queue: WorkQueue, batch_id: str, n: int, prompt_tokens: int = 5) -> N
 def enqueued(queue: WorkQueue, batch_id: str) -> int:
     """How many of a batch's rows intake has enqueued so far."""
     return int(queue.r.hget(keys.batch(batch_id), "intake_done") or 0)
+
+
+class Clock:
+    """A queue's (or finalizer's) clock, moved by hand."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def restarting(queue: WorkQueue, name: str) -> None:
+    """``name`` was alive once and sends no heartbeat now (its engine restarts, loading its model)."""
+    queue.heartbeat(name, 30.0)
+    queue.r.delete(keys.heartbeat(name))

@@ -24,26 +24,10 @@ from gateway.openai_batches import batch_object
 from gateway.policies import make_policy
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from tests.harness import GatewayThread, accept, enqueued, wait_until
+from tests.harness import Clock, GatewayThread, accept, enqueued, restarting, wait_until
 from workqueue import WorkQueue, connect, keys
 from workqueue.batches import INTAKE, intake_key
 from workqueue.invariants import check
-
-
-class Clock:
-    """The queue's clock, moved by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def restarting(queue: WorkQueue, name: str) -> None:
-    """``name`` was alive once and sends no heartbeat now (its engine restarts, loading its model)."""
-    queue.heartbeat(name, 30.0)
-    queue.r.delete(keys.heartbeat(name))
 
 
 @pytest.fixture

@@ -21,19 +21,9 @@ from gateway.policies import ClusterView, NoClusterError, QueryLoad, make_policy
 from gateway.rebalance import plan_moves
 from gateway.validation import Checked
 from protos import fleetbatch_pb2 as pb
-from tests.harness import accept, enqueued
+from tests.harness import Clock, accept, enqueued, restarting
 from workqueue import WorkQueue, connect, keys
 from workqueue.invariants import check
-
-
-class Clock:
-    """The queue's clock, moved by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Predictor:
@@ -76,8 +66,7 @@ def fleet(redis_url):
     queue.register_cluster("small", capacity_hint_tps=100, max_query_tokens=50)
     queue.register_cluster("big", capacity_hint_tps=100, max_query_tokens=1000)
     queue.heartbeat("small", 3600.0)
-    queue.heartbeat("big", 30.0)  # alive once; now restarting: no heartbeat
-    queue.r.delete(keys.heartbeat("big"))
+    restarting(queue, "big")
     return queue, clock
 
 

@@ -13,17 +13,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_files import LocalFileStore, new_file_id, read_lines
 from gateway.openai_finalizer import Finalizer, file_id_of, retry_delay
 from gateway.openai_format import COMPLETIONS
+from tests.harness import Clock
 from workqueue import QueuedQuery, WorkQueue, connect, keys
 
 ROWS = [{"custom_id": f"c{i}", "url": COMPLETIONS, "body": {"prompt": f"hello {i}"}} for i in range(3)]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def finished_batch(queue: WorkQueue, store: LocalFileStore, batch_id: str) -> str:
@@ -65,7 +58,7 @@ def test_an_unwritable_store_is_retried_with_backoff_until_it_heals(redis_url, t
     queue, store, clock, metrics = (
         WorkQueue(connect(redis_url)),
         LocalFileStore(tmp_path),
-        Clock(),
+        Clock(1_000_000.0),
         GatewayMetrics(),
     )
     finished_batch(queue, store, "batch_a")
@@ -92,7 +85,7 @@ def test_it_gives_up_when_the_retention_ends_before_the_next_try(redis_url, tmp_
     queue, store, clock, metrics = (
         WorkQueue(connect(redis_url), retention_s=60),
         LocalFileStore(tmp_path),
-        Clock(),
+        Clock(1_000_000.0),
         GatewayMetrics(),
     )
     finished_batch(queue, store, "batch_b")
