@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from load.tcp_proxy import Link, TcpProxy
+from tests.harness import wait_until
 
 
 @pytest.fixture
@@ -114,11 +115,13 @@ def connected(proxy: TcpProxy) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=30)
 
 
-def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
+def live_connection(proxy: TcpProxy) -> socket.socket:
+    """A connection through the proxy that has carried a round trip and that the proxy counts live."""
+    live = connected(proxy)
+    live.sendall(b"ping")
+    assert live.recv(4) == b"ping"
+    wait_until(lambda: proxy.live == 1, 30, "the proxy to count the connection", interval=0.01)
+    return live
 
 
 def test_a_slow_writer_holds_its_reader_back(echo):
@@ -142,10 +145,7 @@ def test_a_slow_writer_holds_its_reader_back(echo):
 
 def test_a_blackhole_freezes_live_connections_holds_new_ones_and_heal_delivers_everything(echo):
     with TcpProxy(echo) as proxy:
-        live = connected(proxy)
-        live.sendall(b"ping")
-        assert live.recv(4) == b"ping"
-        wait_for(lambda: proxy.live == 1)
+        live = live_connection(proxy)
         assert proxy.cut() == 1 and proxy.mode == "blackhole"
         live.sendall(b"lost?")
         late = connected(proxy)  # accepted: the connect itself succeeds, then nothing comes back
@@ -164,10 +164,7 @@ def test_a_blackhole_freezes_live_connections_holds_new_ones_and_heal_delivers_e
 
 def test_a_reset_cut_resets_live_connections_and_new_connects(echo):
     with TcpProxy(echo) as proxy:
-        live = connected(proxy)
-        live.sendall(b"ping")
-        assert live.recv(4) == b"ping"
-        wait_for(lambda: proxy.live == 1)
+        live = live_connection(proxy)
         assert proxy.cut("reset") == 1 and proxy.is_cut
         with pytest.raises(ConnectionResetError):  # reset under it, never an answer
             live.sendall(b"again")
