@@ -5,6 +5,7 @@ read them (:func:`load_plan`) without importing the planner. The fields are desc
 :mod:`planfile.schema`. This package imports nothing of the project.
 """
 
+from planfile.device_cost import DeviceCost, DeviceCostError
 from planfile.schema import (
     MODEL_KEYS,
     PLAN_VERSION,
@@ -17,6 +18,8 @@ from planfile.schema import (
 )
 
 __all__ = [
+    "DeviceCost",
+    "DeviceCostError",
     "MODEL_KEYS",
     "PLAN_VERSION",
     "Plan",

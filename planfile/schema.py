@@ -3,7 +3,8 @@
 Fields: ``version``, ``model`` (name + hidden, layers, heads, kv_heads, intermediate, vocab),
 ``method``, ``devices`` (ordered: stage k runs on ``devices[stages[k].device_index]``; each has
 ``name``, ``type``, ``memory_bytes``, ``node`` and an optional ``slowdown`` >= 0, default 0: an
-emulated slower device that takes ``1 + slowdown`` times as long, as ``engine serve --slowdown``),
+emulated slower device that takes ``1 + slowdown`` times as long, as ``engine serve --slowdown``,
+and an optional ``cost``: the device's per-layer latency model, :mod:`planfile.device_cost`),
 ``stages`` (``layer_start``, ``layer_end`` exclusive, ``bits`` per layer, predicted memory (per
 device) and prefill/decode seconds, optional ``tp_device_indices``: the devices of a
 tensor-parallel stage, first = ``device_index``), ``kv_bits``, micro-batch sizes, workload, ``theta``, ``total_omega``,
@@ -19,6 +20,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from planfile.device_cost import DeviceCost, DeviceCostError
 
 PLAN_VERSION = 1
 MODEL_KEYS = ("name", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab")
@@ -70,6 +73,11 @@ class Plan:
     def layer_bits(self) -> list[int]:
         return [b for s in self.stages for b in s.bits]
 
+    def device_cost(self, stage: int) -> DeviceCost | None:
+        """The cost model of stage ``stage``'s device, None when the plan gives it none."""
+        d = self.devices[self.stages[stage].device_index].get("cost")
+        return None if d is None else DeviceCost.from_dict(d)
+
     def stage_of_layer(self, i: int) -> int:
         for k, s in enumerate(self.stages):
             if s.layer_start <= i < s.layer_end:
@@ -119,6 +127,11 @@ def _validate(d: dict) -> None:
         slow = dev.get("slowdown", 0.0)
         if isinstance(slow, bool) or not isinstance(slow, (int, float)) or not 0 <= slow < math.inf:
             raise PlanError(f"plan.devices[{i}]: 'slowdown' must be a number >= 0, got {slow!r}")
+        if dev.get("cost") is not None:
+            try:
+                DeviceCost.from_dict(dev["cost"], f"plan.devices[{i}].cost")
+            except DeviceCostError as e:
+                raise PlanError(str(e)) from None
     stages = _need(d, "stages", list, "plan")
     if not stages:
         raise PlanError("plan: 'stages' is empty")

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import nnls
 
+import planfile.device_cost
 from planner.catalog import DeviceType
 from planner.modelshape import ModelShape
 from quant import accounting
@@ -33,15 +34,15 @@ ROOFLINE_LENGTHS = (64, 128, 256, 512, 1024, 2048)
 
 
 def prefill_features(v: float, s: float) -> np.ndarray:
-    return np.array([1.0, v, s, v * s, v * s * s])
+    return np.array(planfile.device_cost.prefill_features(v, s))
 
 
 def decode_features(v: float, c: float) -> np.ndarray:
-    return np.array([1.0, v, v * c, c])
+    return np.array(planfile.device_cost.decode_features(v, c))
 
 
 def head_features(v: float) -> np.ndarray:
-    return np.array([1.0, v])
+    return np.array(planfile.device_cost.head_features(v))
 
 
 def fit_linear(rows: Sequence[np.ndarray], seconds: Sequence[float]) -> np.ndarray:
