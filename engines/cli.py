@@ -32,7 +32,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--arch", default="llama", choices=["llama", "gpt2", "opt"], help="random model architecture"
     )
     g.add_argument(
-        "--size", default="tiny", choices=["nano", "tiny", "small", "base"], help="random model size"
+        "--size", default="tiny", choices=["nano", "micro", "tiny", "small", "base"], help="random model size"
     )
     g.add_argument("--kv-budget-tokens", type=int, default=None, help="KV cache size in tokens")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

@@ -45,7 +45,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--arch", default="llama", choices=("llama", "gpt2", "opt"), help="architecture of the random model"
     )
-    p.add_argument("--size", default="tiny", help="size of the random model: nano, tiny, small, base")
+    p.add_argument("--size", default="tiny", help="size of the random model: nano, micro, tiny, small, base")
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument(
         "--plan", default=None, help="plan.json from `planner plan` (layer bits, micro-batch sizes)"

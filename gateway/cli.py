@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--clusters", type=int, default=3, help="number of clusters of the default fleet")
     u.add_argument("--backend", default="native", choices=("native", "static", "vllm"), help="engine backend")
     u.add_argument(
-        "--size", default="nano", help="size of the random default model (nano, tiny, small, base)"
+        "--size", default="nano", help="size of the random default model (nano, micro, tiny, small, base)"
     )
     u.add_argument("--run-dir", default="runs/local", help="Redis data, logs, admin token, gateway.json")
     u.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine process")

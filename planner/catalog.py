@@ -52,6 +52,9 @@ class DeviceType:
     allreduce_latency_s: float = 25e-6
     slowdown: float = 0.0
     base: str = ""  # catalog name of an emulated (slowed-down) copy; empty for catalog types
+    # a device emulated on this machine (``planner.fleet``): its ``memory_bytes`` is the whole budget a
+    # stage may use, with no CUDA context or fragmentation to reserve
+    emulated: bool = False
 
     @property
     def base_name(self) -> str:

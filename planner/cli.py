@@ -19,6 +19,7 @@ from planfile import save_plan
 from planner.baselines import het, uniform
 from planner.build import make_plan
 from planner.cli_args import CliError, _bits, _chunks, _positive, _tp_sizes, bad_input
+from planner.cli_fleet import add_fleet_parser
 from planner.cli_measure import add_measure_parsers
 from planner.cluster import PAPER_CLUSTERS, ClusterSpecError, load_cluster
 from planner.compare import markdown_table, plot_speedups, run_compare
@@ -291,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compare, output_tokens=100)
 
     add_measure_parsers(sub)
+    add_fleet_parser(sub)
     return ap
 
 

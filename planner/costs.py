@@ -139,6 +139,9 @@ class Problem:
     omega: dict[int, dict[int, float]]
     latency: dict[str, LatencyModel]
     head_split: bool = False  # score plans with the LM head shared by the first and last stage
+    # only layer weights count against the devices' budgets (emulated devices, ``planner.fleet``: the
+    # KV pool, embeddings, LM head and activations are granted apart), so bits decide what fits
+    weights_only: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
     _units: list = field(default_factory=list, repr=False)
 
@@ -316,6 +319,8 @@ class Problem:
         return self._cache[key]
 
     def _stage_memory_constant(self, n_stages: int, k: int, v_p: int, v_d: int, kappa: int = 1) -> int:
+        if self.weights_only:
+            return 0
         m = self.memory
         first, last = k == 0, k == n_stages - 1
         total = m.activation_bytes(v_p, v_d, last, kappa)
@@ -336,10 +341,11 @@ class Problem:
         )
 
     def layer_bytes(self, bits: int) -> int:
-        """Weights plus KV cache of one layer at ``bits``."""
+        """Weights plus KV cache of one layer at ``bits`` (weights alone with ``weights_only``)."""
         key = ("w", bits)
         if key not in self._cache:
-            self._cache[key] = self.memory.layer_weight_bytes(bits) + self.memory.layer_kv_bytes()
+            kv = 0 if self.weights_only else self.memory.layer_kv_bytes()
+            self._cache[key] = self.memory.layer_weight_bytes(bits) + kv
         return self._cache[key]
 
     def omega_norm(self, layer: int, bits: int) -> float:

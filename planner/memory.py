@@ -27,7 +27,10 @@ def _layer_bytes(shape: ModelShape, bits: int, group_size: int) -> int:
 
 
 def usable_bytes(dev: DeviceType) -> int:
-    """What a stage may use on ``dev``: 92% of memory minus 0.5 GiB (CUDA context, fragmentation); half of a CPU's RAM."""
+    """What a stage may use on ``dev``: 92% of memory minus 0.5 GiB (CUDA context, fragmentation); half of a CPU's RAM;
+    all of an emulated device's budget."""
+    if dev.emulated:
+        return dev.memory_bytes
     if dev.is_cpu:
         return dev.memory_bytes // 2
     return int(dev.memory_bytes * 0.92 - 0.5 * GIB)

@@ -98,6 +98,7 @@ def build_problem(
     profiles: Mapping[str, Profile] | None = None,
     seed: int = 0,
     head_split: bool = False,
+    weights_only: bool = False,
 ) -> Problem:
     bits = tuple(sorted(workload.bits))
     return Problem(
@@ -107,4 +108,5 @@ def build_problem(
         quality_indicator(shape, bits, indicator, seed),
         latency_models(cluster, shape, bits, profiles),
         head_split=head_split,
+        weights_only=weights_only,
     )
