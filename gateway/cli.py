@@ -14,6 +14,7 @@ from cliutil import run_main
 from gateway.auth import CLIENT_TOKEN_ENV, TOKENS_ENV, client_token, load_tokens
 from gateway.cli_options import add_common, add_http
 from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
+from gateway.fleet_up import FLEET_METHODS
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -53,17 +54,37 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         help="local deployment: embedded Redis + engines + gateway, Ctrl-C stops all",
         description=(
-            "Start an embedded Redis, one engine process per cluster and the gateway. By default three "
-            "clusters (fast, medium, slow: engines 1x, 2x and 4x slower) mimic unlike GPUs."
+            "Start an embedded Redis, one engine process per cluster and the gateway. By default the fleet "
+            "is three clusters of catalog GPUs emulated on this CPU (fast: 2 x A100-40G, medium: V100-32G + "
+            "T4, slow: 2 x T4), each planned at start-up by the phase-aware planner (layer split, bits per "
+            "layer, micro-batches) and run as pipeline stages that last what their devices take. "
+            "--fleet FILE names other clusters; --fleet none starts the quick unplanned fleet (one engine "
+            "process per cluster, 1x, 2x and 4x slower)."
         ),
     )
     u.add_argument("--listen", default="127.0.0.1:50051", help="gateway host:port (port 0: any free port)")
     u.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
-    u.add_argument("--config", default=None, help="clusters.yaml instead of the default fleet")
-    u.add_argument("--clusters", type=int, default=3, help="number of clusters of the default fleet")
+    u.add_argument("--config", default=None, help="clusters.yaml instead of a fleet (engines as it says)")
+    u.add_argument(
+        "--fleet",
+        default="default",
+        help="fleet file of catalog devices per cluster (docs/study.md), 'default', or 'none' (the quick "
+        "unplanned fleet of --clusters engines slowed 1x/2x/4x)",
+    )
+    u.add_argument(
+        "--fleet-method",
+        default="ilp",
+        choices=FLEET_METHODS,
+        help="the plan each cluster runs: ilp (the planner), uniform (even split, one bit width that fits), "
+        "het (speed-balanced split, one bit width) or best-baseline (the faster of the two, modelled)",
+    )
+    u.add_argument("--clusters", type=int, default=3, help="with --fleet none: how many clusters")
     u.add_argument("--backend", default="native", choices=("native", "static", "vllm"), help="engine backend")
     u.add_argument(
-        "--size", default="nano", help="size of the random default model (nano, micro, tiny, small, base)"
+        "--size",
+        default=None,
+        help="size of the random served model (nano, micro, tiny, small, base; default micro with a fleet, "
+        "nano with --fleet none)",
     )
     u.add_argument("--run-dir", default="runs/local", help="Redis data, logs, admin token, gateway.json")
     u.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine process")

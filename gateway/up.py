@@ -1,8 +1,9 @@
 """``gateway up``: the one-command local deployment.
 
-Starts an embedded Redis, one ``engine serve`` process per cluster (by default three
-clusters whose engines run at different speeds, to mimic unlike GPUs) and the gateway in
-this process. It writes ``<run-dir>/gateway.json`` (address, Redis URL, admin and client token
+Starts an embedded Redis, one ``engine serve`` process per cluster (by default the planned
+fleet of :mod:`gateway.fleet_up`: three clusters of catalog GPUs emulated on this CPU, each
+running its plan's pipeline stages; ``--fleet none``: three one-process engines slowed 1x, 2x
+and 4x) and the gateway in this process. It writes ``<run-dir>/gateway.json`` (address, Redis URL, admin and client token
 files, engine pids, the OpenAI-compatible HTTP front's URL and key file) once everything is up, and
 stops everything cleanly on Ctrl-C / SIGTERM. Secrets stay off command lines and out of
 world-readable files: the token files and ``gateway.json`` are 0600, the engines get the Redis URL
@@ -27,6 +28,7 @@ from typing import Any
 
 from gateway.auth import CLIENT_TOKEN_ENV
 from gateway.config import HTTP_KEY_ENV, ClusterSpec, GatewayConfig, load_clusters
+from gateway.fleet_up import FleetSettings, describe_layout, fleet_specs, plan_fleet
 from gateway.server import serve
 from gateway.supervisor import EngineSupervisor
 from workqueue import WorkQueue, connect
@@ -34,8 +36,8 @@ from workqueue.embedded import URL_ENV, EmbeddedRedis, redact_url
 
 log = logging.getLogger(__name__)
 
-#: The default local fleet: three clusters, the second twice and the third four times slower
-#: than the first (capacity hints in the same ratio), like an A100, a V100 and a T4 pool.
+#: The quick unplanned fleet (``--fleet none``): three clusters, the second twice and the third four
+#: times slower than the first (capacity hints in the same ratio), like an A100, a V100 and a T4 pool.
 DEFAULT_FLEET = (("fast", 0.0, 400.0), ("medium", 1.0, 200.0), ("slow", 3.0, 100.0))
 
 
@@ -54,6 +56,28 @@ def default_clusters(n: int, backend: str, size: str) -> list[ClusterSpec]:
             )
         )
     return specs
+
+
+def cluster_specs(args, run_dir: Path) -> tuple[list[ClusterSpec], dict[str, dict]]:
+    """The clusters to start: ``--config``'s, the planned ``--fleet``'s (with the layout each runs,
+    logged), or with ``--fleet none`` the quick unplanned fleet."""
+    if args.config:
+        return load_clusters(args.config), {}
+    fleet = getattr(args, "fleet", "none")
+    if fleet == "none":
+        return default_clusters(args.clusters, args.backend, args.size or "nano"), {}
+    if args.backend != "native":
+        raise ValueError(
+            f"a planned fleet runs native engines (pipeline stages), not --backend {args.backend}"
+        )
+    settings = FleetSettings(fleet=fleet, size=args.size or "micro", method=args.fleet_method)
+    summary = plan_fleet(settings, run_dir)
+    specs, layouts = fleet_specs(settings, summary)
+    devices = summary["fleet"]["clusters"]
+    for name, row in layouts.items():
+        row["fleet_devices"] = devices[name]
+        log.info("plan of %s", describe_layout(name, row, devices[name]))
+    return specs, layouts
 
 
 async def wait_for_engines(
@@ -145,11 +169,7 @@ def banner(info: Mapping[str, Any]) -> str:
 async def up(args) -> int:
     run_dir = Path(args.run_dir).resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    specs = (
-        load_clusters(args.config)
-        if args.config
-        else default_clusters(args.clusters, args.backend, args.size)
-    )
+    specs, layouts = await asyncio.to_thread(cluster_specs, args, run_dir)
     token = os.environ.get("FLEETBATCH_ADMIN_TOKEN") or secrets.token_urlsafe(18)
     token_file = run_dir / "admin-token"
     write_private(token_file, token + "\n")
@@ -195,6 +215,7 @@ async def up(args) -> int:
             "pid": os.getpid(),
             "redis_pid": redis_server.pid if redis_server is not None else None,
             "logs": str(run_dir / "logs"),
+            "layouts": layouts,
         }
         if config.http_url:
             info.update(http_url=config.http_url, http_api_key_file=str(http_key_file))

@@ -15,6 +15,7 @@ from gateway.auth import CLIENT_TOKEN_ENV, client_token, deployment_token
 from load import bench_offload, chaos, compare_policies, openai_check, report, soak, study
 from load.client import format_summary, run_batch, summarise
 from load.deployment import LocalDeployment
+from load.layout import format_layouts, plan_rows
 from load.openai_batch import endpoints_of, error_path, write_openai_output
 from load.workload import from_dataset, from_openai_jsonl, generated
 
@@ -154,7 +155,7 @@ def _workload(args):
     return generated(args.num, args.seed, args.max_tokens, forced)
 
 
-def _submit(args, target: str, token: str | None = None) -> int:
+def _submit(args, target: str, token: str | None = None, layouts: dict | None = None) -> int:
     resume = getattr(args, "resume", None)
     if resume and not args.out:
         raise ValueError("--resume needs --out: the file that holds the results seen so far")
@@ -180,6 +181,9 @@ def _submit(args, target: str, token: str | None = None) -> int:
         print(f"OpenAI batch output: {ok} lines in {openai_out}, {bad} in {error_path(openai_out)}")
     summary = summarise(batch, results, wall)
     print(format_summary(summary))
+    if layouts:
+        summary["plans"] = plan_rows(layouts, summary)
+        print("plan against measurement per cluster:\n" + format_layouts(layouts, summary["plans"]))
     print(json.dumps(summary))
     return 0 if summary["results"] == summary["queries"] and summary["duplicates"] == 0 else 1
 
@@ -206,7 +210,10 @@ def _demo(args) -> int:
     print("starting: gateway up", " ".join(up_args), flush=True)
     try:
         with LocalDeployment(args.run_dir, up_args, args.timeout, quiet=False) as info:
-            return _submit(args, info["address"], deployment_token(info))
+            layouts = info.get("layouts") or {}
+            if layouts:
+                print("planned layout per cluster:\n" + format_layouts(layouts), flush=True)
+            return _submit(args, info["address"], deployment_token(info), layouts)
     except (RuntimeError, TimeoutError) as e:
         print(f"loadgen demo: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,150 @@
+"""``gateway up --fleet``: plan a fleet of catalog devices and start engines that run the plans.
+
+At start-up, for a fleet file (``--fleet FILE``, or the default fleet: fast = 2 x A100-40G,
+medium = V100-32G + T4, slow = 2 x T4):
+
+1. this CPU's profile of the served model (``engine profile``), cached per machine in the
+   fleetbatch cache directory (``$FLEETBATCH_CACHE/profiles``), measured once;
+2. ``planner fleet``: every cluster planned on its devices as emulated here (cached in
+   ``<run-dir>/plans`` by the content of the fleet, model, profile and workload; the solve time
+   is logged);
+3. one ``engine serve --plan P --device-cost plan`` per cluster: stage processes, the plan's
+   per-layer bits and micro-batch sizes, each stage lasting what its device takes; the cluster's
+   capacity hint is the plan's predicted tokens/s (the gateway corrects it by measurement).
+
+The gateway does not import the planner (docs/layers.md): it runs the two commands and reads
+their JSON. ``--fleet-method`` picks the plan each cluster runs: ``ilp`` (the planner), a
+baseline (``uniform``: even split, one bit width that fits; ``het``), or ``best-baseline`` (per
+cluster the baseline the planner's model rates faster).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gateway.config import ClusterSpec
+from localmodels import cache_dir
+
+log = logging.getLogger(__name__)
+
+BASELINES = ("uniform", "het")
+FLEET_METHODS = ("ilp", *BASELINES, "best-baseline")
+KV_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """What ``gateway up`` plans: the fleet file, the served random model, the plan each cluster runs."""
+
+    fleet: str = "default"
+    arch: str = "llama"
+    size: str = "micro"
+    method: str = "ilp"
+    kv_tokens: int = KV_TOKENS
+    time_limit_s: float = 6.0
+
+
+def _run(cmd: list[str], what: str, log_file: Path) -> str:
+    """Run ``cmd`` (its stderr to ``log_file``); its stdout, or a RuntimeError naming ``what`` failed."""
+    with open(log_file, "ab") as err:
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, check=False)
+    if out.returncode != 0:
+        tail = log_file.read_text(errors="replace").strip().splitlines()[-3:]
+        raise RuntimeError(f"{what} failed (exit {out.returncode}): {' / '.join(tail)} (log: {log_file})")
+    return out.stdout
+
+
+def cpu_profile(s: FleetSettings, log_dir: Path) -> Path:
+    """This CPU's profile of the served model, measured once per machine, model and torch version."""
+    path = cache_dir() / "profiles" / f"{s.arch}-{s.size}-torch{torch.__version__}.json"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("profiling this CPU on the served model %s:%s (once; cached in %s)", s.arch, s.size, path)
+    tmp = path.with_suffix(f".{id(s)}.tmp")
+    cmd = [sys.executable, "-m", "engines.cli", "profile", "--arch", s.arch, "--size", s.size, "--reps", "2",
+           "--min-time", "0.02", "--out", str(tmp)]  # fmt: skip
+    _run(cmd, "engine profile", log_dir / "profile.log")
+    tmp.replace(path)
+    return path
+
+
+def plan_fleet(s: FleetSettings, run_dir: Path) -> dict:
+    """``planner fleet``'s summary for ``s`` (plans under ``<run_dir>/plans``)."""
+    log_dir = run_dir / "logs"
+    profile = cpu_profile(s, log_dir)
+    methods = "ilp," + ",".join(BASELINES) if s.method != "ilp" else "ilp"
+    cmd = [sys.executable, "-m", "planner.cli", "-v", "fleet", s.fleet, "--model", f"{s.arch}:{s.size}",
+           "--profile", str(profile), "--methods", methods, "--out", str(run_dir / "plans"),
+           "--kv-tokens", str(s.kv_tokens), "--time-limit", str(s.time_limit_s)]  # fmt: skip
+    out = _run(cmd, f"planner fleet {s.fleet}", log_dir / "planner.log")
+    summary = json.loads(out.strip().splitlines()[-1])
+    for line in (log_dir / "planner.log").read_text(errors="replace").splitlines():
+        if "planned " in line and " in " in line:
+            log.info("%s", line.split(": ", 1)[-1] if line.startswith("INFO") else line)
+    return summary
+
+
+def chosen(rows: dict[str, dict], method: str) -> dict:
+    """The plan row a cluster runs under ``method`` (``best-baseline``: the faster baseline, modelled)."""
+    if method == "best-baseline":
+        return max((rows[m] for m in BASELINES), key=lambda r: r["predicted_tokens_per_s"])
+    return rows[method]
+
+
+def fleet_specs(s: FleetSettings, summary: dict) -> tuple[list[ClusterSpec], dict[str, dict]]:
+    """One cluster spec per planned cluster, and the layout each runs (``summary``'s row)."""
+    specs, layouts = [], {}
+    for name, rows in summary["clusters"].items():
+        row = chosen(rows, s.method)
+        layouts[name] = row
+        specs.append(
+            ClusterSpec(
+                name=name,
+                capacity_tps=float(row["predicted_tokens_per_s"]),
+                plan=row["plan"],
+                backend="native",
+                kv_budget_tokens=s.kv_tokens,
+                engine_args=[
+                    "--arch",
+                    s.arch,
+                    "--size",
+                    s.size,
+                    "--device-cost",
+                    "plan",
+                    "--kv-budget-tokens",
+                    str(s.kv_tokens),
+                ],  # fmt: skip
+            )
+        )
+    return specs, layouts
+
+
+def bits_histogram(row: dict) -> str:
+    """``4-bit x6, 8-bit x2``: how many layers run at each bit width."""
+    counts = Counter(b for stage in row["bits"] for b in stage)
+    return ", ".join(f"{b}-bit x{n}" for b, n in sorted(counts.items()))
+
+
+def describe_layout(name: str, row: dict, fleet_devices: list[str] | None = None) -> str:
+    """One line per cluster: devices, stages with their layers, bits, predicted tokens/s."""
+    stages = "; ".join(
+        f"{dev} layers {lo}-{hi - 1}" for dev, (lo, hi) in zip(row["devices"], row["layers"], strict=True)
+    )
+    unused = ""
+    if fleet_devices is not None and len(fleet_devices) > len(row["devices"]):
+        left = Counter(fleet_devices) - Counter(row["devices"])
+        unused = f" ({', '.join(left.elements())} left idle)"
+    return (
+        f"{name}: {len(row['devices'])} stage(s): {stages}{unused}; bits {bits_histogram(row)}; "
+        f"micro-batches prefill {row['prefill_micro_batch']} / decode {row['decode_micro_batch']}; "
+        f"{row['method']} plan predicts {row['predicted_tokens_per_s']:.0f} tokens/s"
+    )

@@ -1,0 +1,49 @@
+"""The planned layout of each cluster next to what it measured (``loadgen demo``, ``loadgen report``).
+
+``gateway up`` with a fleet records in ``gateway.json`` (``layouts``) the plan each cluster runs:
+devices, layer split, bits per layer, micro-batch sizes, predicted tokens/s. After a batch, a
+cluster's measured tokens/s is its output tokens over the time from the batch's first enqueue
+to its last finish (the clusters are busy throughout when the assignment is capacity-weighted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gateway.fleet_up import describe_layout
+
+
+def measured_tps(cluster: Mapping) -> float | None:
+    done = cluster.get("finished_after_s")
+    return cluster["completion_tokens"] / done if done else None
+
+
+def plan_rows(layouts: Mapping[str, dict], summary: Mapping) -> dict[str, dict]:
+    """Per cluster: the plan's predicted and the run's measured tokens/s, and their relative error."""
+    out = {}
+    for name, row in layouts.items():
+        c = summary.get("clusters", {}).get(name)
+        measured = measured_tps(c) if c else None
+        predicted = float(row["predicted_tokens_per_s"])
+        out[name] = {
+            "stages": len(row["devices"]),
+            "devices": row["devices"],
+            "layers": row["layers"],
+            "bits": row["bits"],
+            "predicted_tokens_per_s": round(predicted, 1),
+            "measured_tokens_per_s": round(measured, 1) if measured else None,
+            "error": round(abs(measured - predicted) / measured, 3) if measured else None,
+        }
+    return out
+
+
+def format_layouts(layouts: Mapping[str, dict], rows: Mapping[str, dict] | None = None) -> str:
+    """The layout of every cluster, one line each, with predicted against measured tokens/s if known."""
+    lines = []
+    for name, row in layouts.items():
+        line = describe_layout(name, row, row.get("fleet_devices"))
+        r = (rows or {}).get(name)
+        if r and r["measured_tokens_per_s"]:
+            line += f", measured {r['measured_tokens_per_s']:.0f} ({r['error']:.0%} off)"
+        lines.append(line)
+    return "\n".join(lines)
