@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the plan each cluster runs: ilp (the planner), uniform (even split, one bit width that fits), "
         "het (speed-balanced split, one bit width) or best-baseline (the faster of the two, modelled)",
     )
+    u.add_argument(
+        "--fleet-lengths",
+        default="128,128",
+        metavar="PROMPT,OUTPUT",
+        help="mean prompt and response tokens the fleet is planned for (default 128,128)",
+    )
     u.add_argument("--clusters", type=int, default=3, help="with --fleet none: how many clusters")
     u.add_argument("--backend", default="native", choices=("native", "static", "vllm"), help="engine backend")
     u.add_argument(

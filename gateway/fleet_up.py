@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from gateway.config import ClusterSpec
-from localmodels import cache_dir
+from localmodels.build import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,27 @@ class FleetSettings:
     method: str = "ilp"
     kv_tokens: int = KV_TOKENS
     time_limit_s: float = 6.0
+    prompt_len: int = 128  # the planned workload's mean prompt and response tokens
+    output_tokens: int = 128
+
+    @classmethod
+    def from_args(cls, args) -> FleetSettings:
+        """From ``gateway up``'s ``--fleet``, ``--fleet-method``, ``--fleet-lengths`` and ``--size``."""
+        try:
+            prompt, output = (int(x) for x in args.fleet_lengths.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--fleet-lengths is PROMPT,OUTPUT tokens (e.g. 128,128), not {args.fleet_lengths!r}"
+            ) from None
+        if prompt < 1 or output < 1:
+            raise ValueError(f"--fleet-lengths must be >= 1 tokens each, not {args.fleet_lengths!r}")
+        return cls(
+            args.fleet,
+            size=args.size or "micro",
+            method=args.fleet_method,
+            prompt_len=prompt,
+            output_tokens=output,
+        )
 
 
 def _run(cmd: list[str], what: str, log_file: Path) -> str:
@@ -84,7 +105,8 @@ def plan_fleet(s: FleetSettings, run_dir: Path) -> dict:
     methods = "ilp," + ",".join(BASELINES) if s.method != "ilp" else "ilp"
     cmd = [sys.executable, "-m", "planner.cli", "-v", "fleet", s.fleet, "--model", f"{s.arch}:{s.size}",
            "--profile", str(profile), "--methods", methods, "--out", str(run_dir / "plans"),
-           "--kv-tokens", str(s.kv_tokens), "--time-limit", str(s.time_limit_s)]  # fmt: skip
+           "--kv-tokens", str(s.kv_tokens), "--time-limit", str(s.time_limit_s),
+           "--prompt-len", str(s.prompt_len), "--output-tokens", str(s.output_tokens)]  # fmt: skip
     out = _run(cmd, f"planner fleet {s.fleet}", log_dir / "planner.log")
     summary = json.loads(out.strip().splitlines()[-1])
     for line in (log_dir / "planner.log").read_text(errors="replace").splitlines():

@@ -70,7 +70,7 @@ def cluster_specs(args, run_dir: Path) -> tuple[list[ClusterSpec], dict[str, dic
         raise ValueError(
             f"a planned fleet runs native engines (pipeline stages), not --backend {args.backend}"
         )
-    settings = FleetSettings(fleet=fleet, size=args.size or "micro", method=args.fleet_method)
+    settings = FleetSettings.from_args(args)
     summary = plan_fleet(settings, run_dir)
     specs, layouts = fleet_specs(settings, summary)
     devices = summary["fleet"]["clusters"]

@@ -44,6 +44,7 @@ from load.client import result_row, to_request
 from load.deployment import LocalDeployment
 from load.report import build_report
 from load.runrecord import Sampler, write_run
+from load.study_planned import run_planned
 from load.workload import WorkItem, from_dataset, generated
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -169,6 +170,12 @@ def ratios(r: dict[str, dict]) -> dict[str, float]:
 
 
 def run(args) -> dict:
+    if args.planned:
+        out = run_planned(args, workload(args), _sim)
+        out["sim_seconds_100x1m"] = (
+            None if args.no_scale else _sim("scale", "--no-progress").get("sim_seconds_100x1m")
+        )
+        return out
     if args.emulation == "cost":
         try:  # a bad cost model fails here, not in every engine
             StepCost.parse(args.step_cost)
@@ -311,6 +318,15 @@ def add_arguments(p) -> None:
         help="skip the simulator's 100 clusters x 1M queries timing (~1 min)",
     )
     p.add_argument("--only", default="", help="comma-separated setups to run (default: all six)")
+    p.add_argument(
+        "--planned",
+        action="store_true",
+        help="the planners' claim instead: one fleet of unlike clusters run with the ILP's plans, an even "
+        "split at uniform bits, and the best baseline per cluster (setups planned, even, best_baseline)",
+    )
+    p.add_argument(
+        "--fleet", default="default", help="with --planned: the fleet file (docs/study.md), or 'default'"
+    )
     add_arrival_arguments(p)
     p.add_argument(
         "--tick",

@@ -1,0 +1,154 @@
+"""``loadgen study --planned``: the planners' claim measured end to end, through the gateway.
+
+One fleet of unlike clusters (a fleet file; by default fast = 2 x A100-40G, medium = V100-32G +
+T4, slow = 2 x T4), run three times on the same workload, each a real ``gateway up --fleet``
+(the token policy, offloading off, engines running their plans' stages on emulated devices):
+
+* ``planned``: every cluster runs the ILP's plan;
+* ``even``: an even layer split over the cluster's devices at the highest uniform bit width that
+  fits each device (LLM-PQ's Uniform baseline);
+* ``best_baseline``: per cluster the better of the planner's baselines (Uniform, Het), as the
+  planner's model rates them.
+
+Ratios of measured tokens/s, each next to the planner's modelled ratio (the sum of the plans'
+predicted tokens/s, which is what the capacity-weighted fleet delivers when every cluster
+runs at its plan's rate). ``capacity_error`` is the mean relative error of each cluster's
+plan-predicted tokens/s against what it measured (its output tokens over the time to its
+last finish) over the three runs; ``device_overrun_fraction`` the largest share, over the runs,
+of micro-batches whose real compute outlasted their device; ``sim_makespan_error`` the
+simulator's error replaying the three runs on the plans' cost models (``python -m sim.cli
+validate``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+from tqdm import tqdm
+
+from gateway.auth import deployment_token
+from gateway.tls import channel
+from load.client import result_row, to_request
+from load.deployment import LocalDeployment
+from load.layout import plan_rows
+from load.report import build_report
+from load.runrecord import Sampler, write_run
+from load.workload import WorkItem
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+
+#: setup name -> ``gateway up --fleet-method``
+SETUPS = {"planned": "ilp", "even": "uniform", "best_baseline": "best-baseline"}
+RATIOS = {"planned_over_even": "even", "planned_over_best_baseline": "best_baseline"}
+
+
+def mean_lengths(items: list[WorkItem]) -> tuple[int, int]:
+    """Mean prompt tokens (by the served tokenizer) and mean forced response tokens of ``items``."""
+    from localmodels import default_tokenizer
+
+    tok = default_tokenizer()
+    prompt = sum(len(tok(i.prompt)["input_ids"]) for i in items) / len(items)
+    output = sum(i.forced_length or i.max_tokens for i in items) / len(items)
+    return max(1, round(prompt)), max(1, round(output))
+
+
+def run_setup(
+    name: str, method: str, items: list[WorkItem], run_dir: Path, args, lengths: tuple[int, int]
+) -> dict:
+    """One planned fleet through ``gateway up``; the run's report with its clusters' plans."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    up_args = ["--fleet", args.fleet, "--fleet-method", method, "--fleet-lengths", f"{lengths[0]},{lengths[1]}",
+               "--policy", "token", "--no-offload", *args.gateway_arg]  # fmt: skip
+    with (
+        LocalDeployment(run_dir / "deploy", up_args) as info,
+        channel(info["address"], token=deployment_token(info)) as ch,
+    ):
+        stub = pb_grpc.BatchServiceStub(ch)
+        layouts = info.get("layouts") or {}
+        with Sampler(info["redis_url"], run_dir, interval_s=0.5):
+            batch_id = stub.SubmitBatch(to_request(items, f"study-planned-{name}"), timeout=600).id
+            rows = [
+                result_row(r)
+                for r in stub.StreamResults(
+                    pb.StreamResultsRequest(batch_id=batch_id, follow=True), timeout=3600
+                )
+            ]
+            time.sleep(2.5)  # the engines' last heartbeats carry their final device counters
+    plans = {}
+    (run_dir / "plans").mkdir(exist_ok=True)
+    for cluster, row in layouts.items():
+        dst = run_dir / "plans" / f"{cluster}.json"
+        shutil.copyfile(row["plan"], dst)
+        plans[cluster] = {
+            "plan": str(dst.relative_to(run_dir)),
+            "capacity_tps": row["predicted_tokens_per_s"],
+        }
+    meta = {
+        "batch_id": batch_id,
+        "policy": "token",
+        "backend": "native",
+        "planned": {"method": method, "clusters": plans},
+    }
+    write_run(run_dir, rows, meta)
+    clusters = [
+        {"name": c, "capacity_tps": p["capacity_tps"], "backend": "native", "plan": p["plan"]}
+        for c, p in plans.items()
+    ]
+    (run_dir / "clusters.yaml").write_text(yaml.safe_dump({"clusters": clusters}))
+    report = build_report(run_dir)
+    per_cluster = {c: {"completion_tokens": v["actual_tokens"], "finished_after_s": v.get("finished_after_s")}
+                   for c, v in report.get("clusters", {}).items()}  # fmt: skip
+    report["plans"] = plan_rows(layouts, {"clusters": per_cluster})
+    report["predicted_tokens_per_s"] = round(sum(r["predicted_tokens_per_s"] for r in layouts.values()), 1)
+    return report
+
+
+def summarise(reports: dict[str, dict]) -> dict:
+    """The study's figures from the three runs' reports."""
+    out: dict = {}
+    for ratio, base in RATIOS.items():
+        if "planned" in reports and base in reports:
+            p, b = reports["planned"], reports[base]
+            out[ratio] = round(p["tokens_per_s"] / max(b["tokens_per_s"], 1e-9), 3)
+            out[f"modelled_{ratio}"] = round(
+                p["predicted_tokens_per_s"] / max(b["predicted_tokens_per_s"], 1e-9), 3
+            )
+    errors = [r["error"] for rep in reports.values() for r in rep["plans"].values() if r["error"] is not None]
+    out["capacity_error"] = round(sum(errors) / len(errors), 3) if errors else None
+    overruns = [rep.get("device_overrun_fraction") for rep in reports.values()]
+    out["device_overrun_fraction"] = max((o for o in overruns if o is not None), default=None)
+    return out
+
+
+def run_planned(args, items: list[WorkItem], sim) -> dict:
+    """All three setups (``--only`` picks some), the summary; ``sim`` runs the simulator's validation."""
+    root = Path(args.out)
+    chosen = [n for n in SETUPS if not args.only or n in args.only.split(",")]
+    if not chosen:
+        raise ValueError(f"--only names no setup; known with --planned: {', '.join(SETUPS)}")
+    lengths = mean_lengths(items)
+    reports = {}
+    bar = tqdm(total=len(chosen), desc="planned study", unit="run", disable=args.no_progress)
+    for name in chosen:
+        bar.set_postfix_str(name)
+        reports[name] = run_setup(name, SETUPS[name], items, root / name, args, lengths)
+        bar.update(1)
+    bar.close()
+    out = summarise(reports)
+    replayed = [str(root / n) for n in chosen]
+    out["sim_makespan_error"] = sim("validate", *replayed).get("sim_makespan_error")
+    out["runs"] = {
+        n: {
+            "tokens_per_s": r["tokens_per_s"],
+            "makespan_s": r["makespan_s"],
+            "predicted_tokens_per_s": r["predicted_tokens_per_s"],
+            "device_overrun_fraction": r.get("device_overrun_fraction"),
+            "clusters": r["plans"],
+        }
+        for n, r in reports.items()
+    }
+    out.update(queries=len(items), fleet=args.fleet, planned_lengths=list(lengths), out=str(root))
+    return out
