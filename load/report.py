@@ -87,10 +87,13 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict:
     makespan = max(end - t0, 1e-9)
     done = sorted(_t(r, "finished_at") - t0 for r in results)
     waited = sorted(_t(r, "finished_at") - _t(r, "enqueued_at") for r in results)
-    per: dict[str, dict] = defaultdict(lambda: {"queries": 0, "predicted_tokens": 0.0, "actual_tokens": 0})
+    per: dict[str, dict] = defaultdict(
+        lambda: {"queries": 0, "predicted_tokens": 0.0, "actual_tokens": 0, "last_finish": t0}
+    )
     for r in results:
         c = per[r.get("cluster") or "-"]
         c["queries"] += 1
+        c["last_finish"] = max(c["last_finish"], _t(r, "finished_at"))
         c["predicted_tokens"] += float(r.get("predicted_tokens") or 0.0)
         c["actual_tokens"] += int(r.get("completion_tokens") or 0)
     tokens = sum(c["actual_tokens"] for c in per.values())
@@ -112,6 +115,7 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict:
                 "predicted_tokens": round(c["predicted_tokens"], 1),
                 "actual_tokens": c["actual_tokens"],
                 "kv_token_s": round(kv.get(name, 0.0), 1),
+                "finished_after_s": round(c["last_finish"] - t0, 3),
             }
             for name, c in sorted(per.items())
         },
