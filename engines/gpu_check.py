@@ -9,7 +9,7 @@
    checks ``skipped``, exit 0.
 3. Otherwise build a random llama (:mod:`engines.gpu_check_setup`) and an uneven 2-stage plan
    for it in a temporary directory, then run each check in its own process, under a time limit
-   (a hung NCCL or vLLM start cannot eat the machine's lease; its process group is killed):
+   (a hung NCCL or vLLM start cannot eat the machine's lease: its process group is killed):
    check A, :mod:`engines.gpu_check_native` (the native engine on the device, one process and
    2 stages, tokens/s and greedy equality with the CPU), and check B,
    :mod:`engines.gpu_check_vllm` (vLLM with the plan's ``pipeline_parallel_size`` and
@@ -89,7 +89,7 @@ def run_check(module: str, argv: list[str], timeout_s: float) -> dict[str, Any]:
         text=True,
         env=env,
         cwd=REPO,
-        start_new_session=True,  # its stage / vLLM processes too go with os.killpg
+        process_group=0,  # its own group (same session): its stage / vLLM processes go with os.killpg
     )
     try:
         out, _ = proc.communicate(timeout=max(1.0, timeout_s))
@@ -97,6 +97,9 @@ def run_check(module: str, argv: list[str], timeout_s: float) -> dict[str, Any]:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         return {"status": "failed", "error": f"timed out after {timeout_s:.0f} s (process group killed)"}
+    except BaseException:  # interrupted: leave nothing of the check behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     lines = out.strip().splitlines()
     try:
         result = json.loads(lines[-1]) if lines else None
