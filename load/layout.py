@@ -14,8 +14,10 @@ from gateway.fleet_up import describe_layout
 
 
 def measured_tps(cluster: Mapping) -> float | None:
+    """A cluster's output tokens over its time to its last finish (``loadgen`` summary or report row)."""
     done = cluster.get("finished_after_s")
-    return cluster["completion_tokens"] / done if done else None
+    tokens = cluster.get("completion_tokens", cluster.get("actual_tokens"))
+    return tokens / done if done and tokens is not None else None
 
 
 def plan_rows(layouts: Mapping[str, dict], summary: Mapping) -> dict[str, dict]:

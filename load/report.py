@@ -19,6 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from load.layout import plan_rows  # noqa: E402
+from load.layout_plot import draw_layout  # noqa: E402
 from load.runrecord import META, RESULTS, TIMESERIES, read_jsonl  # noqa: E402
 
 REPORT = "report.json"
@@ -120,8 +122,13 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict:
             for name, c in sorted(per.items())
         },
     }
+    layouts = (meta.get("planned") or {}).get("clusters")
+    if layouts:  # a planned fleet's run: each cluster's plan against what it measured
+        report["plans"] = plan_rows(layouts, report)
     if plots:
         report["plots"] = draw(run, results, series, t0)
+        if layouts:
+            report["plots"].append(draw_layout(run / "layout.png", report["plans"]))
     (run / REPORT).write_text(json.dumps(report, indent=2))
     return report
 

@@ -33,7 +33,6 @@ from gateway.auth import deployment_token
 from gateway.tls import channel
 from load.client import result_row, to_request
 from load.deployment import LocalDeployment
-from load.layout import plan_rows
 from load.report import build_report
 from load.runrecord import Sampler, write_run
 from load.workload import WorkItem
@@ -77,31 +76,25 @@ def run_setup(
                 )
             ]
             time.sleep(2.5)  # the engines' last heartbeats carry their final device counters
-    plans = {}
     (run_dir / "plans").mkdir(exist_ok=True)
+    planned = {}
     for cluster, row in layouts.items():
         dst = run_dir / "plans" / f"{cluster}.json"
         shutil.copyfile(row["plan"], dst)
-        plans[cluster] = {
-            "plan": str(dst.relative_to(run_dir)),
-            "capacity_tps": row["predicted_tokens_per_s"],
-        }
+        planned[cluster] = {**row, "plan": str(dst.relative_to(run_dir))}
     meta = {
         "batch_id": batch_id,
         "policy": "token",
         "backend": "native",
-        "planned": {"method": method, "clusters": plans},
+        "planned": {"method": method, "clusters": planned},
     }
     write_run(run_dir, rows, meta)
     clusters = [
-        {"name": c, "capacity_tps": p["capacity_tps"], "backend": "native", "plan": p["plan"]}
-        for c, p in plans.items()
+        {"name": c, "capacity_tps": p["predicted_tokens_per_s"], "backend": "native", "plan": p["plan"]}
+        for c, p in planned.items()
     ]
     (run_dir / "clusters.yaml").write_text(yaml.safe_dump({"clusters": clusters}))
     report = build_report(run_dir)
-    per_cluster = {c: {"completion_tokens": v["actual_tokens"], "finished_after_s": v.get("finished_after_s")}
-                   for c, v in report.get("clusters", {}).items()}  # fmt: skip
-    report["plans"] = plan_rows(layouts, {"clusters": per_cluster})
     report["predicted_tokens_per_s"] = round(sum(r["predicted_tokens_per_s"] for r in layouts.values()), 1)
     return report
 
