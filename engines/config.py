@@ -16,6 +16,8 @@ class PipelineConfig:
     layer ranges and splits the layers evenly over its stages (the baseline a plan is measured
     against). ``head_split`` False keeps the whole LM head on the last stage even where the plan
     gives the first stage a share of its rows (the baseline the share is measured against).
+    ``emulate_cost`` (``engine serve --device-cost plan``): every stage, a one-stage plan too, makes
+    each micro-batch last what its plan device's cost model charges for it (:mod:`engines.emulation`).
     """
 
     init_method: str | None = None
@@ -23,6 +25,7 @@ class PipelineConfig:
     even_split: bool = False
     head_split: bool = True
     start_timeout_s: float = 120.0
+    emulate_cost: bool = False
 
 
 @dataclass

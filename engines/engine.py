@@ -17,14 +17,17 @@ from dataclasses import replace
 import torch
 
 from engines.config import EngineConfig
+from engines.device import DeviceClock
+from engines.emulation import Hold
 from engines.interface import EngineStats, Request, RequestOutput
 from engines.kv_cache import KVCacheManager
 from engines.model_runner import ModelRunner, make_adapter
-from engines.pipeline import PipelineRunner, StageSpec
+from engines.pipeline import PipelineRunner
 from engines.plan import apply_plan, plan_head_split, plan_stages, quantized_model
 from engines.sampler import sample
 from engines.scheduler import Scheduler, SchedulerOutput
 from engines.sequence import Sequence, SequenceStatus
+from engines.stage_spec import StageSpec
 from engines.step_batch import StepBatch
 from localmodels import load_or_build
 
@@ -78,6 +81,12 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size)
         self.stages = self._stages(model, config)
         self.pipeline: PipelineRunner | None = None
+        emulate = config.pipeline.emulate_cost
+        if emulate and not config.plan_path:
+            raise ValueError("emulating devices by their cost model needs a plan whose devices carry one")
+        # a one-stage plan emulates its device here (a pipeline's stages do it themselves)
+        self.emulated = self.stages[0].emulated(1, 0.0) if emulate and len(self.stages) == 1 else None
+        self.device_clock = DeviceClock()
         if len(self.stages) > 1:
             pc = config.pipeline
             self.pipeline = PipelineRunner(
@@ -93,6 +102,7 @@ class LLMEngine:
                 max_tokens=config.max_batch_tokens,
                 max_sampled=min(config.max_batch_tokens, config.max_running),
                 head_split=plan_head_split(config.plan_path or "", pc),
+                emulate_cost=emulate,
             )
             self.runner = self.pipeline.stage0
         else:
@@ -151,6 +161,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the pipeline's stage processes (nothing to do for a one-process engine)."""
+        if self.emulated is not None and self.device_clock.steps:
+            log.info("emulated plan device: %s", self.device_clock.describe())
         if self.pipeline is not None:
             self.pipeline.close()
 
@@ -216,7 +228,7 @@ class LLMEngine:
             self._forwards.append(plan.forward())
             batch = StepBatch.from_chunks(plan.chunks, self.kv.block_size)
             if self.pipeline is None:
-                self._inflight.append((plan, self.runner.run_batch(batch)))
+                self._inflight.append((plan, self._run_one(batch)))
             else:
                 greedy = all(c.seq.sampling.temperature <= 0 for c in plan.chunks if c.samples)
                 self.pipeline.submit(batch, greedy)
@@ -239,6 +251,25 @@ class LLMEngine:
             self.abort_request(rid)
         return finished
 
+    def _run_one(self, batch: StepBatch) -> torch.Tensor:
+        """The logits of a one-stage engine's micro-batch, on its emulated device when it has one."""
+        if self.emulated is None:
+            return self.runner.run_batch(batch)
+        hold, started = Hold(), time.perf_counter()
+        logits = self.runner.run_batch(batch)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        hold.part(self.emulated.micro_batch_s(batch), started)
+        hold.record(self.device_clock)
+        return logits
+
+    def _device_counts(self) -> tuple[int, int]:
+        """Micro-batches charged by the emulated devices' cost models, and their overruns (all stages)."""
+        if self.pipeline is None:
+            return self.device_clock.steps, self.device_clock.overrun_steps
+        rows = self.pipeline.stage_counters()
+        return int(sum(r["device_steps"] for r in rows)), int(sum(r["device_overrun_steps"] for r in rows))
+
     def _unschedulable(self, plan: SchedulerOutput) -> list[RequestOutput]:
         out = []
         for seq in plan.out_of_memory:  # the scheduler already let it go: the query fails, it has no answer
@@ -259,6 +290,7 @@ class LLMEngine:
         if len(self._recent) >= 2:
             span = max(self._recent[-1][0] - self._recent[0][0], 1e-6)
             rate = sum(n for _, n in list(self._recent)[1:]) / span
+        steps, overruns = self._device_counts()
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -268,6 +300,8 @@ class LLMEngine:
             generated_tokens=self.generated_tokens,
             kv_step_tokens=self._kv_step,
             step_forwards=tuple(self._forwards),
+            device_steps=steps,
+            device_overrun_steps=overruns,
         )
 
     def free_slots(self) -> int:

@@ -3,7 +3,9 @@
 Per stage (label ``stage``, plus its layer range and device): micro-batches, compute seconds
 (CPU time of the stage's thread on CPU), emulated seconds (the sleep of a slower device), idle
 seconds (waiting for the previous stage or for results), memory (weights + KV pools), and the
-mean measured decode micro-batch latency beside the plan's predicted one.
+mean measured decode micro-batch latency beside the plan's predicted one. Under ``engine serve
+--device-cost plan``, also the device's modelled seconds and the micro-batches (and seconds) by
+which the real compute outlasted it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,22 @@ _COUNTERS = {
     "compute_s": ("fleetbatch_stage_compute_seconds", "compute time of a stage"),
     "sleep_s": ("fleetbatch_stage_emulated_seconds", "extra time slept to emulate a slower device"),
     "idle_s": ("fleetbatch_stage_idle_seconds", "time a stage waited for work (pipeline bubbles)"),
+    "device_s": (
+        "fleetbatch_stage_device_seconds",
+        "modelled seconds of a stage's device (--device-cost plan: its cost model's charge)",
+    ),
+    "device_steps": (
+        "fleetbatch_stage_device_micro_batches",
+        "micro-batches a stage's device cost model charged (--device-cost plan)",
+    ),
+    "device_overrun_steps": (
+        "fleetbatch_stage_device_overrun_micro_batches",
+        "micro-batches whose compute outlasted the stage's device cost model",
+    ),
+    "device_overrun_s": (
+        "fleetbatch_stage_device_overrun_seconds",
+        "seconds by which compute outlasted the stage's device cost model",
+    ),
 }
 
 

@@ -24,7 +24,6 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -32,8 +31,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from engines.emulation import Hold
 from engines.model_runner import ModelRunner
 from engines.stage_model import cut_stage, head_rows, hidden_size, model_dtype, module_bytes, vocab_size
+from engines.stage_spec import StageSpec
 from engines.stage_wire import GREEDY, STEP, STOP, Inbox, Outbox, capacity, pack, unpack
 from engines.stage_worker import (
     COUNTERS,
@@ -68,24 +69,6 @@ class StageFailure(RuntimeError):
     """A pipeline stage process died or could not start; the message names the stage."""
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    """One stage of a plan as the engine runs it."""
-
-    index: int
-    layer_start: int
-    layer_end: int
-    slowdown: float = 0.0
-    memory_bytes: int | None = None  # the device's memory cap (None: no cap)
-    device_name: str = ""
-    predicted_prefill_s: float = 0.0
-    predicted_decode_s: float = 0.0
-
-    def describe(self) -> str:
-        dev = f" on {self.device_name}" if self.device_name else ""
-        return f"stage {self.index} (layers [{self.layer_start}, {self.layer_end}){dev})"
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -117,6 +100,7 @@ class PipelineRunner:
         max_tokens: int = 512,
         max_sampled: int = 64,
         head_split: float = 0.0,
+        emulate_cost: bool = False,
     ) -> None:
         if len(stages) < 2:
             raise ValueError("a pipeline needs at least 2 stages (one stage runs in-process)")
@@ -135,6 +119,9 @@ class PipelineRunner:
         self.head_start = round(head_split * self.vocab)  # the driver computes LM-head rows [0, head_start)
         self.head0 = head_rows(model, 0, self.head_start) if self.head_start else None
         self.hidden = hidden_size(model)
+        # --device-cost plan: every stage's device by its cost model (ValueError naming a stage that has none)
+        share = self.head_start / self.vocab
+        self.emulated = [s.emulated(self.num_stages, share) if emulate_cost else None for s in stages]
         s0 = stages[0]
         self.stage0 = ModelRunner(model, num_blocks, block_size, kv_bits, range(s0.layer_start, s0.layer_end))
         parts = [
@@ -148,7 +135,7 @@ class PipelineRunner:
         self.trailer = torch.zeros(self.num_stages, NUM_COUNTERS, dtype=torch.float64)
         self.failure: str | None = None
         self._closing = False
-        self._inflight: deque[StepBatch] = deque()
+        self._inflight: deque[tuple[StepBatch, Hold]] = deque()
         init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
         backend = backend_for(device, backend)
         layout_cap = 2 + 4 * max_tokens + num_blocks  # the blocks of one micro-batch's queries are distinct
@@ -180,9 +167,14 @@ class PipelineRunner:
             "pipeline of %d stages (%s): %s; stage pids %s",
             self.num_stages,
             backend,
-            ", ".join(s.describe() + (f" x{1 + s.slowdown:g} slower" if s.slowdown else "") for s in stages),
+            ", ".join(s.describe() + self._emulation(s) for s in stages),
             [p.pid for p in self.procs],
         )
+
+    def _emulation(self, s: StageSpec) -> str:
+        if self.emulated[s.index] is not None:
+            return " emulated by its cost model"
+        return f" x{1 + s.slowdown:g} slower" if s.slowdown else ""
 
     def _check_memory(self, parts: list[nn.Module]) -> list[int]:
         """Bytes of every stage (its weights + its layers' KV pools); a stage over its device's cap is an error."""
@@ -227,6 +219,7 @@ class PipelineRunner:
                 layout_cap,
                 self.head_start if s is self.stages[-1] else 0,
                 self.vocab,
+                self.emulated[s.index],
             )
             p = ctx.Process(
                 target=stage_main, args=(args, child), name=f"fleetbatch-stage{s.index}", daemon=True
@@ -283,19 +276,20 @@ class PipelineRunner:
             with torch.inference_mode():
                 return self.stage0.forward(self.stage0.embed(batch), batch)
 
+        hold, started = Hold(), time.perf_counter()
         h, compute_s = timed(compute, self.device)
-        self.counters.record(batch, compute_s, emulate(self.stages[0].slowdown, compute_s))
+        self.counters.record(batch, compute_s, self._emulate(batch, hold, started, compute_s, head=False))
         self.trailer[0] = self.counters.row()
         try:
             self.outbox.send(pack(STEP, batch.to_tensor(), self.trailer, h, GREEDY if greedy else 0))
         except RuntimeError as e:
             raise self._fail(e) from e
-        self._inflight.append(batch)
+        self._inflight.append((batch, hold))
 
     def result(self) -> torch.Tensor | list[int]:
         """The oldest micro-batch in flight: the logits ``[n_sampled, vocab]`` of its sampled rows,
         or, if it was submitted ``greedy``, their tokens."""
-        batch = self._inflight.popleft()
+        batch, hold = self._inflight.popleft()
         t0 = time.perf_counter()
         try:
             buf = self.inbox.get()
@@ -304,33 +298,50 @@ class PipelineRunner:
         self.counters.values["idle_s"] += time.perf_counter() - t0
         msg = unpack(buf, self.num_stages, NUM_COUNTERS, self.dtype)
         if msg.flags & GREEDY:
-            out = self._greedy(batch, msg.layout, msg.payload)
+            out = self._greedy(batch, hold, msg.layout, msg.payload)
         elif self.head0 is None:
             out = msg.payload.to(self.device, copy=True)
         else:
-            out = self._head_rows(batch, msg.payload.to(self.device))
+            out = self._head_rows(batch, hold, msg.payload.to(self.device))
+        if self.emulated[0] is not None and self.emulated[0].head_share > 0:
+            hold.record(self.counters.clock)  # its layers when sent, its share of the head now
         self.trailer = msg.counters.clone()
         self.trailer[0] = self.counters.row()
         self.inbox.release()
         return out
 
-    def _head(self, batch: StepBatch, fn):
+    def _emulate(self, batch: StepBatch, hold: Hold, started: float, compute_s: float, head: bool) -> float:
+        """Stage 0's device after computing its layers (``head`` False) or its share of the LM head:
+        the seconds slept, by the plan device's cost model or by the device's ``slowdown``."""
+        dev = self.emulated[0]
+        if dev is None:
+            return emulate(self.stages[0].slowdown, compute_s)
+        device_s = dev.head_s(batch) if head else dev.layers_s(batch)
+        if head and device_s <= 0:  # no rows, or a model with no head term: uncharged, as sampling is
+            return 0.0
+        slept = hold.part(device_s, started)
+        if not head and dev.head_share <= 0:
+            hold.record(self.counters.clock)  # no head here: the micro-batch is done with this stage
+        return slept
+
+    def _head(self, batch: StepBatch, hold: Hold, fn):
         """``fn()``, this stage's share of the LM head, timed and counted as its compute."""
 
         def compute():
             with torch.inference_mode():
                 return fn()
 
+        started = time.perf_counter()
         out, compute_s = timed(compute, self.device)
-        self.counters.add(batch, compute_s, emulate(self.stages[0].slowdown, compute_s))
+        self.counters.add(batch, compute_s, self._emulate(batch, hold, started, compute_s, head=True))
         return out
 
-    def _head_rows(self, batch: StepBatch, payload: torch.Tensor) -> torch.Tensor:
+    def _head_rows(self, batch: StepBatch, hold: Hold, payload: torch.Tensor) -> torch.Tensor:
         """The whole logits from the last stage's ``[final hidden | its rows' logits]``: this stage's rows first."""
         x, rest = payload[:, : self.hidden], payload[:, self.hidden :]
-        return self._head(batch, lambda: torch.cat([self.head0(x), rest], dim=1))
+        return self._head(batch, hold, lambda: torch.cat([self.head0(x), rest], dim=1))
 
-    def _greedy(self, batch: StepBatch, tokens: torch.Tensor, payload: torch.Tensor) -> list[int]:
+    def _greedy(self, batch: StepBatch, hold: Hold, tokens: torch.Tensor, payload: torch.Tensor) -> list[int]:
         """A greedy micro-batch's tokens: the last stage's, or, with a head split, whichever of its
         best and this stage's best is larger (ties to the lower index, as ``argmax`` over all rows)."""
         if self.head0 is None or not batch.sample_rows:
@@ -343,7 +354,7 @@ class PipelineRunner:
                 return mine.max(dim=-1).indices
             return greedy_of_parts(mine, payload[:, self.hidden].to(self.device), tokens.to(self.device))
 
-        return self._head(batch, pick).tolist()
+        return self._head(batch, hold, pick).tolist()
 
     @property
     def in_flight(self) -> int:

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from engines.config import EngineConfig, PipelineConfig
-from engines.pipeline import StageSpec
+from engines.stage_spec import StageSpec
 from planfile import Plan, load_plan
 from quant.apply import apply_bitmap, decoder_layers
 
@@ -29,7 +29,8 @@ def _read(path: str) -> Plan:
 
 
 def plan_stages(path: str, num_layers: int | None = None, even_split: bool = False) -> list[StageSpec]:
-    """The plan's stages in order: layer range, the device's ``slowdown`` and memory cap, predictions.
+    """The plan's stages in order: layer range and its bits, the device's ``slowdown``, memory cap and
+    cost model (``None`` where it has none), predictions.
 
     ``even_split`` keeps the plan's devices but splits the layers evenly over them (the baseline
     a planned partition is measured against).
@@ -42,6 +43,10 @@ def plan_stages(path: str, num_layers: int | None = None, even_split: bool = Fal
             raise ValueError(f"cannot split {layers} layers evenly over {len(ranges)} stages")
         cuts = [round(k * layers / len(ranges)) for k in range(len(ranges) + 1)]
         ranges = list(zip(cuts, cuts[1:], strict=False))
+    bits = plan.layer_bits()
+    bits = (
+        bits if len(bits) == layers else []
+    )  # another model's plan: no bits (its quantization is skipped too)
     out = []
     for k, (st, (lo, hi)) in enumerate(zip(plan.stages, ranges, strict=True)):
         dev = plan.devices[st.device_index]
@@ -56,6 +61,8 @@ def plan_stages(path: str, num_layers: int | None = None, even_split: bool = Fal
                 device_name=str(dev.get("type", dev.get("name", ""))),
                 predicted_prefill_s=float(st.predicted_prefill_s),
                 predicted_decode_s=float(st.predicted_decode_s),
+                cost=plan.device_cost(k),
+                layer_bits=tuple(bits[lo:hi]),
             )
         )
     return out

@@ -15,6 +15,7 @@ from engines.engine import LLMEngine
 from engines.interface import Engine
 from engines.metrics import serve_metrics
 from engines.model_runner import resolve_device
+from engines.plan import plan_stages
 from engines.static_engine import StaticBatchEngine
 from engines.vllm_backend import VLLMEngine
 from engines.worker import Worker, WorkerConfig
@@ -23,6 +24,9 @@ from workqueue import WorkQueue, connect
 from workqueue.embedded import URL_ENV
 
 log = logging.getLogger(__name__)
+
+#: ``--device-cost plan``: each stage emulates its plan device by the device's cost model
+PLAN_COST = "plan"
 
 DEVICE_HELP = (
     "where the native engine computes: cpu (default), cuda or cuda:N; a CUDA device that is not there "
@@ -76,11 +80,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device-cost",
         default=None,
-        metavar="OVERHEAD,PREFILL,DECODE",
+        metavar="OVERHEAD,PREFILL,DECODE|plan",
         help="emulate a device by a cost model instead: each step lasts what its forward passes cost, "
         "OVERHEAD ms per pass + PREFILL ms per prompt token + DECODE ms per decoded query (e.g. 8,0.05,0.5), "
         "divided by --device-speed; the same charge for the static and native backends "
-        "(docs/study.md). A step whose compute takes longer lasts its compute and is counted as an overrun",
+        "(docs/study.md). 'plan' (native backend, with --plan): every stage of the plan makes each "
+        "micro-batch last what its plan device's cost model charges for its layers at their bits, the "
+        "micro-batch's prompt chunks and decode contexts and its share of the LM head; every device "
+        "of the plan must carry a 'cost' (docs/engine.md). Either way a step (micro-batch) whose "
+        "compute takes longer lasts its compute and is counted as an overrun",
     )
     p.add_argument(
         "--device-speed",
@@ -115,11 +123,42 @@ def build_engine(args: argparse.Namespace) -> Engine:
         if args.plan:
             config.plan_path = args.plan
             config.pipeline.init_method = args.rendezvous
+            config.pipeline.emulate_cost = args.device_cost == PLAN_COST
         return LLMEngine.from_pretrained(args.model, arch=args.arch, size=args.size, config=config)
     if args.device != "cpu":
         raise ValueError(f"the static backend runs on the CPU only, not on --device {args.device}")
     model, tokenizer = load_or_build(args.model, arch=args.arch, size=args.size)
     return StaticBatchEngine(model, tokenizer, max_batch=args.max_batch)
+
+
+def parse_device_cost(args: argparse.Namespace) -> StepCost | None:
+    """The worker's cost-model device of a numeric ``--device-cost``; None for ``plan``, whose stages
+    emulate their plan devices themselves (checked here: each must carry a cost). A ValueError
+    says what is wrong with the combination of flags."""
+    if args.slowdown:
+        raise ValueError("--device-cost and --slowdown are two ways to emulate a device: pass one")
+    if args.device_cost == PLAN_COST:
+        if not args.plan:
+            raise ValueError("'plan' emulates the devices of a plan: pass --plan PLAN.json")
+        if args.backend != "native":
+            raise ValueError(f"'plan' emulates the native engine's stages, not the {args.backend} backend")
+        if args.device_speed != 1.0:
+            raise ValueError("--device-speed scales a numeric cost; a plan's devices carry their own")
+        stages = plan_stages(args.plan)
+        for stage in stages:
+            stage.emulated(len(stages), 0.0)  # a device without a cost, or without its layers' bits
+        log.info("emulated devices: each plan stage's by its device's cost model")
+        return None
+    if args.backend == "vllm":
+        raise ValueError("it emulates one-process native or static engines, not vllm")
+    if args.plan:
+        raise ValueError(
+            "a numeric cost emulates one process; with --plan pass '--device-cost plan' to emulate each "
+            "stage by its plan device's cost model"
+        )
+    cost = StepCost.parse(args.device_cost, speed=args.device_speed)
+    log.info("emulated device: %s", cost.describe())
+    return cost
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -138,20 +177,11 @@ def run_serve(args: argparse.Namespace) -> int:
             return 2
     device_cost = None
     if args.device_cost is not None:
-        if args.slowdown:
-            log.error("--device-cost and --slowdown are two ways to emulate a device: pass one")
-            return 2
-        if args.backend == "vllm" or args.plan:
-            log.error(
-                "--device-cost emulates one-process native or static engines, not vllm or --plan stages"
-            )
-            return 2
         try:
-            device_cost = StepCost.parse(args.device_cost, speed=args.device_speed)
-        except ValueError as e:
+            device_cost = parse_device_cost(args)
+        except (ValueError, OSError) as e:
             log.error("--device-cost: %s", e)
             return 2
-        log.info("emulated device: %s", device_cost.describe())
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engines.device import DeviceClock
+from engines.emulation import EmulatedDevice, Hold
 from engines.model_runner import ModelRunner
 from engines.stage_model import hidden_size, model_dtype
 from engines.stage_wire import GREEDY, STEP, STOP, Inbox, Outbox, capacity, pack, unpack
@@ -42,6 +44,12 @@ COUNTERS = (
     "decode_latency_s",  # compute + sleep of decode-only micro-batches
     "decode_rows",
     "memory_bytes",  # weights + KV pools of the stage
+    # --device-cost plan (engines.emulation): micro-batches charged by the device's cost model, their
+    # modelled seconds, and those whose compute outlasted the model (and by how much)
+    "device_steps",
+    "device_s",
+    "device_overrun_steps",
+    "device_overrun_s",
 )
 NUM_COUNTERS = len(COUNTERS)
 
@@ -52,6 +60,7 @@ class StageCounters:
 
     memory_bytes: int = 0
     values: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
+    clock: DeviceClock = field(default_factory=DeviceClock)  # the emulated device's micro-batches
 
     def record(self, batch: StepBatch, compute_s: float, sleep_s: float) -> None:
         """One micro-batch through this stage."""
@@ -71,7 +80,10 @@ class StageCounters:
             v["decode_latency_s"] += compute_s + sleep_s
 
     def row(self) -> torch.Tensor:
-        self.values["memory_bytes"] = float(self.memory_bytes)
+        v, c = self.values, self.clock
+        v["memory_bytes"] = float(self.memory_bytes)
+        v["device_steps"], v["device_s"] = float(c.steps), c.device_s
+        v["device_overrun_steps"], v["device_overrun_s"] = float(c.overrun_steps), c.overrun_s
         return torch.tensor([self.values[k] for k in COUNTERS], dtype=torch.float64)
 
 
@@ -127,6 +139,7 @@ class StageArgs:
     max_layout: int  # most int64s of one micro-batch's layout
     head_start: int = 0  # last stage: the first LM-head row it computes (the driver computes those before)
     vocab: int = 0  # rows of the whole LM head
+    emulated: EmulatedDevice | None = None  # --device-cost plan: the device's cost model (slowdown unused)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -232,8 +245,14 @@ def serve_stage(args: StageArgs, runner: ModelRunner, model: nn.Module) -> None:
                     return last_stage_greedy(runner, out, batch, args.head_start, args.vocab)
                 return last_stage_output(runner, out, batch, args.head_start, args.vocab) if last else out
 
+        started = time.perf_counter()
         out, compute_s = timed(compute, args.device)
-        counters.record(batch, compute_s, emulate(args.slowdown, compute_s))
+        if args.emulated is None:
+            counters.record(batch, compute_s, emulate(args.slowdown, compute_s))
+        else:
+            hold = Hold()
+            counters.record(batch, compute_s, hold.part(args.emulated.micro_batch_s(batch), started))
+            hold.record(counters.clock)
         msg.counters[args.rank] = counters.row()
         if greedy:
             tokens, payload = out

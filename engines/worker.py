@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import redis
 
 from engines.device import DeviceClock, StepCost
+from engines.emulation import stamped
 from engines.interface import Engine, EngineStats, Request, RequestOutput, SamplingParams
 from engines.pipeline import StageFailure
 from workqueue import ClaimedQuery, Observation, QueryResult, QueryState, WorkQueue, outcome
@@ -157,15 +158,12 @@ class Worker:
             return outputs
         step_start = time.time() - wall
         self.stop_event.wait(device_s - wall)
-        end = time.time()
-        return [
-            replace(
-                o,
-                finish_time=end,
-                first_token_time=end if o.first_token_time >= step_start else o.first_token_time,
-            )
-            for o in outputs
-        ]
+        return stamped(outputs, step_start, time.time())
+
+    def device_totals(self) -> tuple[int, int]:
+        """Emulated device steps and overruns: the worker's (``--device-cost``) + the stages' (``plan``)."""
+        s = self._stats
+        return self.device.steps + s.device_steps, self.device.overrun_steps + s.device_overrun_steps
 
     def _queue_work(self) -> None:
         """Everything the loop asks of Redis: register, requeue lapsed leases, cancellations, claims, results."""
@@ -373,6 +371,7 @@ class Worker:
             try:
                 gids = self._renew_all()
                 s = self._stats
+                device_steps, device_overruns = self.device_totals()
                 with self._lock:
                     remaining = sum((cq.query.predicted_tokens for cq in self.inflight.values()), 0.0)
                 self.queue.heartbeat(
@@ -392,8 +391,8 @@ class Worker:
                     running_remaining_tokens=remaining,
                     capacity_hint_tps=c.capacity_hint_tps,
                     plan_tps=c.plan_tps,
-                    device_steps=self.device.steps,  # --device-cost: steps, and those its compute outlasted
-                    device_overrun_steps=self.device.overrun_steps,
+                    device_steps=device_steps,  # --device-cost: steps, and those its compute outlasted
+                    device_overrun_steps=device_overruns,
                 )
             except Exception as e:  # Redis hiccup: keep trying, leases have slack
                 log.warning("heartbeat failed: %s", e)
