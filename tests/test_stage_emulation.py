@@ -15,12 +15,14 @@ import logging
 import re
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from engines.cli import main
 from engines.config import EngineConfig, PipelineConfig
 from engines.emulation import EmulatedDevice, batch_shape
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
+from engines.metrics import StageCollector
 from engines.step_batch import ChunkLayout, StepBatch
 from engines.worker import Worker, WorkerConfig
 from localmodels import build_model, default_tokenizer
@@ -146,6 +148,9 @@ def test_each_stage_is_charged_its_device_cost(tokenizer, tmp_path):
         rows = engine.pipeline.stage_counters()
         share = engine.pipeline.head_start / engine.pipeline.vocab
         stats = engine.stats()
+        registry = CollectorRegistry()
+        registry.register(StageCollector(engine))
+        metrics = generate_latest(registry).decode()
     finally:
         engine.close()
     assert 0 < share < 1
@@ -160,6 +165,14 @@ def test_each_stage_is_charged_its_device_cost(tokenizer, tmp_path):
     heads = sum(head[0] + head[1] * len(b.sample_rows) * (1 - share) for b in batches if b.sample_rows)
     assert rows[1]["device_s"] == pytest.approx(phases * 2 * LAYER_S + heads)
     assert stats.device_steps == 2 * len(batches)
+    for k, r in enumerate(rows):  # beside the other per-stage figures
+        for name, key in [
+            ("device_seconds", "device_s"),
+            ("device_overrun_micro_batches", "device_overrun_steps"),
+        ]:
+            prefix = f"fleetbatch_stage_{name}_total{{"
+            line = next(x for x in metrics.splitlines() if x.startswith(prefix) and f'stage="{k}"' in x)
+            assert float(line.split()[-1]) == pytest.approx(r[key])
     assert stats.device_overrun_steps == sum(int(r["device_overrun_steps"]) for r in rows)
 
 
