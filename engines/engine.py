@@ -30,6 +30,7 @@ from engines.sequence import Sequence, SequenceStatus
 from engines.stage_spec import StageSpec
 from engines.step_batch import StepBatch
 from localmodels import load_or_build
+from quant.apply import keep_dequantized
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,10 @@ class LLMEngine:
             notes = apply_plan(config)
             model, more = quantized_model(model, config.plan_path, copy_model=not own_model)
             notes += more
+            if config.pipeline.emulate_cost and keep_dequantized(model):
+                notes.append(
+                    "quantized layers keep their dequantized weights: the devices' time is their cost model's"
+                )
         return cls(model, tokenizer, config, plan_notes=notes)
 
     def __init__(

@@ -7,7 +7,7 @@ A fleet file (YAML or JSON) names each cluster's devices by catalog type::
       medium: [V100-32G, T4]
       slow: [T4, T4]
     emulation:              # optional
-      time_scale: 8         # the fleet's fastest device takes 8x this CPU's time at 16 bits
+      time_scale: 32        # the fleet's fastest device takes 32x this CPU's time at 16 bits
       reference: opt-30b    # the model whose catalog ratios and memory the devices keep
 
 (the ``clusters:`` level may be left out: a mapping of names to device lists is read as the
@@ -51,7 +51,7 @@ from planner.latency import Profile, lm_head_s, roofline_decode_s, roofline_pref
 from planner.memory import MemoryModel, usable_bytes
 from planner.modelshape import ModelShape, load_shape
 
-DEFAULT_TIME_SCALE = 8.0
+DEFAULT_TIME_SCALE = 32.0
 DEFAULT_REFERENCE = "opt-30b"
 DEFAULT_BITS = (4, 8, 16)
 

@@ -4,8 +4,9 @@ For each cluster of the fleet file (:mod:`planner.fleet`) and each method asked 
 planner; ``uniform``: an even layer split at the highest uniform bit width that fits; ``het``:
 a speed-balanced split at one bit width; see :mod:`planner.baselines`), this writes
 ``<out>/<cluster>.<method>.json``, a plan whose devices carry their emulated cost model
-(``planfile.device_cost``) and whose ``memory_bytes`` (the engine's cap) adds the KV pool of the
-engine's ``kv_tokens`` for the stage's layers, and ``<out>/fleet-plans.json``, the summary
+(``planfile.device_cost``) and whose ``memory_bytes`` (the engine's cap) adds what the budget leaves
+out (the KV pool of the engine's ``kv_tokens`` for the stage's layers, embeddings, head,
+activations), counted at the engine's float32, and ``<out>/fleet-plans.json``, the summary
 ``gateway up --fleet`` and ``loadgen study --planned`` read: per cluster and method the plan's
 path, devices, layer split, bits, micro-batch sizes, predicted tokens/s and solve time.
 
@@ -20,12 +21,13 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from planfile import DeviceCost, Plan, save_plan
 from planner.baselines import het, uniform
 from planner.build import make_plan
+from planner.cluster import Cluster
 from planner.costs import Assignment, Problem, Workload
 from planner.fleet import DEFAULT_BITS, Fleet, fleet_clusters, fleet_profiles
 from planner.latency import Profile
@@ -37,6 +39,10 @@ from quant import accounting
 log = logging.getLogger(__name__)
 
 METHODS = ("ilp", "uniform", "het")
+#: the engines on this CPU hold float32 where the planner counts 16-bit bytes (KV pool, embeddings,
+#: head, 16-bit layers): an emulated device's cap on the engine's real bytes is this many times its
+#: budget (quantized layers take the planner's bytes exactly, so the cap is an upper bound for them)
+HOST_BYTES_PER_16_BIT = 2
 SUMMARY = "fleet-plans.json"
 
 
@@ -51,6 +57,9 @@ class FleetJob:
     methods: tuple[str, ...] = ("ilp",)
     kv_tokens: int = 16384
     time_limit_s: float = 6.0
+    # what every layer at the lowest bits costs in the objective, as a share of the cluster's Uniform
+    # baseline's batch latency (LLM-PQ's theta, made independent of the emulation's time scale)
+    quality_weight: float = 0.3
 
     def digest(self) -> str:
         w = self.workload
@@ -62,6 +71,7 @@ class FleetJob:
             "methods": list(self.methods),
             "kv_tokens": self.kv_tokens,
             "time_limit_s": self.time_limit_s,
+            "quality_weight": self.quality_weight,
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -99,7 +109,8 @@ def plan_cluster(problem: Problem, method: str, kv_tokens: int, time_limit_s: fl
     for k, st in enumerate(pl.stages):
         dev = pl.devices[st.device_index]
         dev["cost"] = device_cost(problem, dev["type"]).to_dict()
-        dev["memory_bytes"] = int(dev["memory_bytes"] + granted_bytes(problem, res[0], k, kv_tokens))
+        budget = dev["memory_bytes"] + granted_bytes(problem, res[0], k, kv_tokens)
+        dev["memory_bytes"] = int(HOST_BYTES_PER_16_BIT * budget)
     pl.extra["emulated"] = {
         "kv_tokens": kv_tokens,
         "budget": "layer weights; KV, embeddings, head granted apart",
@@ -137,6 +148,20 @@ def summary_row(pl: Plan, path: Path) -> dict:
     }
 
 
+def cluster_problem(cluster: Cluster, job: FleetJob, profiles: dict[str, Profile]) -> Problem:
+    """``cluster``'s planning problem, its quality weight ``theta`` in seconds set to ``job.quality_weight``
+    times the batch latency of its Uniform baseline (else Het): quality then counts as much whatever the
+    emulated devices' time scale (the objective adds seconds to ``theta`` x the normalised omega)."""
+    problem = build_problem(cluster, job.shape, job.workload, profiles=profiles, weights_only=True)
+    base = uniform(problem) or het(problem)
+    if base is None:
+        return problem
+    theta = job.quality_weight * base[1].latency_s
+    return build_problem(
+        cluster, job.shape, replace(job.workload, theta=theta), profiles=profiles, weights_only=True
+    )
+
+
 def plan_fleet(job: FleetJob, out: Path) -> dict:
     """Plan every cluster by every method of ``job`` into ``out``; the summary (read back when cached)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -155,7 +180,7 @@ def plan_fleet(job: FleetJob, out: Path) -> dict:
     profiles = fleet_profiles(job.fleet, job.profile, job.shape, job.workload.bits)
     clusters: dict[str, dict] = {}
     for name, cluster in fleet_clusters(job.fleet, job.shape).items():
-        problem = build_problem(cluster, job.shape, job.workload, profiles=profiles, weights_only=True)
+        problem = cluster_problem(cluster, job, profiles)
         clusters[name] = {}
         for method in job.methods:
             pl = plan_cluster(problem, method, job.kv_tokens, job.time_limit_s)

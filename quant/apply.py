@@ -107,3 +107,15 @@ def apply_bitmap(
         "symmetric" if symmetric else "asymmetric",
     )
     return model
+
+
+def keep_dequantized(model: nn.Module) -> int:
+    """Let every :class:`QuantLinear` of ``model`` keep its dequantized weight after its first call (the
+    same outputs, faster, more memory: for a CPU that emulates a device by a cost model, where only
+    the tokens, not this compute's time, matter); returns how many layers it set."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.cache_dequantized = True
+            n += 1
+    return n

@@ -55,6 +55,10 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", None if symmetric else torch.empty(0, dtype=torch.uint8))
         self.register_buffer("bias", torch.empty(0, dtype=torch.float16) if bias else None)
         self.use_kernel = True
+        # keep the dequantized weight after the first call (:func:`quant.apply.keep_dequantized`): the
+        # same tokens, faster on a CPU that only emulates a device, whose time a cost model gives
+        self.cache_dequantized = False
+        self._dequantized: torch.Tensor | None = None  # not a buffer: not what the layer stores
 
     @classmethod
     def from_module(
@@ -103,10 +107,17 @@ class QuantLinear(nn.Module):
             return None
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def _weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if not self.cache_dequantized:
+            return self.dequantize(dtype)
+        if self._dequantized is None or self._dequantized.dtype != dtype:
+            self._dequantized = self.dequantize(dtype)
+        return self._dequantized
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._int8_kernel(x)
+        y = None if self.cache_dequantized else self._int8_kernel(x)
         if y is None:
-            y = F.linear(x, self.dequantize(x.dtype))
+            y = F.linear(x, self._weight(x.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
