@@ -2,8 +2,9 @@
 
 ``gateway up`` with a fleet records in ``gateway.json`` (``layouts``) the plan each cluster runs:
 devices, layer split, bits per layer, micro-batch sizes, predicted tokens/s. After a batch, a
-cluster's measured tokens/s is its output tokens over the time from the batch's first enqueue
-to its last finish (the clusters are busy throughout when the assignment is capacity-weighted).
+cluster's measured tokens/s is what it sustained: in a run report, the median of the engine's own
+tokens/s over the samples where work waited in its queue (no ramp, no tail); in ``loadgen``'s
+summary, its output tokens over the time from the batch's first enqueue to its last finish.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from gateway.fleet_up import describe_layout
 
 
 def measured_tps(cluster: Mapping) -> float | None:
-    """A cluster's output tokens over its time to its last finish (``loadgen`` summary or report row)."""
+    """What a cluster sustained: the engine's own rate while work waited (a run report's ``saturated_tps``),
+    else its output tokens over its time to its last finish (``loadgen``'s summary)."""
+    if cluster.get("saturated_tps"):
+        return float(cluster["saturated_tps"])
     done = cluster.get("finished_after_s")
     tokens = cluster.get("completion_tokens", cluster.get("actual_tokens"))
     return tokens / done if done and tokens is not None else None

@@ -118,6 +118,7 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict:
                 "actual_tokens": c["actual_tokens"],
                 "kv_token_s": round(kv.get(name, 0.0), 1),
                 "finished_after_s": round(c["last_finish"] - t0, 3),
+                "saturated_tps": saturated_tps(series, name),
             }
             for name, c in sorted(per.items())
         },
@@ -131,6 +132,17 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict:
             report["plots"].append(draw_layout(run / "layout.png", report["plans"]))
     (run / REPORT).write_text(json.dumps(report, indent=2))
     return report
+
+
+def saturated_tps(series: list[dict], cluster: str) -> float | None:
+    """The median of the engine's own tokens/s over the samples where work waited in its queue (so it
+    ran as fast as it could): what the cluster sustains, without the ramp at the start and the tail."""
+    rates = sorted(
+        float(r["measured_tps"])
+        for r in series
+        if r.get("cluster") == cluster and r.get("queue_length", 0) > 0 and r.get("measured_tps")
+    )
+    return round(rates[len(rates) // 2], 2) if rates else None
 
 
 def draw(run: Path, results: list[dict], series: list[dict], t0: float) -> list[str]:

@@ -52,6 +52,7 @@ class Sampler:
                         "kv_token_seconds": i.kv_token_seconds,
                         "device_steps": i.device_steps,
                         "device_overrun_steps": i.device_overrun_steps,
+                        "measured_tps": i.measured_tps,  # the engine's tokens/s over its recent steps
                         "queue_length": i.queue_length,
                         "running": i.running,
                         "alive": i.alive,
