@@ -15,7 +15,7 @@ from gateway.auth import CLIENT_TOKEN_ENV, client_token, deployment_token
 from load import bench_offload, chaos, compare_policies, openai_check, report, soak, study
 from load.client import format_summary, run_batch, summarise
 from load.deployment import LocalDeployment
-from load.layout import format_layouts, plan_rows
+from load.layout import format_layouts, mean_lengths, plan_rows
 from load.openai_batch import endpoints_of, error_path, write_openai_output
 from load.workload import from_dataset, from_openai_jsonl, generated
 
@@ -206,7 +206,14 @@ def _demo(args) -> int:
         f"workload: {args.dataset + ' (real prompts, recorded lengths)' if args.dataset else 'generated mix'}",
         flush=True,
     )
-    up_args = ["--predictor", args.predictor, *(args.gateway_arg or [])]
+    prompt, output = mean_lengths(_workload(args))  # the fleet is planned for this workload's lengths
+    up_args = [
+        "--predictor",
+        args.predictor,
+        "--fleet-lengths",
+        f"{prompt},{output}",
+        *(args.gateway_arg or []),
+    ]
     print("starting: gateway up", " ".join(up_args), flush=True)
     try:
         with LocalDeployment(args.run_dir, up_args, args.timeout, quiet=False) as info:

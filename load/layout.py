@@ -9,9 +9,21 @@ summary, its output tokens over the time from the batch's first enqueue to its l
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from gateway.fleet_up import describe_layout
+from load.workload import WorkItem
+
+
+def mean_lengths(items: Sequence[WorkItem]) -> tuple[int, int]:
+    """Mean prompt tokens (by the served tokenizer) and mean response tokens (forced, else the cap) of
+    ``items``: the lengths a fleet is planned for (``gateway up --fleet-lengths``)."""
+    from localmodels import default_tokenizer  # lazy: transformers
+
+    tok = default_tokenizer()
+    prompt = sum(len(tok(i.prompt)["input_ids"]) for i in items) / len(items)
+    output = sum(i.forced_length or i.max_tokens for i in items) / len(items)
+    return max(1, round(prompt)), max(1, round(output))
 
 
 def measured_tps(cluster: Mapping) -> float | None:

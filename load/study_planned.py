@@ -33,6 +33,7 @@ from gateway.auth import deployment_token
 from gateway.tls import channel
 from load.client import result_row, to_request
 from load.deployment import LocalDeployment
+from load.layout import mean_lengths
 from load.report import build_report
 from load.runrecord import Sampler, write_run
 from load.workload import WorkItem
@@ -42,16 +43,6 @@ from protos import fleetbatch_pb2_grpc as pb_grpc
 #: setup name -> ``gateway up --fleet-method``
 SETUPS = {"planned": "ilp", "even": "uniform", "best_baseline": "best-baseline"}
 RATIOS = {"planned_over_even": "even", "planned_over_best_baseline": "best_baseline"}
-
-
-def mean_lengths(items: list[WorkItem]) -> tuple[int, int]:
-    """Mean prompt tokens (by the served tokenizer) and mean forced response tokens of ``items``."""
-    from localmodels import default_tokenizer
-
-    tok = default_tokenizer()
-    prompt = sum(len(tok(i.prompt)["input_ids"]) for i in items) / len(items)
-    output = sum(i.forced_length or i.max_tokens for i in items) / len(items)
-    return max(1, round(prompt)), max(1, round(output))
 
 
 def run_setup(
