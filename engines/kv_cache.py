@@ -41,17 +41,15 @@ class KVCacheManager:
     def used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Extra blocks ``seq`` needs so that its first ``num_tokens`` tokens have a place."""
-        return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
-
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow ``seq``'s block table to hold ``num_tokens`` tokens; False (nothing taken) if blocks run short."""
-        need = self.blocks_needed(seq, num_tokens)
-        if need > len(self._free):
+        need = blocks_for(num_tokens, self.block_size) - len(seq.block_table)  # extra blocks
+        if need <= 0:  # the common case: a decode step needs a new block once every block_size tokens
+            return True
+        free = self._free
+        if need > len(free):
             return False
-        for _ in range(need):
-            seq.block_table.append(self._free.popleft())
+        seq.block_table.extend(free.popleft() for _ in range(need))
         return True
 
     def free(self, seq: Sequence) -> int:

@@ -13,11 +13,13 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parent.parent)
 )  # `sim` is not in pyproject's package list yet
 
+from engines.scheduler import Scheduler  # noqa: E402
 from gateway.policies import ClusterView, QueryLoad, make_policy  # noqa: E402
 from load.arrivals import poisson_arrivals  # noqa: E402
 from sim.cli import main  # noqa: E402
 from sim.core import ClusterSpec, SimConfig, Simulator  # noqa: E402
 from sim.costs import LinearCost  # noqa: E402
+from sim.study import StudySetup, scale  # noqa: E402
 from sim.validate import held_out  # noqa: E402
 from sim.workload import Workload, generated_workload  # noqa: E402
 
@@ -101,6 +103,24 @@ def test_scale_cli_reports_its_time(capsys):
     assert out["queries"] == 3000 and out["clusters"] == 4
     assert out["sim_seconds"] > 0 and out["makespan_s"] > 0
     assert "sim_seconds_100x1m" not in out  # only measured at that size
+
+
+def test_scale_run_calls_the_scheduler_about_once_per_query(monkeypatch):
+    """The scale check's cost (sim_seconds_100x1m) rests on bulk decode: the real scheduler plans a
+    step about once per query (its admission), and the ~9 steady decode steps in between are applied
+    at once. Counted, not timed: with one schedule() per step it would be ~10 per query."""
+    calls = 0
+    real = Scheduler.schedule
+
+    def counted(self, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "schedule", counted)
+    out = scale(4, 3000, 8, StudySetup())
+    assert calls <= 1.1 * 3000  # 3,135 at the time of writing
+    assert out["steps"] >= 8 * calls  # 28,955 steps
 
 
 def test_cli_rejects_bad_arguments(capsys):
