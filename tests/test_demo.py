@@ -1,5 +1,6 @@
-"""The README's main job, small: `loadgen demo` runs `gateway up` (embedded Redis, 3 engines, gateway),
-submits a generated batch, prints the per-cluster summary and stops everything."""
+"""The README's main job, small: `loadgen demo` runs `gateway up` (embedded Redis, the planned default
+fleet's 3 engines with their pipeline stages, gateway), submits a batch of real prompts, prints each
+cluster's layout and the per-cluster summary, and stops everything."""
 
 from __future__ import annotations
 
@@ -12,9 +13,17 @@ from tests.harness import REPO
 
 
 def test_loadgen_demo_runs_the_local_deployment_end_to_end(tmp_path):
-    cmd = [sys.executable, "-m", "load.cli", "demo", "-n", "24", "--no-progress", "--run-dir", str(tmp_path / "run"),
-           "--gateway-arg=--size", "--gateway-arg=nano", "--gateway-arg=--engine-arg=--max-batch",
-           "--gateway-arg=--engine-arg=4"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "load.cli",
+        "demo",
+        "-n",
+        "24",
+        "--no-progress",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
@@ -26,6 +35,19 @@ def test_loadgen_demo_runs_the_local_deployment_end_to_end(tmp_path):
     assert "length predictor: learned" in out.stdout + out.stderr  # the shipped model, not the heuristic
     assert "workload: mixed (real prompts, recorded lengths)" in out.stdout  # the data directory is here
     assert not (tmp_path / "run" / "gateway.json").exists(), "gateway up did not clean up"
+    # the default fleet is planned: every cluster's layout is shown, then its plan against measurement
+    assert (
+        "planned layout per cluster:" in out.stdout and "plan against measurement per cluster:" in out.stdout
+    )
+    plans = summary["plans"]
+    assert set(plans) == {"fast", "medium", "slow"}
+    for p in plans.values():
+        assert len(p["devices"]) == len(p["layers"]) == len(p["bits"]) >= 1
+        assert p["layers"][0][0] == 0 and p["layers"][-1][1] == 8  # every layer of the 8-layer model
+        assert p["predicted_tokens_per_s"] > 0
+    assert any(p["measured_tokens_per_s"] for p in plans.values())
+    engine_logs = "".join(f.read_text() for f in (tmp_path / "run" / "logs").glob("engine-*.log"))
+    assert "emulated by its cost model" in engine_logs or "emulated devices" in engine_logs
 
 
 def test_the_demo_draws_real_prompts_where_the_data_is_and_generates_elsewhere(tmp_path, monkeypatch):

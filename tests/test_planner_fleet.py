@@ -40,14 +40,19 @@ def cpu_profile() -> Profile:
     decode = [(v, c, 5e-4 + 2e-5 * v + 1e-8 * v * c) for v in (1, 8, 16, 32) for c in (64, 128, 256)]
     head = [(v, 0, 2e-4 + 1e-5 * v) for v in (1, 8, 16, 32)]
     driver = [(v, 0, 1e-4 + 1e-6 * v) for v in (1, 8, 16, 32)]
-    model = {"name": MODEL, **{k: shape.essentials()[k] for k in ("hidden", "layers", "intermediate", "vocab")}}
+    model = {
+        "name": MODEL,
+        **{k: shape.essentials()[k] for k in ("hidden", "layers", "intermediate", "vocab")},
+    }
     samples = {16: {"prefill": prefill, "decode": decode, "head": head, "driver": driver}}
     return Profile("CPU", model, "measured", samples)
 
 
 def test_a_fleet_file_names_clusters_of_catalog_devices(tmp_path):
     f = tmp_path / "fleet.yaml"
-    f.write_text("clusters:\n  big: [A100-40G, a100-40g]\n  mixed: [V100-32G, T4]\nemulation: {time_scale: 4}\n")
+    f.write_text(
+        "clusters:\n  big: [A100-40G, a100-40g]\n  mixed: [V100-32G, T4]\nemulation: {time_scale: 4}\n"
+    )
     fleet = load_fleet(f)
     assert fleet.clusters == {"big": ("A100-40G", "A100-40G"), "mixed": ("V100-32G", "T4")}
     assert fleet.time_scale == 4.0
@@ -135,7 +140,9 @@ def test_the_cli_plans_a_fleet_file_and_names_bad_input(tmp_path, capsys):
     argv = ["fleet", str(fleet), "--profile", str(prof), "--out", str(out), "--time-limit", "1"]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (out / "solo.ilp.json").is_file() and summary["clusters"]["solo"]["ilp"]["plan"].endswith("solo.ilp.json")
+    assert (out / "solo.ilp.json").is_file() and summary["clusters"]["solo"]["ilp"]["plan"].endswith(
+        "solo.ilp.json"
+    )
     assert main(["fleet", str(tmp_path / "none.yaml"), "--profile", str(prof)]) == 2
     assert "fleet file" in capsys.readouterr().err
     assert main([*argv, "--methods", "best"]) == 2
