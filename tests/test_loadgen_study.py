@@ -50,3 +50,43 @@ def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path):
     assert summary["emulation"] == "cost" and summary["step_cost_ms"] == "15,0.2,1"
     assert all(r["real_makespan_s"] == pytest.approx(summary["runs"][Path(r["run"]).name]["makespan_s"], abs=0.01)
                for r in check["runs"])  # fmt: skip
+
+
+def test_the_planned_study_runs_a_planned_fleet_through_the_gateway(tmp_path):
+    """`loadgen study --planned`: each setup is a real `gateway up --fleet` whose engines run their
+    plans' stages on emulated devices; the run directory keeps the plans and draws the layout. (One
+    setup here, for time: the baselines' plans are checked in tests/test_planner_fleet.py.)"""
+    out = tmp_path / "planned"
+    cmd = [
+        sys.executable,
+        "-m",
+        "load.cli",
+        "study",
+        "--planned",
+        "-n",
+        "16",
+        "--max-tokens",
+        "24",
+        "--only",
+        "planned",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--no-scale",
+        "--gateway-arg=--predictor",
+        "--gateway-arg=heuristic",
+    ]  # fmt: skip (the predictor is not under test)
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "planned_over_even" not in summary  # its baseline did not run
+    assert summary["capacity_error"] is not None and summary["capacity_error"] >= 0
+    assert 0 <= summary["device_overrun_fraction"] <= 1
+    assert "sim_makespan_error" in summary and summary["sim_seconds_100x1m"] is None
+    report = json.loads((out / "planned" / "report.json").read_text())
+    assert report["queries"] == 16 and set(report["plans"]) == {"fast", "medium", "slow"}
+    assert all(p["predicted_tokens_per_s"] > 0 for p in report["plans"].values())
+    assert (out / "planned" / "layout.png").stat().st_size > 5000
+    meta = json.loads((out / "planned" / "meta.json").read_text())
+    assert meta["planned"]["method"] == "ilp"
+    assert all((out / "planned" / c["plan"]).is_file() for c in meta["planned"]["clusters"].values())
