@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -90,7 +91,7 @@ def cpu_profile(s: FleetSettings, log_dir: Path) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     log.info("profiling this CPU on the served model %s:%s (once; cached in %s)", s.arch, s.size, path)
-    tmp = path.with_suffix(f".{id(s)}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     cmd = [sys.executable, "-m", "engines.cli", "profile", "--arch", s.arch, "--size", s.size, "--reps", "2",
            "--min-time", "0.02", "--out", str(tmp)]  # fmt: skip
     _run(cmd, "engine profile", log_dir / "profile.log")
@@ -107,12 +108,15 @@ def plan_fleet(s: FleetSettings, run_dir: Path) -> dict:
            "--profile", str(profile), "--methods", methods, "--out", str(run_dir / "plans"),
            "--kv-tokens", str(s.kv_tokens), "--time-limit", str(s.time_limit_s),
            "--prompt-len", str(s.prompt_len), "--output-tokens", str(s.output_tokens)]  # fmt: skip
-    out = _run(cmd, f"planner fleet {s.fleet}", log_dir / "planner.log")
-    summary = json.loads(out.strip().splitlines()[-1])
-    for line in (log_dir / "planner.log").read_text(errors="replace").splitlines():
-        if "planned " in line and " in " in line:
-            log.info("%s", line.split(": ", 1)[-1] if line.startswith("INFO") else line)
-    return summary
+    log_file = log_dir / "planner.log"
+    start = log_file.stat().st_size if log_file.exists() else 0
+    out = _run(cmd, f"planner fleet {s.fleet}", log_file)
+    with open(log_file, errors="replace") as f:  # this run's lines: each cluster's solve, or the cache hit
+        f.seek(start)
+        for line in f.read().splitlines():
+            if "planner.fleet_plans" in line:
+                log.info("%s", line.split("planner.fleet_plans: ", 1)[-1])
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def chosen(rows: dict[str, dict], method: str) -> dict:
