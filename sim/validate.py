@@ -14,6 +14,12 @@ Runs whose engines emulated their device by cost model (``loadgen study --emulat
 default; ``meta.json`` names the device as ``device_cost_ms``) need no fit: the simulator replays
 them on that very device, and the error is that of the simulation itself (queue and gateway
 overheads, step-boundary timing) with nothing calibrated on the runs.
+
+Planned runs (``loadgen study --planned``: ``meta.json`` has ``planned``, each cluster's plan under
+``plans/``) are replayed the same way with nothing fitted, each cluster as
+:class:`sim.pipelined.PipelinedEngine` on its plan (its stages on their plan devices' cost models,
+as the engines emulated them), the capacity the gateway used being the plan's tokens/s. One
+planned run is enough; planned runs are not validated together with other runs.
 """
 
 from __future__ import annotations
