@@ -17,7 +17,8 @@ or one linearised from a planner profile), the model's tokens (forced lengths), 
 per-cluster deques) and the network (moves are instant; their cost enters only the decision).
 
 Modules: :mod:`sim.costs` (step times), :mod:`sim.workload` (queries and arrivals),
-:mod:`sim.engines` (simulated engines around the real scheduler), :mod:`sim.core` (the event
+:mod:`sim.engines` (simulated engines around the real scheduler), :mod:`sim.pipelined` (a planned
+cluster: the plan's pipeline stages on their devices' cost models), :mod:`sim.core` (the event
 loop), :mod:`sim.study` (MICO's four combinations, the cluster sweep, the scale run) and
 :mod:`sim.cli` (``python -m sim.cli study|scale``). See ``docs/sim.md``.
 """

@@ -136,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=validate_doc,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    v.add_argument("runs", nargs="+", help="run directories of `loadgen study` (iteration-level setups)")
+    v.add_argument(
+        "runs",
+        nargs="+",
+        help="run directories of `loadgen study` (iteration-level setups) or of `loadgen study --planned`",
+    )
     _cost_args(v)
     return parser
 

@@ -28,6 +28,7 @@ from gateway.offload import Backoff, LinkCost, plan_offload
 from gateway.policies import ClusterView, QueryLoad, make_policy
 from sim.costs import LinearCost
 from sim.engines import IterationEngine, StaticEngine
+from sim.pipelined import PipelinedEngine
 from sim.workload import Workload
 
 STEP, ARRIVE, TICK = 0, 1, 2
@@ -38,11 +39,12 @@ class ClusterSpec:
     """One simulated cluster: its cost model, engine kind and engine limits."""
 
     name: str
-    cost: LinearCost
-    backend: str = "iteration"  # "iteration" (native scheduler) or "static"
-    batch: int = 8  # max_running (iteration) or max_batch (static)
+    cost: LinearCost = field(default_factory=LinearCost)  # unused by "pipelined" (its plan's devices)
+    backend: str = "iteration"  # "iteration" (native scheduler), "static" or "pipelined" (with plan)
+    batch: int = 8  # max_running (iteration) or max_batch (static); a plan sets its own
     kv_budget_tokens: int = 16384
     capacity_tps: float | None = None  # capacity hint; None: from the cost model and the workload's means
+    plan: str | None = None  # "pipelined": the plan file its stages run (sim.pipelined)
 
 
 @dataclass
@@ -133,21 +135,28 @@ class Simulator:
         mean_r = sum(work.predicted_tokens) / n
         self.clusters: list[_Cluster] = []
         for s in specs:
+            ec = EngineConfig(
+                kv_budget_tokens=s.kv_budget_tokens,
+                block_size=cfg.block_size,
+                max_batch_tokens=cfg.max_batch_tokens,
+                prefill_chunk=cfg.prefill_chunk,
+                max_running=s.batch,
+                safety_margin=cfg.safety_margin,
+            )
             if s.backend == "iteration":
-                ec = EngineConfig(
-                    kv_budget_tokens=s.kv_budget_tokens,
-                    block_size=cfg.block_size,
-                    max_batch_tokens=cfg.max_batch_tokens,
-                    prefill_chunk=cfg.prefill_chunk,
-                    max_running=s.batch,
-                    safety_margin=cfg.safety_margin,
-                )
                 engine = IterationEngine(ec, s.cost, work, cfg.max_tokens, bulk=cfg.bulk)
             elif s.backend == "static":
                 engine = StaticEngine(s.batch, s.cost, work, cfg.max_tokens)
+            elif s.backend == "pipelined" and s.plan:
+                engine = PipelinedEngine(s.plan, ec, work, cfg.max_tokens)
             else:
-                raise ValueError(f"unknown backend {s.backend!r}; choose iteration or static")
-            cap = s.capacity_tps or s.cost.tokens_per_s(s.batch, mean_p, mean_r)
+                raise ValueError(
+                    f"unknown backend {s.backend!r}; choose iteration, static or pipelined (with a plan)"
+                )
+            if s.backend == "pipelined":
+                cap = s.capacity_tps or engine.predicted_tokens_per_s
+            else:
+                cap = s.capacity_tps or s.cost.tokens_per_s(s.batch, mean_p, mean_r)
             self.clusters.append(_Cluster(s, engine, cap))
         self.backoffs: dict[str, Backoff] = {}
         self.now = 0.0

@@ -14,6 +14,12 @@ Runs whose engines emulated their device by cost model (``loadgen study --emulat
 default; ``meta.json`` names the device as ``device_cost_ms``) need no fit: the simulator replays
 them on that very device, and the error is that of the simulation itself (queue and gateway
 overheads, step-boundary timing) with nothing calibrated on the runs.
+
+Planned runs (``loadgen study --planned``: ``meta.json`` has ``planned``, each cluster's plan under
+``plans/``) are replayed the same way with nothing fitted, each cluster as
+:class:`sim.pipelined.PipelinedEngine` on its plan (its stages on their plan devices' cost models,
+as the engines emulated them), the capacity the gateway used being the plan's tokens/s. One
+planned run is enough; planned runs are not validated together with other runs.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from engines.device import StepCost
+from planfile import load_plan
 from sim.core import ClusterSpec, SimConfig, Simulator
 from sim.costs import LinearCost
 from sim.workload import Workload
@@ -42,6 +49,8 @@ class RealRun:
     work: Workload
     makespan_s: float
     device_cost_ms: str | None = None  # the emulated speed-1 device of --emulation cost runs
+    names: list[str] | None = None  # the clusters' names (planned runs; else c1, c2, ...)
+    plans: list[str] | None = None  # planned runs (``loadgen study --planned``): each cluster's plan file
 
 
 def _index(query_id: str) -> int:
@@ -55,7 +64,7 @@ def read_run(path: str | Path) -> RealRun:
     rows.sort(key=lambda r: (_index(r["query_id"]), r["query_id"]))  # submission order
     meta = json.loads((run / "meta.json").read_text())
     fleet = yaml.safe_load((run / "clusters.yaml").read_text())["clusters"]
-    args = fleet[0]["engine_args"]
+    args = fleet[0].get("engine_args") or []
     batch = int(args[args.index("--max-batch") + 1]) if "--max-batch" in args else 8
     t0 = min(float(r["timings"]["enqueued_at"]) for r in rows)
     end = max(float(r["timings"]["finished_at"]) for r in rows)
@@ -66,6 +75,22 @@ def read_run(path: str | Path) -> RealRun:
         arrival_s=[0.0] * len(rows),
         source=str(run),
     )
+    planned = meta.get("planned")
+    if planned is not None:  # loadgen study --planned: every cluster runs its plan's stages
+        plans = [str(run / planned["clusters"][c["name"]]["plan"]) for c in fleet]
+        return RealRun(
+            path=run,
+            policy=meta["policy"],
+            backend="pipelined",
+            batch=batch,
+            speeds=[1.0] * len(fleet),
+            # the gateway's capacity: the plan's tokens/s (plan_tps), not the rounded hint of clusters.yaml
+            hints=[load_plan(p).predicted_throughput_tokens_per_s for p in plans],
+            work=work,
+            makespan_s=end - t0,
+            names=[str(c["name"]) for c in fleet],
+            plans=plans,
+        )
     return RealRun(
         path=run,
         policy=meta["policy"],
@@ -80,6 +105,13 @@ def read_run(path: str | Path) -> RealRun:
 
 
 def simulate(run: RealRun, cost: LinearCost) -> float:
+    if run.plans is not None:  # each cluster on its plan's devices: nothing of ``cost`` is used
+        specs = [
+            ClusterSpec(name, backend="pipelined", capacity_tps=hint, plan=plan)
+            for name, hint, plan in zip(run.names or [], run.hints, run.plans, strict=True)
+        ]
+        cfg = SimConfig(policy=run.policy, offload=False, max_tokens=max(run.work.true_tokens))
+        return Simulator(specs, run.work, cfg).run().makespan_s
     specs = [
         ClusterSpec(f"c{i + 1}", cost.with_speed(1.0 / speed), run.backend, run.batch, capacity_tps=hint)
         for i, (speed, hint) in enumerate(zip(run.speeds, run.hints, strict=True))
@@ -98,13 +130,19 @@ def validate(paths: list[str | Path], cost: LinearCost) -> dict:
     no cost model can know; ``sim_makespan_error_pooled`` fits one scale over every session,
     as before, for comparison."""
     runs = [read_run(p) for p in paths]
+    planned = [r.plans is not None for r in runs]
+    if any(planned) and not all(planned):
+        raise ValueError(
+            "planned runs (loadgen study --planned) are validated apart from the other studies' runs"
+        )
     devices = {r.device_cost_ms for r in runs}
-    known = len(devices) == 1 and None not in devices
-    if known:  # the engines emulated this very cost model: replay on it, fit nothing
+    # planned runs: every stage emulated its plan device's cost model, replayed on the plans (no fit)
+    known = all(planned) or (len(devices) == 1 and None not in devices)
+    if not known and len(runs) < 2:
+        raise ValueError("validation needs at least two real runs (one scale is fitted on the others)")
+    if known and not all(planned):  # the engines emulated this very cost model: replay on it, fit nothing
         device = StepCost.parse(devices.pop())
         cost = LinearCost(device.prefill_per_token_s, device.decode_per_seq_s, device.step_overhead_s)
-    elif len(runs) < 2:
-        raise ValueError("validation needs at least two real runs (one scale is fitted on the others)")
     simulated = [simulate(r, cost) for r in runs]
     real = [r.makespan_s for r in runs]
     if known:
