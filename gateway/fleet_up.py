@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from gateway.config import ClusterSpec
+from gateway.config import NAME_RE, ClusterSpec
 from localmodels.build import cache_dir
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,10 @@ def fleet_specs(s: FleetSettings, summary: dict) -> tuple[list[ClusterSpec], dic
     """One cluster spec per planned cluster, and the layout each runs (``summary``'s row)."""
     specs, layouts = [], {}
     for name, rows in summary["clusters"].items():
+        if not NAME_RE.match(name):
+            raise ValueError(
+                f"fleet {s.fleet}: cluster name {name!r} must be 1-128 characters of [A-Za-z0-9_.-]"
+            )
         row = chosen(rows, s.method)
         layouts[name] = row
         specs.append(

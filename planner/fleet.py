@@ -93,8 +93,10 @@ def fleet_from_dict(spec: object) -> Fleet:
         raise ClusterSpecError("the fleet's 'clusters' must map cluster names to device lists")
     out: dict[str, tuple[str, ...]] = {}
     for name, devices in clusters.items():
-        if not isinstance(name, str) or not name.replace("-", "").replace("_", "").isalnum():
-            raise ClusterSpecError(f"cluster name {name!r}: use letters, digits, '-' and '_'")
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name:
+            raise ClusterSpecError(
+                f"cluster name {name!r} cannot name a plan file"
+            )  # the gateway checks the rest
         if isinstance(devices, str):
             devices = [devices]
         if not isinstance(devices, list) or not devices or not all(isinstance(d, str) for d in devices):

@@ -42,6 +42,12 @@ def test_each_cluster_runs_its_plan_on_emulated_devices_with_the_plans_capacity(
     assert layouts["x"]["method"] == "ilp"
 
 
+def test_a_cluster_name_the_queue_cannot_hold_is_refused():
+    bad = {**SUMMARY, "clusters": {"a b": SUMMARY["clusters"]["x"]}}
+    with pytest.raises(ValueError, match="cluster name 'a b'"):
+        fleet_specs(FleetSettings(), bad)
+
+
 def test_the_best_baseline_is_the_faster_baseline_by_the_model():
     assert chosen(SUMMARY["clusters"]["x"], "best-baseline")["method"] == "het"
     assert chosen(SUMMARY["clusters"]["x"], "uniform")["method"] == "uniform"

@@ -68,7 +68,7 @@ def test_a_fleet_file_names_clusters_of_catalog_devices(tmp_path):
         ({"clusters": {"a": []}}, "give a list of device types"),
         ({"clusters": {"a": ["H9000"]}}, "unknown device type 'H9000'"),
         ({"clusters": {"a": ["CPU"]}}, "a fleet names catalog GPUs"),
-        ({"clusters": {"a b": ["T4"]}}, "cluster name 'a b'"),
+        ({"clusters": {"a/b": ["T4"]}}, "cluster name 'a/b' cannot name a plan file"),
         ({"clusters": {"a": ["T4"]}, "emulation": {"time_scale": 0}}, "time_scale must be a number > 0"),
         ({"clusters": {"a": ["T4"]}, "emulation": {"reference": "gpt-9"}}, "emulation.reference"),
     ],
