@@ -157,36 +157,31 @@ def emulated_profile(
     base = cpu.samples.get(16)
     if not base or not base.get("prefill") or not base.get("decode"):
         raise ValueError("the CPU profile has no 16-bit prefill and decode samples (run `engine profile`)")
-    samples: dict[int, dict[str, list[tuple[float, float, float]]]] = {}
-    for b in bits:
-        pre = [
-            (
-                v,
-                s,
-                t
-                * time_scale
-                * roofline_prefill_s(dev, ref, b, v, s)
-                / roofline_prefill_s(anchor_dev, ref, 16, v, s),
-            )
-            for v, s, t in base["prefill"]
+
+    def scaled(rows, time_of, b: int) -> list[tuple[float, float, float]]:
+        """Each ``(v, s, t)`` sample as ``dev`` takes it at ``b`` bits, by the roofline ratio."""
+        return [
+            (v, s, t * time_scale * time_of(dev, b, v, s) / time_of(anchor_dev, 16, v, s)) for v, s, t in rows
         ]
-        dec = [
-            (
-                v,
-                c,
-                t
-                * time_scale
-                * roofline_decode_s(dev, ref, b, v, c)
-                / roofline_decode_s(anchor_dev, ref, 16, v, c),
-            )
-            for v, c, t in base["decode"]
-        ]
-        samples[b] = {"prefill": pre, "decode": dec}
-    head = [
-        (v, z, t * time_scale * lm_head_s(dev, ref, v) / lm_head_s(anchor_dev, ref, v))
-        for v, z, t in base.get("head", [])
-    ]
-    samples[16] = {**samples.get(16, {}), "head": head, "driver": list(base.get("driver", []))}
+
+    def prefill(d: DeviceType, b: int, v: float, s: float) -> float:
+        return roofline_prefill_s(d, ref, b, v, s)
+
+    def decode(d: DeviceType, b: int, v: float, c: float) -> float:
+        return roofline_decode_s(d, ref, b, v, c)
+
+    def head(d: DeviceType, b: int, v: float, _: float) -> float:
+        return lm_head_s(d, ref, v)  # the LM head stays at 16 bits
+
+    samples = {
+        b: {"prefill": scaled(base["prefill"], prefill, b), "decode": scaled(base["decode"], decode, b)}
+        for b in bits
+    }
+    samples[16] = {
+        **samples.get(16, {}),
+        "head": scaled(base.get("head", []), head, 16),
+        "driver": list(base.get("driver", [])),  # host work: not scaled
+    }
     meta = {
         "emulates": dev.name,
         "on": cpu.device,
