@@ -31,7 +31,8 @@ def draw_layout(path: Path, rows: Mapping[str, dict]) -> str:
             ax.barh(0, hi - lo, left=lo, fill=False, edgecolor="black", linewidth=1.5)
             ax.text((lo + hi) / 2, 0, dev, ha="center", va="center", fontsize=8)
         measured = r.get("measured_tokens_per_s")
-        title = f"{name}: predicted {r['predicted_tokens_per_s']:.0f} tokens/s" + (
+        idle = f" ({', '.join(r['idle'])} idle)" if r.get("idle") else ""
+        title = f"{name}{idle}: predicted {r['predicted_tokens_per_s']:.0f} tokens/s" + (
             f", measured {measured:.0f}" if measured else ""
         )
         ax.set_title(title, fontsize=9, loc="left")
