@@ -144,6 +144,16 @@ class IterationEngine:
         return self.kv.used_blocks * self.kv.block_size
 
     # ---- steps ----------------------------------------------------------------------------
+    def _account(self, plan: SchedulerOutput) -> None:
+        """What a schedule did to the bounds and counts: queries admitted, preempted, failed (no room)."""
+        for seq in plan.admitted:
+            seq.upper = max(seq.reserved_tokens, seq.num_prompt_tokens + seq.sampling.forced_length)
+            self._upper += seq.upper
+        for seq in plan.preempted + plan.out_of_memory:
+            self._upper -= seq.upper
+        self.failed.extend(int(s.request_id) for s in plan.out_of_memory)
+        self.num_preemptions += len(plan.preempted)
+
     def start_step(self) -> float | None:
         """Plan the next step (or bulk of steps); its duration in seconds, or None when there is nothing to run."""
         if self.bulk and (self._full or (self._steady and not self._added)):
@@ -155,13 +165,7 @@ class IterationEngine:
         self._added = False
         plan = self.scheduler.schedule()
         self._kv_step = self.kv.used_blocks * self.kv.block_size  # LLMEngine.step: held while this step runs
-        for seq in plan.admitted:
-            seq.upper = max(seq.reserved_tokens, seq.num_prompt_tokens + seq.sampling.forced_length)
-            self._upper += seq.upper
-        for seq in plan.preempted + plan.out_of_memory:
-            self._upper -= seq.upper
-        self.failed.extend(int(s.request_id) for s in plan.out_of_memory)
-        self.num_preemptions += len(plan.preempted)
+        self._account(plan)
         if not plan.chunks:
             self._plan = None
             return None

@@ -115,13 +115,7 @@ class PipelinedEngine(IterationEngine):
         sched, t = self.scheduler, self._t
         while len(self._inflight) < self.num_stages:
             plan = sched.schedule(self._busy)
-            for seq in plan.admitted:
-                seq.upper = max(seq.reserved_tokens, seq.num_prompt_tokens + seq.sampling.forced_length)
-                self._upper += seq.upper
-            for seq in plan.preempted + plan.out_of_memory:
-                self._upper -= seq.upper
-            self.failed.extend(int(s.request_id) for s in plan.out_of_memory)
-            self.num_preemptions += len(plan.preempted)
+            self._account(plan)
             if not plan.chunks:
                 break
             batch = Layout.of(plan)
