@@ -155,14 +155,18 @@ def _workload(args):
     return generated(args.num, args.seed, args.max_tokens, forced)
 
 
-def _submit(args, target: str, token: str | None = None, layouts: dict | None = None) -> int:
+def _submit(
+    args, target: str, token: str | None = None, layouts: dict | None = None, items: list | None = None
+) -> int:
+    """Submit the workload (``items``, else ``--num`` queries of it) and summarise the results."""
     resume = getattr(args, "resume", None)
     if resume and not args.out:
         raise ValueError("--resume needs --out: the file that holds the results seen so far")
     openai_out = getattr(args, "openai_out", None)
     if openai_out and not args.jsonl:
         raise ValueError("--openai-out needs --jsonl: the OpenAI batch input it answers")
-    items = [] if resume else _workload(args)
+    if items is None:
+        items = [] if resume else _workload(args)
     batch, results, wall = run_batch(
         target,
         items,
@@ -206,7 +210,8 @@ def _demo(args) -> int:
         f"workload: {args.dataset + ' (real prompts, recorded lengths)' if args.dataset else 'generated mix'}",
         flush=True,
     )
-    prompt, output = mean_lengths(_workload(args))  # the fleet is planned for this workload's lengths
+    items = _workload(args)
+    prompt, output = mean_lengths(items)  # the fleet is planned for this workload's lengths
     up_args = [
         "--predictor",
         args.predictor,
@@ -220,7 +225,7 @@ def _demo(args) -> int:
             layouts = info.get("layouts") or {}
             if layouts:
                 print("planned layout per cluster:\n" + format_layouts(layouts), flush=True)
-            return _submit(args, info["address"], deployment_token(info), layouts)
+            return _submit(args, info["address"], deployment_token(info), layouts, items)
     except (RuntimeError, TimeoutError) as e:
         print(f"loadgen demo: {e}", file=sys.stderr)
         return 1
