@@ -164,15 +164,19 @@ def bits_histogram(row: dict) -> str:
     return ", ".join(f"{b}-bit x{n}" for b, n in sorted(counts.items()))
 
 
+def idle_devices(row: dict, fleet_devices: list[str] | None = None) -> list[str]:
+    """The cluster's devices (``fleet_devices``, else the row's own ``fleet_devices``) its plan leaves unused."""
+    devices = fleet_devices if fleet_devices is not None else row.get("fleet_devices") or row["devices"]
+    return list((Counter(devices) - Counter(row["devices"])).elements())
+
+
 def describe_layout(name: str, row: dict, fleet_devices: list[str] | None = None) -> str:
     """One line per cluster: devices, stages with their layers, bits, predicted tokens/s."""
     stages = "; ".join(
         f"{dev} layers {lo}-{hi - 1}" for dev, (lo, hi) in zip(row["devices"], row["layers"], strict=True)
     )
-    unused = ""
-    if fleet_devices is not None and len(fleet_devices) > len(row["devices"]):
-        left = Counter(fleet_devices) - Counter(row["devices"])
-        unused = f" ({', '.join(left.elements())} left idle)"
+    idle = idle_devices(row, fleet_devices)
+    unused = f" ({', '.join(idle)} left idle)" if idle else ""
     return (
         f"{name}: {len(row['devices'])} stage(s): {stages}{unused}; bits {bits_histogram(row)}; "
         f"micro-batches prefill {row['prefill_micro_batch']} / decode {row['decode_micro_batch']}; "

@@ -9,10 +9,9 @@ summary, its output tokens over the time from the batch's first enqueue to its l
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from gateway.fleet_up import describe_layout
+from gateway.fleet_up import describe_layout, idle_devices
 from load.workload import WorkItem
 
 
@@ -44,11 +43,10 @@ def plan_rows(layouts: Mapping[str, dict], summary: Mapping) -> dict[str, dict]:
         c = summary.get("clusters", {}).get(name)
         measured = measured_tps(c) if c else None
         predicted = float(row["predicted_tokens_per_s"])
-        left = Counter(row.get("fleet_devices") or row["devices"]) - Counter(row["devices"])
         out[name] = {
             "stages": len(row["devices"]),
             "devices": row["devices"],
-            "idle": list(left.elements()),  # the cluster's devices its plan leaves unused
+            "idle": idle_devices(row),
             "layers": row["layers"],
             "bits": row["bits"],
             "predicted_tokens_per_s": round(predicted, 1),
