@@ -65,7 +65,7 @@ class FleetJob:
         w = self.workload
         key = {
             "fleet": self.fleet.to_dict(),
-            "model": self.shape.essentials() if hasattr(self.shape, "essentials") else self.shape.name,
+            "model": self.shape.essentials(),
             "profile": self.profile.to_dict(),
             "workload": [w.batch, w.prompt_len, w.output_tokens, w.kv_bits, list(w.bits), w.theta],
             "methods": list(self.methods),
