@@ -44,9 +44,8 @@ def plan_stages(path: str, num_layers: int | None = None, even_split: bool = Fal
         cuts = [round(k * layers / len(ranges)) for k in range(len(ranges) + 1)]
         ranges = list(zip(cuts, cuts[1:], strict=False))
     bits = plan.layer_bits()
-    bits = (
-        bits if len(bits) == layers else []
-    )  # another model's plan: no bits (its quantization is skipped too)
+    if len(bits) != layers:  # another model's plan: no bits (its quantization is skipped too)
+        bits = []
     out = []
     for k, (st, (lo, hi)) in enumerate(zip(plan.stages, ranges, strict=True)):
         dev = plan.devices[st.device_index]
