@@ -157,9 +157,9 @@ def cluster_problem(cluster: Cluster, job: FleetJob, profiles: dict[str, Profile
     if base is None:
         return problem
     theta = job.quality_weight * base[1].latency_s
-    return build_problem(
-        cluster, job.shape, replace(job.workload, theta=theta), profiles=profiles, weights_only=True
-    )
+    # the same latency models and quality indicator, fitted once; only the workload's theta changes
+    w = replace(job.workload, theta=theta)
+    return Problem(cluster, job.shape, w, problem.omega, problem.latency, weights_only=True)
 
 
 def plan_fleet(job: FleetJob, out: Path) -> dict:
