@@ -29,7 +29,6 @@ import logging
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,17 +36,12 @@ import yaml
 from tqdm import tqdm
 
 from engines.device import StepCost
-from gateway.auth import deployment_token
-from gateway.tls import channel
-from load.arrivals import add_arrival_arguments, arrivals, groups
-from load.client import result_row, to_request
-from load.deployment import LocalDeployment
+from load.arrivals import add_arrival_arguments, arrivals
 from load.report import build_report
-from load.runrecord import Sampler, write_run
+from load.runrecord import write_run
 from load.study_planned import run_planned
+from load.study_run import run_deployed
 from load.workload import WorkItem, from_dataset, generated
-from protos import fleetbatch_pb2 as pb
-from protos import fleetbatch_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -100,36 +94,11 @@ def fleet_yaml(s: Setup, args) -> dict:
     return {"clusters": rows}
 
 
-def submit(stub, items: list[WorkItem], name: str, times: list[float] | None, tick_s: float) -> list[str]:
-    """Submit ``items`` as one batch (``times`` None), or in arrival groups at their times; the batch ids."""
-    if times is None:
-        return [stub.SubmitBatch(to_request(items, f"study-{name}"), timeout=600).id]
-    t0, ids = time.monotonic(), []
-    for k, (at, idx) in enumerate(groups(times, tick_s)):
-        time.sleep(max(0.0, t0 + at - time.monotonic()))
-        ids.append(stub.SubmitBatch(to_request([items[i] for i in idx], f"study-{name}-{k}"), timeout=600).id)
-    return ids
-
-
 def run_one(s: Setup, items: list[WorkItem], run_dir: Path, args, times: list[float] | None = None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "clusters.yaml").write_text(yaml.safe_dump(fleet_yaml(s, args)))
     up_args = ["--config", str(run_dir / "clusters.yaml"), "--policy", s.policy, "--no-offload"]
-    with (
-        LocalDeployment(run_dir / "deploy", [*up_args, *args.gateway_arg]) as info,
-        channel(info["address"], token=deployment_token(info)) as ch,
-    ):
-        stub = pb_grpc.BatchServiceStub(ch)
-        with Sampler(info["redis_url"], run_dir, interval_s=0.5):
-            batch_ids = submit(stub, items, s.name, times, args.tick)
-            rows = [
-                result_row(r)
-                for batch_id in batch_ids
-                for r in stub.StreamResults(
-                    pb.StreamResultsRequest(batch_id=batch_id, follow=True), timeout=3600
-                )
-            ]
-            time.sleep(2.5)  # the engines' last heartbeats carry their final KV figures
+    _, batch_ids, rows = run_deployed(run_dir, [*up_args, *args.gateway_arg], items, s.name, times, args.tick)
     meta = {
         "batch_id": batch_ids[0],
         "policy": s.policy,

@@ -23,22 +23,16 @@ validate``).
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import yaml
 from tqdm import tqdm
 
-from gateway.auth import deployment_token
-from gateway.tls import channel
-from load.client import result_row, to_request
-from load.deployment import LocalDeployment
 from load.layout import mean_lengths
 from load.report import build_report
-from load.runrecord import Sampler, write_run
+from load.runrecord import write_run
+from load.study_run import run_deployed
 from load.workload import WorkItem
-from protos import fleetbatch_pb2 as pb
-from protos import fleetbatch_pb2_grpc as pb_grpc
 
 #: setup name -> ``gateway up --fleet-method``
 SETUPS = {"planned": "ilp", "even": "uniform", "best_baseline": "best-baseline"}
@@ -52,21 +46,8 @@ def run_setup(
     run_dir.mkdir(parents=True, exist_ok=True)
     up_args = ["--fleet", args.fleet, "--fleet-method", method, "--fleet-lengths", f"{lengths[0]},{lengths[1]}",
                "--policy", "token", "--no-offload", *args.gateway_arg]  # fmt: skip
-    with (
-        LocalDeployment(run_dir / "deploy", up_args) as info,
-        channel(info["address"], token=deployment_token(info)) as ch,
-    ):
-        stub = pb_grpc.BatchServiceStub(ch)
-        layouts = info.get("layouts") or {}
-        with Sampler(info["redis_url"], run_dir, interval_s=0.5):
-            batch_id = stub.SubmitBatch(to_request(items, f"study-planned-{name}"), timeout=600).id
-            rows = [
-                result_row(r)
-                for r in stub.StreamResults(
-                    pb.StreamResultsRequest(batch_id=batch_id, follow=True), timeout=3600
-                )
-            ]
-            time.sleep(2.5)  # the engines' last heartbeats carry their final device counters
+    info, (batch_id,), rows = run_deployed(run_dir, up_args, items, f"planned-{name}")
+    layouts = info.get("layouts") or {}
     (run_dir / "plans").mkdir(exist_ok=True)
     planned = {}
     for cluster, row in layouts.items():
