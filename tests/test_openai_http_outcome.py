@@ -15,6 +15,7 @@ from engines.engine import LLMEngine
 from engines.worker import Worker, WorkerConfig
 from gateway.openai_format import COMPLETIONS
 from localmodels import build_model, default_tokenizer
+from tests.harness import wait_until
 from tests.openai_http_helpers import KEY, check_output_line, http_gateway, jsonl, wait_final
 from workqueue import WorkQueue, connect, keys
 
@@ -30,7 +31,6 @@ def test_a_row_the_kv_cache_cannot_hold_is_in_the_error_file_once(redis_url, tmp
     )
     worker = Worker(WorkQueue(connect(redis_url)), engine, WorkerConfig(cluster="tiny", backend="native"))
     serving = threading.Thread(target=worker.run, daemon=True)
-    serving.start()
     try:
         client = OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
         rows = [
@@ -39,6 +39,10 @@ def test_a_row_the_kv_cache_cannot_hold_is_in_the_error_file_once(redis_url, tmp
         ]
         f = client.files.create(file=("kv.jsonl", jsonl(rows)), purpose="batch")
         batch = client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window="24h")
+        # the engine starts once the batch is queued: its heartbeat's KV size would make the gateway
+        # refuse the long row at submit, and the row must reach the engine
+        wait_until(lambda: client.batches.retrieve(batch.id).status != "validating", 60, "the batch queued")
+        serving.start()
         done = wait_final(client, batch.id, 180)
         assert done.status == "completed", done
         out, err = (
@@ -47,7 +51,8 @@ def test_a_row_the_kv_cache_cannot_hold_is_in_the_error_file_once(redis_url, tmp
         )
     finally:
         worker.stop()
-        serving.join(timeout=30)
+        if serving.is_alive():
+            serving.join(timeout=30)
         gateway.stop()
     for line in out + err:
         check_output_line(line, COMPLETIONS, {"long", "short"})

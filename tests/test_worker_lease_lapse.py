@@ -1,4 +1,4 @@
-"""Issue 31, finding 1: a worker whose lease lapsed (a Redis outage longer than the lease) is handed
+"""Issue 31, finding 1 (the queue agent's ticks since issue 33): a worker whose lease lapsed (a Redis outage longer than the lease) is handed
 back a query it still runs. The lapse is injected (the lease's deadline set in the past, as a
 lapsed lease leaves it), then "the offloader" requeues it before the worker renews, as happens
 when Redis comes back. The worker must keep running the query and write its real result once."""
@@ -19,7 +19,15 @@ def lapse(queue: WorkQueue, cluster: str, gid: str) -> None:
 
 def outage(worker: Worker) -> None:
     """The worker could not renew for a whole lease (Redis was down, or the process stopped)."""
-    worker.renewed_at -= worker.config.lease_s
+    worker.agent.renewed_at -= worker.config.lease_s
+
+
+def queue_round(worker: Worker) -> None:
+    """One tick of the queue agent, run here, and the claimed queries handed to the engine."""
+    worker.start_claimed()  # tells the agent how many queries the engine can take
+    worker.agent.poll_now()  # as the wake channel does when queries land
+    assert worker.agent.tick()
+    worker.start_claimed()
 
 
 def make_worker(queue: WorkQueue, lease_s: float = 15.0, **engine_kw) -> Worker:
@@ -33,19 +41,23 @@ def make_worker(queue: WorkQueue, lease_s: float = 15.0, **engine_kw) -> Worker:
     return Worker(queue, engine, config)
 
 
-class ClaimSpy:
-    """Records the ``renew`` list of every claim the worker makes (the real claim runs)."""
+class TickSpy:
+    """Records the claims and renewals of every tick the worker makes (the real ones run)."""
 
     def __init__(self, queue: WorkQueue) -> None:
-        self.claim = queue.claim
-        self.renews: list[tuple[list[str], int]] = []  # (renew, queries the worker held)
+        self.claim_call, self.renew_calls = queue.claim_call, queue.renew_calls
+        self.events: list[tuple[str, list[str], int]] = []  # (claim | renew, gids renewed, queries held)
         self.held = lambda: 0
-        queue.claim = self  # type: ignore[method-assign]
+        queue.claim_call = self.claim  # type: ignore[method-assign]
+        queue.renew_calls = self.renew  # type: ignore[method-assign]
 
-    def __call__(self, cluster, n, worker_id, lease_s, renew=()):
-        renew = list(renew)
-        self.renews.append((renew, self.held()))
-        return self.claim(cluster, n, worker_id, lease_s, renew=renew)
+    def claim(self, cluster, n, worker_id, lease_s, now, renew=()):
+        self.events.append(("claim", list(renew), self.held()))
+        return self.claim_call(cluster, n, worker_id, lease_s, now, renew)
+
+    def renew(self, cluster, gids, lease_s, worker_id=""):
+        self.events.append(("renew", list(gids), self.held()))
+        return self.renew_calls(cluster, gids, lease_s, worker_id)
 
 
 def test_a_requeued_query_the_worker_still_runs_is_not_failed(redis_url):
@@ -53,7 +65,7 @@ def test_a_requeued_query_the_worker_still_runs_is_not_failed(redis_url):
     q = QueuedQuery("b1", "q0", "a question about rivers", 64, 6, 20.0, forced_length=20)
     assert queue.create_batch("b1", [(q, "w")])
     worker = make_worker(queue)
-    worker._queue_work()  # the loop's Redis round: it claims the query
+    queue_round(worker)  # the agent's tick claims the query, the step loop starts it
     assert list(worker.inflight) == [q.gid] and worker.engine.has_unfinished()
     outage(worker)
     lapse(queue, "w", q.gid)
@@ -98,36 +110,42 @@ def test_a_claim_takes_back_the_workers_own_requeued_queries_first(redis_url):
     assert queue.queued_ids("w") == ["b1:q2"] and "b1:q0" in queue.inflight_ids("w")
 
 
-def test_claims_carry_no_renewals_while_the_keeper_renews(redis_url):
+def test_ticks_renew_only_when_renewals_fall_due(redis_url):
     """Review of issue 31: every claim passed every running gid (O(running) Lua per claim). A real
     run with two engine slots: queries finish one by one and each freed slot is claimed while the
-    other query runs; with the keeper's renewals fresh, no claim carries any."""
+    other query runs; with renewals fresh (due every 200 s here), no tick renews anything."""
     queue = WorkQueue(connect(redis_url))
     qs = [QueuedQuery("b1", f"q{i}", f"prompt {i}", 64, 6, 8.0, forced_length=4 + 6 * i) for i in range(6)]
     assert queue.create_batch("b1", [(x, "w") for x in qs])
     worker = make_worker(queue, lease_s=600.0, max_running=2, queue_depth=0)
-    spy = ClaimSpy(queue)
+    spy = TickSpy(queue)
     spy.held = lambda: len(worker.inflight)
     assert worker.run(max_queries=6) == 6
     assert queue.batch("b1").completed == 6
-    assert any(held for _, held in spy.renews), "no claim was made while a query ran"
-    assert [r for r, _ in spy.renews if r] == [], "a claim carried renewals though the keeper renewed"
+    assert any(kind == "claim" and held for kind, _, held in spy.events), (
+        "no claim was made while a query ran"
+    )
+    assert [e for e in spy.events if e[0] == "renew" or e[1]] == [], (
+        "a tick renewed though no renewal was due"
+    )
 
 
-def test_after_an_outage_the_claim_carries_the_renewals_and_takes_its_query_back(redis_url):
+def test_after_an_outage_the_tick_renews_before_it_claims_and_takes_its_query_back(redis_url):
     queue = WorkQueue(connect(redis_url))
     assert queue.create_batch("b1", [(QueuedQuery("b1", "q0", "p", 64, 6, 20.0, forced_length=20), "w")])
     worker = make_worker(queue)
-    spy = ClaimSpy(queue)
-    worker._queue_work()  # claims q0
+    spy = TickSpy(queue)
+    queue_round(worker)  # claims q0
     assert list(worker.inflight) == ["b1:q0"]
     outage(worker)
     lapse(queue, "w", "b1:q0")
     assert queue.requeue_expired("w") == 1
     assert queue.create_batch("b2", [(QueuedQuery("b2", "q1", "p", 64, 6, 20.0, forced_length=20), "w")])
-    worker._admit()
-    assert spy.renews[-1][0] == ["b1:q0"]
+    spy.events.clear()
+    queue_round(worker)
+    assert [(kind, gids) for kind, gids, _ in spy.events] == [("renew", ["b1:q0"]), ("claim", [])]
     assert sorted(worker.inflight) == ["b1:q0", "b2:q1"]
     assert queue.queued_ids("w") == [] and queue.r.hget(keys.query("b1:q0"), "attempts") == "1"
-    worker._admit()  # the renewal just went with the claim: the next claim carries none
-    assert spy.renews[-1][0] == []
+    spy.events.clear()
+    queue_round(worker)  # the renewal is fresh: the next tick carries none
+    assert [kind for kind, _, _ in spy.events if kind == "renew"] == []

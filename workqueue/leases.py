@@ -39,6 +39,7 @@ import redis
 
 from workqueue import keys, scripts
 from workqueue.records import FINAL_QUERY_STATES, ClaimedQuery, QueryResult, QueryState, QueuedQuery, as_float
+from workqueue.script_call import ScriptCall
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,22 @@ class LeaseOps:
         if n <= 0 and not renew:
             return []
         now = self.clock()
-        gave_up, *flat = self._claim(
-            keys=[keys.queue(cluster), keys.inflight(cluster), keys.pending(cluster)],
-            args=[cluster, max(0, n), float(lease_s), worker_id, now, self.max_attempts, *renew],
+        call = self.claim_call(cluster, n, worker_id, lease_s, now, renew)
+        return self.parse_claim(cluster, call.run(), now)
+
+    def claim_call(
+        self, cluster: str, n: int, worker_id: str, lease_s: float, now: float, renew: Iterable[str] = ()
+    ) -> ScriptCall:
+        """The CLAIM script's call (:meth:`claim`), to run alone or in a pipeline (the worker's tick)."""
+        return ScriptCall(
+            self._claim,
+            [keys.queue(cluster), keys.inflight(cluster), keys.pending(cluster)],
+            [cluster, max(0, n), float(lease_s), worker_id, now, self.max_attempts, *renew],
         )
+
+    def parse_claim(self, cluster: str, reply: list, now: float) -> list[ClaimedQuery]:
+        """The queries a CLAIM's ``reply`` hands out (claimed at ``now``); logs those it failed."""
+        gave_up, *flat = reply
         if int(gave_up):
             log.warning(
                 "%s: %d queries failed: each had used its %d attempts (their workers died or lost their leases)",
@@ -101,14 +114,18 @@ class LeaseOps:
         requeued after their lease lapsed (a Redis outage longer than the lease) and that nobody
         claimed since come back to it, out of the queue, with no new attempt. Without, ids requeued
         meanwhile are left alone."""
+        return sum(int(call.run()) for call in self.renew_calls(cluster, gids, lease_s, worker_id))
+
+    def renew_calls(
+        self, cluster: str, gids: Iterable[str], lease_s: float, worker_id: str = ""
+    ) -> list[ScriptCall]:
+        """The RENEW script's calls for ``gids`` (:meth:`renew`), :data:`RENEW_CHUNK` gids each."""
         gids = list(gids)
-        n = 0
         ks = [keys.inflight(cluster), keys.queue(cluster), keys.pending(cluster)]
-        for i in range(0, len(gids), RENEW_CHUNK):
-            n += int(
-                self._renew(keys=ks, args=[cluster, float(lease_s), worker_id, *gids[i : i + RENEW_CHUNK]])
-            )
-        return n
+        return [
+            ScriptCall(self._renew, ks, [cluster, float(lease_s), worker_id, *gids[i : i + RENEW_CHUNK]])
+            for i in range(0, len(gids), RENEW_CHUNK)
+        ]
 
     def release(self, cluster: str, gids: Iterable[str]) -> int:
         """Give claimed queries back now (their worker cannot finish them): their leases end and they
@@ -123,10 +140,12 @@ class LeaseOps:
     def requeue_expired(self, cluster: str) -> int:
         """Put queries whose lease lapsed (in Redis time) back at the head of the queue (those that used
         their ``max_attempts`` fail at their next claim). Returns how many were requeued."""
-        return int(
-            self._requeue(
-                keys=[keys.inflight(cluster), keys.queue(cluster), keys.pending(cluster)], args=[cluster]
-            )
+        return int(self.requeue_call(cluster).run())
+
+    def requeue_call(self, cluster: str) -> ScriptCall:
+        """The REQUEUE_EXPIRED script's call (:meth:`requeue_expired`)."""
+        return ScriptCall(
+            self._requeue, [keys.inflight(cluster), keys.queue(cluster), keys.pending(cluster)], [cluster]
         )
 
     def complete(
@@ -141,12 +160,21 @@ class LeaseOps:
         ``result`` is a :class:`QueryResult` (or a mapping, written as it is); ``kind`` one of
         :data:`FINAL_QUERY_STATES`. A completion that comes after the query's lease lapsed and it
         was requeued still counts (when first) and takes the query back out of its queue."""
+        return int(self.complete_call(gid, result, kind, actual_tokens).run())
+
+    def complete_call(
+        self,
+        gid: str,
+        result: QueryResult | Mapping,
+        kind: QueryState | str = QueryState.COMPLETED,
+        actual_tokens: int = 0,
+    ) -> ScriptCall:
+        """The COMPLETE script's call (:meth:`complete`)."""
         if kind not in FINAL_QUERY_STATES:
             raise ValueError(f"kind must be one of {', '.join(sorted(FINAL_QUERY_STATES))}, not {kind!r}")
         row = result.to_json() if isinstance(result, QueryResult) else json.dumps(dict(result))
-        return int(
-            self._complete(
-                keys=[keys.query(gid), keys.batch(keys.split_gid(gid)[0])],
-                args=[gid, row, str(kind), int(actual_tokens), self.clock()],
-            )
+        return ScriptCall(
+            self._complete,
+            [keys.query(gid), keys.batch(keys.split_gid(gid)[0])],
+            [gid, row, str(kind), int(actual_tokens), self.clock()],
         )

@@ -43,6 +43,7 @@ from workqueue.records import (
     as_float,
     as_int,
 )
+from workqueue.script_call import Command, execute
 from workqueue.wake import WakeListener, announce
 
 __all__ = ["MOVE_WINDOW_SLACK", "WorkQueue"]
@@ -93,23 +94,31 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps):
         kv_budget_tokens: int | None = None,
         state: str | None = None,
     ) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        for op in self.register_commands(
+            name,
+            capacity_hint_tps=capacity_hint_tps,
+            plan_tps=plan_tps,
+            backend=backend,
+            max_query_tokens=max_query_tokens,
+            kv_budget_tokens=kv_budget_tokens,
+            state=state,
+        ):
+            op.queue(pipe)
+        pipe.execute()
+
+    def register_commands(self, name: str, **fields: float | int | str | None) -> list[Command]:
+        """The commands of :meth:`register_cluster` (fields left None are not written)."""
         if not name or ":" in name:
             raise ValueError(f"bad cluster name {name!r}: must be non-empty and contain no ':'")
-        fields = {
-            "capacity_hint_tps": capacity_hint_tps,
-            "plan_tps": plan_tps,
-            "backend": backend,
-            "max_query_tokens": max_query_tokens,
-            "kv_budget_tokens": kv_budget_tokens,
-            "state": state,
-        }
         mapping = {k: v for k, v in fields.items() if v is not None}
-        pipe = self.r.pipeline(transaction=True)
-        pipe.sadd(keys.CLUSTERS, name)
-        pipe.hsetnx(keys.cluster_info(name), "state", "active")
+        ops = [
+            Command("sadd", keys.CLUSTERS, name),
+            Command("hsetnx", keys.cluster_info(name), "state", "active"),
+        ]
         if mapping:
-            pipe.hset(keys.cluster_info(name), mapping=mapping)
-        pipe.execute()
+            ops.append(Command("hset", keys.cluster_info(name), mapping=mapping))
+        return ops
 
     def set_cluster_state(self, name: str, state: str) -> None:
         if state not in ("active", "draining", "removed"):
@@ -125,14 +134,21 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps):
 
     def heartbeat(self, name: str, ttl_s: float, **fields: float | int | str) -> None:
         """Publish a worker's heartbeat; the cluster counts as alive until ``ttl_s`` passes without one."""
-        now = self.clock()
         pipe = self.r.pipeline(transaction=True)
-        pipe.sadd(keys.CLUSTERS, name)
-        pipe.hsetnx(keys.cluster_info(name), "state", "active")
-        pipe.hset(keys.cluster_info(name), "last_seen", now)
-        pipe.hset(keys.heartbeat(name), mapping={"ts": now, **fields})
-        pipe.pexpire(keys.heartbeat(name), max(1, int(ttl_s * 1000)))
+        for op in self.heartbeat_commands(name, ttl_s, **fields):
+            op.queue(pipe)
         pipe.execute()
+
+    def heartbeat_commands(self, name: str, ttl_s: float, **fields: float | int | str) -> list[Command]:
+        """The commands of :meth:`heartbeat`."""
+        now = self.clock()
+        return [
+            Command("sadd", keys.CLUSTERS, name),
+            Command("hsetnx", keys.cluster_info(name), "state", "active"),
+            Command("hset", keys.cluster_info(name), "last_seen", now),
+            Command("hset", keys.heartbeat(name), mapping={"ts": now, **fields}),
+            Command("pexpire", keys.heartbeat(name), max(1, int(ttl_s * 1000))),
+        ]
 
     def clusters(self, names: Iterable[str] | None = None) -> list[ClusterInfo]:
         names = list(names) if names is not None else self.cluster_names()
@@ -187,13 +203,18 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps):
 
         Each row is an :class:`Observation` (or a mapping, written as it is)."""
         if rows:
-            pipe = self.r.pipeline(transaction=False)
-            pipe.rpush(
+            execute(self.r, self.observed_commands(rows, cap))
+
+    def observed_commands(self, rows: Sequence[Observation | Mapping], cap: int = 1_000_000) -> list[Command]:
+        """The commands of :meth:`record_observed` (``rows`` not empty)."""
+        return [
+            Command(
+                "rpush",
                 keys.OBSERVED,
                 *[r.to_json() if isinstance(r, Observation) else json.dumps(dict(r)) for r in rows],
-            )
-            pipe.ltrim(keys.OBSERVED, -cap, -1)
-            pipe.execute()
+            ),
+            Command("ltrim", keys.OBSERVED, -cap, -1),
+        ]
 
     # ------------------------------------------------------------------ moving work
 

@@ -1,0 +1,408 @@
+"""The queue agent: a worker's thread that does all its Redis work, so the engine never waits on it.
+
+An engine in one cloud may reach the queue's Redis in another, 20-150 ms away. The step loop
+(:mod:`engines.worker`) therefore never calls Redis: it takes claimed queries from the agent's
+inbox, hands it finished outputs, and aborts what the agent says was cancelled. The agent runs
+ticks, each one round trip (:mod:`workqueue.worker_tick`), whenever something is due:
+
+* **results**: every output finished since the last tick, written once each (a result already
+  there is kept), with their observed lengths in the next tick;
+* **leases**: every query it holds (waiting in the inbox, running, finished but not written) is
+  renewed every :attr:`WorkerConfig.renew_every_s`, with the heartbeat; lapsed leases of the
+  cluster are requeued every ``requeue_check_s``;
+* **claims ahead**: the inbox is kept at what the engine can take now plus the queries for
+  the next few ticks at the engine's measured rate, counted in predicted tokens: at least
+  three ticks (round trips), at most ``claim_ahead_s``, a third of the lease and ``max_ahead``
+  queries. A bounded horizon keeps work that has not started in the queue, where the
+  offloader can move it to an idle cluster;
+* **cancels and removal**: each tick reads the statuses of the batches it holds and the
+  cluster's state. Cancelled queries still in the inbox are answered ``cancelled`` at once,
+  running ones are aborted by the step loop; a removed cluster claims nothing more.
+
+A Redis outage never stops the engine: ticks back off exponentially (up to
+``redis_backoff_max_s``) while the engine runs what it holds, and results wait in memory, still
+leased. An idle agent blocks on its cluster's wake channel, with the poll back-off as fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from engines.interface import RequestOutput
+from engines.worker_config import REDIS_ERRORS, WorkerConfig
+from workqueue import ClaimedQuery, Observation, WorkQueue, outcome
+from workqueue.records import CANCELLED_BATCH_STATES, QueryResult, QueryState, Timings
+from workqueue.worker_tick import Finished, TickReply, TickRequest, run_tick
+
+log = logging.getLogger(__name__)
+
+
+class QueueAgent:
+    """Keeps work ahead of one engine and writes what it finishes (see the module's docstring).
+
+    ``free_slots`` (set by the step loop) is how many more queries the engine can take now;
+    ``rate_tps`` returns its measured tokens/s; ``heartbeat_fields`` the engine's part of the heartbeat.
+    """
+
+    def __init__(
+        self,
+        queue: WorkQueue,
+        config: WorkerConfig,
+        worker_id: str,
+        *,
+        register: Mapping[str, float | int | str | None],
+        rate_tps: Callable[[], float],
+        heartbeat_fields: Callable[[], dict[str, float | int | str]],
+    ) -> None:
+        self.queue, self.config, self.worker_id = queue, config, worker_id
+        self._register: Mapping | None = register
+        self._rate_tps, self._heartbeat_fields = rate_tps, heartbeat_fields
+        self._lock = threading.Lock()
+        self.inflight: dict[str, ClaimedQuery] = {}  # claimed and not written: inbox, running, finished
+        self.inbox: deque[ClaimedQuery] = deque()  # claimed, not yet given to the engine
+        self._outbox: list[tuple[ClaimedQuery, RequestOutput]] = []  # finished, result not written
+        self._observed: list[Observation] = []  # written, to record with the next tick
+        self._aborts: set[str] = set()  # running queries of cancelled batches, for the step loop
+        self._aborted: set[str] = set()
+        self.work_ready = threading.Event()  # the inbox has queries
+        self._kick = threading.Event()  # something may be due
+        self._stop = threading.Event()
+        self.free_slots = 0
+        self.finished = 0  # results written
+        self.removed = False  # `gateway rebalance --remove`: claim nothing more
+        self.renewed_at = time.monotonic()  # when the last renewal of every lease it held began
+        self.tick_s = 0.0  # a tick's duration (moving average): the round trip, mostly
+        self.ticks = 0
+        self._mean_predicted = 0.0  # predicted tokens of the queries claimed (moving average)
+        self._last_heartbeat = self._last_requeue = self._last_read = -math.inf
+        self._poll_at, self._poll_s = 0.0, config.idle_poll_s  # an empty queue is asked again then
+        self._backoff, self._down_since = 0.0, None
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ the step loop's side
+
+    def take(self, n: int) -> list[ClaimedQuery]:
+        """Up to ``n`` claimed queries for the engine, oldest first."""
+        with self._lock:
+            out = [self.inbox.popleft() for _ in range(min(n, len(self.inbox)))]
+            if not self.inbox:
+                self.work_ready.clear()
+        if out:
+            self._kick.set()  # the inbox shrank: claim ahead again
+        return out
+
+    def aborts(self) -> list[str]:
+        """Running queries whose batch was cancelled (each returned once)."""
+        with self._lock:
+            out = sorted(self._aborts)
+            self._aborts.clear()
+        return out
+
+    def done(self, outputs: list[RequestOutput]) -> None:
+        """Finished outputs: their results are written by the next tick (they stay leased until then)."""
+        if not outputs:
+            return
+        with self._lock:
+            for out in outputs:
+                cq = self.inflight.get(out.request_id)
+                if cq is not None:
+                    self._outbox.append((cq, out))
+        self._kick.set()
+
+    def unwritten(self) -> int:
+        with self._lock:
+            return len(self._outbox)
+
+    # ------------------------------------------------------------------ the agent's thread
+
+    def start(self) -> None:
+        wake = self.queue.wake_listener(self.config.cluster)
+        self._threads = [
+            threading.Thread(target=self._run, name="queue-agent", daemon=True),
+            threading.Thread(target=self._listen, args=(wake,), name="queue-wake", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _listen(self, wake) -> None:
+        try:
+            while not self._stop.is_set():
+                if wake.wait(0.5):
+                    self.poll_now()
+        finally:
+            wake.close()
+
+    def poll_now(self) -> None:
+        """Work was announced: ask the queue at once, whatever the poll back-off says."""
+        self._poll_at = 0.0
+        self._kick.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._kick.clear()
+            req = self.request()
+            if req is None:
+                self._kick.wait(self._wait_s())
+                continue
+            if self.tick(req):
+                self._stop.wait(self.config.min_tick_s)
+            else:
+                self._stop.wait(self._backoff)
+
+    def stop(self) -> None:
+        """Stop ticking; the last results are written by :meth:`close`."""
+        self._stop.set()
+        self._kick.set()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def close(self, give_back: bool = False) -> int:
+        """Stop, write the results still waiting (one try), and give back the queries not started (all
+        it holds with ``give_back``: the engine failed); returns how many went back to the queue."""
+        self.stop()
+        if self.unwritten():
+            self.tick(
+                TickRequest(
+                    self.config.cluster,
+                    self.worker_id,
+                    self.config.lease_s,
+                    read_state=False,
+                    **self._results(),
+                )
+            )
+        with self._lock:
+            unsent = {cq.query.gid for cq, _ in self._outbox}
+            back = (
+                [g for g in self.inflight if g not in unsent]
+                if give_back
+                else [cq.query.gid for cq in self.inbox]
+            )
+            for g in back:
+                self.inflight.pop(g, None)
+            self.inbox.clear()
+        if not back:
+            return 0
+        try:
+            return self.queue.release(self.config.cluster, back)
+        except REDIS_ERRORS as e:  # their leases lapse instead
+            log.error("could not give queries back (%s); their leases will lapse", e)
+            return 0
+
+    # ------------------------------------------------------------------ one tick
+
+    def request(self) -> TickRequest | None:
+        """What is due now, as one tick's request (None: nothing)."""
+        c, now = self.config, time.monotonic()
+        with self._lock:
+            held = list(self.inflight)
+            batches = sorted({cq.query.batch_id for cq in self.inflight.values()})
+        req = TickRequest(c.cluster, self.worker_id, c.lease_s, register=self._register, **self._results())
+        if held and now - self.renewed_at >= c.renew_every_s:
+            req.renew = held
+        req.requeue = now - self._last_requeue >= c.requeue_check_s
+        if not self.removed and now >= self._poll_at:
+            req.claim = self.claim_count()
+        req.batches = batches
+        req.read_state = now - self._last_read >= c.cancel_check_s
+        if now - self._last_heartbeat >= c.renew_every_s:
+            req.heartbeat, req.heartbeat_ttl_s = self._heartbeat(), c.heartbeat_ttl_s
+        due = req.register or req.results or req.observed or req.renew or req.requeue or req.claim
+        if not (due or req.read_state or req.heartbeat is not None):
+            return None
+        return req
+
+    def _results(self) -> dict:
+        with self._lock:
+            outbox = list(self._outbox)
+        return {"results": [self._finished(cq, out) for cq, out in outbox], "observed": list(self._observed)}
+
+    def claim_count(self) -> int:
+        """Queries to claim now: what the engine can take, plus the claim-ahead horizon's (module docstring)."""
+        c = self.config
+        with self._lock:
+            waiting = len(self.inbox)
+            waiting_tokens = sum(cq.query.predicted_tokens for cq in self.inbox)
+        now_n = max(0, self.free_slots - waiting)
+        horizon_s = min(c.claim_ahead_s, c.lease_s / 3, 3 * self.tick_s)
+        need = self._rate_tps() * horizon_s - waiting_tokens
+        if need <= 0 or self._mean_predicted <= 0:
+            return now_n
+        return now_n + min(c.max_ahead, math.ceil(need / self._mean_predicted))
+
+    def tick(self, req: TickRequest | None = None) -> bool:
+        """Run one tick (``req``, or what is due); False when Redis did not answer (it backs off)."""
+        req = req if req is not None else self.request()
+        if req is None:
+            return True
+        started = time.monotonic()
+        try:
+            reply = run_tick(self.queue, req)
+        except REDIS_ERRORS as e:
+            if self._down_since is None:
+                self._down_since = started
+                log.warning("Redis unavailable (%s); retrying with backoff, the engine carries on", e)
+            self._backoff = min(self.config.redis_backoff_max_s, max(0.1, self._backoff * 2))
+            return False
+        took = time.monotonic() - started
+        self.tick_s = took if not self.ticks else 0.8 * self.tick_s + 0.2 * took
+        self.ticks += 1
+        if self._down_since is not None:
+            log.warning(
+                "Redis is back after %.1f s; %d results were waiting",
+                started - self._down_since,
+                len(req.results),
+            )
+            self._down_since = None
+        self._backoff = 0.0
+        self._apply(req, reply, started)
+        return True
+
+    def _apply(self, req: TickRequest, reply: TickReply, started: float) -> None:
+        self._register = None
+        self._observed = self._observed[len(req.observed) :]
+        written = {f.gid: idx for f, idx in zip(req.results, reply.written, strict=True)}
+        with self._lock:
+            outbox = [(cq, out) for cq, out in self._outbox if cq.query.gid not in written]
+            for cq, out in self._outbox:
+                if cq.query.gid in written:
+                    self.inflight.pop(cq.query.gid, None)
+                    self._observe(cq, out, written[cq.query.gid])
+            self._outbox = outbox
+            self._aborted -= written.keys()
+        self.finished += len(written)
+        if req.renew is not None:
+            self.renewed_at = started
+        if req.requeue:
+            self._last_requeue = started
+            if reply.requeued:
+                log.warning("requeued %d queries whose worker stopped renewing its lease", reply.requeued)
+        if req.heartbeat is not None:
+            self._last_heartbeat = started
+        if req.claim:
+            self._claimed(reply.claimed, req.claim)
+        self._cancel({b for b, s in reply.statuses.items() if s in CANCELLED_BATCH_STATES})
+        if reply.state is not None:
+            self._last_read = started
+            removed = reply.state == "removed"
+            if removed != self.removed:
+                log.warning(
+                    "cluster %s was %s",
+                    self.config.cluster,
+                    "removed: claiming nothing more" if removed else "re-added",
+                )
+            self.removed = removed
+
+    def _observe(self, cq: ClaimedQuery, out: RequestOutput, idx: int) -> None:
+        q = cq.query
+        if idx < 0:
+            log.info("query %s already had a result (it ran twice); kept the first", q.gid)
+        elif (
+            outcome(out.finish_reason, out.error).answered
+            and self.config.record_observed
+            and q.forced_length is None
+        ):
+            self._observed.append(
+                Observation(
+                    q.prompt,
+                    out.completion_tokens,
+                    q.metadata.get("source", ""),
+                    self.config.cluster,
+                    q.predicted_tokens,
+                )
+            )
+
+    def _claimed(self, claimed: list[ClaimedQuery], asked: int) -> None:
+        with self._lock:
+            for cq in claimed:
+                running = self.inflight.get(cq.query.gid)
+                if running is not None:  # already ours (the claim never hands it twice): keep running it
+                    self.inflight[cq.query.gid] = replace(cq, claimed_at=running.claimed_at)
+                    continue
+                self.inflight[cq.query.gid] = cq
+                self.inbox.append(cq)
+                p = float(cq.query.predicted_tokens or 0)
+                self._mean_predicted = (
+                    p if self._mean_predicted <= 0 else 0.9 * self._mean_predicted + 0.1 * p
+                )
+            if self.inbox:
+                self.work_ready.set()
+        if len(claimed) < asked:  # the queue ran dry: ask again after the poll back-off (or a wake)
+            self._poll_at = time.monotonic() + self._poll_s
+            self._poll_s = min(self.config.idle_poll_max_s, self._poll_s * 2)
+        else:
+            self._poll_at, self._poll_s = 0.0, self.config.idle_poll_s
+        if claimed:
+            log.debug("claimed %d queries", len(claimed))
+
+    def _cancel(self, batches: set[str]) -> None:
+        """Answer the inbox's queries of cancelled ``batches`` and have the step loop abort the running ones."""
+        if not batches:
+            return
+        now = time.time()
+        with self._lock:
+            dropped = [cq for cq in self.inbox if cq.query.batch_id in batches]
+            self.inbox = deque(cq for cq in self.inbox if cq.query.batch_id not in batches)
+            outboxed = {cq.query.gid for cq, _ in self._outbox}
+            for cq in dropped:
+                self._outbox.append((cq, RequestOutput(cq.query.gid, "", [], 0, "abort", finish_time=now)))
+            gone = {cq.query.gid for cq in dropped} | outboxed | self._aborted
+            victims = {g for g, cq in self.inflight.items() if cq.query.batch_id in batches and g not in gone}
+            self._aborts |= victims
+            self._aborted |= victims
+        if dropped:
+            self._kick.set()
+
+    # ------------------------------------------------------------------ records
+
+    def _finished(self, cq: ClaimedQuery, out: RequestOutput) -> Finished:
+        """The result record of a finished query (every field set)."""
+        q, how = cq.query, outcome(out.finish_reason, out.error)
+        result = QueryResult(
+            batch_id=q.batch_id,
+            query_id=q.query_id,
+            text=out.text,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cluster=self.config.cluster,
+            timings=Timings(
+                enqueued_at=cq.enqueued_at,
+                started_at=cq.claimed_at,
+                first_token_at=out.first_token_time,
+                finished_at=out.finish_time or time.time(),
+            ),
+            finish_reason="cancelled" if how.state == QueryState.CANCELLED else out.finish_reason,
+            error=out.error,
+            predicted_tokens=q.predicted_tokens,
+            attempts=cq.attempts,
+        )
+        return Finished(q.gid, result, how.state, out.completion_tokens)
+
+    def _heartbeat(self) -> dict[str, float | int | str]:
+        with self._lock:
+            inflight = len(self.inflight)
+            remaining = sum((cq.query.predicted_tokens for cq in self.inflight.values()), 0.0)
+        return {
+            **self._heartbeat_fields(),
+            "worker": self.worker_id,
+            "inflight": inflight,
+            "running_remaining_tokens": remaining,
+            "claimed_ahead": len(self.inbox),
+            "tick_ms": round(1000 * self.tick_s, 3),
+        }
+
+    def _wait_s(self) -> float:
+        """How long the idle agent may wait before something falls due."""
+        c, now = self.config, time.monotonic()
+        due = [self._last_requeue + c.requeue_check_s, self._last_read + c.cancel_check_s]
+        due.append(self._last_heartbeat + c.renew_every_s)
+        if self.inflight:
+            due.append(self.renewed_at + c.renew_every_s)
+        if not self.removed and self._poll_at > now:
+            due.append(self._poll_at)
+        return max(0.001, min(due) - now)

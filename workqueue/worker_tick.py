@@ -1,0 +1,109 @@
+"""A worker's queue work for one tick, in one round trip to Redis.
+
+An engine in one cloud may reach the queue's Redis in another, 20-150 ms away, so its queue
+agent (:mod:`engines.queue_agent`) asks for everything a tick needs at once: register the
+cluster, write finished results, record observed lengths, renew its leases, requeue lapsed
+ones, claim new queries, read its batches' statuses (cancels) and its cluster's state
+(removal), and publish its heartbeat. :meth:`TickRequest` lists what to do; :func:`run_tick`
+sends it as one pipeline (:func:`workqueue.script_call.execute`: two round trips only when
+Redis lost its scripts) and reads the replies into a :class:`TickReply`.
+
+The pipeline is not a transaction: every part is the same script or command the queue runs
+alone (:mod:`workqueue.leases`), in this order, with the same guarantees (write-once
+results, leases on Redis time). Renewals come before the claim, so queries of this worker
+that were requeued after an outage come back to it instead of being handed out again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from workqueue import keys
+from workqueue.queue import WorkQueue
+from workqueue.records import ClaimedQuery, Observation, QueryResult, QueryState
+from workqueue.script_call import Command, Op, execute
+
+
+@dataclass
+class Finished:
+    """A result to write: the query's gid, its record, its final state and its actual tokens."""
+
+    gid: str
+    result: QueryResult
+    kind: QueryState
+    actual_tokens: int
+
+
+@dataclass
+class TickRequest:
+    cluster: str
+    worker_id: str
+    lease_s: float
+    register: Mapping[str, float | int | str | None] | None = None  # fields of the cluster's registration
+    results: list[Finished] = field(default_factory=list)
+    observed: list[Observation] = field(default_factory=list)
+    renew: list[str] | None = None  # gids whose leases to renew (None: none this tick)
+    requeue: bool = False  # requeue the cluster's lapsed leases
+    claim: int = 0  # queries to claim
+    batches: list[str] = field(default_factory=list)  # batches whose status to read
+    read_state: bool = True  # read the cluster's state (active, draining, removed)
+    heartbeat: Mapping[str, float | int | str] | None = None
+    heartbeat_ttl_s: float = 5.0
+
+
+@dataclass
+class TickReply:
+    written: list[int] = field(default_factory=list)  # per result: its index, or -1 if it already had one
+    renewed: int = 0
+    requeued: int = 0
+    claimed: list[ClaimedQuery] = field(default_factory=list)
+    statuses: dict[str, str | None] = field(default_factory=dict)
+    state: str | None = None
+
+
+def build(queue: WorkQueue, req: TickRequest, now: float) -> tuple[list[Op], dict[str, slice]]:
+    """The tick's commands, and which replies belong to which part."""
+    ops: list[Op] = []
+    parts: dict[str, slice] = {}
+
+    def part(name: str, new: list[Op]) -> None:
+        parts[name] = slice(len(ops), len(ops) + len(new))
+        ops.extend(new)
+
+    if req.register is not None:
+        part("register", queue.register_commands(req.cluster, **req.register))
+    part("results", [queue.complete_call(f.gid, f.result, f.kind, f.actual_tokens) for f in req.results])
+    if req.observed:
+        part("observed", queue.observed_commands(req.observed))
+    if req.renew:
+        part("renew", list(queue.renew_calls(req.cluster, req.renew, req.lease_s, req.worker_id)))
+    if req.requeue:
+        part("requeue", [queue.requeue_call(req.cluster)])
+    if req.claim > 0:
+        part("claim", [queue.claim_call(req.cluster, req.claim, req.worker_id, req.lease_s, now)])
+    part("statuses", [Command("hget", keys.batch(b), "status") for b in req.batches])
+    if req.read_state:
+        part("state", [Command("hget", keys.cluster_info(req.cluster), "state")])
+    if req.heartbeat is not None:
+        part("heartbeat", queue.heartbeat_commands(req.cluster, req.heartbeat_ttl_s, **req.heartbeat))
+    return ops, parts
+
+
+def run_tick(queue: WorkQueue, req: TickRequest) -> TickReply:
+    """Do ``req`` in one round trip (see the module's docstring); Redis errors propagate."""
+    now = queue.clock()
+    ops, parts = build(queue, req, now)
+    replies = execute(queue.r, ops)
+    reply = TickReply()
+    reply.written = [int(x) for x in replies[parts["results"]]]
+    if "renew" in parts:
+        reply.renewed = sum(int(x) for x in replies[parts["renew"]])
+    if "requeue" in parts:
+        reply.requeued = int(replies[parts["requeue"]][0])
+    if "claim" in parts:
+        reply.claimed = queue.parse_claim(req.cluster, replies[parts["claim"]][0], now)
+    reply.statuses = dict(zip(req.batches, replies[parts["statuses"]], strict=True))
+    if "state" in parts:
+        reply.state = replies[parts["state"]][0] or "active"
+    return reply
