@@ -15,6 +15,9 @@ from tests.harness import wait_until
 from workqueue import QueuedQuery, WorkQueue, connect, keys
 from workqueue.embedded import find_redis_server
 from workqueue.invariants import check
+from workqueue.records import QueryResult, QueryState
+from workqueue.roundtrips import count_round_trips
+from workqueue.worker_tick import Finished, TickRequest, run_tick
 
 REDIS_CLI = shutil.which("redis-cli", path="/usr/bin:/usr/local/bin") or shutil.which("redis-cli")
 
@@ -132,3 +135,37 @@ def test_the_queue_works_on_a_redis_cluster(cluster_url):
     assert check(q.r) == []
     slots = {q.r.keyslot(k) for k in (keys.queue("a"), keys.query("x:q0"), keys.batch("x"), keys.MOVER)}
     assert len(slots) == 1  # one hash tag: one slot
+
+
+def test_a_workers_tick_is_one_round_trip_on_a_redis_cluster(cluster_url):
+    """Issue 33: the queue agent's tick (results, renewals, requeue, claim, statuses, heartbeat) runs
+    as one pipeline of EVALSHA and commands on a cluster too, loading its scripts when they are missing."""
+    q = WorkQueue(connect(cluster_url))
+    assert q.create_batch("y", [(QueuedQuery("y", f"q{i}", "p", 8, 4, 6.0), "a") for i in range(6)])
+    first = run_tick(q, TickRequest("a", "w1", 30, register={"backend": "native"}, claim=2))
+    assert [c.query.gid for c in first.claimed] == ["y:q0", "y:q1"] and first.state == "active"
+    done = [
+        Finished(c.query.gid, QueryResult("y", c.query.query_id, text="ok"), QueryState.COMPLETED, 2)
+        for c in first.claimed
+    ]
+    trips = count_round_trips(q.r)
+    second = run_tick(
+        q,
+        TickRequest(
+            "a",
+            "w1",
+            30,
+            results=done,
+            renew=["y:q0", "y:q1"],
+            requeue=True,
+            claim=2,
+            batches=["y"],
+            heartbeat={"running": 1},
+            heartbeat_ttl_s=5,
+        ),  # fmt: skip
+    )
+    assert second.written == [0, 1] and second.renewed == 0 and len(second.claimed) == 2
+    assert second.statuses == {"y": "in_progress"}
+    assert trips.value <= 2  # the tick (+ a connection's set-up)
+    assert q.batch("y").completed == 2 and q.clusters(["a"])[0].alive
+    assert check(q.r) == []

@@ -30,7 +30,8 @@ class ScriptCall:
         return self.script(keys=self.keys, args=self.args)
 
     def queue(self, pipe: Any) -> None:
-        pipe.evalsha(self.script.sha, len(self.keys), *self.keys, *self.args)
+        # execute_command: a Redis Cluster pipeline blocks its evalsha method, not the command
+        pipe.execute_command("EVALSHA", self.script.sha, len(self.keys), *self.keys, *self.args)
 
 
 class Command:
