@@ -29,9 +29,9 @@ class ScriptCall:
     def run(self) -> Any:
         return self.script(keys=self.keys, args=self.args)
 
-    def queue(self, pipe: Any) -> None:
+    def queue(self, pipe: Any, **options: Any) -> None:
         # execute_command: a Redis Cluster pipeline blocks its evalsha method, not the command
-        pipe.execute_command("EVALSHA", self.script.sha, len(self.keys), *self.keys, *self.args)
+        pipe.execute_command("EVALSHA", self.script.sha, len(self.keys), *self.keys, *self.args, **options)
 
 
 class Command:
@@ -49,8 +49,12 @@ Op = ScriptCall | Command
 
 def _send(client: redis.Redis, ops: Sequence[Op]) -> list[Any]:
     pipe = client.pipeline(transaction=False)
+    cluster = isinstance(client, redis.cluster.RedisCluster)
     for op in ops:
-        op.queue(pipe)
+        if cluster and isinstance(op, ScriptCall):  # its node named, or the client asks it COMMAND GETKEYS
+            op.queue(pipe, target_nodes=client.get_node_from_key(op.keys[0]))
+        else:
+            op.queue(pipe)
     return list(pipe.execute(raise_on_error=False))
 
 
