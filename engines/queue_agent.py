@@ -231,9 +231,9 @@ class QueueAgent:
         now_n = max(0, self.free_slots - waiting)
         horizon_s = min(c.claim_ahead_s, c.lease_s / 3, 3 * self.tick_s)
         need = self._rate_tps() * horizon_s - waiting_tokens
-        if need <= 0 or self._mean_predicted <= 0:
+        if need <= 1e-6 or self._mean_predicted <= 0:
             return now_n
-        return now_n + min(c.max_ahead, math.ceil(need / self._mean_predicted))
+        return now_n + min(c.max_ahead, math.ceil(round(need / self._mean_predicted, 6)))
 
     def tick(self, req: TickRequest | None = None) -> bool:
         """Run one tick (``req``, or what is due); False when Redis did not answer (it backs off)."""
