@@ -5,6 +5,7 @@ assertions (the link's delays only have to be long against a lease's slack to ma
 from __future__ import annotations
 
 import threading
+
 from engines.config import EngineConfig
 from engines.device import StepCost
 from engines.engine import LLMEngine
