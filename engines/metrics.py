@@ -1,4 +1,4 @@
-"""Prometheus metrics of an engine's pipeline stages, read from the engine at every scrape.
+"""Prometheus metrics of an engine's pipeline stages and of its worker, read at every scrape.
 
 Per stage (label ``stage``, plus its layer range and device): micro-batches, compute seconds
 (CPU time of the stage's thread on CPU), emulated seconds (the sleep of a slower device), idle
@@ -79,9 +79,56 @@ class StageCollector:
         yield from (mem, lat, pred)
 
 
-def serve_metrics(engine, port: int, addr: str = "0.0.0.0") -> CollectorRegistry:
-    """Serve the stage metrics of ``engine`` on ``port`` (a registry of its own, no global state)."""
+class WorkerCollector:
+    """The step loop's and the queue agent's figures: steps, busy time, round trips, ticks, claims ahead."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    def collect(self):
+        w, a = self.worker, self.worker.agent
+        for name, doc, value in (
+            ("fleetbatch_worker_steps", "engine steps", w.steps),
+            (
+                "fleetbatch_worker_busy_seconds",
+                "wall time in engine steps (the emulated device's included)",
+                w.busy_s,
+            ),
+            (
+                "fleetbatch_worker_redis_round_trips",
+                "round trips of the worker's queue client to Redis",
+                w.round_trips.value,
+            ),
+            ("fleetbatch_worker_ticks", "queue agent ticks (each one round trip)", a.ticks),
+            ("fleetbatch_worker_results_written", "results the queue agent wrote", a.finished),
+        ):
+            m = CounterMetricFamily(name, doc)
+            m.add_metric([], value)
+            yield m
+        for name, doc, value in (
+            ("fleetbatch_worker_tick_seconds", "a queue agent tick's duration (moving average)", a.tick_s),
+            (
+                "fleetbatch_worker_claimed_ahead",
+                "claimed queries waiting for room in the engine",
+                len(a.inbox),
+            ),
+            (
+                "fleetbatch_worker_unwritten_results",
+                "finished queries whose result is not written yet",
+                a.unwritten(),
+            ),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
+
+
+def serve_metrics(engine, port: int, addr: str = "0.0.0.0", worker=None) -> CollectorRegistry:
+    """Serve the stage metrics of ``engine`` (and ``worker``'s) on ``port`` (a registry of its own,
+    no global state)."""
     registry = CollectorRegistry()
     registry.register(StageCollector(engine))
+    if worker is not None:
+        registry.register(WorkerCollector(worker))
     start_http_server(port, addr=addr, registry=registry)
     return registry

@@ -208,7 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: worker.stop())
     try:
         if args.metrics_port is not None:
-            serve_metrics(engine, args.metrics_port)
+            serve_metrics(engine, args.metrics_port, worker=worker)
             log.info("Prometheus metrics on :%d/metrics", args.metrics_port)
         worker.run(max_queries=args.max_queries)
     finally:

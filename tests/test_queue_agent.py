@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import threading
 
+from prometheus_client import CollectorRegistry, generate_latest
+
 from engines.config import EngineConfig
 from engines.device import StepCost
 from engines.engine import LLMEngine
 from engines.interface import RequestOutput
+from engines.metrics import WorkerCollector
 from engines.queue_agent import QueueAgent
 from engines.worker import Worker, WorkerConfig
 from load.tcp_proxy import Link, TcpProxy
@@ -159,3 +162,12 @@ def test_the_engine_steps_on_while_its_link_to_redis_is_cut(redis_url):
             serving.join(timeout=30)
     assert queue.result_count("b1") == 3 and queue.batch("b1").completed == 3
     assert queue.inflight_ids("w") == [] and queue.r.exists(keys.heartbeat("w"))
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(worker))
+    metrics = dict(
+        line.rsplit(" ", 1) for line in generate_latest(registry).decode().splitlines() if line[0] != "#"
+    )
+    assert float(metrics["fleetbatch_worker_steps_total"]) == worker.steps >= 120
+    assert float(metrics["fleetbatch_worker_results_written_total"]) == 3
+    assert float(metrics["fleetbatch_worker_redis_round_trips_total"]) == worker.round_trips.value > 0
+    assert float(metrics["fleetbatch_worker_unwritten_results"]) == 0

@@ -23,7 +23,7 @@ not handed out but finished as ``failed``, with a result whose ``finish_reason``
 and whose ``error`` says it failed that many times. It counts in its batch's ``failed``
 count and the rest of the batch goes on. Deciding there (rather than when the lease lapses)
 lets a worker that is alive take back its query on its last attempt after a Redis outage
-outlasted the lease: its claim's or its keeper's renewal reasserts the query before anyone
+outlasted the lease: its claim's or its agent's renewal reasserts the query before anyone
 pops it, so its real result is written; a worker that really died never comes back, and the
 next claim, on this cluster or on the one the query was moved to, fails it. Until then the
 query is queued like any other (in its queue, its cluster's ``pending`` counter, movable).
