@@ -108,9 +108,13 @@ class ClusterView:
 
 
 class AssignmentPolicy(Protocol):
-    """Maps a batch of queries to cluster names (same order as ``queries``)."""
+    """Maps a batch of queries to cluster names (same order as ``queries``).
+
+    ``longest_first``: its queries enter their queues longest first (:func:`queue_order`), else
+    in the order given."""
 
     name: str
+    longest_first: bool
 
     def assign(self, queries: Sequence[QueryLoad], clusters: Sequence[ClusterView]) -> list[str]: ...
 
@@ -159,6 +163,7 @@ class RoundRobin:
     """Count-based round robin over the accepting clusters; the cursor persists across calls."""
 
     name = "round_robin"
+    longest_first = False  # the baseline keeps the batch's order
 
     def __init__(self) -> None:
         self._cursor = 0
@@ -183,6 +188,7 @@ class LeastLoaded:
     """Shortest queue first: ``queue_length`` plus this call's own assignments; ties by given order."""
 
     name = "least_loaded"
+    longest_first = False
 
     def assign(self, queries: Sequence[QueryLoad], clusters: Sequence[ClusterView]) -> list[str]:
         usable = _usable(clusters)
@@ -309,6 +315,7 @@ class TokenPolicy:
         self.capacity_aware = capacity_aware
         self.min_concurrency = min_concurrency
         self.name = "token" if capacity_aware else "token_equal"
+        self.longest_first = True  # MICO's longest groups first, kept in the queues (queue_order)
 
     def targets(self, queries: Sequence[QueryLoad], clusters: Sequence[ClusterView]) -> list[float]:
         """Target tokens of this batch per (usable) cluster, in the order given."""
@@ -323,6 +330,22 @@ class TokenPolicy:
             return []
         idx = deficit_fill(queries, usable, self.targets(queries, usable), self.min_concurrency)
         return [usable[i].name for i in idx]
+
+
+def queue_order(policy: AssignmentPolicy, queries: Sequence[QueryLoad]) -> list[int]:
+    """The order in which a batch's queries (or an intake chunk's) enter their clusters' queues under
+    ``policy``: the token policies put the longest predicted response first (ties: the longer
+    prompt, then input order); the others keep the input order.
+
+    Longest-first is the classic rule for an even finish on machines that take work as they free
+    up (LPT): long queries start early, and what is left in a queue at the end is short. That short
+    tail is also what the offloader moves from a busy cluster to an idle one: cheap moves that even
+    out the finish (``docs/assign.md``)."""
+    if not policy.longest_first:
+        return list(range(len(queries)))
+    return sorted(
+        range(len(queries)), key=lambda j: (-queries[j].predicted_tokens, -queries[j].prompt_tokens)
+    )
 
 
 POLICIES: dict[str, Callable[[], AssignmentPolicy]] = {

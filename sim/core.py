@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from engines.config import EngineConfig
 from gateway.offload import Backoff, LinkCost, plan_offload
-from gateway.policies import ClusterView, QueryLoad, make_policy
+from gateway.policies import ClusterView, QueryLoad, make_policy, queue_order
 from sim.costs import LinearCost
 from sim.engines import IterationEngine, StaticEngine
 from sim.pipelined import PipelinedEngine
@@ -312,8 +312,8 @@ class Simulator:
         names = self.policy.assign(loads, [c.view() for c in self.clusters])
         index = {c.name: i for i, c in enumerate(self.clusters)}
         touched = set()
-        for q, name in zip(qids, names, strict=True):
-            i = index[name]
+        for j in queue_order(self.policy, loads):  # as the gateway enqueues them
+            q, i = qids[j], index[names[j]]
             self.assigned[q] = i
             c = self.clusters[i]
             c.queue.append(q)

@@ -51,6 +51,7 @@ class RealRun:
     device_cost_ms: str | None = None  # the emulated speed-1 device of --emulation cost runs
     names: list[str] | None = None  # the clusters' names (planned runs; else c1, c2, ...)
     plans: list[str] | None = None  # planned runs (``loadgen study --planned``): each cluster's plan file
+    offload: bool = False  # the run's gateway offloaded (``meta.json``: ``offload``)
 
 
 def _index(query_id: str) -> int:
@@ -101,6 +102,7 @@ def read_run(path: str | Path) -> RealRun:
         work=work,
         makespan_s=end - t0,
         device_cost_ms=meta.get("device_cost_ms"),
+        offload=bool(meta.get("offload", False)),
     )
 
 
@@ -116,7 +118,7 @@ def simulate(run: RealRun, cost: LinearCost) -> float:
         ClusterSpec(f"c{i + 1}", cost.with_speed(1.0 / speed), run.backend, run.batch, capacity_tps=hint)
         for i, (speed, hint) in enumerate(zip(run.speeds, run.hints, strict=True))
     ]  # a speed of 2 in the study is a 2x slower device
-    cfg = SimConfig(policy=run.policy, offload=False, max_tokens=max(run.work.true_tokens))
+    cfg = SimConfig(policy=run.policy, offload=run.offload, max_tokens=max(run.work.true_tokens))
     return Simulator(specs, run.work, cfg).run().makespan_s
 
 
