@@ -104,8 +104,11 @@ class Intake:
         on_assigned: Callable[[list[str]], None] = lambda names: None,
         count_tokens: Callable[[list[str]], list[int]] | None = None,
         wait_s: float = INTAKE_WAIT_S,
+        order: Callable[[Sequence[QueryLoad]], list[int]] | None = None,
     ) -> None:
-        """``wait_s``: how long a batch waits for a cluster that can take its rows (``--intake-wait-s``)."""
+        """``wait_s``: how long a batch waits for a cluster that can take its rows (``--intake-wait-s``);
+        ``order``: the order a chunk's rows enter their queues (indices into its loads; None: the rows')."""
+        self.order = order
         self.wait_s = wait_s
         self.queue = queue
         self.count_tokens = count_tokens
@@ -187,7 +190,7 @@ class Intake:
                 self.waiting.keep(batch_id, ident, chunk)
             raise
         self.waiting.drop(batch_id)
-        return landing(batch_id, chunk, placed)
+        return landing(batch_id, chunk, placed, self.order(chunk.loads) if self.order else None)
 
     def _land(self, batch_id: str, token: str, cursor: int, out: Landing) -> int:
         """Land ``out`` at ``cursor``, ``land`` rows per script call; the rows landed, or negative

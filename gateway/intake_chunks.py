@@ -15,7 +15,7 @@ dropped when it lands, when its batch is cancelled, and when its batch leaves in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -75,22 +75,28 @@ def predict_chunk(
     return Chunk(cursor, rows, loads)
 
 
-def landing(batch_id: str, chunk: Chunk, placed: dict[str, tuple[str | None, str]]) -> Landing:
-    """What the chunk lands, given each good row's ``(cluster, "")`` or ``(None, why it fails)``."""
-    out: Landing = []
+def landing(
+    batch_id: str, chunk: Chunk, placed: dict[str, tuple[str | None, str]], order: Sequence[int] | None = None
+) -> Landing:
+    """What the chunk lands, given each good row's ``(cluster, "")`` or ``(None, why it fails)``; the
+    queued rows in ``order`` (indices into ``chunk.loads``: the policy's queue order), failed ones first."""
+    out: list[tuple[int, tuple]] = []  # (rank in the queue order, what lands)
+    rank = {chunk.loads[j].key: r for r, j in enumerate(order)} if order is not None else {}
     loads = iter(chunk.loads)
     for r in chunk.rows:
         g = gid(batch_id, r["id"])
         if "bad" in r:
-            out.append((g, failed_result(batch_id, r["id"], f"invalid query: {r['bad']}"), 0.0, ""))
+            out.append((-1, (g, failed_result(batch_id, r["id"], f"invalid query: {r['bad']}"), 0.0, "")))
             continue
         load = next(loads)
         cluster, error = placed[load.key]
         if cluster is None:
-            out.append((g, failed_result(batch_id, r["id"], error), 0.0, ""))
+            out.append((-1, (g, failed_result(batch_id, r["id"], error), 0.0, "")))
         else:
-            out.append((g, payload(batch_id, r, load.predicted_tokens), load.total_tokens, cluster))
-    return out
+            land = (g, payload(batch_id, r, load.predicted_tokens), load.total_tokens, cluster)
+            out.append((rank.get(load.key, len(out)), land))
+    out.sort(key=lambda x: x[0])  # stable: without an order, the rows' own
+    return [land for _, land in out]
 
 
 def cancelled(batch_id: str, rows: list[dict]) -> Landing:

@@ -27,7 +27,7 @@ from gateway.listing import read_clusters
 from gateway.metrics import GatewayMetrics
 from gateway.offload import LinkCost
 from gateway.placement import configured_views, first_misfit
-from gateway.policies import AssignmentPolicy, NoClusterError, QueryLoad
+from gateway.policies import AssignmentPolicy, NoClusterError, QueryLoad, queue_order
 from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.views import cluster_proto, cluster_views
 from protos import fleetbatch_pb2 as pb
@@ -138,6 +138,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             self._count_assigned,
             count_tokens=deps.count_tokens,
             wait_s=deps.config.intake_wait_s,
+            order=lambda loads: queue_order(deps.policy, loads),
         )
 
     def _count_assigned(self, names: list[str]) -> None:
@@ -297,7 +298,9 @@ class BatchService(pb_grpc.BatchServiceServicer):
             code = grpc.StatusCode.INVALID_ARGUMENT if never else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, f"cannot assign the batch: {never or e}")
         queued = []
-        for i, load in zip(good, loads, strict=True):
+        order = queue_order(d.policy, loads)  # the policy's queue order: longest first for the token ones
+        names = [names[j] for j in order]
+        for i, load in ((good[j], loads[j]) for j in order):
             q = request.queries[i]
             queued.append(
                 QueuedQuery(
