@@ -275,6 +275,8 @@ class Chaos(ProcessFaults, WorkFaults):
             lambda: all(self._batch_final(b.batch_id) for b in self.batches),
             max(0.0, last_heal + c.settle_s - time.monotonic()),
         )
+        # every client reads its batch to the end (bounded), so the books hold the rows they received too
+        self._wait(lambda: all(b.client.final is not None or b.client.fatal for b in self.batches), 30)
         for run in self.openai_runs:
             self.openai.read(run, max(30.0, last_heal + c.settle_s - time.monotonic()))
         seen_by = time.monotonic() + 5.0  # all settled: a watcher still waiting has no result to see
