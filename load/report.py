@@ -221,6 +221,11 @@ def format_report(r: dict) -> str:
         lines.append(
             f"{name:<12} {c['queries']:>8} {c['predicted_tokens']:>14.0f} {c['actual_tokens']:>11} {c['kv_token_s']:>11.0f}"
         )
+    if r.get("finish_spread") is not None:
+        finishes = ", ".join(f"{c} {t:.1f} s" for c, t in r["finish_by_cluster"].items())
+        lines.append(
+            f"last result per cluster: {finishes}; finish spread {r['finish_spread']:.3f} of the makespan"
+        )
     return "\n".join(lines)
 
 
