@@ -4,7 +4,9 @@ The deployment: an embedded Redis (AOF, ``appendfsync everysec``), two gateway r
 (both run offloaders, background intake and the OpenAI-compatible HTTP front on one shared
 files directory), one engine process per cluster kept alive by
 :class:`gateway.supervisor.EngineSupervisor` (as under ``gateway up``), the first cluster's
-engine talking to Redis through a TCP proxy the harness controls (:mod:`load.tcp_proxy`), and
+engine talking to Redis through a TCP proxy the harness controls (:mod:`load.tcp_proxy`); with
+``--wan-delay-ms``, every engine through its own proxy with that one-way delay (the clusters in
+other clouds, Redis and the gateways in one; the ``wan`` entry of the report says so), and
 clients that stream with ``start_index`` and switch replica on transient errors
 (:mod:`load.chaos_client`). The first cluster takes only small queries (``max_query_tokens``),
 the second any that fit its KV cache (:mod:`load.chaos_load`).
@@ -57,7 +59,7 @@ from load.chaos_load import KV_BUDGET, SMALL_LIMIT, waves
 from load.chaos_openai import OpenAIBatches, OpenAIRun, user_view
 from load.chaos_procs import GatewayProcess, RestartableRedis
 from load.client import to_request
-from load.tcp_proxy import TcpProxy
+from load.tcp_proxy import Link, TcpProxy
 from load.workload import WorkItem
 from workqueue import WorkQueue, connect
 from workqueue.invariants import check
@@ -83,7 +85,8 @@ class Chaos(ProcessFaults, WorkFaults):
         self.restarts_missed: list[str] = []
         self.affected: str | None = None
         self.redis: RestartableRedis | None = None
-        self.proxy: TcpProxy | None = None
+        self.proxy: TcpProxy | None = None  # the first engine's, which the partition cuts
+        self.proxies: dict[str, TcpProxy] = {}  # cluster -> its engine's proxy to Redis
         self.gateways: list[GatewayProcess] = []
         self.engines: EngineSupervisor | None = None
         self.names: list[str] = []
@@ -100,13 +103,17 @@ class Chaos(ProcessFaults, WorkFaults):
         logs = c.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.redis = RestartableRedis(c.run_dir / "redis")
-        self.proxy = TcpProxy(self.redis.url.removeprefix("unix://")).start()
         specs = default_clusters(2, "native", c.size)
         self.names = [s.name for s in specs]
-        for s in specs:
+        link = Link(delay_s=c.wan_delay_ms / 1000, jitter_s=c.wan_jitter_ms / 1000)
+        for i, s in enumerate(specs):
             s.engine_args += ["--lease-s", str(c.lease_s), "--slowdown", str(c.slowdown)]
             s.engine_args += ["--kv-budget-tokens", str(KV_BUDGET), *c.engine_args]
-        specs[0].redis_url = f"redis://{self.proxy.address}/0"  # the partition cuts this one
+            if i == 0 or c.wan:  # the first: the partition cuts it; with a WAN, every engine
+                proxy = self.proxies[s.name] = TcpProxy(self.redis.url.removeprefix("unix://")).start()
+                proxy.set_links(up=link, down=link)
+                s.redis_url = f"redis://{proxy.address}/0"
+        self.proxy = self.proxies[specs[0].name]  # the partition cuts this one
         rows = [{"name": s.name, "capacity_tps": s.capacity_tps} for s in specs]
         rows[0]["max_query_tokens"] = SMALL_LIMIT
         clusters_file = c.run_dir / "clusters.yaml"
@@ -152,8 +159,8 @@ class Chaos(ProcessFaults, WorkFaults):
             self.engines.stop()
         for g in self.gateways:
             g.stop()
-        if self.proxy is not None:
-            self.proxy.close()
+        for proxy in self.proxies.values():
+            proxy.close()
         if self.redis is not None:
             self.redis.close()
 
@@ -268,6 +275,8 @@ class Chaos(ProcessFaults, WorkFaults):
             lambda: all(self._batch_final(b.batch_id) for b in self.batches),
             max(0.0, last_heal + c.settle_s - time.monotonic()),
         )
+        # every client reads its batch to the end (bounded), so the books hold the rows they received too
+        self._wait(lambda: all(b.client.final is not None or b.client.fatal for b in self.batches), 30)
         for run in self.openai_runs:
             self.openai.read(run, max(30.0, last_heal + c.settle_s - time.monotonic()))
         seen_by = time.monotonic() + 5.0  # all settled: a watcher still waiting has no result to see
@@ -312,6 +321,12 @@ class Chaos(ProcessFaults, WorkFaults):
             "client_received": sum(len(cl.results) for cl in self.clients),
             "client_errors": merged_counts(cl.errors for cl in self.clients),
             "engines_alive": sum(i.alive for i in infos),
+            "wan": {
+                "one_way_delay_ms": self.c.wan_delay_ms,
+                "jitter_ms": self.c.wan_jitter_ms,
+                "engines_behind_proxy": len(self.proxies),
+                "partition_s": self.c.partition_s,
+            },
             "wall_s": round(wall_s, 1),
         }
         report["problems"] = verdict(report, self.c.faults)

@@ -1,5 +1,10 @@
 """The settings of ``loadgen chaos``: the fault kinds in the order they fire, :class:`ChaosConfig`,
-and the command line that fills it."""
+and the command line that fills it.
+
+``--wan-delay-ms`` (and ``--wan-jitter-ms``) put every engine behind its own TCP proxy to Redis
+with that one-way delay on both directions (a round trip costs twice it), as for clusters in
+other clouds; the partition cuts the first engine's proxy, the delay stays on it after the heal.
+With neither, only the first engine goes through a proxy (the partition's), without delay."""
 
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ class ChaosConfig:
     outage_s: float = 0.0  # Redis outage (0: twice the lease + 2 s)
     partition_s: float = 60.0
     partition_mode: str = "blackhole"  # or "reset" (load.tcp_proxy)
+    wan_delay_ms: float = 0.0  # one-way delay of every engine's link to Redis (> 0: all behind proxies)
+    wan_jitter_ms: float = 0.0  # plus U(0, jitter) per chunk (> 0: all behind proxies)
     store_s: float = 10.0  # the file store stays unwritable this long after the finalizer's first failure
     settle_s: float = 120.0  # bound of every wait for batches to finish
     restart_timeout_s: float = 300.0  # bound of the wait for a killed engine to be back
@@ -46,11 +53,19 @@ class ChaosConfig:
     engine_args: list[str] = field(default_factory=lambda: ["--max-batch", "4"])
     faults: tuple[str, ...] = FAULTS
 
+    @property
+    def wan(self) -> bool:
+        """Every engine behind its own delayed proxy (the multi-cloud case)."""
+        return self.wan_delay_ms > 0 or self.wan_jitter_ms > 0
+
     def __post_init__(self) -> None:
         self.stop_s = self.stop_s or 2 * self.lease_s + 2
         self.outage_s = self.outage_s or 2 * self.lease_s + 2
         if self.outage_s < 2 * self.lease_s:
             raise ValueError(f"the Redis outage ({self.outage_s:g} s) must last at least twice the lease")
+        for name in ("wan_delay_ms", "wan_jitter_ms", "partition_s"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0")
         if self.partition_mode not in MODES:
             raise ValueError(f"--partition-mode must be one of {', '.join(MODES)}")
         if self.queries < len(self.faults) + 1:
@@ -77,6 +92,16 @@ def add_arguments(p) -> None:
         choices=MODES,
         default="blackhole",
         help="blackhole: packets vanish, reads hang until the heal; reset: connections reset, connects refused",
+    )
+    p.add_argument(
+        "--wan-delay-ms",
+        type=float,
+        default=0.0,
+        help="one-way delay (ms, each direction) between every engine and Redis: each engine gets its "
+        "own proxy, as clusters in other clouds (0: only the partitioned engine's proxy, no delay)",
+    )
+    p.add_argument(
+        "--wan-jitter-ms", type=float, default=0.0, help="plus a uniform 0..this ms per chunk (order kept)"
     )
     p.add_argument(
         "--store-s", type=float, default=10.0, help="file store unwritable this long after a finalize failed"
@@ -113,6 +138,8 @@ def config_from_args(args) -> ChaosConfig:
         outage_s=args.outage_s,
         partition_s=args.partition_s,
         partition_mode=args.partition_mode,
+        wan_delay_ms=args.wan_delay_ms,
+        wan_jitter_ms=args.wan_jitter_ms,
         store_s=args.store_s,
         intake_rows=args.intake_rows,
         fire_at=args.fire_at,

@@ -56,10 +56,12 @@ class ProcessFaults:
     def _alive(self, name: str) -> bool:
         return self.queue().clusters([name])[0].alive
 
-    def _restart_observed(self, name: str, old_pid: int, since: float, bite: Bite) -> bool:
+    def _restart_observed(self, name: str, old_pid: int, bite: Bite) -> bool:
         """Wait (bounded) until the supervisor restarted engine ``name`` (the heal) and the new process
-        heartbeats."""
+        heartbeats: a heartbeat stamped after the restart was seen, when the killed process was already
+        reaped (one it wrote while dying, even after the kill was sent, does not count)."""
         if self._wait(lambda: self.engines.procs[name].pid != old_pid, self.c.restart_timeout_s):
+            since = time.time()
             self._healed(bite)  # a new process runs
             back = self._wait(
                 lambda: self.engines.procs[name].poll() is None and self._heartbeat_since(name, since),
@@ -110,13 +112,12 @@ class ProcessFaults:
         """SIGKILL engine ``name``; evidence: its leases right after (a dead process keeps them)."""
         self.affected = name
         pid = self.engines.procs[name].pid
-        killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
         bite.evidence.update(engine=name, leases_at_kill=self._inflight(name))
         log.warning(
             "chaos: SIGKILL engine %s (pid %d, %d leases)", name, pid, bite.evidence["leases_at_kill"]
         )
-        bite.evidence["restarted"] = self._restart_observed(name, pid, killed_at, bite)
+        bite.evidence["restarted"] = self._restart_observed(name, pid, bite)
         return bite
 
     # ------------------------------------------------------------------ engines

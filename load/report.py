@@ -77,6 +77,24 @@ def overrun_fraction(rows: list[dict]) -> float | None:
     return round(sum(int(r.get("device_overrun_steps") or 0) for r in last.values()) / steps, 4)
 
 
+def finish_spread(results: list[dict]) -> tuple[dict[str, float], float | None]:
+    """When each cluster finished (its last result's ``finished_at``, in s after the first enqueue) and
+    the spread: the last cluster's finish minus the first's, over the makespan (0: all finished together;
+    None with fewer than two clusters). Rows without a cluster (never run) count for no cluster."""
+    if not results:
+        return {}, None
+    t0 = min(_t(r, "enqueued_at") for r in results)
+    makespan = max(max(_t(r, "finished_at") for r in results) - t0, 1e-9)
+    last: dict[str, float] = {}
+    for r in results:
+        if r.get("cluster"):
+            last[r["cluster"]] = max(last.get(r["cluster"], t0), _t(r, "finished_at"))
+    by = {c: round(t - t0, 3) for c, t in sorted(last.items())}
+    if len(by) < 2:
+        return by, None
+    return by, round((max(last.values()) - min(last.values())) / makespan, 4)
+
+
 def build_report(run_dir: str | Path, plots: bool = True) -> dict:
     run = Path(run_dir)
     results = read_jsonl(run / RESULTS)
@@ -100,6 +118,7 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict:
         c["actual_tokens"] += int(r.get("completion_tokens") or 0)
     tokens = sum(c["actual_tokens"] for c in per.values())
     kv = cumulative_kv(series, t0, end) if series else {}
+    finish_by_cluster, spread = finish_spread(results)
     report = {
         "run": str(run),
         **{k: meta[k] for k in ("policy", "backend", "fleet", "batch_id") if k in meta},
@@ -111,6 +130,8 @@ def build_report(run_dir: str | Path, plots: bool = True) -> dict:
         "latency_s": _percentiles(waited),  # each query's own: finished minus enqueued
         "cumulative_kv_token_s": round(sum(kv.values()), 1),
         "device_overrun_fraction": overrun_fraction(series),
+        "finish_by_cluster": finish_by_cluster,  # s after the first enqueue
+        "finish_spread": spread,  # (last cluster's finish - first's) / makespan; None: one cluster
         "clusters": {
             name: {
                 "queries": c["queries"],
@@ -199,6 +220,11 @@ def format_report(r: dict) -> str:
     for name, c in r["clusters"].items():
         lines.append(
             f"{name:<12} {c['queries']:>8} {c['predicted_tokens']:>14.0f} {c['actual_tokens']:>11} {c['kv_token_s']:>11.0f}"
+        )
+    if r.get("finish_spread") is not None:
+        finishes = ", ".join(f"{c} {t:.1f} s" for c, t in r["finish_by_cluster"].items())
+        lines.append(
+            f"last result per cluster: {finishes}; finish spread {r['finish_spread']:.3f} of the makespan"
         )
     return "\n".join(lines)
 

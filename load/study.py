@@ -122,6 +122,7 @@ def workload(args) -> list[WorkItem]:
     return generated(args.num, args.seed, args.max_tokens, True)
 
 
+UNEQUAL = "token_iteration_unequal"  # its finish_spread is the study's finish_spread_unequal
 RATIOS = {  # name: (numerator setup, denominator setup, measure)
     "qi_over_rr_static": ("token_iteration_equal", "rr_static_equal", "tokens_per_s"),
     "qi_over_rr_iteration_unequal": ("token_iteration_unequal", "rr_iteration_unequal", "tokens_per_s"),
@@ -130,11 +131,14 @@ RATIOS = {  # name: (numerator setup, denominator setup, measure)
 
 
 def ratios(r: dict[str, dict]) -> dict[str, float]:
-    """The study's ratios, for those whose two setups ran."""
+    """The study's ratios, for those whose two setups ran, and ``finish_spread_unequal``: how far apart
+    the 1:2:4 fleet's clusters finished under the token policy (:func:`load.report.finish_spread`)."""
     out = {}
     for name, (num, den, measure) in RATIOS.items():
         if num in r and den in r:
             out[name] = round(r[num][measure] / max(r[den][measure], 1e-9), 3)
+    if r.get(UNEQUAL, {}).get("finish_spread") is not None:
+        out["finish_spread_unequal"] = r[UNEQUAL]["finish_spread"]
     return out
 
 
@@ -188,6 +192,8 @@ def run(args) -> dict:
             "cumulative_kv_token_s": v["cumulative_kv_token_s"],
             "latency_s": v["latency_s"],
             "device_overrun_fraction": v.get("device_overrun_fraction"),
+            "finish_by_cluster": v.get("finish_by_cluster"),
+            "finish_spread": v.get("finish_spread"),
         }
         for k, v in all_reports.items()
     }
@@ -233,12 +239,15 @@ def _sim(*argv: str) -> dict:
 
 def format_table(reports: dict[str, dict]) -> str:
     lines = [
-        f"{'setup':<26} {'makespan s':>10} {'tokens/s':>9} {'cum. KV token-s':>16} {'latency p90 s':>14}"
+        f"{'setup':<26} {'makespan s':>10} {'tokens/s':>9} {'cum. KV token-s':>16} {'latency p90 s':>14} "
+        f"{'finish spread':>13}"
     ]
     for name, r in reports.items():
+        spread = r.get("finish_spread")
         lines.append(
             f"{name:<26} {r['makespan_s']:>10.1f} {r['tokens_per_s']:>9.1f} "
-            f"{r['cumulative_kv_token_s']:>16.0f} {r['latency_s']['p90']:>14.1f}"
+            f"{r['cumulative_kv_token_s']:>16.0f} {r['latency_s']['p90']:>14.1f} "
+            f"{'-' if spread is None else f'{spread:.3f}':>13}"
         )
     return "\n".join(lines)
 

@@ -78,3 +78,20 @@ def test_a_fault_that_fires_on_a_finished_wave_does_not_count(tmp_path):
     assert "held a lease" in report["fault_misses"]["kill_engine"], report["fault_misses"]
     assert not report["ok"] and any("kill_engine did not bite" in p for p in report["problems"]), report
     assert report["lost"] == report["stuck"] == 0, report
+
+
+def test_the_wan_options_reach_the_config_and_bad_values_are_refused(tmp_path):
+    import argparse
+
+    from load.chaos_config import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    c = config_from_args(
+        p.parse_args(["--wan-delay-ms", "50", "--partition-s", "60", "--run-dir", str(tmp_path)])
+    )
+    assert (c.wan_delay_ms, c.wan_jitter_ms, c.partition_s, c.wan) == (50.0, 0.0, 60.0, True)
+    assert not ChaosConfig(run_dir=tmp_path).wan  # by default only the partitioned engine has a proxy
+    for bad in ({"wan_delay_ms": -1.0}, {"wan_jitter_ms": float("inf")}, {"partition_s": -5.0}):
+        with pytest.raises(ValueError, match="finite number >= 0"):
+            ChaosConfig(run_dir=tmp_path, **bad)
