@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from load.study import sim_ratios
 from sim.costs import LinearCost
 from sim.validate import validate
 from tests.harness import REPO
@@ -77,3 +78,17 @@ def test_the_planned_study_runs_a_planned_fleet_through_the_gateway(tmp_path):
     meta = json.loads((out / "planned" / "meta.json").read_text())
     assert meta["planned"]["method"] == "ilp"
     assert all((out / "planned" / c["plan"]).is_file() for c in meta["planned"]["clusters"].values())
+
+
+def test_the_simulators_ratios_sit_beside_the_measured_ones():
+    rows = [
+        {"run": f"/x/{rep}/{name}", "sim_makespan_s": m}
+        for rep, ms in (("r0", (60.0, 24.0, 30.0)), ("r1", (59.0, 23.6, 31.0)))
+        for name, m in zip(
+            ("rr_static_equal", "token_iteration_equal", "token_static_equal"), ms, strict=True
+        )
+    ]
+    out = sim_ratios(rows, {"qi_over_rr_static": 2.45})
+    assert out["sim_qi_over_rr_static"] == pytest.approx(2.5, abs=1e-3)  # median of 2.5 and 2.5
+    assert out["qi_over_rr_static_vs_sim"] == pytest.approx(0.98, abs=1e-3)
+    assert "sim_kv_ratio_iteration_vs_static" not in out  # a KV ratio is not a makespan ratio
