@@ -57,6 +57,28 @@ def staging_key(batch_id: str, token: str) -> str:
     return keys.batch(batch_id) + ":staging:" + token
 
 
+def batch_info(batch_id: str, h: Mapping[str, str]) -> BatchInfo | None:
+    """The batch read from its hash ``h`` (None: no batch, or a creation cut short)."""
+    if not h or "status" not in h:
+        return None
+    return BatchInfo(
+        batch_id=batch_id,
+        status=h["status"],
+        total=as_int(h.get("total")),
+        completed=as_int(h.get("completed")),
+        failed=as_int(h.get("failed")),
+        cancelled=as_int(h.get("cancelled")),
+        created_at=as_float(h.get("created_at")),
+        completed_at=as_float(h.get("completed_at")),
+        policy=h.get("policy", ""),
+        metadata=json.loads(h.get("metadata") or "{}"),
+        fingerprint=h.get("fingerprint", ""),
+        error=h.get("error", ""),
+        queries_per_cluster=json.loads(h.get("queries_per_cluster") or "{}"),
+        predicted_tokens_per_cluster=json.loads(h.get("predicted_tokens_per_cluster") or "{}"),
+    )
+
+
 class BatchOps:
     """Batch lifecycle; mixed into :class:`workqueue.queue.WorkQueue`."""
 
@@ -292,25 +314,7 @@ class BatchOps:
         pipe.execute()
 
     def batch(self, batch_id: str) -> BatchInfo | None:
-        h = self.r.hgetall(keys.batch(batch_id))
-        if not h or "status" not in h:
-            return None
-        return BatchInfo(
-            batch_id=batch_id,
-            status=h["status"],
-            total=as_int(h.get("total")),
-            completed=as_int(h.get("completed")),
-            failed=as_int(h.get("failed")),
-            cancelled=as_int(h.get("cancelled")),
-            created_at=as_float(h.get("created_at")),
-            completed_at=as_float(h.get("completed_at")),
-            policy=h.get("policy", ""),
-            metadata=json.loads(h.get("metadata") or "{}"),
-            fingerprint=h.get("fingerprint", ""),
-            error=h.get("error", ""),
-            queries_per_cluster=json.loads(h.get("queries_per_cluster") or "{}"),
-            predicted_tokens_per_cluster=json.loads(h.get("predicted_tokens_per_cluster") or "{}"),
-        )
+        return batch_info(batch_id, self.r.hgetall(keys.batch(batch_id)))
 
     def batch_ids(self, limit: int = 100, newest_first: bool = True) -> list[str]:
         """Ids of batches not yet expired, by creation time."""

@@ -1,0 +1,147 @@
+"""A tick's queue work in a constant number of round trips, however many clusters or batches it covers.
+
+The gateway's offloader, its status reads and its intake each used to call Redis once per
+cluster or per batch (requeue each cluster's lapsed leases, read each donor's tail, move and
+announce one move at a time, read each listed batch). On a WAN every call is a round trip.
+:class:`TickOps` does each of those for many clusters or batches at once:
+
+* :meth:`TickOps.requeue_all_expired`: one script call requeues the lapsed leases of every
+  cluster (REQUEUE_ALL: REQUEUE_EXPIRED's body per cluster) and returns the clusters' names;
+* :meth:`TickOps.tails`: the tails of many queues, two pipelines (their ids, then their tokens);
+* :meth:`TickOps.move_many`: many ``MOVE_IDS`` calls in one pipeline, then one announcement;
+* :meth:`TickOps.batches`: many batch hashes in one pipeline.
+
+:func:`eval_many` runs one script many times in one pipeline with ``EVALSHA``, loading the script
+only when Redis lacks it (redis-py's own pipelined scripts ask ``SCRIPT EXISTS`` on every
+execute: one more round trip each time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
+
+from workqueue import keys, move_scripts, scripts
+from workqueue.batches import batch_info
+from workqueue.records import BatchInfo, as_float
+from workqueue.wake import announce
+
+# ARGV: none. Requeues the lapsed leases of every cluster in the cluster set (as REQUEUE_EXPIRED does
+# for one) and returns {name, requeued, name, requeued, ...}.
+REQUEUE_ALL = (
+    scripts.PRELUDE
+    + r"""
+local out = {}
+local now = server_now()
+for _, c in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local inflight, queue, pending = k_inflight(c), k_queue(c), k_pending(c)
+  local expired = redis.call('ZRANGEBYSCORE', inflight, '-inf', now)
+  local n = 0
+  for i = #expired, 1, -1 do
+    local g = expired[i]
+    redis.call('ZREM', inflight, g)
+    local q = k_query(g)
+    local h = redis.call('HMGET', q, 'state', 'tokens')
+    if h[1] == 'running' then
+      redis.call('HSET', q, 'state', 'queued', 'cluster', c)
+      redis.call('LPUSH', queue, g)
+      redis.call('INCRBYFLOAT', pending, tonumber(h[2] or '0'))
+      n = n + 1
+    end
+  end
+  out[#out + 1] = c
+  out[#out + 1] = n
+end
+return out
+"""
+)
+
+
+def eval_many(client: redis.Redis, script: Script, calls: Sequence[tuple[Sequence, Sequence]]) -> list:
+    """Run ``script`` once per ``(keys, args)`` of ``calls``, in order, in one pipeline; their replies.
+
+    One round trip, two more (``SCRIPT LOAD`` and the calls again) when Redis lacks the script: a
+    call refused with ``NOSCRIPT`` never ran, so running it again runs it once. Any other error
+    in a reply is raised."""
+    out: list = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=False)
+        for i in todo:
+            k, a = calls[i]
+            pipe.evalsha(script.sha, len(k), *k, *a)
+        replies = pipe.execute(raise_on_error=False) if todo else []
+        missing = []
+        for i, reply in zip(todo, replies, strict=True):
+            if isinstance(reply, NoScriptError) and attempt == 0:
+                missing.append(i)
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                out[i] = reply
+        if not missing:
+            break
+        script.sha = client.script_load(script.script)
+        todo = missing
+    return out
+
+
+class TickOps:
+    """Many clusters or batches per round trip; mixed into :class:`workqueue.queue.WorkQueue`."""
+
+    r: redis.Redis
+
+    def _init_ticks(self, client: redis.Redis) -> None:
+        self._requeue_all = client.register_script(REQUEUE_ALL)
+        self._move_ids_many = client.register_script(move_scripts.MOVE_IDS)
+
+    def requeue_all_expired(self) -> dict[str, int]:
+        """Requeue the lapsed leases of every registered cluster (as :meth:`requeue_expired` does for
+        one), in one script call; returns every cluster's name with how many it requeued."""
+        flat = eval_many(self.r, self._requeue_all, [([keys.CLUSTERS], [])])[0]
+        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def tails(self, reads: Mapping[str, tuple[int, int]]) -> dict[str, list[tuple[str, float]]]:
+        """:meth:`tail` of many clusters (``cluster -> (n, skip)``) in two round trips: each cluster's
+        last ``n`` queued ids before its last ``skip``, with their predicted tokens."""
+        names = [c for c, (n, _) in reads.items() if n > 0]
+        out: dict[str, list[tuple[str, float]]] = {c: [] for c in reads}
+        if not names:
+            return out
+        pipe = self.r.pipeline(transaction=False)
+        for c in names:
+            n, skip = reads[c]
+            pipe.lrange(keys.queue(c), -(skip + n), -(skip + 1))
+        ids = dict(zip(names, pipe.execute(), strict=True))
+        pipe = self.r.pipeline(transaction=False)
+        for c in names:
+            for g in ids[c]:
+                pipe.hget(keys.query(g), "tokens")
+        tokens = iter(pipe.execute())
+        for c in names:
+            out[c] = [(g, as_float(next(tokens))) for g in ids[c]]
+        return out
+
+    def move_many(self, moves: Sequence[tuple[str, str, Sequence[str], int]]) -> list[tuple[int, float]]:
+        """:meth:`move_ids` of many moves ``(src, dst, gids, window)``, in order, in one pipeline (each
+        move stays one atomic script call), then one announcement of the clusters that got work;
+        returns each move's ``(moved, predicted tokens moved)``."""
+        calls = [
+            ([keys.queue(s), keys.queue(d), keys.pending(s), keys.pending(d)], [s, d, max(1, int(w)), *g])
+            for s, d, g, w in moves
+        ]
+        replies = eval_many(self.r, self._move_ids_many, calls)
+        out = [(int(m), float(t)) for m, t in replies]
+        announce(self.r, [d for (_, d, _, _), (m, _) in zip(moves, out, strict=True) if m])
+        return out
+
+    def batches(self, batch_ids: Iterable[str]) -> dict[str, tuple[BatchInfo | None, dict[str, str]]]:
+        """Many batches in one round trip: per id its :class:`BatchInfo` (None: none) and raw hash."""
+        ids = list(batch_ids)
+        pipe = self.r.pipeline(transaction=False)
+        for b in ids:
+            pipe.hgetall(keys.batch(b))
+        return {b: (batch_info(b, h), h) for b, h in zip(ids, pipe.execute(), strict=True)}
