@@ -349,9 +349,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
         problem = id_problem(batch_id, "batch_id")
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        info = await asyncio.to_thread(self.d.queue.batch, batch_id)
-        caller = self.d.auth.caller(context)
-        if info is None or not await asyncio.to_thread(quota.may_see, self.d.queue, batch_id, caller):
+        info, h = (await asyncio.to_thread(self.d.queue.batches, [batch_id]))[batch_id]  # one round trip
+        if info is None or not quota.owner_allows(h.get(quota.OWNER_FIELD), self.d.auth.caller(context)):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no batch {batch_id!r}")
         return info
 

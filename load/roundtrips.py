@@ -23,6 +23,7 @@ from pathlib import Path
 
 from gateway import openai_batches as ob
 from gateway import quota
+from gateway.auth import HTTP_CLIENT
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.listing import read_clusters
 from gateway.offloader import Offloader
@@ -127,12 +128,12 @@ def list_batches(url: str, b: int) -> int:
     def read() -> None:
         ids, _ = ob.list_batches(q, b, None)
         if page is not None:
-            page(q, ids)
+            page(q, ids, HTTP_CLIENT)
             return
         for bid in ids:  # the code before batch_objects: one batch at a time
             info = q.batch(bid)
             rec = q.r.hgetall(ob.record_key(bid))
-            quota.may_see(q, bid, "http")
+            quota.may_see(q, bid, HTTP_CLIENT)
             ob.note_progress(q, bid, info, rec)
 
     read()
@@ -181,7 +182,11 @@ async def _submit_and_intake(url: str, n: int) -> dict:
         while await asyncio.to_thread(service.intake.tick):
             pass
         out[f"{label}_intake"], out[f"{label}_chunks"] = _since(trips, before), chunks[0]
+    before = trips.value
+    await service.GetBatch(pb.GetBatchRequest(batch_id="submit"), _Context())
+    out["get_batch"] = _since(trips, before)
     return {
+        "get_batch": out["get_batch"],
         "submit": out["submit"],
         "intake": out["submit_intake"],
         "intake_chunks": out["submit_chunks"],
@@ -201,7 +206,8 @@ def measure(url: str, clusters: list[int], batches: list[int], n: int) -> dict:
 
 
 def table(m: dict) -> str:
-    lines = [f"SubmitBatch of {m['queries']} queries: {m['submit']} round trips",
+    lines = [f"GetBatch: {m['get_batch']} round trips",
+             f"SubmitBatch of {m['queries']} queries: {m['submit']} round trips",
              f"its background intake: {m['intake']} in {m['intake_chunks']} chunks "
              f"({m['intake_per_chunk']} per chunk)"]  # fmt: skip
     for what in ("offloader_steady", "offloader_offload", "cluster_status", "list_batches", "quota"):

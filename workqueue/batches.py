@@ -292,19 +292,9 @@ class BatchOps:
         rows: Sequence[tuple[str, str, float, str]],
         ttl_s: float,
     ) -> int:
-        """Land one chunk of rows ``(gid, payload, predicted tokens, cluster)`` (see ``scripts.ENQUEUE_CHUNK``).
-
-        Cluster ``''`` fails the row at once (its payload is its result JSON). Returns the rows
-        handled, or -1 (the lease is not ``token``'s), -2 (no such batch), -3 (``cursor`` is stale).
-        """
-        args: list = [batch_id, token, cursor, self.clock(), max(1, int(ttl_s * 1000))]
-        for g, payload, tokens, c in rows:
-            args += [g, payload, tokens, c]
-        k = [keys.batch(batch_id), intake_lease_key(batch_id), intake_key(batch_id), INTAKE, keys.CLUSTERS]
-        handled = int(self._enqueue_chunk(keys=k, args=args))
-        if handled > 0:
-            announce(self.r, (c for _, _, _, c in rows))
-        return handled
+        """Land one chunk of rows ``(gid, payload, predicted tokens, cluster)``: :meth:`enqueue_parts`
+        with one part (``-1``: not ``token``'s lease, ``-2``: no such batch, ``-3``: stale cursor)."""
+        return self.enqueue_parts(batch_id, token, cursor, [rows], ttl_s)[0]
 
     def forget_intake(self, batch_id: str) -> None:
         """Drop the intake of a batch that no longer exists (expired or never created)."""

@@ -9,7 +9,9 @@ announce one move at a time, read each listed batch). On a WAN every call is a r
   cluster (REQUEUE_ALL: REQUEUE_EXPIRED's body per cluster) and returns the clusters' names;
 * :meth:`TickOps.tails`: the tails of many queues, two pipelines (their ids, then their tokens);
 * :meth:`TickOps.move_many`: many ``MOVE_IDS`` calls in one pipeline, then one announcement;
-* :meth:`TickOps.batches`: many batch hashes in one pipeline.
+* :meth:`TickOps.batches`: many batch hashes in one pipeline;
+* :meth:`TickOps.enqueue_parts`: the parts of an intake chunk (``ENQUEUE_CHUNK`` calls of a
+  bounded size each, so no one call holds Redis long) in one pipeline, then one announcement.
 
 :func:`eval_many` runs one script many times in one pipeline with ``EVALSHA``, loading the script
 only when Redis lacks it (redis-py's own pipelined scripts ask ``SCRIPT EXISTS`` on every
@@ -18,14 +20,14 @@ execute: one more round trip each time).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from workqueue import keys, move_scripts, scripts
-from workqueue.batches import batch_info
+from workqueue.batches import INTAKE, batch_info, intake_key, intake_lease_key
 from workqueue.records import BatchInfo, as_float
 from workqueue.wake import announce
 
@@ -93,6 +95,8 @@ class TickOps:
     """Many clusters or batches per round trip; mixed into :class:`workqueue.queue.WorkQueue`."""
 
     r: redis.Redis
+    _enqueue_chunk: Script
+    clock: Callable[[], float]
 
     def _init_ticks(self, client: redis.Redis) -> None:
         self._requeue_all = client.register_script(REQUEUE_ALL)
@@ -145,3 +149,32 @@ class TickOps:
         for b in ids:
             pipe.hgetall(keys.batch(b))
         return {b: (batch_info(b, h), h) for b, h in zip(ids, pipe.execute(), strict=True)}
+
+    def enqueue_parts(
+        self,
+        batch_id: str,
+        token: str,
+        cursor: int,
+        parts: Sequence[Sequence[tuple[str, str, float, str]]],
+        ttl_s: float,
+    ) -> list[int]:
+        """Land a chunk's ``parts`` (rows ``(gid, payload, predicted tokens, cluster)``, part k at
+        ``cursor`` plus the rows of the parts before it) with one ``ENQUEUE_CHUNK`` call each, all in
+        one pipeline (see ``scripts.ENQUEUE_CHUNK``); then the clusters that got rows are announced.
+
+        Cluster ``''`` fails the row at once (its payload is its result JSON). Per part: the rows
+        handled, or -1 (the lease is not ``token``'s), -2 (no such batch), -3 (the cursor is
+        stale). Each call checks the lease and the cursor, so the parts after a refused one are
+        refused too (its rows did not move the cursor): none lands twice or out of order."""
+        k = [keys.batch(batch_id), intake_lease_key(batch_id), intake_key(batch_id), INTAKE, keys.CLUSTERS]
+        calls, at, now = [], cursor, self.clock()
+        for rows in parts:
+            args: list = [batch_id, token, at, now, max(1, int(ttl_s * 1000))]
+            for g, payload, tokens, c in rows:
+                args += [g, payload, tokens, c]
+            calls.append((k, args))
+            at += len(rows)
+        handled = [int(n) for n in eval_many(self.r, self._enqueue_chunk, calls)]
+        landed = [c for rows, n in zip(parts, handled, strict=True) if n > 0 for _, _, _, c in rows]
+        announce(self.r, landed)
+        return handled
