@@ -116,29 +116,28 @@ class Offloader:
             return n_moved
         by_name = {v.name: v for v in views}
         busy = [v for v in views if v.queue_length > 0]
-        tails: dict[str, list[QueryLoad]] | None = None  # read once, for the first idle cluster that asks
+        asking = [v for v in views if self._asks(v)]
+        # one read of every donor's tail, deep enough that each asking cluster plans from the last
+        # tail_len queries left after the moves planned before it (as if it read the tail afresh)
+        n = self.config.tail_len
+        tails = queued_tails(q, {b.name: (n * len(asking), 0) for b in busy}) if asking and busy else {}
         planned: list[tuple[Move, int | None]] = []
-        for v in views:
-            if not v.usable or v.queue_length > 0:
-                continue
-            threshold = v.capacity_tps * self.config.lookahead_s
-            if v.pending_tokens > threshold:
-                continue
+        for v in asking:
             backoff = self._backoff(v.name)
-            if not backoff.ready():
-                continue
-            if tails is None:
-                tails = queued_tails(q, {b.name: (self.config.tail_len, 0) for b in busy})
-            others = {n: t for n, t in tails.items() if n != v.name}
+            others = {b: t[-n:] if n > 0 else [] for b, t in tails.items() if b != v.name}
             move = plan_offload(
-                v, [by_name[n] for n in others], others, self.config.links, idle_threshold_tokens=threshold
+                v,
+                [by_name[b] for b in others],
+                others,
+                self.config.links,
+                idle_threshold_tokens=v.capacity_tps * self.config.lookahead_s,
             )
             if move is None:
                 backoff.failed()
                 log.debug("%s idle, nothing worth taking; next ask in %.1f s", v.name, backoff.delay_s)
                 continue
             planned.append((move, None))
-            taken = set(move.keys)  # the next idle cluster plans from what is left of the tail
+            taken = set(move.keys)
             tails[move.src] = [t for t in tails[move.src] if t.key not in taken]
         for (move, _), moved in zip(planned, self._moves(planned, "offload"), strict=True):
             if moved > 0:
@@ -147,6 +146,13 @@ class Offloader:
             else:
                 self._backoff(move.dst).failed()
         return n_moved
+
+    def _asks(self, v: ClusterView) -> bool:
+        """Whether ``v`` asks for work now: usable, nothing queued, what it holds done within
+        ``lookahead_s``, and its backoff over."""
+        if not v.usable or v.queue_length > 0 or v.pending_tokens > v.capacity_tps * self.config.lookahead_s:
+            return False
+        return self._backoff(v.name).ready()
 
     def _evacuate(self, infos: list[ClusterInfo]) -> int:
         """Move queued work off clusters that cannot run it (dead, draining, removed); queries that

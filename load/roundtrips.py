@@ -83,13 +83,13 @@ def offloader_tick(url: str, k: int, offload: bool) -> int:
     setup = _fresh(url)
     _alive(setup, names)
     for i, n in enumerate(names if not offload else names[:1]):
-        _queued(setup, f"b{i}", n, 40 * k if offload else 5)
+        _queued(setup, f"b{i}", n, 300 * k if offload else 5)
     q, trips = _counted(url)
     Offloader(q).tick()  # warm-up: scripts loaded (it moves nothing twice: a fresh state follows)
     setup.r.flushdb()
     _alive(setup, names)
     for i, n in enumerate(names if not offload else names[:1]):
-        _queued(setup, f"b{i}", n, 40 * k if offload else 5)
+        _queued(setup, f"b{i}", n, 300 * k if offload else 5)
     off, before = Offloader(q), trips.value
     moved = off.tick()
     if offload and moved < k - 1:
