@@ -94,10 +94,11 @@ class Offloader:
         Its round trips do not grow with the clusters: one script requeues every cluster's lapsed
         leases, one pipeline reads the clusters, one the donors' tails, one makes the moves."""
         q = self.queue
-        for name, n in q.requeue_all_expired().items():
+        requeued = q.requeue_all_expired()
+        for name, n in requeued.items():
             if n:
                 log.warning("requeued %d queries of %s whose worker stopped renewing", n, name)
-        infos = q.clusters()
+        infos = q.clusters(sorted(requeued))  # every registered cluster, as the script found them
         with q.mover_lease("offloader", ttl_s=self.config.mover_ttl_s) as held:
             if not held:
                 if self.metrics is not None:
