@@ -167,13 +167,14 @@ def batch_problems(req: pb.SubmitBatchRequest, limits: Limits) -> list[str]:
         problems.append(md)
     seen: set[str] = set()
     for i, q in enumerate(req.queries):
-        if not q.id:
+        qid = q.id  # each read of a proto string field copies it
+        if not qid:
             problems.append(f"query #{i}: empty id")
-        elif not ID_RE.match(q.id):
+        elif not ID_RE.match(qid):
             problems.append(f"{_name(i, q)}: id must be {ALPHABET}")
-        elif q.id in seen:
+        elif qid in seen:
             problems.append(f"{_name(i, q)}: duplicate id")
-        seen.add(q.id)
+        seen.add(qid)
     return problems
 
 
@@ -276,18 +277,14 @@ def check_batch(
         raise InvalidBatch(problems)
     queries: Sequence[pb.Query] = req.queries
     rows: dict[int, list[str]] = {}
+    uncounted: dict[int, int] = {}
     for i, q in enumerate(queries):
         found = query_problems(q, limits)
         if found:
             rows[i] = found
-    todo = [i for i in range(len(queries)) if i not in rows]
-    uncounted: dict[int, int] = {}
-    if bound is not None:
-        for i in todo:
-            cap = prompt_token_cap(queries[i], limits)
-            if bound(queries[i].prompt) <= cap:
-                uncounted[i] = cap
-        todo = [i for i in todo if i not in uncounted]
+        elif bound is not None and bound(q.prompt) <= (cap := prompt_token_cap(q, limits)):
+            uncounted[i] = cap
+    todo = [i for i in range(len(queries)) if i not in rows and i not in uncounted]
     counted = count_tokens([queries[i].prompt for i in todo]) if todo else []
     tokens = [0] * len(queries)
     for i, n in zip(todo, counted, strict=True):
