@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -141,8 +142,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
         )
 
     def _count_assigned(self, names: list[str]) -> None:
-        for n in names:
-            self.d.metrics.queries.labels(n).inc()
+        for n, k in Counter(names).items():  # one update per cluster, not per query
+            self.d.metrics.queries.labels(n).inc(k)
 
     async def SubmitBatch(
         self, request: pb.SubmitBatchRequest, context: grpc.aio.ServicerContext
@@ -222,8 +223,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
         if not created:  # a concurrent submission with the same id won
             return await self._resubmitted(info, request, context)
         d.metrics.batches.inc()
-        for n in names:
-            d.metrics.queries.labels(n).inc()
+        self._count_assigned(names)
         elapsed = time.perf_counter() - t0
         d.metrics.assign_seconds.observe(elapsed)
         log.info(
