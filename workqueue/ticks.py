@@ -35,27 +35,13 @@ from workqueue.wake import announce
 # for one) and returns {name, requeued, name, requeued, ...}.
 REQUEUE_ALL = (
     scripts.PRELUDE
+    + scripts.REQUEUE_LAPSED
     + r"""
 local out = {}
 local now = server_now()
 for _, c in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local inflight, queue, pending = k_inflight(c), k_queue(c), k_pending(c)
-  local expired = redis.call('ZRANGEBYSCORE', inflight, '-inf', now)
-  local n = 0
-  for i = #expired, 1, -1 do
-    local g = expired[i]
-    redis.call('ZREM', inflight, g)
-    local q = k_query(g)
-    local h = redis.call('HMGET', q, 'state', 'tokens')
-    if h[1] == 'running' then
-      redis.call('HSET', q, 'state', 'queued', 'cluster', c)
-      redis.call('LPUSH', queue, g)
-      redis.call('INCRBYFLOAT', pending, tonumber(h[2] or '0'))
-      n = n + 1
-    end
-  end
   out[#out + 1] = c
-  out[#out + 1] = n
+  out[#out + 1] = requeue_lapsed(c, k_inflight(c), k_queue(c), k_pending(c), now)
 end
 return out
 """
