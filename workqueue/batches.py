@@ -258,10 +258,13 @@ class BatchOps:
             if extra:
                 extra(pipe)
 
+        created = False
         try:
-            return self._create_once(batch_id, write, "acceptance")
+            created = self._create_once(batch_id, write, "acceptance")
+            return created
         finally:
-            self.r.delete(stage)  # renamed away when this call created the batch
+            if not created:  # renamed away when this call created the batch
+                self.r.delete(stage)
 
     def intake_batches(self, limit: int = 100) -> list[str]:
         """Ids of accepted batches whose intake is unfinished, oldest first."""
