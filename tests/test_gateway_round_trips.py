@@ -8,6 +8,9 @@ front's batch listing; the cluster status (``ListClusters``, ``gateway status``)
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 from gateway import openai_batches as ob
 from gateway import quota
 from gateway.auth import HTTP_CLIENT
@@ -121,3 +124,29 @@ def test_the_cluster_status_costs_the_same_round_trips_for_2_and_12_clusters(red
         return trips.value - before
 
     assert status(12) == status(2)
+
+
+def test_a_chunks_parts_land_in_one_round_trip_and_none_after_a_refused_one(redis_url):
+    """The intake's 1,000-row script calls go in one pipeline: each still checks the lease and the
+    cursor, so parts landed already or sent without the lease are refused, and nothing lands twice."""
+    q, trips = counted(redis_url)
+    alive(q, ["a", "b"])
+    rows = [json.dumps({"id": f"q{i}"}) for i in range(6)]
+    assert q.accept_batch("big", rows) and q.take_intake("big", "me", 30)
+
+    def part(lo: int, hi: int) -> list[tuple[str, str, float, str]]:
+        out = []
+        for i in range(lo, hi):
+            row = QueuedQuery("big", f"q{i}", "p", 4, 1, 4.0)
+            out.append((row.gid, json.dumps(asdict(row)), 5.0, "ab"[i % 2]))
+        return out
+
+    assert q.enqueue_parts("big", "other", 0, [part(0, 2)], 30) == [-1]  # not its lease (the script loads)
+    before = trips.value
+    assert q.enqueue_parts("big", "me", 0, [part(0, 2), part(2, 4)], 30) == [2, 2]
+    assert trips.value - before == 2  # the parts, then the wake-ups of both clusters
+    assert q.enqueue_parts("big", "me", 0, [part(0, 2), part(2, 4)], 30) == [-3, -3]  # landed already
+    assert q.queued_ids("a") + q.queued_ids("b") == ["big:q0", "big:q2", "big:q1", "big:q3"]
+    assert q.enqueue_parts("big", "me", 4, [part(4, 5), part(5, 6)], 30) == [1, 1]
+    assert sorted(q.queued_ids("a") + q.queued_ids("b")) == [f"big:q{i}" for i in range(6)]
+    assert check(q.r) == []

@@ -150,8 +150,10 @@ class TickOps:
 
         Cluster ``''`` fails the row at once (its payload is its result JSON). Per part: the rows
         handled, or -1 (the lease is not ``token``'s), -2 (no such batch), -3 (the cursor is
-        stale). Each call checks the lease and the cursor, so the parts after a refused one are
-        refused too (its rows did not move the cursor): none lands twice or out of order."""
+        stale). Each call checks the lease and its own cursor, so a part lands only where the
+        batch's intake stands, exactly the rows at the head of its list: none lands twice or out
+        of order, and the parts after a refused one are refused too (its rows did not move the
+        cursor)."""
         k = [keys.batch(batch_id), intake_lease_key(batch_id), intake_key(batch_id), INTAKE, keys.CLUSTERS]
         calls, at, now = [], cursor, self.clock()
         for rows in parts:
