@@ -40,7 +40,7 @@ from gateway.http_shared import ApiError, Auth, CallContext, error_response, jso
 from gateway.openai_files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines
 from gateway.openai_format import ENDPOINTS
 from gateway.openai_retention import InUse, delete_file, deleting, retire
-from gateway.quota import header_problem, may_see
+from gateway.quota import header_problem
 from gateway.service import BatchService
 from gateway.validation import Limits, id_problem, metadata_problem, problems_by_query
 from protos import fleetbatch_pb2 as pb
@@ -316,12 +316,10 @@ class OpenAIFront:
     def _object(self, batch_id: str) -> dict:
         if id_problem(batch_id, "batch id"):
             raise ApiError(404, f"no batch {batch_id!r}", "batch_id")
-        info = self.queue.batch(batch_id)
-        rec = self.queue.r.hgetall(ob.record_key(batch_id))
-        if not rec or not may_see(self.queue, batch_id, HTTP_CLIENT):  # a gRPC client's batch
+        batch = ob.batch_objects(self.queue, [batch_id], HTTP_CLIENT)[batch_id]
+        if batch is None:  # no record, or a gRPC client's batch
             raise ApiError(404, f"no batch {batch_id!r}", "batch_id")
-        ob.note_progress(self.queue, batch_id, info, rec)
-        return ob.batch_object(batch_id, info, rec)
+        return batch
 
     async def get(self, request: Request) -> Response:
         return JSONResponse(await asyncio.to_thread(self._object, request.path_params["batch_id"]))
@@ -367,7 +365,8 @@ class OpenAIFront:
             )
         except ob.BadInput as e:
             raise ApiError(400, str(e), e.param) from None
-        return JSONResponse(_page([await asyncio.to_thread(self._object, b) for b in ids], more))
+        batches = await asyncio.to_thread(ob.batch_objects, self.queue, ids, HTTP_CLIENT)  # one round trip
+        return JSONResponse(_page([b for b in batches.values() if b is not None], more))
 
 
 def _whole(raw: str, name: str, most: int) -> int:

@@ -154,7 +154,7 @@ class Intake:
             if done + start < total:  # the list holds every row not yet landed: it is gone
                 self._lost(batch_id, total - done, total)
             return None
-        return status, done + start, [json.loads(r) for r in raw]
+        return status, done + start, json.loads("[" + ",".join(raw) + "]")  # one call: faster than one a row
 
     def _lost(self, batch_id: str, left: int, total: int) -> None:
         """Fail the rows of a batch whose intake list is gone (once: the batch leaves intake)."""
@@ -196,9 +196,10 @@ class Intake:
         """Land ``out`` at ``cursor``, ``land`` rows per script call; the rows landed, or negative
         (lease or cursor lost: the rest is not landed)."""
         s, landed = self.settings, 0
-        for i in range(0, len(out), s.land):  # each part lands alone: a cancel or a lost lease stops the rest
-            part = out[i : i + s.land]
-            n = self.queue.enqueue_chunk(batch_id, token, cursor + landed, part, s.lease_ttl_s)
+        parts = [out[i : i + s.land] for i in range(0, len(out), s.land)]
+        # one round trip; each part is its own script call: a cancel or a lost lease stops the rest
+        handled = self.queue.enqueue_parts(batch_id, token, cursor, parts, s.lease_ttl_s)
+        for part, n in zip(parts, handled, strict=True):
             if n < 0:
                 return n
             landed += n

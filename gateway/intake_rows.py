@@ -12,6 +12,9 @@ from gateway.validation import Checked
 from protos import fleetbatch_pb2 as pb
 from workqueue import QueryResult
 
+#: ``json.dumps(row, separators=(",", ":"))`` without building an encoder for every row
+_compact = json.JSONEncoder(separators=(",", ":")).encode
+
 
 class EncodedRows(Sequence[str]):
     """The batch's rows as JSON, one per query, encoded when a slice is read (the whole batch is
@@ -38,15 +41,16 @@ class EncodedRows(Sequence[str]):
                 row["token_cap"] = checked.uncounted[i]
             else:
                 row["prompt_tokens"] = checked.prompt_tokens[i]
-            row["temperature"] = q.sampling.temperature
-            row["top_p"] = q.sampling.top_p or 1.0
-            if q.sampling.HasField("seed"):
-                row["seed"] = q.sampling.seed
+            sampling = q.sampling
+            row["temperature"] = sampling.temperature
+            row["top_p"] = sampling.top_p or 1.0
+            if sampling.HasField("seed"):
+                row["seed"] = sampling.seed
             if q.HasField("forced_length"):
                 row["forced_length"] = q.forced_length
             if q.metadata:
                 row["metadata"] = dict(q.metadata)
-        return json.dumps(row, separators=(",", ":"))
+        return _compact(row)
 
 
 def encode_rows(request: pb.SubmitBatchRequest, checked: Checked) -> EncodedRows:

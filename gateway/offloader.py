@@ -28,7 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.offload import Backoff, LinkCost, Move, plan_offload
 from gateway.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.rebalance import RebalancePlan, plan_moves
-from gateway.views import cluster_views, queued_loads
+from gateway.views import cluster_views, queued_tails
 from workqueue import ClusterInfo, QueryResult, WorkQueue, keys
 from workqueue.queue import MOVE_WINDOW_SLACK
 
@@ -67,28 +67,38 @@ class Offloader:
             self.backoffs[name] = Backoff(base_s=c.backoff_base_s, max_s=c.backoff_max_s)
         return self.backoffs[name]
 
-    def _move(self, move: Move, why: str, window: int | None = None) -> int:
-        """Carry out ``move``: exactly its planned ids that are still queued on its source (looked
-        for within ``window`` entries from its back)."""
-        src, dst = move.src, move.dst
-        moved, tokens = self.queue.move_ids(src, dst, move.keys, window)
-        if moved:
-            self.moved_total += moved
-            if self.metrics is not None:
-                self.metrics.moves.labels(src, dst).inc(moved)
-            log.info("%s: moved %d queries (%.0f predicted tokens) %s -> %s", why, moved, tokens, src, dst)
-        return moved
+    def _moves(self, moves: list[tuple[Move, int | None]], why: str) -> list[int]:
+        """Carry out ``moves`` (each with its ``window``: how far from its source's back its ids
+        are looked for; None: its ids plus the slack) in one round trip: exactly the planned ids
+        still queued on each source. Returns each move's count moved."""
+        if not moves:
+            return []
+        done = self.queue.move_many(
+            [(m.src, m.dst, m.keys, len(m.keys) + MOVE_WINDOW_SLACK if w is None else w) for m, w in moves]
+        )
+        for (m, _), (moved, tokens) in zip(moves, done, strict=True):
+            if moved:
+                self.moved_total += moved
+                if self.metrics is not None:
+                    self.metrics.moves.labels(m.src, m.dst).inc(moved)
+                log.info(
+                    "%s: moved %d queries (%.0f predicted tokens) %s -> %s", why, moved, tokens, m.src, m.dst
+                )
+        return [moved for moved, _ in done]
 
     def tick(self) -> int:
         """One round; returns how many queries moved. Moves happen only under the mover lease,
         so offloaders of several gateway replicas and admin rebalance never plan from the same
-        snapshot; a tick that finds the lease held requeues lapsed leases and moves nothing."""
+        snapshot; a tick that finds the lease held requeues lapsed leases and moves nothing.
+
+        Its round trips do not grow with the clusters: one script requeues every cluster's lapsed
+        leases, one pipeline reads the clusters, one the donors' tails, one makes the moves."""
         q = self.queue
-        infos = q.clusters()
-        for i in infos:
-            n = q.requeue_expired(i.name)
+        requeued = q.requeue_all_expired()
+        for name, n in requeued.items():
             if n:
-                log.warning("requeued %d queries of %s whose worker stopped renewing", n, i.name)
+                log.warning("requeued %d queries of %s whose worker stopped renewing", n, name)
+        infos = q.clusters(sorted(requeued))  # every registered cluster, as the script found them
         with q.mover_lease("offloader", ttl_s=self.config.mover_ttl_s) as held:
             if not held:
                 if self.metrics is not None:
@@ -107,29 +117,43 @@ class Offloader:
             return n_moved
         by_name = {v.name: v for v in views}
         busy = [v for v in views if v.queue_length > 0]
-        for v in views:
-            if not v.usable or v.queue_length > 0:
-                continue
-            threshold = v.capacity_tps * self.config.lookahead_s
-            if v.pending_tokens > threshold:
-                continue
+        asking = [v for v in views if self._asks(v)]
+        # one read of every donor's tail, deep enough that each asking cluster plans from the last
+        # tail_len queries left after the moves planned before it (as if it read the tail afresh)
+        n = self.config.tail_len
+        tails = queued_tails(q, {b.name: (n * len(asking), 0) for b in busy}) if asking and busy else {}
+        planned: list[tuple[Move, int | None]] = []
+        for v in asking:
             backoff = self._backoff(v.name)
-            if not backoff.ready():
-                continue
-            tails = {b.name: queued_loads(q, b.name, self.config.tail_len) for b in busy if b.name != v.name}
+            others = {b: t[-n:] if n > 0 else [] for b, t in tails.items() if b != v.name}
             move = plan_offload(
-                v, [by_name[n] for n in tails], tails, self.config.links, idle_threshold_tokens=threshold
+                v,
+                [by_name[b] for b in others],
+                others,
+                self.config.links,
+                idle_threshold_tokens=v.capacity_tps * self.config.lookahead_s,
             )
             if move is None:
                 backoff.failed()
                 log.debug("%s idle, nothing worth taking; next ask in %.1f s", v.name, backoff.delay_s)
                 continue
-            if (moved := self._move(move, "offload")) > 0:
-                backoff.succeeded()
+            planned.append((move, None))
+            taken = set(move.keys)
+            tails[move.src] = [t for t in tails[move.src] if t.key not in taken]
+        for (move, _), moved in zip(planned, self._moves(planned, "offload"), strict=True):
+            if moved > 0:
+                self._backoff(move.dst).succeeded()
                 n_moved += moved
             else:
-                backoff.failed()
+                self._backoff(move.dst).failed()
         return n_moved
+
+    def _asks(self, v: ClusterView) -> bool:
+        """Whether ``v`` asks for work now: usable, nothing queued, what it holds done within
+        ``lookahead_s``, and its backoff over."""
+        if not v.usable or v.queue_length > 0 or v.pending_tokens > v.capacity_tps * self.config.lookahead_s:
+            return False
+        return self._backoff(v.name).ready()
 
     def _evacuate(self, infos: list[ClusterInfo]) -> int:
         """Move queued work off clusters that cannot run it (dead, draining, removed); queries that
@@ -143,7 +167,7 @@ class Offloader:
         # bounded reads: a chunk of each stuck queue's tail, past the entries known to stay there
         chunk = self.config.evacuate_chunk
         skip = {name: self.skip.get(name, 0) for name in stuck}
-        queued = {name: queued_loads(self.queue, name, chunk, skip[name]) for name in stuck}
+        queued = queued_tails(self.queue, {name: (chunk, skip[name]) for name in stuck})
         try:
             plan = plan_moves(views, queued, drain=stuck, links=self.config.links)
         except NoClusterError as e:
@@ -158,11 +182,8 @@ class Offloader:
             for name in stuck
         }
         self._report_kept({name: kept[name] for name in stuck if skip[name] == 0}, set(stuck))
-        moved = sum(
-            self._move(m, "evacuate", skip[m.src] + chunk + MOVE_WINDOW_SLACK)
-            for m in plan.moves
-            if m.src in stuck
-        )
+        moves = [(m, skip[m.src] + chunk + MOVE_WINDOW_SLACK) for m in plan.moves if m.src in stuck]
+        moved = sum(self._moves(moves, "evacuate"))
         # the next tick reads past what stays; from the back again once past the front, or too deep
         for name in stuck:
             depth = skip[name] + len(kept[name])

@@ -30,9 +30,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from gateway.openai_format import CHAT, parse_row
+from gateway.quota import OWNER_FIELD, owner_allows
 from gateway.validation import ID_RE, Limits, query_problems
 from protos import fleetbatch_pb2 as pb
 from workqueue import BatchInfo, BatchState, WorkQueue, keys
+from workqueue.batches import batch_info
 from workqueue.keys import PREFIX
 
 LIST = PREFIX + "oai:batches"  # ZSET: ids of batches created over HTTP, by creation time
@@ -235,18 +237,22 @@ def drop_record(queue: WorkQueue, batch_id: str) -> None:
     pipe.execute()
 
 
-def note_progress(queue: WorkQueue, batch_id: str, info: BatchInfo | None, rec: dict) -> None:
+def note_progress(
+    queue: WorkQueue, batch_id: str, info: BatchInfo | None, rec: dict, intake: bool | None = None
+) -> None:
     """Record (once) in ``rec`` and its Redis hash when the batch became ``in_progress``.
 
     A batch created whole (no background intake) is ``in_progress`` from birth: the queue's own
-    ``created_at``. A batch accepted for background intake is ``validating`` until its first
+    ``created_at``. A batch accepted for background intake (``intake``: whether its hash has
+    ``intake_total``; None: read it) is ``validating`` until its first
     chunk lands and the queue keeps no time for that: it is the first time the front (a GET or
     the finalizer's pass every 0.5 s) sees it ``in_progress`` or beyond (``completed`` /
     ``failed``); one cancelled before the front saw it in progress keeps ``in_progress_at`` null.
     """
     if info is None or not rec or rec.get("in_progress_at") or info.status == BatchState.VALIDATING:
         return
-    intake = queue.r.hexists(keys.batch(batch_id), "intake_total")
+    if intake is None:
+        intake = queue.r.hexists(keys.batch(batch_id), "intake_total")
     if not intake:
         when = info.created_at
     elif info.status in (BatchState.IN_PROGRESS, BatchState.COMPLETED, BatchState.FAILED):
@@ -359,3 +365,23 @@ def list_batches(queue: WorkQueue, limit: int, after: str | None) -> tuple[list[
         queue.r.zrem(LIST, *gone)
     ids = [b for b, ok in zip(ids, alive, strict=True) if ok]
     return ids[:limit], len(ids) > limit
+
+
+def batch_objects(queue: WorkQueue, batch_ids: Iterable[str], client: str) -> dict[str, dict | None]:
+    """OpenAI's batch objects of ``batch_ids`` as ``client`` sees them (None: no record, or another
+    client's batch), read in one round trip (one more per batch first seen in progress)."""
+    ids = list(batch_ids)
+    pipe = queue.r.pipeline(transaction=False)
+    for b in ids:
+        pipe.hgetall(keys.batch(b))
+        pipe.hgetall(record_key(b))
+    raw = pipe.execute()
+    out: dict[str, dict | None] = {}
+    for b, h, rec in zip(ids, raw[::2], raw[1::2], strict=True):
+        if not rec or not owner_allows(h.get(OWNER_FIELD), client):  # a gRPC client's batch
+            out[b] = None
+            continue
+        info = batch_info(b, h)
+        note_progress(queue, b, info, rec, intake="intake_total" in h)
+        out[b] = batch_object(b, info, rec)
+    return out

@@ -72,14 +72,17 @@ def place(loads: Sequence[QueryLoad], infos: Sequence[ClusterInfo], assign: Assi
     never: dict[int, str] = {}
     later: list[int] = []
     now: list[int] = []
-    for i, load in enumerate(loads):
-        why = misfit(load, configured, "configured")
-        if why is not None:
-            never[i] = why
-        elif fitting(load, live):
-            now.append(i)
-        else:
-            later.append(i)
+    if loads and live and max(q.total_tokens for q in loads) <= min(v.query_limit for v in live):
+        now = list(range(len(loads)))  # each fits every live cluster, so a configured one: the rule agrees
+    else:
+        for i, load in enumerate(loads):
+            why = misfit(load, configured, "configured")
+            if why is not None:
+                never[i] = why
+            elif fitting(load, live):
+                now.append(i)
+            else:
+                later.append(i)
     names: list[str | None] = [None] * len(loads)
     if now:
         for i, name in zip(now, assign([loads[i] for i in now], views), strict=True):

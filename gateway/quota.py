@@ -57,13 +57,14 @@ def header_problem(metadata: dict[str, str]) -> str | None:
 def unfinished(queue: WorkQueue, client: str) -> int:
     """Queries of ``client``'s batches not yet finished; forgets its final and expired batches."""
     key = client_key(client)
-    left = 0
-    for bid in queue.r.smembers(key):
-        info = queue.batch(bid)
+    left, gone = 0, []
+    for bid, (info, _) in queue.batches(queue.r.smembers(key)).items():  # one round trip for them all
         if info is None or info.final:
-            queue.r.srem(key, bid)
+            gone.append(bid)
             continue
         left += max(0, info.total - info.completed - info.failed - info.cancelled)
+    if gone:
+        queue.r.srem(key, *gone)
     return left
 
 
@@ -96,7 +97,12 @@ def may_see(queue: WorkQueue, batch_id: str, client: str | None) -> bool:
     batch to callers without tokens (a gateway without client tokens)."""
     if client is None or client == ADMIN_CLIENT:
         return True
-    return (queue.r.hget(keys.batch(batch_id), OWNER_FIELD) or client) == client
+    return owner_allows(queue.r.hget(keys.batch(batch_id), OWNER_FIELD), client)
+
+
+def owner_allows(owner: str | None, client: str | None) -> bool:
+    """Whether a batch whose owner is ``owner`` (None: none) is open to ``client`` (see :func:`may_see`)."""
+    return client is None or client == ADMIN_CLIENT or (owner or client) == client
 
 
 def may_resubmit(queue: WorkQueue, batch_id: str, client: str | None) -> bool:

@@ -123,6 +123,8 @@ def number_problem(field: str, value: object, name: str | None = None) -> str | 
     """Why ``value`` cannot be the query's number ``field`` (:data:`NUMBER_RANGES`), or None;
     ``name``: the field as the client called it (``max_completion_tokens``), for the message."""
     low, high = NUMBER_RANGES[field]
+    if type(value) is float and isinstance(low, float) and low <= value <= high:
+        return None  # the common case, answered before the checks below (which it passes)
     name = name or field
     whole = isinstance(low, int)
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -138,6 +140,8 @@ def number_problem(field: str, value: object, name: str | None = None) -> str | 
 
 
 def metadata_problem(md: Mapping[str, str], limit: int, what: str = "metadata") -> str | None:
+    if not md:
+        return None
     size = 0
     for k, v in md.items():
         size += len(k) + len(v)
@@ -163,13 +167,14 @@ def batch_problems(req: pb.SubmitBatchRequest, limits: Limits) -> list[str]:
         problems.append(md)
     seen: set[str] = set()
     for i, q in enumerate(req.queries):
-        if not q.id:
+        qid = q.id  # each read of a proto string field copies it
+        if not qid:
             problems.append(f"query #{i}: empty id")
-        elif not ID_RE.match(q.id):
+        elif not ID_RE.match(qid):
             problems.append(f"{_name(i, q)}: id must be {ALPHABET}")
-        elif q.id in seen:
+        elif qid in seen:
             problems.append(f"{_name(i, q)}: duplicate id")
-        seen.add(q.id)
+        seen.add(qid)
     return problems
 
 
@@ -192,14 +197,13 @@ def effective_max_tokens(q: pb.Query, limits: Limits) -> int:
 def query_problems(q: pb.Query, limits: Limits) -> list[str]:
     """Problems of one query found without tokenizing (sizes first)."""
     out: list[str] = []
-    n = len(q.prompt)
+    prompt = q.prompt  # each read of a proto string field copies it
+    n = len(prompt)
     if n > limits.max_prompt_bytes:  # characters are a lower bound of bytes
         out.append(f"prompt has {n} characters, more than max_prompt_bytes={limits.max_prompt_bytes} bytes")
-    elif len(q.prompt.encode()) > limits.max_prompt_bytes:
-        out.append(
-            f"prompt has {len(q.prompt.encode())} bytes; the limit is max_prompt_bytes={limits.max_prompt_bytes}"
-        )
-    elif not q.prompt.strip():
+    elif 4 * n > limits.max_prompt_bytes and (size := len(prompt.encode())) > limits.max_prompt_bytes:
+        out.append(f"prompt has {size} bytes; the limit is max_prompt_bytes={limits.max_prompt_bytes}")
+    elif not prompt.strip():
         out.append("empty prompt")
     md = metadata_problem(q.metadata, limits.max_metadata_bytes)
     if md:
@@ -273,18 +277,14 @@ def check_batch(
         raise InvalidBatch(problems)
     queries: Sequence[pb.Query] = req.queries
     rows: dict[int, list[str]] = {}
+    uncounted: dict[int, int] = {}
     for i, q in enumerate(queries):
         found = query_problems(q, limits)
         if found:
             rows[i] = found
-    todo = [i for i in range(len(queries)) if i not in rows]
-    uncounted: dict[int, int] = {}
-    if bound is not None:
-        for i in todo:
-            cap = prompt_token_cap(queries[i], limits)
-            if bound(queries[i].prompt) <= cap:
-                uncounted[i] = cap
-        todo = [i for i in todo if i not in uncounted]
+        elif bound is not None and bound(q.prompt) <= (cap := prompt_token_cap(q, limits)):
+            uncounted[i] = cap
+    todo = [i for i in range(len(queries)) if i not in rows and i not in uncounted]
     counted = count_tokens([queries[i].prompt for i in todo]) if todo else []
     tokens = [0] * len(queries)
     for i, n in zip(todo, counted, strict=True):

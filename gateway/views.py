@@ -84,3 +84,9 @@ def queued_loads(
     (front first), read from Redis. Reads are bounded: a plan made from them moves at most
     ``limit`` queries per queue, and the rest move on a later round."""
     return [QueryLoad(g, 0, t) for g, t in queue.tail(cluster, min(limit, MAX_TAIL_READ), skip)]
+
+
+def queued_tails(queue: WorkQueue, reads: dict[str, tuple[int, int]]) -> dict[str, list[QueryLoad]]:
+    """:func:`queued_loads` of many clusters (``cluster -> (limit, skip)``) in two round trips."""
+    tails = queue.tails({c: (min(n, MAX_TAIL_READ), skip) for c, (n, skip) in reads.items()})
+    return {c: [QueryLoad(g, 0, t) for g, t in tail] for c, tail in tails.items()}

@@ -270,6 +270,10 @@ class AppendsBeforeMoving(WorkQueue):
         self._append_once()
         return super().move_ids(src, dst, gids, window)
 
+    def move_many(self, moves) -> list[tuple[int, float]]:  # the offloader's moves, one pipeline a tick
+        self._append_once()
+        return super().move_many(moves)
+
 
 def test_the_offloader_moves_the_ids_it_planned_not_whatever_is_at_the_tail(redis_url):
     queue = AppendsBeforeMoving(connect(redis_url))

@@ -42,16 +42,22 @@ class SlowMoves(WorkQueue):
     most = 0
     lock = threading.Lock()
 
-    def move_ids(self, src: str, dst: str, gids, window=None) -> tuple[int, float]:
+    def _slowly(self, move):
         with SlowMoves.lock:
             SlowMoves.active += 1
             SlowMoves.most = max(SlowMoves.most, SlowMoves.active)
         time.sleep(0.2)
         try:
-            return super().move_ids(src, dst, gids, window)
+            return move()
         finally:
             with SlowMoves.lock:
                 SlowMoves.active -= 1
+
+    def move_ids(self, src: str, dst: str, gids, window=None) -> tuple[int, float]:
+        return self._slowly(lambda: super(SlowMoves, self).move_ids(src, dst, gids, window))
+
+    def move_many(self, moves) -> list[tuple[int, float]]:  # the offloader's moves, one pipeline a tick
+        return self._slowly(lambda: super(SlowMoves, self).move_many(moves))
 
 
 def test_two_offloaders_ticking_at_once_do_not_both_move_the_same_surplus(redis_url):

@@ -4,7 +4,8 @@ One place for the key schema (:mod:`workqueue.keys`), the Lua scripts that make 
 multi-key change atomic (:mod:`workqueue.scripts`), the typed queue API
 (:mod:`workqueue.queue`, its claim and lease side in :mod:`workqueue.leases`, its batches in
 :mod:`workqueue.batches`, intake waits and lost intake lists in :mod:`workqueue.intake_ops`,
-the mover lease in :mod:`workqueue.mover`, its records in :mod:`workqueue.records`) and the embedded Redis server used when no URL is given
+the mover lease in :mod:`workqueue.mover`, many clusters or batches per round trip in
+:mod:`workqueue.ticks`, its records in :mod:`workqueue.records`) and the embedded Redis server used when no URL is given
 (:mod:`workqueue.embedded`). The gateway and the engines meet only here and in the protos.
 """
 

@@ -57,6 +57,28 @@ def staging_key(batch_id: str, token: str) -> str:
     return keys.batch(batch_id) + ":staging:" + token
 
 
+def batch_info(batch_id: str, h: Mapping[str, str]) -> BatchInfo | None:
+    """The batch read from its hash ``h`` (None: no batch, or a creation cut short)."""
+    if not h or "status" not in h:
+        return None
+    return BatchInfo(
+        batch_id=batch_id,
+        status=h["status"],
+        total=as_int(h.get("total")),
+        completed=as_int(h.get("completed")),
+        failed=as_int(h.get("failed")),
+        cancelled=as_int(h.get("cancelled")),
+        created_at=as_float(h.get("created_at")),
+        completed_at=as_float(h.get("completed_at")),
+        policy=h.get("policy", ""),
+        metadata=json.loads(h.get("metadata") or "{}"),
+        fingerprint=h.get("fingerprint", ""),
+        error=h.get("error", ""),
+        queries_per_cluster=json.loads(h.get("queries_per_cluster") or "{}"),
+        predicted_tokens_per_cluster=json.loads(h.get("predicted_tokens_per_cluster") or "{}"),
+    )
+
+
 class BatchOps:
     """Batch lifecycle; mixed into :class:`workqueue.queue.WorkQueue`."""
 
@@ -236,10 +258,13 @@ class BatchOps:
             if extra:
                 extra(pipe)
 
+        created = False
         try:
-            return self._create_once(batch_id, write, "acceptance")
+            created = self._create_once(batch_id, write, "acceptance")
+            return created
         finally:
-            self.r.delete(stage)  # renamed away when this call created the batch
+            if not created:  # renamed away when this call created the batch
+                self.r.delete(stage)
 
     def intake_batches(self, limit: int = 100) -> list[str]:
         """Ids of accepted batches whose intake is unfinished, oldest first."""
@@ -270,19 +295,9 @@ class BatchOps:
         rows: Sequence[tuple[str, str, float, str]],
         ttl_s: float,
     ) -> int:
-        """Land one chunk of rows ``(gid, payload, predicted tokens, cluster)`` (see ``scripts.ENQUEUE_CHUNK``).
-
-        Cluster ``''`` fails the row at once (its payload is its result JSON). Returns the rows
-        handled, or -1 (the lease is not ``token``'s), -2 (no such batch), -3 (``cursor`` is stale).
-        """
-        args: list = [batch_id, token, cursor, self.clock(), max(1, int(ttl_s * 1000))]
-        for g, payload, tokens, c in rows:
-            args += [g, payload, tokens, c]
-        k = [keys.batch(batch_id), intake_lease_key(batch_id), intake_key(batch_id), INTAKE, keys.CLUSTERS]
-        handled = int(self._enqueue_chunk(keys=k, args=args))
-        if handled > 0:
-            announce(self.r, (c for _, _, _, c in rows))
-        return handled
+        """Land one chunk of rows ``(gid, payload, predicted tokens, cluster)``: :meth:`enqueue_parts`
+        with one part (``-1``: not ``token``'s lease, ``-2``: no such batch, ``-3``: stale cursor)."""
+        return self.enqueue_parts(batch_id, token, cursor, [rows], ttl_s)[0]
 
     def forget_intake(self, batch_id: str) -> None:
         """Drop the intake of a batch that no longer exists (expired or never created)."""
@@ -292,25 +307,7 @@ class BatchOps:
         pipe.execute()
 
     def batch(self, batch_id: str) -> BatchInfo | None:
-        h = self.r.hgetall(keys.batch(batch_id))
-        if not h or "status" not in h:
-            return None
-        return BatchInfo(
-            batch_id=batch_id,
-            status=h["status"],
-            total=as_int(h.get("total")),
-            completed=as_int(h.get("completed")),
-            failed=as_int(h.get("failed")),
-            cancelled=as_int(h.get("cancelled")),
-            created_at=as_float(h.get("created_at")),
-            completed_at=as_float(h.get("completed_at")),
-            policy=h.get("policy", ""),
-            metadata=json.loads(h.get("metadata") or "{}"),
-            fingerprint=h.get("fingerprint", ""),
-            error=h.get("error", ""),
-            queries_per_cluster=json.loads(h.get("queries_per_cluster") or "{}"),
-            predicted_tokens_per_cluster=json.loads(h.get("predicted_tokens_per_cluster") or "{}"),
-        )
+        return batch_info(batch_id, self.r.hgetall(keys.batch(batch_id)))
 
     def batch_ids(self, limit: int = 100, newest_first: bool = True) -> list[str]:
         """Ids of batches not yet expired, by creation time."""

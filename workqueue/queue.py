@@ -44,6 +44,7 @@ from workqueue.records import (
     as_int,
 )
 from workqueue.script_call import Command, execute
+from workqueue.ticks import TickOps
 from workqueue.wake import WakeListener, announce
 
 __all__ = ["MOVE_WINDOW_SLACK", "WorkQueue"]
@@ -53,7 +54,7 @@ __all__ = ["MOVE_WINDOW_SLACK", "WorkQueue"]
 MOVE_WINDOW_SLACK = 20_000
 
 
-class WorkQueue(LeaseOps, BatchOps, IntakeOps):
+class WorkQueue(LeaseOps, BatchOps, IntakeOps, TickOps):
     """All queue operations on one Redis connection (thread-safe: redis-py pools connections).
 
     ``clock`` stamps records (lease deadlines use Redis time whatever it says);
@@ -73,6 +74,7 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps):
         self._init_leases(client, clock, max_attempts)
         self._init_batches(client, retention_s)
         self._init_intake_ops(client)
+        self._init_ticks(client)
         self._move_tail = client.register_script(move_scripts.MOVE_TAIL)
         self._move_ids = client.register_script(move_scripts.MOVE_IDS)
         self._fail_ids = client.register_script(move_scripts.FAIL_IDS)

@@ -225,28 +225,37 @@ return n
 """
 )
 
+# Lua: requeue_lapsed(c, inflight, queue, pending, now) puts cluster c's queries whose lease lapsed
+# by ``now`` back at the head of its queue; returns how many (REQUEUE_EXPIRED, and REQUEUE_ALL
+# of workqueue.ticks for every cluster at once).
+REQUEUE_LAPSED = r"""
+local function requeue_lapsed(c, inflight, queue, pending, now)
+  local expired = redis.call('ZRANGEBYSCORE', inflight, '-inf', now)
+  local n = 0
+  for i = #expired, 1, -1 do
+    local g = expired[i]
+    redis.call('ZREM', inflight, g)
+    local q = k_query(g)
+    local h = redis.call('HMGET', q, 'state', 'tokens')
+    if h[1] == 'running' then
+      redis.call('HSET', q, 'state', 'queued', 'cluster', c)
+      redis.call('LPUSH', queue, g)
+      redis.call('INCRBYFLOAT', pending, tonumber(h[2] or '0'))
+      n = n + 1
+    end
+  end
+  return n
+end
+"""
+
 # KEYS: inflight, queue, pending of the cluster. ARGV: cluster. Leases past their deadline (in Redis time) go back
 # to the head of the queue (a query that used its max attempts fails at its next CLAIM, unless its owner takes it
 # back first). Returns how many were requeued.
 REQUEUE_EXPIRED = (
     PRELUDE
+    + REQUEUE_LAPSED
     + r"""
-local c = ARGV[1]
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', server_now())
-local n = 0
-for i = #expired, 1, -1 do
-  local g = expired[i]
-  redis.call('ZREM', KEYS[1], g)
-  local q = k_query(g)
-  local h = redis.call('HMGET', q, 'state', 'tokens')
-  if h[1] == 'running' then
-    redis.call('HSET', q, 'state', 'queued', 'cluster', c)
-    redis.call('LPUSH', KEYS[2], g)
-    redis.call('INCRBYFLOAT', KEYS[3], tonumber(h[2] or '0'))
-    n = n + 1
-  end
-end
-return n
+return requeue_lapsed(ARGV[1], KEYS[1], KEYS[2], KEYS[3], server_now())
 """
 )
 
