@@ -48,7 +48,11 @@ class Worker:
         self.kv_token_seconds = 0.0  # KV held x wall time of each step (emulated slowdown included)
         self.device = DeviceClock()  # steps and seconds of the emulated device (--device-cost)
         self.steps = 0
-        self.busy_s = 0.0  # wall time in steps, the emulated device's included
+        self.busy_s = (
+            0.0  # seconds the device was busy: its modelled time when emulated, else the steps' wall
+        )
+        self.host_overlap_s = 0.0  # host time between steps hidden under the device's (_emulate_device)
+        self._device_free_at: float | None = None  # when the emulated device finished its last step
         self.round_trips = count_round_trips(queue.r)
         self.agent = QueueAgent(
             queue,
@@ -142,7 +146,6 @@ class Worker:
         outputs = self._emulate_device(t0, cpu0, outputs)
         took = time.monotonic() - t0
         self.kv_token_seconds += self._stats.kv_step_tokens * took
-        self.busy_s += took
         self.steps += 1
         self.agent.free_slots = self.engine.free_slots()
         self.agent.done(outputs)
@@ -150,21 +153,38 @@ class Worker:
     def _emulate_device(self, t0: float, cpu0: float, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Make the step last what the emulated device takes for it (``device_cost`` or ``slowdown``),
         and stamp the queries it finished with the end of the step on that device: a query is done
-        when the device's last pass over it is, not when this CPU's was."""
+        when the device's last pass over it is, not when this CPU's was.
+
+        The device keeps its own timeline: a step that begins within ``host_overlap_s`` of the
+        device's end of the last one starts where that one ended, as with an engine that prepares
+        its next step while the device runs the current one. The host time so hidden (Python's
+        bookkeeping between steps, a late wake-up) is counted in ``host_overlap_s``; a longer gap
+        (no work, a stall) is device idle time."""
         c = self.config
-        wall = time.monotonic() - t0
+        now = time.monotonic()
+        wall = now - t0
         if c.device_cost is not None:
             device_s = c.device_cost.forwards_s(self._stats.step_forwards)
             self.device.record(device_s, wall)
         elif c.slowdown > 0:
             device_s = (1.0 + c.slowdown) * min(wall, time.process_time() - cpu0)
         else:
+            self.busy_s += wall
             return outputs
-        if device_s <= wall:
+        start, free = t0, self._device_free_at
+        if free is not None and 0.0 <= t0 - free <= c.host_overlap_s:
+            start = free
+            self.host_overlap_s += t0 - free
+        end = start + device_s
+        if end <= now:  # the compute outlasted the device (an overrun): the step ends now
+            self._device_free_at = now
+            self.busy_s += now - start
             return outputs
-        step_start = time.time() - wall
-        self.stop_event.wait(device_s - wall)
-        return stamped(outputs, step_start, time.time())
+        self.busy_s += device_s
+        self.stop_event.wait(end - now)
+        self._device_free_at = end
+        epoch = time.time() - (time.monotonic() - end)  # when the device was done, not when we woke
+        return stamped(outputs, epoch - device_s, epoch)
 
     def device_totals(self) -> tuple[int, int]:
         """Emulated device steps and overruns: the worker's (``--device-cost``) + the stages' (``plan``)."""
@@ -205,5 +225,6 @@ class Worker:
             "device_overrun_steps": device_overruns,
             "steps": self.steps,
             "device_busy_s": round(self.busy_s, 4),
+            "host_overlap_s": round(self.host_overlap_s, 4),
             "redis_round_trips": self.round_trips.value,
         }

@@ -40,6 +40,9 @@ class WorkerConfig:
     # Emulated device by cost model (engines.device): each step lasts what its forward passes cost on
     # the modelled device (its compute, when that took longer: an overrun), whatever this CPU's speed
     device_cost: StepCost | None = None
+    # An emulated device's step starts where its last one ended when the host comes back within this
+    # many seconds: the host's bookkeeping between steps overlaps the device's work (Worker._emulate_device)
+    host_overlap_s: float = 0.002
     record_observed: bool = True
 
     @property

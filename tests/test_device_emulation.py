@@ -3,6 +3,8 @@ and when a query counts as finished on the emulated device."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engines.config import EngineConfig
@@ -95,3 +97,47 @@ def test_a_query_finishes_when_the_emulated_device_is_done_with_it(redis_url):
     for r in queue.results("b1"):
         assert r["timings"]["finished_at"] - r["timings"]["started_at"] >= modelled
     assert queue.clusters(["w"])[0].device_steps in (0, 1)  # heartbeats carry the device's counters
+
+
+@pytest.mark.parametrize("overlap_s", [0.0, 1.0])
+def test_the_emulated_device_keeps_its_timeline_over_the_hosts_bookkeeping(redis_url, overlap_s):
+    """Issue 33: host work between steps (here 20 ms of bookkeeping, injected) overlaps the device's
+    time when the host is back within ``host_overlap_s``: the queries finish when the device's
+    back-to-back steps would have; without the overlap every step's gap adds to the finish."""
+    queue = WorkQueue(connect(redis_url))
+    queries = [
+        QueuedQuery("b1", f"q{i}", f"rivers {i}", 64, 8, 6.0, forced_length=4 + 3 * i) for i in range(3)
+    ]
+    assert queue.create_batch("b1", [(q, "w") for q in queries])
+    tok = default_tokenizer()
+    engine = LLMEngine(
+        build_model("llama", "nano", tokenizer=tok, seed=3),
+        tok,
+        EngineConfig(kv_budget_tokens=512, block_size=4),
+    )
+    cost = StepCost.parse("100,1,10")
+    config = WorkerConfig(
+        cluster="w", backend="native", device_cost=cost, host_overlap_s=overlap_s, record_observed=False
+    )
+    worker = Worker(queue, engine, config)
+    start_claimed = worker.start_claimed
+
+    def slow_bookkeeping() -> None:
+        time.sleep(0.02)
+        start_claimed()
+
+    worker.start_claimed = slow_bookkeeping  # type: ignore[method-assign]
+    assert worker.run(max_queries=3) == 3
+    results = queue.results("b1")
+    elapsed = max(r["timings"]["finished_at"] for r in results) - min(
+        r["timings"]["first_token_at"] for r in results
+    )
+    steps = worker.device.steps
+    assert steps >= 10 and worker.busy_s == pytest.approx(worker.device.device_s)
+    # the first token is stamped by this CPU, early in the first step (it did not finish a query)
+    if overlap_s:  # the device's steps back to back: at most its modelled seconds
+        assert elapsed <= worker.device.device_s + 1e-6
+        assert worker.host_overlap_s >= 0.02 * (steps - 1)
+    else:  # every gap of at least 20 ms adds (less the first step's compute, well under 0.1 s)
+        assert elapsed >= worker.device.device_s + 0.02 * (steps - 1) - 0.1
+        assert worker.host_overlap_s == 0.0
