@@ -43,6 +43,30 @@ from workqueue.worker_tick import Finished, TickReply, TickRequest, run_tick
 log = logging.getLogger(__name__)
 
 
+def finished_record(cluster: str, cq: ClaimedQuery, out: RequestOutput) -> Finished:
+    """The result record of a query ``cluster`` finished (every field set), its state and its tokens."""
+    q, how = cq.query, outcome(out.finish_reason, out.error)
+    result = QueryResult(
+        batch_id=q.batch_id,
+        query_id=q.query_id,
+        text=out.text,
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        cluster=cluster,
+        timings=Timings(
+            enqueued_at=cq.enqueued_at,
+            started_at=cq.claimed_at,
+            first_token_at=out.first_token_time,
+            finished_at=out.finish_time or time.time(),
+        ),
+        finish_reason="cancelled" if how.state == QueryState.CANCELLED else out.finish_reason,
+        error=out.error,
+        predicted_tokens=q.predicted_tokens,
+        attempts=cq.attempts,
+    )
+    return Finished(q.gid, result, how.state, out.completion_tokens)
+
+
 class QueueAgent:
     """Keeps work ahead of one engine and writes what it finishes (see the module's docstring).
 
@@ -220,7 +244,10 @@ class QueueAgent:
     def _results(self) -> dict:
         with self._lock:
             outbox = list(self._outbox)
-        return {"results": [self._finished(cq, out) for cq, out in outbox], "observed": list(self._observed)}
+        return {
+            "results": [finished_record(self.config.cluster, cq, out) for cq, out in outbox],
+            "observed": list(self._observed),
+        }
 
     def claim_count(self) -> int:
         """Queries to claim now: what the engine can take, plus the claim-ahead horizon's (module docstring)."""
@@ -359,29 +386,6 @@ class QueueAgent:
             self._kick.set()
 
     # ------------------------------------------------------------------ records
-
-    def _finished(self, cq: ClaimedQuery, out: RequestOutput) -> Finished:
-        """The result record of a finished query (every field set)."""
-        q, how = cq.query, outcome(out.finish_reason, out.error)
-        result = QueryResult(
-            batch_id=q.batch_id,
-            query_id=q.query_id,
-            text=out.text,
-            prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.completion_tokens,
-            cluster=self.config.cluster,
-            timings=Timings(
-                enqueued_at=cq.enqueued_at,
-                started_at=cq.claimed_at,
-                first_token_at=out.first_token_time,
-                finished_at=out.finish_time or time.time(),
-            ),
-            finish_reason="cancelled" if how.state == QueryState.CANCELLED else out.finish_reason,
-            error=out.error,
-            predicted_tokens=q.predicted_tokens,
-            attempts=cq.attempts,
-        )
-        return Finished(q.gid, result, how.state, out.completion_tokens)
 
     def _heartbeat(self) -> dict[str, float | int | str]:
         with self._lock:

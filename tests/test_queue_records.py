@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 from engines.interface import RequestOutput
-from engines.worker import Worker, WorkerConfig
+from engines.queue_agent import finished_record
 from gateway.intake_rows import failed_result
 from gateway.service import fail_rows, result_proto
 from predictor.observed import encode_observed, read_observed
@@ -60,8 +59,10 @@ def claimed(batch_id: str = "b1", query_id: str = "q7") -> ClaimedQuery:
 
 
 def worker_result(cq: ClaimedQuery, out: RequestOutput, kind: QueryState) -> QueryResult:
-    """``Worker._result`` on a stand-in worker (it reads only the config)."""
-    return Worker._result(SimpleNamespace(config=WorkerConfig("a")), cq, out, kind)
+    """The record the queue agent writes for a finished query (its state from the output's outcome)."""
+    done = finished_record("a", cq, out)
+    assert done.kind == kind
+    return done.result
 
 
 def test_states_keep_their_strings():
