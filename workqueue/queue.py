@@ -168,6 +168,11 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps):
                     kv_token_seconds=as_float(hb.get("kv_token_seconds")),
                     device_steps=as_int(hb.get("device_steps")),
                     device_overrun_steps=as_int(hb.get("device_overrun_steps")),
+                    device_busy_s=as_float(hb.get("device_busy_s"), None),
+                    steps=None if hb.get("steps") is None else as_int(hb["steps"]),
+                    redis_round_trips=None
+                    if hb.get("redis_round_trips") is None
+                    else as_int(hb["redis_round_trips"]),
                     running_remaining_tokens=as_float(hb.get("running_remaining_tokens")),
                     queue_length=int(qlen),
                     inflight=int(infl),
