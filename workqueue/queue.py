@@ -42,6 +42,7 @@ from workqueue.records import (
     QueryState,
     as_float,
     as_int,
+    as_opt_int,
 )
 from workqueue.wake import WakeListener, announce
 
@@ -169,10 +170,8 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps):
                     device_steps=as_int(hb.get("device_steps")),
                     device_overrun_steps=as_int(hb.get("device_overrun_steps")),
                     device_busy_s=as_float(hb.get("device_busy_s"), None),
-                    steps=None if hb.get("steps") is None else as_int(hb["steps"]),
-                    redis_round_trips=None
-                    if hb.get("redis_round_trips") is None
-                    else as_int(hb["redis_round_trips"]),
+                    steps=as_opt_int(hb.get("steps")),
+                    redis_round_trips=as_opt_int(hb.get("redis_round_trips")),
                     running_remaining_tokens=as_float(hb.get("running_remaining_tokens")),
                     queue_length=int(qlen),
                     inflight=int(infl),

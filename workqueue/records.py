@@ -299,3 +299,9 @@ def as_float(v, default: float = 0.0) -> float:
 
 def as_int(v, default: int = 0) -> int:
     return int(as_float(v, default))
+
+
+def as_opt_int(v) -> int | None:
+    """``v`` as an int, None when absent or junk (a figure an older engine does not report)."""
+    f = as_float(v, None)
+    return None if f is None else int(f)
