@@ -16,7 +16,7 @@ def draw(summary: dict, out_dir: Path, title: str = "") -> Path:
     """Write :data:`PLOT` into ``out_dir`` from :func:`load.wan_stats.summarise`'s summary."""
     rtts = sorted(summary["makespan_by_rtt_ms"], key=float)
     x = [float(r) for r in rtts]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 5))
     for name, by_rtt in summary["utilization_by_cluster"].items():
         pts = [(float(r), by_rtt[r]) for r in rtts if by_rtt.get(r) is not None]
         if pts:
@@ -41,10 +41,10 @@ def draw(summary: dict, out_dir: Path, title: str = "") -> Path:
         ax2.set_ylabel("makespan / makespan at 0 ms", color="tab:red")
         more = ax2.get_legend_handles_labels()
         lines, labels = lines + more[0], labels + more[1]
-    ax.legend(lines, labels, loc="best", fontsize=8)
+    ax.legend(lines, labels, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)
     ax.set_title(title or "device-busy fraction and makespan against the engines' round trip to Redis")
     fig.tight_layout()
     path = Path(out_dir) / PLOT
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend sits below the axes
     plt.close(fig)
     return path
