@@ -6,7 +6,8 @@ A run directory holds:
 * ``timeseries.jsonl`` -- per cluster, every ``interval_s``: the KV held during its engine's
   last step, the engine's cumulative KV token-seconds, queue length and running count, as
   the engines' heartbeats reported them, with the heartbeat's own time (:class:`Sampler`
-  reads them from Redis);
+  reads them from Redis), and the engine's cumulative device-busy seconds, steps and Redis
+  round trips (None where the engine does not report them);
 * ``meta.json`` -- what ran: batch id, policy, backend, fleet, workload.
 """
 
@@ -52,6 +53,9 @@ class Sampler:
                         "kv_token_seconds": i.kv_token_seconds,
                         "device_steps": i.device_steps,
                         "device_overrun_steps": i.device_overrun_steps,
+                        "device_busy_s": i.device_busy_s,  # cumulative: seconds in steps (None: not reported)
+                        "steps": i.steps,
+                        "redis_round_trips": i.redis_round_trips,
                         "measured_tps": i.measured_tps,  # the engine's tokens/s over its recent steps
                         "queue_length": i.queue_length,
                         "running": i.running,

@@ -42,6 +42,7 @@ from workqueue.records import (
     QueryState,
     as_float,
     as_int,
+    as_opt_int,
 )
 from workqueue.script_call import Command, execute
 from workqueue.ticks import TickOps
@@ -186,6 +187,9 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps, TickOps):
                     kv_token_seconds=as_float(hb.get("kv_token_seconds")),
                     device_steps=as_int(hb.get("device_steps")),
                     device_overrun_steps=as_int(hb.get("device_overrun_steps")),
+                    device_busy_s=as_float(hb.get("device_busy_s"), None),
+                    steps=as_opt_int(hb.get("steps")),
+                    redis_round_trips=as_opt_int(hb.get("redis_round_trips")),
                     running_remaining_tokens=as_float(hb.get("running_remaining_tokens")),
                     queue_length=int(qlen),
                     inflight=int(infl),

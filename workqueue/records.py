@@ -163,6 +163,10 @@ class ClusterInfo:
     kv_token_seconds: float = 0.0  # the engine's KV tokens x seconds since it started (MICO's cumulative KV)
     device_steps: int = 0  # steps on an emulated device (engine serve --device-cost) since it started
     device_overrun_steps: int = 0  # of those, the steps whose real compute outlasted the modelled time
+    # cumulative since the engine started; None from an engine that does not report them
+    device_busy_s: float | None = None  # seconds spent in steps, emulated device time included
+    steps: int | None = None  # engine steps
+    redis_round_trips: int | None = None  # round trips of the worker's queue client (workqueue.roundtrips)
     running_remaining_tokens: float = 0.0
     queue_length: int = 0
     inflight: int = 0
@@ -295,3 +299,9 @@ def as_float(v, default: float = 0.0) -> float:
 
 def as_int(v, default: int = 0) -> int:
     return int(as_float(v, default))
+
+
+def as_opt_int(v) -> int | None:
+    """``v`` as an int, None when absent or junk (a figure an older engine does not report)."""
+    f = as_float(v, None)
+    return None if f is None else int(f)
