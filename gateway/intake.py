@@ -190,7 +190,8 @@ class Intake:
                 self.waiting.keep(batch_id, ident, chunk)
             raise
         self.waiting.drop(batch_id)
-        return landing(batch_id, chunk, placed, self.order(chunk.loads) if self.order else None)
+        order = self.order(chunk.loads) if self.order else None
+        return landing(batch_id, chunk, placed, order, part=self.settings.land)
 
     def _land(self, batch_id: str, token: str, cursor: int, out: Landing) -> int:
         """Land ``out`` at ``cursor``, ``land`` rows per script call; the rows landed, or negative

@@ -76,26 +76,38 @@ def predict_chunk(
 
 
 def landing(
-    batch_id: str, chunk: Chunk, placed: dict[str, tuple[str | None, str]], order: Sequence[int] | None = None
+    batch_id: str,
+    chunk: Chunk,
+    placed: dict[str, tuple[str | None, str]],
+    order: Sequence[int] | None = None,
+    part: int = 0,
 ) -> Landing:
-    """What the chunk lands, given each good row's ``(cluster, "")`` or ``(None, why it fails)``; the
-    queued rows in ``order`` (indices into ``chunk.loads``: the policy's queue order), failed ones first."""
-    out: list[tuple[int, tuple]] = []  # (rank in the queue order, what lands)
+    """What the chunk lands, given each good row's ``(cluster, "")`` or ``(None, why it fails)``.
+
+    With ``order`` (indices into ``chunk.loads``: the policy's queue order), the queued rows of each
+    ``part`` consecutive rows (the rows one script call lands) go in that order, its failed rows
+    first: a call lands exactly the rows of its slice of the intake list, which it then trims by
+    count, so a chunk landed in part resumes at the right row."""
+    out: list[tuple[tuple[int, int], tuple]] = []  # ((part, rank in the queue order), what lands)
     rank = {chunk.loads[j].key: r for r, j in enumerate(order)} if order is not None else {}
     loads = iter(chunk.loads)
-    for r in chunk.rows:
+    for pos, r in enumerate(chunk.rows):
         g = gid(batch_id, r["id"])
+        window = pos // part if part > 0 else 0
         if "bad" in r:
-            out.append((-1, (g, failed_result(batch_id, r["id"], f"invalid query: {r['bad']}"), 0.0, "")))
+            out.append(
+                ((window, -1), (g, failed_result(batch_id, r["id"], f"invalid query: {r['bad']}"), 0.0, ""))
+            )
             continue
         load = next(loads)
         cluster, error = placed[load.key]
         if cluster is None:
-            out.append((-1, (g, failed_result(batch_id, r["id"], error), 0.0, "")))
+            out.append(((window, -1), (g, failed_result(batch_id, r["id"], error), 0.0, "")))
         else:
             land = (g, payload(batch_id, r, load.predicted_tokens), load.total_tokens, cluster)
-            out.append((rank.get(load.key, len(out)), land))
-    out.sort(key=lambda x: x[0])  # stable: without an order, the rows' own
+            out.append(((window, rank.get(load.key, pos)), land))
+    if order is not None:
+        out.sort(key=lambda x: x[0])  # stable
     return [land for _, land in out]
 
 

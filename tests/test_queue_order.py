@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from gateway.config import ClusterSpec, GatewayConfig
+from gateway.intake_chunks import Chunk, landing
 from gateway.policies import QueryLoad, RoundRobin, TokenPolicy, queue_order
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -70,3 +71,23 @@ def test_a_batch_enters_its_queue_in_the_policys_order(redis_url, monkeypatch, p
             assert all(c == sorted(c, reverse=True) for c in chunks) and predicted != sorted(
                 predicted, reverse=True
             )
+
+
+def test_an_intake_chunk_is_ordered_within_each_script_calls_slice():
+    """Review of issue 33: a chunk lands in parts of ``land`` rows, each part trimming as many rows off
+    the intake list as it lands, so each part must hold exactly its slice of the rows; the order
+    within a slice is the policy's (failed rows first)."""
+    rows = [
+        {"id": f"q{i}", "prompt": "p", "max_tokens": 64, "prompt_tokens": 3, "temperature": 0.0, "top_p": 1.0}
+        for i in range(7)
+    ]
+    rows[4]["bad"] = "empty prompt"
+    loads = [QueryLoad(r["id"], 3, float(10 * (i % 3))) for i, r in enumerate(rows) if "bad" not in r]
+    chunk = Chunk(0, rows, loads)
+    placed = {ld.key: ("a", "") for ld in loads}
+    landed = landing("b", chunk, placed, queue_order(TokenPolicy(), loads), part=3)
+    ids = [g.split(":")[1] for g, *_ in landed]
+    assert ids[:3] == ["q2", "q1", "q0"] and ids[3:6] == ["q4", "q5", "q3"] and ids[6:] == ["q6"]
+    assert [g for g, *_ in landing("b", chunk, placed)] == [
+        f"b:q{i}" for i in range(7)
+    ]  # no order: the rows'
