@@ -11,17 +11,16 @@ ticks, each one round trip (:mod:`workqueue.worker_tick`), whenever something is
   renewed every :attr:`WorkerConfig.renew_every_s`, with the heartbeat; lapsed leases of the
   cluster are requeued every ``requeue_check_s``;
 * **claims ahead**: the inbox is kept at what the engine can take now plus the queries for
-  the next few ticks at the engine's measured rate, counted in predicted tokens: at least
-  three ticks (round trips), at most ``claim_ahead_s``, a third of the lease and ``max_ahead``
-  queries. A bounded horizon keeps work that has not started in the queue, where the
+  the next three ticks (round trips) at the engine's measured rate, counted in predicted
+  tokens, for at most ``claim_ahead_s`` and a third of the lease, and never more than
+  ``max_ahead`` queries beyond what the engine can take. A bounded horizon keeps work that has not started in the queue, where the
   offloader can move it to an idle cluster;
 * **cancels and removal**: each tick reads the statuses of the batches it holds and the
   cluster's state. Cancelled queries still in the inbox are answered ``cancelled`` at once,
   running ones are aborted by the step loop; a removed cluster claims nothing more.
 
-A Redis outage never stops the engine: ticks back off exponentially (up to
-``redis_backoff_max_s``) while the engine runs what it holds, and results wait in memory, still
-leased. An idle agent blocks on its cluster's wake channel, with the poll back-off as fallback.
+A Redis outage never stops the engine: ticks back off exponentially while the engine runs what
+it holds, results waiting in memory, still leased. An idle agent waits on its wake channel.
 """
 
 from __future__ import annotations
@@ -35,44 +34,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from engines.interface import RequestOutput
+from engines.result_record import finished_record
 from engines.worker_config import REDIS_ERRORS, WorkerConfig
 from workqueue import ClaimedQuery, Observation, WorkQueue, outcome
-from workqueue.records import CANCELLED_BATCH_STATES, QueryResult, QueryState, Timings
-from workqueue.worker_tick import Finished, TickReply, TickRequest, run_tick
+from workqueue.records import CANCELLED_BATCH_STATES
+from workqueue.worker_tick import TickReply, TickRequest, run_tick
 
 log = logging.getLogger(__name__)
 
 
-def finished_record(cluster: str, cq: ClaimedQuery, out: RequestOutput) -> Finished:
-    """The result record of a query ``cluster`` finished (every field set), its state and its tokens."""
-    q, how = cq.query, outcome(out.finish_reason, out.error)
-    result = QueryResult(
-        batch_id=q.batch_id,
-        query_id=q.query_id,
-        text=out.text,
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        cluster=cluster,
-        timings=Timings(
-            enqueued_at=cq.enqueued_at,
-            started_at=cq.claimed_at,
-            first_token_at=out.first_token_time,
-            finished_at=out.finish_time or time.time(),
-        ),
-        finish_reason="cancelled" if how.state == QueryState.CANCELLED else out.finish_reason,
-        error=out.error,
-        predicted_tokens=q.predicted_tokens,
-        attempts=cq.attempts,
-    )
-    return Finished(q.gid, result, how.state, out.completion_tokens)
-
-
 class QueueAgent:
     """Keeps work ahead of one engine and writes what it finishes (see the module's docstring).
-
-    ``free_slots`` (set by the step loop) is how many more queries the engine can take now;
-    ``rate_tps`` returns its measured tokens/s; ``heartbeat_fields`` the engine's part of the heartbeat.
-    """
+    ``free_slots`` (set by the step loop): how many more queries the engine can take now;
+    ``rate_tps``: its measured tokens/s; ``heartbeat_fields``: the engine's part of the heartbeat."""
 
     def __init__(
         self,
@@ -106,6 +80,7 @@ class QueueAgent:
         self._mean_predicted = 0.0  # predicted tokens of the queries claimed (moving average)
         self._last_heartbeat = self._last_requeue = self._last_read = -math.inf
         self._poll_at, self._poll_s = 0.0, config.idle_poll_s  # an empty queue is asked again then
+        self._wakes = 0  # work announcements seen (one during a tick keeps the next claim at once)
         self._backoff, self._down_since = 0.0, None
         self._threads: list[threading.Thread] = []
 
@@ -115,6 +90,7 @@ class QueueAgent:
         """Up to ``n`` claimed queries for the engine, oldest first."""
         with self._lock:
             out = [self.inbox.popleft() for _ in range(min(n, len(self.inbox)))]
+            self.free_slots = max(0, self.free_slots - len(out))  # until the step loop says again
             if not self.inbox:
                 self.work_ready.clear()
         if out:
@@ -164,6 +140,7 @@ class QueueAgent:
 
     def poll_now(self) -> None:
         """Work was announced: ask the queue at once, whatever the poll back-off says."""
+        self._wakes += 1
         self._poll_at = 0.0
         self._kick.set()
 
@@ -174,22 +151,31 @@ class QueueAgent:
             if req is None:
                 self._kick.wait(self._wait_s())
                 continue
-            if self.tick(req):
-                self._stop.wait(self.config.min_tick_s)
-            else:
-                self._stop.wait(self._backoff)
+            try:
+                ok = self.tick(req)
+            except Exception:  # a refused command, a bad reply: log it, back off, carry on
+                log.exception("queue agent tick failed; retrying with backoff")
+                self._backoff, ok = min(self.config.redis_backoff_max_s, max(0.1, self._backoff * 2)), False
+            self._stop.wait(self.config.min_tick_s if ok else self._backoff)
 
-    def stop(self) -> None:
-        """Stop ticking; the last results are written by :meth:`close`."""
+    def stop(self) -> bool:
+        """Stop ticking (the last results are written by :meth:`close`); False if a tick still runs."""
         self._stop.set()
         self._kick.set()
-        for t in self._threads:
-            t.join(timeout=5)
+        for t in self._threads:  # a tick ends within the client's timeout and retries (3 x 5 s)
+            t.join(timeout=30)
+        return not any(t.is_alive() for t in self._threads)
+
+    def alive(self) -> bool:
+        """The agent's thread runs (False before :meth:`start` and after it stopped)."""
+        return bool(self._threads) and self._threads[0].is_alive()
 
     def close(self, give_back: bool = False) -> int:
         """Stop, write the results still waiting (one try), and give back the queries not started (all
         it holds with ``give_back``: the engine failed); returns how many went back to the queue."""
-        self.stop()
+        if not self.stop():
+            log.error("the queue agent is still in a tick; results not written stay leased until they lapse")
+            return 0
         if self.unwritten():
             self.tick(
                 TickRequest(
@@ -202,21 +188,20 @@ class QueueAgent:
             )
         with self._lock:
             unsent = {cq.query.gid for cq, _ in self._outbox}
-            back = (
-                [g for g in self.inflight if g not in unsent]
-                if give_back
-                else [cq.query.gid for cq in self.inbox]
+            waiting = [cq.query.gid for cq in self.inbox]
+            running = (
+                [g for g in self.inflight if g not in unsent and g not in set(waiting)] if give_back else []
             )
-            for g in back:
+            for g in waiting + running:
                 self.inflight.pop(g, None)
             self.inbox.clear()
-        if not back:
-            return 0
-        try:
-            return self.queue.release(self.config.cluster, back)
-        except REDIS_ERRORS as e:  # their leases lapse instead
-            log.error("could not give queries back (%s); their leases will lapse", e)
-            return 0
+        n = 0
+        for gids, started in ((waiting, False), (running, True)):  # never started: no attempt used
+            try:
+                n += self.queue.release(self.config.cluster, gids, started=started)
+            except REDIS_ERRORS as e:  # their leases lapse instead
+                log.error("could not give queries back (%s); their leases will lapse", e)
+        return n
 
     # ------------------------------------------------------------------ one tick
 
@@ -252,22 +237,24 @@ class QueueAgent:
     def claim_count(self) -> int:
         """Queries to claim now: what the engine can take, plus the claim-ahead horizon's (module docstring)."""
         c = self.config
+        mean = self._mean_predicted
         with self._lock:
             waiting = len(self.inbox)
-            waiting_tokens = sum(cq.query.predicted_tokens for cq in self.inbox)
+            waiting_tokens = sum(max(float(cq.query.predicted_tokens or 0), mean) for cq in self.inbox)
         now_n = max(0, self.free_slots - waiting)
+        ahead_room = c.max_ahead - max(0, waiting - self.free_slots)  # the inbox's ahead part is bounded
         horizon_s = min(c.claim_ahead_s, c.lease_s / 3, 3 * self.tick_s)
         need = self._rate_tps() * horizon_s - waiting_tokens
-        if need <= 1e-6 or self._mean_predicted <= 0:
+        if need <= 1e-6 or mean <= 0 or ahead_room <= 0:
             return now_n
-        return now_n + min(c.max_ahead, math.ceil(round(need / self._mean_predicted, 6)))
+        return now_n + min(ahead_room, math.ceil(round(need / mean, 6)))
 
     def tick(self, req: TickRequest | None = None) -> bool:
         """Run one tick (``req``, or what is due); False when Redis did not answer (it backs off)."""
         req = req if req is not None else self.request()
         if req is None:
             return True
-        started = time.monotonic()
+        started, wakes = time.monotonic(), self._wakes
         try:
             reply = run_tick(self.queue, req)
         except REDIS_ERRORS as e:
@@ -287,10 +274,10 @@ class QueueAgent:
             )
             self._down_since = None
         self._backoff = 0.0
-        self._apply(req, reply, started)
+        self._apply(req, reply, started, wakes)
         return True
 
-    def _apply(self, req: TickRequest, reply: TickReply, started: float) -> None:
+    def _apply(self, req: TickRequest, reply: TickReply, started: float, wakes: int) -> None:
         self._register = None
         self._observed = self._observed[len(req.observed) :]
         written = {f.gid: idx for f, idx in zip(req.results, reply.written, strict=True)}
@@ -312,7 +299,7 @@ class QueueAgent:
         if req.heartbeat is not None:
             self._last_heartbeat = started
         if req.claim:
-            self._claimed(reply.claimed, req.claim)
+            self._claimed(reply.claimed, req.claim, wakes)
         self._cancel({b for b, s in reply.statuses.items() if s in CANCELLED_BATCH_STATES})
         if reply.state is not None:
             self._last_read = started
@@ -344,7 +331,7 @@ class QueueAgent:
                 )
             )
 
-    def _claimed(self, claimed: list[ClaimedQuery], asked: int) -> None:
+    def _claimed(self, claimed: list[ClaimedQuery], asked: int, wakes: int) -> None:
         with self._lock:
             for cq in claimed:
                 running = self.inflight.get(cq.query.gid)
@@ -359,7 +346,7 @@ class QueueAgent:
                 )
             if self.inbox:
                 self.work_ready.set()
-        if len(claimed) < asked:  # the queue ran dry: ask again after the poll back-off (or a wake)
+        if len(claimed) < asked and self._wakes == wakes:  # ran dry, no news since: back off (or a wake)
             self._poll_at = time.monotonic() + self._poll_s
             self._poll_s = min(self.config.idle_poll_max_s, self._poll_s * 2)
         else:

@@ -99,6 +99,9 @@ class Worker:
                 if failure:  # a stage died while the engine was idle
                     self._give_back(f"pipeline stopped: {failure}")
                     break
+                if not self.agent.alive():  # it logged why: without it nothing is renewed or written
+                    self._give_back("the queue agent stopped")
+                    break
                 self.start_claimed()
                 if not self.engine.has_unfinished():
                     self.agent.work_ready.wait(c.idle_poll_s)
@@ -115,7 +118,12 @@ class Worker:
                 if back:
                     log.info("gave %d claimed queries that had not started back to the queue", back)
         if c.device_cost is not None and self.device.steps:
-            log.info("emulated device: %s", self.device.describe())
+            log.info(
+                "emulated device: %s; %.2f s of host time between steps hidden under it (%.3f ms a step)",
+                self.device.describe(),
+                self.host_overlap_s,
+                1000 * self.host_overlap_s / self.device.steps,
+            )
         log.info("worker %s stopped after %d queries", self.worker_id, self.finished)
         return self.finished
 
@@ -155,11 +163,12 @@ class Worker:
         and stamp the queries it finished with the end of the step on that device: a query is done
         when the device's last pass over it is, not when this CPU's was.
 
-        The device keeps its own timeline: a step that begins within ``host_overlap_s`` of the
-        device's end of the last one starts where that one ended, as with an engine that prepares
-        its next step while the device runs the current one. The host time so hidden (Python's
-        bookkeeping between steps, a late wake-up) is counted in ``host_overlap_s``; a longer gap
-        (no work, a stall) is device idle time."""
+        The device keeps its own timeline: up to ``host_overlap_s`` of the host's time since the
+        device's end of the last step is hidden under the device's work (the step starts that much
+        earlier, never before the last one ended), as with an engine that prepares its next step
+        while the device runs the current one. The host time so hidden (Python's bookkeeping
+        between steps, a late wake-up) is counted in ``host_overlap_s``; the rest of a gap (no
+        work, a stall) is device idle time."""
         c = self.config
         now = time.monotonic()
         wall = now - t0
@@ -172,9 +181,9 @@ class Worker:
             self.busy_s += wall
             return outputs
         start, free = t0, self._device_free_at
-        if free is not None and 0.0 <= t0 - free <= c.host_overlap_s:
-            start = free
-            self.host_overlap_s += t0 - free
+        if free is not None and t0 >= free:  # at most host_overlap_s of the gap is hidden, never more
+            start = max(free, t0 - c.host_overlap_s)
+            self.host_overlap_s += t0 - start
         end = start + device_s
         if end <= now:  # the compute outlasted the device (an overrun): the step ends now
             self._device_free_at = now

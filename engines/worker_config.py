@@ -22,9 +22,9 @@ class WorkerConfig:
     idle_poll_max_s: float = 0.5
     cancel_check_s: float = 0.5  # batches' statuses and the cluster's state are read at least this often
     requeue_check_s: float = 2.0
-    # Claim ahead: besides what the engine can take now, the queue agent holds queries for this many
-    # seconds of the engine's measured rate (by predicted tokens), at least three ticks' worth (a
-    # tick is a round trip to Redis), at most a third of the lease and max_ahead queries
+    # Claim ahead: besides what the engine can take now, the queue agent holds queries for the next
+    # three ticks (a tick is a round trip to Redis) at the engine's measured rate, by predicted
+    # tokens, for at most claim_ahead_s and a third of the lease, and at most max_ahead queries
     claim_ahead_s: float = 2.0
     max_ahead: int = 64
     min_tick_s: float = 0.005  # the agent's ticks come at most this often (finished results go together)

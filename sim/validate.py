@@ -3,7 +3,7 @@
 Each real run (``results.jsonl``, ``meta.json``, ``clusters.yaml`` of :mod:`load.study`) is
 replayed in cost-model time with the same queries (prompt tokens, the lengths the engines
 generated, the gateway's predictions, in submission order), the same policy, backend, batch
-size and capacity hints, and offloading off as in the study. The step cost is one
+size and capacity hints, and offloading as the run had it (``meta.json``). The step cost is one
 :class:`sim.costs.LinearCost` for every run; its scale (the emulated device's speed, which the
 cost model cannot know) is fitted by leave-one-out: the held-out run's makespan is predicted
 with the median real/simulated ratio of the *other* runs of its session (one study repeat;

@@ -57,11 +57,13 @@ def test_claims_ahead_what_the_next_ticks_need_within_bounds(redis_url):
     assert a.claim_count() == 20 - 3
     a.config.lease_s = 3.0  # ... by a third of the lease (1 s: 100 tokens) ...
     assert a.claim_count() == 10 - 3
-    a.config.lease_s, a.config.max_ahead = 15.0, 5  # ... and by max_ahead queries
-    assert a.claim_count() == 5
-    assert a.tick() and len(a.inbox) == 8
-    assert len(queue.queued_ids("w")) == 192  # the rest stays movable in the queue
-    assert [cq.query.gid for cq in a.take(2)] == ["b1:q0", "b1:q1"] and len(a.inbox) == 6
+    a.config.lease_s, a.config.max_ahead = 15.0, 5  # ... and by max_ahead queries held ahead in all
+    assert a.claim_count() == 5 - 3
+    assert a.tick() and len(a.inbox) == 5 and a.claim_count() == 0
+    a.free_slots = 2  # room in the engine comes on top
+    assert a.claim_count() == 2 + 0 and len(queue.queued_ids("w")) == 195  # the rest stays movable
+    assert [cq.query.gid for cq in a.take(2)] == ["b1:q0", "b1:q1"] and len(a.inbox) == 3
+    assert a.free_slots == 0  # taken: until the step loop says again
 
 
 def test_results_are_written_once_and_a_repeated_tick_changes_nothing(redis_url):
@@ -93,7 +95,8 @@ def test_a_cancel_is_seen_within_one_tick(redis_url):
     assert a.tick() and len(a.inbox) == 5
     running = [cq.query.gid for cq in a.take(1)]  # b1:q0 runs; b1:q1..q3 and b2:q0 wait
     queue.cancel_batch("b1")
-    assert a.tick(a.request())  # one tick reads the statuses
+    a.config.cancel_check_s = 0.0  # a tick is due at once (the agent ticks at least this often)
+    assert a.tick(a.request())  # the next tick reads the statuses
     assert a.aborts() == running and a.aborts() == []  # the step loop aborts the running one, once
     assert [cq.query.gid for cq in a.inbox] == ["b2:q0"]  # the waiting ones are answered at once
     assert a.unwritten() == 3
@@ -171,3 +174,17 @@ def test_the_engine_steps_on_while_its_link_to_redis_is_cut(redis_url):
     assert float(metrics["fleetbatch_worker_results_written_total"]) == 3
     assert float(metrics["fleetbatch_worker_redis_round_trips_total"]) == worker.round_trips.value > 0
     assert float(metrics["fleetbatch_worker_unwritten_results"]) == 0
+
+
+def test_queries_claimed_ahead_go_back_on_stop_without_using_an_attempt(redis_url):
+    """Review of issue 33: a stopped worker gives back what it claimed ahead and never started; that
+    claim's attempt is taken back, so restarts cannot fail a query that never ran."""
+    queue = WorkQueue(connect(redis_url))
+    gids = batch(queue, "b1", 3)
+    a = agent(queue)
+    a.free_slots = 3
+    assert a.tick() and len(a.inbox) == 3
+    assert [cq.query.gid for cq in a.take(1)] == gids[:1]  # b1:q0 runs; the others wait
+    assert a.close() == 2
+    assert queue.queued_ids("w") == gids[1:] and queue.inflight_ids("w") == gids[:1]
+    assert [queue.r.hget(keys.query(g), "attempts") for g in gids] == ["1", "0", "0"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from engines.interface import RequestOutput
-from engines.queue_agent import finished_record
+from engines.result_record import finished_record
 from gateway.intake_rows import failed_result
 from gateway.service import fail_rows, result_proto
 from predictor.observed import encode_observed, read_observed

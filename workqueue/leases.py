@@ -127,14 +127,20 @@ class LeaseOps:
             for i in range(0, len(gids), RENEW_CHUNK)
         ]
 
-    def release(self, cluster: str, gids: Iterable[str]) -> int:
+    def release(self, cluster: str, gids: Iterable[str], started: bool = True) -> int:
         """Give claimed queries back now (their worker cannot finish them): their leases end and they
         return to the head of the queue, as a lapsed lease would make them (one that used its last
-        attempt fails at its next claim). Returns how many were requeued."""
+        attempt fails at its next claim). ``started=False``: the worker never ran them (it claimed
+        them ahead), so their claim's attempt is taken back. Returns how many were requeued."""
         gids = list(gids)
         if not gids:
             return 0
-        self.r.zadd(keys.inflight(cluster), dict.fromkeys(gids, 0), xx=True)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zadd(keys.inflight(cluster), dict.fromkeys(gids, 0), xx=True)
+        if not started:
+            for g in gids:
+                pipe.hincrby(keys.query(g), "attempts", -1)
+        pipe.execute()
         return self.requeue_expired(cluster)
 
     def requeue_expired(self, cluster: str) -> int:
