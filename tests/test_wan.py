@@ -123,8 +123,9 @@ def test_bad_options_are_a_clear_error_before_anything_starts(tmp_path, capsys, 
 
 @pytest.mark.slow
 def test_a_tiny_wan_run_reports_every_field_and_draws_the_plot(tmp_path):
+    """One real run at 50 ms one way (the ratios against 0 ms are tested on recorded runs above)."""
     out = tmp_path / "wan"
-    run = _loadgen("--delays-ms", "0,50", "--clusters", "1", "-n", "4", "--max-tokens", "8", "--dataset", "",
+    run = _loadgen("--delays-ms", "50", "--clusters", "1", "-n", "4", "--max-tokens", "8", "--dataset", "",
                    "--out", str(out), "--no-progress", "--gateway-arg=--predictor",
                    "--gateway-arg=heuristic", timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -137,17 +138,14 @@ def test_a_tiny_wan_run_reports_every_field_and_draws_the_plot(tmp_path):
         "makespan_by_rtt_ms",
         "redis_round_trips_per_step",
     ):
-        assert set(s[key] if key != "utilization_by_cluster" else s[key]["c1"]) == {"0", "100"}, key
-    m = s["makespan_by_rtt_ms"]
-    assert s["makespan_ratio_at_100ms"] == pytest.approx(m["100"] / m["0"], rel=1e-3)
-    u = s["utilization_by_rtt_ms"]
-    assert 0 < u["0"] <= 1 and 0 < u["100"] <= 1
-    assert s["utilization_at_100ms"] == pytest.approx(u["100"] / u["0"], rel=1e-2)
+        assert set(s[key] if key != "utilization_by_cluster" else s[key]["c1"]) == {"100"}, key
+    assert 0 < s["utilization_by_rtt_ms"]["100"] <= 1 and s["makespan_by_rtt_ms"]["100"] > 0
+    assert s["redis_round_trips_per_step"]["100"] > 0  # the engine's heartbeats carry its round trips
+    assert s["makespan_ratio_at_100ms"] is None and s["utilization_at_100ms"] is None  # no 0 ms run
     assert (out / PLOT).stat().st_size > 5000 and s["plot"] == str(out / PLOT)
-    for rtt, delay in (("0", 0), ("100", 50)):
-        d = out / f"rtt{rtt}ms"
-        meta = json.loads((d / META).read_text())
-        assert meta["one_way_delay_ms"] == delay and meta["rtt_ms"] == 2 * delay
-        assert meta["proxies"][0]["accepted"] > 0  # the engine reached Redis through its proxy
-        assert "redis_url" in (d / "clusters.yaml").read_text()
-        assert json.loads((d / "report.json").read_text())["queries"] == 4
+    d = out / "rtt100ms"
+    meta = json.loads((d / META).read_text())
+    assert meta["one_way_delay_ms"] == 50 and meta["rtt_ms"] == 100
+    assert meta["proxies"][0]["accepted"] > 0  # the engine reached Redis through its proxy
+    assert "redis_url" in (d / "clusters.yaml").read_text()
+    assert json.loads((d / "report.json").read_text())["queries"] == 4
