@@ -48,9 +48,8 @@ class Worker:
         self.kv_token_seconds = 0.0  # KV held x wall time of each step (emulated slowdown included)
         self.device = DeviceClock()  # steps and seconds of the emulated device (--device-cost)
         self.steps = 0
-        self.busy_s = (
-            0.0  # seconds the device was busy: its modelled time when emulated, else the steps' wall
-        )
+        # seconds the device was busy: its modelled time when emulated, else the steps' wall time
+        self.busy_s = 0.0
         self.host_overlap_s = 0.0  # host time between steps hidden under the device's (_emulate_device)
         self._device_free_at: float | None = None  # when the emulated device finished its last step
         self.round_trips = count_round_trips(queue.r)
