@@ -155,7 +155,8 @@ class QueueAgent:
                 ok = self.tick(req)
             except Exception:  # a refused command, a bad reply: log it, back off, carry on
                 log.exception("queue agent tick failed; retrying with backoff")
-                self._backoff, ok = min(self.config.redis_backoff_max_s, max(0.1, self._backoff * 2)), False
+                self._back_off()
+                ok = False
             self._stop.wait(self.config.min_tick_s if ok else self._backoff)
 
     def stop(self) -> bool:
@@ -165,6 +166,10 @@ class QueueAgent:
         for t in self._threads:  # a tick ends within the client's timeout and retries (3 x 5 s)
             t.join(timeout=30)
         return not any(t.is_alive() for t in self._threads)
+
+    def _back_off(self) -> None:
+        """A failed tick: the next waits twice as long as the last (0.1 s to ``redis_backoff_max_s``)."""
+        self._backoff = min(self.config.redis_backoff_max_s, max(0.1, self._backoff * 2))
 
     def alive(self) -> bool:
         """The agent's thread runs (False before :meth:`start` and after it stopped)."""
@@ -177,15 +182,8 @@ class QueueAgent:
             log.error("the queue agent is still in a tick; results not written stay leased until they lapse")
             return 0
         if self.unwritten():
-            self.tick(
-                TickRequest(
-                    self.config.cluster,
-                    self.worker_id,
-                    self.config.lease_s,
-                    read_state=False,
-                    **self._results(),
-                )
-            )
+            c = self.config
+            self.tick(TickRequest(c.cluster, self.worker_id, c.lease_s, read_state=False, **self._results()))
         with self._lock:
             unsent = {cq.query.gid for cq, _ in self._outbox}
             waiting = [cq.query.gid for cq in self.inbox]
@@ -261,7 +259,7 @@ class QueueAgent:
             if self._down_since is None:
                 self._down_since = started
                 log.warning("Redis unavailable (%s); retrying with backoff, the engine carries on", e)
-            self._backoff = min(self.config.redis_backoff_max_s, max(0.1, self._backoff * 2))
+            self._back_off()
             return False
         took = time.monotonic() - started
         self.tick_s = took if not self.ticks else 0.8 * self.tick_s + 0.2 * took
