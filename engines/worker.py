@@ -25,11 +25,11 @@ from engines.emulation import stamped
 from engines.interface import Engine, EngineStats, Request, RequestOutput, SamplingParams
 from engines.pipeline import StageFailure
 from engines.queue_agent import QueueAgent
-from engines.worker_config import REDIS_ERRORS, WorkerConfig
+from engines.worker_config import WorkerConfig
 from workqueue import WorkQueue
 from workqueue.roundtrips import count_round_trips
 
-__all__ = ["REDIS_ERRORS", "Worker", "WorkerConfig"]
+__all__ = ["Worker", "WorkerConfig"]
 
 log = logging.getLogger(__name__)
 
