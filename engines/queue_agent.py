@@ -37,7 +37,7 @@ from engines.interface import RequestOutput
 from engines.result_record import finished_record
 from engines.worker_config import REDIS_ERRORS, WorkerConfig
 from workqueue import ClaimedQuery, Observation, WorkQueue, outcome
-from workqueue.records import CANCELLED_BATCH_STATES
+from workqueue.records import STOPPING_BATCH_STATES
 from workqueue.worker_tick import TickReply, TickRequest, run_tick
 
 log = logging.getLogger(__name__)
@@ -298,7 +298,7 @@ class QueueAgent:
             self._last_heartbeat = started
         if req.claim:
             self._claimed(reply.claimed, req.claim, wakes)
-        self._cancel({b for b, s in reply.statuses.items() if s in CANCELLED_BATCH_STATES})
+        self._cancel({b for b, s in reply.statuses.items() if s in STOPPING_BATCH_STATES})
         if reply.state is not None:
             self._last_read = started
             removed = reply.state == "removed"

@@ -49,7 +49,7 @@ from gateway.intake_rows import EncodedRows, encode_rows, payload
 from gateway.placement import IntakeWaits, place_or_wait
 from gateway.policies import QueryLoad
 from workqueue import WorkQueue
-from workqueue.records import CANCELLED_BATCH_STATES
+from workqueue.records import STOPPING_BATCH_STATES
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class Intake:
     ) -> Landing:
         """What the chunk of ``rows`` at ``cursor`` lands; a chunk that waits is kept under ``ident``
         (the batch's ``created_at``; None: not kept) before :class:`IntakeWaits` goes up."""
-        if status in CANCELLED_BATCH_STATES:
+        if status in STOPPING_BATCH_STATES:
             self.waiting.drop(batch_id)
             return cancelled(batch_id, rows)
         chunk = predict_chunk(cursor, rows, self.predict_tokens, self.count_tokens, counter)
@@ -280,7 +280,7 @@ class Intake:
         nothing is left to enqueue. Raises :class:`IntakeWaits` while the chunk waits."""
         s = self.settings
         status, done, total, ident = self.queue.intake_head(batch_id)
-        if status is not None and done < total and status not in CANCELLED_BATCH_STATES:
+        if status is not None and done < total and status not in STOPPING_BATCH_STATES:
             kept = self.waiting.get(batch_id, ident, done)
             if kept is not None:
                 return ident, done, self._placed(batch_id, kept, ident)

@@ -87,17 +87,20 @@ class Offloader:
         return [moved for moved, _ in done]
 
     def tick(self) -> int:
-        """One round; returns how many queries moved. Moves happen only under the mover lease,
+        """One round; returns how many queries moved. Batches whose deadline passed expire here
+        (:meth:`workqueue.WorkQueue.expire_due`), with the lapsed leases' requeue. Moves happen only under the mover lease,
         so offloaders of several gateway replicas and admin rebalance never plan from the same
         snapshot; a tick that finds the lease held requeues lapsed leases and moves nothing.
 
         Its round trips do not grow with the clusters: one script requeues every cluster's lapsed
         leases, one pipeline reads the clusters, one the donors' tails, one makes the moves."""
         q = self.queue
-        requeued = q.requeue_all_expired()
+        requeued, expired = q.requeue_and_expire()
         for name, n in requeued.items():
             if n:
                 log.warning("requeued %d queries of %s whose worker stopped renewing", n, name)
+        for batch_id in expired:
+            log.warning("batch %s expired: its completion window ended; finished rows are kept", batch_id)
         infos = q.clusters(sorted(requeued))  # every registered cluster, as the script found them
         with q.mover_lease("offloader", ttl_s=self.config.mover_ttl_s) as held:
             if not held:

@@ -106,7 +106,7 @@ def _first_enqueue(queue: WorkQueue, t0: float, done: threading.Event, out: list
     while not done.is_set():
         pipe = queue.r.pipeline(transaction=False)
         for n in names:
-            pipe.llen(n)
+            pipe.zcard(n)
         if any(pipe.execute()):
             out.append(time.perf_counter() - t0)
             return

@@ -112,8 +112,11 @@ def test_move_tail_moves_the_back_in_order(redis_url):
     assert (a.pending_tokens, b.pending_tokens) == (30.0, 20.0)
     assert q.move_tail("a", "b", 10)[0] == 3
     assert q.queued_ids("a") == []
+    assert q.queued_ids("b") == [
+        f"b1:q{i}" for i in range(5)
+    ]  # each moved query keeps its place in the order
     (c,) = q.claim("b", 1, "w", 30)
-    assert c.query.gid == "b1:q3"
+    assert c.query.gid == "b1:q0"
 
 
 def test_cancel_removes_queued_and_finishes_batch(redis_url):

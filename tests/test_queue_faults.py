@@ -102,8 +102,7 @@ def test_ids_without_a_hash_are_skipped_never_recreated(redis_url):
     """Ids left in a queue by the old code (their query finished) are dropped by moves and claims."""
     q = make_queue(redis_url)
     assert q.create_batch("b1", [(x, "a") for x in queries("b1", 1)])
-    q.r.rpush(keys.queue("a"), "b1:ghost")
-    q.r.lpush(keys.queue("a"), "b1:ghost2")
+    q.r.zadd(keys.queue("a"), {"b1:ghost": 2**52, "b1:ghost2": -(2**52)})  # at the back, at the front
     assert q.move_tail("a", "b", 1) == (1, 10.0)  # the ghost does not count as a move
     assert q.queued_ids("b") == ["b1:q0"]
     assert not q.r.exists(keys.query("b1:ghost"))

@@ -81,9 +81,12 @@ def test_states_keep_their_strings():
         "failed",
         "cancelling",
         "cancelled",
+        "expiring",
+        "expired",
     ]
     old_final = ("completed", "failed", "cancelled")
-    assert FINAL_STATES == FINAL_QUERY_STATES == FINAL_BATCH_STATES == set(old_final)
+    assert FINAL_QUERY_STATES == set(old_final) and FINAL_BATCH_STATES == {*old_final, "expired"}
+    assert FINAL_STATES == FINAL_BATCH_STATES
     assert all(s in FINAL_STATES for s in old_final) and "in_progress" not in FINAL_STATES
     assert json.dumps({"status": BatchState.IN_PROGRESS}) == '{"status": "in_progress"}'
     assert f"{QueryState.CANCELLED}" == str(QueryState.CANCELLED) == "cancelled"

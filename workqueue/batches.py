@@ -18,14 +18,14 @@ hash, results and done set for ``retention_s`` (0: forever), then Redis expires 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
 
-from workqueue import keys, scripts
+from workqueue import batch_scripts, keys
+from workqueue.ordering import QueueOrder, rank
 from workqueue.records import BatchInfo, BatchState, QueryResult, QueryState, QueuedQuery, as_float, as_int
 from workqueue.wake import announce
 
@@ -42,6 +42,10 @@ INTAKE = keys.PREFIX + "intake"
 RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
+#: batch hash fields ``left:<cluster>``: predicted tokens of the batch's unfinished queries on that cluster
+LEFT = "left:"
+
+
 def intake_key(batch_id: str) -> str:
     """LIST of the batch's accepted rows not yet enqueued (JSON, in submission order)."""
     return keys.batch(batch_id) + ":intake"
@@ -55,6 +59,16 @@ def intake_lease_key(batch_id: str) -> str:
 def staging_key(batch_id: str, token: str) -> str:
     """LIST: rows of one submission being stored, before its batch exists (expires)."""
     return keys.batch(batch_id) + ":staging:" + token
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a batch was created, when it expires (0: never), its priority, and its place in the queues."""
+
+    created_at: float
+    deadline: float
+    priority: int
+    order_key: float
 
 
 def batch_info(batch_id: str, h: Mapping[str, str]) -> BatchInfo | None:
@@ -76,6 +90,16 @@ def batch_info(batch_id: str, h: Mapping[str, str]) -> BatchInfo | None:
         error=h.get("error", ""),
         queries_per_cluster=json.loads(h.get("queries_per_cluster") or "{}"),
         predicted_tokens_per_cluster=json.loads(h.get("predicted_tokens_per_cluster") or "{}"),
+        deadline=as_float(h.get("deadline")),
+        priority=as_int(h.get("priority")),
+        order_key=as_float(h.get("order_key")),
+        done_predicted_tokens=as_float(h.get("done_predicted_tokens")),
+        done_actual_tokens=as_int(h.get("done_actual_tokens")),
+        left_tokens_per_cluster={
+            k[len(LEFT) :]: max(0.0, as_float(v))
+            for k, v in h.items()
+            if k.startswith(LEFT) and as_float(v) > 0.005
+        },
     )
 
 
@@ -86,14 +110,15 @@ class BatchOps:
     clock: Callable[[], float]
     cluster_names: Callable[[], list[str]]
 
-    def _init_batches(self, client: redis.Redis, retention_s: float) -> None:
+    def _init_batches(self, client: redis.Redis, retention_s: float, order: QueueOrder) -> None:
         if not retention_s >= 0:
             raise ValueError(f"retention_s must be >= 0 (0: keep forever), not {retention_s}")
         self.retention_s = int(retention_s)
-        self._cancel = client.register_script(scripts.CANCEL)
-        self._sweep = client.register_script(scripts.SWEEP_CANCELLED)
-        self._enqueue_chunk = client.register_script(scripts.ENQUEUE_CHUNK)
-        self._release_intake = client.register_script(RELEASE)
+        self.order = order
+        self._expire_due = client.register_script(batch_scripts.EXPIRE_DUE)
+        self._cancel = client.register_script(batch_scripts.CANCEL)
+        self._sweep = client.register_script(batch_scripts.SWEEP_CANCELLED)
+        self._enqueue_chunk = client.register_script(batch_scripts.ENQUEUE_CHUNK)
 
     def create_batch(
         self,
@@ -104,8 +129,14 @@ class BatchOps:
         metadata: Mapping[str, str] | None = None,
         fingerprint: str = "",
         extra: Callable[[Any], None] | None = None,
+        deadline: float = 0.0,
+        priority: int = 0,
     ) -> bool:
         """Create the batch and enqueue every query on its cluster in one transaction.
+
+        ``deadline`` (unix seconds, 0: none): when the batch expires (:meth:`expire_due`); it and
+        ``priority`` give the batch its place in every queue (:mod:`workqueue.ordering`); the
+        queries keep the order of ``assignments`` within it.
 
         Atomic and idempotent by ``batch_id``: returns True when this call created the batch,
         False (changing nothing) when a batch with this id exists, also when a concurrent call
@@ -126,11 +157,17 @@ class BatchOps:
             per_cluster_tokens[c] = per_cluster_tokens.get(c, 0.0) + q.total_tokens
         rows = [(q.gid, json.dumps(asdict(q)), q.total_tokens, c) for q, c in assignments]
         bkey = keys.batch(batch_id)
+        when = Schedule(now, deadline, priority, self.order.key(now, deadline, priority))
+        seq = int(self.r.incrby(keys.SEQ, len(rows))) - len(rows) if rows else 0
 
         def write(pipe) -> None:
-            self._write_batch(pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now)
+            self._write_batch(
+                pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, when, seq
+            )
             if fingerprint:
                 pipe.hset(bkey, "fingerprint", fingerprint)
+            if deadline and rows:
+                pipe.zadd(keys.DEADLINES, {batch_id: deadline})
             if not rows and self.retention_s:  # final at birth
                 for key in (bkey, keys.results(batch_id), keys.done(batch_id)):
                     pipe.expire(key, self.retention_s)
@@ -164,14 +201,26 @@ class BatchOps:
         raise RuntimeError(f"batch {batch_id}: {what} kept racing with other writers")
 
     def _write_batch(
-        self, pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, now
+        self,
+        pipe,
+        batch_id,
+        rows,
+        per_cluster,
+        per_cluster_tokens,
+        policy,
+        metadata,
+        when: Schedule,
+        seq: int,
     ) -> None:
-        bkey = keys.batch(batch_id)
+        bkey, now = keys.batch(batch_id), when.created_at
         pipe.delete(bkey)  # a hash without status is a creation cut short: start afresh
         pipe.hset(
             bkey,
             mapping={
                 "created_at": now,
+                "deadline": when.deadline,
+                "priority": when.priority,
+                "order_key": when.order_key,
                 "status": BatchState.IN_PROGRESS if rows else BatchState.COMPLETED,
                 "total": len(rows),
                 "completed": 0,
@@ -186,7 +235,8 @@ class BatchOps:
             },
         )
         pipe.zadd(keys.BATCHES, {batch_id: now})
-        for gid, payload, tokens, c in rows:
+        for i, (gid, payload, tokens, c) in enumerate(rows):
+            r = rank(when.order_key, seq + i)
             pipe.hset(
                 keys.query(gid),
                 mapping={
@@ -196,115 +246,18 @@ class BatchOps:
                     "state": QueryState.QUEUED,
                     "attempts": 0,
                     "enqueued_at": now,
+                    "rank": r,
                 },
             )
-            pipe.rpush(keys.queue(c), gid)
+            pipe.zadd(keys.queue(c), {gid: r})
+        for c, t in per_cluster_tokens.items():
+            pipe.hincrbyfloat(bkey, LEFT + c, t)
         for c, t in per_cluster_tokens.items():
             pipe.sadd(keys.CLUSTERS, c)
             pipe.hsetnx(keys.cluster_info(c), "state", "active")
             pipe.incrbyfloat(keys.pending(c), t)
             pipe.hincrbyfloat(keys.cluster_stats(c), "assigned_predicted_tokens", t)
             pipe.hincrby(keys.cluster_stats(c), "assigned_queries", per_cluster[c])
-
-    def accept_batch(
-        self,
-        batch_id: str,
-        rows: Sequence[str],
-        *,
-        policy: str = "",
-        metadata: Mapping[str, str] | None = None,
-        fingerprint: str = "",
-        chunk: int = STAGE_CHUNK,
-        extra: Callable[[Any], None] | None = None,
-    ) -> bool:
-        """Accept a batch for background intake: store its ``rows`` durably, then create it ``validating``.
-
-        Same contract as :meth:`create_batch` (atomic, idempotent by ``batch_id``; True when this
-        call created it; ``extra`` as there). The rows go to a staging list of this call in transactions of ``chunk``
-        rows (a gateway that dies here leaves only that list, which expires); then one optimistic
-        transaction checks that no batch has the id, creates the batch hash (``total`` =
-        ``intake_total`` = the rows, ``intake_done`` 0), renames the staging list to the batch's
-        intake list and puts the id in the intake set. Nothing is queued yet.
-        """
-        if ":" in batch_id or not batch_id:
-            raise ValueError(f"bad batch id {batch_id!r}")
-        if not rows:
-            raise ValueError("a batch accepted for intake needs rows")
-        bkey, token = keys.batch(batch_id), uuid.uuid4().hex
-        stage = staging_key(batch_id, token)
-        for i in range(0, len(rows), chunk):
-            pipe = self.r.pipeline(transaction=True)
-            pipe.rpush(stage, *rows[i : i + chunk])
-            pipe.expire(stage, STAGE_TTL_S)
-            pipe.execute()
-
-        def write(pipe) -> None:
-            now = self.clock()
-            self._write_batch(pipe, batch_id, [], {}, {}, policy, metadata, now)
-            pipe.hset(
-                bkey,
-                mapping={
-                    "status": BatchState.VALIDATING,
-                    "total": len(rows),
-                    "completed_at": 0,
-                    "intake_total": len(rows),
-                    "intake_done": 0,
-                    "fingerprint": fingerprint,
-                },
-            )
-            pipe.rename(stage, intake_key(batch_id))
-            pipe.persist(intake_key(batch_id))
-            pipe.zadd(INTAKE, {batch_id: now})
-            if extra:
-                extra(pipe)
-
-        created = False
-        try:
-            created = self._create_once(batch_id, write, "acceptance")
-            return created
-        finally:
-            if not created:  # renamed away when this call created the batch
-                self.r.delete(stage)
-
-    def intake_batches(self, limit: int = 100) -> list[str]:
-        """Ids of accepted batches whose intake is unfinished, oldest first."""
-        return self.r.zrange(INTAKE, 0, limit - 1)
-
-    def take_intake(self, batch_id: str, token: str, ttl_s: float) -> bool:
-        """Take the batch's intake lease (True: this token may enqueue its rows for ``ttl_s``)."""
-        return bool(self.r.set(intake_lease_key(batch_id), token, nx=True, px=max(1, int(ttl_s * 1000))))
-
-    def drop_intake(self, batch_id: str, token: str) -> None:
-        """Give the intake lease back, if ``token`` still holds it."""
-        self._release_intake(keys=[intake_lease_key(batch_id)], args=[token])
-
-    def intake_state(self, batch_id: str, n: int, start: int = 0) -> tuple[str | None, int, int, list[str]]:
-        """``(status, intake_done, intake_total, n rows from index start)`` of a batch in intake (the
-        list's head is the row at ``intake_done``)."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hmget(keys.batch(batch_id), "status", "intake_done", "intake_total")
-        pipe.lrange(intake_key(batch_id), start, start + n - 1)
-        (status, done, total), rows = pipe.execute()
-        return status, as_int(done), as_int(total), rows
-
-    def enqueue_chunk(
-        self,
-        batch_id: str,
-        token: str,
-        cursor: int,
-        rows: Sequence[tuple[str, str, float, str]],
-        ttl_s: float,
-    ) -> int:
-        """Land one chunk of rows ``(gid, payload, predicted tokens, cluster)``: :meth:`enqueue_parts`
-        with one part (``-1``: not ``token``'s lease, ``-2``: no such batch, ``-3``: stale cursor)."""
-        return self.enqueue_parts(batch_id, token, cursor, [rows], ttl_s)[0]
-
-    def forget_intake(self, batch_id: str) -> None:
-        """Drop the intake of a batch that no longer exists (expired or never created)."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.zrem(INTAKE, batch_id)
-        pipe.delete(intake_key(batch_id))
-        pipe.execute()
 
     def batch(self, batch_id: str) -> BatchInfo | None:
         return batch_info(batch_id, self.r.hgetall(keys.batch(batch_id)))
@@ -348,8 +301,21 @@ class BatchOps:
             return marked
         return sum(self.sweep_cancelled(c, chunk) for c in self.cluster_names())
 
+    def expire_due(self, now: float | None = None, chunk: int = SWEEP_CHUNK) -> list[str]:
+        """Expire the batches whose deadline passed by ``now`` (default: the queue's clock, the one deadlines are
+        set on); returns their ids. Each becomes ``expiring`` (O(1): see :mod:`workqueue.batch_scripts`), then
+        the queues are swept as :meth:`cancel_batch` sweeps them: queued queries are finished ``batch_expired``,
+        running ones are aborted by their workers, finished ones are kept; the batch ends ``expired``."""
+        now = self.clock() if now is None else now
+        due = self._expire_due(keys=[keys.DEADLINES], args=[now, chunk])
+        if due:
+            for c in self.cluster_names():
+                self.sweep_cancelled(c, chunk)
+        return list(due)
+
     def sweep_cancelled(self, cluster: str, chunk: int = SWEEP_CHUNK) -> int:
-        """Take the queued queries of cancelling batches out of one queue, ``chunk`` ids per call."""
+        """Take the queued queries of stopping (cancelled or expiring) batches out of one queue, ``chunk`` ids per
+        call."""
         if chunk <= 0:
             raise ValueError(f"chunk must be > 0, not {chunk}")
         start, total = 0, 0

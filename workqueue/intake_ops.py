@@ -8,7 +8,7 @@ the caller's clock), so the bound on the wait holds across gateway replicas and 
 
 **A lost intake list** (evicted, deleted by hand, lost in a failover) leaves rows that can
 never be enqueued: their ids were in it. :meth:`IntakeOps.fail_lost_intake` counts them as
-failed (``cancelled`` when the batch is being cancelled) in one script call, records how many
+failed (``cancelled`` when the batch is being cancelled or expiring) in one script call, records how many
 (``intake_lost``) and why (``error``), takes the batch out of the intake set and, when nothing
 else of it is queued or running, gives it its final status (``failed`` when nothing completed).
 The rows have no result line: only their count survives. The queue invariants
@@ -17,13 +17,25 @@ The rows have no result line: only their count survives. The queue invariants
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import redis
 
 from workqueue import keys, scripts
-from workqueue.batches import INTAKE, intake_key
-from workqueue.records import as_int
+from workqueue.batches import (
+    INTAKE,
+    RELEASE,
+    STAGE_CHUNK,
+    STAGE_TTL_S,
+    Schedule,
+    intake_key,
+    intake_lease_key,
+    staging_key,
+)
+from workqueue.ordering import QueueOrder
+from workqueue.records import BatchState, as_int
 
 WAITING = "intake_waiting_since"  # batch hash field: when intake began to wait for a cluster
 LOST = "intake_lost"  # batch hash field: rows counted finished because the intake list was lost
@@ -49,7 +61,7 @@ local lost = total - tonumber(h[2] or '0')
 redis.call('ZREM', KEYS[3], bid)
 if lost <= 0 then return 0 end
 local kind = 'failed'
-if h[1] == 'cancelling' or h[1] == 'cancelled' then kind = 'cancelled' end
+if stop_reason(h[1]) then kind = 'cancelled' end
 redis.call('HINCRBY', b, kind, lost)
 redis.call('HSET', b, 'intake_done', total, '"""
     + LOST
@@ -61,14 +73,125 @@ return lost
 
 
 class IntakeOps:
-    """Intake waits and lost intake lists; mixed into :class:`workqueue.queue.WorkQueue`."""
+    """Accepting a batch for background intake, its chunks, its waits and lost intake lists; mixed into
+    :class:`workqueue.queue.WorkQueue` (with :class:`workqueue.batches.BatchOps`, whose creation it shares)."""
 
     r: redis.Redis
     clock: Callable[[], float]
+    order: QueueOrder
+    _create_once: Callable[..., bool]
+    _write_batch: Callable[..., None]
+    enqueue_parts: Callable[..., list[int]]
 
     def _init_intake_ops(self, client: redis.Redis) -> None:
         self._wait = client.register_script(WAIT)
         self._lost_intake = client.register_script(LOST_INTAKE)
+        self._release_intake = client.register_script(RELEASE)
+
+    def accept_batch(
+        self,
+        batch_id: str,
+        rows: Sequence[str],
+        *,
+        policy: str = "",
+        metadata: Mapping[str, str] | None = None,
+        fingerprint: str = "",
+        chunk: int = STAGE_CHUNK,
+        extra: Callable[[Any], None] | None = None,
+        deadline: float = 0.0,
+        priority: int = 0,
+    ) -> bool:
+        """Accept a batch for background intake: store its ``rows`` durably, then create it ``validating``.
+
+        Same contract as :meth:`create_batch` (atomic, idempotent by ``batch_id``; True when this
+        call created it; ``extra``, ``deadline`` and ``priority`` as there). The rows go to a staging list of this call in transactions of ``chunk``
+        rows (a gateway that dies here leaves only that list, which expires); then one optimistic
+        transaction checks that no batch has the id, creates the batch hash (``total`` =
+        ``intake_total`` = the rows, ``intake_done`` 0), renames the staging list to the batch's
+        intake list and puts the id in the intake set. Nothing is queued yet.
+        """
+        if ":" in batch_id or not batch_id:
+            raise ValueError(f"bad batch id {batch_id!r}")
+        if not rows:
+            raise ValueError("a batch accepted for intake needs rows")
+        bkey, token = keys.batch(batch_id), uuid.uuid4().hex
+        stage = staging_key(batch_id, token)
+        for i in range(0, len(rows), chunk):
+            pipe = self.r.pipeline(transaction=True)
+            pipe.rpush(stage, *rows[i : i + chunk])
+            pipe.expire(stage, STAGE_TTL_S)
+            pipe.execute()
+
+        def write(pipe) -> None:
+            now = self.clock()
+            when = Schedule(now, deadline, priority, self.order.key(now, deadline, priority))
+            self._write_batch(pipe, batch_id, [], {}, {}, policy, metadata, when, 0)
+            if deadline:
+                pipe.zadd(keys.DEADLINES, {batch_id: deadline})
+            pipe.hset(
+                bkey,
+                mapping={
+                    "status": BatchState.VALIDATING,
+                    "total": len(rows),
+                    "completed_at": 0,
+                    "intake_total": len(rows),
+                    "intake_done": 0,
+                    "fingerprint": fingerprint,
+                },
+            )
+            pipe.rename(stage, intake_key(batch_id))
+            pipe.persist(intake_key(batch_id))
+            pipe.zadd(INTAKE, {batch_id: now})
+            if extra:
+                extra(pipe)
+
+        created = False
+        try:
+            created = self._create_once(batch_id, write, "acceptance")
+            return created
+        finally:
+            if not created:  # renamed away when this call created the batch
+                self.r.delete(stage)
+
+    def intake_batches(self, limit: int = 100) -> list[str]:
+        """Ids of accepted batches whose intake is unfinished, oldest first."""
+        return self.r.zrange(INTAKE, 0, limit - 1)
+
+    def take_intake(self, batch_id: str, token: str, ttl_s: float) -> bool:
+        """Take the batch's intake lease (True: this token may enqueue its rows for ``ttl_s``)."""
+        return bool(self.r.set(intake_lease_key(batch_id), token, nx=True, px=max(1, int(ttl_s * 1000))))
+
+    def drop_intake(self, batch_id: str, token: str) -> None:
+        """Give the intake lease back, if ``token`` still holds it."""
+        self._release_intake(keys=[intake_lease_key(batch_id)], args=[token])
+
+    def intake_state(self, batch_id: str, n: int, start: int = 0) -> tuple[str | None, int, int, list[str]]:
+        """``(status, intake_done, intake_total, n rows from index start)`` of a batch in intake (the
+        list's head is the row at ``intake_done``)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hmget(keys.batch(batch_id), "status", "intake_done", "intake_total")
+        pipe.lrange(intake_key(batch_id), start, start + n - 1)
+        (status, done, total), rows = pipe.execute()
+        return status, as_int(done), as_int(total), rows
+
+    def enqueue_chunk(
+        self,
+        batch_id: str,
+        token: str,
+        cursor: int,
+        rows: Sequence[tuple[str, str, float, str]],
+        ttl_s: float,
+    ) -> int:
+        """Land one chunk of rows ``(gid, payload, predicted tokens, cluster)``: :meth:`enqueue_parts`
+        with one part (``-1``: not ``token``'s lease, ``-2``: no such batch, ``-3``: stale cursor)."""
+        return self.enqueue_parts(batch_id, token, cursor, [rows], ttl_s)[0]
+
+    def forget_intake(self, batch_id: str) -> None:
+        """Drop the intake of a batch that no longer exists (expired or never created)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.zrem(INTAKE, batch_id)
+        pipe.delete(intake_key(batch_id))
+        pipe.execute()
 
     def intake_page(self, start: int, n: int) -> list[str]:
         """Up to ``n`` ids of batches in intake, from index ``start`` of the intake set (oldest first)."""

@@ -36,7 +36,7 @@ def _where(r: redis.Redis) -> tuple[dict[str, list[str]], dict[str, dict[str, li
     places: dict[str, list[str]] = {}
     clusters: dict[str, dict[str, list[str]]] = {}
     for c in sorted(r.smembers(keys.CLUSTERS)):
-        queued = r.lrange(keys.queue(c), 0, -1)
+        queued = r.zrange(keys.queue(c), 0, -1)
         running = r.zrange(keys.inflight(c), 0, -1)
         clusters[c] = {"queued": queued, "running": running}
         for g in queued:

@@ -5,14 +5,16 @@ Keys (prefix ``{fb}:``)::
     {fb}:clusters                 SET   names of registered clusters
     {fb}:c:{cluster}:info         HASH  static config: capacity hint, plan tokens/s, backend, state, limits
     {fb}:c:{cluster}:hb           HASH  last heartbeat (expires: alive = exists)
-    {fb}:c:{cluster}:queue        LIST  query ids waiting, head = next to run, tail = newest
+    {fb}:c:{cluster}:queue        ZSET  query ids waiting, scored by their rank (workqueue.ordering): lowest runs next
     {fb}:c:{cluster}:inflight     ZSET  query ids taken by a worker, scored by lease deadline
     {fb}:c:{cluster}:pending      STR   predicted tokens (prompt + response) of the queued queries
     {fb}:c:{cluster}:stats        HASH  assigned/finished counters (predicted and actual tokens)
     {fb}:c:{cluster}:wake         CHANNEL pub/sub: published when queries land in the queue (wakes idle engines)
-    {fb}:q:{gid}                  HASH  one query: payload JSON, cluster, state, attempts, times
+    {fb}:q:{gid}                  HASH  one query: payload JSON, cluster, state, attempts, rank, times
     {fb}:batches                  ZSET  batch ids by creation time
-    {fb}:b:{batch}                HASH  batch status and request counts
+    {fb}:deadlines                ZSET  unfinished batches with a deadline, by deadline (gateway clock)
+    {fb}:seq                      STR   the enqueue sequence: each query's place in the order (its rank's tail)
+    {fb}:b:{batch}                HASH  batch status, request counts, deadline, order key, token progress
     {fb}:b:{batch}:results        LIST  finished-query result JSON, in completion order
     {fb}:b:{batch}:done           SET   query ids with a result (makes results write-once)
     {fb}:observed                 LIST  observed (prompt, length) records for predictor retraining
@@ -50,6 +52,8 @@ TEMPLATES = {
 
 CLUSTERS = PREFIX + "clusters"
 BATCHES = PREFIX + "batches"
+DEADLINES = PREFIX + "deadlines"
+SEQ = PREFIX + "seq"
 OBSERVED = PREFIX + "observed"
 MOVER = PREFIX + "mover"
 

@@ -178,9 +178,12 @@ class LeaseOps:
         """The COMPLETE script's call (:meth:`complete`)."""
         if kind not in FINAL_QUERY_STATES:
             raise ValueError(f"kind must be one of {', '.join(sorted(FINAL_QUERY_STATES))}, not {kind!r}")
-        row = result.to_json() if isinstance(result, QueryResult) else json.dumps(dict(result))
+        if isinstance(result, QueryResult):
+            row, prompt = result.to_json(), result.prompt_tokens
+        else:
+            row, prompt = json.dumps(dict(result)), result.get("prompt_tokens") or 0
         return ScriptCall(
             self._complete,
             [keys.query(gid), keys.batch(keys.split_gid(gid)[0])],
-            [gid, row, str(kind), int(actual_tokens), self.clock()],
+            [gid, row, str(kind), int(actual_tokens), self.clock(), int(prompt or 0)],
         )

@@ -3,8 +3,9 @@ queue (offloading, evacuation, rebalance) or to fail them (a removed cluster's q
 run nowhere else).
 
 They share :data:`workqueue.scripts.PRELUDE` and the rules :mod:`workqueue.scripts` lists, plus
-``take``: how planned ids are found (from the back, in pages, within a window) and removed, and
-``land``: how moved ids arrive on the destination (its queue tail, the ``pending`` counters and
+``take``: how planned ids are found and removed (by id: O(log n) each), and
+``land``: how moved ids arrive on the destination (each at its own rank: a moved query keeps its place
+in the order, :mod:`workqueue.ordering`; the ``pending`` counters, the batch's tokens left by cluster and
 the clusters' move statistics), the same for every kind of move.
 """
 
@@ -15,15 +16,22 @@ from workqueue.scripts import PRELUDE
 MOVE_PRELUDE = (
     PRELUDE
     + r"""
--- Append ids (listed back of src first) to dst's queue KEYS[2] in src order, tokens from KEYS[3] to KEYS[4].
+-- Put ids (listed back of src first) in dst's queue KEYS[2], each at its own rank (its place in the order);
+-- their tokens go from KEYS[3] to KEYS[4], and from the batch's count of tokens left on src to dst's.
 local function land(moved, src, dst)
   local tokens = 0
   for i = #moved, 1, -1 do
     local g = moved[i]
-    local t = tonumber(redis.call('HGET', k_query(g), 'tokens') or '0')
+    local h = redis.call('HMGET', k_query(g), 'tokens', 'rank')
+    local t = tonumber(h[1] or '0')
     tokens = tokens + t
     redis.call('HSET', k_query(g), 'cluster', dst)
-    redis.call('RPUSH', KEYS[2], g)
+    redis.call('ZADD', KEYS[2], tonumber(h[2] or '0'), g)
+    local b = k_batch(split_gid(g))
+    if redis.call('EXISTS', b) == 1 then
+      redis.call('HINCRBYFLOAT', b, 'left:' .. src, -t)
+      redis.call('HINCRBYFLOAT', b, 'left:' .. dst, t)
+    end
     redis.call('HINCRBYFLOAT', k_cluster_stats(src), 'assigned_predicted_tokens', -t)
     redis.call('HINCRBYFLOAT', k_cluster_stats(dst), 'assigned_predicted_tokens', t)
     redis.call('HINCRBY', k_cluster_stats(src), 'moved_out', 1)
@@ -34,40 +42,35 @@ local function land(moved, src, dst)
   return tokens
 end
 
--- Take the ids of the set `want` (`left` of them) out of `queue`, looked for from the back, in pages, until all
--- are found or `window` entries were seen: their slots become tombstones that one LREM from the tail removes.
--- Cost: O(how far from the back the farthest one stands). Returns those with a query hash, back first.
+-- Take the ids of the set `want` (`left` of them) out of `queue` (ZREM: O(log n) each; `window` is kept for
+-- the callers' sake and bounds nothing). Returns those that were queued and have a query hash, back of the
+-- queue first.
 local function take(queue, window, want, left)
-  local TOMB, found, removed, seen = '\0taking', {}, 0, 0
-  window = math.min(window, redis.call('LLEN', queue))
-  while left > 0 and seen < window do
-    local page = math.min(1000, window - seen)
-    local ids = redis.call('LRANGE', queue, -(seen + page), -(seen + 1))
-    for i = #ids, 1, -1 do
-      local g = ids[i]
-      if want[g] then
-        want[g], left, removed = nil, left - 1, removed + 1
-        redis.call('LSET', queue, -(seen + #ids - i + 1), TOMB)
-        if redis.call('EXISTS', k_query(g)) == 1 then found[#found + 1] = g end
-      end
+  local found = {}
+  for g in pairs(want) do
+    local r = redis.call('ZSCORE', queue, g)
+    if r then
+      redis.call('ZREM', queue, g)
+      if redis.call('EXISTS', k_query(g)) == 1 then found[#found + 1] = {tonumber(r), g} end
     end
-    seen = seen + page
   end
-  if removed > 0 then redis.call('LREM', queue, -removed, TOMB) end
-  return found
+  table.sort(found, function(a, b) return a[1] > b[1] or (a[1] == b[1] and a[2] > b[2]) end)
+  local out = {}
+  for i, e in ipairs(found) do out[i] = e[2] end
+  return out
 end
 """
 )
 
-# KEYS: queue of src, queue of dst, pending of src, pending of dst. ARGV: src, dst, n. Moves up to n queries from the tail of src's queue to the tail of
-# dst's, keeping their order; ids without a query hash are dropped on the way.
+# KEYS: queue of src, queue of dst, pending of src, pending of dst. ARGV: src, dst, n. Moves up to n queries from the back of src's
+# queue (those that would run last) to dst's, each at its rank; ids without a query hash are dropped on the way.
 # Returns {moved, predicted tokens moved}.
 MOVE_TAIL = (
     MOVE_PRELUDE
     + r"""
 local n, moved = tonumber(ARGV[3]), {}
 while #moved < n do
-  local g = redis.call('RPOP', KEYS[1])
+  local g = redis.call('ZPOPMAX', KEYS[1])[1]
   if not g then break end
   if redis.call('EXISTS', k_query(g)) == 1 then moved[#moved + 1] = g end
 end
@@ -75,9 +78,8 @@ return {#moved, tostring(land(moved, ARGV[1], ARGV[2]))}
 """
 )
 
-# KEYS: as MOVE_TAIL. ARGV: src, dst, window, gid... Moves exactly those ids still queued on src (looked for from the
-# back, in pages, until all are found or `window` entries were seen) to dst's tail, in their order on src: their slots
-# become tombstones that one LREM from the tail removes. Cost: O(how far from the back the farthest one stands).
+# KEYS: as MOVE_TAIL. ARGV: src, dst, window (unused), gid... Moves exactly those ids still queued on src to dst, each at
+# its rank. Cost: O(log n) an id.
 MOVE_IDS = (
     MOVE_PRELUDE
     + r"""

@@ -35,6 +35,7 @@ from workqueue.batches import DEFAULT_RETENTION_S, BatchOps
 from workqueue.intake_ops import IntakeOps
 from workqueue.leases import DEFAULT_MAX_ATTEMPTS, LeaseOps
 from workqueue.mover import MoverLease
+from workqueue.ordering import QueueOrder
 from workqueue.records import (
     ClusterInfo,
     Observation,
@@ -58,7 +59,9 @@ MOVE_WINDOW_SLACK = 20_000
 class WorkQueue(LeaseOps, BatchOps, IntakeOps, TickOps):
     """All queue operations on one Redis connection (thread-safe: redis-py pools connections).
 
-    ``clock`` stamps records (lease deadlines use Redis time whatever it says);
+    ``clock`` stamps records (lease deadlines use Redis time whatever it says) and is the clock batch
+    deadlines are set and checked on; ``order`` is how batches are ordered in the queues
+    (:mod:`workqueue.ordering`: earliest deadline first by default);
     ``max_attempts`` is how many claims a query gets: one popped after that many fails (None
     or 0: no limit); see :mod:`workqueue.leases`.
     """
@@ -70,10 +73,11 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps, TickOps):
         clock: Callable[[], float] = time.time,
         max_attempts: int | None = DEFAULT_MAX_ATTEMPTS,
         retention_s: float = DEFAULT_RETENTION_S,
+        order: QueueOrder = QueueOrder(),
     ):
         self.r = client
         self._init_leases(client, clock, max_attempts)
-        self._init_batches(client, retention_s)
+        self._init_batches(client, retention_s, order)
         self._init_intake_ops(client)
         self._init_ticks(client)
         self._move_tail = client.register_script(move_scripts.MOVE_TAIL)
@@ -159,7 +163,7 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps, TickOps):
         for n in names:
             pipe.hgetall(keys.cluster_info(n))
             pipe.hgetall(keys.heartbeat(n))
-            pipe.llen(keys.queue(n))
+            pipe.zcard(keys.queue(n))
             pipe.zcard(keys.inflight(n))
             pipe.get(keys.pending(n))
             pipe.hgetall(keys.cluster_stats(n))
@@ -286,7 +290,7 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps, TickOps):
     def tail(self, cluster: str, n: int, skip: int = 0) -> list[tuple[str, float]]:
         """The last ``n`` queued query ids of a cluster before its last ``skip`` (back of the queue
         last) with their predicted tokens."""
-        gids = self.r.lrange(keys.queue(cluster), -(skip + n), -(skip + 1)) if n > 0 else []
+        gids = self.r.zrange(keys.queue(cluster), -(skip + n), -(skip + 1)) if n > 0 else []
         if not gids:
             return []
         pipe = self.r.pipeline(transaction=False)
@@ -295,7 +299,7 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps, TickOps):
         return [(g, as_float(t)) for g, t in zip(gids, pipe.execute(), strict=True)]
 
     def queued_ids(self, cluster: str) -> list[str]:
-        return self.r.lrange(keys.queue(cluster), 0, -1)
+        return self.r.zrange(keys.queue(cluster), 0, -1)
 
     def inflight_ids(self, cluster: str) -> list[str]:
         return self.r.zrange(keys.inflight(cluster), 0, -1)

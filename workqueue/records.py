@@ -32,7 +32,8 @@ class QueryState(enum.StrEnum):
 
 
 class BatchState(enum.StrEnum):
-    """A batch's ``status``: ``validating`` while the background intake stores its rows."""
+    """A batch's ``status``: ``validating`` while the background intake stores its rows; ``expiring`` once its
+    deadline passed (its unfinished queries are being stopped), then ``expired`` (final)."""
 
     VALIDATING = "validating"
     IN_PROGRESS = "in_progress"
@@ -40,6 +41,8 @@ class BatchState(enum.StrEnum):
     FAILED = "failed"
     CANCELLING = "cancelling"
     CANCELLED = "cancelled"
+    EXPIRING = "expiring"
+    EXPIRED = "expired"
 
 
 class Outcome(enum.StrEnum):
@@ -64,10 +67,10 @@ class Outcome(enum.StrEnum):
 
 def outcome(finish_reason: str | None, error: str | None = None) -> Outcome:
     """The one rule for a result's outcome, from its ``finish_reason`` and ``error``: cancelled
-    (``cancelled``, ``abort``), failed (``error``, or any result that carries an error, such as a
+    (``cancelled``, ``abort``, ``batch_expired``: its batch's window ended first), failed (``error``, or any result that carries an error, such as a
     query the KV cache cannot hold), truncated (``length``), else completed (``stop``)."""
     reason = finish_reason or ""
-    if reason in ("cancelled", "abort"):
+    if reason in ("cancelled", "abort", "batch_expired"):
         return Outcome.CANCELLED
     if error or reason == "error":
         return Outcome.FAILED
@@ -77,9 +80,13 @@ def outcome(finish_reason: str | None, error: str | None = None) -> Outcome:
 #: how a query can finish (the kinds :meth:`WorkQueue.complete` takes)
 FINAL_QUERY_STATES = frozenset({QueryState.COMPLETED, QueryState.FAILED, QueryState.CANCELLED})
 #: the batch statuses nothing changes any more
-FINAL_BATCH_STATES = frozenset({BatchState.COMPLETED, BatchState.FAILED, BatchState.CANCELLED})
-#: a batch cancelled or being cancelled: its queries are dropped or aborted
+FINAL_BATCH_STATES = frozenset(
+    {BatchState.COMPLETED, BatchState.FAILED, BatchState.CANCELLED, BatchState.EXPIRED}
+)
+#: a batch cancelled or being cancelled: no more of its queries are enqueued
 CANCELLED_BATCH_STATES = frozenset({BatchState.CANCELLING, BatchState.CANCELLED})
+#: a batch that stops (cancelled, or its window ended): its queued queries are dropped, running ones aborted
+STOPPING_BATCH_STATES = CANCELLED_BATCH_STATES | {BatchState.EXPIRING, BatchState.EXPIRED}
 #: final states of queries and batches alike (the members are equal strings: three of them)
 FINAL_STATES = FINAL_QUERY_STATES | FINAL_BATCH_STATES
 
@@ -135,6 +142,19 @@ class BatchInfo:
     predicted_tokens_per_cluster: dict[str, float] = field(default_factory=dict)
     fingerprint: str = ""  # digest of the submitted queries: a retry with other queries is refused
     error: str = ""  # what failed the batch as a whole (its intake list lost), if anything
+    deadline: float = 0.0  # when it expires (unix seconds, the gateway's clock); 0: never
+    priority: int = 0
+    order_key: float = 0.0  # its place in every queue (workqueue.ordering): lowest runs first
+    done_predicted_tokens: float = 0.0  # predicted tokens (prompt + response) of its answered queries
+    done_actual_tokens: int = 0  # their actual tokens (prompt + completion)
+    left_tokens_per_cluster: dict[str, float] = field(
+        default_factory=dict
+    )  # predicted tokens unfinished, by cluster
+
+    @property
+    def predicted_tokens(self) -> float:
+        """Predicted tokens (prompt + response) of its enqueued queries."""
+        return float(sum(self.predicted_tokens_per_cluster.values()))
 
     @property
     def final(self) -> bool:

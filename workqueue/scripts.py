@@ -34,13 +34,21 @@ Rules the scripts keep:
 
 from __future__ import annotations
 
-from workqueue import keys
+import json
+
+from workqueue import keys, ordering
+
+#: the error an expired row's result carries (finish_reason ``batch_expired``)
+EXPIRED_ERROR = "the batch's completion window ended before this request finished"
 
 PRELUDE = (
     """
 redis.replicate_commands()
 """
     + keys.lua_functions()
+    + ordering.lua_rank()
+    + f"local K_DEADLINES, K_SEQ = '{keys.DEADLINES}', '{keys.SEQ}'\n"
+    + f"local EXPIRED_ERROR = {json.dumps(EXPIRED_ERROR)}\n"
     + r"""
 local function split_gid(g)
   local i = string.find(g, ':', 1, true)
@@ -62,6 +70,14 @@ local function retire(bid)
   end
 end
 
+-- Why the queries of a batch with this status stop: 'cancelled' (cancelling, cancelled), 'batch_expired'
+-- (expiring, expired), or nil (they run).
+local function stop_reason(status)
+  if status == 'cancelling' or status == 'cancelled' then return 'cancelled' end
+  if status == 'expiring' or status == 'expired' then return 'batch_expired' end
+  return nil
+end
+
 -- A batch whose every query is counted finished takes its final status (and starts its retention).
 local function settle(bid, now)
   local b = k_batch(bid)
@@ -69,39 +85,65 @@ local function settle(bid, now)
   local finished = tonumber(h[2] or '0') + tonumber(h[3] or '0') + tonumber(h[4] or '0')
   if finished >= tonumber(h[1] or '0') then
     local status = 'completed'
-    if h[5] == 'cancelling' or h[5] == 'cancelled' then
+    local why = stop_reason(h[5])
+    if why == 'cancelled' then
       status = 'cancelled'
+    elseif why == 'batch_expired' then
+      status = 'expired'
     elseif tonumber(h[2] or '0') == 0 and tonumber(h[3] or '0') > 0 then
       status = 'failed'
     end
     redis.call('HSET', b, 'status', status, 'completed_at', now)
+    redis.call('ZREM', K_DEADLINES, bid)
     retire(bid)
   end
+end
+
+-- Mark a batch stopping ('cancelling' or 'expiring'); final at once when nothing of it is left to finish.
+local function stop(bid, how, now)
+  local b = k_batch(bid)
+  redis.call('HSET', b, 'status', how)
+  redis.call('ZREM', K_DEADLINES, bid)
+  settle(bid, now)
 end
 
 -- Record the final result of one query once; returns its index in the result list, or -1
 -- when the query already had a result (results are write-once per query id).
 -- A query still marked queued was requeued after its lease lapsed and is finished late by
 -- its old worker: its id leaves the queue holding it, and its tokens that queue's counter.
-local function finish(g, result, kind, actual, now)
+-- A query of an expiring batch that its worker reports cancelled (it aborted it) is recorded as expired.
+-- The batch counts its unfinished predicted tokens by cluster (left:<cluster>) and, for answered
+-- queries, their predicted and actual (prompt + completion) tokens: its token progress.
+local function finish(g, result, kind, actual, now, prompt)
   local bid, qid = split_gid(g)
-  if redis.call('HEXISTS', k_batch(bid), 'status') == 0 then  -- its batch expired: nothing to record
+  local b = k_batch(bid)
+  local status = redis.call('HGET', b, 'status')
+  if not status then  -- its batch expired: nothing to record
     redis.call('DEL', k_query(g))
     return -1
   end
   if redis.call('SADD', k_done(bid), qid) == 0 then return -1 end
+  if kind == 'cancelled' and stop_reason(status) == 'batch_expired' then
+    local r = cjson.decode(result)
+    if r.finish_reason ~= 'batch_expired' then
+      r.finish_reason, r.error = 'batch_expired', EXPIRED_ERROR
+      result = cjson.encode(r)
+    end
+  end
   local q = k_query(g)
   local h = redis.call('HMGET', q, 'cluster', 'tokens', 'state')
   local cluster, tokens, state = h[1], tonumber(h[2] or '0'), h[3]
   local idx = redis.call('RPUSH', k_results(bid), result) - 1
-  local b = k_batch(bid)
   redis.call('HINCRBY', b, kind, 1)
   if cluster then
     redis.call('ZREM', k_inflight(cluster), g)
-    if state == 'queued' and redis.call('LREM', k_queue(cluster), 1, g) > 0 then
+    if state == 'queued' and redis.call('ZREM', k_queue(cluster), g) > 0 then
       redis.call('INCRBYFLOAT', k_pending(cluster), -tokens)
     end
+    redis.call('HINCRBYFLOAT', b, 'left:' .. cluster, -tokens)
     if kind == 'completed' then
+      redis.call('HINCRBYFLOAT', b, 'done_predicted_tokens', tokens)
+      redis.call('HINCRBY', b, 'done_actual_tokens', actual + (prompt or 0))
       redis.call('HINCRBYFLOAT', k_cluster_stats(cluster), 'finished_predicted_tokens', tokens)
       redis.call('HINCRBY', k_cluster_stats(cluster), 'finished_actual_tokens', actual)
       redis.call('HINCRBY', k_cluster_stats(cluster), 'finished_queries', 1)
@@ -124,7 +166,7 @@ local function reassert(c, worker, deadline, inflight, queue, pending, from)
     if h[2] == worker and h[3] == c then
       if h[1] == 'running' then
         n = n + redis.call('ZADD', inflight, 'XX', 'CH', deadline, g)
-      elseif h[1] == 'queued' and redis.call('LREM', queue, 1, g) > 0 then
+      elseif h[1] == 'queued' and redis.call('ZREM', queue, g) > 0 then
         redis.call('INCRBYFLOAT', pending, -tonumber(h[4] or '0'))
         redis.call('HSET', q, 'state', 'running')
         redis.call('ZADD', inflight, deadline, g)
@@ -135,10 +177,13 @@ local function reassert(c, worker, deadline, inflight, queue, pending, from)
   return n
 end
 
-local function cancelled_result(g, cluster)
+-- The result of a query its batch stopped before it ran: why is stop_reason()'s ('cancelled', 'batch_expired').
+local function stopped_result(g, cluster, why)
   local bid, qid = split_gid(g)
-  return '{"batch_id":' .. cjson.encode(bid) .. ',"query_id":' .. cjson.encode(qid) ..
-         ',"cluster":' .. cjson.encode(cluster or '') .. ',"finish_reason":"cancelled"}'
+  local row = '{"batch_id":' .. cjson.encode(bid) .. ',"query_id":' .. cjson.encode(qid) ..
+              ',"cluster":' .. cjson.encode(cluster or '') .. ',"finish_reason":"' .. why .. '"'
+  if why == 'batch_expired' then row = row .. ',"error":' .. cjson.encode(EXPIRED_ERROR) end
+  return row .. '}'
 end
 
 local function gave_up_result(g, cluster, attempts, max_attempts)
@@ -154,11 +199,12 @@ end
 """
 )
 
-# KEYS: the query's hash, its batch's hash. ARGV: gid, result JSON, kind (completed|failed|cancelled), actual tokens, now
+# KEYS: the query's hash, its batch's hash. ARGV: gid, result JSON, kind (completed|failed|cancelled), actual
+# (completion) tokens, now, prompt tokens
 COMPLETE = (
     PRELUDE
     + r"""
-return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5])
+return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6] or '0'))
 """
 )
 
@@ -176,7 +222,8 @@ local out = {0}
 local taken, gave_up = 0, 0
 if redis.call('HGET', k_cluster_info(c), 'state') == 'removed' then n = 0 end  -- a removed cluster takes nothing new
 while taken < n do
-  local g = redis.call('LPOP', KEYS[1])
+  local popped = redis.call('ZPOPMIN', KEYS[1])
+  local g = popped[1]
   if not g then break end
   local q = k_query(g)
   local fields = redis.call('HMGET', q, 'payload', 'tokens', 'enqueued_at', 'attempts')
@@ -185,9 +232,10 @@ while taken < n do
     local bid = split_gid(g)
     local status = redis.call('HGET', k_batch(bid), 'status')
     local used = tonumber(fields[4] or '0')
-    if status == 'cancelling' or status == 'cancelled' then
+    local why = stop_reason(status)
+    if why then
       redis.call('HSET', q, 'state', 'cancelling')  -- already popped: finish() must not scan the queue for it
-      finish(g, cancelled_result(g, c), 'cancelled', 0, now)
+      finish(g, stopped_result(g, c, why), 'cancelled', 0, now)
     elseif max_attempts > 0 and used >= max_attempts then
       redis.call('HSET', q, 'state', 'failing')  -- already popped: finish() must not scan the queue for it
       finish(g, gave_up_result(g, c, used, max_attempts), 'failed', 0, now)
@@ -236,10 +284,10 @@ local function requeue_lapsed(c, inflight, queue, pending, now)
     local g = expired[i]
     redis.call('ZREM', inflight, g)
     local q = k_query(g)
-    local h = redis.call('HMGET', q, 'state', 'tokens')
+    local h = redis.call('HMGET', q, 'state', 'tokens', 'rank')
     if h[1] == 'running' then
       redis.call('HSET', q, 'state', 'queued', 'cluster', c)
-      redis.call('LPUSH', queue, g)
+      redis.call('ZADD', queue, tonumber(h[3] or '0'), g)
       redis.call('INCRBYFLOAT', pending, tonumber(h[2] or '0'))
       n = n + 1
     end
@@ -256,128 +304,5 @@ REQUEUE_EXPIRED = (
     + REQUEUE_LAPSED
     + r"""
 return requeue_lapsed(ARGV[1], KEYS[1], KEYS[2], KEYS[3], server_now())
-"""
-)
-
-# KEYS: the batch's hash. ARGV: batch id, now. Marks the batch cancelling: O(1), whatever the queues hold. Its queued
-# queries are then cancelled by SWEEP_CANCELLED (bounded chunks) or when a CLAIM reaches them;
-# running ones are aborted by their workers. Returns -1 (unknown batch), 0 (already final) or 1.
-CANCEL = (
-    PRELUDE
-    + r"""
-local bid, now = ARGV[1], ARGV[2]
-local b = KEYS[1]
-local status = redis.call('HGET', b, 'status')
-if not status then return -1 end
-if status == 'completed' or status == 'failed' or status == 'cancelled' then return 0 end
-redis.call('HSET', b, 'status', 'cancelling')
-local h = redis.call('HMGET', b, 'total', 'completed', 'failed', 'cancelled')
-if tonumber(h[2] or '0') + tonumber(h[3] or '0') + tonumber(h[4] or '0') >= tonumber(h[1] or '0') then
-  redis.call('HSET', b, 'status', 'cancelled', 'completed_at', now)
-  retire(bid)
-end
-return 1
-"""
-)
-
-# KEYS: queue, pending of the cluster. ARGV: cluster, start, count, now. Looks at most `count` queued ids of the cluster's queue
-# from index `start` and cancels those whose batch is cancelling: their slots are overwritten
-# with a tombstone (LSET) and removed in one LREM that stops at the last of them, so one call
-# costs O(start + count), never a scan of a whole million-query queue per id.
-# Ids without a query hash are dropped without recreating one. Returns {cancelled, looked at, next start}.
-SWEEP_CANCELLED = (
-    PRELUDE
-    + r"""
-local c, start, count, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
-local TOMB = '\0cancelled'
-local ids = redis.call('LRANGE', KEYS[1], start, start + count - 1)
-local statuses = {}
-local n, removed, tokens = 0, 0, 0
-for i, g in ipairs(ids) do
-  local bid = split_gid(g)
-  if statuses[bid] == nil then statuses[bid] = redis.call('HGET', k_batch(bid), 'status') or '' end
-  if statuses[bid] == 'cancelling' or statuses[bid] == 'cancelled' then
-    redis.call('LSET', KEYS[1], start + i - 1, TOMB)
-    removed = removed + 1
-    if redis.call('EXISTS', k_query(g)) == 1 then  -- never recreate a query hash
-      tokens = tokens + tonumber(redis.call('HGET', k_query(g), 'tokens') or '0')
-      redis.call('HSET', k_query(g), 'state', 'cancelling')
-      if finish(g, cancelled_result(g, c), 'cancelled', 0, now) >= 0 then n = n + 1 end
-    end
-  end
-end
-if removed > 0 then
-  redis.call('LREM', KEYS[1], removed, TOMB)
-  redis.call('INCRBYFLOAT', KEYS[2], -tokens)
-end
-return {n, #ids, start + #ids - removed}
-"""
-)
-
-# KEYS: the batch's hash, its intake lease, its intake list, the intake set, the clusters set. ARGV: batch id, lease token,
-# cursor (rows of the batch enqueued before this chunk), now, lease ms, then four per row of the chunk:
-# gid, payload JSON, predicted tokens, cluster (cluster '': the row fails at once, its payload being
-# its result JSON). One chunk of a batch accepted by the background intake lands atomically: only
-# while the caller holds the batch's intake lease (which the call extends) and the batch's
-# ``intake_done`` still equals the cursor, so a chunk is never enqueued twice. The chunk's rows
-# leave the head of the intake list; each is queued on its cluster, or (batch cancelling) finished
-# as cancelled. The first chunk turns a ``validating`` batch ``in_progress``; the last one takes
-# the batch out of the intake set. Returns rows handled, or -1 (lease lost), -2 (no batch),
-# -3 (cursor moved on: another replica enqueued it).
-ENQUEUE_CHUNK = (
-    PRELUDE
-    + r"""
-local bid, token, cursor, now, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
-if redis.call('GET', KEYS[2]) ~= token then return -1 end
-local b = KEYS[1]
-local h = redis.call('HMGET', b, 'status', 'intake_done', 'intake_total', 'queries_per_cluster',
-                     'predicted_tokens_per_cluster')
-if not h[1] then return -2 end
-if tonumber(h[2] or '-1') ~= cursor then return -3 end
-local n = (#ARGV - 5) / 4
-local cancelled = h[1] == 'cancelling' or h[1] == 'cancelled'
-local per_q = cjson.decode(h[4] or '{}')
-local per_t = cjson.decode(h[5] or '{}')
-local touched = {}
-local total = tonumber(h[3] or '0')
-local done_after = cursor + n
--- counters first: finish() below may finalize the batch and must see every row as enqueued
-redis.call('HSET', b, 'intake_done', done_after)
-if done_after >= total then
-  redis.call('ZREM', KEYS[4], bid)
-  redis.call('DEL', KEYS[3])
-else
-  redis.call('LTRIM', KEYS[3], n, -1)
-end
-for i = 0, n - 1 do
-  local g, payload, tokens, c = ARGV[6 + 4 * i], ARGV[7 + 4 * i], tonumber(ARGV[8 + 4 * i]), ARGV[9 + 4 * i]
-  if cancelled then
-    finish(g, cancelled_result(g, c), 'cancelled', 0, now)
-  elseif c == '' then
-    finish(g, payload, 'failed', 0, now)
-  else
-    redis.call('HSET', k_query(g), 'payload', payload, 'tokens', tokens, 'cluster', c, 'state', 'queued',
-               'attempts', 0, 'enqueued_at', now)
-    redis.call('RPUSH', k_queue(c), g)
-    per_q[c] = (per_q[c] or 0) + 1
-    per_t[c] = (per_t[c] or 0) + tokens
-    if not touched[c] then touched[c] = {0, 0} end
-    touched[c][1] = touched[c][1] + 1
-    touched[c][2] = touched[c][2] + tokens
-  end
-end
-for c, t in pairs(touched) do
-  redis.call('SADD', KEYS[5], c)
-  redis.call('HSETNX', k_cluster_info(c), 'state', 'active')
-  redis.call('INCRBYFLOAT', k_pending(c), t[2])
-  redis.call('HINCRBYFLOAT', k_cluster_stats(c), 'assigned_predicted_tokens', t[2])
-  redis.call('HINCRBY', k_cluster_stats(c), 'assigned_queries', t[1])
-end
-if next(touched) ~= nil then
-  redis.call('HSET', b, 'queries_per_cluster', cjson.encode(per_q), 'predicted_tokens_per_cluster', cjson.encode(per_t))
-end
-if redis.call('HGET', b, 'status') == 'validating' then redis.call('HSET', b, 'status', 'in_progress') end
-redis.call('PEXPIRE', KEYS[2], lease_ms)
-return n
 """
 )

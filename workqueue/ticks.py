@@ -25,7 +25,7 @@ import redis
 from redis.commands.core import Script
 
 from workqueue import keys, move_scripts, scripts
-from workqueue.batches import INTAKE, batch_info, intake_key, intake_lease_key
+from workqueue.batches import INTAKE, SWEEP_CHUNK, batch_info, intake_key, intake_lease_key
 from workqueue.records import BatchInfo, as_float
 from workqueue.script_call import ScriptCall, execute
 from workqueue.wake import announce
@@ -58,7 +58,9 @@ class TickOps:
 
     r: redis.Redis
     _enqueue_chunk: Script
+    _expire_due: Script
     clock: Callable[[], float]
+    sweep_cancelled: Callable[[str], int]
 
     def _init_ticks(self, client: redis.Redis) -> None:
         self._requeue_all = client.register_script(REQUEUE_ALL)
@@ -67,8 +69,21 @@ class TickOps:
     def requeue_all_expired(self) -> dict[str, int]:
         """Requeue the lapsed leases of every registered cluster (as :meth:`requeue_expired` does for
         one), in one script call; returns every cluster's name with how many it requeued."""
-        flat = eval_many(self.r, self._requeue_all, [([keys.CLUSTERS], [])])[0]
-        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return self.requeue_and_expire(expire=False)[0]
+
+    def requeue_and_expire(self, expire: bool = True) -> tuple[dict[str, int], list[str]]:
+        """:meth:`requeue_all_expired` and, in the same round trip, the first step of :meth:`expire_due`
+        (the batches whose deadline passed become ``expiring``; the queues are swept only then).
+        Returns every cluster's requeued count and the batches that expired."""
+        calls = [ScriptCall(self._requeue_all, [keys.CLUSTERS], [])]
+        if expire:
+            calls.append(ScriptCall(self._expire_due, [keys.DEADLINES], [self.clock(), SWEEP_CHUNK]))
+        replies = execute(self.r, calls)
+        flat, expired = replies[0], list(replies[1]) if expire else []
+        if expired:
+            for c in flat[::2]:
+                self.sweep_cancelled(c)
+        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}, expired
 
     def tails(self, reads: Mapping[str, tuple[int, int]]) -> dict[str, list[tuple[str, float]]]:
         """:meth:`tail` of many clusters (``cluster -> (n, skip)``) in two round trips: each cluster's
@@ -80,7 +95,7 @@ class TickOps:
         pipe = self.r.pipeline(transaction=False)
         for c in names:
             n, skip = reads[c]
-            pipe.lrange(keys.queue(c), -(skip + n), -(skip + 1))
+            pipe.zrange(keys.queue(c), -(skip + n), -(skip + 1))
         ids = dict(zip(names, pipe.execute(), strict=True))
         pipe = self.r.pipeline(transaction=False)
         for c in names:
@@ -122,7 +137,7 @@ class TickOps:
     ) -> list[int]:
         """Land a chunk's ``parts`` (rows ``(gid, payload, predicted tokens, cluster)``, part k at
         ``cursor`` plus the rows of the parts before it) with one ``ENQUEUE_CHUNK`` call each, all in
-        one pipeline (see ``scripts.ENQUEUE_CHUNK``); then the clusters that got rows are announced.
+        one pipeline (see ``batch_scripts.ENQUEUE_CHUNK``); then the clusters that got rows are announced.
 
         Cluster ``''`` fails the row at once (its payload is its result JSON). Per part: the rows
         handled, or -1 (the lease is not ``token``'s), -2 (no such batch), -3 (the cursor is
