@@ -1,6 +1,6 @@
 """The event loop: arrivals, engine step completions and offloader ticks in cost-model time.
 
-Per cluster there is a queue (a deque standing in for its Redis list) and a simulated engine
+Per cluster there is a queue (:class:`sim.queues.OrderedQueue`, ordered by batch key as the Redis one is) and a simulated engine
 (:mod:`sim.engines`). Arriving queries are assigned by the real policy of
 :mod:`gateway.policies` from :class:`~gateway.policies.ClusterView` objects built as
 :func:`gateway.views.cluster_views` does (pending = queued prompt + predicted tokens plus the
@@ -9,8 +9,8 @@ every step an engine takes ``free_slots()`` queries from the front of its queue 
 loop); an idle engine takes work the moment it appears. Every ``offload_interval_s`` the
 offloader runs :class:`gateway.offloader.Offloader`'s round with the real
 :func:`gateway.offload.plan_offload` and one :class:`gateway.offload.Backoff` per cluster on the
-simulated clock; a move takes queries from the back of the donor's queue to the back of the
-recipient's, at once (the link cost only enters the decision, as in the real system).
+simulated clock; a move takes queries from the back of the donor's queue into the recipient's, each
+at its own place in the order, at once (the link cost only enters the decision, as in the real system).
 
 Events at the same instant run in the order: step completions, arrivals, offloader ticks.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 import gc
 import heapq
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from engines.config import EngineConfig
@@ -29,6 +28,7 @@ from gateway.policies import ClusterView, QueryLoad, make_policy, queue_order
 from sim.costs import LinearCost
 from sim.engines import IterationEngine, StaticEngine
 from sim.pipelined import PipelinedEngine
+from sim.queues import OrderedQueue
 from sim.workload import Workload
 
 STEP, ARRIVE, TICK = 0, 1, 2
@@ -101,7 +101,7 @@ class _Cluster:
         self.name = spec.name
         self.engine = engine
         self.capacity = capacity
-        self.queue: deque[int] = deque()
+        self.queue = OrderedQueue()
         self.queued_tokens = 0.0  # prompt + predicted of queued queries (Redis "pending")
         self.inflight_pred = 0.0  # predicted tokens of queries the engine holds (heartbeat)
         self.busy = False
@@ -130,6 +130,7 @@ class Simulator:
         self.work = work
         self.policy = make_policy(cfg.policy)
         self.total = [p + r for p, r in zip(work.prompt_tokens, work.predicted_tokens, strict=True)]
+        self.key = work.order_key or [0.0] * len(work.prompt_tokens)  # each query's place in the queues
         n = max(1, len(work))
         mean_p = sum(work.prompt_tokens) / n
         mean_r = sum(work.predicted_tokens) / n
@@ -316,7 +317,7 @@ class Simulator:
             q, i = qids[j], index[names[j]]
             self.assigned[q] = i
             c = self.clusters[i]
-            c.queue.append(q)
+            c.queue.append(q, self.key[q])
             c.queued_tokens += self.total[q]
             touched.add(i)
         for i in sorted(touched):
@@ -368,10 +369,8 @@ class Simulator:
         """:func:`gateway.views.queued_loads` of ``c``: its last ``tail_len`` queued queries, front first."""
         tail = self._tails.get(c.name)
         if tail is None:
-            n = min(self.config.tail_len, len(c.queue))
-            q = c.queue
             total = self.total
-            tail = [QueryLoad(str(q[i]), 0, total[q[i]]) for i in range(len(q) - n, len(q))]
+            tail = [QueryLoad(str(q), 0, total[q]) for q in c.queue.tail(self.config.tail_len)]
             self._tails[c.name] = tail
         return tail
 
@@ -381,7 +380,7 @@ class Simulator:
         d = self.clusters[di]
         taken = [s.queue.pop() for _ in range(min(count, len(s.queue)))]
         for q in reversed(taken):
-            d.queue.append(q)
+            d.queue.append(q, self.key[q])
             s.queued_tokens -= self.total[q]
             d.queued_tokens += self.total[q]
         self._tails.pop(src, None)

@@ -37,10 +37,15 @@ class Workload:
     predicted_tokens: list[float]
     arrival_s: list[float]
     source: str = ""
+    order_key: list[float] | None = (
+        None  # each query's batch's order key (deadline or creation); None: one order
+    )
 
     def __post_init__(self) -> None:
         n = len(self.prompt_tokens)
         if not (len(self.true_tokens) == len(self.predicted_tokens) == len(self.arrival_s) == n):
+            raise ValueError("workload lists must have one entry per query")
+        if self.order_key is not None and len(self.order_key) != n:
             raise ValueError("workload lists must have one entry per query")
         if any(t < 1 for t in self.true_tokens):
             raise ValueError("every query must generate at least one token")

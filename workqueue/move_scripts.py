@@ -3,7 +3,7 @@ queue (offloading, evacuation, rebalance) or to fail them (a removed cluster's q
 run nowhere else).
 
 They share :data:`workqueue.scripts.PRELUDE` and the rules :mod:`workqueue.scripts` lists, plus
-``take``: how planned ids are found and removed (by id: O(log n) each), and
+``take``: how planned ids are found (among the last ``window`` entries: O(log n) an id) and removed, and
 ``land``: how moved ids arrive on the destination (each at its own rank: a moved query keeps its place
 in the order, :mod:`workqueue.ordering`; the ``pending`` counters, the batch's tokens left by cluster and
 the clusters' move statistics), the same for every kind of move.
@@ -42,21 +42,21 @@ local function land(moved, src, dst)
   return tokens
 end
 
--- Take the ids of the set `want` (`left` of them) out of `queue` (ZREM: O(log n) each; `window` is kept for
--- the callers' sake and bounds nothing). Returns those that were queued and have a query hash, back of the
--- queue first.
+-- Take the ids of the set `want` out of `queue` that stand among its last `window` entries (a mover plans from a
+-- read of the back, and ids that moved forward since stay for a later round): ZREVRANK then ZREM, O(log n) an id.
+-- Returns those that have a query hash, back of the queue first.
 local function take(queue, window, want, left)
   local found = {}
   for g in pairs(want) do
-    local r = redis.call('ZSCORE', queue, g)
-    if r then
-      redis.call('ZREM', queue, g)
-      if redis.call('EXISTS', k_query(g)) == 1 then found[#found + 1] = {tonumber(r), g} end
-    end
+    local r = redis.call('ZREVRANK', queue, g)
+    if r and r < window then found[#found + 1] = {r, g} end
   end
-  table.sort(found, function(a, b) return a[1] > b[1] or (a[1] == b[1] and a[2] > b[2]) end)
+  table.sort(found, function(a, b) return a[1] < b[1] end)
   local out = {}
-  for i, e in ipairs(found) do out[i] = e[2] end
+  for _, e in ipairs(found) do
+    redis.call('ZREM', queue, e[2])
+    if redis.call('EXISTS', k_query(e[2])) == 1 then out[#out + 1] = e[2] end
+  end
   return out
 end
 """
@@ -78,8 +78,8 @@ return {#moved, tostring(land(moved, ARGV[1], ARGV[2]))}
 """
 )
 
-# KEYS: as MOVE_TAIL. ARGV: src, dst, window (unused), gid... Moves exactly those ids still queued on src to dst, each at
-# its rank. Cost: O(log n) an id.
+# KEYS: as MOVE_TAIL. ARGV: src, dst, window, gid... Moves exactly those ids still queued on src among its last `window`
+# entries to dst, each at its rank. Cost: O(log n) an id.
 MOVE_IDS = (
     MOVE_PRELUDE
     + r"""
