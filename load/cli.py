@@ -12,7 +12,7 @@ import grpc
 from cliutil import run_main
 from fleetdata.datasets import data_dir
 from gateway.auth import CLIENT_TOKEN_ENV, client_token, deployment_token
-from load import bench_offload, chaos, compare_policies, openai_check, report, soak, study, wan
+from load import bench_offload, chaos, compare_policies, deadlines, openai_check, report, soak, study, wan
 from load.client import format_summary, run_batch, summarise
 from load.deployment import LocalDeployment
 from load.layout import format_layouts, mean_lengths, plan_rows
@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
             "wan",
             wan,
             "the same batch with every engine 0-100 ms (one way) from Redis: device-busy fraction, makespan",
+        ),
+        (
+            "deadlines",
+            deadlines,
+            "batches with different completion windows: earliest deadline first against FIFO, the ETA's error",
         ),
         (
             "report",
@@ -245,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
     modules.update(chaos=chaos, study=study, report=report, soak=soak)
     modules["openai-check"] = openai_check
     modules["wan"] = wan
+    modules["deadlines"] = deadlines
     result = modules[args.command].run(args)
     print(json.dumps(result))
     return (

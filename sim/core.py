@@ -131,6 +131,7 @@ class Simulator:
         self.policy = make_policy(cfg.policy)
         self.total = [p + r for p, r in zip(work.prompt_tokens, work.predicted_tokens, strict=True)]
         self.key = work.order_key or [0.0] * len(work.prompt_tokens)  # each query's place in the queues
+        self.expired: set[int] = set()  # queries whose batch's deadline passed while they were queued
         n = max(1, len(work))
         mean_p = sum(work.prompt_tokens) / n
         mean_r = sum(work.predicted_tokens) / n
@@ -301,11 +302,20 @@ class Simulator:
             return
         n = min(c.engine.free_slots(), len(c.queue))
         total, pred = self.total, self.work.predicted_tokens
-        for _ in range(n):
+        deadline, expired = self.work.deadline_s, []
+        while n > 0 and c.queue:
             q = c.queue.popleft()
             c.queued_tokens -= total[q]
+            if deadline is not None and 0 < deadline[q] < self.now:  # its batch's window ended: it never runs
+                expired.append(q)
+                continue
             c.inflight_pred += pred[q]
             c.engine.add(q)
+            n -= 1
+        if expired:
+            self.expired.update(expired)
+            c.inflight_pred += sum(pred[q] for q in expired)  # _finished takes them off again
+            self._finished(c, expired)
 
     def _arrive(self, qids: list[int]) -> None:
         w = self.work

@@ -1,0 +1,201 @@
+"""``loadgen deadlines``' scenario and figures: the batches' windows from the simulator's makespan, which
+windows each order met, the ETA's error at 25 % and 50 % of a batch's tokens, the expired batch's
+files, and the simulator's replay of each run (:mod:`load.deadlines`)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.device import StepCost
+from load.runrecord import read_jsonl
+from load.workload import WorkItem
+from sim.core import ClusterSpec, SimConfig, Simulator
+from sim.costs import LinearCost
+from sim.workload import Workload, from_items
+
+#: (name, share of the rows, submitted at +s, window in multiples of the whole workload's makespan T)
+SCENARIO = (("bulk", 0.60, 0.0, 1.6), ("urgent", 0.25, 2.0, 0.55), ("steady", 0.15, 4.0, 1.2))
+EXPIRY_SHARE, EXPIRY_WINDOW = 0.5, 0.2  # the expiry run: half the rows, a window of 0.2 T
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    name: str
+    rows: list[int]  # indices into the workload
+    at_s: float  # submitted this long after the first
+    window_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    makespan_s: float  # T: the simulator's makespan of the whole workload on the fleet
+    batches: list[BatchPlan]
+    expiry_rows: list[int]
+    expiry_window_s: float
+
+
+def _cost(step_cost: str) -> LinearCost:
+    d = StepCost.parse(step_cost)
+    return LinearCost(d.prefill_per_token_s, d.decode_per_seq_s, d.step_overhead_s)
+
+
+def simulate(work: Workload, speeds, step_cost: str, batch: int) -> tuple[list[float], set[int]]:
+    """Each query's finish (s) on the fleet the runs use (token policy, offloading, the study's hints), and the
+    queries that expired queued."""
+    cost = _cost(step_cost)
+    specs = [
+        ClusterSpec(
+            f"c{i + 1}", cost.with_speed(1.0 / s), "iteration", batch, capacity_tps=round(100.0 / s, 3)
+        )
+        for i, s in enumerate(speeds)
+    ]
+    cfg = SimConfig(policy="token", offload=True, max_tokens=max(work.true_tokens))
+    sim = Simulator(specs, work, cfg)
+    return sim.run().finish_s, sim.expired
+
+
+def scenario_plan(items: list[WorkItem], speeds, args) -> Plan:
+    """The batches of :data:`SCENARIO` over ``items`` (interleaved, so each has the workload's mix)."""
+    from localmodels import default_tokenizer
+
+    work = from_items(items, [float(it.forced_length or 1) for it in items], default_tokenizer(), "deadlines")
+    makespan = max(simulate(work, speeds, args.step_cost, args.batch)[0])
+    n, batches, start = len(items), [], 0
+    for k, (name, share, at, window) in enumerate(SCENARIO):
+        count = n - start if k == len(SCENARIO) - 1 else round(n * share)
+        batches.append(BatchPlan(name, list(range(start, start + count)), at, window * makespan))
+        start += count
+    expiry = list(range(round(n * EXPIRY_SHARE)))
+    return Plan(makespan, batches, expiry, EXPIRY_WINDOW * makespan)
+
+
+def met(batches: dict[str, dict]) -> list[str]:
+    """The batches that completed within their window."""
+    return sorted(
+        n for n, b in batches.items() if b["status"] == "COMPLETED" and 0 < b["completed_at"] <= b["deadline"]
+    )
+
+
+def eta_errors(etas: list[dict], batches: dict[str, dict], at: float) -> dict[str, float]:
+    """Per batch, |predicted - actual finish| / (actual finish - submission), read when ``at`` of its predicted
+    tokens were done (its first read at or past that point; a batch that never gets there has none)."""
+    out = {}
+    for name, b in batches.items():
+        if b["status"] != "COMPLETED":
+            continue
+        for e in sorted((e for e in etas if e["batch"] == name), key=lambda e: e["t"]):
+            if e["predicted_tokens"] > 0 and e["done_predicted_tokens"] >= at * e["predicted_tokens"]:
+                span = b["completed_at"] - b["submitted_at"]
+                if e["predicted_finish_at"] > 0 and span > 0:
+                    out[name] = round(abs(e["predicted_finish_at"] - b["completed_at"]) / span, 4)
+                break
+    return out
+
+
+def replay(run_dir: Path, meta: dict, args) -> dict[str, float | None]:
+    """The run replayed in the simulator (its queries' lengths and predictions, submission times, order keys and
+    deadlines; a row that expired unrun gets its predicted length): each batch's finish, seconds after the first
+    submission, or None when some of it expired in the simulation too."""
+    rows = read_jsonl(run_dir / "results.jsonl")
+    by_id = {v: k for k, v in meta["batch_ids"].items()}
+    batches = meta["batches"]
+    first = min(b["submitted_at"] for b in batches.values())
+    names = [by_id[r["batch_id"]] for r in rows]
+    work = Workload(
+        prompt_tokens=[int(r.get("prompt_tokens") or 1) for r in rows],
+        true_tokens=[
+            max(1, int(r.get("completion_tokens") or 0) or round(float(r.get("predicted_tokens") or 1)))
+            for r in rows
+        ],
+        predicted_tokens=[float(r.get("predicted_tokens") or 0.0) for r in rows],
+        arrival_s=[batches[n]["submitted_at"] - first for n in names],
+        source=str(run_dir),
+        order_key=[batches[n]["order_key"] for n in names],
+        deadline_s=[batches[n]["deadline"] - first for n in names],
+    )
+    finish, expired = simulate(work, meta["fleet"], meta["device_cost_ms"], args.batch)
+    out: dict[str, float | None] = {n: 0.0 for n in batches}
+    for i, (n, f) in enumerate(zip(names, finish, strict=True)):
+        if i in expired or out[n] is None:
+            out[n] = None
+        else:
+            out[n] = max(out[n] or 0.0, f)
+    return out
+
+
+def expired_rows_problems(batch, custom_ids: list[str], output: list[dict], errors: list[dict]) -> list[str]:
+    """What is wrong with an expired batch's files: every row exactly once in the output or the error file, the
+    unfinished ones ``batch_expired``, counts that add up (empty: nothing)."""
+    problems = [] if batch.status == "expired" else [f"the batch ended {batch.status}, not expired"]
+    seen = Counter(x.get("custom_id") for x in output + errors)
+    if missing := [c for c in custom_ids if seen[c] == 0]:
+        problems.append(f"{len(missing)} rows in neither file, e.g. {missing[:3]}")
+    if twice := [c for c, k in seen.items() if k > 1]:
+        problems.append(f"{len(twice)} rows more than once, e.g. {twice[:3]}")
+    if extra := set(seen) - set(custom_ids):
+        problems.append(f"{len(extra)} rows not in the input")
+    codes = Counter((x.get("error") or {}).get("code") for x in errors)
+    if set(codes) - {"batch_expired"}:
+        problems.append(f"error codes other than batch_expired: {dict(codes)}")
+    if not output or not errors:
+        problems.append(
+            f"the window should end mid-batch: {len(output)} rows finished, {len(errors)} expired"
+        )
+    counts = batch.request_counts
+    if counts is None or (counts.total, counts.completed) != (len(custom_ids), len(output)):
+        problems.append(f"request_counts {counts} do not match the files")
+    return problems
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def summarise(out: Path, orders: list[str], plan: Plan, args, expiry: list[str] | None) -> dict:
+    result: dict = {
+        "command": "deadlines",
+        "queries": sum(len(b.rows) for b in plan.batches),
+        "makespan_estimate_s": round(plan.makespan_s, 2),
+        "windows_s": {b.name: round(b.window_s, 1) for b in plan.batches},
+    }
+    errors: dict[float, list[float]] = {0.25: [], 0.5: []}
+    sim_error: list[float] = []
+    for order in orders:
+        meta = json.loads((out / order / "meta.json").read_text())
+        batches = meta["batches"]
+        result[f"deadlines_met_{order}"] = len(met(batches))
+        result[f"met_{order}"] = met(batches)
+        result[f"finish_s_{order}"] = {
+            n: round(b["completed_at"] - b["submitted_at"], 2) for n, b in batches.items()
+        }
+        etas = read_jsonl(out / order / "etas.jsonl")
+        for at, xs in errors.items():
+            per = eta_errors(etas, batches, at)
+            result[f"eta_error_{order}_at_{round(at * 100)}pct"] = per
+            xs.extend(per.values())
+        sim = replay(out / order, meta, args)
+        first = min(b["submitted_at"] for b in batches.values())
+        finish = {n: None if f is None else first + f for n, f in sim.items()}
+        result[f"sim_deadlines_met_{order}"] = sum(
+            1 for n, f in finish.items() if f is not None and f <= batches[n]["deadline"]
+        )
+        for n, b in batches.items():
+            if b["status"] == "COMPLETED" and finish[n] is not None:
+                sim_error.append(
+                    abs(finish[n] - b["completed_at"]) / max(b["completed_at"] - b["submitted_at"], 1e-9)
+                )
+    if {"edf", "fifo"} <= set(orders):
+        edf, fifo = set(result["met_edf"]), set(result["met_fifo"])
+        result["met_by_edf_missed_by_fifo"] = sorted(edf - fifo)
+        result["missed_by_edf_met_by_fifo"] = sorted(fifo - edf)
+    result["eta_error_at_25pct"] = _median(errors[0.25])
+    result["eta_error_at_50pct"] = _median(errors[0.5])
+    result["sim_finish_error"] = round(statistics.fmean(sim_error), 4) if sim_error else None
+    result["expired_rows_correct"] = None if expiry is None else not expiry
+    if expiry:
+        result["expiry_problems"] = expiry
+    return result
