@@ -37,9 +37,10 @@ class Workload:
     predicted_tokens: list[float]
     arrival_s: list[float]
     source: str = ""
-    order_key: list[float] | None = (
-        None  # each query's batch's order key (deadline or creation); None: one order
-    )
+    #: each query's batch's order key (deadline or creation; None: one order), and its deadline (0: none):
+    #: a query still queued past its deadline expires
+    order_key: list[float] | None = None
+    deadline_s: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_tokens)
