@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from prometheus_client import CollectorRegistry, generate_latest
 
 from engines.config import EngineConfig
@@ -32,12 +34,14 @@ def agent(queue: WorkQueue, rate: float = 0.0, **config) -> QueueAgent:
     )
 
 
-def batch(queue: WorkQueue, batch_id: str, n: int, predicted: float = 10.0, **kw) -> list[str]:
+def batch(
+    queue: WorkQueue, batch_id: str, n: int, predicted: float = 10.0, deadline: float = 0.0, **kw
+) -> list[str]:
     qs = [
         QueuedQuery(batch_id, f"q{i}", f"a question about rivers {i}", 64, 6, predicted, **kw)
         for i in range(n)
     ]
-    assert queue.create_batch(batch_id, [(q, "w") for q in qs])
+    assert queue.create_batch(batch_id, [(q, "w") for q in qs], deadline=deadline)
     return [q.gid for q in qs]
 
 
@@ -86,15 +90,20 @@ def test_results_are_written_once_and_a_repeated_tick_changes_nothing(redis_url)
     assert queue.batch("b1").completed == 2
 
 
-def test_a_cancel_is_seen_within_one_tick(redis_url):
+@pytest.mark.parametrize("stop", ["cancel", "expire"])
+def test_a_cancel_or_an_expiry_is_seen_within_one_tick(redis_url, stop):
     queue = WorkQueue(connect(redis_url))
-    batch(queue, "b1", 4)
+    deadline = queue.clock() + 3600
+    batch(queue, "b1", 4, deadline=deadline)
     batch(queue, "b2", 1)
     a = agent(queue)
     a.free_slots = 5
     assert a.tick() and len(a.inbox) == 5
     running = [cq.query.gid for cq in a.take(1)]  # b1:q0 runs; b1:q1..q3 and b2:q0 wait
-    queue.cancel_batch("b1")
+    if stop == "cancel":
+        queue.cancel_batch("b1")
+    else:
+        assert queue.expire_due(deadline + 1) == ["b1"]
     a.config.cancel_check_s = 0.0  # a tick is due at once (the agent ticks at least this often)
     assert a.tick(a.request())  # the next tick reads the statuses
     assert a.aborts() == running and a.aborts() == []  # the step loop aborts the running one, once
@@ -103,8 +112,9 @@ def test_a_cancel_is_seen_within_one_tick(redis_url):
     a.done([RequestOutput(running[0], "", [], 0, "abort", finish_time=2.0)])  # the engine's abort output
     assert a.tick()
     info = queue.batch("b1")
-    assert (info.status, info.cancelled, info.completed) == ("cancelled", 4, 0)
-    assert {r["finish_reason"] for r in queue.results("b1")} == {"cancelled"}
+    final, reason = ("cancelled", "cancelled") if stop == "cancel" else ("expired", "batch_expired")
+    assert (info.status, info.cancelled, info.completed) == (final, 4, 0)
+    assert {r["finish_reason"] for r in queue.results("b1")} == {reason}
 
 
 def make_worker(url: str, **config) -> Worker:
