@@ -53,6 +53,19 @@ def add_common(s: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no offloading between live clusters (lease recovery and evacuation still run)",
     )
+    s.add_argument(
+        "--queue-order",
+        choices=("edf", "fifo"),
+        default="edf",
+        help="order of work across batches in every queue: earliest deadline first (default) or first in, "
+        "first out (docs/deadlines.md)",
+    )
+    s.add_argument(
+        "--priority-step-s",
+        type=float,
+        default=3600.0,
+        help="a batch's priority moves it ahead as if its deadline were this many seconds earlier per level",
+    )
     s.add_argument("--max-prompt-tokens", type=int, default=2048, help="longest prompt accepted")
     s.add_argument(
         "--max-prompt-bytes",

@@ -63,6 +63,8 @@ class GatewayConfig:
     retention_s: float = 7 * 24 * 3600  # finished batches expire from Redis after this long (0: never)
     offload: bool = True
     offload_interval_s: float = 0.5
+    queue_order: str = "edf"  # edf | fifo: how batches are ordered in every queue (workqueue.ordering)
+    priority_step_s: float = 3600.0
     intake_wait_s: float = INTAKE_WAIT_S  # intake waits this long for a cluster that can take a query
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_host: str = "127.0.0.1"  # the Prometheus endpoint's address (0.0.0.0 in a pod)
@@ -95,6 +97,8 @@ class GatewayConfig:
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             offload=not args.no_offload,
+            queue_order=args.queue_order,
+            priority_step_s=args.priority_step_s,
             max_prompt_tokens=args.max_prompt_tokens,
             max_prompt_bytes=args.max_prompt_bytes,
             max_request_bytes=int(args.max_request_mb * 1024 * 1024),

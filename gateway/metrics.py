@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from gateway.eta import Eta
 from gateway.policies import ClusterView
 from gateway.rebalance import expected_finish_s
 from workqueue import ClusterInfo
@@ -46,6 +47,23 @@ class GatewayMetrics:
             "fleetbatch_finished_actual_tokens", "Generated tokens of finished queries", labels, registry=r
         )
         self.alive = Gauge("fleetbatch_cluster_alive", "1 while heartbeats arrive", labels, registry=r)
+        self.eta = Gauge(
+            "fleetbatch_batch_eta_seconds",
+            "Seconds until an unfinished batch's predicted finish",
+            ["batch"],
+            registry=r,
+        )
+        self.token_progress = Gauge(
+            "fleetbatch_batch_token_progress",
+            "Predicted tokens of a batch's answered rows over its predicted tokens",
+            ["batch"],
+            registry=r,
+        )
+        self.at_risk = Gauge(
+            "fleetbatch_batches_at_risk",
+            "Unfinished batches predicted to finish past their deadline",
+            registry=r,
+        )
         self.finalize_failures = Counter(
             "fleetbatch_finalize_failed_passes",
             "Passes that could not write a batch's output files",
@@ -71,6 +89,15 @@ class GatewayMetrics:
             self.finished_pred.labels(n).set(info.finished_predicted_tokens)
             self.finished_actual.labels(n).set(info.finished_actual_tokens)
             self.alive.labels(n).set(1 if info.alive else 0)
+
+    def observe_etas(self, etas: Mapping[str, Eta], now: float) -> None:
+        """Each unfinished batch's ETA and token progress (finished batches' series are dropped)."""
+        self.eta.clear()
+        self.token_progress.clear()
+        for batch_id, e in etas.items():
+            self.eta.labels(batch_id).set(max(0.0, e.finish_at - now))
+            self.token_progress.labels(batch_id).set(e.progress)
+        self.at_risk.set(sum(1 for e in etas.values() if e.at_risk))
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -24,12 +24,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from gateway.eta import EtaBoard
 from gateway.metrics import GatewayMetrics
 from gateway.offload import Backoff, LinkCost, Move, plan_offload
 from gateway.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.rebalance import RebalancePlan, plan_moves
 from gateway.views import cluster_views, queued_tails
-from workqueue import ClusterInfo, QueryResult, WorkQueue, keys
+from workqueue import BatchInfo, ClusterInfo, QueryResult, WorkQueue, keys
 from workqueue.queue import MOVE_WINDOW_SLACK
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,16 @@ class OffloadConfig:
 
 class Offloader:
     def __init__(
-        self, queue: WorkQueue, config: OffloadConfig | None = None, metrics: GatewayMetrics | None = None
+        self,
+        queue: WorkQueue,
+        config: OffloadConfig | None = None,
+        metrics: GatewayMetrics | None = None,
+        eta: EtaBoard | None = None,
     ):
         self.queue = queue
         self.config = config or OffloadConfig()
         self.metrics = metrics
+        self.eta = eta
         self.backoffs: dict[str, Backoff] = {}
         self.moved_total = 0
         self.kept: dict[str, list[str]] = {}  # per stuck cluster: queued ids at its back that fit nowhere now
@@ -95,19 +101,34 @@ class Offloader:
         Its round trips do not grow with the clusters: one script requeues every cluster's lapsed
         leases, one pipeline reads the clusters, one the donors' tails, one makes the moves."""
         q = self.queue
-        requeued, expired = q.requeue_and_expire()
-        for name, n in requeued.items():
+        start = q.requeue_and_expire()
+        for name, n in start.requeued.items():
             if n:
                 log.warning("requeued %d queries of %s whose worker stopped renewing", n, name)
-        for batch_id in expired:
+        for batch_id in start.expired:
             log.warning("batch %s expired: its completion window ended; finished rows are kept", batch_id)
-        infos = q.clusters(sorted(requeued))  # every registered cluster, as the script found them
+        infos = q.clusters(sorted(start.requeued))  # every registered cluster, as the script found them
+        if self.eta is not None:
+            self._estimate(start.unfinished, infos)
         with q.mover_lease("offloader", ttl_s=self.config.mover_ttl_s) as held:
             if not held:
                 if self.metrics is not None:
                     self.metrics.observe_clusters(infos, cluster_views(infos))
                 return 0
             return self._offload(infos)
+
+    def _estimate(self, batches: list[BatchInfo], infos: list[ClusterInfo]) -> None:
+        """Refresh every unfinished batch's ETA (:mod:`gateway.eta`) from what this tick read."""
+        capacity = sum(v.capacity_tps for v in cluster_views(infos) if v.accepting)
+        etas = self.eta.update(
+            self.queue.clock(),
+            batches,
+            sum(i.finished_total_tokens for i in infos),
+            sum(i.finished_predicted_tokens for i in infos),
+            capacity,
+        )
+        if self.metrics is not None:
+            self.metrics.observe_etas(etas, self.queue.clock())
 
     def _offload(self, infos) -> int:
         q = self.queue

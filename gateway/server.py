@@ -28,6 +28,7 @@ from planfile import load_plan
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from workqueue import WorkQueue, connect
+from workqueue.ordering import QueueOrder
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
         torch.set_num_threads(config.predictor_threads)
     if not config.redis_url:
         raise ValueError("no Redis URL configured")
-    queue = WorkQueue(connect(config.redis_url), retention_s=config.retention_s)
+    order = QueueOrder(config.queue_order, config.priority_step_s)
+    queue = WorkQueue(connect(config.redis_url), retention_s=config.retention_s, order=order)
     for c in config.clusters:
         queue.register_cluster(
             c.name,
@@ -190,7 +192,9 @@ async def serve(
     stop = stop or asyncio.Event()
     tasks = []
     # lease recovery and evacuation always run; --no-offload turns off only moves between live clusters
-    offloader = Offloader(deps.queue, OffloadConfig(balance=config.offload), metrics=deps.metrics)
+    offloader = Offloader(
+        deps.queue, OffloadConfig(balance=config.offload), metrics=deps.metrics, eta=deps.eta
+    )
     tasks.append(asyncio.create_task(_offload_loop(offloader, config, stop)))
     tasks.append(asyncio.create_task(_reload_loop(deps, stop)))
     tasks.append(asyncio.create_task(batches.intake.loop(stop)))  # large batches, accepted, enqueue here

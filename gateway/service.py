@@ -8,7 +8,6 @@ being assigned.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 import time
@@ -21,7 +20,9 @@ import grpc
 
 from gateway import quota
 from gateway.auth import Authenticator
+from gateway.batch_protos import batch_proto, fail_rows, fingerprint, result_proto
 from gateway.config import GatewayConfig
+from gateway.eta import Eta, EtaBoard
 from gateway.intake import Intake, IntakeSettings, encode_rows
 from gateway.limits import InflightBytes
 from gateway.listing import read_clusters
@@ -31,30 +32,12 @@ from gateway.placement import configured_views, first_misfit
 from gateway.policies import AssignmentPolicy, NoClusterError, QueryLoad, queue_order
 from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.views import cluster_proto, cluster_views
+from gateway.windows import WindowError, check_priority, parse_window
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from workqueue import BatchInfo, BatchState, QueryResult, QueryState, QueuedQuery, WorkQueue
-from workqueue.records import Timings
+from workqueue import BatchInfo, QueuedQuery, WorkQueue
 
 log = logging.getLogger(__name__)
-
-STATUS = {
-    BatchState.VALIDATING: pb.VALIDATING,
-    BatchState.IN_PROGRESS: pb.IN_PROGRESS,
-    BatchState.COMPLETED: pb.COMPLETED,
-    BatchState.FAILED: pb.FAILED,
-    BatchState.CANCELLING: pb.CANCELLING,
-    BatchState.CANCELLED: pb.CANCELLED,
-}
-
-
-def fingerprint(request: pb.SubmitBatchRequest) -> str:
-    """Digest of a submission's queries (ids, prompts, limits, sampling, metadata), in order."""
-    h = hashlib.sha256()
-    for q in request.queries:
-        h.update(q.SerializeToString(deterministic=True))
-        h.update(b"\0")
-    return h.hexdigest()
 
 
 @dataclass
@@ -75,54 +58,9 @@ class GatewayDeps:
     tokenizer: object | None = None  # the serving tokenizer, for the HTTP front's chat templates
     auth: Authenticator = field(default_factory=lambda: Authenticator({}))  # client tokens (none: no auth)
     inflight: InflightBytes | None = None  # --max-inflight-mb, shared by gRPC calls and the HTTP front
-
-
-def batch_proto(b: BatchInfo) -> pb.Batch:
-    return pb.Batch(
-        id=b.batch_id,
-        status=STATUS.get(b.status, pb.BATCH_STATUS_UNSPECIFIED),
-        request_counts=pb.RequestCounts(
-            total=b.total, completed=b.completed, failed=b.failed, cancelled=b.cancelled
-        ),
-        created_at=b.created_at,
-        completed_at=b.completed_at,
-        metadata=b.metadata,
-        queries_per_cluster=b.queries_per_cluster,
-        predicted_tokens_per_cluster=b.predicted_tokens_per_cluster,
-        policy=b.policy,
-    )
-
-
-def result_proto(r: QueryResult) -> pb.QueryResult:
-    """A stored result on the wire (absent fields read as zero or empty)."""
-    t = r.timings or Timings()
-    return pb.QueryResult(
-        batch_id=r.batch_id,
-        query_id=r.query_id,
-        text=r.text or "",
-        prompt_tokens=int(r.prompt_tokens or 0),
-        completion_tokens=int(r.completion_tokens or 0),
-        cluster=r.cluster or "",
-        timings=pb.Timings(
-            enqueued_at=float(t.enqueued_at or 0),
-            started_at=float(t.started_at or 0),
-            first_token_at=float(t.first_token_at or 0),
-            finished_at=float(t.finished_at or 0),
-        ),
-        finish_reason=r.finish_reason or "",
-        error=r.error or "",
-        predicted_tokens=float(r.predicted_tokens or 0),
-        index=int(r.index or 0),
-        attempts=int(r.attempts or 0),
-    )
-
-
-def fail_rows(queue: WorkQueue, batch_id: str, request: pb.SubmitBatchRequest, bad: dict[int, str]) -> None:
-    """Finish each bad query of a fail-row batch as failed, its problem in ``error``."""
-    for i, problem in sorted(bad.items()):
-        qid = request.queries[i].id
-        result = QueryResult(batch_id, qid, finish_reason="error", error=f"invalid query: {problem}")
-        queue.complete(QueuedQuery(batch_id, qid, "", 0, 0, 0.0).gid, result, QueryState.FAILED)
+    eta: EtaBoard = field(
+        default_factory=EtaBoard
+    )  # every unfinished batch's ETA, refreshed by the offloader
 
 
 class BatchService(pb_grpc.BatchServiceServicer):
@@ -162,10 +100,13 @@ class BatchService(pb_grpc.BatchServiceServicer):
                 fail_row=mode == pb.ON_BAD_QUERY_FAIL_ROW,
                 bound=d.token_bound if large else None,
             )
-        except InvalidBatch as e:
+            window_s = parse_window(request.completion_window)
+            check_priority(request.priority)
+        except (InvalidBatch, WindowError) as e:
             d.metrics.rejected.inc()
             log.info("rejected a batch of %d queries: %s", len(request.queries), e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        checked.deadline = d.queue.clock() + window_s
         batch_id = request.batch_id or uuid.uuid4().hex
         if request.batch_id:
             existing = await asyncio.to_thread(d.queue.batch, batch_id)
@@ -217,6 +158,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
             metadata=dict(request.metadata),
             fingerprint=digest,
             extra=writes,
+            deadline=checked.deadline,
+            priority=request.priority,
         )
         if created and checked.bad:
             await asyncio.to_thread(fail_rows, d.queue, batch_id, request, checked.bad)
@@ -236,7 +179,26 @@ class BatchService(pb_grpc.BatchServiceServicer):
             len(checked.bad),
             ", ".join(f"{c}={n}" for c, n in sorted(info.queries_per_cluster.items())),
         )
-        return batch_proto(info)
+        return batch_proto(info, self._at_submit(info, sum(q.total_tokens for q in queued)))
+
+    def _at_submit(self, info: BatchInfo, tokens: float) -> Eta | None:
+        """The new batch's predicted finish from the work ahead of it, and whether it fits its window (never a
+        silent miss: a batch at risk is logged)."""
+        now = self.d.queue.clock()
+        finish = self.d.eta.new_batch(now, tokens, info.order_key)
+        if finish <= 0:
+            return None
+        eta = Eta(
+            finish, tokens * self.d.eta.fleet_ratio, self.d.eta.fleet_ratio, 0.0, finish > info.deadline > 0
+        )
+        if eta.at_risk:
+            log.warning(
+                "batch %s is at risk: predicted to finish in %.0f s, its window ends in %.0f s",
+                info.batch_id,
+                finish - now,
+                info.deadline - now,
+            )
+        return eta
 
     async def _accept(
         self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float, writes
@@ -259,6 +221,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
             metadata=dict(request.metadata),
             fingerprint=digest,
             extra=writes,
+            deadline=checked.deadline,
+            priority=request.priority,
         )
         info = await asyncio.to_thread(d.queue.batch, batch_id)
         if not created:
@@ -346,7 +310,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             )
         if not await asyncio.to_thread(quota.may_resubmit, self.d.queue, existing.batch_id, caller):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, taken)  # another claimed it meanwhile
-        return batch_proto(existing)
+        return batch_proto(existing, self.d.eta.get(existing.batch_id))
 
     async def _get(self, batch_id: str, context) -> BatchInfo:
         problem = id_problem(batch_id, "batch_id")
@@ -358,7 +322,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
         return info
 
     async def GetBatch(self, request: pb.GetBatchRequest, context) -> pb.Batch:
-        return batch_proto(await self._get(request.batch_id, context))
+        return batch_proto(await self._get(request.batch_id, context), self.d.eta.get(request.batch_id))
 
     async def CancelBatch(self, request: pb.CancelBatchRequest, context) -> pb.Batch:
         await self._get(request.batch_id, context)

@@ -204,7 +204,7 @@ def run(args) -> dict:
         raise ValueError(f"--orders: edf and/or fifo, not {args.orders!r}")
     out = Path(args.out)
     items = workload(args)
-    plan = scenario_plan(items, SPEEDS, args)
+    plan = scenario_plan(items, SPEEDS, args, out)
     print(f"the simulator's makespan of the whole workload: T = {plan.makespan_s:.1f} s; windows "
           + ", ".join(f"{b.name} {b.window_s:.0f} s at +{b.at_s:.0f} s" for b in plan.batches))  # fmt: skip
     metas = {}

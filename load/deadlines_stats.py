@@ -10,12 +10,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.device import StepCost
 from load.runrecord import read_jsonl
+from load.study import sim_cli
 from load.workload import WorkItem
-from sim.core import ClusterSpec, SimConfig, Simulator
-from sim.costs import LinearCost
-from sim.workload import Workload, from_items
 
 #: (name, share of the rows, submitted at +s, window in multiples of the whole workload's makespan T)
 SCENARIO = (("bulk", 0.60, 0.0, 1.6), ("urgent", 0.25, 2.0, 0.55), ("steady", 0.15, 4.0, 1.2))
@@ -38,32 +35,22 @@ class Plan:
     expiry_window_s: float
 
 
-def _cost(step_cost: str) -> LinearCost:
-    d = StepCost.parse(step_cost)
-    return LinearCost(d.prefill_per_token_s, d.decode_per_seq_s, d.step_overhead_s)
-
-
-def simulate(work: Workload, speeds, step_cost: str, batch: int) -> tuple[list[float], set[int]]:
-    """Each query's finish (s) on the fleet the runs use (token policy, offloading, the study's hints), and the
-    queries that expired queued."""
-    cost = _cost(step_cost)
-    specs = [
-        ClusterSpec(
-            f"c{i + 1}", cost.with_speed(1.0 / s), "iteration", batch, capacity_tps=round(100.0 / s, 3)
-        )
-        for i, s in enumerate(speeds)
-    ]
-    cfg = SimConfig(policy="token", offload=True, max_tokens=max(work.true_tokens))
-    sim = Simulator(specs, work, cfg)
-    return sim.run().finish_s, sim.expired
-
-
-def scenario_plan(items: list[WorkItem], speeds, args) -> Plan:
-    """The batches of :data:`SCENARIO` over ``items`` (interleaved, so each has the workload's mix)."""
+def scenario_plan(items: list[WorkItem], speeds, args, out: Path) -> Plan:
+    """The batches of :data:`SCENARIO` over ``items`` (in order), their windows from the simulator's makespan."""
     from localmodels import default_tokenizer
 
-    work = from_items(items, [float(it.forced_length or 1) for it in items], default_tokenizer(), "deadlines")
-    makespan = max(simulate(work, speeds, args.step_cost, args.batch)[0])
+    tok = default_tokenizer()
+    out.mkdir(parents=True, exist_ok=True)
+    work = {
+        "prompt_tokens": [max(1, len(tok(it.prompt)["input_ids"])) for it in items],
+        "true_tokens": [max(1, int(it.forced_length or it.max_tokens)) for it in items],
+    }
+    (out / "workload.json").write_text(json.dumps(work))
+    makespan = sim_cli("deadlines", *_fleet(speeds, args), "--workload", str(out / "workload.json")).get(
+        "makespan_s"
+    )
+    if not makespan:
+        raise ValueError("the simulator could not estimate the scenario's makespan (see the warning above)")
     n, batches, start = len(items), [], 0
     for k, (name, share, at, window) in enumerate(SCENARIO):
         count = n - start if k == len(SCENARIO) - 1 else round(n * share)
@@ -71,6 +58,17 @@ def scenario_plan(items: list[WorkItem], speeds, args) -> Plan:
         start += count
     expiry = list(range(round(n * EXPIRY_SHARE)))
     return Plan(makespan, batches, expiry, EXPIRY_WINDOW * makespan)
+
+
+def _fleet(speeds, args) -> list[str]:
+    return [
+        "--device-cost",
+        args.step_cost,
+        "--speeds",
+        ",".join(f"{s:g}" for s in speeds),
+        "--batch",
+        str(args.batch),
+    ]
 
 
 def met(batches: dict[str, dict]) -> list[str]:
@@ -93,37 +91,6 @@ def eta_errors(etas: list[dict], batches: dict[str, dict], at: float) -> dict[st
                 if e["predicted_finish_at"] > 0 and span > 0:
                     out[name] = round(abs(e["predicted_finish_at"] - b["completed_at"]) / span, 4)
                 break
-    return out
-
-
-def replay(run_dir: Path, meta: dict, args) -> dict[str, float | None]:
-    """The run replayed in the simulator (its queries' lengths and predictions, submission times, order keys and
-    deadlines; a row that expired unrun gets its predicted length): each batch's finish, seconds after the first
-    submission, or None when some of it expired in the simulation too."""
-    rows = read_jsonl(run_dir / "results.jsonl")
-    by_id = {v: k for k, v in meta["batch_ids"].items()}
-    batches = meta["batches"]
-    first = min(b["submitted_at"] for b in batches.values())
-    names = [by_id[r["batch_id"]] for r in rows]
-    work = Workload(
-        prompt_tokens=[int(r.get("prompt_tokens") or 1) for r in rows],
-        true_tokens=[
-            max(1, int(r.get("completion_tokens") or 0) or round(float(r.get("predicted_tokens") or 1)))
-            for r in rows
-        ],
-        predicted_tokens=[float(r.get("predicted_tokens") or 0.0) for r in rows],
-        arrival_s=[batches[n]["submitted_at"] - first for n in names],
-        source=str(run_dir),
-        order_key=[batches[n]["order_key"] for n in names],
-        deadline_s=[batches[n]["deadline"] - first for n in names],
-    )
-    finish, expired = simulate(work, meta["fleet"], meta["device_cost_ms"], args.batch)
-    out: dict[str, float | None] = {n: 0.0 for n in batches}
-    for i, (n, f) in enumerate(zip(names, finish, strict=True)):
-        if i in expired or out[n] is None:
-            out[n] = None
-        else:
-            out[n] = max(out[n] or 0.0, f)
     return out
 
 
@@ -177,7 +144,9 @@ def summarise(out: Path, orders: list[str], plan: Plan, args, expiry: list[str] 
             per = eta_errors(etas, batches, at)
             result[f"eta_error_{order}_at_{round(at * 100)}pct"] = per
             xs.extend(per.values())
-        sim = replay(out / order, meta, args)
+        sim = (sim_cli("deadlines", *_fleet(meta["fleet"], args), str(out / order)).get("replays") or {}).get(
+            str(out / order)
+        ) or {n: None for n in batches}
         first = min(b["submitted_at"] for b in batches.values())
         finish = {n: None if f is None else first + f for n, f in sim.items()}
         result[f"sim_deadlines_met_{order}"] = sum(

@@ -147,9 +147,9 @@ def ratios(r: dict[str, dict]) -> dict[str, float]:
 
 def run(args) -> dict:
     if args.planned:
-        out = run_planned(args, workload(args), _sim)
+        out = run_planned(args, workload(args), sim_cli)
         out["sim_seconds_100x1m"] = (
-            None if args.no_scale else _sim("scale", "--no-progress").get("sim_seconds_100x1m")
+            None if args.no_scale else sim_cli("scale", "--no-progress").get("sim_seconds_100x1m")
         )
         return out
     if args.emulation == "cost":
@@ -220,12 +220,12 @@ def run(args) -> dict:
     pattern = "r*/*" if args.emulation == "cost" else "r*/*iteration*"
     replayed = [str(p) for p in sorted(root.glob(pattern)) if (p / "results.jsonl").exists()]
     enough = len(replayed) >= (1 if args.emulation == "cost" else 2)
-    validated = _sim("validate", *replayed) if enough and times is None else {}
+    validated = sim_cli("validate", *replayed) if enough and times is None else {}
     out["sim_makespan_error"] = validated.get("sim_makespan_error")  # scale fitted per repeat
     out["sim_makespan_error_pooled"] = validated.get("sim_makespan_error_pooled")  # one scale for all
     out.update(sim_ratios(validated.get("runs") or [], out))
     out["sim_seconds_100x1m"] = (
-        None if args.no_scale else _sim("scale", "--no-progress").get("sim_seconds_100x1m")
+        None if args.no_scale else sim_cli("scale", "--no-progress").get("sim_seconds_100x1m")
     )
     return out
 
@@ -251,7 +251,7 @@ def sim_ratios(rows: list[dict], measured: dict) -> dict:
     return out
 
 
-def _sim(*argv: str) -> dict:
+def sim_cli(*argv: str) -> dict:
     """The simulator's last JSON line (``python -m sim.cli``; run apart: sim imports load, not the reverse)."""
     done = subprocess.run(
         [sys.executable, "-m", "sim.cli", *argv], capture_output=True, text=True, timeout=1800

@@ -22,6 +22,8 @@ class BatchStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILED: _ClassVar[BatchStatus]
     CANCELLING: _ClassVar[BatchStatus]
     CANCELLED: _ClassVar[BatchStatus]
+    EXPIRING: _ClassVar[BatchStatus]
+    EXPIRED: _ClassVar[BatchStatus]
 ON_BAD_QUERY_UNSPECIFIED: OnBadQuery
 ON_BAD_QUERY_REJECT: OnBadQuery
 ON_BAD_QUERY_FAIL_ROW: OnBadQuery
@@ -32,6 +34,8 @@ COMPLETED: BatchStatus
 FAILED: BatchStatus
 CANCELLING: BatchStatus
 CANCELLED: BatchStatus
+EXPIRING: BatchStatus
+EXPIRED: BatchStatus
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "seed")
@@ -67,7 +71,7 @@ class Query(_message.Message):
     def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., forced_length: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SubmitBatchRequest(_message.Message):
-    __slots__ = ("queries", "metadata", "batch_id", "on_bad_query")
+    __slots__ = ("queries", "metadata", "batch_id", "on_bad_query", "completion_window", "priority")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,11 +83,15 @@ class SubmitBatchRequest(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     ON_BAD_QUERY_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     queries: _containers.RepeatedCompositeFieldContainer[Query]
     metadata: _containers.ScalarMap[str, str]
     batch_id: str
     on_bad_query: OnBadQuery
-    def __init__(self, queries: _Optional[_Iterable[_Union[Query, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ..., on_bad_query: _Optional[_Union[OnBadQuery, str]] = ...) -> None: ...
+    completion_window: str
+    priority: int
+    def __init__(self, queries: _Optional[_Iterable[_Union[Query, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ..., on_bad_query: _Optional[_Union[OnBadQuery, str]] = ..., completion_window: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class RequestCounts(_message.Message):
     __slots__ = ("total", "completed", "failed", "cancelled")
@@ -98,7 +106,7 @@ class RequestCounts(_message.Message):
     def __init__(self, total: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("id", "status", "request_counts", "created_at", "completed_at", "metadata", "queries_per_cluster", "predicted_tokens_per_cluster", "policy")
+    __slots__ = ("id", "status", "request_counts", "created_at", "completed_at", "metadata", "queries_per_cluster", "predicted_tokens_per_cluster", "policy", "deadline", "completion_window", "priority", "predicted_finish_at", "at_risk", "predicted_tokens", "done_predicted_tokens", "done_actual_tokens", "remaining_tokens")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +137,15 @@ class Batch(_message.Message):
     QUERIES_PER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TOKENS_PER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FINISH_AT_FIELD_NUMBER: _ClassVar[int]
+    AT_RISK_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DONE_PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DONE_ACTUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: str
     status: BatchStatus
     request_counts: RequestCounts
@@ -138,7 +155,16 @@ class Batch(_message.Message):
     queries_per_cluster: _containers.ScalarMap[str, int]
     predicted_tokens_per_cluster: _containers.ScalarMap[str, float]
     policy: str
-    def __init__(self, id: _Optional[str] = ..., status: _Optional[_Union[BatchStatus, str]] = ..., request_counts: _Optional[_Union[RequestCounts, _Mapping]] = ..., created_at: _Optional[float] = ..., completed_at: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ..., queries_per_cluster: _Optional[_Mapping[str, int]] = ..., predicted_tokens_per_cluster: _Optional[_Mapping[str, float]] = ..., policy: _Optional[str] = ...) -> None: ...
+    deadline: float
+    completion_window: str
+    priority: int
+    predicted_finish_at: float
+    at_risk: bool
+    predicted_tokens: float
+    done_predicted_tokens: float
+    done_actual_tokens: int
+    remaining_tokens: float
+    def __init__(self, id: _Optional[str] = ..., status: _Optional[_Union[BatchStatus, str]] = ..., request_counts: _Optional[_Union[RequestCounts, _Mapping]] = ..., created_at: _Optional[float] = ..., completed_at: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ..., queries_per_cluster: _Optional[_Mapping[str, int]] = ..., predicted_tokens_per_cluster: _Optional[_Mapping[str, float]] = ..., policy: _Optional[str] = ..., deadline: _Optional[float] = ..., completion_window: _Optional[str] = ..., priority: _Optional[int] = ..., predicted_finish_at: _Optional[float] = ..., at_risk: _Optional[bool] = ..., predicted_tokens: _Optional[float] = ..., done_predicted_tokens: _Optional[float] = ..., done_actual_tokens: _Optional[int] = ..., remaining_tokens: _Optional[float] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
     __slots__ = ("batch_id",)

@@ -1,4 +1,4 @@
-"""``python -m sim.cli study|scale``: MICO's study and the scale run in cost-model time.
+"""``python -m sim.cli study|scale|validate|deadlines``: MICO's study and the scale run in cost-model time.
 
 The last line of the output is one JSON object (see ``docs/sim.md``).
 """
@@ -10,6 +10,7 @@ import sys
 
 from cliutil import run_main
 from load.arrivals import add_arrival_arguments
+from sim import deadlines
 from sim.costs import LinearCost, parse_speeds
 from sim.study import StudySetup, make_workloads, scale, study
 from sim.validate import __doc__ as validate_doc
@@ -142,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run directories of `loadgen study` (iteration-level setups) or of `loadgen study --planned`",
     )
     _cost_args(v)
+    d = sub.add_parser(
+        "deadlines",
+        help="loadgen deadlines' scenario makespan and its runs replayed (deadline order, expiry)",
+        description=deadlines.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    deadlines.add_arguments(d)
     return parser
 
 
@@ -165,6 +173,8 @@ def _table(out: dict) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     """The chosen command's result (the JSON object of the last line); validate and study print a table first."""
+    if args.command == "deadlines":
+        return deadlines.run(args)
     setup = _setup(args)
     if args.command == "validate":
         out = validate(args.runs, setup.cost)

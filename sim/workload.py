@@ -82,8 +82,7 @@ def _prompt_counter(tokenizer) -> Callable[[str], int]:
     return count
 
 
-def from_items(items: Sequence[WorkItem], predicted: Sequence[float], tokenizer, source: str) -> Workload:
-    """A workload of ``items`` with their recorded lengths (``forced_length``) and these predictions."""
+def _from_items(items: Sequence[WorkItem], predicted: Sequence[float], tokenizer, source: str) -> Workload:
     count = _prompt_counter(tokenizer)
     return Workload(
         prompt_tokens=[count(it.prompt) for it in items],
@@ -107,7 +106,7 @@ def generated_workload(n: int, seed: int = 0, max_tokens: int = 256, tokenizer=N
         s[1] += 1
     overall = sum(s[0] for s in sums.values()) / max(1, sum(s[1] for s in sums.values()))
     pred = [sums[it.prompt][0] / sums[it.prompt][1] if it.prompt in sums else overall for it in items]
-    return from_items(items, pred, tokenizer, "generated")
+    return _from_items(items, pred, tokenizer, "generated")
 
 
 def mixed_workload(
@@ -121,7 +120,7 @@ def mixed_workload(
     lengths = response_lengths(train, tokenizer)
     predict = fit_fallback_predictor([r.prompt for r in train], lengths, seed)
     pred = np.minimum(predict([it.prompt for it in items]), max_tokens)
-    return from_items(items, [max(1.0, float(p)) for p in pred], tokenizer, "mixed")
+    return _from_items(items, [max(1.0, float(p)) for p in pred], tokenizer, "mixed")
 
 
 def load_workload(name: str, n: int, seed: int = 0, max_tokens: int = 256, tokenizer=None) -> Workload:

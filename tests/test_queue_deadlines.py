@@ -99,8 +99,9 @@ def test_expiry_keeps_the_finished_rows_and_fails_the_rest_once_each(redis_url):
     answer(q, done)
     assert q.expire_due(T0 + 599) == [] and q.batch("x").status == "in_progress"
     clock.t = T0 + 601
-    requeued, expired = q.requeue_and_expire()  # the offloader's tick: one round trip, then the sweep
-    assert expired == ["x"] and requeued == {"a": 0, "b": 0}
+    start = q.requeue_and_expire()  # the offloader's tick: one round trip, then the sweep
+    assert start.expired == ["x"] and start.requeued == {"a": 0, "b": 0}
+    assert [b.batch_id for b in start.unfinished] == ["y"]  # x stops: it has no ETA any more
     assert q.batch("x").status == "expiring"  # its running query is still to be aborted
     assert q.queued_ids("a") == ["y:q0", "y:q1"]
     assert q.cancel_batch("x") == 0  # its window ended first: it ends expired, not cancelled

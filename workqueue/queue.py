@@ -201,6 +201,7 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps, TickOps):
                     assigned_predicted_tokens=as_float(stats.get("assigned_predicted_tokens")),
                     finished_predicted_tokens=as_float(stats.get("finished_predicted_tokens")),
                     finished_actual_tokens=as_int(stats.get("finished_actual_tokens")),
+                    finished_total_tokens=as_int(stats.get("finished_total_tokens")),
                     finished_queries=as_int(stats.get("finished_queries")),
                 )
             )

@@ -194,6 +194,7 @@ class ClusterInfo:
     assigned_predicted_tokens: float = 0.0
     finished_predicted_tokens: float = 0.0
     finished_actual_tokens: int = 0
+    finished_total_tokens: int = 0  # prompt + completion tokens of its answered queries
     finished_queries: int = 0
 
     @property

@@ -144,6 +144,7 @@ local function finish(g, result, kind, actual, now, prompt)
     if kind == 'completed' then
       redis.call('HINCRBYFLOAT', b, 'done_predicted_tokens', tokens)
       redis.call('HINCRBY', b, 'done_actual_tokens', actual + (prompt or 0))
+      redis.call('HINCRBY', k_cluster_stats(cluster), 'finished_total_tokens', actual + (prompt or 0))
       redis.call('HINCRBYFLOAT', k_cluster_stats(cluster), 'finished_predicted_tokens', tokens)
       redis.call('HINCRBY', k_cluster_stats(cluster), 'finished_actual_tokens', actual)
       redis.call('HINCRBY', k_cluster_stats(cluster), 'finished_queries', 1)

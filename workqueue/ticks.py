@@ -20,6 +20,7 @@ only when Redis lacks it (:mod:`workqueue.script_call`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import redis
 from redis.commands.core import Script
@@ -47,6 +48,32 @@ return out
 )
 
 
+UNFINISHED_READ = 1000  # unfinished batches an offloader tick reads (for their ETAs), earliest deadline first
+
+# KEYS: the deadlines set. ARGV: n. The first n unfinished batches with a deadline: {id, HGETALL of its hash, ...}.
+READ_UNFINISHED = (
+    scripts.PRELUDE
+    + r"""
+local out = {}
+for _, bid in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
+  out[#out + 1] = bid
+  out[#out + 1] = redis.call('HGETALL', k_batch(bid))
+end
+return out
+"""
+)
+
+
+@dataclass(frozen=True)
+class TickStart:
+    """What an offloader tick starts from: lapsed leases requeued by cluster, batches that expired, and the
+    unfinished batches with a deadline (for their ETAs)."""
+
+    requeued: dict[str, int]
+    expired: list[str]
+    unfinished: list[BatchInfo]
+
+
 def eval_many(client: redis.Redis, script: Script, calls: Sequence[tuple[Sequence, Sequence]]) -> list:
     """Run ``script`` once per ``(keys, args)`` of ``calls``, in order, in one pipeline; their replies
     (:func:`workqueue.script_call.execute`: two more round trips when Redis lacks the script)."""
@@ -64,26 +91,35 @@ class TickOps:
 
     def _init_ticks(self, client: redis.Redis) -> None:
         self._requeue_all = client.register_script(REQUEUE_ALL)
+        self._read_unfinished = client.register_script(READ_UNFINISHED)
         self._move_ids_many = client.register_script(move_scripts.MOVE_IDS)
 
     def requeue_all_expired(self) -> dict[str, int]:
         """Requeue the lapsed leases of every registered cluster (as :meth:`requeue_expired` does for
         one), in one script call; returns every cluster's name with how many it requeued."""
-        return self.requeue_and_expire(expire=False)[0]
+        flat = eval_many(self.r, self._requeue_all, [([keys.CLUSTERS], [])])[0]
+        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
-    def requeue_and_expire(self, expire: bool = True) -> tuple[dict[str, int], list[str]]:
-        """:meth:`requeue_all_expired` and, in the same round trip, the first step of :meth:`expire_due`
-        (the batches whose deadline passed become ``expiring``; the queues are swept only then).
-        Returns every cluster's requeued count and the batches that expired."""
-        calls = [ScriptCall(self._requeue_all, [keys.CLUSTERS], [])]
-        if expire:
-            calls.append(ScriptCall(self._expire_due, [keys.DEADLINES], [self.clock(), SWEEP_CHUNK]))
-        replies = execute(self.r, calls)
-        flat, expired = replies[0], list(replies[1]) if expire else []
+    def requeue_and_expire(self, unfinished: int = UNFINISHED_READ) -> TickStart:
+        """:meth:`requeue_all_expired`, the first step of :meth:`expire_due` (the batches whose deadline
+        passed become ``expiring``; the queues are swept only then) and a read of the first
+        ``unfinished`` unfinished batches with a deadline, by deadline: one round trip."""
+        calls = [
+            ScriptCall(self._requeue_all, [keys.CLUSTERS], []),
+            ScriptCall(self._expire_due, [keys.DEADLINES], [self.clock(), SWEEP_CHUNK]),
+            ScriptCall(self._read_unfinished, [keys.DEADLINES], [unfinished]),
+        ]
+        flat, expired, raw = execute(self.r, calls)
         if expired:
             for c in flat[::2]:
                 self.sweep_cancelled(c)
-        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}, expired
+        batches = []
+        for bid, fields in zip(raw[::2], raw[1::2], strict=True):
+            info = batch_info(bid, dict(zip(fields[::2], fields[1::2], strict=True)))
+            if info is not None:
+                batches.append(info)
+        requeued = {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return TickStart(requeued, list(expired), batches)
 
     def tails(self, reads: Mapping[str, tuple[int, int]]) -> dict[str, list[tuple[str, float]]]:
         """:meth:`tail` of many clusters (``cluster -> (n, skip)``) in two round trips: each cluster's

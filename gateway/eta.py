@@ -1,0 +1,147 @@
+"""Each unfinished batch's ETA: when it will be done, and whether that is past its deadline.
+
+The rule, in one place (:func:`estimate`):
+
+1. A batch's **remaining work** is its predicted tokens not yet finished (queued or running, on any
+   cluster: ``left_tokens_per_cluster``) times its **length correction**: the actual tokens of its
+   answered rows over their predicted tokens, shrunk toward the fleet's ratio (every cluster's
+   finished rows) by :data:`PRIOR_TOKENS` tokens of evidence, which is itself shrunk toward 1.
+   A served model whose answers run twice as long as the predictor thinks doubles the remaining
+   work as soon as its first rows come back, whatever the predictor was trained on.
+2. **Work ahead**: batches run in queue order (:mod:`workqueue.ordering`), and the offloader keeps
+   the clusters busy on the earliest work, so the fleet is one pool. A batch's finish is now plus the
+   remaining work of every batch at or before its order key, its own included, over the fleet's
+   throughput.
+3. **Throughput** (:class:`Throughput`): actual tokens (prompt + completion) of answered rows per
+   second over the last :data:`RATE_WINDOW_S`, counted from the first completion seen in that window
+   (so the latency before the first rows finish does not read as slowness). Until that is measured,
+   the sum of the live clusters' capacities.
+
+Everything is in one unit, actual tokens, so the ETA needs no conversion between the predictor's
+tokens and the engines' rates. :class:`EtaBoard` keeps the latest estimate of every batch; the
+offloader's tick refreshes it every half second.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from workqueue import BatchInfo
+
+PRIOR_TOKENS = 2000.0  # tokens of evidence the fleet's ratio (or 1) counts as in a batch's correction
+RATE_WINDOW_S = 60.0
+MIN_RATE_SPAN_S = 2.0  # the measured rate counts once it spans this long after the first completion
+
+
+@dataclass(frozen=True)
+class Eta:
+    finish_at: float  # unix seconds
+    remaining_tokens: float  # corrected (actual) tokens left
+    correction: float  # actual / predicted tokens applied to its remaining predicted tokens
+    progress: float  # predicted tokens of its answered rows over its predicted tokens
+    at_risk: bool  # a deadline, and the predicted finish is past it
+
+
+def correction(actual: float, predicted: float, prior: float, mass: float = PRIOR_TOKENS) -> float:
+    """Observed actual/predicted tokens, shrunk toward ``prior`` by ``mass`` tokens of evidence."""
+    return (actual + mass * prior) / (predicted + mass)
+
+
+class Throughput:
+    """The fleet's rate in actual tokens per second, from a running total sampled over time."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def observe(self, now: float, total: float) -> None:
+        self._samples.append((now, total))
+        while len(self._samples) > 2 and now - self._samples[1][0] > self.window_s:
+            self._samples.popleft()
+
+    def reset(self) -> None:
+        """Forget the history (the fleet went idle: idle time is not slowness)."""
+        self._samples.clear()
+
+    def rate(self) -> float | None:
+        s = self._samples
+        if not s:
+            return None
+        base = s[0][1]
+        first = next((i for i, (_, total) in enumerate(s) if total > base), None)
+        if first is None:
+            return None
+        (t0, v0), (t1, v1) = s[first], s[-1]
+        if t1 - t0 < MIN_RATE_SPAN_S or v1 <= v0:
+            return None
+        return (v1 - v0) / (t1 - t0)
+
+
+def estimate(
+    batches: Iterable[BatchInfo], now: float, rate_tps: float, fleet_ratio: float = 1.0
+) -> dict[str, Eta]:
+    """The ETA of every unfinished batch (the rule in the module docstring)."""
+    rate = max(rate_tps, 1e-9)
+    out: dict[str, Eta] = {}
+    ahead = 0.0
+    for b in sorted((b for b in batches if not b.final), key=lambda b: (b.order_key, b.created_at)):
+        k = correction(b.done_actual_tokens, b.done_predicted_tokens, fleet_ratio)
+        remaining = sum(b.left_tokens_per_cluster.values()) * k
+        ahead += remaining
+        finish = now + ahead / rate
+        predicted = b.predicted_tokens
+        progress = min(1.0, b.done_predicted_tokens / predicted) if predicted > 0 else 0.0
+        out[b.batch_id] = Eta(finish, remaining, k, progress, b.deadline > 0 and finish > b.deadline)
+    return out
+
+
+class EtaBoard:
+    """The latest ETA of every unfinished batch, refreshed by the offloader's tick (thread-safe)."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self._lock = threading.Lock()
+        self._throughput = Throughput(window_s)
+        self._etas: dict[str, Eta] = {}
+        self._batches: list[BatchInfo] = []
+        self.rate_tps = 0.0
+        self.fleet_ratio = 1.0
+        self.updated_at = 0.0
+
+    def update(
+        self, now: float, batches: Sequence[BatchInfo], finished_actual: float, finished_predicted: float,
+        capacity_tps: float,
+    ) -> dict[str, Eta]:  # fmt: skip
+        """Refresh from the unfinished ``batches``, the clusters' running totals of answered rows' actual and
+        predicted tokens, and their capacity (used until the throughput is measured)."""
+        with self._lock:
+            if not any(not b.final for b in batches):
+                self._throughput.reset()
+            self._throughput.observe(now, finished_actual)
+            measured = self._throughput.rate()
+            self.rate_tps = measured if measured else capacity_tps
+            self.fleet_ratio = correction(finished_actual, finished_predicted, 1.0)
+            self._batches = list(batches)
+            self._etas = estimate(batches, now, self.rate_tps, self.fleet_ratio)
+            self.updated_at = now
+            return dict(self._etas)
+
+    def get(self, batch_id: str) -> Eta | None:
+        with self._lock:
+            return self._etas.get(batch_id)
+
+    def all(self) -> dict[str, Eta]:
+        with self._lock:
+            return dict(self._etas)
+
+    def new_batch(self, now: float, predicted_tokens: float, order_key: float) -> float:
+        """The predicted finish of a batch of ``predicted_tokens`` about to be created with ``order_key``:
+        the work at or before its key, plus its own (at the fleet's length correction)."""
+        with self._lock:
+            if self.rate_tps <= 0:
+                return 0.0
+            ahead = sum(e.remaining_tokens for b in self._batches if (e := self._etas.get(b.batch_id))
+                        and b.order_key <= order_key)  # fmt: skip
+            return now + (ahead + predicted_tokens * self.fleet_ratio) / self.rate_tps
