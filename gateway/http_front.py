@@ -36,13 +36,13 @@ from gateway import openai_batches as ob
 from gateway.auth import HTTP_CLIENT
 from gateway.config import GatewayConfig
 from gateway.errors import REDIS_DOWN
-from gateway.http_shared import ApiError, Auth, CallContext, error_response, json_body, utf8_problem
+from gateway.http_shared import ApiError, Auth, CallContext, error_response, json_body
+from gateway.openai_create import CreateBatch, check_create
 from gateway.openai_files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines
-from gateway.openai_format import ENDPOINTS
 from gateway.openai_retention import InUse, delete_file, deleting, retire
 from gateway.quota import header_problem
 from gateway.service import BatchService
-from gateway.validation import Limits, id_problem, metadata_problem, problems_by_query
+from gateway.validation import Limits, id_problem, problems_by_query
 from protos import fleetbatch_pb2 as pb
 from workqueue import BatchState, WorkQueue
 
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 BODY_LIMIT = 1 << 20  # bytes of a JSON request body (metadata has at most 16 KiB)
-BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
 
 
 class OpenAIFront:
@@ -177,38 +176,17 @@ class OpenAIFront:
         record written before the answer) and, when its input file is invalid, ``failed`` at once
         with ``errors`` naming the lines, nothing enqueued (OpenAI's behaviour)."""
         body = await json_body(request, BODY_LIMIT)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        unknown = sorted(set(body) - BATCH_FIELDS)
-        if unknown:
-            raise ApiError(400, f"unsupported fields: {', '.join(unknown)}", unknown[0])
-        file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
-        window, metadata = body.get("completion_window"), body.get("metadata") or {}
-        if not isinstance(file_id, str) or not file_id:
-            raise ApiError(400, "input_file_id is required", "input_file_id")
-        if endpoint not in ENDPOINTS:
-            raise ApiError(
-                400, f"endpoint {endpoint!r} is not supported ({', '.join(ENDPOINTS)})", "endpoint"
-            )
-        if window != "24h":
-            raise ApiError(400, f"completion_window must be '24h', not {window!r}", "completion_window")
-        if not isinstance(metadata, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-        ):
-            raise ApiError(400, "metadata must map strings to strings", "metadata")
-        problem = utf8_problem(metadata) or metadata_problem(metadata, self.limits.max_metadata_bytes)
-        if problem:
-            raise ApiError(400, problem, "metadata")
+        c = check_create(body, self.limits)
         context = CallContext(request)
         problem = header_problem(dict(context.invocation_metadata()))
         if problem:
             raise ApiError(400, problem)
-        info = await asyncio.to_thread(self._info, file_id)
+        info = await asyncio.to_thread(self._info, c.file_id)
         if info.purpose != "batch":
-            raise ApiError(400, f"file {file_id} has purpose {info.purpose!r}, not 'batch'", "input_file_id")
-        work = self._counted(
-            info.bytes, self._create(ob.new_batch_id(), file_id, endpoint, window, metadata, context)
-        )
+            raise ApiError(
+                400, f"file {c.file_id} has purpose {info.purpose!r}, not 'batch'", "input_file_id"
+            )
+        work = self._counted(info.bytes, self._create(ob.new_batch_id(), c, context))
         return JSONResponse(await self.durable(work))
 
     async def _counted(self, size: int, work: Coroutine[Any, Any, T]) -> T:
@@ -225,10 +203,9 @@ class OpenAIFront:
             if budget is not None:
                 budget.release(size)
 
-    async def _create(
-        self, batch_id: str, file_id: str, endpoint: str, window: str, metadata: dict, context: CallContext
-    ) -> dict:
-        await asyncio.to_thread(ob.create_record, self.queue, batch_id, file_id, endpoint, window)
+    async def _create(self, batch_id: str, c: CreateBatch, context: CallContext) -> dict:
+        file_id = c.file_id
+        await asyncio.to_thread(ob.create_record, self.queue, batch_id, file_id, c.endpoint, c.window)
         if await asyncio.to_thread(deleting, self.queue, self.store, file_id):
             await asyncio.to_thread(ob.drop_record, self.queue, batch_id)
             raise ApiError(404, f"file {file_id} was deleted", "input_file_id")
@@ -236,14 +213,15 @@ class OpenAIFront:
             submission, lines = await asyncio.to_thread(
                 ob.build_request,
                 read_lines(self.store, file_id),
-                endpoint,
+                c.endpoint,
                 self.tokenizer,
                 batch_id,
-                metadata,
+                c.metadata,
                 self.limits,
             )
         except ob.InvalidFile as e:
             return await asyncio.to_thread(self._fail, batch_id, file_id, e.errors)
+        submission.completion_window, submission.priority = c.window, c.priority
         try:
             await self.service.SubmitBatch(submission, context)
         except ApiError as e:
@@ -316,7 +294,7 @@ class OpenAIFront:
     def _object(self, batch_id: str) -> dict:
         if id_problem(batch_id, "batch id"):
             raise ApiError(404, f"no batch {batch_id!r}", "batch_id")
-        batch = ob.batch_objects(self.queue, [batch_id], HTTP_CLIENT)[batch_id]
+        batch = ob.batch_objects(self.queue, [batch_id], HTTP_CLIENT, self.service.d.eta.all())[batch_id]
         if batch is None:  # no record, or a gRPC client's batch
             raise ApiError(404, f"no batch {batch_id!r}", "batch_id")
         return batch
@@ -365,7 +343,10 @@ class OpenAIFront:
             )
         except ob.BadInput as e:
             raise ApiError(400, str(e), e.param) from None
-        batches = await asyncio.to_thread(ob.batch_objects, self.queue, ids, HTTP_CLIENT)  # one round trip
+        etas = self.service.d.eta.all()
+        batches = await asyncio.to_thread(
+            ob.batch_objects, self.queue, ids, HTTP_CLIENT, etas
+        )  # one round trip
         return JSONResponse(_page([b for b in batches.values() if b is not None], more))
 
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from gateway.openai_format import CHAT, parse_row
+from gateway.eta import Eta
+from gateway.openai_format import parse_row
+from gateway.openai_object import batch_object
 from gateway.quota import OWNER_FIELD, owner_allows
 from gateway.validation import ID_RE, Limits, query_problems
 from protos import fleetbatch_pb2 as pb
@@ -39,7 +41,6 @@ from workqueue.keys import PREFIX
 
 LIST = PREFIX + "oai:batches"  # ZSET: ids of batches created over HTTP, by creation time
 PENDING = PREFIX + "oai:finalize"  # SET: ids whose output files are not written yet
-WINDOW_S = 24 * 3600
 MAX_ERRORS = 100  # lines an invalid input file's ``errors`` list (the rest are counted)
 # KEYS: a record. ARGV: field, value. Sets the field unless it is set (or the record expired
 # meanwhile: never recreates it); returns the field's value (nil when there is no record).
@@ -263,90 +264,6 @@ def note_progress(
     rec["in_progress_at"] = kept or str(when)
 
 
-def usage_of(rec: dict) -> dict | None:
-    """OpenAI's batch ``usage`` (summed over the output file's requests), once the batch is finalized."""
-    if not rec.get("finalized_at"):
-        return None
-    prompt, completion = int(rec.get("input_tokens") or 0), int(rec.get("output_tokens") or 0)
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + completion,
-    }
-
-
-def _ts(value) -> int | None:
-    return int(float(value)) if value not in (None, "", "0") else None
-
-
-def openai_status(info: BatchInfo | None, rec: dict) -> str:
-    """OpenAI's status. With no gateway batch: ``expired`` once the record says so (or once it
-    was finalized: the gateway batch expired first), ``validating`` while ``SubmitBatch`` is still
-    creating it (the record is written first), ``failed`` with no record either. ``failed`` too when
-    the input file was invalid (``invalid``: no gateway batch) or the finalizer gave up (``finalize_error``)."""
-    if rec.get("finalize_error") or rec.get("invalid"):
-        return "failed"
-    if info is None:
-        if not rec:
-            return "failed"
-        return "expired" if rec.get("expired_at") or rec.get("finalized_at") else "validating"
-    if not info.final:
-        return info.status  # validating | in_progress | cancelling
-    if rec and not rec.get("finalized_at"):
-        return "cancelling" if info.status == BatchState.CANCELLED else "finalizing"
-    return info.status  # completed | failed | cancelled
-
-
-def batch_object(batch_id: str, info: BatchInfo | None, rec: dict) -> dict:
-    """OpenAI's batch object for a gateway batch (``info``) and its HTTP record (``rec``, maybe empty)."""
-    status = openai_status(info, rec)
-    created = _ts(rec.get("created_at")) or (int(info.created_at) if info else 0)
-    done = _ts(rec.get("finalized_at")) or (int(info.completed_at) if info and info.completed_at else None)
-    failed = (info.failed + info.cancelled) if info else 0
-    errors = None
-    if rec.get("invalid"):
-        errors = {"object": "list", "data": json.loads(rec["invalid"])}
-    elif status == "failed" or (info and info.error):
-        message = (
-            rec.get("finalize_error")
-            or (info and info.error)
-            or ("every request failed; see error_file_id" if info else "the batch was not created")
-        )
-        errors = {
-            "object": "list",
-            "data": [{"code": "failed", "message": message, "param": None, "line": None}],
-        }
-    return {
-        "id": batch_id,
-        "object": "batch",
-        "endpoint": rec.get("endpoint", CHAT),
-        "errors": errors,
-        "input_file_id": rec.get("input_file_id", ""),
-        "completion_window": rec.get("completion_window", "24h"),
-        "status": status,
-        "output_file_id": rec.get("output_file_id") or None,
-        "error_file_id": rec.get("error_file_id") or None,
-        "created_at": created,
-        "in_progress_at": _ts(rec.get("in_progress_at")),
-        "expires_at": created + WINDOW_S,
-        "finalizing_at": _ts(rec.get("finalizing_at")),
-        "completed_at": done if status == "completed" else None,
-        "failed_at": done if status == "failed" else None,
-        "expired_at": _ts(rec.get("expired_at")),
-        "cancelling_at": _ts(rec.get("cancelling_at")),
-        "cancelled_at": done if status == "cancelled" else None,
-        "request_counts": {
-            "total": info.total if info else 0,
-            "completed": info.completed if info else 0,
-            "failed": failed,
-        },
-        "metadata": (info.metadata if info else None) or None,
-        "usage": usage_of(rec),
-    }
-
-
 def list_batches(queue: WorkQueue, limit: int, after: str | None) -> tuple[list[str], bool]:
     """Ids of HTTP batches, newest first, after the id ``after``; and whether more follow."""
     start = 0
@@ -367,9 +284,12 @@ def list_batches(queue: WorkQueue, limit: int, after: str | None) -> tuple[list[
     return ids[:limit], len(ids) > limit
 
 
-def batch_objects(queue: WorkQueue, batch_ids: Iterable[str], client: str) -> dict[str, dict | None]:
+def batch_objects(
+    queue: WorkQueue, batch_ids: Iterable[str], client: str, etas: Mapping[str, Eta] | None = None
+) -> dict[str, dict | None]:
     """OpenAI's batch objects of ``batch_ids`` as ``client`` sees them (None: no record, or another
-    client's batch), read in one round trip (one more per batch first seen in progress)."""
+    client's batch), read in one round trip (one more per batch first seen in progress); ``etas``: the
+    batches' ETAs (:mod:`gateway.eta`), shown in the objects' ``fleetbatch`` extension."""
     ids = list(batch_ids)
     pipe = queue.r.pipeline(transaction=False)
     for b in ids:
@@ -383,5 +303,5 @@ def batch_objects(queue: WorkQueue, batch_ids: Iterable[str], client: str) -> di
             continue
         info = batch_info(b, h)
         note_progress(queue, b, info, rec, intake="intake_total" in h)
-        out[b] = batch_object(b, info, rec)
+        out[b] = batch_object(b, info, rec, (etas or {}).get(b))
     return out

@@ -181,7 +181,13 @@ def output_line(result: Mapping, endpoint: str, model: str, custom_id: str | Non
     }
     how = outcome(reason, result.get("error"))
     if not how.answered:
-        code = "cancelled" if how is Outcome.CANCELLED else "server_error"
+        code = (
+            "server_error"
+            if how is not Outcome.CANCELLED
+            else "batch_expired"
+            if reason == "batch_expired"
+            else "cancelled"
+        )
         line["error"] = {"code": code, "message": result.get("error") or f"request {reason}"}
         return line
     prompt, completion = int(result.get("prompt_tokens") or 0), int(result.get("completion_tokens") or 0)

@@ -20,7 +20,7 @@ import pytest
 
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.intake import Intake, IntakeSettings
-from gateway.openai_batches import batch_object
+from gateway.openai_object import batch_object
 from gateway.policies import make_policy
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc

@@ -21,6 +21,7 @@ from openai import OpenAI
 
 from gateway import openai_batches as ob
 from gateway.openai_format import CHAT, COMPLETIONS
+from gateway.openai_object import batch_object
 from gateway.openai_retention import EXPIRE
 from load.openai_check import batch_problems
 from protos import fleetbatch_pb2 as pb
@@ -90,7 +91,7 @@ def test_in_progress_at_is_when_the_batch_left_validating(redis_url):
     def obj(batch_id: str) -> dict:
         info, rec = queue.batch(batch_id), queue.r.hgetall(ob.record_key(batch_id))
         ob.note_progress(queue, batch_id, info, rec)
-        return ob.batch_object(batch_id, info, rec)
+        return batch_object(batch_id, info, rec)
 
     ob.create_record(queue, "batch_big", "file-in", CHAT, "24h")
     assert queue.accept_batch("batch_big", ["{}"])

@@ -153,7 +153,14 @@ def test_a_malformed_request_is_still_a_4xx(front):
     for body, param in (
         ({"endpoint": CHAT, "completion_window": "24h"}, "input_file_id"),
         ({"input_file_id": f.id, "endpoint": "/v1/embeddings", "completion_window": "24h"}, "endpoint"),
-        ({"input_file_id": f.id, "endpoint": CHAT, "completion_window": "1h"}, "completion_window"),
+        ({"input_file_id": f.id, "endpoint": CHAT, "completion_window": "1 hour"}, "completion_window"),
+        ({"input_file_id": f.id, "endpoint": CHAT, "completion_window": "60d"}, "completion_window"),
+        ({"input_file_id": f.id, "endpoint": CHAT, "completion_window": 24}, "completion_window"),
+        (
+            {"input_file_id": f.id, "endpoint": CHAT, "completion_window": "24h", "priority": "high"},
+            "priority",
+        ),
+        ({"input_file_id": f.id, "endpoint": CHAT, "completion_window": "24h", "priority": 101}, "priority"),
         (
             {
                 "input_file_id": f.id,

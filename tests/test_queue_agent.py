@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from prometheus_client import CollectorRegistry, generate_latest
 
 from engines.config import EngineConfig
