@@ -15,7 +15,7 @@ from load.study import sim_cli
 from load.workload import WorkItem
 
 #: (name, share of the rows, submitted at +s, window in multiples of the whole workload's makespan T)
-SCENARIO = (("bulk", 0.60, 0.0, 1.6), ("urgent", 0.25, 2.0, 0.55), ("steady", 0.15, 4.0, 1.2))
+SCENARIO = (("bulk", 0.60, 0.0, 1.6), ("urgent", 0.25, 2.0, 0.65), ("steady", 0.15, 4.0, 1.2))
 EXPIRY_SHARE, EXPIRY_WINDOW = 0.5, 0.2  # the expiry run: half the rows, a window of 0.2 T
 
 
