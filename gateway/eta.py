@@ -33,6 +33,7 @@ from workqueue import BatchInfo
 
 PRIOR_TOKENS = 2000.0  # tokens of evidence the fleet's ratio (or 1) counts as in a batch's correction
 RATE_WINDOW_S = 60.0
+HISTORY = 1200  # (time, finished actual tokens) samples kept for the status page's chart: 10 min at 0.5 s
 MIN_RATE_SPAN_S = 2.0  # the measured rate counts once it spans this long after the first completion
 
 
@@ -106,6 +107,7 @@ class EtaBoard:
         self._throughput = Throughput(window_s)
         self._etas: dict[str, Eta] = {}
         self._batches: list[BatchInfo] = []
+        self._history: deque[tuple[float, float]] = deque(maxlen=HISTORY)
         self.rate_tps = 0.0
         self.fleet_ratio = 1.0
         self.updated_at = 0.0
@@ -120,6 +122,7 @@ class EtaBoard:
             if not any(not b.final for b in batches):
                 self._throughput.reset()
             self._throughput.observe(now, finished_actual)
+            self._history.append((now, finished_actual))
             measured = self._throughput.rate()
             self.rate_tps = measured if measured else capacity_tps
             self.fleet_ratio = correction(finished_actual, finished_predicted, 1.0)
@@ -127,6 +130,21 @@ class EtaBoard:
             self._etas = estimate(batches, now, self.rate_tps, self.fleet_ratio)
             self.updated_at = now
             return dict(self._etas)
+
+    def throughput(self, bucket_s: float = 5.0) -> list[tuple[float, float]]:
+        """The fleet's throughput over the kept history: (end of each ``bucket_s`` span, actual tokens/s in it)."""
+        with self._lock:
+            samples = list(self._history)
+        out: list[tuple[float, float]] = []
+        start = 0
+        for i in range(1, len(samples)):
+            (t0, v0), (t1, v1) = samples[start], samples[i]
+            if t1 - t0 >= bucket_s:
+                out.append(
+                    (t1, max(0.0, v1 - v0) / (t1 - t0))
+                )  # a total that fell (Redis flushed) counts as 0
+                start = i
+        return out
 
     def get(self, batch_id: str) -> Eta | None:
         with self._lock:

@@ -42,6 +42,7 @@ from gateway.openai_files import CHUNK, FileStore, TooLarge, list_files, new_fil
 from gateway.openai_retention import InUse, delete_file, deleting, retire
 from gateway.quota import header_problem
 from gateway.service import BatchService
+from gateway.status_page import PAGE_PATH, StatusPage
 from gateway.validation import Limits, id_problem, problems_by_query
 from protos import fleetbatch_pb2 as pb
 from workqueue import BatchState, WorkQueue
@@ -63,6 +64,7 @@ class OpenAIFront:
         self.key = config.http_api_key
         self.limits = Limits.of(config)
         self._inflight: set[asyncio.Task] = set()  # creations and cancels (:meth:`durable`)
+        self.status_page = StatusPage(queue, service.d.eta)  # GET /status and /v1/fleet/status
 
     def app(self) -> Starlette:
         routes = [
@@ -75,11 +77,12 @@ class OpenAIFront:
             Route("/v1/batches", self.listing, methods=["GET"]),
             Route("/v1/batches/{batch_id}", self.get, methods=["GET"]),
             Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"]),
+            *self.status_page.routes(),
         ]
         handlers = {ApiError: self._api_error, HTTPException: self._http_error, Exception: self._crash}
         handlers.update(dict.fromkeys(REDIS_DOWN, self._redis_down))
         app = Starlette(routes=routes, exception_handlers=handlers)
-        app.add_middleware(Auth, key=self.key)
+        app.add_middleware(Auth, key=self.key, public=(PAGE_PATH,))
         return app
 
     async def _api_error(self, request: Request, e: Exception) -> Response:

@@ -84,13 +84,14 @@ def utf8_problem(metadata: dict[str, str]) -> str | None:
 
 
 class Auth:
-    """ASGI middleware: ``Authorization: Bearer <key>`` on every request, else 401 in OpenAI's shape."""
+    """ASGI middleware: ``Authorization: Bearer <key>`` on every request, else 401 in OpenAI's shape; the
+    ``public`` paths (a page that holds no data) are served without it."""
 
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
+    def __init__(self, app, key: str, public: tuple[str, ...] = ()):
+        self.app, self.key, self.public = app, key.encode(), frozenset(public)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope.get("path") not in self.public:
             headers = dict(scope.get("headers") or [])
             got = headers.get(b"authorization", b"")
             if not (got.startswith(b"Bearer ") and hmac.compare_digest(got[7:].strip(), self.key)):

@@ -162,6 +162,8 @@ def banner(info: Mapping[str, Any]) -> str:
     ]
     if info.get("http_url"):
         lines.append(f"  OpenAI-compatible API: {info['http_url']} (key: {info['http_api_key_file']})")
+        page = info["status_url"]
+        lines.append(f"  Status page: {page} (asks for that key; or open {page}#key=<the key>)")
     lines.append("  Ctrl-C stops everything")
     return "\n".join(lines)
 
@@ -218,7 +220,8 @@ async def up(args) -> int:
             "layouts": layouts,
         }
         if config.http_url:
-            info.update(http_url=config.http_url, http_api_key_file=str(http_key_file))
+            page = config.http_url.removesuffix("/v1") + "/status"
+            info.update(http_url=config.http_url, http_api_key_file=str(http_key_file), status_url=page)
         info_file = run_dir / "gateway.json"
         write_private(info_file, json.dumps(info, indent=2))  # it holds the Redis URL
         engines.on_change = lambda pids: write_private(
