@@ -16,6 +16,17 @@ if [ ! -x /usr/bin/redis-server ] && [ ! -x /usr/local/bin/redis-server ] && [ -
   fi
 fi
 
+# Debian's chromium and its driver: the status page is tested in a real headless browser
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing chromium and chromium-driver (Debian packages, for the status page's test)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "setup: chromium and chromium-driver are missing: the status page's test is skipped (fails under CI)" >&2
+  fi
+fi
+
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
