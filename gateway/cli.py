@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from cliutil import run_main
@@ -137,7 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print the response as JSON")
     r.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect over TLS")
 
-    st = sub.add_parser("status", help="list clusters: liveness, capacity, queue, expected finish")
+    st = sub.add_parser(
+        "status",
+        help="list clusters (liveness, capacity, queue, expected finish) and, with --batch, batches' progress and ETA",
+    )
+    st.add_argument(
+        "--batch",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="also show this batch: rows and token progress, ETA against its deadline, at risk (repeatable)",
+    )
     st.add_argument("--target", default=DEFAULT_TARGET, help="gateway address host:port")
     st.add_argument("--json", action="store_true", help="print JSON")
     st.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect over TLS")
@@ -195,6 +206,30 @@ def _token(args) -> str:
     if path.exists():
         return path.read_text().strip()
     raise SystemExit(f"gateway rebalance: no admin token: pass --token, set ${TOKEN_ENV} or --token-file")
+
+
+def batch_table(batches, now: float) -> str:
+    """Batches' progress: rows done, tokens done of predicted, ETA and deadline in seconds from ``now``."""
+    lines = [
+        f"{'batch':<34} {'status':<12} {'rows':>11} {'tokens':>7} {'ETA s':>8} {'deadline s':>10} at risk"
+    ]
+    for b in batches:
+        c = b.request_counts
+        rows = f"{c.completed + c.failed + c.cancelled}/{c.total}"
+        tokens = f"{100 * b.done_predicted_tokens / b.predicted_tokens:.0f}%" if b.predicted_tokens else "-"
+        eta = f"{b.predicted_finish_at - now:.0f}" if b.predicted_finish_at else "-"
+        deadline = f"{b.deadline - now:.0f}" if b.deadline else "-"
+        status = pb_status_name(b.status)
+        lines.append(
+            f"{b.id:<34} {status:<12} {rows:>11} {tokens:>7} {eta:>8} {deadline:>10} {'yes' if b.at_risk else 'no'}"
+        )
+    return "\n".join(lines)
+
+
+def pb_status_name(status: int) -> str:
+    from protos import fleetbatch_pb2 as pb
+
+    return pb.BatchStatus.Name(status).lower()
 
 
 def _table(clusters) -> str:
@@ -299,16 +334,19 @@ def _status(args) -> int:
     from protos import fleetbatch_pb2_grpc as pb_grpc
 
     with channel(args.target, args.tls_ca, token=client_token(args.token, args.token_file)) as ch:
+        stub = pb_grpc.BatchServiceStub(ch)
         try:
-            resp = pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=10)
+            resp = stub.ListClusters(pb.ListClustersRequest(), timeout=10)
+            batches = [stub.GetBatch(pb.GetBatchRequest(batch_id=b), timeout=10) for b in args.batch]
         except grpc.RpcError as e:
             print(f"gateway status: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    print(
-        json.dumps(MessageToDict(resp, preserving_proto_field_name=True))
-        if args.json
-        else _table(resp.clusters)
-    )
+    if args.json:
+        out = MessageToDict(resp, preserving_proto_field_name=True)
+        out["batches"] = [MessageToDict(b, preserving_proto_field_name=True) for b in batches]
+        print(json.dumps(out))
+    else:
+        print(_table(resp.clusters) + ("\n\n" + batch_table(batches, time.time()) if batches else ""))
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from gateway.cli import main
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.eta import Throughput, correction, estimate
 from gateway.windows import WindowError, format_window, parse_window
@@ -19,10 +20,11 @@ from workqueue import BatchInfo, QueryResult, WorkQueue, connect
 def gateway(redis_url):
     config = GatewayConfig(redis_url=redis_url, policy="token", clusters=[ClusterSpec("a", capacity_tps=100)])
     g = GatewayThread(config)
-    channel = grpc.insecure_channel(g.start())
+    address = g.start()
+    channel = grpc.insecure_channel(address)
     queue = WorkQueue(connect(redis_url))
     queue.heartbeat("a", ttl_s=600, tokens_per_s=0)  # alive: the ETA's capacity until a rate is measured
-    yield pb_grpc.BatchServiceStub(channel), queue
+    yield pb_grpc.BatchServiceStub(channel), queue, address
     channel.close()
     g.stop()
 
@@ -43,7 +45,7 @@ def test_windows_and_priorities_parse_or_are_refused_by_name():
 
 
 def test_a_bad_window_or_priority_is_invalid_argument_and_creates_nothing(gateway):
-    stub, queue = gateway
+    stub, queue, _ = gateway
     for kw in ({"completion_window": "soon"}, {"completion_window": "90d"}, {"priority": 101}):
         with pytest.raises(grpc.RpcError) as e:
             stub.SubmitBatch(batch_of(2, batch_id="bad", **kw))
@@ -52,8 +54,8 @@ def test_a_bad_window_or_priority_is_invalid_argument_and_creates_nothing(gatewa
     assert queue.batch("bad") is None
 
 
-def test_the_answer_at_submit_says_whether_the_window_fits(gateway):
-    stub, queue = gateway
+def test_the_answer_at_submit_says_whether_the_window_fits(gateway, capsys):
+    stub, queue, _ = gateway
     first = stub.SubmitBatch(batch_of(4, batch_id="first"))
     assert first.completion_window == "24h" and first.deadline == pytest.approx(
         first.created_at + 86400, abs=1
@@ -69,10 +71,18 @@ def test_the_answer_at_submit_says_whether_the_window_fits(gateway):
     assert loose.predicted_tokens == pytest.approx(
         sum(queue.batch("loose").predicted_tokens_per_cluster.values())
     )
+    wait_until(lambda: with_eta(stub, "tight"), 30, "the tight batch's ETA")
+    assert (
+        main(["status", "--target", gateway[2], "--token", "-", "--batch", "tight", "--batch", "loose"]) == 0
+    )
+    table = capsys.readouterr().out.splitlines()
+    tight_row = next(line for line in table if line.startswith("tight"))
+    assert "in_progress" in tight_row and "0/40" in tight_row and tight_row.endswith("yes")
+    assert next(line for line in table if line.startswith("loose")).endswith("no")
 
 
 def test_the_eta_grows_when_answers_run_longer_than_predicted(gateway):
-    stub, queue = gateway
+    stub, queue, _ = gateway
     stub.SubmitBatch(batch_of(60, batch_id="long"))
     before = wait_until(lambda: with_eta(stub, "long"), 30, "an ETA")
     claimed = queue.claim("a", 30, "w", 60)
