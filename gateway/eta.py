@@ -12,10 +12,13 @@ The rule, in one place (:func:`estimate`):
    the clusters busy on the earliest work, so the fleet is one pool. A batch's finish is now plus the
    remaining work of every batch at or before its order key, its own included, over the fleet's
    throughput.
-3. **Throughput** (:class:`Throughput`): actual tokens (prompt + completion) of answered rows per
-   second over the last :data:`RATE_WINDOW_S`, counted from the first completion seen in that window
-   (so the latency before the first rows finish does not read as slowness). Until that is measured,
-   the sum of the live clusters' capacities.
+3. **Throughput** (:class:`Throughput`): work done per second over the last :data:`RATE_WINDOW_S`,
+   counted from the first work seen in that window (so the time before the first step does not read
+   as slowness). Work done is the actual tokens (prompt + completion) of answered rows plus the
+   tokens the running queries hold in the engines' KV caches (prompt and generated so far): without
+   them, a fleet that runs its longest queries first (the token policies do) would look slow until
+   those finish. Until a rate is measured, the sum of the live clusters' capacities.
+4. The tokens in flight are work already done: they come off the work ahead of every batch.
 
 Everything is in one unit, actual tokens, so the ETA needs no conversion between the predictor's
 tokens and the engines' rates. :class:`EtaBoard` keeps the latest estimate of every batch; the
@@ -82,9 +85,14 @@ class Throughput:
 
 
 def estimate(
-    batches: Iterable[BatchInfo], now: float, rate_tps: float, fleet_ratio: float = 1.0
+    batches: Iterable[BatchInfo],
+    now: float,
+    rate_tps: float,
+    fleet_ratio: float = 1.0,
+    in_flight: float = 0.0,
 ) -> dict[str, Eta]:
-    """The ETA of every unfinished batch (the rule in the module docstring)."""
+    """The ETA of every unfinished batch (the rule in the module docstring); ``in_flight``: tokens the running
+    queries already hold (done work, counted in their batches' remaining tokens)."""
     rate = max(rate_tps, 1e-9)
     out: dict[str, Eta] = {}
     ahead = 0.0
@@ -92,7 +100,7 @@ def estimate(
         k = correction(b.done_actual_tokens, b.done_predicted_tokens, fleet_ratio)
         remaining = sum(b.left_tokens_per_cluster.values()) * k
         ahead += remaining
-        finish = now + ahead / rate
+        finish = now + max(0.0, ahead - in_flight) / rate
         predicted = b.predicted_tokens
         progress = min(1.0, b.done_predicted_tokens / predicted) if predicted > 0 else 0.0
         out[b.batch_id] = Eta(finish, remaining, k, progress, b.deadline > 0 and finish > b.deadline)
@@ -114,20 +122,21 @@ class EtaBoard:
 
     def update(
         self, now: float, batches: Sequence[BatchInfo], finished_actual: float, finished_predicted: float,
-        capacity_tps: float,
+        capacity_tps: float, in_flight: float = 0.0,
     ) -> dict[str, Eta]:  # fmt: skip
         """Refresh from the unfinished ``batches``, the clusters' running totals of answered rows' actual and
-        predicted tokens, and their capacity (used until the throughput is measured)."""
+        predicted tokens, their capacity (used until the throughput is measured) and the tokens their running
+        queries hold."""
         with self._lock:
             if not any(not b.final for b in batches):
                 self._throughput.reset()
-            self._throughput.observe(now, finished_actual)
-            self._history.append((now, finished_actual))
+            self._throughput.observe(now, finished_actual + in_flight)
+            self._history.append((now, finished_actual + in_flight))
             measured = self._throughput.rate()
             self.rate_tps = measured if measured else capacity_tps
             self.fleet_ratio = correction(finished_actual, finished_predicted, 1.0)
             self._batches = list(batches)
-            self._etas = estimate(batches, now, self.rate_tps, self.fleet_ratio)
+            self._etas = estimate(batches, now, self.rate_tps, self.fleet_ratio, in_flight)
             self.updated_at = now
             return dict(self._etas)
 
