@@ -18,7 +18,8 @@ The rule, in one place (:func:`estimate`):
    tokens the running queries hold in the engines' KV caches (prompt and generated so far): without
    them, a fleet that runs its longest queries first (the token policies do) would look slow until
    those finish. Until a rate is measured, the sum of the live clusters' capacities.
-4. The tokens in flight are work already done: they come off the work ahead of every batch.
+   The tokens in flight are not taken off the work ahead: they may belong to a batch behind the one
+   estimated, whose running queries still hold the slots it waits for.
 
 Everything is in one unit, actual tokens, so the ETA needs no conversion between the predictor's
 tokens and the engines' rates. :class:`EtaBoard` keeps the latest estimate of every batch; the
@@ -85,14 +86,9 @@ class Throughput:
 
 
 def estimate(
-    batches: Iterable[BatchInfo],
-    now: float,
-    rate_tps: float,
-    fleet_ratio: float = 1.0,
-    in_flight: float = 0.0,
+    batches: Iterable[BatchInfo], now: float, rate_tps: float, fleet_ratio: float = 1.0
 ) -> dict[str, Eta]:
-    """The ETA of every unfinished batch (the rule in the module docstring); ``in_flight``: tokens the running
-    queries already hold (done work, counted in their batches' remaining tokens)."""
+    """The ETA of every unfinished batch (the rule in the module docstring)."""
     rate = max(rate_tps, 1e-9)
     out: dict[str, Eta] = {}
     ahead = 0.0
@@ -100,7 +96,7 @@ def estimate(
         k = correction(b.done_actual_tokens, b.done_predicted_tokens, fleet_ratio)
         remaining = sum(b.left_tokens_per_cluster.values()) * k
         ahead += remaining
-        finish = now + max(0.0, ahead - in_flight) / rate
+        finish = now + ahead / rate
         predicted = b.predicted_tokens
         progress = min(1.0, b.done_predicted_tokens / predicted) if predicted > 0 else 0.0
         out[b.batch_id] = Eta(finish, remaining, k, progress, b.deadline > 0 and finish > b.deadline)
@@ -136,7 +132,7 @@ class EtaBoard:
             self.rate_tps = measured if measured else capacity_tps
             self.fleet_ratio = correction(finished_actual, finished_predicted, 1.0)
             self._batches = list(batches)
-            self._etas = estimate(batches, now, self.rate_tps, self.fleet_ratio, in_flight)
+            self._etas = estimate(batches, now, self.rate_tps, self.fleet_ratio)
             self.updated_at = now
             return dict(self._etas)
 
