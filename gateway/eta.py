@@ -13,13 +13,13 @@ The rule, in one place (:func:`estimate`):
    remaining work of every batch at or before its order key, its own included, over the fleet's
    throughput.
 3. **Throughput** (:class:`Throughput`): work done per second over the last :data:`RATE_WINDOW_S`,
-   counted from the first work seen in that window (so the time before the first step does not read
-   as slowness). Work done is the actual tokens (prompt + completion) of answered rows plus the
-   tokens the running queries hold in the engines' KV caches (prompt and generated so far): without
-   them, a fleet that runs its longest queries first (the token policies do) would look slow until
-   those finish. Until a rate is measured, the sum of the live clusters' capacities.
-   The tokens in flight are not taken off the work ahead: they may belong to a batch behind the one
-   estimated, whose running queries still hold the slots it waits for.
+   counted from the first completion seen in that window (so the time before the first rows finish
+   does not read as slowness). Work is counted in *generated-token equivalents*: a prompt token
+   weighs :data:`PROMPT_WEIGHT` of a generated one (prefill is batched; a generated token costs a
+   step). Counted in plain tokens, the rate would follow the mix: a fleet that runs its longest
+   answers first (the token policies do) would look slow then fast. The remaining work is
+   converted with the prompt share of the fleet's answered rows. Until a rate is measured, the
+   sum of the live clusters' capacities (generated tokens/s: work units as they are).
 
 Everything is in one unit, actual tokens, so the ETA needs no conversion between the predictor's
 tokens and the engines' rates. :class:`EtaBoard` keeps the latest estimate of every batch; the
@@ -37,6 +37,8 @@ from workqueue import BatchInfo
 
 PRIOR_TOKENS = 2000.0  # tokens of evidence the fleet's ratio (or 1) counts as in a batch's correction
 RATE_WINDOW_S = 60.0
+PROMPT_WEIGHT = 0.1  # a prompt token's share of a generated token's cost, in the throughput's work units
+PROMPT_SHARE = 0.5  # the prompt share of the work assumed before any row is answered
 HISTORY = 1200  # (time, finished actual tokens) samples kept for the status page's chart: 10 min at 0.5 s
 MIN_RATE_SPAN_S = 2.0  # the measured rate counts once it spans this long after the first completion
 
@@ -85,11 +87,21 @@ class Throughput:
         return (v1 - v0) / (t1 - t0)
 
 
+def work_units(prompt_share: float) -> float:
+    """Generated-token equivalents of one token of a mix with this prompt share."""
+    return 1.0 - prompt_share * (1.0 - PROMPT_WEIGHT)
+
+
 def estimate(
-    batches: Iterable[BatchInfo], now: float, rate_tps: float, fleet_ratio: float = 1.0
+    batches: Iterable[BatchInfo],
+    now: float,
+    rate: float,
+    fleet_ratio: float = 1.0,
+    prompt_share: float = PROMPT_SHARE,
 ) -> dict[str, Eta]:
-    """The ETA of every unfinished batch (the rule in the module docstring)."""
-    rate = max(rate_tps, 1e-9)
+    """The ETA of every unfinished batch (the rule in the module docstring); ``rate`` in generated-token
+    equivalents per second."""
+    rate = max(rate, 1e-9) / work_units(prompt_share)  # in actual tokens per second of this mix
     out: dict[str, Eta] = {}
     ahead = 0.0
     for b in sorted((b for b in batches if not b.final), key=lambda b: (b.order_key, b.created_at)):
@@ -112,27 +124,35 @@ class EtaBoard:
         self._etas: dict[str, Eta] = {}
         self._batches: list[BatchInfo] = []
         self._history: deque[tuple[float, float]] = deque(maxlen=HISTORY)
-        self.rate_tps = 0.0
+        self.rate_tps = 0.0  # actual tokens per second, at the answered rows' prompt share
         self.fleet_ratio = 1.0
+        self.prompt_share = PROMPT_SHARE
         self.updated_at = 0.0
 
     def update(
         self, now: float, batches: Sequence[BatchInfo], finished_actual: float, finished_predicted: float,
-        capacity_tps: float, in_flight: float = 0.0,
+        capacity_tps: float, finished_completion: float | None = None,
     ) -> dict[str, Eta]:  # fmt: skip
-        """Refresh from the unfinished ``batches``, the clusters' running totals of answered rows' actual and
-        predicted tokens, their capacity (used until the throughput is measured) and the tokens their running
-        queries hold."""
+        """Refresh from the unfinished ``batches``, the clusters' running totals of answered rows' actual tokens
+        (prompt + completion), predicted tokens and completion tokens (None: the prompt share is not known), and
+        their capacity (generated tokens/s, as heartbeats and plans measure it; used until the throughput is
+        measured)."""
         with self._lock:
             if not any(not b.final for b in batches):
                 self._throughput.reset()
-            self._throughput.observe(now, finished_actual + in_flight)
-            self._history.append((now, finished_actual + in_flight))
+            completion = finished_actual if finished_completion is None else finished_completion
+            if finished_actual > 0 and finished_completion is not None:
+                self.prompt_share = max(0.0, min(1.0, 1.0 - finished_completion / finished_actual))
+            work = completion + PROMPT_WEIGHT * (finished_actual - completion)
+            self._throughput.observe(now, work)
+            self._history.append((now, finished_actual))
             measured = self._throughput.rate()
-            self.rate_tps = measured if measured else capacity_tps
+            units = work_units(self.prompt_share)
+            rate = measured if measured else capacity_tps  # capacities count generated tokens: work units
+            self.rate_tps = rate / units
             self.fleet_ratio = correction(finished_actual, finished_predicted, 1.0)
             self._batches = list(batches)
-            self._etas = estimate(batches, now, self.rate_tps, self.fleet_ratio)
+            self._etas = estimate(batches, now, rate, self.fleet_ratio, self.prompt_share)
             self.updated_at = now
             return dict(self._etas)
 

@@ -126,7 +126,7 @@ class Offloader:
             sum(i.finished_total_tokens for i in infos),
             sum(i.finished_predicted_tokens for i in infos),
             capacity,
-            sum(i.kv_used_tokens for i in infos if i.alive),  # the running queries' prompts and tokens so far
+            sum(i.finished_actual_tokens for i in infos),  # their completion tokens: the prompt share
         )
         if self.metrics is not None:
             self.metrics.observe_etas(etas, self.queue.clock())

@@ -111,7 +111,7 @@ def info(batch_id: str, key: float, left: float, done_pred: float = 0.0, done_ac
 
 def test_the_eta_rule_counts_the_work_ahead_and_the_observed_lengths():
     batches = [info("later", 200.0, 1000), info("sooner", 100.0, 500, 500, 1500, deadline=105.0)]
-    etas = estimate(batches, now=100.0, rate_tps=100.0)
+    etas = estimate(batches, now=100.0, rate=100.0, prompt_share=0.0)  # all generated tokens: work units as they are
     k = correction(1500, 500, 1.0)
     assert etas["sooner"].correction == pytest.approx(k) and 1.3 < k < 3  # shrunk toward 1 from 3
     assert etas["sooner"].finish_at == pytest.approx(100 + 500 * k / 100)  # nothing ahead of it
