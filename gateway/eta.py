@@ -15,10 +15,12 @@ The rule, in one place (:func:`estimate`):
 3. **Throughput** (:class:`Throughput`): actual tokens (prompt + completion) of answered rows per
    second over the last :data:`RATE_WINDOW_S`, counted from the first completion seen in that window
    (so the latency before the first rows finish does not read as slowness). Until that is measured,
-   the sum of the live clusters' capacities.
+   the sum of the live clusters' capacities, converted by :func:`total_rate`: a capacity counts
+   *generated* tokens per second (the engines' heartbeats and the plans measure decoding), while the
+   work counts prompt + completion tokens, so it is scaled by the fleet's answered rows' total over
+   completion tokens (1 until a row is answered: an early ETA errs late, never early).
 
-Everything is in one unit, actual tokens, so the ETA needs no conversion between the predictor's
-tokens and the engines' rates. :class:`EtaBoard` keeps the latest estimate of every batch; the
+Everything is in one unit, actual tokens (prompt + completion), like the predictions. :class:`EtaBoard` keeps the latest estimate of every batch; the
 offloader's tick refreshes it every half second.
 """
 
@@ -49,6 +51,14 @@ class Eta:
 def correction(actual: float, predicted: float, prior: float, mass: float = PRIOR_TOKENS) -> float:
     """Observed actual/predicted tokens, shrunk toward ``prior`` by ``mass`` tokens of evidence."""
     return (actual + mass * prior) / (predicted + mass)
+
+
+def total_rate(capacity_tps: float, finished_total: float, finished_completion: float) -> float:
+    """A capacity in generated tokens/s as prompt + completion tokens/s: times the answered rows' total over
+    completion tokens (unchanged when nothing was answered yet)."""
+    if finished_completion <= 0 or finished_total <= finished_completion:
+        return capacity_tps
+    return capacity_tps * finished_total / finished_completion
 
 
 class Throughput:
@@ -114,17 +124,21 @@ class EtaBoard:
 
     def update(
         self, now: float, batches: Sequence[BatchInfo], finished_actual: float, finished_predicted: float,
-        capacity_tps: float,
+        capacity_tps: float, finished_completion: float = 0.0,
     ) -> dict[str, Eta]:  # fmt: skip
-        """Refresh from the unfinished ``batches``, the clusters' running totals of answered rows' actual and
-        predicted tokens, and their capacity (used until the throughput is measured)."""
+        """Refresh from the unfinished ``batches``, the clusters' running totals of answered rows' actual
+        (prompt + completion) and predicted tokens, and their capacity in generated tokens/s (used until the
+        throughput is measured, converted by :func:`total_rate` with ``finished_completion``: the answered
+        rows' completion tokens)."""
         with self._lock:
             if not any(not b.final for b in batches):
                 self._throughput.reset()
             self._throughput.observe(now, finished_actual)
             self._history.append((now, finished_actual))
             measured = self._throughput.rate()
-            self.rate_tps = measured if measured else capacity_tps
+            self.rate_tps = (
+                measured if measured else total_rate(capacity_tps, finished_actual, finished_completion)
+            )
             self.fleet_ratio = correction(finished_actual, finished_predicted, 1.0)
             self._batches = list(batches)
             self._etas = estimate(batches, now, self.rate_tps, self.fleet_ratio)

@@ -126,6 +126,7 @@ class Offloader:
             sum(i.finished_total_tokens for i in infos),
             sum(i.finished_predicted_tokens for i in infos),
             capacity,
+            sum(i.finished_actual_tokens for i in infos),  # completion tokens: capacities count those
         )
         if self.metrics is not None:
             self.metrics.observe_etas(etas, self.queue.clock())

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.cli import main
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.eta import Throughput, correction, estimate
+from gateway.eta import EtaBoard, Throughput, correction, estimate, total_rate
 from gateway.windows import WindowError, format_window, parse_window
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -130,3 +130,14 @@ def test_the_throughput_counts_from_the_first_completion_not_from_the_idle_start
     assert t.rate() == pytest.approx(100.0)  # 3 s of waiting for the first answers do not count
     t.reset()
     assert t.rate() is None
+
+
+def test_capacities_count_generated_tokens_and_the_eta_converts_them_to_prompt_plus_completion():
+    """Heartbeats and plans measure decoding (generated tokens/s); the work is prompt + completion tokens. Before a
+    rate is measured, the board scales the capacity by the answered rows' total over completion tokens."""
+    assert total_rate(100.0, 3000, 1000) == pytest.approx(300.0)
+    assert total_rate(100.0, 0, 0) == 100.0  # nothing answered yet: unchanged (errs late)
+    board = EtaBoard()
+    etas = board.update(0.0, [info("b", 1.0, 3000)], 3000, 3000, capacity_tps=100.0, finished_completion=1000)
+    assert board.rate_tps == pytest.approx(300.0)  # was 100: every ETA 3x too late until a rate was measured
+    assert etas["b"].finish_at == pytest.approx(3000 / 300.0)
