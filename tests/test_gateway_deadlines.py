@@ -9,6 +9,7 @@ import pytest
 from gateway.cli import main
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.eta import EtaBoard, Throughput, correction, estimate, total_rate
+from gateway.metrics import GatewayMetrics
 from gateway.windows import WindowError, format_window, parse_window
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -141,3 +142,18 @@ def test_capacities_count_generated_tokens_and_the_eta_converts_them_to_prompt_p
     etas = board.update(0.0, [info("b", 1.0, 3000)], 3000, 3000, capacity_tps=100.0, finished_completion=1000)
     assert board.rate_tps == pytest.approx(300.0)  # was 100: every ETA 3x too late until a rate was measured
     assert etas["b"].finish_at == pytest.approx(3000 / 300.0)
+
+
+def test_the_gauges_show_each_unfinished_batchs_eta_and_progress_and_the_count_at_risk():
+    m = GatewayMetrics()
+    etas = estimate([info("late", 1.0, 1000, 500, 600, deadline=101.0), info("fine", 2.0, 10)], 100.0, 100.0)
+    m.observe_etas(etas, 100.0)
+    value = m.registry.get_sample_value
+    assert value("fleetbatch_batch_eta_seconds", {"batch": "late"}) == pytest.approx(
+        etas["late"].finish_at - 100
+    )
+    assert value("fleetbatch_batch_token_progress", {"batch": "late"}) == pytest.approx(500 / 1500)
+    assert value("fleetbatch_batches_at_risk") == 1
+    m.observe_etas({"fine": etas["fine"]}, 100.0)  # "late" finished: its series go
+    assert value("fleetbatch_batch_eta_seconds", {"batch": "late"}) is None
+    assert value("fleetbatch_batches_at_risk") == 0
