@@ -157,3 +157,15 @@ def test_the_gauges_show_each_unfinished_batchs_eta_and_progress_and_the_count_a
     m.observe_etas({"fine": etas["fine"]}, 100.0)  # "late" finished: its series go
     assert value("fleetbatch_batch_eta_seconds", {"batch": "late"}) is None
     assert value("fleetbatch_batches_at_risk") == 0
+
+
+def test_a_batch_that_turns_at_risk_is_logged_once(caplog):
+    """Large batches answer before their rows are predicted (background intake): the board logs each batch the tick
+    it is first predicted to miss its deadline, so no miss is silent."""
+    board = EtaBoard()
+    batches = [info("big", 1.0, 10_000, deadline=50.0), info("ok", 2.0, 10)]
+    with caplog.at_level("WARNING", logger="gateway.eta"):
+        board.update(0.0, batches, 0, 0, capacity_tps=100.0)
+        board.update(0.5, batches, 0, 0, capacity_tps=100.0)
+    warned = [r.getMessage() for r in caplog.records if "at risk" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("batch big is at risk")
