@@ -12,16 +12,20 @@ The rule, in one place (:func:`estimate`):
    the clusters busy on the earliest work, so the fleet is one pool. A batch's finish is now plus the
    remaining work of every batch at or before its order key, its own included, over the fleet's
    throughput.
-3. **Throughput** (:class:`Throughput`): actual tokens (prompt + completion) of answered rows per
-   second over the last :data:`RATE_WINDOW_S`, counted from the first completion seen in that window
-   (so the latency before the first rows finish does not read as slowness). Until that is measured,
-   the sum of the live clusters' capacities, converted by :func:`total_rate`: a capacity counts
-   *generated* tokens per second (the engines' heartbeats and the plans measure decoding), while the
-   work counts prompt + completion tokens, so it is scaled by the fleet's answered rows' total over
-   completion tokens (1 until a row is answered: an early ETA errs late, never early).
+3. **Throughput** (:class:`Throughput`): work done per second over the last :data:`RATE_WINDOW_S`,
+   counted from the first work seen in that window (so the time before the first step does not read
+   as slowness). Work done is the actual tokens (prompt + completion) of answered rows plus the
+   tokens the running queries hold in the engines' KV caches (prompt and generated so far): without
+   them, a fleet that runs its longest queries first (the token policies do) would look slow until
+   those finish. Until a rate is measured, the sum of the live clusters' capacities, converted by
+   :func:`total_rate`: a capacity counts *generated* tokens per second (the engines' heartbeats and the
+   plans measure decoding), while the work counts prompt + completion tokens, so it is scaled by the
+   answered rows' total over completion tokens (1 until a row is answered: an early ETA errs late).
+   The tokens in flight are not taken off the work ahead: they may belong to a batch behind the one
+   estimated, whose running queries still hold the slots it waits for.
 
-Everything is in one unit, actual tokens (prompt + completion), like the predictions. :class:`EtaBoard` keeps the latest estimate of every batch; the
-offloader's tick refreshes it every half second.
+Everything is in one unit, actual tokens (prompt + completion), like the predictions.
+:class:`EtaBoard` keeps the latest estimate of every batch; the offloader's tick refreshes it every half second.
 """
 
 from __future__ import annotations
@@ -127,17 +131,17 @@ class EtaBoard:
 
     def update(
         self, now: float, batches: Sequence[BatchInfo], finished_actual: float, finished_predicted: float,
-        capacity_tps: float, finished_completion: float = 0.0,
+        capacity_tps: float, in_flight: float = 0.0, finished_completion: float = 0.0,
     ) -> dict[str, Eta]:  # fmt: skip
         """Refresh from the unfinished ``batches``, the clusters' running totals of answered rows' actual
-        (prompt + completion) and predicted tokens, and their capacity in generated tokens/s (used until the
+        (prompt + completion) and predicted tokens, their capacity in generated tokens/s (used until the
         throughput is measured, converted by :func:`total_rate` with ``finished_completion``: the answered
-        rows' completion tokens)."""
+        rows' completion tokens) and the tokens their running queries hold."""
         with self._lock:
             if not any(not b.final for b in batches):
                 self._throughput.reset()
-            self._throughput.observe(now, finished_actual)
-            self._history.append((now, finished_actual))
+            self._throughput.observe(now, finished_actual + in_flight)
+            self._history.append((now, finished_actual + in_flight))
             measured = self._throughput.rate()
             self.rate_tps = (
                 measured if measured else total_rate(capacity_tps, finished_actual, finished_completion)

@@ -126,7 +126,8 @@ class Offloader:
             sum(i.finished_total_tokens for i in infos),
             sum(i.finished_predicted_tokens for i in infos),
             capacity,
-            sum(i.finished_actual_tokens for i in infos),  # completion tokens: capacities count those
+            sum(i.kv_used_tokens for i in infos if i.alive),  # the running queries' prompts and tokens so far
+            finished_completion=sum(i.finished_actual_tokens for i in infos),  # capacities count these
         )
         if self.metrics is not None:
             self.metrics.observe_etas(etas, self.queue.clock())

@@ -162,8 +162,9 @@ def run_order(order: str, items: list[WorkItem], plan: Plan, out: Path, args) ->
     return meta
 
 
-def run_expiry(items: list[WorkItem], plan: Plan, out: Path, args) -> list[str]:
-    """A batch whose window ends while it runs, through the OpenAI front: what is wrong with its files."""
+def run_expiry(items: list[WorkItem], plan: Plan, out: Path, args) -> tuple[list[str], dict]:
+    """A batch whose window ends while it runs, through the OpenAI front: what is wrong with its files, and
+    how many of its rows finished and expired."""
     from openai import OpenAI
 
     from load.openai_check import input_rows
@@ -185,7 +186,7 @@ def run_expiry(items: list[WorkItem], plan: Plan, out: Path, args) -> list[str]:
         limit = time.monotonic() + plan.expiry_window_s + 600
         while batch.status not in ("completed", "failed", "cancelled", "expired"):
             if time.monotonic() > limit:
-                return [f"batch {batch.id} still {batch.status} long after its window"]
+                return [f"batch {batch.id} still {batch.status} long after its window"], {}
             time.sleep(POLL_S)
             batch = client.batches.retrieve(batch.id)
 
@@ -196,7 +197,8 @@ def run_expiry(items: list[WorkItem], plan: Plan, out: Path, args) -> list[str]:
     (out / "expiry" / "files.json").write_text(
         json.dumps({"batch": batch.model_dump(), "output": len(output), "errors": errors[:20]}, default=str)
     )
-    return expired_rows_problems(batch, [r["custom_id"] for r in rows], output, errors)
+    problems = expired_rows_problems(batch, [r["custom_id"] for r in rows], output, errors)
+    return problems, {"rows": len(rows), "finished": len(output), "expired": len(errors)}
 
 
 def run(args) -> dict:
@@ -215,7 +217,9 @@ def run(args) -> dict:
     for order in orders:
         metas[order] = run_order(order, items, plan, out, args)
         print(f"{order}: " + ", ".join(f"{n} {m['status']}" for n, m in metas[order]["batches"].items()))
-    problems = None if args.no_expiry else run_expiry(items, plan, out, args)
+    problems, rows = (None, None) if args.no_expiry else run_expiry(items, plan, out, args)
     result = summarise(out, orders, plan, args, problems)
+    if rows is not None:
+        result["expiry_rows"] = rows
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     return result

@@ -96,7 +96,8 @@ def eta_errors(etas: list[dict], batches: dict[str, dict], at: float) -> dict[st
 
 def expired_rows_problems(batch, custom_ids: list[str], output: list[dict], errors: list[dict]) -> list[str]:
     """What is wrong with an expired batch's files: every row exactly once in the output or the error file, the
-    unfinished ones ``batch_expired``, counts that add up (empty: nothing)."""
+    unfinished ones ``batch_expired``, counts that add up (empty: nothing). How many finished before the window
+    ended is reported apart (``expiry_rows``): it depends on the machine, not on correctness."""
     problems = [] if batch.status == "expired" else [f"the batch ended {batch.status}, not expired"]
     seen = Counter(x.get("custom_id") for x in output + errors)
     if missing := [c for c in custom_ids if seen[c] == 0]:
@@ -108,10 +109,6 @@ def expired_rows_problems(batch, custom_ids: list[str], output: list[dict], erro
     codes = Counter((x.get("error") or {}).get("code") for x in errors)
     if set(codes) - {"batch_expired"}:
         problems.append(f"error codes other than batch_expired: {dict(codes)}")
-    if not output or not errors:
-        problems.append(
-            f"the window should end mid-batch: {len(output)} rows finished, {len(errors)} expired"
-        )
     counts = batch.request_counts
     if counts is None or (counts.total, counts.completed) != (len(custom_ids), len(output)):
         problems.append(f"request_counts {counts} do not match the files")

@@ -10,6 +10,7 @@ from workqueue import keys as wq_keys
 from workqueue.invariants import check
 from workqueue.ordering import QueueOrder
 from workqueue.records import Outcome, QueryResult
+from workqueue.upgrade import upgrade_queues
 
 T0 = 1_800_000_000.0
 
@@ -164,3 +165,22 @@ def test_each_batch_counts_its_token_progress(redis_url):
     p = q.batch("p")
     assert (p.done_predicted_tokens, p.done_actual_tokens) == (10.0, 13)  # answered rows only
     assert p.left_tokens_per_cluster == {"a": 10.0, "b": 20.0}
+
+
+def test_a_queue_left_as_a_list_by_an_older_version_is_upgraded_in_order(redis_url):
+    clock = Clock()
+    q = queue(redis_url, clock)
+    q.create_batch("old", rows("old", 3))
+    clock.t += 5
+    q.create_batch("older-style", rows("older-style", 2))
+    ids = q.queued_ids("a")
+    q.r.delete(wq_keys.queue("a"))
+    q.r.rpush(wq_keys.queue("a"), *reversed(ids))  # as the old code left it: a list, in its own order
+    for bid in ("old", "older-style"):
+        q.r.hdel(wq_keys.batch(bid), "order_key")
+    assert upgrade_queues(q.r, 86400) == {"a": 5}
+    upgraded = ["old:q2", "old:q1", "old:q0", "older-style:q1", "older-style:q0"]
+    assert q.queued_ids("a") == upgraded  # by batch (creation + 24 h), then the list's order within one
+    assert upgrade_queues(q.r, 86400) == {}  # a sorted set already: left alone
+    assert [c.query.gid for c in q.claim("a", 5, "w", 60)] == upgraded
+    assert check(q.r) == []
