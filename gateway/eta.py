@@ -28,12 +28,15 @@ offloader's tick refreshes it every half second.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from workqueue import BatchInfo
+
+log = logging.getLogger(__name__)
 
 PRIOR_TOKENS = 2000.0  # tokens of evidence the fleet's ratio (or 1) counts as in a batch's correction
 RATE_WINDOW_S = 60.0
@@ -152,9 +155,15 @@ class EtaBoard:
             self.rate_tps = rate / units
             self.fleet_ratio = correction(finished_actual, finished_predicted, 1.0)
             self._batches = list(batches)
-            self._etas = estimate(batches, now, rate, self.fleet_ratio, self.prompt_share)
+            before, self._etas = self._etas, estimate(batches, now, rate, self.fleet_ratio, self.prompt_share)
             self.updated_at = now
-            return dict(self._etas)
+            etas = dict(self._etas)
+        for batch_id, e in etas.items():  # never a silent miss: each batch that turns at risk is logged once
+            if e.at_risk and not ((old := before.get(batch_id)) and old.at_risk):
+                deadline = next((b.deadline for b in batches if b.batch_id == batch_id), 0.0)
+                log.warning("batch %s is at risk: predicted to finish %.0f s after its deadline (ETA %.0f s from now)",
+                            batch_id, e.finish_at - deadline, e.finish_at - now)  # fmt: skip
+        return etas
 
     def throughput(self, bucket_s: float = 5.0) -> list[tuple[float, float]]:
         """The fleet's throughput over the kept history: (end of each ``bucket_s`` span, actual tokens/s in it)."""

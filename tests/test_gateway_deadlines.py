@@ -8,7 +8,8 @@ import pytest
 
 from gateway.cli import main
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.eta import Throughput, correction, estimate
+from gateway.eta import PROMPT_WEIGHT, EtaBoard, Throughput, correction, estimate, work_units
+from gateway.metrics import GatewayMetrics
 from gateway.windows import WindowError, format_window, parse_window
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -111,7 +112,9 @@ def info(batch_id: str, key: float, left: float, done_pred: float = 0.0, done_ac
 
 def test_the_eta_rule_counts_the_work_ahead_and_the_observed_lengths():
     batches = [info("later", 200.0, 1000), info("sooner", 100.0, 500, 500, 1500, deadline=105.0)]
-    etas = estimate(batches, now=100.0, rate=100.0, prompt_share=0.0)  # all generated tokens: work units as they are
+    etas = estimate(
+        batches, now=100.0, rate=100.0, prompt_share=0.0
+    )  # all generated tokens: work units as they are
     k = correction(1500, 500, 1.0)
     assert etas["sooner"].correction == pytest.approx(k) and 1.3 < k < 3  # shrunk toward 1 from 3
     assert etas["sooner"].finish_at == pytest.approx(100 + 500 * k / 100)  # nothing ahead of it
@@ -130,3 +133,44 @@ def test_the_throughput_counts_from_the_first_completion_not_from_the_idle_start
     assert t.rate() == pytest.approx(100.0)  # 3 s of waiting for the first answers do not count
     t.reset()
     assert t.rate() is None
+
+
+def test_capacities_count_generated_tokens_and_the_eta_converts_them_to_prompt_plus_completion():
+    """Heartbeats and plans measure decoding (generated tokens/s); the work is prompt + completion tokens. Before a
+    rate is measured, the board converts the capacity at the answered rows' prompt share (a prompt token weighs
+    PROMPT_WEIGHT of a generated one)."""
+    assert work_units(0.0) == 1.0 and work_units(1.0) == pytest.approx(PROMPT_WEIGHT)
+    board = EtaBoard()
+    etas = board.update(0.0, [info("b", 1.0, 3000)], 3000, 3000, capacity_tps=100.0, finished_completion=1000)
+    units = work_units(2 / 3)  # 2,000 of the answered rows' 3,000 tokens were prompt
+    assert (
+        board.rate_tps == pytest.approx(100.0 / units) and board.rate_tps > 200
+    )  # was 100: ETAs 2.5x too late
+    assert etas["b"].finish_at == pytest.approx(3000 * units / 100.0)
+
+
+def test_the_gauges_show_each_unfinished_batchs_eta_and_progress_and_the_count_at_risk():
+    m = GatewayMetrics()
+    etas = estimate([info("late", 1.0, 1000, 500, 600, deadline=101.0), info("fine", 2.0, 10)], 100.0, 100.0)
+    m.observe_etas(etas, 100.0)
+    value = m.registry.get_sample_value
+    assert value("fleetbatch_batch_eta_seconds", {"batch": "late"}) == pytest.approx(
+        etas["late"].finish_at - 100
+    )
+    assert value("fleetbatch_batch_token_progress", {"batch": "late"}) == pytest.approx(500 / 1500)
+    assert value("fleetbatch_batches_at_risk") == 1
+    m.observe_etas({"fine": etas["fine"]}, 100.0)  # "late" finished: its series go
+    assert value("fleetbatch_batch_eta_seconds", {"batch": "late"}) is None
+    assert value("fleetbatch_batches_at_risk") == 0
+
+
+def test_a_batch_that_turns_at_risk_is_logged_once(caplog):
+    """Large batches answer before their rows are predicted (background intake): the board logs each batch the tick
+    it is first predicted to miss its deadline, so no miss is silent."""
+    board = EtaBoard()
+    batches = [info("big", 1.0, 10_000, deadline=50.0), info("ok", 2.0, 10)]
+    with caplog.at_level("WARNING", logger="gateway.eta"):
+        board.update(0.0, batches, 0, 0, capacity_tps=100.0)
+        board.update(0.5, batches, 0, 0, capacity_tps=100.0)
+    warned = [r.getMessage() for r in caplog.records if "at risk" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("batch big is at risk")
