@@ -3,7 +3,9 @@
 The rule, in one place (:func:`estimate`):
 
 1. A batch's **remaining work** is its predicted tokens not yet finished (queued or running, on any
-   cluster: ``left_tokens_per_cluster``) times its **length correction**: the actual tokens of its
+   cluster: ``left_tokens_per_cluster``; rows the background intake has not enqueued yet count at the
+   mean of those it has, and a batch none of whose rows landed has no ETA yet) times its **length
+   correction**: the actual tokens of its
    answered rows over their predicted tokens, shrunk toward the fleet's ratio (every cluster's
    finished rows) by :data:`PRIOR_TOKENS` tokens of evidence, which is itself shrunk toward 1.
    A served model whose answers run twice as long as the predictor thinks doubles the remaining
@@ -109,7 +111,13 @@ def estimate(
     ahead = 0.0
     for b in sorted((b for b in batches if not b.final), key=lambda b: (b.order_key, b.created_at)):
         k = correction(b.done_actual_tokens, b.done_predicted_tokens, fleet_ratio)
-        remaining = sum(b.left_tokens_per_cluster.values()) * k
+        left = sum(b.left_tokens_per_cluster.values())
+        if b.intake_left:  # rows not enqueued yet: at the mean of those that were; none yet: no ETA yet
+            landed = b.total - b.intake_left
+            if landed <= 0 or b.predicted_tokens <= 0:
+                continue
+            left += b.intake_left * b.predicted_tokens / landed
+        remaining = left * k
         ahead += remaining
         finish = now + ahead / rate
         predicted = b.predicted_tokens
@@ -187,6 +195,11 @@ class EtaBoard:
     def all(self) -> dict[str, Eta]:
         with self._lock:
             return dict(self._etas)
+
+    def put(self, batch_id: str, eta: Eta) -> None:
+        """A new batch's ETA, as its submission estimated it, until the next refresh."""
+        with self._lock:
+            self._etas[batch_id] = eta
 
     def new_batch(self, now: float, predicted_tokens: float, order_key: float) -> float:
         """The predicted finish of a batch of ``predicted_tokens`` about to be created with ``order_key``:

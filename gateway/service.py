@@ -106,7 +106,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             d.metrics.rejected.inc()
             log.info("rejected a batch of %d queries: %s", len(request.queries), e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        checked.deadline = d.queue.clock() + window_s
+        checked.window_s = window_s
         batch_id = request.batch_id or uuid.uuid4().hex
         if request.batch_id:
             existing = await asyncio.to_thread(d.queue.batch, batch_id)
@@ -158,7 +158,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             metadata=dict(request.metadata),
             fingerprint=digest,
             extra=writes,
-            deadline=checked.deadline,
+            window_s=checked.window_s,
             priority=request.priority,
         )
         if created and checked.bad:
@@ -191,6 +191,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
         eta = Eta(
             finish, tokens * self.d.eta.fleet_ratio, self.d.eta.fleet_ratio, 0.0, finish > info.deadline > 0
         )
+        self.d.eta.put(info.batch_id, eta)  # shown by GetBatch and /v1/batches until the next refresh
         if eta.at_risk:
             log.warning(
                 "batch %s is at risk: predicted to finish in %.0f s, its window ends in %.0f s",
@@ -221,7 +222,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             metadata=dict(request.metadata),
             fingerprint=digest,
             extra=writes,
-            deadline=checked.deadline,
+            window_s=checked.window_s,
             priority=request.priority,
         )
         info = await asyncio.to_thread(d.queue.batch, batch_id)

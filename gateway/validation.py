@@ -100,7 +100,7 @@ class Checked:
     max_tokens: list[int]
     bad: dict[int, str] = field(default_factory=dict)
     uncounted: dict[int, int] = field(default_factory=dict)
-    deadline: float = 0.0  # when the batch expires: its submission time plus its completion window
+    window_s: float = 0.0  # its completion window: it expires this long after its creation
 
 
 def id_problem(value: str, what: str) -> str | None:

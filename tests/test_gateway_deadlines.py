@@ -174,3 +174,11 @@ def test_a_batch_that_turns_at_risk_is_logged_once(caplog):
         board.update(0.5, batches, 0, 0, capacity_tps=100.0)
     warned = [r.getMessage() for r in caplog.records if "at risk" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("batch big is at risk")
+
+
+def test_rows_still_in_intake_count_at_the_mean_of_those_landed():
+    b = info("big", 1.0, 400)  # 10 rows, 400 predicted tokens of the 4 landed: 100 each
+    b.intake_left = 6
+    assert estimate([b], 0.0, 100.0, prompt_share=0.0)["big"].remaining_tokens == pytest.approx(1000)
+    b.intake_left = 10  # nothing landed: nothing to go by yet
+    assert estimate([b], 0.0, 100.0, prompt_share=0.0) == {}

@@ -11,6 +11,7 @@ import pytest
 from openai import OpenAI
 
 from gateway.openai_format import COMPLETIONS
+from tests.harness import wait_until
 from tests.openai_http_helpers import (
     KEY,
     check_output_line,
@@ -72,3 +73,25 @@ def test_an_expired_batch_keeps_its_finished_rows_and_writes_the_rest_as_batch_e
     assert sorted(line["custom_id"] for line in out + err) == sorted(ids)  # every row once
     final = done.model_extra["fleetbatch"]
     assert final["at_risk"] is False and final["predicted_finish_at"] is None  # no ETA once it is over
+
+
+def test_the_answer_to_a_create_carries_the_predicted_finish_and_at_risk(idle):
+    client, _ = idle
+
+    def create(window: str, n: int = 1):
+        rows = [{"custom_id": f"r{i}", "body": {"prompt": "tell me about rivers " * 20}} for i in range(n)]
+        f = client.files.create(file=("w.jsonl", jsonl(rows)), purpose="batch")
+        return client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window=window)
+
+    first = create("24h")
+    wait_until(
+        lambda: client.batches.retrieve(first.id).model_extra["fleetbatch"]["predicted_finish_at"],
+        30,
+        "an ETA",
+    )
+    loose, tight = create("2d"), create("1s", 300)  # 300 rows of ~100 tokens each: not within a second
+    assert (
+        loose.model_extra["fleetbatch"]["predicted_finish_at"]
+        and not loose.model_extra["fleetbatch"]["at_risk"]
+    )
+    assert tight.model_extra["fleetbatch"]["at_risk"] is True  # said in the answer itself, not a tick later

@@ -95,6 +95,7 @@ def batch_info(batch_id: str, h: Mapping[str, str]) -> BatchInfo | None:
         order_key=as_float(h.get("order_key")),
         done_predicted_tokens=as_float(h.get("done_predicted_tokens")),
         done_actual_tokens=as_int(h.get("done_actual_tokens")),
+        intake_left=max(0, as_int(h.get("intake_total")) - as_int(h.get("intake_done"))),
         left_tokens_per_cluster={
             k[len(LEFT) :]: max(0.0, as_float(v))
             for k, v in h.items()
@@ -131,10 +132,12 @@ class BatchOps:
         extra: Callable[[Any], None] | None = None,
         deadline: float = 0.0,
         priority: int = 0,
+        window_s: float = 0.0,
     ) -> bool:
         """Create the batch and enqueue every query on its cluster in one transaction.
 
-        ``deadline`` (unix seconds, 0: none): when the batch expires (:meth:`expire_due`); it and
+        ``deadline`` (unix seconds, 0: none; or ``window_s``: that long after its creation): when the batch
+        expires (:meth:`expire_due`); it and
         ``priority`` give the batch its place in every queue (:mod:`workqueue.ordering`); the
         queries keep the order of ``assignments`` within it.
 
@@ -150,6 +153,7 @@ class BatchOps:
         if ":" in batch_id or not batch_id:
             raise ValueError(f"bad batch id {batch_id!r}")
         now = self.clock()
+        deadline = now + window_s if window_s else deadline
         per_cluster: dict[str, int] = {}
         per_cluster_tokens: dict[str, float] = {}
         for q, c in assignments:

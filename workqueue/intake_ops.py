@@ -100,11 +100,12 @@ class IntakeOps:
         extra: Callable[[Any], None] | None = None,
         deadline: float = 0.0,
         priority: int = 0,
+        window_s: float = 0.0,
     ) -> bool:
         """Accept a batch for background intake: store its ``rows`` durably, then create it ``validating``.
 
         Same contract as :meth:`create_batch` (atomic, idempotent by ``batch_id``; True when this
-        call created it; ``extra``, ``deadline`` and ``priority`` as there). The rows go to a staging list of this call in transactions of ``chunk``
+        call created it; ``extra``, ``deadline``, ``window_s`` and ``priority`` as there). The rows go to a staging list of this call in transactions of ``chunk``
         rows (a gateway that dies here leaves only that list, which expires); then one optimistic
         transaction checks that no batch has the id, creates the batch hash (``total`` =
         ``intake_total`` = the rows, ``intake_done`` 0), renames the staging list to the batch's
@@ -124,10 +125,11 @@ class IntakeOps:
 
         def write(pipe) -> None:
             now = self.clock()
-            when = Schedule(now, deadline, priority, self.order.key(now, deadline, priority))
+            end = now + window_s if window_s else deadline
+            when = Schedule(now, end, priority, self.order.key(now, end, priority))
             self._write_batch(pipe, batch_id, [], {}, {}, policy, metadata, when, 0)
-            if deadline:
-                pipe.zadd(keys.DEADLINES, {batch_id: deadline})
+            if end:
+                pipe.zadd(keys.DEADLINES, {batch_id: end})
             pipe.hset(
                 bkey,
                 mapping={

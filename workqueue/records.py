@@ -147,9 +147,9 @@ class BatchInfo:
     order_key: float = 0.0  # its place in every queue (workqueue.ordering): lowest runs first
     done_predicted_tokens: float = 0.0  # predicted tokens (prompt + response) of its answered queries
     done_actual_tokens: int = 0  # their actual tokens (prompt + completion)
-    left_tokens_per_cluster: dict[str, float] = field(
-        default_factory=dict
-    )  # predicted tokens unfinished, by cluster
+    #: predicted tokens of its unfinished queries, by cluster; rows the background intake has not enqueued yet
+    left_tokens_per_cluster: dict[str, float] = field(default_factory=dict)
+    intake_left: int = 0
 
     @property
     def predicted_tokens(self) -> float:
