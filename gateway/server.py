@@ -28,7 +28,7 @@ from planfile import load_plan
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from workqueue import WorkQueue, connect
-from workqueue.ordering import DEFAULT_WINDOW_S, QueueOrder
+from workqueue.ordering import QueueOrder
 from workqueue.upgrade import upgrade_queues
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
         raise ValueError("no Redis URL configured")
     order = QueueOrder(config.queue_order, config.priority_step_s)
     queue = WorkQueue(connect(config.redis_url), retention_s=config.retention_s, order=order)
-    for name, n in upgrade_queues(queue.r, DEFAULT_WINDOW_S).items():
+    for name, n in upgrade_queues(queue.r, order).items():
         log.warning(
             "cluster %s: its queue of %d queries, a list of an older version, is now ordered by deadline",
             name,

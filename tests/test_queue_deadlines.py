@@ -178,9 +178,11 @@ def test_a_queue_left_as_a_list_by_an_older_version_is_upgraded_in_order(redis_u
     q.r.rpush(wq_keys.queue("a"), *reversed(ids))  # as the old code left it: a list, in its own order
     for bid in ("old", "older-style"):
         q.r.hdel(wq_keys.batch(bid), "order_key")
-    assert upgrade_queues(q.r, 86400) == {"a": 5}
+    assert upgrade_queues(q.r, QueueOrder()) == {"a": 5}
     upgraded = ["old:q2", "old:q1", "old:q0", "older-style:q1", "older-style:q0"]
     assert q.queued_ids("a") == upgraded  # by batch (creation + 24 h), then the list's order within one
-    assert upgrade_queues(q.r, 86400) == {}  # a sorted set already: left alone
+    assert q.batch("old").order_key == T0 + 86400  # written into the batch: its next rows land in order
+    assert upgrade_queues(q.r, QueueOrder("fifo")) == {}  # a sorted set already, keys kept: left alone
+    assert q.batch("old").order_key == T0 + 86400
     assert [c.query.gid for c in q.claim("a", 5, "w", 60)] == upgraded
     assert check(q.r) == []

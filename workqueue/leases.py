@@ -11,7 +11,7 @@ outlasted its leases and the requeue ran before it could renew, its queries come
 rather than being handed to it (or another worker) as new work.
 
 A worker that dies stops renewing; :meth:`LeaseOps.requeue_expired` puts the queries whose
-lease lapsed back at the head of their queue. A worker that was only slow may still
+lease lapsed back in their queue, at their place in the order. A worker that was only slow may still
 complete such a query: the completion counts (it is the first result) and *reconciles* the
 queue, taking the requeued id out of its queue and its tokens out of the cluster's
 ``pending`` counter.
@@ -129,7 +129,7 @@ class LeaseOps:
 
     def release(self, cluster: str, gids: Iterable[str], started: bool = True) -> int:
         """Give claimed queries back now (their worker cannot finish them): their leases end and they
-        return to the head of the queue, as a lapsed lease would make them (one that used its last
+        return to the queue at their place, as a lapsed lease would make them (one that used its last
         attempt fails at its next claim). ``started=False``: the worker never ran them (it claimed
         them ahead), so their claim's attempt is taken back. Returns how many were requeued."""
         gids = list(gids)
@@ -144,7 +144,7 @@ class LeaseOps:
         return self.requeue_expired(cluster)
 
     def requeue_expired(self, cluster: str) -> int:
-        """Put queries whose lease lapsed (in Redis time) back at the head of the queue (those that used
+        """Put queries whose lease lapsed (in Redis time) back in the queue at their rank (those that used
         their ``max_attempts`` fail at their next claim). Returns how many were requeued."""
         return int(self.requeue_call(cluster).run())
 

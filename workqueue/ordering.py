@@ -39,6 +39,7 @@ EPOCH = 1_735_689_600  # 2025-01-01T00:00:00Z: ranks count seconds from here
 SPAN = 1 << 22  # sequence numbers per second of order key
 DEFAULT_WINDOW_S = 24 * 3600.0  # the key of a batch without a deadline (edf): as if its window were 24 h
 DEFAULT_PRIORITY_STEP_S = 3600.0
+MAX_PRIORITY_STEP_S = 30 * 86400.0  # with priorities up to 100, keys stay within about 2**31 s of EPOCH
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,11 @@ class QueueOrder:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"queue order must be one of {', '.join(MODES)}, not {self.mode!r}")
-        if not (math.isfinite(self.priority_step_s) and self.priority_step_s >= 0):
-            raise ValueError(f"priority_step_s must be >= 0, not {self.priority_step_s}")
+        if not (math.isfinite(self.priority_step_s) and 0 <= self.priority_step_s <= MAX_PRIORITY_STEP_S):
+            raise ValueError(
+                f"priority_step_s must be in [0, {MAX_PRIORITY_STEP_S:.0f}] (30 days: ranks stay exact), "
+                f"not {self.priority_step_s}"
+            )
 
     def key(self, created_at: float, deadline: float = 0.0, priority: int = 0) -> float:
         """The batch's order key, in seconds: earliest runs first."""

@@ -3,8 +3,8 @@
 Delivery is at-least-once with write-once results: a worker *claims* queries (they move
 from the cluster's queue into its in-flight set with a lease deadline), renews the lease
 while it works, and *completes* each query once. A worker that dies stops renewing; its
-leases expire and :meth:`WorkQueue.requeue_expired` puts those queries back at the head
-of the queue. A second completion of the same query id is ignored, so a query that ran
+leases expire and :meth:`WorkQueue.requeue_expired` puts those queries back in their place
+in the queue. A second completion of the same query id is ignored, so a query that ran
 twice still has exactly one result. The claim side lives in :mod:`workqueue.leases`:
 
 * lease deadlines and their expiry are measured on the Redis server's clock, not the

@@ -275,7 +275,7 @@ return n
 )
 
 # Lua: requeue_lapsed(c, inflight, queue, pending, now) puts cluster c's queries whose lease lapsed
-# by ``now`` back at the head of its queue; returns how many (REQUEUE_EXPIRED, and REQUEUE_ALL
+# by ``now`` back in its queue at their rank (their place in the order); returns how many (REQUEUE_EXPIRED, and REQUEUE_ALL
 # of workqueue.ticks for every cluster at once).
 REQUEUE_LAPSED = r"""
 local function requeue_lapsed(c, inflight, queue, pending, now)
@@ -298,7 +298,7 @@ end
 """
 
 # KEYS: inflight, queue, pending of the cluster. ARGV: cluster. Leases past their deadline (in Redis time) go back
-# to the head of the queue (a query that used its max attempts fails at its next CLAIM, unless its owner takes it
+# to the queue at their rank (a query that used its max attempts fails at its next CLAIM, unless its owner takes it
 # back first). Returns how many were requeued.
 REQUEUE_EXPIRED = (
     PRELUDE
