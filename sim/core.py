@@ -1,7 +1,7 @@
 """The event loop: arrivals, engine step completions and offloader ticks in cost-model time.
 
-Per cluster there is a queue (:class:`sim.queues.OrderedQueue`, ordered by batch key as the Redis one is) and a simulated engine
-(:mod:`sim.engines`). Arriving queries are assigned by the real policy of
+Per cluster there is a queue (:class:`sim.queues.OrderedQueue`: by batch key, as the Redis one) and a
+simulated engine (:mod:`sim.engines`). Arriving queries are assigned by the real policy of
 :mod:`gateway.policies` from :class:`~gateway.policies.ClusterView` objects built as
 :func:`gateway.views.cluster_views` does (pending = queued prompt + predicted tokens plus the
 predicted tokens of queries the engine holds, the capacity being the configured hint). Before
@@ -9,8 +9,9 @@ every step an engine takes ``free_slots()`` queries from the front of its queue 
 loop); an idle engine takes work the moment it appears. Every ``offload_interval_s`` the
 offloader runs :class:`gateway.offloader.Offloader`'s round with the real
 :func:`gateway.offload.plan_offload` and one :class:`gateway.offload.Backoff` per cluster on the
-simulated clock; a move takes queries from the back of the donor's queue into the recipient's, each
-at its own place in the order, at once (the link cost only enters the decision, as in the real system).
+simulated clock; a move takes queries from the back of the donor's queue to the back of their batch's
+key in the recipient's (the real queue keeps their submission place), at once (the link cost only
+enters the decision, as in the real system). A queued query whose batch's deadline passed expires.
 
 Events at the same instant run in the order: step completions, arrivals, offloader ticks.
 """
@@ -114,12 +115,8 @@ class _Cluster:
         self.busy_s = 0.0
 
     def view(self) -> ClusterView:
-        return ClusterView(
-            self.name,
-            self.capacity,
-            pending_tokens=max(0.0, self.queued_tokens + self.inflight_pred),
-            queue_length=len(self.queue),
-        )
+        pending = max(0.0, self.queued_tokens + self.inflight_pred)
+        return ClusterView(self.name, self.capacity, pending_tokens=pending, queue_length=len(self.queue))
 
 
 class Simulator:
@@ -298,10 +295,7 @@ class Simulator:
         self._push(self.now + d, STEP, idx, c.version)
 
     def _pull(self, c: _Cluster) -> None:
-        if not c.queue:
-            return
-        n = min(c.engine.free_slots(), len(c.queue))
-        total, pred = self.total, self.work.predicted_tokens
+        n, total, pred = c.engine.free_slots(), self.total, self.work.predicted_tokens
         deadline, expired = self.work.deadline_s, []
         while n > 0 and c.queue:
             q = c.queue.popleft()
@@ -312,9 +306,9 @@ class Simulator:
             c.inflight_pred += pred[q]
             c.engine.add(q)
             n -= 1
-        if expired:
+        if expired:  # finished now, never run (_finished takes their predicted tokens off again)
             self.expired.update(expired)
-            c.inflight_pred += sum(pred[q] for q in expired)  # _finished takes them off again
+            c.inflight_pred += sum(pred[q] for q in expired)
             self._finished(c, expired)
 
     def _arrive(self, qids: list[int]) -> None:

@@ -2,8 +2,9 @@
 
 Queries wait in *lanes*, one per order key (a batch's deadline, or its creation time under FIFO),
 each lane in the order its queries came. The front of the queue is the front of the lowest
-key's lane; the back, the back of the highest key's. A moved query keeps its key, so it takes
-its place in the recipient's order, as the real queue's ranks do. With one key (a run without
+key's lane; the back, the back of the highest key's. A moved query keeps its key, so it goes
+ahead of later keys in the recipient's queue, as the real queue's ranks do; within its key it
+goes to the back (the real queue keeps its submission place there). With one key (a run without
 deadlines) this is one deque, as fast as before.
 """
 
