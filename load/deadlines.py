@@ -54,7 +54,7 @@ SPEEDS = (1.0, 2.0, 4.0)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--num", "-n", type=int, default=240, help="queries in all, split over the three batches")
+    p.add_argument("--num", "-n", type=int, default=480, help="queries in all, split over the three batches")
     p.add_argument(
         "--dataset", default="mixed", help="real workload with recorded lengths ('' for the generated mix)"
     )
