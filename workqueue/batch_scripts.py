@@ -134,7 +134,6 @@ for i = 0, n - 1 do
     redis.call('HSET', k_query(g), 'payload', payload, 'tokens', tokens, 'cluster', c, 'state', 'queued',
                'attempts', 0, 'enqueued_at', now, 'rank', r)
     redis.call('ZADD', k_queue(c), r, g)
-    redis.call('HINCRBYFLOAT', b, 'left:' .. c, tokens)
     per_q[c] = (per_q[c] or 0) + 1
     per_t[c] = (per_t[c] or 0) + tokens
     if not touched[c] then touched[c] = {0, 0} end
@@ -143,6 +142,7 @@ for i = 0, n - 1 do
   end
 end
 for c, t in pairs(touched) do
+  redis.call('HINCRBYFLOAT', b, 'left:' .. c, t[2])
   redis.call('SADD', KEYS[5], c)
   redis.call('HSETNX', k_cluster_info(c), 'state', 'active')
   redis.call('INCRBYFLOAT', k_pending(c), t[2])
