@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from gateway.eta import EtaBoard
 from gateway.listing import read_clusters
+from gateway.openai_object import fleetbatch_fields
 from gateway.views import cluster_views
 from workqueue import BatchInfo, ClusterInfo, WorkQueue
 
@@ -48,8 +49,8 @@ def cluster_row(info: ClusterInfo, capacity_tps: float) -> dict:
 
 
 def batch_row(b: BatchInfo, board: EtaBoard) -> dict:
-    eta = None if b.final else board.get(b.batch_id)
-    return {
+    """A batch's counts and times, then the fields of the HTTP front's ``fleetbatch`` extension (one builder)."""
+    row = {
         "id": b.batch_id,
         "status": b.status,
         "total": b.total,
@@ -58,14 +59,8 @@ def batch_row(b: BatchInfo, board: EtaBoard) -> dict:
         "cancelled": b.cancelled,
         "created_at": b.created_at,
         "completed_at": b.completed_at or None,
-        "deadline": b.deadline or None,
-        "priority": b.priority,
-        "predicted_tokens": round(b.predicted_tokens, 1),
-        "done_predicted_tokens": round(b.done_predicted_tokens, 1),
-        "done_actual_tokens": b.done_actual_tokens,
-        "predicted_finish_at": round(eta.finish_at, 2) if eta else None,
-        "at_risk": eta.at_risk if eta else False,
     }
+    return row | (fleetbatch_fields(b, board.get(b.batch_id)) or {})
 
 
 class StatusPage:
