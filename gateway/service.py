@@ -298,6 +298,12 @@ class BatchService(pb_grpc.BatchServiceServicer):
         caller, taken = self.d.auth.caller(context), f"batch_id {existing.batch_id!r} is taken"
         if not await asyncio.to_thread(quota.may_see, self.d.queue, existing.batch_id, caller):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, taken)  # tells another's batch nothing more
+        window, asked = existing.deadline - existing.created_at, parse_window(request.completion_window)
+        if existing.priority != request.priority or (existing.deadline and abs(window - asked) > 1.0):
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"batch {existing.batch_id} exists with another completion window or priority; choose a new batch_id",
+            )
         if existing.total != len(request.queries):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,

@@ -182,3 +182,13 @@ def test_rows_still_in_intake_count_at_the_mean_of_those_landed():
     assert estimate([b], 0.0, 100.0, prompt_share=0.0)["big"].remaining_tokens == pytest.approx(1000)
     b.intake_left = 10  # nothing landed: nothing to go by yet
     assert estimate([b], 0.0, 100.0, prompt_share=0.0) == {}
+
+
+def test_a_retry_with_another_window_or_priority_is_refused(gateway):
+    stub, _, _ = gateway
+    first = stub.SubmitBatch(batch_of(2, batch_id="same", completion_window="1h"))
+    assert stub.SubmitBatch(batch_of(2, batch_id="same", completion_window="1h")).deadline == first.deadline
+    for kw in ({"completion_window": "2h"}, {"completion_window": "1h", "priority": 1}):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.SubmitBatch(batch_of(2, batch_id="same", **kw))
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "window or priority" in e.value.details()

@@ -86,7 +86,8 @@ return {n, #ids, start + #ids - removed}
 """
 )
 
-# KEYS: the batch's hash, its intake lease, its intake list, the intake set, the clusters set. ARGV: batch id, lease token,
+# KEYS: the batch's hash, its intake lease, its intake list, the intake set, the clusters set (and, built here, the
+# sequence {fb}:seq and the deadlines set, all under the {fb} tag). ARGV: batch id, lease token,
 # cursor (rows of the batch enqueued before this chunk), now, lease ms, then four per row of the chunk:
 # gid, payload JSON, predicted tokens, cluster (cluster '': the row fails at once, its payload being
 # its result JSON). One chunk of a batch accepted by the background intake lands atomically: only
