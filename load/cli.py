@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         argv,
         run,
         prog="loadgen",
-        errors=(grpc.RpcError, FileNotFoundError, ValueError),
+        errors=(grpc.RpcError, FileNotFoundError, ValueError, TimeoutError),
         error_code=1,
         message="{prog}{command}: {error}",
         describe=_describe,

@@ -101,10 +101,14 @@ def _submit_all(stub, plan: Plan, items: list[WorkItem], t0: float, ids: dict[st
         ids[b.name] = stub.SubmitBatch(req, timeout=600).id
 
 
-def _poll(stub, ids: dict[str, str], n: int, etas: list[dict]) -> dict[str, pb.Batch]:
-    """Read every batch until all ``n`` are submitted and final; each read is kept in ``etas``."""
+def _poll(stub, ids: dict[str, str], n: int, etas: list[dict], limit_s: float) -> dict[str, pb.Batch]:
+    """Read every batch until all ``n`` are submitted and final (TimeoutError after ``limit_s``); each read is
+    kept in ``etas``."""
     final: dict[str, pb.Batch] = {}
+    give_up = time.monotonic() + limit_s
     while len(final) < n:
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"batches {sorted(set(ids) - set(final))} not final after {limit_s:.0f} s")
         for name, bid in list(ids.items()):
             if name in final:
                 continue
@@ -139,7 +143,7 @@ def run_order(order: str, items: list[WorkItem], plan: Plan, out: Path, args) ->
             target=_submit_all, args=(stub, plan, items, time.monotonic(), ids), daemon=True
         )
         submitter.start()
-        final = _poll(stub, ids, len(plan.batches), etas)
+        final = _poll(stub, ids, len(plan.batches), etas, 10 * plan.makespan_s + 600)
         submitter.join()
         rows = [
             result_row(r)
