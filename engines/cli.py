@@ -19,6 +19,7 @@ from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
 from engines.profile import run_profile
+from workqueue.embedded import die_with_parent_from_env
 
 log = logging.getLogger("engine")
 
@@ -315,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_from_env()  # started by `gateway up`: not to outlive it
     return run_main(build_parser(), argv, run, prog="engine")
 
 

@@ -16,6 +16,7 @@ from gateway.auth import CLIENT_TOKEN_ENV, TOKENS_ENV, client_token, load_tokens
 from gateway.cli_options import add_common, add_http
 from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
 from gateway.fleet_up import FLEET_METHODS
+from workqueue.embedded import die_with_parent_from_env
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -355,6 +356,7 @@ ERRORS = (FileNotFoundError, ValueError, ConnectionError, OSError, TimeoutError,
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent_from_env()  # started by a harness that named itself: not to outlive it
     return run_main(
         build_parser(),
         argv,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.config import ClusterSpec
-from workqueue.embedded import URL_ENV, die_with_parent
+from workqueue.embedded import PARENT_ENV, URL_ENV
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ def engine_command(spec: ClusterSpec, threads: int, extra: Sequence[str]) -> lis
 
 
 def engine_env(redis_url: str) -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1", **{URL_ENV: redis_url})
+    """The engine's environment: the Redis URL, and this process as the parent it must not outlive (the engine
+    asks the kernel itself: a ``preexec_fn`` would run Python in a child forked beside gRPC's threads)."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", **{URL_ENV: redis_url, PARENT_ENV: str(os.getpid())})
 
 
 @dataclass
@@ -78,7 +80,6 @@ class EngineSupervisor:
                 stderr=subprocess.STDOUT,
                 env=engine_env(spec.redis_url or self.redis_url),  # a spec's own URL: e.g. through a proxy
                 start_new_session=True,
-                preexec_fn=die_with_parent,
             )
         self._started_at[spec.name] = time.monotonic()
         log.info("engine %s started (pid %d, backend %s)", spec.name, self.procs[spec.name].pid, spec.backend)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from workqueue.embedded import EmbeddedRedis, die_with_parent
+from workqueue.embedded import PARENT_ENV, EmbeddedRedis
 
 
 def free_port() -> int:
@@ -90,9 +90,9 @@ class GatewayProcess:
 
     def start(self, timeout_s: float = 120.0) -> None:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = subprocess.Popen(  # not to outlive this harness, whose gRPC threads rule out a preexec_fn
                 self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=die_with_parent, env=self.env,
+                env={**self.env, PARENT_ENV: str(os.getpid())},
             )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.address) as ch:

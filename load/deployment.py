@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from workqueue.embedded import die_with_parent
+from workqueue.embedded import PARENT_ENV
 
 
 class LocalDeployment:
@@ -55,7 +55,7 @@ class LocalDeployment:
             out = log if self.quiet else None
             self.proc = subprocess.Popen(
                 [*cmd, *self.args], stdout=out, stderr=subprocess.STDOUT if self.quiet else None,
-                start_new_session=True, preexec_fn=die_with_parent,
+                start_new_session=True, env={**os.environ, PARENT_ENV: str(os.getpid())},
             )  # fmt: skip
         deadline = time.monotonic() + self.timeout_s
         while not info_file.exists():

@@ -115,3 +115,24 @@ def test_a_clean_exit_is_not_restarted_and_a_crash_is(tmp_path):
         p.wait()
     assert sup.check(now=1.0) == []  # the crash waits out its backoff
     assert set(sup._due) == {"crash"}
+
+
+def test_a_child_started_without_a_preexec_fn_still_dies_with_its_parent():
+    """`gateway up` starts engines without a preexec_fn (no Python between fork and exec beside gRPC's threads):
+    the engine asks the kernel itself, and ends at once when the parent it was given is already gone."""
+    from workqueue.embedded import PARENT_ENV
+
+    code = "from workqueue.embedded import die_with_parent_from_env as d; d(); import time; time.sleep(60)"
+    gone = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, PARENT_ENV: "1"}, cwd=REPO, timeout=60
+    )
+    assert gone.returncode == -signal.SIGTERM
+    mine = subprocess.run(
+        [sys.executable, "-c", code.replace("time.sleep(60)", "print('alive')")],
+        env={**os.environ, PARENT_ENV: str(os.getpid())},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert mine.returncode == 0 and mine.stdout.strip() == "alive"

@@ -38,6 +38,8 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 
 URL_ENV = "FLEETBATCH_REDIS_URL"
 SERVER_ENV = "FLEETBATCH_REDIS_SERVER"
+#: the pid a child must not outlive (see :func:`die_with_parent_from_env`)
+PARENT_ENV = "FLEETBATCH_DIE_WITH_PARENT"
 
 
 def die_with_parent() -> None:
@@ -45,6 +47,19 @@ def die_with_parent() -> None:
     SIGTERM when the thread that started them dies, also by SIGKILL (Linux; elsewhere a no-op)."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def die_with_parent_from_env() -> None:
+    """:func:`die_with_parent`, called by the child itself at its start when ``$FLEETBATCH_DIE_WITH_PARENT``
+    names its parent's pid; it ends at once if that parent is already gone. A parent with threads that
+    hold locks across ``fork`` (gRPC's) sets the variable instead of a ``preexec_fn``: no Python runs in
+    the child between ``fork`` and ``exec``, where it could crash or hang."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    die_with_parent()
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 #: where ``redis-server`` is looked for after ``PATH`` (Debian's package installs it in /usr/bin)
