@@ -18,8 +18,6 @@ from workqueue.batches import INTAKE
 from workqueue.ordering import QueueOrder
 from workqueue.scripts import PRELUDE
 
-# KEYS: the cluster's queue. ARGV: the seconds after its creation a batch without an order key is keyed at.
-# Returns how many ids moved from the list to the sorted set, -1 when the queue was not a list (nothing to do).
 ORDER_KEY_OF = r"""
 -- A batch's order key: the one in its hash, else its creation plus `after` seconds, written into its hash.
 local function order_key_of(bid, after)
@@ -31,6 +29,8 @@ local function order_key_of(bid, after)
 end
 """
 
+# KEYS: the cluster's queue. ARGV: the seconds after its creation a batch without an order key is keyed at.
+# Returns how many ids moved from the list to the sorted set, -1 when the queue was not a list (nothing to do).
 UPGRADE_QUEUE = (
     PRELUDE
     + ORDER_KEY_OF
