@@ -58,9 +58,8 @@ class GatewayDeps:
     tokenizer: object | None = None  # the serving tokenizer, for the HTTP front's chat templates
     auth: Authenticator = field(default_factory=lambda: Authenticator({}))  # client tokens (none: no auth)
     inflight: InflightBytes | None = None  # --max-inflight-mb, shared by gRPC calls and the HTTP front
-    eta: EtaBoard = field(
-        default_factory=EtaBoard
-    )  # every unfinished batch's ETA, refreshed by the offloader
+    #: every unfinished batch's ETA, refreshed by the offloader
+    eta: EtaBoard = field(default_factory=EtaBoard)
 
 
 class BatchService(pb_grpc.BatchServiceServicer):
