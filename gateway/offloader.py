@@ -109,7 +109,10 @@ class Offloader:
             log.warning("batch %s expired: its completion window ended; finished rows are kept", batch_id)
         infos = q.clusters(sorted(start.requeued))  # every registered cluster, as the script found them
         if self.eta is not None:
-            self._estimate(start.unfinished, infos)
+            try:
+                self._estimate(start.unfinished, infos)
+            except Exception:  # the ETA never stops lease recovery, evacuation or offloading
+                log.exception("the ETA refresh failed; the tick goes on")
         with q.mover_lease("offloader", ttl_s=self.config.mover_ttl_s) as held:
             if not held:
                 if self.metrics is not None:
