@@ -48,6 +48,7 @@ from load.study import Setup, fleet_yaml, workload
 from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
+from workqueue.ordering import QueueOrder
 
 POLL_S = 0.5
 SPEEDS = (1.0, 2.0, 4.0)
@@ -156,8 +157,9 @@ def run_order(order: str, items: list[WorkItem], plan: Plan, out: Path, args) ->
         "emulation": "cost", "device_cost_ms": args.step_cost, "batch_ids": ids,
         "batches": {
             b.name: {"submitted_at": final[b.name].created_at, "window_s": b.window_s,
-                     "deadline": final[b.name].deadline, "order_key": final[b.name].deadline
-                     if order == "edf" else final[b.name].created_at,
+                     "deadline": final[b.name].deadline,
+                     "order_key": QueueOrder(order).key(final[b.name].created_at, final[b.name].deadline,
+                                                        final[b.name].priority),
                      "completed_at": final[b.name].completed_at, "status": pb.BatchStatus.Name(final[b.name].status)}
             for b in plan.batches
         },
