@@ -123,8 +123,9 @@ class Offloader:
     def _estimate(self, batches: list[BatchInfo], infos: list[ClusterInfo]) -> None:
         """Refresh every unfinished batch's ETA (:mod:`gateway.eta`) from what this tick read."""
         capacity = sum(v.capacity_tps for v in cluster_views(infos) if v.accepting)
+        now = self.queue.clock()
         etas = self.eta.update(
-            self.queue.clock(),
+            now,
             batches,
             sum(i.finished_total_tokens for i in infos),
             sum(i.finished_predicted_tokens for i in infos),
@@ -132,7 +133,7 @@ class Offloader:
             sum(i.finished_actual_tokens for i in infos),  # their completion tokens: the prompt share
         )
         if self.metrics is not None:
-            self.metrics.observe_etas(etas, self.queue.clock())
+            self.metrics.observe_etas(etas, now)
 
     def _offload(self, infos) -> int:
         q = self.queue
