@@ -44,10 +44,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from gateway.config import INTAKE_WAIT_S
-from gateway.intake_chunks import Chunk, Landing, Waiting, cancelled, landing, predict_chunk
+from gateway.intake_chunks import Chunk, Landing, Waiting, cancelled, charges_of, landing, predict_chunk
 from gateway.intake_rows import EncodedRows, encode_rows, payload
 from gateway.placement import IntakeWaits, place_or_wait
 from gateway.policies import QueryLoad
+from gateway.prefixes import Prefix
 from workqueue import WorkQueue
 from workqueue.records import STOPPING_BATCH_STATES
 
@@ -105,10 +106,12 @@ class Intake:
         count_tokens: Callable[[list[str]], list[int]] | None = None,
         wait_s: float = INTAKE_WAIT_S,
         order: Callable[[Sequence[QueryLoad]], list[int]] | None = None,
+        find_prefixes: Callable[[list[str], list[int]], list[Prefix]] | None = None,
     ) -> None:
         """``wait_s``: how long a batch waits for a cluster that can take its rows (``--intake-wait-s``);
         ``order``: the order a chunk's rows enter their queues (indices into its loads; None: the rows')."""
         self.order = order
+        self.find_prefixes = find_prefixes  # each row's prefix group (gateway.prefixes), for the policy
         self.wait_s = wait_s
         self.queue = queue
         self.count_tokens = count_tokens
@@ -179,7 +182,9 @@ class Intake:
         if status in STOPPING_BATCH_STATES:
             self.waiting.drop(batch_id)
             return cancelled(batch_id, rows)
-        chunk = predict_chunk(cursor, rows, self.predict_tokens, self.count_tokens, counter)
+        chunk = predict_chunk(
+            cursor, rows, self.predict_tokens, self.count_tokens, counter, self.find_prefixes
+        )
         return self._placed(batch_id, chunk, ident)
 
     def _placed(self, batch_id: str, chunk: Chunk, ident: str | None) -> Landing:
@@ -191,7 +196,8 @@ class Intake:
             raise
         self.waiting.drop(batch_id)
         order = self.order(chunk.loads) if self.order else None
-        return landing(batch_id, chunk, placed, order, part=self.settings.land)
+        charges = charges_of(chunk.loads, placed, order)
+        return landing(batch_id, chunk, placed, order, part=self.settings.land, charges=charges)
 
     def _land(self, batch_id: str, token: str, cursor: int, out: Landing) -> int:
         """Land ``out`` at ``cursor``, ``land`` rows per script call; the rows landed, or negative

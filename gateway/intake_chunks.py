@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from gateway.intake_rows import failed_result, payload
 from gateway.policies import QueryLoad
+from gateway.prefix_policy import charged_tokens
+from gateway.prefixes import Prefix, prefixes_of
 from workqueue.keys import gid
 
 #: what one chunk lands, row for row: ``(gid, payload or result JSON, predicted tokens, cluster or "")``
@@ -56,8 +58,10 @@ def predict_chunk(
     predict_tokens: Callable[[list[str]], list[float]],
     count_tokens: Callable[[list[str]], list[int]] | None,
     counter: ThreadPoolExecutor | None = None,
+    find_prefixes: Callable[[list[str], list[int]], list[Prefix]] | None = None,
 ) -> Chunk:
-    """Count and predict a chunk's rows (the tokenizer in ``counter`` beside the predictor)."""
+    """Count and predict a chunk's rows (the tokenizer in ``counter`` beside the predictor), and find
+    their prefix groups (:mod:`gateway.prefixes`)."""
     fresh = [r for r in rows if "bad" not in r]
     counting = counter.submit(count_rows, rows, count_tokens) if counter else None
     if counting is None:
@@ -68,9 +72,10 @@ def predict_chunk(
     good = [r for r in rows if "bad" not in r]
     if len(good) != len(fresh):
         predicted = [p for r, p in zip(fresh, predicted, strict=True) if "bad" not in r]
+    shared = prefixes_of(find_prefixes, [r["prompt"] for r in good], [r["prompt_tokens"] for r in good])
     loads = [
-        QueryLoad(r["id"], r["prompt_tokens"], float(min(p, r["max_tokens"])))
-        for r, p in zip(good, predicted, strict=True)
+        QueryLoad(r["id"], r["prompt_tokens"], float(min(p, r["max_tokens"])), *prefix)
+        for r, p, prefix in zip(good, predicted, shared, strict=True)
     ]
     return Chunk(cursor, rows, loads)
 
@@ -81,13 +86,16 @@ def landing(
     placed: dict[str, tuple[str | None, str]],
     order: Sequence[int] | None = None,
     part: int = 0,
+    charges: dict[str, float] | None = None,
 ) -> Landing:
     """What the chunk lands, given each good row's ``(cluster, "")`` or ``(None, why it fails)``.
 
     With ``order`` (indices into ``chunk.loads``: the policy's queue order), the queued rows of each
     ``part`` consecutive rows (the rows one script call lands) go in that order, its failed rows
     first: a call lands exactly the rows of its slice of the intake list, which it then trims by
-    count, so a chunk landed in part resumes at the right row."""
+    count, so a chunk landed in part resumes at the right row. ``charges``: what a row adds to its
+    cluster's ``pending`` (by key; default its prompt + predicted tokens): a prefix group's shared
+    prompt once per cluster."""
     out: list[tuple[tuple[int, int], tuple]] = []  # ((part, rank in the queue order), what lands)
     rank = {chunk.loads[j].key: r for r, j in enumerate(order)} if order is not None else {}
     loads = iter(chunk.loads)
@@ -104,11 +112,26 @@ def landing(
         if cluster is None:
             out.append(((window, -1), (g, failed_result(batch_id, r["id"], error), 0.0, "")))
         else:
-            land = (g, payload(batch_id, r, load.predicted_tokens), load.total_tokens, cluster)
+            charge = load.total_tokens if charges is None else charges[load.key]
+            land = (g, payload(batch_id, r, load.predicted_tokens), charge, cluster)
             out.append(((window, rank.get(load.key, pos)), land))
     if order is not None:
         out.sort(key=lambda x: x[0])  # stable
     return [land for _, land in out]
+
+
+def charges_of(
+    loads: Sequence[QueryLoad], placed: dict[str, tuple[str | None, str]], order: Sequence[int] | None
+):
+    """Each placed row's charge (:func:`gateway.prefix_policy.charged_tokens`) in the queue order, by key;
+    None when no row has a prefix group (every row is charged its prompt + predicted tokens)."""
+    if not any(q.prefix_group is not None for q in loads):
+        return None
+    ranked = [loads[j] for j in (order if order is not None else range(len(loads)))]
+    kept = [q for q in ranked if placed[q.key][0] is not None]
+    return dict(
+        zip((q.key for q in kept), charged_tokens(kept, [placed[q.key][0] for q in kept]), strict=True)
+    )
 
 
 def cancelled(batch_id: str, rows: list[dict]) -> Landing:

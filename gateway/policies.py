@@ -1,6 +1,6 @@
 """Assignment policies: which cluster gets each query of a batch.
 
-Four policies behind one interface (:class:`AssignmentPolicy`), chosen by name with
+Five policies behind one interface (:class:`AssignmentPolicy`), chosen by name with
 :func:`make_policy`:
 
 * ``round_robin`` -- count-based, keeps its cursor across calls.
@@ -13,6 +13,7 @@ Four policies behind one interface (:class:`AssignmentPolicy`), chosen by name w
 * ``token`` -- the same fill, but each cluster's target is its capacity-proportional share
   of all work (pending + new) less the work it already holds (water filling), so that
   expected finish times ``(pending + assigned) / capacity`` come out equal.
+* ``prefix`` -- ``token`` with prefix groups kept whole (:mod:`gateway.prefix_policy`).
 
 Every policy is memory aware: a query goes only where it fits (``max_query_tokens`` and
 ``kv_budget_tokens``). The token policies also prefer clusters whose KV budget can run at
@@ -29,6 +30,7 @@ import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib import import_module
 from typing import Protocol
 
 
@@ -38,11 +40,13 @@ class NoClusterError(RuntimeError):
 
 @dataclass(frozen=True)
 class QueryLoad:
-    """One query as the assigner sees it: an opaque key and its token counts."""
+    """One query as the assigner sees it: a key, its token counts, its prefix group (:mod:`gateway.prefixes`)."""
 
     key: str
     prompt_tokens: int
     predicted_tokens: float
+    prefix_group: str | None = None
+    prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         if (
@@ -56,6 +60,8 @@ class QueryLoad:
         p = self.predicted_tokens
         if not isinstance(p, int | float) or not math.isfinite(p) or p < 0:
             raise ValueError(f"query {self.key!r}: predicted_tokens must be a finite number >= 0, not {p!r}")
+        if not 0 <= self.prefix_tokens <= (self.prompt_tokens if self.prefix_group is not None else 0):
+            raise ValueError(f"query {self.key!r}: bad prefix_tokens {self.prefix_tokens!r}")
 
     @property
     def total_tokens(self) -> float:
@@ -341,6 +347,9 @@ def queue_order(policy: AssignmentPolicy, queries: Sequence[QueryLoad]) -> list[
     up (LPT): long queries start early, and what is left in a queue at the end is short. That short
     tail is also what the offloader moves from a busy cluster to an idle one: cheap moves that even
     out the finish (``docs/assign.md``)."""
+    own = getattr(policy, "queue_order", None)  # a policy with its own order (the prefix policy's groups)
+    if own is not None:
+        return own(queries)
     if not policy.longest_first:
         return list(range(len(queries)))
     return sorted(
@@ -353,6 +362,7 @@ POLICIES: dict[str, Callable[[], AssignmentPolicy]] = {
     "least_loaded": LeastLoaded,
     "token": lambda: TokenPolicy(capacity_aware=True),
     "token_equal": lambda: TokenPolicy(capacity_aware=False),
+    "prefix": lambda: import_module("gateway.prefix_policy").PrefixPolicy(),  # it builds on this module
 }
 
 

@@ -21,6 +21,7 @@ from gateway.limits import InflightBytes, InflightBytesInterceptor
 from gateway.metrics import GatewayMetrics
 from gateway.offloader import OffloadConfig, Offloader
 from gateway.policies import make_policy
+from gateway.prefixes import prefix_finder
 from gateway.service import BatchService, GatewayDeps
 from gateway.tls import server_credentials
 from gateway.tokens import token_bound
@@ -111,18 +112,21 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
     def predict_tokens(prompts: list[str]) -> list[float]:
         return [p.expected_tokens for p in predictor.predict(prompts)] if prompts else []
 
+    policy = make_policy(config.policy)
     deps = GatewayDeps(
         config=config,
         auth=Authenticator(config.client_tokens, config.token() if config.client_tokens else ""),
         queue=queue,
         count_tokens=count_tokens,
         predict_tokens=predict_tokens,
-        policy=make_policy(config.policy),
+        policy=policy,
         metrics=GatewayMetrics(),
         predictor=predictor,
         token_bound=token_bound(tokenizer),
         tokenizer=tokenizer,
         inflight=InflightBytes(config.max_inflight_bytes) if config.max_inflight_bytes > 0 else None,
+        # prefix groups are looked for only for a policy that keeps them together (gateway.prefix_policy)
+        find_prefixes=prefix_finder(tokenizer) if getattr(policy, "uses_prefixes", False) else None,
     )
     return deps
 

@@ -30,6 +30,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.offload import LinkCost
 from gateway.placement import configured_views, first_misfit
 from gateway.policies import AssignmentPolicy, NoClusterError, QueryLoad, queue_order
+from gateway.prefix_policy import charged_tokens
+from gateway.prefixes import Prefix, prefixes_of
 from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.views import cluster_proto, cluster_views
 from gateway.windows import WindowError, check_priority, parse_window
@@ -60,6 +62,8 @@ class GatewayDeps:
     inflight: InflightBytes | None = None  # --max-inflight-mb, shared by gRPC calls and the HTTP front
     #: every unfinished batch's ETA, refreshed by the offloader
     eta: EtaBoard = field(default_factory=EtaBoard)
+    #: each prompt's prefix group (gateway.prefixes; None: none looked for, as a policy that ignores them)
+    find_prefixes: Callable[[list[str], list[int]], list[Prefix]] | None = None
 
 
 class BatchService(pb_grpc.BatchServiceServicer):
@@ -77,6 +81,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             count_tokens=deps.count_tokens,
             wait_s=deps.config.intake_wait_s,
             order=lambda loads: queue_order(deps.policy, loads),
+            find_prefixes=deps.find_prefixes,
         )
 
     def _count_assigned(self, names: list[str]) -> None:
@@ -178,7 +183,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             len(checked.bad),
             ", ".join(f"{c}={n}" for c, n in sorted(info.queries_per_cluster.items())),
         )
-        return batch_proto(info, self._at_submit(info, sum(q.total_tokens for q in queued)))
+        return batch_proto(info, self._at_submit(info, sum(q.charged_tokens for q in queued)))
 
     def _at_submit(self, info: BatchInfo, tokens: float) -> Eta | None:
         """The new batch's predicted finish from the work ahead of it, and whether it fits its window (never a
@@ -246,13 +251,11 @@ class BatchService(pb_grpc.BatchServiceServicer):
         good = [i for i in range(len(request.queries)) if i not in checked.bad]
         prompts = [request.queries[i].prompt for i in good]
         predicted = await asyncio.to_thread(d.predict_tokens, prompts)
+        counts = [checked.prompt_tokens[i] for i in good]
+        shared = await asyncio.to_thread(prefixes_of, d.find_prefixes, prompts, counts)
         loads = [
-            QueryLoad(
-                request.queries[i].id,
-                checked.prompt_tokens[i],
-                float(min(p, checked.max_tokens[i])),
-            )
-            for i, p in zip(good, predicted, strict=True)
+            QueryLoad(request.queries[i].id, n, float(min(p, checked.max_tokens[i])), *prefix)
+            for i, n, p, prefix in zip(good, counts, predicted, shared, strict=True)
         ]
         infos = await asyncio.to_thread(read_clusters, d.queue)
         try:
@@ -264,7 +267,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
         queued = []
         order = queue_order(d.policy, loads)  # the policy's queue order: longest first for the token ones
         names = [names[j] for j in order]
-        for i, load in ((good[j], loads[j]) for j in order):
+        charges = charged_tokens([loads[j] for j in order], names)  # a group's prefix once per cluster
+        for charge, i, load in ((c, good[j], loads[j]) for c, j in zip(charges, order, strict=True)):
             q = request.queries[i]
             queued.append(
                 QueuedQuery(
@@ -279,6 +283,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
                     seed=q.sampling.seed if q.sampling.HasField("seed") else None,
                     forced_length=q.forced_length if q.HasField("forced_length") else None,
                     metadata=dict(q.metadata),
+                    cached_tokens=round(load.total_tokens - charge),
                 )
             )
         for i in sorted(checked.bad):  # inert: an engine that claimed one first would refuse max_tokens 0

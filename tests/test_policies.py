@@ -55,10 +55,10 @@ def test_cluster_view_validation_and_limits():
 
 
 def test_make_policy_names_choices():
-    assert set(POLICIES) == {"round_robin", "least_loaded", "token", "token_equal"}
+    assert set(POLICIES) == {"round_robin", "least_loaded", "token", "token_equal", "prefix"}
     for name in POLICIES:
         assert make_policy(name).name == name
-    with pytest.raises(ValueError, match="round_robin, least_loaded, token, token_equal"):
+    with pytest.raises(ValueError, match="round_robin, least_loaded, token, token_equal, prefix"):
         make_policy("random")
 
 

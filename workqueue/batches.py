@@ -158,8 +158,8 @@ class BatchOps:
         per_cluster_tokens: dict[str, float] = {}
         for q, c in assignments:
             per_cluster[c] = per_cluster.get(c, 0) + 1
-            per_cluster_tokens[c] = per_cluster_tokens.get(c, 0.0) + q.total_tokens
-        rows = [(q.gid, json.dumps(asdict(q)), q.total_tokens, c) for q, c in assignments]
+            per_cluster_tokens[c] = per_cluster_tokens.get(c, 0.0) + q.charged_tokens
+        rows = [(q.gid, json.dumps(asdict(q)), q.charged_tokens, c) for q, c in assignments]
         bkey = keys.batch(batch_id)
         when = Schedule(now, deadline, priority, self.order.key(now, deadline, priority))
         seq = int(self.r.incrby(keys.SEQ, len(rows))) - len(rows) if rows else 0

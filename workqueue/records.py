@@ -106,6 +106,9 @@ class QueuedQuery:
     seed: int | None = None
     forced_length: int | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    cached_tokens: int = (
+        0  # prompt tokens its cluster's prefix cache is expected to hold (gateway.prefix_policy)
+    )
 
     @property
     def gid(self) -> str:
@@ -114,6 +117,11 @@ class QueuedQuery:
     @property
     def total_tokens(self) -> float:
         return self.prompt_tokens + self.predicted_tokens
+
+    @property
+    def charged_tokens(self) -> float:
+        """What it adds to its cluster's ``pending``: its tokens less those its prefix cache holds."""
+        return self.total_tokens - self.cached_tokens
 
 
 @dataclass
