@@ -46,6 +46,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--plan", default=None, help="plan.json from the planner (micro-batch sizes -> step limits)"
     )
     g.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="turn the prefix cache off (default on: queries reuse the cached KV of a shared prompt prefix)",
+    )
+    g.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -61,6 +67,7 @@ def _config(args: argparse.Namespace, max_running: int) -> EngineConfig:
         max_running=max_running,
         safety_margin=args.safety_margin,
         plan_path=args.plan,
+        prefix_cache=args.prefix_cache,
     )
     if args.kv_budget_tokens is not None:
         cfg.kv_budget_tokens = args.kv_budget_tokens

@@ -55,6 +55,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"  # the model runner's device: cpu, cuda, cuda:N
     stats_window_s: float = 10.0  # window of the tokens/s figure in stats()
+    prefix_cache: bool = True  # reuse cached KV blocks of shared prompt prefixes (engines.kv_cache)
 
     def validate(self) -> None:
         checks = [

@@ -83,7 +83,7 @@ class LLMEngine:
         if config.kv_budget_bytes is not None:
             budget = config.kv_budget_bytes // per_token
         num_blocks = max(1, budget // config.block_size)
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_cache=config.prefix_cache)
         self.stages = self._stages(model, config)
         self.pipeline: PipelineRunner | None = None
         emulate = config.pipeline.emulate_cost
@@ -129,12 +129,13 @@ class LLMEngine:
         self.cumulative_kv_tokens = 0  # sum over steps of tokens cached by the running batch
         self.num_preemptions = 0
         log.info(
-            "engine ready: %d KV blocks x %d tokens (%.1f MiB), max %d running, %d tokens/step",
+            "engine ready: %d KV blocks x %d tokens (%.1f MiB), max %d running, %d tokens/step, prefix cache %s",
             num_blocks,
             config.block_size,
             num_blocks * config.block_size * per_token / 2**20,
             config.max_running,
             config.max_batch_tokens,
+            "on" if config.prefix_cache else "off",
         )
 
     @classmethod
@@ -307,6 +308,8 @@ class LLMEngine:
             step_forwards=tuple(self._forwards),
             device_steps=steps,
             device_overrun_steps=overruns,
+            prefix_lookup_tokens=self.kv.lookup_tokens,
+            prefix_hit_tokens=self.kv.hit_tokens,
         )
 
     def free_slots(self) -> int:

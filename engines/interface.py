@@ -78,6 +78,14 @@ class EngineStats:
     # over the stages: micro-batches charged, and those whose compute outlasted the model
     device_steps: int = 0
     device_overrun_steps: int = 0
+    # the prefix cache (native engine): tokens of admitted queries that needed KV, and those of them
+    # found cached (prefill saved), both since start; hit rate = hit / lookup
+    prefix_lookup_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_lookup_tokens if self.prefix_lookup_tokens else 0.0
 
     @property
     def kv_free_tokens(self) -> int:

@@ -101,6 +101,16 @@ class WorkerCollector:
             ),
             ("fleetbatch_worker_ticks", "queue agent ticks (each one round trip)", a.ticks),
             ("fleetbatch_worker_results_written", "results the queue agent wrote", a.finished),
+            (
+                "fleetbatch_worker_prefix_lookup_tokens",
+                "tokens of admitted queries that needed KV (the prefix cache looked them up)",
+                w.engine_stats.prefix_lookup_tokens,
+            ),
+            (
+                "fleetbatch_worker_prefix_hit_tokens",
+                "tokens found in the prefix cache: prefill saved",
+                w.engine_stats.prefix_hit_tokens,
+            ),
         ):
             m = CounterMetricFamily(name, doc)
             m.add_metric([], value)

@@ -9,6 +9,12 @@ of the running batch plus the newcomer's stays within the KV budget, where a que
 blocks are free. A query that outgrows its prediction takes blocks from the free pool; when
 the pool is empty the most recently admitted query is preempted (its blocks are freed and it
 is recomputed later from its prompt and the tokens it already generated), never an OOM.
+
+With the prefix cache on (:mod:`engines.kv_cache`), an admitted query first takes the longest
+run of cached blocks matching its tokens and prefills only the rest; a preempted query often
+finds its own blocks still cached. Shared blocks are counted once in the KV budget: a query
+reserves its own part (its reservation less its cached tokens), and the cached blocks the
+running queries hold are added once.
 """
 
 from __future__ import annotations
@@ -121,6 +127,7 @@ class Scheduler:
         queries that finished with their reason (``stop`` or ``length``), already freed."""
         for c in plan.chunks:
             c.seq.num_computed += c.num_tokens
+            self.kv.commit(c.seq)
         done = []
         for seq, tok in zip(sampled, tokens, strict=True):
             seq.output_token_ids.append(tok)
@@ -161,8 +168,14 @@ class Scheduler:
         return max(tokens, seq.num_tokens + 1)  # a recomputed query needs at least what it already has
 
     def committed_tokens(self) -> int:
-        """KV tokens the running batch holds or has reserved (whichever is larger per query)."""
-        return sum(max(s.reserved_tokens, s.num_tokens) for s in self.running)
+        """KV tokens the running batch holds or has reserved (whichever is larger per query), each
+        query's cached blocks apart and the cached blocks they share counted once."""
+        own = sum(max(s.reserved_tokens, s.num_tokens - s.num_cached_tokens) for s in self.running)
+        bs = self.kv.block_size
+        shared = {
+            b for s in self.running if s.num_cached_tokens for b in s.block_table[: s.num_cached_tokens // bs]
+        }
+        return own + len(shared) * bs
 
     # ---- the step ---------------------------------------------------------------------
     def schedule(self, busy: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
@@ -217,18 +230,21 @@ class Scheduler:
             return out  # memory is short: admit nobody this step
         while self.waiting and budget > 0 and len(self.running) < cfg.max_running and room[False] > 0:
             seq = self.waiting[0]
-            reserve = self.reservation(seq)
-            if self.running and self.committed_tokens() + reserve > kv.total_tokens:
+            hit = kv.lookup(seq)
+            cached = len(hit) * kv.block_size
+            reserve = self.reservation(seq) - cached  # its own part; the cached blocks are shared
+            unheld = sum(kv.refcount(b) == 0 for b in hit) * kv.block_size  # not yet counted
+            if self.running and self.committed_tokens() + reserve + unheld > kv.total_tokens:
                 break
-            n = min(seq.num_uncomputed, cfg.prefill_chunk, budget)
-            if not kv.allocate(seq, n):
+            n = min(seq.num_tokens - cached, cfg.prefill_chunk, budget)
+            if not kv.admit(seq, hit, cached + n):
                 break
             self.waiting.popleft()
             seq.reserved_tokens = reserve
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.admitted.append(seq)
-            out.chunks.append(ScheduledChunk(seq, 0, n))
+            out.chunks.append(ScheduledChunk(seq, cached, n))
             room[False] -= 1
             budget -= n
         return out

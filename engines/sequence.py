@@ -36,6 +36,11 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # of num_computed, tokens taken from the prefix cache at admission
+    num_keyed_blocks: int = 0  # leading blocks of block_table already keyed in the prefix cache
+    block_keys: list[bytes] = field(
+        default_factory=list
+    )  # prefix-cache keys of its full blocks, once computed
     reserved_tokens: int = 0  # KV tokens set aside at admission (prompt + predicted * (1 + margin))
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str = ""

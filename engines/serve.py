@@ -68,6 +68,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="KV cache size in tokens of the native engine (default: its config's, 16384)",
     )
     p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="turn the prefix cache off (native: cached KV blocks of shared prompt prefixes are reused; "
+        "vllm: its enable_prefix_caching)",
+    )
+    p.add_argument(
         "--capacity", type=float, default=0.0, help="capacity hint in tokens/s (default: measured)"
     )
     p.add_argument(
@@ -116,7 +123,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     if args.backend == "vllm":
         return VLLMEngine.from_args(args)
     if args.backend == "native":
-        config = EngineConfig(max_running=args.max_batch, device=args.device)
+        config = EngineConfig(max_running=args.max_batch, device=args.device, prefix_cache=args.prefix_cache)
         if args.kv_budget_tokens is not None:
             config.kv_budget_tokens = args.kv_budget_tokens
             config.validate()

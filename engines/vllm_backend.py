@@ -105,6 +105,22 @@ def sampling_kwargs(request: Request) -> dict[str, Any]:
     return kw
 
 
+def engine_kwargs(args) -> dict[str, Any]:
+    """``vllm.EngineArgs`` keyword arguments of ``engine serve --backend vllm``: the plan's translation
+    (its environment goes into ``os.environ``) or the model and batch size; prefix caching on unless
+    ``--no-prefix-cache``."""
+    if args.plan:
+        translated = plan_to_vllm(load_plan(args.plan), args.model)
+        os.environ.update(translated.env)
+        kwargs = {k: v for k, v in translated.engine_args.items() if v is not None}
+    else:
+        if not args.model:
+            raise ValueError("the vLLM backend needs --model DIR (a local Hugging Face model directory)")
+        kwargs = {"model": args.model, "max_num_seqs": args.max_batch}
+    kwargs["enable_prefix_caching"] = getattr(args, "prefix_cache", True)
+    return kwargs
+
+
 class VLLMEngine:
     """:class:`engines.interface.Engine` over ``vllm.LLMEngine`` (iteration-level batching is vLLM's own)."""
 
@@ -122,14 +138,7 @@ class VLLMEngine:
     def from_args(cls, args) -> VLLMEngine:
         from vllm import EngineArgs, LLMEngine
 
-        if args.plan:
-            translated = plan_to_vllm(load_plan(args.plan), args.model)
-            os.environ.update(translated.env)
-            kwargs = {k: v for k, v in translated.engine_args.items() if v is not None}
-        else:
-            if not args.model:
-                raise ValueError("the vLLM backend needs --model DIR (a local Hugging Face model directory)")
-            kwargs = {"model": args.model, "max_num_seqs": args.max_batch}
+        kwargs = engine_kwargs(args)
         return cls(
             LLMEngine.from_engine_args(EngineArgs(**kwargs)), max_running=kwargs.get("max_num_seqs", 256)
         )

@@ -194,6 +194,11 @@ class Worker:
         epoch = time.time() - (time.monotonic() - end)  # when the device was done, not when we woke
         return stamped(outputs, epoch - device_s, epoch)
 
+    @property
+    def engine_stats(self) -> EngineStats:
+        """The engine's stats as the step loop last took them."""
+        return self._stats
+
     def device_totals(self) -> tuple[int, int]:
         """Emulated device steps and overruns: the worker's (``--device-cost``) + the stages' (``plan``)."""
         s = self._stats
@@ -235,4 +240,6 @@ class Worker:
             "device_busy_s": round(self.busy_s, 4),
             "host_overlap_s": round(self.host_overlap_s, 4),
             "redis_round_trips": self.round_trips.value,
+            "prefix_lookup_tokens": s.prefix_lookup_tokens,  # the prefix cache: hit / lookup is its hit rate
+            "prefix_hit_tokens": s.prefix_hit_tokens,
         }
