@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from engines.config import EngineConfig
 from gateway.offload import Backoff, LinkCost, plan_offload
 from gateway.policies import ClusterView, QueryLoad, make_policy, queue_order
+from gateway.prefix_policy import charged_tokens
 from sim.costs import LinearCost
 from sim.engines import IterationEngine, StaticEngine
 from sim.pipelined import PipelinedEngine
 from sim.queues import OrderedQueue
+from sim.result import SimResult
 from sim.workload import Workload
 
 STEP, ARRIVE, TICK = 0, 1, 2
@@ -64,36 +66,7 @@ class SimConfig:
     prefill_chunk: int = 256
     safety_margin: float = 0.10
     bulk: bool = True
-
-
-@dataclass
-class SimResult:
-    makespan_s: float
-    queries: int
-    generated_tokens: int
-    kv_token_seconds: float
-    kv_cached_token_seconds: float
-    cumulative_kv_tokens: int
-    moved: int
-    finish_s: list[float]
-    per_cluster: dict[str, dict]
-    wall_s: float
-
-    @property
-    def throughput_tokens_per_s(self) -> float:
-        return self.generated_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
-
-    def summary(self) -> dict:
-        return {
-            "makespan_s": round(self.makespan_s, 3),
-            "throughput_tokens_per_s": round(self.throughput_tokens_per_s, 3),
-            "queries_per_s": round(self.queries / self.makespan_s, 4) if self.makespan_s else 0.0,
-            "kv_token_seconds": round(self.kv_token_seconds, 1),
-            "kv_cached_token_seconds": round(self.kv_cached_token_seconds, 1),
-            "cumulative_kv_tokens": self.cumulative_kv_tokens,
-            "moved": self.moved,
-            "wall_s": round(self.wall_s, 3),
-        }
+    prefix_cache: bool = True  # the engines' prefix cache (engine serve --no-prefix-cache: False)
 
 
 class _Cluster:
@@ -127,6 +100,7 @@ class Simulator:
         self.work = work
         self.policy = make_policy(cfg.policy)
         self.total = [p + r for p, r in zip(work.prompt_tokens, work.predicted_tokens, strict=True)]
+        self.charge = list(self.total)  # what each query adds to its queue's pending: its group's prefix once
         self.key = work.order_key or [0.0] * len(work.prompt_tokens)  # each query's place in the queues
         self.expired: set[int] = set()  # queries whose batch's deadline passed while they were queued
         n = max(1, len(work))
@@ -141,6 +115,7 @@ class Simulator:
                 prefill_chunk=cfg.prefill_chunk,
                 max_running=s.batch,
                 safety_margin=cfg.safety_margin,
+                prefix_cache=cfg.prefix_cache,
             )
             if s.backend == "iteration":
                 engine = IterationEngine(ec, s.cost, work, cfg.max_tokens, bulk=cfg.bulk)
@@ -238,6 +213,12 @@ class Simulator:
                 "moved_in": c.moved_in,
                 "moved_out": c.moved_out,
                 "capacity_tps": round(c.capacity, 2),
+                **{
+                    k: getattr(c.engine.kv, k, 0)
+                    for k in ("hit_tokens", "lookup_tokens")
+                    if hasattr(c.engine, "kv")
+                },
+                "prefill_tokens": getattr(c.engine, "prefill_tokens", 0),
             }
             for c in self.clusters
         }
@@ -252,6 +233,9 @@ class Simulator:
             finish_s=finish,
             per_cluster=per,
             wall_s=time.perf_counter() - t_wall,
+            prefill_tokens=sum(p["prefill_tokens"] for p in per.values()),
+            prefix_hit_tokens=sum(p.get("hit_tokens", 0) for p in per.values()),
+            prefix_lookup_tokens=sum(p.get("lookup_tokens", 0) for p in per.values()),
         )
 
     # ---- clusters ---------------------------------------------------------------------------
@@ -295,7 +279,7 @@ class Simulator:
         self._push(self.now + d, STEP, idx, c.version)
 
     def _pull(self, c: _Cluster) -> None:
-        n, total, pred = c.engine.free_slots(), self.total, self.work.predicted_tokens
+        n, total, pred = c.engine.free_slots(), self.charge, self.work.predicted_tokens
         deadline, expired = self.work.deadline_s, []
         while n > 0 and c.queue:
             q = c.queue.popleft()
@@ -312,17 +296,19 @@ class Simulator:
             self._finished(c, expired)
 
     def _arrive(self, qids: list[int]) -> None:
-        w = self.work
-        loads = [QueryLoad(str(q), w.prompt_tokens[q], w.predicted_tokens[q]) for q in qids]
+        loads = [self.work.load(q) for q in qids]
         names = self.policy.assign(loads, [c.view() for c in self.clusters])
         index = {c.name: i for i, c in enumerate(self.clusters)}
         touched = set()
-        for j in queue_order(self.policy, loads):  # as the gateway enqueues them
+        order = queue_order(self.policy, loads)  # as the gateway enqueues them, and charges them
+        charges = charged_tokens([loads[j] for j in order], [names[j] for j in order])
+        for j, charge in zip(order, charges, strict=True):
             q, i = qids[j], index[names[j]]
             self.assigned[q] = i
             c = self.clusters[i]
             c.queue.append(q, self.key[q])
-            c.queued_tokens += self.total[q]
+            self.charge[q] = charge
+            c.queued_tokens += charge
             touched.add(i)
         for i in sorted(touched):
             self._kick(i)
@@ -373,7 +359,7 @@ class Simulator:
         """:func:`gateway.views.queued_loads` of ``c``: its last ``tail_len`` queued queries, front first."""
         tail = self._tails.get(c.name)
         if tail is None:
-            total = self.total
+            total = self.charge
             tail = [QueryLoad(str(q), 0, total[q]) for q in c.queue.tail(self.config.tail_len)]
             self._tails[c.name] = tail
         return tail
@@ -385,8 +371,8 @@ class Simulator:
         taken = [s.queue.pop() for _ in range(min(count, len(s.queue)))]
         for q in reversed(taken):
             d.queue.append(q, self.key[q])
-            s.queued_tokens -= self.total[q]
-            d.queued_tokens += self.total[q]
+            s.queued_tokens -= self.charge[q]
+            d.queued_tokens += self.charge[q]
         self._tails.pop(src, None)
         self._tails.pop(dst, None)
         s.moved_out += len(taken)

@@ -43,6 +43,15 @@ Trace = list[
 ]  # per step: admitted, finished ids, tokens computed, KV held
 
 
+def prompt_ids(work: Workload, qid: int) -> list[int]:
+    """Token ids for query ``qid`` that hit the prefix cache as its real prompt would: the head it shares
+    with its prefix group is the same for the group's queries (``-(group + 1)``), the rest its own (``qid``)."""
+    n = work.prompt_tokens[qid]
+    g = work.prefix_group[qid] if work.prefix_group else None
+    shared = work.prefix_tokens[qid] if g is not None and work.prefix_tokens else 0
+    return [-(g + 1)] * shared + [qid] * (n - shared) if g is not None else [qid] * n
+
+
 class SimSequence(Sequence):
     """The real :class:`Sequence`, compared by identity.
 
@@ -71,7 +80,9 @@ class IterationEngine:
         self.work = work
         self.max_tokens = max_tokens
         self.bulk = bulk
-        self.kv = KVCacheManager(max(1, config.kv_budget_tokens // config.block_size), config.block_size)
+        blocks = max(1, config.kv_budget_tokens // config.block_size)
+        self.kv = KVCacheManager(blocks, config.block_size, prefix_cache=config.prefix_cache)
+        self.prefill_tokens = 0  # prompt tokens computed (charged by the cost model): cached ones are not
         self.scheduler = Scheduler(config, self.kv)
         self.trace: Trace | None = None
         self.num_steps = 0
@@ -129,7 +140,7 @@ class IterationEngine:
         self.scheduler.add(
             SimSequence(
                 str(qid),
-                [0] * w.prompt_tokens[qid],
+                prompt_ids(w, qid),
                 SamplingParams(max_tokens=self.max_tokens, forced_length=w.true_tokens[qid]),
                 predicted_tokens=pred or None,
             )
@@ -170,6 +181,7 @@ class IterationEngine:
             self._plan = None
             return None
         prefill, decode, _ = plan.forward()
+        self.prefill_tokens += prefill
         self._plan = plan
         self._dt = self.cost.step_s(prefill, decode)
         return self._dt
@@ -210,6 +222,7 @@ class IterationEngine:
         for c in plan.chunks:  # a chunk samples when it reaches the end of its query (ScheduledChunk.samples)
             seq = c.seq
             seq.num_computed += c.num_tokens
+            self.kv.commit(seq)  # its new full blocks join the prefix cache (Scheduler.update)
             cached += seq.num_computed
             if seq.num_computed == len(seq.prompt_token_ids) + len(seq.output_token_ids):
                 sampling.append(seq)
@@ -268,6 +281,7 @@ class IterationEngine:
             # the blocks the k steps' allocations took (checked free before the bulk; cannot fail)
             if -(-seq.num_computed // bs) > len(seq.block_table) and not kv.allocate(seq, seq.num_computed):
                 raise RuntimeError("bulk decode ran out of KV blocks")
+            kv.commit(seq)
             if len(seq.output_token_ids) >= seq.sampling.forced_length:
                 done.append(seq)
         step_sums = k * cached0 + r * k * (k + 1) // 2

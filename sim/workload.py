@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetdata.datasets import load_dataset, response_lengths
+from gateway.policies import QueryLoad
 from load.compare_policies import fit_fallback_predictor
 from load.workload import WorkItem, from_dataset, generated
 
@@ -41,13 +42,24 @@ class Workload:
     #: a query still queued past its deadline expires
     order_key: list[float] | None = None
     deadline_s: list[float] | None = None
+    #: each query's prefix group (None: a prompt of its own) and the head of its prompt it shares with
+    #: its group (tokens); the engines give a group's queries the same token ids there (sim.engines)
+    prefix_group: list[int | None] | None = None
+    prefix_tokens: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_tokens)
         if not (len(self.true_tokens) == len(self.predicted_tokens) == len(self.arrival_s) == n):
             raise ValueError("workload lists must have one entry per query")
-        if any(x is not None and len(x) != n for x in (self.order_key, self.deadline_s)):
+        extra = (self.order_key, self.deadline_s, self.prefix_group, self.prefix_tokens)
+        if any(x is not None and len(x) != n for x in extra):
             raise ValueError("workload lists must have one entry per query")
+        if (self.prefix_group is None) != (self.prefix_tokens is None) or any(
+            not 0 <= s <= p or (g is None and s) for g, s, p in self.prefixes()
+        ):
+            raise ValueError(
+                "prefix_group and prefix_tokens go together, 0 <= prefix <= prompt, 0 without a group"
+            )
         if any(t < 1 for t in self.true_tokens):
             raise ValueError("every query must generate at least one token")
         if any(p < 1 for p in self.prompt_tokens):
@@ -56,9 +68,28 @@ class Workload:
     def __len__(self) -> int:
         return len(self.prompt_tokens)
 
+    def prefixes(self) -> list[tuple[int | None, int, int]]:
+        """``(group, prefix tokens, prompt tokens)`` per query (no group for any when none are given)."""
+        groups = self.prefix_group or [None] * len(self)
+        shared = self.prefix_tokens or [0] * len(self)
+        return list(zip(groups, shared, self.prompt_tokens, strict=True))
+
+    def load(self, q: int) -> QueryLoad:
+        """Query ``q`` as the gateway's policies see it (its prefix group keyed as the gateway keys one)."""
+        g = self.prefix_group[q] if self.prefix_group else None
+        shared = self.prefix_tokens[q] if self.prefix_tokens and g is not None else 0
+        key = None if g is None else f"g{g}"
+        return QueryLoad(str(q), self.prompt_tokens[q], self.predicted_tokens[q], key, shared)
+
     def with_arrivals(self, arrival_s: Sequence[float]) -> Workload:
         return Workload(
-            self.prompt_tokens, self.true_tokens, self.predicted_tokens, list(arrival_s), self.source
+            self.prompt_tokens,
+            self.true_tokens,
+            self.predicted_tokens,
+            list(arrival_s),
+            self.source,
+            prefix_group=self.prefix_group,
+            prefix_tokens=self.prefix_tokens,
         )
 
 
