@@ -12,7 +12,18 @@ import grpc
 from cliutil import run_main
 from fleetdata.datasets import data_dir
 from gateway.auth import CLIENT_TOKEN_ENV, client_token, deployment_token
-from load import bench_offload, chaos, compare_policies, deadlines, openai_check, report, soak, study, wan
+from load import (
+    bench_offload,
+    chaos,
+    compare_policies,
+    deadlines,
+    openai_check,
+    prefix,
+    report,
+    soak,
+    study,
+    wan,
+)
 from load.client import format_summary, run_batch, summarise
 from load.deployment import LocalDeployment
 from load.layout import format_layouts, mean_lengths, plan_rows
@@ -127,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
             "deadlines",
             deadlines,
             "batches with different completion windows: earliest deadline first against FIFO, the ETA's error",
+        ),
+        (
+            "prefix",
+            prefix,
+            "a batch with shared prefixes: token-only against prefix-aware assignment, prefix cache on (and off)",
         ),
         (
             "report",
@@ -251,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
     modules["openai-check"] = openai_check
     modules["wan"] = wan
     modules["deadlines"] = deadlines
+    modules["prefix"] = prefix
     result = modules[args.command].run(args)
     print(json.dumps(result))
     return (

@@ -99,6 +99,7 @@ class Simulator:
         self.config = cfg = config or SimConfig()
         self.work = work
         self.policy = make_policy(cfg.policy)
+        self.uses_prefixes = getattr(self.policy, "uses_prefixes", False)
         self.total = [p + r for p, r in zip(work.prompt_tokens, work.predicted_tokens, strict=True)]
         self.charge = list(self.total)  # what each query adds to its queue's pending: its group's prefix once
         self.key = work.order_key or [0.0] * len(work.prompt_tokens)  # each query's place in the queues
@@ -296,7 +297,8 @@ class Simulator:
             self._finished(c, expired)
 
     def _arrive(self, qids: list[int]) -> None:
-        loads = [self.work.load(q) for q in qids]
+        w = self.work  # a policy that ignores prefix groups is given none, as the gateway gives it none
+        loads = [w.load(q) if self.uses_prefixes else w.load(q, plain=True) for q in qids]
         names = self.policy.assign(loads, [c.view() for c in self.clusters])
         index = {c.name: i for i, c in enumerate(self.clusters)}
         touched = set()

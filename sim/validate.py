@@ -33,7 +33,7 @@ import yaml
 
 from engines.device import StepCost
 from planfile import load_plan
-from sim.core import ClusterSpec, SimConfig, Simulator
+from sim.core import ClusterSpec, SimConfig, SimResult, Simulator
 from sim.costs import LinearCost
 from sim.workload import Workload
 
@@ -52,6 +52,8 @@ class RealRun:
     names: list[str] | None = None  # the clusters' names (planned runs; else c1, c2, ...)
     plans: list[str] | None = None  # planned runs (``loadgen study --planned``): each cluster's plan file
     offload: bool = False  # the run's gateway offloaded (``meta.json``: ``offload``)
+    kv_budget_tokens: int = 16384  # each engine's KV cache (``--kv-budget-tokens``)
+    prefix_cache: bool = True  # the engines' prefix cache (off: ``--no-prefix-cache``)
 
 
 def _index(query_id: str) -> int:
@@ -69,13 +71,24 @@ def read_run(path: str | Path) -> RealRun:
     batch = int(args[args.index("--max-batch") + 1]) if "--max-batch" in args else 8
     t0 = min(float(r["timings"]["enqueued_at"]) for r in rows)
     end = max(float(r["timings"]["finished_at"]) for r in rows)
+    prompts = [int(r.get("prompt_tokens") or 1) for r in rows]
+    # loadgen prefix: each row's prefix group and shared tokens, as the gateway's rule finds them
+    shared = json.loads((run / "prefixes.json").read_text()) if (run / "prefixes.json").exists() else None
+    pairs = [shared.get(r["query_id"], [None, 0]) for r in rows] if shared is not None else None
     work = Workload(
-        prompt_tokens=[int(r.get("prompt_tokens") or 1) for r in rows],
+        prompt_tokens=prompts,
         true_tokens=[max(1, int(r.get("completion_tokens") or 1)) for r in rows],
         predicted_tokens=[float(r.get("predicted_tokens") or 0.0) for r in rows],
         arrival_s=[0.0] * len(rows),
         source=str(run),
+        prefix_group=[g for g, _ in pairs] if pairs else None,
+        prefix_tokens=[
+            min(int(t), p) if g is not None else 0 for (g, t), p in zip(pairs, prompts, strict=True)
+        ]
+        if pairs
+        else None,
     )
+    kv = int(args[args.index("--kv-budget-tokens") + 1]) if "--kv-budget-tokens" in args else 16384
     planned = meta.get("planned")
     if planned is not None:  # loadgen study --planned: every cluster runs its plan's stages
         plans = [str(run / planned["clusters"][c["name"]]["plan"]) for c in fleet]
@@ -103,23 +116,37 @@ def read_run(path: str | Path) -> RealRun:
         makespan_s=end - t0,
         device_cost_ms=meta.get("device_cost_ms"),
         offload=bool(meta.get("offload", False)),
+        kv_budget_tokens=kv,
+        prefix_cache="--no-prefix-cache" not in args,
     )
 
 
 def simulate(run: RealRun, cost: LinearCost) -> float:
+    return replay(run, cost).makespan_s
+
+
+def replay(run: RealRun, cost: LinearCost) -> SimResult:
+    """The run in the simulator (its makespan, prefill and prefix-cache hits)."""
     if run.plans is not None:  # each cluster on its plan's devices: nothing of ``cost`` is used
         specs = [
             ClusterSpec(name, backend="pipelined", capacity_tps=hint, plan=plan)
             for name, hint, plan in zip(run.names or [], run.hints, run.plans, strict=True)
         ]
         cfg = SimConfig(policy=run.policy, offload=False, max_tokens=max(run.work.true_tokens))
-        return Simulator(specs, run.work, cfg).run().makespan_s
+        return Simulator(specs, run.work, cfg).run()
     specs = [
-        ClusterSpec(f"c{i + 1}", cost.with_speed(1.0 / speed), run.backend, run.batch, capacity_tps=hint)
+        ClusterSpec(
+            f"c{i + 1}", cost.with_speed(1.0 / speed), run.backend, run.batch, run.kv_budget_tokens, hint
+        )
         for i, (speed, hint) in enumerate(zip(run.speeds, run.hints, strict=True))
     ]  # a speed of 2 in the study is a 2x slower device
-    cfg = SimConfig(policy=run.policy, offload=run.offload, max_tokens=max(run.work.true_tokens))
-    return Simulator(specs, run.work, cfg).run().makespan_s
+    cfg = SimConfig(
+        policy=run.policy,
+        offload=run.offload,
+        max_tokens=max(run.work.true_tokens),
+        prefix_cache=run.prefix_cache,
+    )
+    return Simulator(specs, run.work, cfg).run()
 
 
 def validate(paths: list[str | Path], cost: LinearCost) -> dict:
@@ -145,7 +172,8 @@ def validate(paths: list[str | Path], cost: LinearCost) -> dict:
     if known and not all(planned):  # the engines emulated this very cost model: replay on it, fit nothing
         device = StepCost.parse(devices.pop())
         cost = LinearCost(device.prefill_per_token_s, device.decode_per_seq_s, device.step_overhead_s)
-    simulated = [simulate(r, cost) for r in runs]
+    results = [replay(r, cost) for r in runs]
+    simulated = [s.makespan_s for s in results]
     real = [r.makespan_s for r in runs]
     if known:
         predicted = pooled = simulated
@@ -159,8 +187,10 @@ def validate(paths: list[str | Path], cost: LinearCost) -> dict:
             "real_makespan_s": round(m, 2),
             "sim_makespan_s": round(p, 2),
             "error": round(e, 3),
+            "sim_hit_rate": round(s.hit_rate, 4),
+            "sim_prefill_tokens": s.prefill_tokens,
         }
-        for r, m, p, e in zip(runs, real, predicted, errors, strict=True)
+        for r, m, p, e, s in zip(runs, real, predicted, errors, results, strict=True)
     ]
     return {
         "sim_makespan_error": round(statistics.fmean(errors), 3),

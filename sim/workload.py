@@ -74,9 +74,10 @@ class Workload:
         shared = self.prefix_tokens or [0] * len(self)
         return list(zip(groups, shared, self.prompt_tokens, strict=True))
 
-    def load(self, q: int) -> QueryLoad:
-        """Query ``q`` as the gateway's policies see it (its prefix group keyed as the gateway keys one)."""
-        g = self.prefix_group[q] if self.prefix_group else None
+    def load(self, q: int, plain: bool = False) -> QueryLoad:
+        """Query ``q`` as the gateway's policies see it (its prefix group keyed as the gateway keys one;
+        ``plain``: none, as the gateway gives a policy that ignores groups)."""
+        g = self.prefix_group[q] if self.prefix_group and not plain else None
         shared = self.prefix_tokens[q] if self.prefix_tokens and g is not None else 0
         key = None if g is None else f"g{g}"
         return QueryLoad(str(q), self.prompt_tokens[q], self.predicted_tokens[q], key, shared)
