@@ -36,7 +36,7 @@ def summarise(runs: dict[str, dict], replay: dict, items: list, prefixes: dict[s
     per: dict[str, dict] = {}
     for name, r in runs.items():
         rows = r["rows"]
-        ok = sum(1 for x in rows if x.get("state") in ("QUERY_STATE_COMPLETED", "COMPLETED"))
+        ok = sum(1 for x in rows if not x.get("error"))
         s = sim.get(name, {})
         per[name] = {
             "makespan_s": round(makespan(rows), 2),
