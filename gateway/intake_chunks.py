@@ -113,7 +113,8 @@ def landing(
             out.append(((window, -1), (g, failed_result(batch_id, r["id"], error), 0.0, "")))
         else:
             charge = load.total_tokens if charges is None else charges[load.key]
-            land = (g, payload(batch_id, r, load.predicted_tokens), charge, cluster)
+            cached = round(load.total_tokens - charge)
+            land = (g, payload(batch_id, r, load.predicted_tokens, cached), charge, cluster)
             out.append(((window, rank.get(load.key, pos)), land))
     if order is not None:
         out.sort(key=lambda x: x[0])  # stable

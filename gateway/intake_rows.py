@@ -58,7 +58,7 @@ def encode_rows(request: pb.SubmitBatchRequest, checked: Checked) -> EncodedRows
     return EncodedRows(request, checked)
 
 
-def payload(batch_id: str, row: dict, predicted: float) -> str:
+def payload(batch_id: str, row: dict, predicted: float, cached: int = 0) -> str:
     """The query's payload JSON, field for field ``asdict(QueuedQuery(...))`` (built directly: asdict's
     deep copies cost more than the rest of a chunk's bookkeeping)."""
     return json.dumps(
@@ -74,6 +74,7 @@ def payload(batch_id: str, row: dict, predicted: float) -> str:
             "seed": row.get("seed"),
             "forced_length": row.get("forced_length"),
             "metadata": row.get("metadata", {}),
+            "cached_tokens": cached,
         }
     )
 
