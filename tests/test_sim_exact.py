@@ -79,6 +79,7 @@ def real_trace(parts, w: Workload, kv: int, running: int) -> tuple[list, LLMEngi
         prefill_chunk=CHUNK,
         max_running=running,
         safety_margin=MARGIN,
+        prefix_cache=False,  # the simulator's queries carry no token ids of their own
     )
     engine = LLMEngine(model, tok, cfg)
     plans = []
