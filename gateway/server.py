@@ -16,6 +16,7 @@ from gateway.admin import AdminService
 from gateway.auth import AdminInterceptor, Authenticator, AuthInterceptor
 from gateway.config import GatewayConfig, redact_url
 from gateway.errors import MalformedRequestInterceptor, RedisUnavailableInterceptor
+from gateway.grpc_servicer import BatchServicer
 from gateway.http_server import HttpServer  # starlette + uvicorn: ~70 ms of ~400 (python -X importtime)
 from gateway.limits import InflightBytes, InflightBytesInterceptor
 from gateway.metrics import GatewayMetrics
@@ -147,7 +148,7 @@ async def serve(
         maximum_concurrent_rpcs=config.max_concurrent_rpcs or None,
     )
     batches = BatchService(deps)
-    pb_grpc.add_BatchServiceServicer_to_server(batches, server)
+    pb_grpc.add_BatchServiceServicer_to_server(BatchServicer(batches, deps.auth), server)
     pb_grpc.add_AdminServiceServicer_to_server(AdminService(deps), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
