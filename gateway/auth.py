@@ -25,14 +25,13 @@ from pathlib import Path
 
 import grpc
 
+from gateway.batch_errors import ADMIN_CLIENT, HTTP_CLIENT
 from gateway.validation import id_problem
+
+__all__ = ["ADMIN_CLIENT", "HTTP_CLIENT"]  # the identities, for the modules that know them from here
 
 TOKENS_ENV = "FLEETBATCH_CLIENT_TOKENS"  # the server's CLIENT:TOKEN table
 CLIENT_TOKEN_ENV = "FLEETBATCH_TOKEN"  # a client's own token
-ADMIN_CLIENT = "admin"
-#: the HTTP front's own identity (its key is one for all): it owns the batches made over HTTP. The
-#: ``:`` keeps it apart from token clients, whose names cannot hold one (:func:`id_problem`).
-HTTP_CLIENT = "http:front"
 MIN_TOKEN_CHARS = 16
 AUTH_HEADER = "authorization"
 

@@ -11,6 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import redis
+
+#: the client that sees every batch (the admin token's); no client token may take this name
+ADMIN_CLIENT = "admin"
+#: the HTTP front's own identity (its key is one for all): it owns the batches made over HTTP. The
+#: ``:`` keeps it apart from token clients, whose names cannot hold one.
+HTTP_CLIENT = "http:front"
+#: the queue store (Redis) is down or slow: every front answers "unavailable, retry later"
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
 
 class BatchError(Exception):
     """A request the batch service refuses; ``str(error)`` says why, for the caller."""

@@ -32,9 +32,8 @@ from starlette.routing import Route
 
 from gateway import openai_batches as ob
 from gateway.auth import HTTP_CLIENT
-from gateway.batch_errors import BatchError, Caller, InvalidRequest
+from gateway.batch_errors import REDIS_DOWN, BatchError, Caller, InvalidRequest
 from gateway.config import GatewayConfig
-from gateway.errors import REDIS_DOWN
 from gateway.http_shared import ApiError, Auth, api_error, caller_of, error_response, json_body
 from gateway.openai_create import CreateBatch, check_create
 from gateway.openai_files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines

@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from gateway.auth import ADMIN_CLIENT
+from gateway.batch_errors import ADMIN_CLIENT
 from gateway.validation import id_problem
 from workqueue import WorkQueue, keys
 from workqueue.keys import PREFIX

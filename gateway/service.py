@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway import quota
-from gateway.auth import Authenticator
 from gateway.batch_errors import Caller, Conflict, InvalidRequest, NotFound, QuotaExceeded, Unavailable
 from gateway.batch_protos import fail_rows, fingerprint
 from gateway.config import GatewayConfig
@@ -61,7 +60,6 @@ class GatewayDeps:
     # a bound of a prompt's tokens: prompts of a large batch it proves short are counted in intake
     token_bound: Callable[[str], int] | None = None
     tokenizer: object | None = None  # the serving tokenizer, for the HTTP front's chat templates
-    auth: Authenticator = field(default_factory=lambda: Authenticator({}))  # client tokens (none: no auth)
     inflight: InflightBytes | None = None  # --max-inflight-mb, shared by gRPC calls and the HTTP front
     #: every unfinished batch's ETA, refreshed by the offloader
     eta: EtaBoard = field(default_factory=EtaBoard)
