@@ -158,7 +158,7 @@ class Finalizer:
         note_progress(self.queue, batch_id, info, rec)
         if not info.final or self._waiting(rec.get("finalize_retry_at")):
             return False
-        lease, token = key + ":lease", secrets.token_hex(8)
+        lease, token = keys.oai_finalize_lease(batch_id), secrets.token_hex(8)
         if not r.set(lease, token, nx=True, px=int(self.lease_s * 1000)):
             return False  # another gateway writes them
         try:

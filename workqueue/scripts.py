@@ -47,7 +47,6 @@ redis.replicate_commands()
 """
     + keys.lua_functions()
     + ordering.lua_rank()
-    + f"local K_DEADLINES, K_SEQ = '{keys.DEADLINES}', '{keys.SEQ}'\n"
     + f"local EXPIRED_ERROR = {json.dumps(EXPIRED_ERROR)}\n"
     + r"""
 local function split_gid(g)
