@@ -101,7 +101,7 @@ ENQUEUE_CHUNK = (
     PRELUDE
     + r"""
 local bid, token, cursor, now, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
-if redis.call('GET', KEYS[2]) ~= token then return -1 end
+if not lease_held(KEYS[2], token) then return -1 end
 local b = KEYS[1]
 local h = redis.call('HMGET', b, 'status', 'intake_done', 'intake_total', 'queries_per_cluster',
                      'predicted_tokens_per_cluster', 'order_key')
@@ -154,7 +154,7 @@ if next(touched) ~= nil then
   redis.call('HSET', b, 'queries_per_cluster', cjson.encode(per_q), 'predicted_tokens_per_cluster', cjson.encode(per_t))
 end
 if redis.call('HGET', b, 'status') == 'validating' then redis.call('HSET', b, 'status', 'in_progress') end
-redis.call('PEXPIRE', KEYS[2], lease_ms)
+lease_renew(KEYS[2], token, lease_ms)
 return n
 """
 )

@@ -38,8 +38,6 @@ STAGE_TTL_S = 3600  # a staging list left by a gateway that died while accepting
 
 #: batch ids whose background intake is unfinished (ZSET, scored by acceptance time)
 INTAKE = keys.INTAKE
-# Release the intake lease only when it is still this token's.
-RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
 #: batch hash fields ``left:<cluster>``: predicted tokens of the batch's unfinished queries on that cluster

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 
-from workqueue import keys, ordering
+from workqueue import keys, lease, ordering
 
 #: the error an expired row's result carries (finish_reason ``batch_expired``)
 EXPIRED_ERROR = "the batch's completion window ended before this request finished"
@@ -47,6 +47,7 @@ redis.replicate_commands()
 """
     + keys.lua_functions()
     + ordering.lua_rank()
+    + lease.LUA
     + f"local EXPIRED_ERROR = {json.dumps(EXPIRED_ERROR)}\n"
     + r"""
 local function split_gid(g)

@@ -27,6 +27,7 @@ from redis.commands.core import Script
 
 from workqueue import keys, move_scripts, scripts
 from workqueue.batches import INTAKE, SWEEP_CHUNK, batch_info, intake_key, intake_lease_key
+from workqueue.lease import ttl_ms
 from workqueue.records import BatchInfo, as_float
 from workqueue.script_call import ScriptCall, execute
 from workqueue.wake import announce
@@ -184,7 +185,7 @@ class TickOps:
         k = [keys.batch(batch_id), intake_lease_key(batch_id), intake_key(batch_id), INTAKE, keys.CLUSTERS]
         calls, at, now = [], cursor, self.clock()
         for rows in parts:
-            args: list = [batch_id, token, at, now, max(1, int(ttl_s * 1000))]
+            args: list = [batch_id, token, at, now, ttl_ms(ttl_s)]
             for g, payload, tokens, c in rows:
                 args += [g, payload, tokens, c]
             calls.append((k, args))
