@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from workqueue import keys, scripts
+from workqueue import keys
 from workqueue.batches import (
     INTAKE,
     STAGE_CHUNK,
@@ -34,6 +34,7 @@ from workqueue.batches import (
     staging_key,
 )
 from workqueue.lease import Lease
+from workqueue.lua_queue import LIBRARY
 from workqueue.ordering import QueueOrder
 from workqueue.records import BatchState, as_int
 
@@ -49,9 +50,8 @@ return redis.call('HGET', KEYS[1], ARGV[2])
 
 # KEYS: batch hash, intake list, intake set. ARGV: batch id, why, now.
 # Returns the rows counted lost; 0: nothing was left to enqueue; -1: the list is there; -2: no batch.
-LOST_INTAKE = (
-    scripts.PRELUDE
-    + r"""
+LOST_INTAKE = LIBRARY.script(
+    r"""
 local b, bid = KEYS[1], ARGV[1]
 local h = redis.call('HMGET', b, 'status', 'intake_done', 'intake_total')
 if not h[1] then return -2 end

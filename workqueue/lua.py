@@ -25,12 +25,31 @@ from dataclasses import dataclass
 
 _DEFINES = re.compile(r"^local\s+(?:function\s+)?([A-Za-z_]\w*)\s*[(=]")
 _NAME = re.compile(r"[A-Za-z_]\w*")
-_COMMENT = re.compile(r"--.*$", re.MULTILINE)
+
+
+def code_of(lua: str) -> str:
+    """``lua`` without its comments and the contents of its quoted strings."""
+    out, i, n = [], 0, len(lua)
+    while i < n:
+        ch = lua[i]
+        if lua.startswith("--", i):
+            i = lua.find("\n", i)
+            i = n if i < 0 else i
+        elif ch in "'\"":
+            i += 1
+            while i < n and lua[i] != ch:
+                i += 2 if lua[i] == "\\" else 1
+            i += 1
+            out.append(" ")
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
 
 
 def names_in(lua: str) -> set[str]:
-    """The identifiers ``lua`` mentions outside its comments."""
-    return set(_NAME.findall(_COMMENT.sub("", lua)))
+    """The identifiers ``lua``'s code mentions (not its comments or strings)."""
+    return set(_NAME.findall(code_of(lua)))
 
 
 @dataclass(frozen=True)
