@@ -209,7 +209,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     errors, message = (ValueError, FileNotFoundError), "error: {error}"
-    return run_main(build_parser(), argv, run, prog="fleetsim", errors=errors, message=message, print_json=True)
+    return run_main(
+        build_parser(), argv, run, prog="fleetsim", errors=errors, message=message, print_json=True
+    )
 
 
 if __name__ == "__main__":
