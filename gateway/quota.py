@@ -30,13 +30,12 @@ from typing import Any
 from gateway.batch_errors import ADMIN_CLIENT
 from gateway.validation import id_problem
 from workqueue import WorkQueue, keys
-from workqueue.keys import PREFIX
 
 CLIENT_HEADER = "x-client-id"
 
 
 def client_key(client: str) -> str:
-    return f"{PREFIX}gw:client:{client}:batches"  # the deployment's hash tag: one slot with the queue
+    return keys.client_batches(client)  # the deployment's hash tag: one slot with the queue
 
 
 def client_of(metadata: dict[str, str], peer: str) -> str:
