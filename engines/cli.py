@@ -13,12 +13,13 @@ import torch
 
 from cliutil import run_main
 from engines import serve
-from engines.bench import bench
-from engines.bench_pipeline import bench_pipeline
+from engines.bench.compare import bench
+from engines.bench.pipeline import bench_pipeline
+from engines.bench.prefix import prefix_bench
+from engines.bench.profile import run_profile
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
-from engines.profile import run_profile
 from workqueue.embedded import die_with_parent_from_env
 
 log = logging.getLogger("engine")
@@ -154,7 +155,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if args.stages or args.plan:
+    if args.prefix_workload:
+        result = prefix_bench(args)
+    elif args.stages or args.plan:
         if args.repeats < 1 or args.prompt_len < 1 or args.gen_len < 1:
             raise ValueError("--repeats, --prompt-len and --gen-len must be >= 1")
         result = bench_pipeline(args)
@@ -276,6 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
         "stage a share of its rows, and the bench also runs the plan with the head on the last stage)",
     )
     pb.add_argument("--repeats", type=int, default=2, help="runs of each configuration; the best counts")
+    xb = b.add_argument_group(
+        "the prefix cache (--prefix-workload)",
+        "Run a shared-prefix batch from the real data (few-shot blocks of 200-800 tokens before real "
+        "questions) and its unique-prompt twin, each with the prefix cache off and on (--repeats times, "
+        "the best counts). Last line: prefix_speedup (generated tokens/s, cache on over off, shared "
+        "prefixes), unique_slowdown (the cache's cost on unique prompts), hit_rate, per-run figures.",
+    )
+    xb.add_argument("--prefix-workload", action="store_true", help="run the prefix-cache bench")
+    xb.add_argument("--prefix-groups", type=int, default=8, help="few-shot blocks, each shared by many rows")
+    xb.add_argument(
+        "--unique-share", type=float, default=0.2, help="share of rows with no shared prefix (0 to <1)"
+    )
     add_engine_arguments(b)
     b.set_defaults(size="small", threads=1)
 

@@ -119,13 +119,16 @@ class KVCacheManager:
         """Give back all of ``seq``'s blocks at once; returns how many it held. A keyed block no one
         holds any more stays cached (its last blocks first in line for eviction)."""
         n = len(seq.block_table)
-        for block in reversed(seq.block_table):
+        kept = []
+        for block in seq.block_table:
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 if block in self._key_of:
-                    self._cached[block] = None
+                    kept.append(block)
                 else:
                     self._free.append(block)
+        for block in reversed(kept):  # a prefix's last blocks are the first to go
+            self._cached[block] = None
         seq.block_table = []
         seq.num_computed = 0
         seq.num_keyed_blocks = 0

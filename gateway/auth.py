@@ -7,7 +7,7 @@ names one client (``alice:<token>``): that name is the client of the per-client 
 (``FLEETBATCH_ADMIN_TOKEN``) is also a client token, of the client ``admin``, which sees every
 batch (no tokens-file entry may be named ``admin``). The admin API needs the admin token, checked
 by :class:`AdminInterceptor` before a request is decoded; health checks and reflection need no token.
-The HTTP front calls the batch service in-process as a client of its own (:data:`HTTP_CLIENT`).
+The HTTP front calls the batch service as a client of its own (:data:`HTTP_CLIENT`).
 
 Tokens come from a file (``gateway serve --client-tokens FILE``) or ``$FLEETBATCH_CLIENT_TOKENS``,
 one ``CLIENT:TOKEN`` per line or comma-separated, ``#`` starting a comment. Clients send their token
@@ -25,14 +25,13 @@ from pathlib import Path
 
 import grpc
 
+from gateway.batch_errors import ADMIN_CLIENT, HTTP_CLIENT
 from gateway.validation import id_problem
+
+__all__ = ["ADMIN_CLIENT", "HTTP_CLIENT"]  # the identities, for the modules that know them from here
 
 TOKENS_ENV = "FLEETBATCH_CLIENT_TOKENS"  # the server's CLIENT:TOKEN table
 CLIENT_TOKEN_ENV = "FLEETBATCH_TOKEN"  # a client's own token
-ADMIN_CLIENT = "admin"
-#: the HTTP front's own identity (its key is one for all): it owns the batches made over HTTP. The
-#: ``:`` keeps it apart from token clients, whose names cannot hold one (:func:`id_problem`).
-HTTP_CLIENT = "http:front"
 MIN_TOKEN_CHARS = 16
 AUTH_HEADER = "authorization"
 
@@ -101,19 +100,6 @@ class Authenticator:
         if not isinstance(value, str) or not value.startswith("Bearer "):
             return None
         return self._clients.get(_digest(value[len("Bearer ") :].strip()))
-
-    def caller(self, context: object) -> str | None:
-        """The proven identity of a call: the client its token names, or an in-process caller's own
-        (:class:`InProcessCall`); None for a caller without a client token."""
-        if isinstance(context, InProcessCall):
-            return context.client
-        return self.client(context.invocation_metadata())  # type: ignore[attr-defined]
-
-
-class InProcessCall:
-    """The context of a call made inside the gateway (the HTTP front's): it names its own client."""
-
-    client: str = HTTP_CLIENT
 
 
 def admin_refusal(

@@ -16,13 +16,12 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import grpc
-import redis
 from google.protobuf.descriptor import FileDescriptor
 from google.protobuf.message import DecodeError
 
-log = logging.getLogger(__name__)
+from gateway.batch_errors import REDIS_DOWN
 
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+log = logging.getLogger(__name__)
 
 
 def _message(e: Exception) -> str:

@@ -1,12 +1,11 @@
 """The gateway's OpenAI-compatible HTTP front: ``/v1/files`` and ``/v1/batches`` (Starlette on uvicorn).
 
 It runs in the gateway's process and event loop, beside the gRPC server, and goes through the
-same code: a batch is created by building a ``SubmitBatchRequest`` from the input file and
-calling :class:`gateway.service.BatchService` in-process, so validation, size limits, the
-per-client cap, assignment and background intake are the gRPC API's; gRPC status codes become
-HTTP ones (``INVALID_ARGUMENT`` 400, ``NOT_FOUND`` 404, ``ALREADY_EXISTS`` 409,
-``RESOURCE_EXHAUSTED`` 429, ``UNAVAILABLE`` 503) with OpenAI's error body
-(``{"error": {"message", "type", "param", "code"}}``). Every request needs
+same batch service: a batch is created by building a ``SubmitBatchRequest`` from the input file
+and calling :class:`gateway.service.BatchService`, so validation, size limits, the per-client
+cap, assignment and background intake are the gRPC API's; the service's refusals become HTTP
+statuses (:data:`gateway.http_shared.HTTP_STATUS`: 400, 404, 409, 429, 503) with OpenAI's error
+body (``{"error": {"message", "type", "param", "code"}}``). Every request needs
 ``Authorization: Bearer <key>`` (401 otherwise). The front is a client of its own
 (:data:`gateway.auth.HTTP_CLIENT`): it owns the batches made over HTTP and answers 404 for every
 other id, a gRPC client's batch included. The client of the per-client cap is ``hdr:`` and the
@@ -24,7 +23,6 @@ import time
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
-import grpc
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
@@ -34,17 +32,15 @@ from starlette.routing import Route
 
 from gateway import openai_batches as ob
 from gateway.auth import HTTP_CLIENT
+from gateway.batch_errors import REDIS_DOWN, BatchError, Caller, InvalidRequest
 from gateway.config import GatewayConfig
-from gateway.errors import REDIS_DOWN
-from gateway.http_shared import ApiError, Auth, CallContext, error_response, json_body
+from gateway.http_shared import ApiError, Auth, api_error, caller_of, error_response, json_body
 from gateway.openai_create import CreateBatch, check_create
 from gateway.openai_files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines
 from gateway.openai_retention import InUse, delete_file, deleting, retire
-from gateway.quota import header_problem
 from gateway.service import BatchService
 from gateway.status_page import PAGE_PATH, StatusPage
 from gateway.validation import Limits, id_problem, problems_by_query
-from protos import fleetbatch_pb2 as pb
 from workqueue import BatchState, WorkQueue
 
 log = logging.getLogger(__name__)
@@ -180,16 +176,15 @@ class OpenAIFront:
         with ``errors`` naming the lines, nothing enqueued (OpenAI's behaviour)."""
         body = await json_body(request, BODY_LIMIT)
         c = check_create(body, self.limits)
-        context = CallContext(request)
-        problem = header_problem(dict(context.invocation_metadata()))
-        if problem:
-            raise ApiError(400, problem)
+        caller = caller_of(request)
+        if caller.client_problem:
+            raise ApiError(400, caller.client_problem)
         info = await asyncio.to_thread(self._info, c.file_id)
         if info.purpose != "batch":
             raise ApiError(
                 400, f"file {c.file_id} has purpose {info.purpose!r}, not 'batch'", "input_file_id"
             )
-        work = self._counted(info.bytes, self._create(ob.new_batch_id(), c, context))
+        work = self._counted(info.bytes, self._create(ob.new_batch_id(), c, caller))
         return JSONResponse(await self.durable(work))
 
     async def _counted(self, size: int, work: Coroutine[Any, Any, T]) -> T:
@@ -206,7 +201,7 @@ class OpenAIFront:
             if budget is not None:
                 budget.release(size)
 
-    async def _create(self, batch_id: str, c: CreateBatch, context: CallContext) -> dict:
+    async def _create(self, batch_id: str, c: CreateBatch, caller: Caller) -> dict:
         file_id = c.file_id
         await asyncio.to_thread(ob.create_record, self.queue, batch_id, file_id, c.endpoint, c.window)
         if await asyncio.to_thread(deleting, self.queue, self.store, file_id):
@@ -226,15 +221,16 @@ class OpenAIFront:
             return await asyncio.to_thread(self._fail, batch_id, file_id, e.errors)
         submission.completion_window, submission.priority = c.window, c.priority
         try:
-            await self.service.SubmitBatch(submission, context)
-        except ApiError as e:
-            if e.code != grpc.StatusCode.INVALID_ARGUMENT.name.lower():  # 429, 503: retry later
-                if not await self._forget_unless_created(batch_id):
-                    raise
-                log.exception("batch %s: created, then the submission failed; keeping it", batch_id)
-            else:  # the request's own fields were checked above: these are the file's problems
-                errors = ob.errors_of(problems_by_query(e.message), lines)
-                return await asyncio.to_thread(self._fail, batch_id, file_id, errors)
+            await self.service.submit(submission, caller)
+        except (
+            InvalidRequest
+        ) as e:  # the request's own fields were checked above: these are the file's problems
+            errors = ob.errors_of(problems_by_query(str(e)), lines)
+            return await asyncio.to_thread(self._fail, batch_id, file_id, errors)
+        except BatchError as e:  # 409, 429, 503: retry later
+            if not await self._forget_unless_created(batch_id):
+                raise api_error(e) from None
+            log.exception("batch %s: created, then the submission failed; keeping it", batch_id)
         except Exception:
             if not await self._forget_unless_created(batch_id):
                 raise
@@ -326,11 +322,14 @@ class OpenAIFront:
         unchanged = await asyncio.to_thread(self._over, batch_id)
         if unchanged is not None:
             return JSONResponse(unchanged)
-        return JSONResponse(await self.durable(self._cancel(batch_id, CallContext(request))))
+        return JSONResponse(await self.durable(self._cancel(batch_id, caller_of(request))))
 
-    async def _cancel(self, batch_id: str, context: CallContext) -> dict:
-        done = await self.service.CancelBatch(pb.CancelBatchRequest(batch_id=batch_id), context)
-        if done.status in (pb.COMPLETED, pb.FAILED):  # it finished meanwhile
+    async def _cancel(self, batch_id: str, caller: Caller) -> dict:
+        try:
+            done = (await self.service.cancel(batch_id, caller)).info
+        except BatchError as e:
+            raise api_error(e) from None
+        if done.status in (BatchState.COMPLETED, BatchState.FAILED):  # it finished meanwhile
             await asyncio.to_thread(self._over, batch_id)
         await asyncio.to_thread(
             self.queue.r.eval, ob.SET_ONCE, 1, ob.record_key(batch_id), "cancelling_at", time.time()

@@ -1,26 +1,34 @@
 """What the routes of the OpenAI-compatible HTTP front (:mod:`gateway.http_front`) share: OpenAI's
-error body, gRPC status codes as HTTP statuses, the context of an in-process ``BatchService``
-call, and the ``Authorization: Bearer <key>`` check (ASGI middleware)."""
+error body, the batch service's refusals as HTTP statuses, who calls (:func:`caller_of`), and the
+``Authorization: Bearer <key>`` check (ASGI middleware)."""
 
 from __future__ import annotations
 
 import hmac
 import json
 
-import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gateway.auth import InProcessCall
-from gateway.quota import CLIENT_HEADER
+from gateway import quota
+from gateway.auth import HTTP_CLIENT
+from gateway.batch_errors import (
+    BatchError,
+    Caller,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    QuotaExceeded,
+    Unavailable,
+)
 
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
+#: the batch service's refusals as HTTP statuses, with OpenAI's error code
+HTTP_STATUS: dict[type[BatchError], tuple[int, str]] = {
+    InvalidRequest: (400, "invalid_argument"),
+    NotFound: (404, "not_found"),
+    Conflict: (409, "already_exists"),
+    QuotaExceeded: (429, "resource_exhausted"),
+    Unavailable: (503, "unavailable"),
 }
 
 
@@ -38,25 +46,23 @@ def error_response(
     return JSONResponse(body, status_code=status)
 
 
-class CallContext(InProcessCall):
-    """What :class:`BatchService` asks of a gRPC context, for an in-process call: the caller is the
-    HTTP front (its batches are its own), the client of the per-client cap its ``x-client-id`` header
-    or its address."""
+def api_error(e: BatchError) -> ApiError:
+    """The batch service's refusal as the HTTP front answers it."""
+    status, code = HTTP_STATUS[type(e)]
+    return ApiError(status, str(e), code=code)
 
-    def __init__(self, request: Request):
-        client = request.client
-        self._peer = f"ipv4:{client.host}:{client.port}" if client else "unknown"
-        header = request.headers.get(CLIENT_HEADER)
-        self._metadata = [(CLIENT_HEADER, header)] if header is not None else []
 
-    def invocation_metadata(self) -> list[tuple[str, str]]:
-        return self._metadata
-
-    def peer(self) -> str:
-        return self._peer
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise ApiError(HTTP_STATUS.get(code, 500), details, code=code.name.lower())
+def caller_of(request: Request) -> Caller:
+    """Who calls over HTTP: the front's own identity (the API key is one for all, and the front owns
+    the batches made over HTTP); the per-client cap counts its ``x-client-id`` header, else its address."""
+    header = request.headers.get(quota.CLIENT_HEADER)
+    headers = {quota.CLIENT_HEADER: header} if header is not None else {}
+    problem = quota.header_problem(headers)
+    if problem:
+        return Caller(HTTP_CLIENT, None, problem)
+    client = request.client
+    peer = f"ipv4:{client.host}:{client.port}" if client else "unknown"
+    return Caller(HTTP_CLIENT, quota.client_of(headers, peer))
 
 
 async def json_body(request: Request, limit: int):

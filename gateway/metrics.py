@@ -7,8 +7,7 @@ from collections.abc import Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from gateway.eta import Eta
-from gateway.policies import ClusterView
-from gateway.rebalance import expected_finish_s
+from gateway.policies import ClusterView, expected_finish_s
 from workqueue import ClusterInfo
 
 

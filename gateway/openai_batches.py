@@ -37,10 +37,9 @@ from gateway.validation import ID_RE, Limits, query_problems
 from protos import fleetbatch_pb2 as pb
 from workqueue import BatchInfo, BatchState, WorkQueue, keys
 from workqueue.batches import batch_info
-from workqueue.keys import PREFIX
 
-LIST = PREFIX + "oai:batches"  # ZSET: ids of batches created over HTTP, by creation time
-PENDING = PREFIX + "oai:finalize"  # SET: ids whose output files are not written yet
+LIST = keys.OAI_BATCHES  # ZSET: ids of batches created over HTTP, by creation time
+PENDING = keys.OAI_FINALIZE  # SET: ids whose output files are not written yet
 MAX_ERRORS = 100  # lines an invalid input file's ``errors`` list (the rest are counted)
 # KEYS: a record. ARGV: field, value. Sets the field unless it is set (or the record expired
 # meanwhile: never recreates it); returns the field's value (nil when there is no record).
@@ -52,7 +51,7 @@ return redis.call('HGET', KEYS[1], ARGV[1])
 
 
 def record_key(batch_id: str) -> str:
-    return f"{PREFIX}oai:b:{batch_id}"
+    return keys.oai_record(batch_id)
 
 
 def new_batch_id() -> str:

@@ -38,12 +38,12 @@ from gateway.openai_files import FileStore, read_lines
 from gateway.openai_format import CHAT, output_line
 from gateway.openai_retention import expire_orphan, retire, sweep
 from workqueue import BatchInfo, WorkQueue, keys
+from workqueue.lease import Lease
 
 log = logging.getLogger(__name__)
 
 ORPHAN_S = 600.0  # a record whose gateway batch never appeared within this long is dropped
 RESULT_CHUNK = 1000
-RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 RETRY_FIRST_S = 0.5  # wait after a batch's first failed pass; doubles with each failure
 RETRY_MAX_S = 300.0  # the longest wait between two tries
 # KEYS: a record. ARGV: when the next try may come. Counts a failure and keeps the time of the next
@@ -158,8 +158,8 @@ class Finalizer:
         note_progress(self.queue, batch_id, info, rec)
         if not info.final or self._waiting(rec.get("finalize_retry_at")):
             return False
-        lease, token = key + ":lease", secrets.token_hex(8)
-        if not r.set(lease, token, nx=True, px=int(self.lease_s * 1000)):
+        lease = Lease(r, keys.oai_finalize_lease(batch_id), secrets.token_hex(8), self.lease_s)
+        if not lease.acquire():
             return False  # another gateway writes them
         try:
             r.hsetnx(key, "finalizing_at", time.time())
@@ -180,7 +180,7 @@ class Finalizer:
             )
             return True
         finally:
-            r.eval(RELEASE, 1, lease, token)
+            lease.release()
 
     def _write(self, batch_id: str, info: BatchInfo, rec: dict) -> dict[str, str | int | float]:
         names = names_of(read_lines(self.store, rec["input_file_id"]))

@@ -31,11 +31,10 @@ import redis
 from gateway.openai_batches import LIST, PENDING, record_key
 from gateway.openai_files import FileStore
 from workqueue import WorkQueue, keys
-from workqueue.keys import PREFIX
 
 log = logging.getLogger(__name__)
 
-EXPIRE = PREFIX + "oai:expire"  # ZSET: "b:<batch id>" and "f:<file id>" by the time they are due
+EXPIRE = keys.OAI_EXPIRE  # ZSET: "b:<batch id>" and "f:<file id>" by the time they are due
 SWEEP_CHUNK = 1000  # due entries one sweep looks at
 DELETING_TTL_MS = 30_000  # a deleter that dies leaves its mark this long
 # KEYS: the expiry ZSET. ARGV: now, then members: remove those still due.
@@ -61,7 +60,7 @@ class InUse(Exception):
 
 
 def _deleting_key(file_id: str) -> str:
-    return f"{PREFIX}oai:fdel:{file_id}"
+    return keys.oai_deleting(file_id)
 
 
 def pending_inputs(queue: WorkQueue) -> dict[str, str]:

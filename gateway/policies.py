@@ -113,6 +113,14 @@ class ClusterView:
         return q.total_tokens <= self.query_limit
 
 
+def expected_finish_s(c: ClusterView, extra_tokens: float = 0.0) -> float:
+    """Seconds until ``c`` finishes its pending work plus ``extra_tokens`` (``inf`` with work and no capacity)."""
+    work = c.pending_tokens + extra_tokens
+    if work <= 0:
+        return 0.0
+    return work / c.capacity_tps if c.capacity_tps > 0 else math.inf
+
+
 class AssignmentPolicy(Protocol):
     """Maps a batch of queries to cluster names (same order as ``queries``).
 

@@ -27,16 +27,15 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from gateway.auth import ADMIN_CLIENT
+from gateway.batch_errors import ADMIN_CLIENT
 from gateway.validation import id_problem
 from workqueue import WorkQueue, keys
-from workqueue.keys import PREFIX
 
 CLIENT_HEADER = "x-client-id"
 
 
 def client_key(client: str) -> str:
-    return f"{PREFIX}gw:client:{client}:batches"  # the deployment's hash tag: one slot with the queue
+    return keys.client_batches(client)  # the deployment's hash tag: one slot with the queue
 
 
 def client_of(metadata: dict[str, str], peer: str) -> str:

@@ -33,15 +33,14 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from gateway.offload import LinkCost, Links, Move, link_cost, tail_move
-from gateway.policies import ClusterView, NoClusterError, QueryLoad, fitting, water_fill_targets
-
-
-def expected_finish_s(c: ClusterView, extra_tokens: float = 0.0) -> float:
-    """Seconds until ``c`` finishes its pending work plus ``extra_tokens`` (``inf`` with work and no capacity)."""
-    work = c.pending_tokens + extra_tokens
-    if work <= 0:
-        return 0.0
-    return work / c.capacity_tps if c.capacity_tps > 0 else math.inf
+from gateway.policies import (
+    ClusterView,
+    NoClusterError,
+    QueryLoad,
+    expected_finish_s,
+    fitting,
+    water_fill_targets,
+)
 
 
 def _check(

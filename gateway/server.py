@@ -16,8 +16,10 @@ from gateway.admin import AdminService
 from gateway.auth import AdminInterceptor, Authenticator, AuthInterceptor
 from gateway.config import GatewayConfig, redact_url
 from gateway.errors import MalformedRequestInterceptor, RedisUnavailableInterceptor
+from gateway.grpc_servicer import BatchServicer
 from gateway.http_server import HttpServer  # starlette + uvicorn: ~70 ms of ~400 (python -X importtime)
-from gateway.limits import InflightBytes, InflightBytesInterceptor
+from gateway.inflight_interceptor import InflightBytesInterceptor
+from gateway.limits import InflightBytes
 from gateway.metrics import GatewayMetrics
 from gateway.offloader import OffloadConfig, Offloader
 from gateway.policies import make_policy
@@ -115,7 +117,6 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
     policy = make_policy(config.policy)
     deps = GatewayDeps(
         config=config,
-        auth=Authenticator(config.client_tokens, config.token() if config.client_tokens else ""),
         queue=queue,
         count_tokens=count_tokens,
         predict_tokens=predict_tokens,
@@ -145,13 +146,14 @@ async def serve(
     config: GatewayConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None
 ) -> None:
     deps = await asyncio.to_thread(build_deps, config)
+    auth = Authenticator(config.client_tokens, config.token() if config.client_tokens else "")
     server = grpc.aio.server(
-        interceptors=_interceptors(deps, config),  # the first is the outermost
+        interceptors=_interceptors(deps, config, auth),  # the first is the outermost
         options=[("grpc.max_receive_message_length", config.max_request_bytes)],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs or None,
     )
     batches = BatchService(deps)
-    pb_grpc.add_BatchServiceServicer_to_server(batches, server)
+    pb_grpc.add_BatchServiceServicer_to_server(BatchServicer(batches, auth), server)
     pb_grpc.add_AdminServiceServicer_to_server(AdminService(deps), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -168,7 +170,7 @@ async def serve(
         port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
-    if deps.auth.enabled and not config.tls_cert and not _loopback(config.listen):
+    if auth.enabled and not config.tls_cert and not _loopback(config.listen):
         log.warning(
             "client tokens travel in plaintext to %s: serve TLS (--tls-cert/--tls-key)", config.listen
         )
@@ -185,7 +187,7 @@ async def serve(
         "gateway listening on %s%s (%s, policy %s, Redis %s, positions %d, request limit %d bytes)",
         config.bound_address,
         " with TLS" if config.tls_cert else "",
-        "client tokens required" if deps.auth.enabled else "NO client authentication",
+        "client tokens required" if auth.enabled else "NO client authentication",
         config.policy,
         redact_url(config.redis_url),
         config.model_positions(),
@@ -228,15 +230,17 @@ def _loopback(listen: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _interceptors(deps: GatewayDeps, config: GatewayConfig) -> list[grpc.aio.ServerInterceptor]:
+def _interceptors(
+    deps: GatewayDeps, config: GatewayConfig, auth: Authenticator
+) -> list[grpc.aio.ServerInterceptor]:
     """Tokens first (the admin token on the admin API, client tokens on the batch API: a refused
     call is not decoded), then the in-flight bytes, then errors."""
     services = pb.DESCRIPTOR.services_by_name
     chain: list[grpc.aio.ServerInterceptor] = [
         AdminInterceptor(config.token, services["AdminService"].full_name)
     ]
-    if deps.auth.enabled:
-        chain.append(AuthInterceptor(deps.auth, services["BatchService"].full_name))
+    if auth.enabled:
+        chain.append(AuthInterceptor(auth, services["BatchService"].full_name))
     if deps.inflight is not None:
         chain.append(InflightBytesInterceptor(deps.inflight, pb.DESCRIPTOR.package))
     chain += [RedisUnavailableInterceptor(pb.DESCRIPTOR.package), MalformedRequestInterceptor(pb.DESCRIPTOR)]

@@ -1,4 +1,11 @@
-"""The client batch API's gRPC servicer (the admin API is :mod:`gateway.admin`).
+"""The batch service: submit, get, cancel and read the results of batches; the fronts are adapters.
+
+It knows neither gRPC nor HTTP. A submission is the project's own message
+(``protos.SubmitBatchRequest``, used as data); a refusal is a typed
+:class:`gateway.batch_errors.BatchError`; the caller is a :class:`gateway.batch_errors.Caller`
+that the front established by its own authentication. The gRPC front
+(:mod:`gateway.grpc_servicer`) and the OpenAI HTTP front (:mod:`gateway.http_front`) call it and
+map its errors to their own codes. The admin API is :mod:`gateway.admin`.
 
 Blocking work (tokenizing, predicting, Redis round trips) runs in worker threads via
 ``asyncio.to_thread`` so the event loop keeps serving streams while a large batch is
@@ -16,11 +23,9 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
 from gateway import quota
-from gateway.auth import Authenticator
-from gateway.batch_protos import batch_proto, fail_rows, fingerprint, result_proto
+from gateway.batch_errors import Caller, Conflict, InvalidRequest, NotFound, QuotaExceeded, Unavailable
+from gateway.batch_protos import fail_rows, fingerprint
 from gateway.config import GatewayConfig
 from gateway.eta import Eta, EtaBoard
 from gateway.intake import Intake, IntakeSettings, encode_rows
@@ -29,15 +34,14 @@ from gateway.listing import read_clusters
 from gateway.metrics import GatewayMetrics
 from gateway.offload import LinkCost
 from gateway.placement import configured_views, first_misfit
-from gateway.policies import AssignmentPolicy, NoClusterError, QueryLoad, queue_order
+from gateway.policies import AssignmentPolicy, ClusterView, NoClusterError, QueryLoad, queue_order
 from gateway.prefix_policy import charged_tokens
 from gateway.prefixes import Prefix, prefixes_of
 from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
-from gateway.views import cluster_proto, cluster_views
+from gateway.views import cluster_views
 from gateway.windows import WindowError, check_priority, parse_window
 from protos import fleetbatch_pb2 as pb
-from protos import fleetbatch_pb2_grpc as pb_grpc
-from workqueue import BatchInfo, QueuedQuery, WorkQueue
+from workqueue import BatchInfo, ClusterInfo, QueryResult, QueuedQuery, WorkQueue
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,6 @@ class GatewayDeps:
     # a bound of a prompt's tokens: prompts of a large batch it proves short are counted in intake
     token_bound: Callable[[str], int] | None = None
     tokenizer: object | None = None  # the serving tokenizer, for the HTTP front's chat templates
-    auth: Authenticator = field(default_factory=lambda: Authenticator({}))  # client tokens (none: no auth)
     inflight: InflightBytes | None = None  # --max-inflight-mb, shared by gRPC calls and the HTTP front
     #: every unfinished batch's ETA, refreshed by the offloader
     eta: EtaBoard = field(default_factory=EtaBoard)
@@ -66,7 +69,15 @@ class GatewayDeps:
     find_prefixes: Callable[[list[str], list[int]], list[Prefix]] | None = None
 
 
-class BatchService(pb_grpc.BatchServiceServicer):
+@dataclass(frozen=True)
+class BatchStatus:
+    """A batch as the service answers it: its record and, while it runs, its ETA."""
+
+    info: BatchInfo
+    eta: Eta | None = None
+
+
+class BatchService:
     def __init__(self, deps: GatewayDeps):
         self.d = deps
         self._policy_lock = threading.Lock()  # policies may keep state (round robin's cursor)
@@ -88,9 +99,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
         for n, k in Counter(names).items():  # one update per cluster, not per query
             self.d.metrics.queries.labels(n).inc(k)
 
-    async def SubmitBatch(
-        self, request: pb.SubmitBatchRequest, context: grpc.aio.ServicerContext
-    ) -> pb.Batch:
+    async def submit(self, request: pb.SubmitBatchRequest, caller: Caller) -> BatchStatus:
+        """Validate, predict and assign a batch (or accept a large one for the background intake)."""
         d, cfg = self.d, self.d.config
         t0 = time.perf_counter()
         mode = request.on_bad_query or ON_BAD_QUERY[cfg.on_bad_query]
@@ -109,50 +119,45 @@ class BatchService(pb_grpc.BatchServiceServicer):
         except (InvalidBatch, WindowError) as e:
             d.metrics.rejected.inc()
             log.info("rejected a batch of %d queries: %s", len(request.queries), e)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise InvalidRequest(str(e)) from None
         checked.window_s = window_s
         batch_id = request.batch_id or uuid.uuid4().hex
         if request.batch_id:
             existing = await asyncio.to_thread(d.queue.batch, batch_id)
             if existing is not None:
-                return await self._resubmitted(existing, request, context)
-        owner = d.auth.caller(context)  # written with the batch, as its place in its client's set
+                return await self._resubmitted(existing, request, caller)
+        owner = caller.owner  # written with the batch, as its place in its client's set
         if cfg.max_queued_per_client <= 0:
             return await self._create(
-                request, checked, batch_id, context, t0, quota.creation_writes(batch_id, owner, None)
+                request, checked, batch_id, caller, t0, quota.creation_writes(batch_id, owner, None)
             )
-        client = await self._client(context)
+        if caller.client is None:
+            raise InvalidRequest(caller.client_problem or "the caller names no client")
+        client = caller.client
         async with self._client_lock(client):
             left = await asyncio.to_thread(quota.unfinished, d.queue, client)
             if left + len(request.queries) > cfg.max_queued_per_client:
                 d.metrics.rejected.inc()
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise QuotaExceeded(
                     f"client {client!r} has {left} queries queued or running and submits "
-                    f"{len(request.queries)}; the cap is max_queued_per_client={cfg.max_queued_per_client}",
+                    f"{len(request.queries)}; the cap is max_queued_per_client={cfg.max_queued_per_client}"
                 )
             writes = quota.creation_writes(batch_id, owner, client)  # the batch counts as soon as it exists
-            return await self._create(request, checked, batch_id, context, t0, writes)
-
-    async def _client(self, context) -> str:
-        """The caller's quota client: the client its token names (gRPC with client tokens), else ``hdr:``
-        its ``x-client-id`` header or ``ip:`` its address (the HTTP front; a gateway without tokens)."""
-        authenticated = self.d.auth.client(context.invocation_metadata())
-        if authenticated is not None:
-            return authenticated
-        md = dict(context.invocation_metadata())
-        problem = quota.header_problem(md)
-        if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        return quota.client_of(md, context.peer())
+            return await self._create(request, checked, batch_id, caller, t0, writes)
 
     async def _create(
-        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float, writes
-    ) -> pb.Batch:
+        self,
+        request: pb.SubmitBatchRequest,
+        checked: Checked,
+        batch_id: str,
+        caller: Caller,
+        t0: float,
+        writes,
+    ) -> BatchStatus:
         d = self.d
         if checked.uncounted or len(request.queries) >= d.intake.sync_max_queries:
-            return await self._accept(request, checked, batch_id, context, t0, writes)
-        queued, names = await self._assign_all(request, checked, batch_id, context)
+            return await self._accept(request, checked, batch_id, caller, t0, writes)
+        queued, names = await self._assign_all(request, checked, batch_id)
         digest = await asyncio.to_thread(fingerprint, request)  # hashes every query: off the loop
         created = await asyncio.to_thread(
             d.queue.create_batch,
@@ -169,7 +174,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             await asyncio.to_thread(fail_rows, d.queue, batch_id, request, checked.bad)
         info = await asyncio.to_thread(d.queue.batch, batch_id)
         if not created:  # a concurrent submission with the same id won
-            return await self._resubmitted(info, request, context)
+            return await self._resubmitted(info, request, caller)
         d.metrics.batches.inc()
         self._count_assigned(names)
         elapsed = time.perf_counter() - t0
@@ -183,7 +188,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
             len(checked.bad),
             ", ".join(f"{c}={n}" for c, n in sorted(info.queries_per_cluster.items())),
         )
-        return batch_proto(info, self._at_submit(info, sum(q.charged_tokens for q in queued)))
+        return BatchStatus(info, self._at_submit(info, sum(q.charged_tokens for q in queued)))
 
     def _at_submit(self, info: BatchInfo, tokens: float) -> Eta | None:
         """The new batch's predicted finish from the work ahead of it, and whether it fits its window (never a
@@ -206,16 +211,19 @@ class BatchService(pb_grpc.BatchServiceServicer):
         return eta
 
     async def _accept(
-        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context, t0: float, writes
-    ) -> pb.Batch:
+        self,
+        request: pb.SubmitBatchRequest,
+        checked: Checked,
+        batch_id: str,
+        caller: Caller,
+        t0: float,
+        writes,
+    ) -> BatchStatus:
         """A large batch: store its validated rows and answer VALIDATING; :mod:`gateway.intake` enqueues it."""
         d = self.d
         active = configured_views(await asyncio.to_thread(read_clusters, d.queue))
         if not active:  # with one, intake waits (bounded) for it to accept work
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "cannot assign the batch: no cluster is active (all draining or removed)",
-            )
+            raise Unavailable("cannot assign the batch: no cluster is active (all draining or removed)")
         rows = encode_rows(request, checked)  # encoded slice by slice while stored
         digest = await asyncio.to_thread(fingerprint, request)  # hashes every query: off the loop
         created = await asyncio.to_thread(
@@ -231,7 +239,7 @@ class BatchService(pb_grpc.BatchServiceServicer):
         )
         info = await asyncio.to_thread(d.queue.batch, batch_id)
         if not created:
-            return await self._resubmitted(info, request, context)
+            return await self._resubmitted(info, request, caller)
         self.intake.wake()
         d.metrics.batches.inc()
         log.info(
@@ -241,10 +249,10 @@ class BatchService(pb_grpc.BatchServiceServicer):
             time.perf_counter() - t0,
             len(checked.bad),
         )
-        return batch_proto(info)
+        return BatchStatus(info)
 
     async def _assign_all(
-        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, context
+        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str
     ) -> tuple[list[QueuedQuery], list[str]]:
         """Predict and assign the good queries; bad ones (fail-row) go last, inert, on the last cluster used."""
         d = self.d
@@ -262,8 +270,8 @@ class BatchService(pb_grpc.BatchServiceServicer):
             names = await asyncio.to_thread(self._assign, loads, cluster_views(infos))
         except NoClusterError as e:
             never = first_misfit(loads, infos)  # permanent: no configured cluster can ever take it
-            code = grpc.StatusCode.INVALID_ARGUMENT if never else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, f"cannot assign the batch: {never or e}")
+            refusal = InvalidRequest if never else Unavailable
+            raise refusal(f"cannot assign the batch: {never or e}") from None
         queued = []
         order = queue_order(d.policy, loads)  # the policy's queue order: longest first for the token ones
         names = [names[j] for j in order]
@@ -296,77 +304,79 @@ class BatchService(pb_grpc.BatchServiceServicer):
         with self._policy_lock:
             return self.d.policy.assign(loads, views)
 
-    async def _resubmitted(self, existing: BatchInfo, request, context) -> pb.Batch:
+    async def _resubmitted(self, existing: BatchInfo, request, caller: Caller) -> BatchStatus:
         """A retry of the same submission gets the existing batch; anything else with its id is refused,
         as is a caller who is not its owner (a retry makes one without an owner the caller's)."""
-        caller, taken = self.d.auth.caller(context), f"batch_id {existing.batch_id!r} is taken"
-        if not await asyncio.to_thread(quota.may_see, self.d.queue, existing.batch_id, caller):
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, taken)  # tells another's batch nothing more
+        owner, taken = caller.owner, f"batch_id {existing.batch_id!r} is taken"
+        if not await asyncio.to_thread(quota.may_see, self.d.queue, existing.batch_id, owner):
+            raise Conflict(taken)  # tells another's batch nothing more
         window, asked = existing.deadline - existing.created_at, parse_window(request.completion_window)
         if existing.priority != request.priority or (existing.deadline and abs(window - asked) > 1.0):
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"batch {existing.batch_id} exists with another completion window or priority; choose a new batch_id",
+            raise Conflict(
+                f"batch {existing.batch_id} exists with another completion window or priority; choose a new batch_id"
             )
         if existing.total != len(request.queries):
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"batch {existing.batch_id} exists with {existing.total} queries, this submission has {len(request.queries)}",
+            raise Conflict(
+                f"batch {existing.batch_id} exists with {existing.total} queries, this submission has {len(request.queries)}"
             )
         if existing.fingerprint and existing.fingerprint != await asyncio.to_thread(fingerprint, request):
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS,
+            raise Conflict(
                 f"batch {existing.batch_id} exists with other queries (same count, different ids, prompts "
-                "or settings); choose a new batch_id",
+                "or settings); choose a new batch_id"
             )
-        if not await asyncio.to_thread(quota.may_resubmit, self.d.queue, existing.batch_id, caller):
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, taken)  # another claimed it meanwhile
-        return batch_proto(existing, self.d.eta.get(existing.batch_id))
+        if not await asyncio.to_thread(quota.may_resubmit, self.d.queue, existing.batch_id, owner):
+            raise Conflict(taken)  # another claimed it meanwhile
+        return BatchStatus(existing, self.d.eta.get(existing.batch_id))
 
-    async def _get(self, batch_id: str, context) -> BatchInfo:
+    async def _info(self, batch_id: str, caller: Caller) -> BatchInfo:
         problem = id_problem(batch_id, "batch_id")
         if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            raise InvalidRequest(problem)
         info, h = (await asyncio.to_thread(self.d.queue.batches, [batch_id]))[batch_id]  # one round trip
-        if info is None or not quota.owner_allows(h.get(quota.OWNER_FIELD), self.d.auth.caller(context)):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no batch {batch_id!r}")
+        if info is None or not quota.owner_allows(h.get(quota.OWNER_FIELD), caller.owner):
+            raise NotFound(f"no batch {batch_id!r}")
         return info
 
-    async def GetBatch(self, request: pb.GetBatchRequest, context) -> pb.Batch:
-        return batch_proto(await self._get(request.batch_id, context), self.d.eta.get(request.batch_id))
+    async def get(self, batch_id: str, caller: Caller) -> BatchStatus:
+        """The batch and its ETA (``NotFound`` for one the caller may not see)."""
+        return BatchStatus(await self._info(batch_id, caller), self.d.eta.get(batch_id))
 
-    async def CancelBatch(self, request: pb.CancelBatchRequest, context) -> pb.Batch:
-        await self._get(request.batch_id, context)
-        removed = await asyncio.to_thread(self.d.queue.cancel_batch, request.batch_id)
-        log.info("batch %s: cancel requested, %d queued queries removed", request.batch_id, max(removed, 0))
-        return batch_proto(await self._get(request.batch_id, context))
+    async def cancel(self, batch_id: str, caller: Caller) -> BatchStatus:
+        """Ask the batch to stop: its queued queries go at once, running ones at their workers' next tick."""
+        await self._info(batch_id, caller)
+        removed = await asyncio.to_thread(self.d.queue.cancel_batch, batch_id)
+        log.info("batch %s: cancel requested, %d queued queries removed", batch_id, max(removed, 0))
+        return BatchStatus(await self._info(batch_id, caller))
 
-    async def StreamResults(self, request: pb.StreamResultsRequest, context) -> AsyncIterator[pb.QueryResult]:
-        await self._get(request.batch_id, context)
-        if request.start_index < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start_index must be >= 0")
-        idx = request.start_index
+    async def results(
+        self, batch_id: str, start_index: int, follow: bool, caller: Caller
+    ) -> AsyncIterator[QueryResult]:
+        """The batch's results from ``start_index`` on, in the order they were written; ``follow``: until
+        the batch is final and every result has been read."""
+        await self._info(batch_id, caller)
+        if start_index < 0:
+            raise InvalidRequest("start_index must be >= 0")
+        idx = start_index
         q = self.d.queue
         while True:
-            rows = await asyncio.to_thread(q.query_results, request.batch_id, idx, idx + 499)
+            rows = await asyncio.to_thread(q.query_results, batch_id, idx, idx + 499)
             for r in rows:
-                yield result_proto(r)
+                yield r
             idx += len(rows)
             if rows:
                 continue
-            info = await asyncio.to_thread(q.batch, request.batch_id)
-            if not request.follow or info is None:
+            info = await asyncio.to_thread(q.batch, batch_id)
+            if not follow or info is None:
                 return
             if info.final:
-                if await asyncio.to_thread(q.result_count, request.batch_id) <= idx:
+                if await asyncio.to_thread(q.result_count, batch_id) <= idx:
                     return
                 continue
             await asyncio.sleep(0.05)
 
-    async def ListClusters(self, request, context) -> pb.ListClustersResponse:
+    async def clusters(self) -> list[tuple[ClusterInfo, ClusterView]]:
+        """Every listed cluster with its view (capacity, pending work) as assignment sees it."""
         infos = await asyncio.to_thread(read_clusters, self.d.queue, listed=True)
         views = cluster_views(infos)
         self.d.metrics.observe_clusters(infos, views)
-        return pb.ListClustersResponse(
-            clusters=[cluster_proto(i, v) for i, v in zip(infos, views, strict=True)]
-        )
+        return list(zip(infos, views, strict=True))

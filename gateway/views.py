@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.capacity import effective_capacity
-from gateway.policies import ClusterView, QueryLoad
-from gateway.rebalance import expected_finish_s
+from gateway.policies import ClusterView, QueryLoad, expected_finish_s
 from protos import fleetbatch_pb2 as pb
 from workqueue import ClusterInfo, WorkQueue
 

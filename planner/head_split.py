@@ -20,10 +20,37 @@ it (``Problem.head_split``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
-if TYPE_CHECKING:  # costs imports this module
-    from planner.costs import Assignment, Problem
+from planner.memory import MemoryModel
+
+
+class StageCosts(Protocol):
+    """What the balance reads of the problem (:class:`planner.costs.Problem` is one): the head's and the
+    driver's seconds on a device at a micro-batch size, and the memory model. Declared here, so this
+    module needs nothing of :mod:`planner.costs`, which uses it."""
+
+    @property
+    def memory(self) -> MemoryModel: ...
+
+    def head_s(self, dev: int, v: int) -> float: ...
+
+    def driver_s(self, dev: int, v: int) -> float: ...
+
+
+class Pipeline(Protocol):
+    """What the balance reads of an assignment (:class:`planner.costs.Assignment` is one): its stages'
+    devices in order and its micro-batch sizes."""
+
+    @property
+    def order(self) -> Sequence[int]: ...
+
+    @property
+    def v_prefill(self) -> int: ...
+
+    @property
+    def v_decode(self) -> int: ...
 
 
 def head_share(dec_first: float, dec_last: float, head_first: float, head_last: float) -> float:
@@ -35,7 +62,7 @@ def head_share(dec_first: float, dec_last: float, head_first: float, head_last: 
 
 
 def split_head(
-    problem: Problem, a: Assignment, pre: list[float], dec: list[float], mem: list[int], cap: list[int]
+    problem: StageCosts, a: Pipeline, pre: list[float], dec: list[float], mem: list[int], cap: list[int]
 ) -> float:
     """Balance the first and last stage of ``a`` by a head share; updates ``pre``, ``dec`` and
     ``mem`` in place and returns the share (0 for one stage or when it would not help)."""

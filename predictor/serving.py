@@ -146,3 +146,8 @@ class LengthPredictor:
         if loaded.version != old:
             log.info("predictor reloaded: %s -> %s (%s)", old, loaded.version, loaded.path)
         return loaded.version
+
+
+def load_shipped(path: str | os.PathLike = shipped.SHIPPED_DIR) -> LengthPredictor:
+    """The model shipped with the project (:mod:`predictor.shipped`) as a :class:`LengthPredictor`."""
+    return LengthPredictor.from_dir(path)

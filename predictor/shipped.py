@@ -228,14 +228,6 @@ def describe(loaded: store.LoadedModel) -> str:
     return f"learned ({', '.join(parts)}; {where})"
 
 
-def load_shipped(path: str | os.PathLike = SHIPPED_DIR):
-    """The shipped model as a :class:`predictor.serving.LengthPredictor`."""
-    # here, not at the top: predictor.serving imports this module
-    from predictor.serving import LengthPredictor
-
-    return LengthPredictor.from_dir(path)
-
-
 def _run(args: argparse.Namespace) -> dict:
     if args.command == "export":
         info = None

@@ -20,4 +20,4 @@ if ! command -v "$PY" >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-exec "$PY" -m engines.gpu_check "$@"
+exec "$PY" -m engines.bench.gpu_check "$@"

@@ -1,4 +1,4 @@
-"""``python -m sim.cli study|scale|validate|deadlines``: MICO's study and the scale run in cost-model time.
+"""``fleetsim study|scale|validate|deadlines`` (or ``python -m sim.cli``): MICO's study and the scale run in cost-model time.
 
 The last line of the output is one JSON object (see ``docs/sim.md``).
 """
@@ -87,7 +87,7 @@ def _setup(args: argparse.Namespace) -> StudySetup:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m sim.cli",
+        prog="fleetsim",
         description="Discrete-event simulation of a fleet in cost-model time, driving the real assigner, "
         "offloading decision and engine scheduler.",
     )
@@ -209,7 +209,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     errors, message = (ValueError, FileNotFoundError), "error: {error}"
-    return run_main(build_parser(), argv, run, prog="sim", errors=errors, message=message, print_json=True)
+    return run_main(
+        build_parser(), argv, run, prog="fleetsim", errors=errors, message=message, print_json=True
+    )
 
 
 if __name__ == "__main__":

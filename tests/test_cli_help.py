@@ -6,6 +6,7 @@ import importlib
 import re
 import shutil
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ MODULES = {
     "predictor": "predictor.cli",
     "quant": "quant.cli",
     "loadgen": "load.cli",
+    "fleetsim": "sim.cli",
 }
 
 
@@ -54,3 +56,11 @@ def test_help_explains_every_subcommand(name, capsys):
 def test_unknown_subcommand_is_an_error_not_a_crash(name, capsys):
     code, _, err = call(MODULES[name], ["no-such-command"], capsys)
     assert code != 0 and "invalid choice" in err
+
+
+def test_every_command_is_a_console_script_of_the_package():
+    """pyproject's [project.scripts] names each command's module's ``main`` (``pip install -e .`` installs them)."""
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "scripts"
+    ]
+    assert scripts == {name: f"{module}:main" for name, module in MODULES.items()}

@@ -10,7 +10,7 @@ import sys
 import pytest
 from prometheus_client import generate_latest
 
-from engines.bench_pipeline import latency_error, listed_order_plan, slowdowns_from_speeds
+from engines.bench.pipeline import latency_error, listed_order_plan, slowdowns_from_speeds
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
@@ -130,7 +130,7 @@ def test_engine_profile_writes_a_profile_the_planner_plans_from(tmp_path):
 
 
 def test_merged_profile_is_the_mean_of_concurrent_ones():
-    from engines.profile import merge_profiles
+    from engines.bench.profile import merge_profiles
 
     def doc(t):
         return {"meta": {"wall_s": t}, "samples": {"16": {"decode": [[1, 16, t], [2, 16, 2 * t]]}}}

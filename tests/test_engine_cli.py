@@ -63,3 +63,23 @@ def test_bench_prints_one_json_object_last(data_root, tmp_path, capsys):
 def test_bench_rejects_unknown_method(capsys):
     assert main(["bench", "--methods", "static,magic"]) == 2
     assert "unknown method" in capsys.readouterr().err
+
+
+def test_prefix_bench_prints_the_cache_figures_last(data_root, capsys):
+    argv = [
+        "bench", "--prefix-workload", "--data-dir", str(data_root), "--size", "nano", "--num-queries", "10",
+        "--prefix-groups", "2", "--max-len", "4", "--repeats", "1",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["prefix_speedup"] > 0 and last["unique_slowdown"] < 1
+    assert 0 < last["hit_rate"] < 1
+    shared = last["runs"]["shared_prefix"]
+    assert shared["cache_off"]["tokens"] == shared["cache_on"]["tokens"] > 0
+    assert shared["cache_off"]["prefill_tokens_saved"] == 0 < shared["cache_on"]["prefill_tokens_saved"]
+    assert set(last["unique_tokens_per_s"]) == {"cache_off", "cache_on"}
+
+
+def test_prefix_bench_rejects_a_bad_share(capsys):
+    assert main(["bench", "--prefix-workload", "--unique-share", "1.5"]) == 2
+    assert "--unique-share" in capsys.readouterr().err

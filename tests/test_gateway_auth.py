@@ -248,7 +248,8 @@ class _HeldSubmissions(pb_grpc.BatchServiceServicer):
 
 
 def test_requests_past_the_in_flight_bytes_are_resource_exhausted_until_one_ends():
-    from gateway.limits import InflightBytes, InflightBytesInterceptor
+    from gateway.inflight_interceptor import InflightBytesInterceptor
+    from gateway.limits import InflightBytes
 
     budget = InflightBytes(len(submission(40).SerializeToString()) * 3 // 2)  # one such request fits
     service, loop, ready = _HeldSubmissions(), asyncio.new_event_loop(), threading.Event()

@@ -1,4 +1,4 @@
-"""`scripts/gpu-check.sh` (engines.gpu_check): its CPU dry run for real, and its answer on a machine without CUDA.
+"""`scripts/gpu-check.sh` (engines.bench.gpu_check): its CPU dry run for real, and its answer on a machine without CUDA.
 
 The GPU runs themselves need a GPU machine (see docs/engine.md); here the dry run drives check
 A's code on the CPU (a real 2-stage pipeline over gloo, compared token for token with one
@@ -13,10 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engines.gpu_check import REPO, run_check, version
-from engines.gpu_check_native import first_mismatch
-from engines.gpu_check_setup import Workload, uneven_cuts, write_plan
-from engines.gpu_check_vllm import PARTITION_ENV, translate
+from engines.bench.gpu_check import REPO, run_check, version
+from engines.bench.gpu_check_native import first_mismatch
+from engines.bench.gpu_check_setup import Workload, uneven_cuts, write_plan
+from engines.bench.gpu_check_vllm import PARTITION_ENV, translate
 
 
 def last_json(stdout: str) -> dict:
@@ -25,7 +25,7 @@ def last_json(stdout: str) -> dict:
 
 def test_cpu_dry_run_runs_check_a_and_translates_for_check_b():
     r = subprocess.run(
-        [sys.executable, "-m", "engines.gpu_check", "--cpu-dry-run"],
+        [sys.executable, "-m", "engines.bench.gpu_check", "--cpu-dry-run"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -21,7 +21,7 @@ from predictor import shipped, store
 from predictor.cli import main as predictor_main
 from predictor.labeled import split
 from predictor.pipeline import fit, save_version
-from predictor.serving import LengthPredictor
+from predictor.serving import LengthPredictor, load_shipped
 from predictor.training import TrainConfig
 from tests.predictor_fixtures import TINY, save_small_tokenizer, synthetic
 
@@ -73,7 +73,7 @@ def test_shipped_model_is_package_data_under_5_mb():
 
 def test_shipped_model_predicts_like_the_fp32_model_it_was_saved_from():
     ref = json.loads((shipped.SHIPPED_DIR / shipped.REFERENCE_FILE).read_text())
-    pred = shipped.load_shipped()
+    pred = load_shipped()
     assert not pred.is_fallback and pred.version.startswith("shipped-")
     loaded = store.load(shipped.SHIPPED_DIR)
     assert all(next(m.model.parameters()).dtype == torch.float32 for m in loaded.parts)

@@ -32,9 +32,10 @@ from sim.engines import IterationEngine  # noqa: E402
 from sim.workload import Workload  # noqa: E402
 
 BLOCK, STEP_TOKENS, CHUNK, MARGIN = 4, 24, 12, 0.1
-# (KV tokens, max_running): a tight cache (admission blocks, preemptions) and a roomy one with a
-# small batch (the batch fills up: the full-batch bulk path)
-CASES = {"tight-kv": (96, 5), "full-batch": (1024, 3)}
+# (KV tokens, max_running, prefix cache): a tight cache (admission blocks, preemptions: a preempted
+# query finds its own blocks cached), the same without the prefix cache, and a roomy one with a small
+# batch (the batch fills up: the full-batch bulk path)
+CASES = {"tight-kv": (96, 5, True), "tight-kv-no-prefix-cache": (96, 5, False), "full-batch": (1024, 3, True)}
 
 
 @pytest.fixture(autouse=True)
@@ -53,11 +54,11 @@ def parts():
 @pytest.fixture(scope="module", params=list(CASES))
 def real(request, parts):
     """The real engine's trace per case, run once for both bulk settings (one torch thread: the CPU is shared)."""
-    kv, running = CASES[request.param]
+    kv, running, cache = CASES[request.param]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return request.param, real_trace(parts, workload(), kv, running)
+        return request.param, real_trace(parts, workload(), kv, running, cache)
     finally:
         torch.set_num_threads(threads)
 
@@ -70,7 +71,7 @@ def workload(n: int = 40, seed: int = 2) -> Workload:
     return Workload(prompts, true, pred, [0.0] * n)
 
 
-def real_trace(parts, w: Workload, kv: int, running: int) -> tuple[list, LLMEngine]:
+def real_trace(parts, w: Workload, kv: int, running: int, cache: bool) -> tuple[list, LLMEngine]:
     model, tok = parts
     cfg = EngineConfig(
         kv_budget_tokens=kv,
@@ -79,6 +80,7 @@ def real_trace(parts, w: Workload, kv: int, running: int) -> tuple[list, LLMEngi
         prefill_chunk=CHUNK,
         max_running=running,
         safety_margin=MARGIN,
+        prefix_cache=cache,  # unique prompts: hits are a preempted query's own blocks (sim.engines.prompt_ids)
     )
     engine = LLMEngine(model, tok, cfg)
     plans = []
@@ -119,7 +121,7 @@ def real_trace(parts, w: Workload, kv: int, running: int) -> tuple[list, LLMEngi
     return trace, engine
 
 
-def sim_trace(w: Workload, bulk: bool, kv: int, running: int):
+def sim_trace(w: Workload, bulk: bool, kv: int, running: int, cache: bool = True):
     spec = ClusterSpec("c0", LinearCost(), "iteration", batch=running, kv_budget_tokens=kv)
     cfg = SimConfig(
         policy="round_robin",
@@ -129,6 +131,7 @@ def sim_trace(w: Workload, bulk: bool, kv: int, running: int):
         prefill_chunk=CHUNK,
         safety_margin=MARGIN,
         bulk=bulk,
+        prefix_cache=cache,
     )
     sim = Simulator([spec], w, cfg)
     engine = sim.clusters[0].engine
@@ -141,11 +144,13 @@ def sim_trace(w: Workload, bulk: bool, kv: int, running: int):
 def test_simulator_matches_the_real_engine_step_by_step(real, bulk):
     w = workload()
     case, (real, engine) = real
-    kv, running = CASES[case]
-    if case == "tight-kv":
+    kv, running, cache = CASES[case]
+    if case.startswith("tight-kv"):
         assert engine.num_preemptions > 0, "the case must exercise preemption"
         assert any(not step[0] for step in real[:20]), "admission must block at some step"
-    simulated, sim_engine, result = sim_trace(w, bulk, kv, running)
+    if cache and case == "tight-kv":
+        assert engine.kv.hit_tokens > 0, "a preempted query must find its own blocks cached"
+    simulated, sim_engine, result = sim_trace(w, bulk, kv, running, cache)
     assert len(simulated) == len(real)
     for i, (a, b) in enumerate(zip(real, simulated, strict=True)):
         assert a == b, f"step {i}: real {a} != simulated {b}"
@@ -153,6 +158,10 @@ def test_simulator_matches_the_real_engine_step_by_step(real, bulk):
     assert sim_engine.cumulative_kv_tokens == engine.cumulative_kv_tokens
     assert sim_engine.generated_tokens == engine.generated_tokens == sum(w.true_tokens)
     assert result.queries == len(w)
+    assert (sim_engine.kv.hit_tokens, sim_engine.kv.lookup_tokens) == (
+        engine.kv.hit_tokens,
+        engine.kv.lookup_tokens,
+    )
 
 
 @pytest.mark.parametrize("arrivals", ["all-at-once", "poisson"])

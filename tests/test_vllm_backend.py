@@ -123,3 +123,14 @@ def test_vllm_engine_generates_forced_lengths(tmp_path):
         for o in engine.step():
             done[o.request_id] = o.completion_tokens
     assert done == {"r0": 3, "r1": 9, "r2": 5}
+
+
+def test_vllm_engine_arguments_turn_prefix_caching_on_unless_told_not_to():
+    import argparse
+
+    from engines.vllm_backend import engine_kwargs
+
+    args = argparse.Namespace(plan=None, model="/models/m", max_batch=32, prefix_cache=True)
+    assert engine_kwargs(args) == {"model": "/models/m", "max_num_seqs": 32, "enable_prefix_caching": True}
+    args.prefix_cache = False
+    assert engine_kwargs(args)["enable_prefix_caching"] is False

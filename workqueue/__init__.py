@@ -1,7 +1,8 @@
 """The Redis queue layer shared by the gateway and the engine workers.
 
 One place for the key schema (:mod:`workqueue.keys`), the Lua scripts that make every
-multi-key change atomic (:mod:`workqueue.scripts`), the typed queue API
+multi-key change atomic (:mod:`workqueue.scripts`; their shared functions from one source,
+:mod:`workqueue.lua` and :mod:`workqueue.lua_queue`), the one lease primitive (:mod:`workqueue.lease`), the typed queue API
 (:mod:`workqueue.queue`, its claim and lease side in :mod:`workqueue.leases`, its batches in
 :mod:`workqueue.batches`, intake waits and lost intake lists in :mod:`workqueue.intake_ops`,
 the mover lease in :mod:`workqueue.mover`, many clusters or batches per round trip in

@@ -1,7 +1,7 @@
 """Lua scripts of a batch's life beyond its queries' claims: cancel, expiry at the deadline, the sweep
 that finishes a stopping batch's queued queries, and the landing of a background-intake chunk.
 
-They share :data:`workqueue.scripts.PRELUDE` and the rules :mod:`workqueue.scripts` lists, plus:
+They are composed from :data:`workqueue.lua_queue.LIBRARY` and keep the rules :mod:`workqueue.scripts` lists, plus:
 
 * **A stopping batch** is ``cancelling`` (its owner cancelled it) or ``expiring`` (its
   deadline passed): O(1) to mark, whatever the queues hold. Its queued queries are finished by
@@ -14,14 +14,13 @@ They share :data:`workqueue.scripts.PRELUDE` and the rules :mod:`workqueue.scrip
 
 from __future__ import annotations
 
-from workqueue.scripts import PRELUDE
+from workqueue.lua_queue import LIBRARY
 
 # KEYS: the batch's hash. ARGV: batch id, now. Marks the batch cancelling: O(1), whatever the queues hold. Its queued
 # queries are then cancelled by SWEEP_CANCELLED (bounded chunks) or when a CLAIM reaches them;
 # running ones are aborted by their workers. Returns -1 (unknown batch), 0 (already final) or 1.
-CANCEL = (
-    PRELUDE
-    + r"""
+CANCEL = LIBRARY.script(
+    r"""
 local bid, now = ARGV[1], ARGV[2]
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return -1 end
@@ -36,9 +35,8 @@ return 1
 # deadline passed expiring (ZSET {fb}:deadlines, scored by deadline): like a cancel, O(1) each; their queued queries
 # are then finished as batch_expired by SWEEP_CANCELLED or the CLAIM that reaches them, running ones are aborted by
 # their workers and recorded expired, finished ones are kept. A batch being cancelled stays cancelled. Returns the ids.
-EXPIRE_DUE = (
-    PRELUDE
-    + r"""
+EXPIRE_DUE = LIBRARY.script(
+    r"""
 local now = ARGV[1]
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
 local out = {}
@@ -60,9 +58,8 @@ return out
 # stop_reason()): each leaves the queue (ZREM), so one call costs O(count log n), never a scan of a whole
 # million-query queue per id. Ids without a query hash are dropped without recreating one.
 # Returns {finished, looked at, next start}.
-SWEEP_CANCELLED = (
-    PRELUDE
-    + r"""
+SWEEP_CANCELLED = LIBRARY.script(
+    r"""
 local c, start, count, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local ids = redis.call('ZRANGE', KEYS[1], start, start + count - 1)
 local reasons = {}
@@ -97,11 +94,10 @@ return {n, #ids, start + #ids - removed}
 # as cancelled. The first chunk turns a ``validating`` batch ``in_progress``; the last one takes
 # the batch out of the intake set. Returns rows handled, or -1 (lease lost), -2 (no batch),
 # -3 (cursor moved on: another replica enqueued it).
-ENQUEUE_CHUNK = (
-    PRELUDE
-    + r"""
+ENQUEUE_CHUNK = LIBRARY.script(
+    r"""
 local bid, token, cursor, now, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
-if redis.call('GET', KEYS[2]) ~= token then return -1 end
+if not lease_held(KEYS[2], token) then return -1 end
 local b = KEYS[1]
 local h = redis.call('HMGET', b, 'status', 'intake_done', 'intake_total', 'queries_per_cluster',
                      'predicted_tokens_per_cluster', 'order_key')
@@ -154,7 +150,7 @@ if next(touched) ~= nil then
   redis.call('HSET', b, 'queries_per_cluster', cjson.encode(per_q), 'predicted_tokens_per_cluster', cjson.encode(per_t))
 end
 if redis.call('HGET', b, 'status') == 'validating' then redis.call('HSET', b, 'status', 'in_progress') end
-redis.call('PEXPIRE', KEYS[2], lease_ms)
+lease_renew(KEYS[2], token, lease_ms)
 return n
 """
 )

@@ -37,28 +37,14 @@ STAGE_CHUNK = 5000  # rows one staging transaction of accept_batch writes
 STAGE_TTL_S = 3600  # a staging list left by a gateway that died while accepting expires after this
 
 #: batch ids whose background intake is unfinished (ZSET, scored by acceptance time)
-INTAKE = keys.PREFIX + "intake"
-# Release the intake lease only when it is still this token's.
-RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+INTAKE = keys.INTAKE
 
 
 #: batch hash fields ``left:<cluster>``: predicted tokens of the batch's unfinished queries on that cluster
 LEFT = "left:"
 
-
-def intake_key(batch_id: str) -> str:
-    """LIST of the batch's accepted rows not yet enqueued (JSON, in submission order)."""
-    return keys.batch(batch_id) + ":intake"
-
-
-def intake_lease_key(batch_id: str) -> str:
-    """STR: who enqueues the batch's rows now (``SET NX PX``; expires)."""
-    return keys.batch(batch_id) + ":intake-lease"
-
-
-def staging_key(batch_id: str, token: str) -> str:
-    """LIST: rows of one submission being stored, before its batch exists (expires)."""
-    return keys.batch(batch_id) + ":staging:" + token
+#: the batch's intake list, its intake lease and a submission's staging list (:mod:`workqueue.keys`)
+intake_key, intake_lease_key, staging_key = keys.intake, keys.intake_lease, keys.staging
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,9 @@ from typing import Any
 
 import redis
 
-from workqueue import keys, scripts
+from workqueue import keys
 from workqueue.batches import (
     INTAKE,
-    RELEASE,
     STAGE_CHUNK,
     STAGE_TTL_S,
     Schedule,
@@ -34,6 +33,8 @@ from workqueue.batches import (
     intake_lease_key,
     staging_key,
 )
+from workqueue.lease import Lease
+from workqueue.lua_queue import LIBRARY
 from workqueue.ordering import QueueOrder
 from workqueue.records import BatchState, as_int
 
@@ -49,9 +50,8 @@ return redis.call('HGET', KEYS[1], ARGV[2])
 
 # KEYS: batch hash, intake list, intake set. ARGV: batch id, why, now.
 # Returns the rows counted lost; 0: nothing was left to enqueue; -1: the list is there; -2: no batch.
-LOST_INTAKE = (
-    scripts.PRELUDE
-    + r"""
+LOST_INTAKE = LIBRARY.script(
+    r"""
 local b, bid = KEYS[1], ARGV[1]
 local h = redis.call('HMGET', b, 'status', 'intake_done', 'intake_total')
 if not h[1] then return -2 end
@@ -86,7 +86,6 @@ class IntakeOps:
     def _init_intake_ops(self, client: redis.Redis) -> None:
         self._wait = client.register_script(WAIT)
         self._lost_intake = client.register_script(LOST_INTAKE)
-        self._release_intake = client.register_script(RELEASE)
 
     def accept_batch(
         self,
@@ -161,11 +160,13 @@ class IntakeOps:
 
     def take_intake(self, batch_id: str, token: str, ttl_s: float) -> bool:
         """Take the batch's intake lease (True: this token may enqueue its rows for ``ttl_s``)."""
-        return bool(self.r.set(intake_lease_key(batch_id), token, nx=True, px=max(1, int(ttl_s * 1000))))
+        return Lease(self.r, intake_lease_key(batch_id), token, ttl_s).acquire()
 
     def drop_intake(self, batch_id: str, token: str) -> None:
         """Give the intake lease back, if ``token`` still holds it."""
-        self._release_intake(keys=[intake_lease_key(batch_id)], args=[token])
+        Lease(
+            self.r, intake_lease_key(batch_id), token, ttl_s=1.0
+        ).release()  # (a release has no use for the ttl)
 
     def intake_state(self, batch_id: str, n: int, start: int = 0) -> tuple[str | None, int, int, list[str]]:
         """``(status, intake_done, intake_total, n rows from index start)`` of a batch in intake (the

@@ -19,6 +19,23 @@ Keys (prefix ``{fb}:``)::
     {fb}:b:{batch}:done           SET   query ids with a result (makes results write-once)
     {fb}:observed                 LIST  observed (prompt, length) records for predictor retraining
     {fb}:mover                    STR   the mover lease: who may move queued work now (expires)
+    {fb}:intake                   ZSET  batch ids whose background intake is unfinished, by acceptance time
+    {fb}:b:{batch}:intake         LIST  the batch's accepted rows not yet enqueued (JSON, in submission order)
+    {fb}:b:{batch}:intake-lease   STR   the intake lease: who enqueues the batch's rows now (expires)
+    {fb}:b:{batch}:staging:{tok}  LIST  rows of one submission being stored, before its batch exists (expires)
+
+Keys of the gateway (its HTTP front and its per-client quota)::
+
+    {fb}:gw:client:{client}:batches  SET   a client's batch ids (the quota's count)
+    {fb}:oai:batches              ZSET  ids of batches created over HTTP, by creation time
+    {fb}:oai:finalize             SET   ids of HTTP batches whose output files are not written yet
+    {fb}:oai:expire               ZSET  ``b:<batch id>`` and ``f:<file id>`` by the time their retention ends
+    {fb}:oai:b:{batch}            HASH  an HTTP batch's record (input file, endpoint, output files, usage)
+    {fb}:oai:b:{batch}:lease      STR   the finalizer lease: which gateway writes the batch's files now (expires)
+    {fb}:oai:fdel:{file}          STR   counter: the file is being deleted (expires)
+
+A lease (``mover``, ``intake-lease``, the finalizer's) is taken, renewed and given back only
+through :mod:`workqueue.lease`.
 
 A query's global id ``gid`` is ``{batch_id}:{query_id}``; batch ids never contain ``:``.
 
@@ -56,6 +73,10 @@ DEADLINES = PREFIX + "deadlines"
 SEQ = PREFIX + "seq"
 OBSERVED = PREFIX + "observed"
 MOVER = PREFIX + "mover"
+INTAKE = PREFIX + "intake"
+OAI_BATCHES = PREFIX + "oai:batches"
+OAI_FINALIZE = PREFIX + "oai:finalize"
+OAI_EXPIRE = PREFIX + "oai:expire"
 
 
 def _key(name: str, part: str) -> str:
@@ -107,6 +128,34 @@ def done(batch_id: str) -> str:
     return _key("done", batch_id)
 
 
+def intake(batch_id: str) -> str:
+    return batch(batch_id) + ":intake"
+
+
+def intake_lease(batch_id: str) -> str:
+    return batch(batch_id) + ":intake-lease"
+
+
+def staging(batch_id: str, token: str) -> str:
+    return batch(batch_id) + ":staging:" + token
+
+
+def client_batches(client: str) -> str:
+    return f"{PREFIX}gw:client:{client}:batches"
+
+
+def oai_record(batch_id: str) -> str:
+    return f"{PREFIX}oai:b:{batch_id}"
+
+
+def oai_finalize_lease(batch_id: str) -> str:
+    return oai_record(batch_id) + ":lease"
+
+
+def oai_deleting(file_id: str) -> str:
+    return f"{PREFIX}oai:fdel:{file_id}"
+
+
 def gid(batch_id: str, query_id: str) -> str:
     return f"{batch_id}:{query_id}"
 
@@ -117,9 +166,11 @@ def split_gid(g: str) -> tuple[str, str]:
 
 
 def lua_functions() -> str:
-    """``local function k_<name>(x) ... end`` for every template: the scripts' key builders."""
+    """``local function k_<name>(x) ... end`` for every template, and ``K_DEADLINES``, ``K_SEQ``: the scripts'
+    key builders and the fixed keys they meet on the way."""
     lines = []
     for name, template in TEMPLATES.items():
         head, tail = (PREFIX + template).split("%s")
         lines.append(f"local function k_{name}(x) return '{head}' .. x .. '{tail}' end")
+    lines += [f"local K_DEADLINES = '{DEADLINES}'", f"local K_SEQ = '{SEQ}'"]
     return "\n".join(lines) + "\n"

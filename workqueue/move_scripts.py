@@ -2,7 +2,8 @@
 queue (offloading, evacuation, rebalance) or to fail them (a removed cluster's queries that can
 run nowhere else).
 
-They share :data:`workqueue.scripts.PRELUDE` and the rules :mod:`workqueue.scripts` lists, plus
+They are composed from :data:`workqueue.lua_queue.LIBRARY` (extended with the functions below) and keep the
+rules :mod:`workqueue.scripts` lists, plus
 ``take``: how planned ids are found (among the last ``window`` entries: O(log n) an id) and removed, and
 ``land``: how moved ids arrive on the destination (each at its own rank: a moved query keeps its place
 in the order, :mod:`workqueue.ordering`; the ``pending`` counters, the batch's tokens left by cluster and
@@ -11,11 +12,9 @@ the clusters' move statistics), the same for every kind of move.
 
 from __future__ import annotations
 
-from workqueue.scripts import PRELUDE
+from workqueue.lua_queue import LIBRARY
 
-MOVE_PRELUDE = (
-    PRELUDE
-    + r"""
+MOVE_FUNCTIONS = r"""
 -- Put ids (listed back of src first) in dst's queue KEYS[2], each at its own rank (its place in the order);
 -- their tokens go from KEYS[3] to KEYS[4], and from the batch's count of tokens left on src to dst's.
 local function land(moved, src, dst)
@@ -60,14 +59,13 @@ local function take(queue, window, want, left)
   return out
 end
 """
-)
+MOVES = LIBRARY.extended(MOVE_FUNCTIONS)
 
 # KEYS: queue of src, queue of dst, pending of src, pending of dst. ARGV: src, dst, n. Moves up to n queries from the back of src's
 # queue (those that would run last) to dst's, each at its rank; ids without a query hash are dropped on the way.
 # Returns {moved, predicted tokens moved}.
-MOVE_TAIL = (
-    MOVE_PRELUDE
-    + r"""
+MOVE_TAIL = MOVES.script(
+    r"""
 local n, moved = tonumber(ARGV[3]), {}
 while #moved < n do
   local g = redis.call('ZPOPMAX', KEYS[1])[1]
@@ -80,9 +78,8 @@ return {#moved, tostring(land(moved, ARGV[1], ARGV[2]))}
 
 # KEYS: as MOVE_TAIL. ARGV: src, dst, window, gid... Moves exactly those ids still queued on src among its last `window`
 # entries to dst, each at its rank. Cost: O(log n) an id.
-MOVE_IDS = (
-    MOVE_PRELUDE
-    + r"""
+MOVE_IDS = MOVES.script(
+    r"""
 local want, left = {}, 0
 for i = 4, #ARGV do if not want[ARGV[i]] then want[ARGV[i]] = true; left = left + 1 end end
 local found = take(KEYS[1], tonumber(ARGV[3]), want, left)
@@ -93,9 +90,8 @@ return {#found, tostring(land(found, ARGV[1], ARGV[2]))}
 # KEYS: queue, pending of the cluster. ARGV: cluster, window, now, then gid, result JSON pairs. Those ids still
 # queued on the cluster (looked for as MOVE_IDS does) leave its queue and its pending counter and are finished as
 # failed with their result (write-once: ``finish``). Returns how many were failed.
-FAIL_IDS = (
-    MOVE_PRELUDE
-    + r"""
+FAIL_IDS = MOVES.script(
+    r"""
 local now, rows, want, left = ARGV[3], {}, {}, 0
 for i = 4, #ARGV - 1, 2 do
   if not want[ARGV[i]] then want[ARGV[i]], rows[ARGV[i]], left = true, ARGV[i + 1], left + 1 end

@@ -3,9 +3,8 @@
 Tail moves come from the offloader of every gateway replica and from admin rebalance. Each
 reads the queues, plans, then moves; two planners working from the same snapshot would both
 move the same surplus (work ping-pongs, and a queue can be emptied twice over). So a mover
-takes the lease (``SET key token NX PX ttl``) before it reads and gives it back (deleted
-only if the token is still its own) after its last move. A mover that dies holding it
-blocks others for at most ``ttl_s``. Lease time is Redis time (``PX``), as for query leases.
+takes the lease (a :class:`workqueue.lease.Lease` on ``keys.MOVER``) before it reads and gives it
+back after its last move. A mover that dies holding it blocks others for at most ``ttl_s``.
 """
 
 from __future__ import annotations
@@ -17,12 +16,7 @@ from types import TracebackType
 import redis
 
 from workqueue import keys
-
-# Delete the lease only when it is still held by this token (a lapsed lease may belong to another).
-RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+from workqueue.lease import Lease
 
 
 class MoverLease:
@@ -36,30 +30,28 @@ class MoverLease:
     ) -> None:
         if not ttl_s > 0:
             raise ValueError(f"mover lease ttl_s must be > 0, not {ttl_s}")
-        self.r = client
-        self.token = f"{owner}:{uuid.uuid4().hex}"
-        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.lease = Lease(client, keys.MOVER, f"{owner}:{uuid.uuid4().hex}", ttl_s)
+        self.token = self.lease.token
         self.wait_s = wait_s
         self.poll_s = poll_s
         self.held = False
-        self._release = client.register_script(RELEASE)
 
     def acquire(self) -> bool:
         deadline = time.monotonic() + self.wait_s
         while True:
-            self.held = bool(self.r.set(keys.MOVER, self.token, nx=True, px=self.ttl_ms))
+            self.held = self.lease.acquire()
             if self.held or time.monotonic() >= deadline:
                 return self.held
             time.sleep(self.poll_s)
 
     def release(self) -> None:
         if self.held:
-            self._release(keys=[keys.MOVER], args=[self.token])
+            self.lease.release()
             self.held = False
 
     def holder(self) -> str | None:
         """Who holds the lease now (``owner:token``), if anyone."""
-        return self.r.get(keys.MOVER)
+        return self.lease.holder()
 
     def __enter__(self) -> bool:
         return self.acquire()

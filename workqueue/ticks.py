@@ -25,18 +25,18 @@ from dataclasses import dataclass
 import redis
 from redis.commands.core import Script
 
-from workqueue import keys, move_scripts, scripts
+from workqueue import keys, move_scripts
 from workqueue.batches import INTAKE, SWEEP_CHUNK, batch_info, intake_key, intake_lease_key
+from workqueue.lease import ttl_ms
+from workqueue.lua_queue import LIBRARY
 from workqueue.records import BatchInfo, as_float
 from workqueue.script_call import ScriptCall, execute
 from workqueue.wake import announce
 
 # ARGV: none. Requeues the lapsed leases of every cluster in the cluster set (as REQUEUE_EXPIRED does
 # for one) and returns {name, requeued, name, requeued, ...}.
-REQUEUE_ALL = (
-    scripts.PRELUDE
-    + scripts.REQUEUE_LAPSED
-    + r"""
+REQUEUE_ALL = LIBRARY.script(
+    r"""
 local out = {}
 local now = server_now()
 for _, c in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -51,9 +51,8 @@ return out
 UNFINISHED_READ = 1000  # unfinished batches an offloader tick reads (for their ETAs), earliest deadline first
 
 # KEYS: the deadlines set. ARGV: n. The first n unfinished batches with a deadline: {id, HGETALL of its hash, ...}.
-READ_UNFINISHED = (
-    scripts.PRELUDE
-    + r"""
+READ_UNFINISHED = LIBRARY.script(
+    r"""
 local out = {}
 for _, bid in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
   out[#out + 1] = bid
@@ -184,7 +183,7 @@ class TickOps:
         k = [keys.batch(batch_id), intake_lease_key(batch_id), intake_key(batch_id), INTAKE, keys.CLUSTERS]
         calls, at, now = [], cursor, self.clock()
         for rows in parts:
-            args: list = [batch_id, token, at, now, max(1, int(ttl_s * 1000))]
+            args: list = [batch_id, token, at, now, ttl_ms(ttl_s)]
             for g, payload, tokens, c in rows:
                 args += [g, payload, tokens, c]
             calls.append((k, args))

@@ -15,8 +15,8 @@ import redis
 
 from workqueue import keys
 from workqueue.batches import INTAKE
+from workqueue.lua_queue import LIBRARY
 from workqueue.ordering import QueueOrder
-from workqueue.scripts import PRELUDE
 
 ORDER_KEY_OF = r"""
 -- A batch's order key: the one in its hash, else its creation plus `after` seconds, written into its hash.
@@ -28,13 +28,12 @@ local function order_key_of(bid, after)
   return key
 end
 """
+UPGRADES = LIBRARY.extended(ORDER_KEY_OF)
 
 # KEYS: the cluster's queue. ARGV: the seconds after its creation a batch without an order key is keyed at.
 # Returns how many ids moved from the list to the sorted set, -1 when the queue was not a list (nothing to do).
-UPGRADE_QUEUE = (
-    PRELUDE
-    + ORDER_KEY_OF
-    + r"""
+UPGRADE_QUEUE = UPGRADES.script(
+    r"""
 if redis.call('TYPE', KEYS[1])['ok'] ~= 'list' then return -1 end
 local ids = redis.call('LRANGE', KEYS[1], 0, -1)
 redis.call('DEL', KEYS[1])
@@ -53,10 +52,8 @@ return #ids
 
 
 # KEYS: the intake set. ARGV: as UPGRADE_QUEUE. Gives every batch in background intake its order key.
-KEY_INTAKE = (
-    PRELUDE
-    + ORDER_KEY_OF
-    + r"""
+KEY_INTAKE = UPGRADES.script(
+    r"""
 for _, bid in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do order_key_of(bid, tonumber(ARGV[1])) end
 return 0
 """

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from engines.bench import load_queries
+from engines.bench.compare import load_queries
 from engines.config import EngineConfig, PipelineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams

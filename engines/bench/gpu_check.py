@@ -7,12 +7,12 @@
    code inside functions.
 2. Without CUDA (and without ``--cpu-dry-run``) nothing heavy runs: ``"cuda": false``, both
    checks ``skipped``, exit 0.
-3. Otherwise build a random llama (:mod:`engines.gpu_check_setup`) and an uneven 2-stage plan
+3. Otherwise build a random llama (:mod:`engines.bench.gpu_check_setup`) and an uneven 2-stage plan
    for it in a temporary directory, then run each check in its own process, under a time limit
    (a hung NCCL or vLLM start cannot eat the machine's lease: its process group is killed):
-   check A, :mod:`engines.gpu_check_native` (the native engine on the device, one process and
+   check A, :mod:`engines.bench.gpu_check_native` (the native engine on the device, one process and
    2 stages, tokens/s and greedy equality with the CPU), and check B,
-   :mod:`engines.gpu_check_vllm` (vLLM with the plan's ``pipeline_parallel_size`` and
+   :mod:`engines.bench.gpu_check_vllm` (vLLM with the plan's ``pipeline_parallel_size`` and
    ``VLLM_PP_LAYER_PARTITION``; only the translation where vLLM or CUDA is missing).
 
 ``--cpu-dry-run`` runs check A's code on the CPU with the tiny model and a few tokens, and of
@@ -40,7 +40,7 @@ from typing import Any
 
 log = logging.getLogger("gpu-check")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: what the checks import (the engine, the model code); vllm is optional (check B only)
 REQUIRED = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "tqdm")
 
@@ -118,7 +118,7 @@ def skipped(reason: str, **more: Any) -> dict[str, Any]:
 def vllm_check(
     info: dict[str, Any], model_dir: Path, plan: Path, w, timeout_s: float, dry_run: bool
 ) -> dict[str, Any]:
-    from engines.gpu_check_vllm import described, translate
+    from engines.bench.gpu_check_vllm import described, translate
 
     why = None
     if dry_run:
@@ -132,11 +132,11 @@ def vllm_check(
     if timeout_s < 30:
         return skipped(f"no time left ({timeout_s:.0f} s of the budget)")
     argv = ["--model-dir", str(model_dir), "--plan", str(plan), "--workload", json.dumps(w.to_dict())]
-    return run_check("engines.gpu_check_vllm", argv, timeout_s)
+    return run_check("engines.bench.gpu_check_vllm", argv, timeout_s)
 
 
 def run_checks(info: dict[str, Any], args) -> dict[str, Any]:
-    from engines.gpu_check_setup import DRY_RUN, Workload, prepare
+    from engines.bench.gpu_check_setup import DRY_RUN, Workload, prepare
 
     w = DRY_RUN if args.cpu_dry_run else Workload()
     w = replace(w, **{k: v for k, v in (("size", args.size), ("queries", args.queries)) if v})
@@ -148,7 +148,7 @@ def run_checks(info: dict[str, Any], args) -> dict[str, Any]:
         argv = ["--model-dir", str(model_dir), "--plan", str(plan), "--device", device]
         argv += ["--workload", json.dumps(w.to_dict())]
         log.info("check A: the native engine on %s", device)
-        native = run_check("engines.gpu_check_native", argv, args.native_timeout_s)
+        native = run_check("engines.bench.gpu_check_native", argv, args.native_timeout_s)
         log.info("check A: %s", native["status"])
         log.info("check B: vLLM with the translated plan")
         left = args.budget_s - (time.monotonic() - t0)

@@ -1,7 +1,7 @@
 """Check B of the GPU check: vLLM serving the saved model with the plan's translated settings.
 
-``python -m engines.gpu_check_vllm --model-dir D --plan P [--workload JSON]`` (started by
-:mod:`engines.gpu_check` with a time limit) translates the uneven 2-stage plan with
+``python -m engines.bench.gpu_check_vllm --model-dir D --plan P [--workload JSON]`` (started by
+:mod:`engines.bench.gpu_check` with a time limit) translates the uneven 2-stage plan with
 :func:`engines.vllm_backend.plan_to_vllm` into ``pipeline_parallel_size`` 2 and
 ``VLLM_PP_LAYER_PARTITION``, and runs vLLM offline (``vllm.LLM``) on the saved random model:
 greedy, every query forced to ``gen_len`` tokens, timed after a warm-up.
@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from engines.gpu_check_setup import Workload
+from engines.bench.gpu_check_setup import Workload
 from engines.vllm_backend import plan_to_vllm
 from planfile import load_plan
 
@@ -69,7 +69,7 @@ def run(model_dir: str, w: Workload, s: dict[str, Any]) -> dict[str, Any]:
     """vLLM offline with the settings ``s`` of :func:`translate`: start, warm up, time the queries."""
     from vllm import LLM, SamplingParams
 
-    from engines.gpu_check_setup import prompt_ids
+    from engines.bench.gpu_check_setup import prompt_ids
     from localmodels import load_model
 
     os.environ.pop(PARTITION_ENV, None)

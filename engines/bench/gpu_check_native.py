@@ -1,7 +1,7 @@
 """Check A of the GPU check: the native engine on a device, one process and with a 2-stage plan.
 
-``python -m engines.gpu_check_native --model-dir D --plan P --device cuda [--workload JSON]``
-(started by :mod:`engines.gpu_check`, which gives it a time limit) runs the saved model
+``python -m engines.bench.gpu_check_native --model-dir D --plan P --device cuda [--workload JSON]``
+(started by :mod:`engines.bench.gpu_check`, which gives it a time limit) runs the saved model
 
 * on the CPU, greedily, on the first ``compare`` prompts: the reference;
 * on ``--device`` in one process: the same prompts (are the greedy tokens the CPU's?), then all
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from engines.bench.gpu_check_setup import Workload, prompt_ids
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
-from engines.gpu_check_setup import Workload, prompt_ids
 from engines.interface import Request, SamplingParams
 from engines.stage_worker import backend_for
 from localmodels import load_model
