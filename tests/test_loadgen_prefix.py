@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from load.cli import main
+
+pytestmark = pytest.mark.slow  # two `gateway up` runs of three engines each, and the replay: ~2 min
 
 
 def test_a_tiny_prefix_run_prints_every_figure(tmp_path, capsys, data_root):
