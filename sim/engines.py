@@ -43,13 +43,17 @@ Trace = list[
 ]  # per step: admitted, finished ids, tokens computed, KV held
 
 
-def prompt_ids(work: Workload, qid: int) -> list[int]:
-    """Token ids for query ``qid`` that hit the prefix cache as its real prompt would: the head it shares
-    with its prefix group is the same for the group's queries (``-(group + 1)``), the rest its own (``qid``)."""
-    n = work.prompt_tokens[qid]
+def prefix_keys(work: Workload, qid: int, block_size: int, num_tokens: int) -> list[int]:
+    """Prefix-cache keys of query ``qid``'s first ``ceil(num_tokens / block_size)`` blocks, equal where the
+    engine's hash-chained keys (:func:`engines.kv_cache.block_keys`) would be: a block wholly inside the
+    head it shares with its prefix group (``Workload.prefix_group``, ``prefix_tokens``) has the group's
+    key for that position, every later block one of its own. Set on the sequence up front, they spare
+    the simulator hashing its token ids (the ids are zeros)."""
+    n = -(-num_tokens // block_size)
     g = work.prefix_group[qid] if work.prefix_group else None
-    shared = work.prefix_tokens[qid] if g is not None and work.prefix_tokens else 0
-    return [-(g + 1)] * shared + [qid] * (n - shared) if g is not None else [qid] * n
+    shared = min(n, work.prefix_tokens[qid] // block_size) if g is not None and work.prefix_tokens else 0
+    head, own = (g + 1 if g is not None else 0) << 32, -((qid + 1) << 24)
+    return [head + j for j in range(shared)] + [own - j for j in range(shared, n)]
 
 
 class SimSequence(Sequence):
@@ -137,14 +141,18 @@ class IterationEngine:
             self.failed.append(qid)
             return
         pred = int(w.predicted_tokens[qid])
-        self.scheduler.add(
-            SimSequence(
-                str(qid),
-                prompt_ids(w, qid),
-                SamplingParams(max_tokens=self.max_tokens, forced_length=w.true_tokens[qid]),
-                predicted_tokens=pred or None,
-            )
+        n = w.prompt_tokens[qid]
+        seq = SimSequence(
+            str(qid),
+            [0] * n,
+            SamplingParams(max_tokens=self.max_tokens, forced_length=w.true_tokens[qid]),
+            predicted_tokens=pred or None,
         )
+        if self.kv.prefix_cache:  # keys for every block it can fill: prompt and output
+            seq.block_keys = prefix_keys(
+                w, qid, self.kv.block_size, n + max(self.max_tokens, w.true_tokens[qid])
+            )
+        self.scheduler.add(seq)
         self._added = True
 
     def has_unfinished(self) -> bool:

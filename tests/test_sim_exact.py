@@ -80,7 +80,7 @@ def real_trace(parts, w: Workload, kv: int, running: int, cache: bool) -> tuple[
         prefill_chunk=CHUNK,
         max_running=running,
         safety_margin=MARGIN,
-        prefix_cache=cache,  # unique prompts: hits are a preempted query's own blocks (sim.engines.prompt_ids)
+        prefix_cache=cache,  # unique prompts: hits are a preempted query's own blocks (sim.engines.prefix_keys)
     )
     engine = LLMEngine(model, tok, cfg)
     plans = []

@@ -7,7 +7,7 @@ import random
 
 from sim.core import ClusterSpec, SimConfig, Simulator
 from sim.costs import LinearCost
-from sim.engines import prompt_ids
+from sim.engines import prefix_keys
 from sim.workload import Workload
 
 
@@ -33,15 +33,15 @@ def run(work: Workload, policy: str = "prefix", cache: bool = True, kv: int = 61
     return Simulator(specs, work, SimConfig(policy=policy, offload=False, prefix_cache=cache)).run()
 
 
-def test_a_groups_queries_share_their_head_ids_and_nothing_else():
+def test_a_groups_queries_share_the_keys_of_their_whole_head_blocks_and_nothing_else():
     w = shared_workload(40, 3)
-    ids = {q: prompt_ids(w, q) for q in range(len(w))}
+    keys = {q: prefix_keys(w, q, 16, w.prompt_tokens[q] + 64) for q in range(len(w))}
     for a in range(len(w)):
+        assert len(keys[a]) == -(-(w.prompt_tokens[a] + 64) // 16)
         for b in range(a + 1, len(w)):
-            common = next((k for k, (x, y) in enumerate(zip(ids[a], ids[b], strict=False)) if x != y), None)
+            common = next(k for k, (x, y) in enumerate(zip(keys[a], keys[b], strict=False)) if x != y)
             ga, gb = w.prefix_group[a], w.prefix_group[b]
-            want = w.prefix_tokens[a] if ga is not None and ga == gb else 0
-            assert common == want
+            assert common == (w.prefix_tokens[a] // 16 if ga is not None and ga == gb else 0)
 
 
 def test_the_cache_cuts_the_prefill_charged_on_shared_prefixes_and_changes_nothing_on_unique_ones():
