@@ -14,7 +14,7 @@ other's prefixes. So:
 * **Splits.** A group is split only when its charged tokens exceed the largest target (no
   cluster's share of this batch holds it) or no one cluster fits all its rows. It is then cut
   into as few pieces as the deficits allow: each piece fills the largest remaining deficit, in
-  the group's order (nested sharing side by side), the rest goes whole once it fits one.
+  the batch's order, the rest goes whole once it fits one.
 * **Queue order** (:meth:`PrefixPolicy.queue_order`): units longest predicted response first (its
   longest row), a group's rows next to each other, longest first inside it; so each cluster's
   queue holds a group's rows together and its prefix stays cached while they run.
