@@ -79,7 +79,8 @@ def shared_prefix_rows(
     blocks = _blocks(groups, prefix_words, rng, root) if grouped else []
     weights = [rng.uniform(0.5, 1.5) for _ in blocks]
     sizes = [1] * len(blocks)
-    for g in rng.choices(range(len(blocks)), weights=weights, k=max(0, grouped - len(blocks))):
+    extra = max(0, grouped - len(blocks))  # choices over no blocks fails, even for none
+    for g in rng.choices(range(len(blocks)), weights=weights, k=extra) if extra else []:
         sizes[g] += 1
     rows: list[Record] = []
     questions = iter(_questions(n, rng, root))

@@ -55,6 +55,12 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--prefix-words", default="120,480", help="words of a few-shot block, lo,hi (~200-800 tokens)"
     )
+    p.add_argument(
+        "--unique",
+        action="store_true",
+        help="the same questions with no shared prefix at all (fleetdata.prefixes.unique_rows): "
+        "what prefix-aware assignment and the cache cost where nothing is shared",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="cap on the recorded answer lengths")
     p.add_argument("--kv-budget", type=int, default=4096, help="each engine's KV cache, tokens")
     p.add_argument("--batch", type=int, default=8, help="engine batch size (max running queries)")
@@ -78,11 +84,12 @@ def add_arguments(p) -> None:
 def workload(args) -> tuple[list[WorkItem], dict[str, list]]:
     """The batch, and each row's ``[group, shared tokens]`` by query id as the gateway's rule finds them."""
     from fleetdata.datasets import response_lengths
-    from fleetdata.prefixes import shared_prefix_rows
+    from fleetdata.prefixes import shared_prefix_rows, unique_rows
     from localmodels import default_tokenizer
 
     lo, hi = (int(x) for x in args.prefix_words.split(","))
     rows = shared_prefix_rows(args.num, args.groups, args.unique_share, (lo, hi), args.seed)
+    rows = unique_rows(rows) if args.unique else rows
     tok = default_tokenizer()
     lengths = response_lengths(rows, tok)
     items = [

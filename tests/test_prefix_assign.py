@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fleetdata.prefixes import shared_prefix_rows
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.policies import ClusterView, QueryLoad, make_policy, queue_order, water_fill_targets
 from gateway.prefix_policy import charged, charged_tokens
@@ -55,6 +56,11 @@ def test_nested_sharing_keeps_one_coarse_group_with_each_rows_own_depth():
     got = find_prefixes([a + [1], b + [2], c + [3]])
     assert got[0][0] == got[1][0] == got[2][0]
     assert [p for _, p in got] == [128, 128, 64]
+
+
+def test_a_batch_with_no_groups_is_all_unique_rows(data_root):
+    rows = shared_prefix_rows(12, groups=0, unique_share=1.0, root=data_root)
+    assert len(rows) == 12 and all(r.meta["group"] is None for r in rows)
 
 
 # ---- the policy ----------------------------------------------------------------------------------
