@@ -99,8 +99,15 @@ def shared_prefix_rows(
 
 
 def unique_rows(rows: list[Record]) -> list[Record]:
-    """The same questions with no shared prefix (each row's question alone)."""
+    """The same questions with no shared prefix: each row's question alone, after a line naming the
+    row, so that no two prompts share even their first tokens (some sources' questions open with the
+    same instructions)."""
     return [
-        Record(r.meta.get("question", r.prompt), r.response, r.source, meta={"group": None, "system": ""})
-        for r in rows
+        Record(
+            f"Row {i}.\n{r.meta.get('question', r.prompt)}",
+            r.response,
+            r.source,
+            meta={"group": None, "system": ""},
+        )
+        for i, r in enumerate(rows)
     ]
