@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from fleetdata.prefixes import shared_prefix_rows
 from gateway.config import ClusterSpec, GatewayConfig
+from gateway.openai_format import render_chat
 from gateway.policies import ClusterView, QueryLoad, make_policy, queue_order, water_fill_targets
 from gateway.prefix_policy import charged, charged_tokens
-from gateway.prefixes import PrefixRule, find_prefixes
+from gateway.prefixes import PrefixRule, find_prefixes, prefix_finder
+from localmodels import default_tokenizer
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, wait_until
@@ -56,6 +58,21 @@ def test_nested_sharing_keeps_one_coarse_group_with_each_rows_own_depth():
     got = find_prefixes([a + [1], b + [2], c + [3]])
     assert got[0][0] == got[1][0] == got[2][0]
     assert [p for _, p in got] == [128, 128, 64]
+
+
+def test_chat_rows_with_one_system_message_form_one_group_through_the_serving_tokenizer():
+    tok = default_tokenizer()
+    system = " ".join(f"Rule {i}: answer briefly and cite the source." for i in range(12))
+    chats = [
+        [{"role": "system", "content": system}, {"role": "user", "content": f"Question {k}?"}]
+        for k in range(4)
+    ]
+    chats.append([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hello there?"}])
+    prompts = [render_chat(c, tok) for c in chats]
+    counts = [len(tok(p)["input_ids"]) for p in prompts]
+    got = prefix_finder(tok)(prompts, counts)
+    assert len({g for g, _ in got[:4]}) == 1 and got[0][0] is not None and got[4] == (None, 0)
+    assert all(64 <= shared < n for (_, shared), n in zip(got[:4], counts[:4], strict=True))
 
 
 def test_a_batch_with_no_groups_is_all_unique_rows(data_root):
