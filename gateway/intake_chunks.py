@@ -19,9 +19,9 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from gateway.estimates import charged_tokens
 from gateway.intake_rows import failed_result, payload
 from gateway.policies import QueryLoad
-from gateway.prefix_policy import charged_tokens
 from gateway.prefixes import Prefix, prefixes_of
 from workqueue.keys import gid
 

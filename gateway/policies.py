@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Protocol
@@ -381,27 +381,3 @@ def make_policy(name: str) -> AssignmentPolicy:
     except KeyError:
         raise ValueError(f"unknown assignment policy {name!r}; choose one of {', '.join(POLICIES)}") from None
     return factory()
-
-
-def tokens_per_cluster(
-    queries: Sequence[QueryLoad], assignment: Sequence[str], weights: Sequence[float] | None = None
-) -> dict[str, float]:
-    """Sum of ``total_tokens`` (or of ``weights``, one per query) per assigned cluster name."""
-    if len(assignment) != len(queries):
-        raise ValueError(f"{len(queries)} queries but {len(assignment)} assignments")
-    if weights is not None and len(weights) != len(queries):
-        raise ValueError(f"{len(queries)} queries but {len(weights)} weights")
-    out: dict[str, float] = {}
-    for j, name in enumerate(assignment):
-        w = queries[j].total_tokens if weights is None else weights[j]
-        out[name] = out.get(name, 0.0) + w
-    return out
-
-
-def finish_times(clusters: Sequence[ClusterView], added: Mapping[str, float]) -> dict[str, float]:
-    """Expected finish time ``(pending + added) / capacity`` per cluster (``inf`` with work and no capacity)."""
-    out = {}
-    for c in clusters:
-        work = c.pending_tokens + added.get(c.name, 0.0)
-        out[c.name] = work / c.capacity_tps if c.capacity_tps > 0 else (math.inf if work > 0 else 0.0)
-    return out

@@ -7,7 +7,7 @@ other's prefixes. So:
 
 * **Units.** A group is one unit, a row with no group a unit of its own. A unit's *charged*
   tokens are its rows' prompt + predicted tokens with the shared prefix counted once
-  (:func:`charged`): ``sum(total - prefix) + max(prefix)``.
+  (:func:`gateway.estimates.charged`): ``sum(total - prefix) + max(prefix)``.
 * **Targets.** ``token``'s water filling over the charged tokens of the batch.
 * **Fill.** Units largest first, each to the cluster with the largest remaining deficit among
   those that fit its largest row (MICO's longest-first fill, with units for queries).
@@ -28,35 +28,8 @@ import heapq
 import math
 from collections.abc import Sequence
 
+from gateway.estimates import charged
 from gateway.policies import ClusterView, QueryLoad, TokenPolicy, _no_fit, _usable, water_fill_targets
-
-
-def charged(queries: Sequence[QueryLoad]) -> float:
-    """Prompt + predicted tokens of ``queries`` run on one cluster, each group's shared prefix counted once."""
-    total = math.fsum(q.total_tokens - q.prefix_tokens for q in queries)
-    best: dict[str, int] = {}
-    for q in queries:
-        if q.prefix_group is not None:
-            best[q.prefix_group] = max(best.get(q.prefix_group, 0), q.prefix_tokens)
-    return total + sum(best.values())
-
-
-def charged_tokens(queries: Sequence[QueryLoad], assignment: Sequence[str]) -> list[float]:
-    """Each query's share of :func:`charged` on its cluster, in the order the queries are given (the
-    queue order): the first row of a group on a cluster pays its whole prompt, the others their
-    prompt less the shared prefix. Sums per cluster to ``charged`` of its queries (for one depth)."""
-    if len(assignment) != len(queries):
-        raise ValueError(f"{len(queries)} queries but {len(assignment)} assignments")
-    seen: set[tuple[str, str]] = set()
-    out = []
-    for q, c in zip(queries, assignment, strict=True):
-        if q.prefix_group is None or (q.prefix_group, c) not in seen:
-            out.append(q.total_tokens)
-            if q.prefix_group is not None:
-                seen.add((q.prefix_group, c))
-        else:
-            out.append(q.total_tokens - q.prefix_tokens)
-    return out
 
 
 def units(queries: Sequence[QueryLoad]) -> list[list[int]]:

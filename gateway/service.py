@@ -27,6 +27,7 @@ from gateway import quota
 from gateway.batch_errors import Caller, Conflict, InvalidRequest, NotFound, QuotaExceeded, Unavailable
 from gateway.batch_protos import fail_rows, fingerprint
 from gateway.config import GatewayConfig
+from gateway.estimates import charged_tokens
 from gateway.eta import Eta, EtaBoard
 from gateway.intake import Intake, IntakeSettings, encode_rows
 from gateway.limits import InflightBytes
@@ -35,7 +36,6 @@ from gateway.metrics import GatewayMetrics
 from gateway.offload import LinkCost
 from gateway.placement import configured_views, first_misfit
 from gateway.policies import AssignmentPolicy, ClusterView, NoClusterError, QueryLoad, queue_order
-from gateway.prefix_policy import charged_tokens
 from gateway.prefixes import Prefix, prefixes_of
 from gateway.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.views import cluster_views

@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass, field
 
 from engines.config import EngineConfig
+from gateway.estimates import charged_tokens
 from gateway.offload import Backoff, LinkCost, plan_offload
 from gateway.policies import ClusterView, QueryLoad, make_policy, queue_order
-from gateway.prefix_policy import charged_tokens
 from sim.costs import LinearCost
 from sim.engines import IterationEngine, StaticEngine
 from sim.pipelined import PipelinedEngine

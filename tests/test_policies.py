@@ -10,15 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.capacity import FALLBACK_TPS, effective_capacity
+from gateway.estimates import finish_times, tokens_per_cluster
 from gateway.policies import (
     POLICIES,
     ClusterView,
     NoClusterError,
     QueryLoad,
     TokenPolicy,
-    finish_times,
     make_policy,
-    tokens_per_cluster,
     water_fill_targets,
 )
 

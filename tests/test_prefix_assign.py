@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from fleetdata.prefixes import shared_prefix_rows
 from gateway.config import ClusterSpec, GatewayConfig
+from gateway.estimates import charged, charged_tokens
 from gateway.openai_format import render_chat
 from gateway.policies import ClusterView, QueryLoad, make_policy, queue_order, water_fill_targets
-from gateway.prefix_policy import charged, charged_tokens
 from gateway.prefixes import PrefixRule, find_prefixes, prefix_finder
 from localmodels import default_tokenizer
 from protos import fleetbatch_pb2 as pb
