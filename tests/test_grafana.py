@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+from engines.interface import EngineStats
 from engines.metrics import WorkerCollector
 from gateway.status.metrics import GatewayMetrics
 
@@ -28,7 +29,9 @@ def test_every_query_of_the_dashboard_reads_an_exported_metric():
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     assert dash["uid"] == "fleetbatch" and len(exprs) >= 10
     agent = SimpleNamespace(ticks=0, finished=0, tick_s=0.0, inbox=[], unwritten=lambda: 0)
-    worker = SimpleNamespace(steps=0, busy_s=0.0, round_trips=SimpleNamespace(value=0), agent=agent)
+    worker = SimpleNamespace(
+        steps=0, busy_s=0.0, round_trips=SimpleNamespace(value=0), agent=agent, engine_stats=EngineStats()
+    )
     known = exported(GatewayMetrics().registry.collect()) | exported(WorkerCollector(worker).collect())
     used = {name for e in exprs for name in re.findall(r"\bfleetbatch_[a-z_]+", e)}
     assert used and used <= known, f"not exported: {sorted(used - known)}"

@@ -56,6 +56,7 @@ def get(url: str, key: str) -> int:
 
 def test_the_status_page_shows_a_running_batch_move(tmp_path):
     driver = browser()
+    from selenium.common.exceptions import StaleElementReferenceException
     up = ["--config", str(fleet(tmp_path / "clusters.yaml")), "--fleet", "none"]
     try:
         with (
@@ -76,8 +77,11 @@ def test_the_status_page_shows_a_running_batch_move(tmp_path):
             row = '//tr[@data-batch="watched"]//div[contains(@class, "tokens")]'
 
             def progress() -> float | None:  # the batch's token progress bar, as the page last drew it
-                bars = driver.find_elements("xpath", row)
-                return float(bars[0].get_attribute("data-value")) if bars else None
+                try:
+                    bars = driver.find_elements("xpath", row)
+                    return float(bars[0].get_attribute("data-value")) if bars else None
+                except StaleElementReferenceException:  # the page redrew the row meanwhile: read again
+                    return None
 
             first = wait_until(lambda: (p := progress()) is not None and [p], 60, "the batch's row")[0]
             moved = wait_until(lambda: (p := progress()) is not None and p > first and [p], 120, "progress")[
