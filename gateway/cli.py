@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 from cliutil import run_main
-from gateway.auth import CLIENT_TOKEN_ENV, TOKENS_ENV, client_token, load_tokens
 from gateway.cli_options import add_common, add_http
 from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
-from gateway.fleet_up import FLEET_METHODS
+from gateway.deploy.fleet_up import FLEET_METHODS
+from gateway.grpc_api.auth import CLIENT_TOKEN_ENV, TOKENS_ENV, client_token, load_tokens
 from workqueue.embedded import die_with_parent_from_env
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -186,7 +186,7 @@ def _serve(args) -> int:
 def _up(args) -> int:
     import asyncio
 
-    from gateway.up import up
+    from gateway.deploy.up import up
 
     if args.admin_token:
         os.environ[TOKEN_ENV] = args.admin_token
@@ -255,7 +255,7 @@ def _rebalance(args) -> int:
     from protos import fleetbatch_pb2_grpc as pb_grpc
 
     md = [("authorization", f"Bearer {_token(args)}")]
-    from gateway.tls import channel
+    from gateway.grpc_api.tls import channel
 
     with channel(args.target, args.tls_ca, token="") as ch:  # the admin token goes per call
         admin = pb_grpc.AdminServiceStub(ch)
@@ -330,7 +330,7 @@ def _status(args) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from gateway.tls import channel
+    from gateway.grpc_api.tls import channel
     from protos import fleetbatch_pb2 as pb
     from protos import fleetbatch_pb2_grpc as pb_grpc
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from gateway.assign.policies import POLICIES
 from gateway.config import HTTP_KEY_ENV, INTAKE_WAIT_S, TOKEN_ENV
-from gateway.policies import POLICIES
 
 
 def add_http(s: argparse.ArgumentParser, port: int | None, shown: str, files_dir: str | None) -> None:

@@ -12,21 +12,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.admin import AdminService
-from gateway.auth import AdminInterceptor, Authenticator, AuthInterceptor
+from gateway.assign.policies import make_policy
+from gateway.assign.prefixes import prefix_finder
+from gateway.assign.tokens import token_bound
+from gateway.batches.limits import InflightBytes
+from gateway.batches.service import BatchService, GatewayDeps
 from gateway.config import GatewayConfig, redact_url
-from gateway.errors import MalformedRequestInterceptor, RedisUnavailableInterceptor
-from gateway.grpc_servicer import BatchServicer
-from gateway.http_server import HttpServer  # starlette + uvicorn: ~70 ms of ~400 (python -X importtime)
-from gateway.inflight_interceptor import InflightBytesInterceptor
-from gateway.limits import InflightBytes
-from gateway.metrics import GatewayMetrics
-from gateway.offloader import OffloadConfig, Offloader
-from gateway.policies import make_policy
-from gateway.prefixes import prefix_finder
-from gateway.service import BatchService, GatewayDeps
-from gateway.tls import server_credentials
-from gateway.tokens import token_bound
+from gateway.grpc_api.admin import AdminService
+from gateway.grpc_api.auth import AdminInterceptor, Authenticator, AuthInterceptor
+from gateway.grpc_api.inflight import InflightBytesInterceptor
+from gateway.grpc_api.interceptors import MalformedRequestInterceptor, RedisUnavailableInterceptor
+from gateway.grpc_api.servicer import BatchServicer
+from gateway.grpc_api.tls import server_credentials
+from gateway.http_api.server import HttpServer  # starlette + uvicorn: ~70 ms of ~400 (python -X importtime)
+from gateway.offload.offloader import OffloadConfig, Offloader
+from gateway.status.metrics import GatewayMetrics
 from planfile import load_plan
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -126,7 +126,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
         token_bound=token_bound(tokenizer),
         tokenizer=tokenizer,
         inflight=InflightBytes(config.max_inflight_bytes) if config.max_inflight_bytes > 0 else None,
-        # prefix groups are looked for only for a policy that keeps them together (gateway.prefix_policy)
+        # prefix groups are looked for only for a policy that keeps them together (gateway.assign.prefix_policy)
         find_prefixes=prefix_finder(tokenizer) if getattr(policy, "uses_prefixes", False) else None,
     )
     return deps

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from gateway.auth import deployment_token
+from gateway.grpc_api.auth import deployment_token
 from load.client import run_batch, summarise
 from load.deployment import LocalDeployment
 from load.workload import from_dataset

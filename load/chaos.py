@@ -3,7 +3,7 @@
 The deployment: an embedded Redis (AOF, ``appendfsync everysec``), two gateway replicas
 (both run offloaders, background intake and the OpenAI-compatible HTTP front on one shared
 files directory), one engine process per cluster kept alive by
-:class:`gateway.supervisor.EngineSupervisor` (as under ``gateway up``), the first cluster's
+:class:`gateway.deploy.supervisor.EngineSupervisor` (as under ``gateway up``), the first cluster's
 engine talking to Redis through a TCP proxy the harness controls (:mod:`load.tcp_proxy`); with
 ``--wan-delay-ms``, every engine through its own proxy with that one-way delay (the clusters in
 other clouds, Redis and the gateways in one; the ``wan`` entry of the report says so), and
@@ -47,8 +47,8 @@ from typing import TypeVar
 import redis
 import yaml
 
-from gateway.supervisor import EngineSupervisor
-from gateway.up import default_clusters
+from gateway.deploy.supervisor import EngineSupervisor
+from gateway.deploy.up import default_clusters
 from load.chaos_bite import Bite
 from load.chaos_books import GrpcBatch, format_report, grpc_books, merged_counts, verdict
 from load.chaos_client import ResilientClient

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from gateway.tls import channel
+from gateway.grpc_api.tls import channel
 from load.client import result_row
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc

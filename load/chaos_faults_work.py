@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import grpc
 
-from gateway.openai_batches import PENDING, record_key
+from gateway.http_api.batches import PENDING, record_key
 from load.chaos_bite import Bite
 from load.chaos_faults import TOKEN
 from load.chaos_load import big_row, intake_rows, kv_row

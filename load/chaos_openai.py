@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from gateway.openai_format import CHAT
+from gateway.http_api.format import CHAT
 from load.chaos_load import legit_failure
 from load.openai_check import FINAL, batch_problems, input_rows
 from load.workload import WorkItem

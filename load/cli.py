@@ -11,7 +11,7 @@ import grpc
 
 from cliutil import run_main
 from fleetdata.datasets import data_dir
-from gateway.auth import CLIENT_TOKEN_ENV, client_token, deployment_token
+from gateway.grpc_api.auth import CLIENT_TOKEN_ENV, client_token, deployment_token
 from load import (
     bench_offload,
     chaos,

@@ -21,7 +21,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from tqdm import tqdm
 
-from gateway.tls import channel
+from gateway.grpc_api.tls import channel
 from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc

@@ -30,8 +30,8 @@ import numpy as np
 
 from cliutil import run_main
 from fleetdata.datasets import load_mixed, response_lengths
-from gateway.estimates import tokens_per_cluster
-from gateway.policies import POLICIES, ClusterView, QueryLoad, make_policy
+from gateway.assign.estimates import tokens_per_cluster
+from gateway.assign.policies import POLICIES, ClusterView, QueryLoad, make_policy
 from predictor.labeled import split_of
 
 POLICY_ORDER = ("round_robin", "least_loaded", "token_equal", "token")

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import yaml
 
-from gateway.auth import deployment_token
-from gateway.tls import channel
+from gateway.grpc_api.auth import deployment_token
+from gateway.grpc_api.tls import channel
 from load.client import result_row, to_request
 from load.deadlines_stats import Plan, expired_rows_problems, scenario_plan, summarise
 from load.deployment import LocalDeployment

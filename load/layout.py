@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gateway.fleet_up import describe_layout, idle_devices
+from gateway.deploy.fleet_up import describe_layout, idle_devices
 from load.workload import WorkItem
 
 

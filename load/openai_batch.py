@@ -1,7 +1,7 @@
 """OpenAI Batch output files for ``loadgen submit --openai-out``: the results of a batch as the
 ``openai`` client and other tools read them.
 
-The line format (and its description) is :mod:`gateway.openai_format`, shared with the gateway's
+The line format (and its description) is :mod:`gateway.http_api.format`, shared with the gateway's
 HTTP front; this module writes the output file and, beside it, the error file.
 """
 
@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from gateway.openai_format import CHAT, output_line
+from gateway.http_api.format import CHAT, output_line
 
 
 def endpoints_of(input_path: str | Path) -> dict[str, str]:

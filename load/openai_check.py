@@ -21,8 +21,8 @@ import logging
 import time
 from pathlib import Path
 
-from gateway.openai_format import CHAT, COMPLETIONS
-from gateway.tls import channel
+from gateway.grpc_api.tls import channel
+from gateway.http_api.format import CHAT, COMPLETIONS
 from load.deployment import LocalDeployment
 from load.workload import WorkItem, from_dataset, generated
 from protos import fleetbatch_pb2 as pb

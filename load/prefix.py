@@ -12,11 +12,11 @@ with a modest KV cache (``--kv-budget``) so that rows of many groups mixed in on
 other's prefixes. Setups (``--setups``), one ``gateway up`` each, the same batch:
 
 * ``token``: ``--policy token``, the engines' prefix cache on (a group's rows spread over every cluster);
-* ``prefix``: ``--policy prefix`` (:mod:`gateway.prefix_policy`), the cache on;
+* ``prefix``: ``--policy prefix`` (:mod:`gateway.assign.prefix_policy`), the cache on;
 * ``token_nocache``: ``--policy token``, every engine ``--no-prefix-cache``.
 
 Each run is a run directory (``loadgen report`` reads it) with ``prefixes.json``: each row's prefix
-group and shared tokens as the gateway's rule finds them (:mod:`gateway.prefixes`), which the
+group and shared tokens as the gateway's rule finds them (:mod:`gateway.assign.prefixes`), which the
 simulator's replay (``python -m sim.cli validate``) gives its engines. The last line is one JSON
 object (:mod:`load.prefix_stats`): ``prefix_aware_over_token`` (token's makespan over prefix's),
 ``hit_rate`` (the prefix run's, from the engines' heartbeats: hit / looked-up prompt tokens),
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import yaml
 
-from gateway.auth import deployment_token
-from gateway.prefixes import prefix_finder
-from gateway.tls import channel
+from gateway.assign.prefixes import prefix_finder
+from gateway.grpc_api.auth import deployment_token
+from gateway.grpc_api.tls import channel
 from load.client import result_row, to_request
 from load.deployment import LocalDeployment
 from load.prefix_stats import SETUPS, summarise

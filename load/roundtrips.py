@@ -21,13 +21,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gateway import openai_batches as ob
-from gateway import quota
-from gateway.auth import HTTP_CLIENT
+from gateway.assign.listing import read_clusters
+from gateway.batches import quota
+from gateway.batches.service import BatchService
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.listing import read_clusters
-from gateway.offloader import Offloader
-from gateway.service import BatchService
+from gateway.grpc_api.auth import HTTP_CLIENT
+from gateway.http_api import batches as ob
+from gateway.offload.offloader import Offloader
 from protos import fleetbatch_pb2 as pb
 from workqueue import QueuedQuery, WorkQueue, connect
 from workqueue.embedded import EmbeddedRedis

@@ -37,8 +37,8 @@ import threading
 import time
 from pathlib import Path
 
-from gateway.auth import TOKENS_ENV
-from gateway.tls import channel
+from gateway.grpc_api.auth import TOKENS_ENV
+from gateway.grpc_api.tls import channel
 from load.client import stream_results, to_request
 from load.workload import generated
 from protos import fleetbatch_pb2 as pb

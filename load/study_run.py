@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from gateway.auth import deployment_token
-from gateway.tls import channel
+from gateway.grpc_api.auth import deployment_token
+from gateway.grpc_api.tls import channel
 from load.arrivals import groups
 from load.client import result_row, to_request
 from load.deployment import LocalDeployment

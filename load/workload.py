@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetdata.datasets import load_dataset, response_lengths
-from gateway.openai_format import parse_row
+from gateway.http_api.format import parse_row
 
 _TOPICS = (
     "rivers", "tax forms", "sorting algorithms", "the moon", "coffee", "bridges", "solar panels", "chess",
@@ -95,9 +95,9 @@ def from_openai_jsonl(path: str | Path, default_max_tokens: int = 256, tokenizer
     """Read an OpenAI Batch input file (``custom_id``, ``url``, ``body`` with ``messages`` or ``prompt``).
 
     Chat messages are rendered with ``tokenizer``'s chat template when it has one, else with the
-    default template of :func:`gateway.openai_format.render_chat`. ``max_tokens`` (or
+    default template of :func:`gateway.http_api.format.render_chat`. ``max_tokens`` (or
     ``max_completion_tokens``), ``temperature``, ``top_p`` and ``seed`` are honoured; any other
-    body field that would change the answer is an error naming it (:func:`gateway.openai_format.check_body`).
+    body field that would change the answer is an error naming it (:func:`gateway.http_api.format.check_body`).
     """
     items = []
     with open(path, encoding="utf-8") as f:

@@ -2,11 +2,11 @@
 
 What runs for real (imported from the project, not copied):
 
-* assignment: :mod:`gateway.policies` (``round_robin``, the capacity-weighted ``token`` policy)
-  on :class:`~gateway.policies.ClusterView` / :class:`~gateway.policies.QueryLoad`, as
-  :mod:`gateway.service` calls it;
-* backoff offloading: :func:`gateway.offload.plan_offload` and :class:`gateway.offload.Backoff`
-  with the simulator's clock, ticked like :class:`gateway.offloader.Offloader`;
+* assignment: :mod:`gateway.assign.policies` (``round_robin``, the capacity-weighted ``token`` policy)
+  on :class:`~gateway.assign.policies.ClusterView` / :class:`~gateway.assign.policies.QueryLoad`, as
+  :mod:`gateway.batches.service` calls it;
+* backoff offloading: :func:`gateway.offload.moves.plan_offload` and :class:`gateway.offload.moves.Backoff`
+  with the simulator's clock, ticked like :class:`gateway.offload.offloader.Offloader`;
 * iteration-level engines: :class:`engines.scheduler.Scheduler` with
   :class:`engines.kv_cache.KVCacheManager` and :class:`engines.sequence.Sequence`, pulled like
   :mod:`engines.worker` does with the real ``LLMEngine.free_slots``;

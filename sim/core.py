@@ -2,13 +2,13 @@
 
 Per cluster there is a queue (:class:`sim.queues.OrderedQueue`: by batch key, as the Redis one) and a
 simulated engine (:mod:`sim.engines`). Arriving queries are assigned by the real policy of
-:mod:`gateway.policies` from :class:`~gateway.policies.ClusterView` objects built as
-:func:`gateway.views.cluster_views` does (pending = queued prompt + predicted tokens plus the
+:mod:`gateway.assign.policies` from :class:`~gateway.assign.policies.ClusterView` objects built as
+:func:`gateway.assign.views.cluster_views` does (pending = queued prompt + predicted tokens plus the
 predicted tokens of queries the engine holds, the capacity being the configured hint). Before
 every step an engine takes ``free_slots()`` queries from the front of its queue (the worker's
 loop); an idle engine takes work the moment it appears. Every ``offload_interval_s`` the
-offloader runs :class:`gateway.offloader.Offloader`'s round with the real
-:func:`gateway.offload.plan_offload` and one :class:`gateway.offload.Backoff` per cluster on the
+offloader runs :class:`gateway.offload.offloader.Offloader`'s round with the real
+:func:`gateway.offload.moves.plan_offload` and one :class:`gateway.offload.moves.Backoff` per cluster on the
 simulated clock; a move takes queries from the back of the donor's queue to the back of their batch's
 key in the recipient's (the real queue keeps their submission place), at once (the link cost only
 enters the decision, as in the real system). A queued query whose batch's deadline passed expires.
@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass, field
 
 from engines.config import EngineConfig
-from gateway.estimates import charged_tokens
-from gateway.offload import Backoff, LinkCost, plan_offload
-from gateway.policies import ClusterView, QueryLoad, make_policy, queue_order
+from gateway.assign.estimates import charged_tokens
+from gateway.assign.policies import ClusterView, QueryLoad, make_policy, queue_order
+from gateway.offload.moves import Backoff, LinkCost, plan_offload
 from sim.costs import LinearCost
 from sim.engines import IterationEngine, StaticEngine
 from sim.pipelined import PipelinedEngine
@@ -324,7 +324,7 @@ class Simulator:
         return b
 
     def _tick(self) -> int:
-        """One round of :meth:`gateway.offloader.Offloader._offload` (no dead clusters to evacuate here)."""
+        """One round of :meth:`gateway.offload.offloader.Offloader._offload` (no dead clusters to evacuate here)."""
         cfg = self.config
         candidates = [
             c
@@ -358,7 +358,7 @@ class Simulator:
         return moved
 
     def _tail(self, c: _Cluster) -> list[QueryLoad]:
-        """:func:`gateway.views.queued_loads` of ``c``: its last ``tail_len`` queued queries, front first."""
+        """:func:`gateway.assign.views.queued_loads` of ``c``: its last ``tail_len`` queued queries, front first."""
         tail = self._tails.get(c.name)
         if tail is None:
             total = self.charge

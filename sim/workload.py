@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetdata.datasets import load_dataset, response_lengths
-from gateway.policies import QueryLoad
+from gateway.assign.policies import QueryLoad
 from load.compare_policies import fit_fallback_predictor
 from load.workload import WorkItem, from_dataset, generated
 

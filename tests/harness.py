@@ -10,10 +10,10 @@ import threading
 import time
 from pathlib import Path
 
+from gateway.checks.validation import Checked
 from gateway.config import GatewayConfig
-from gateway.intake import encode_rows
+from gateway.intake.background import encode_rows
 from gateway.server import serve
-from gateway.validation import Checked
 from protos import fleetbatch_pb2 as pb
 from workqueue import WorkQueue, keys
 

@@ -11,7 +11,7 @@ import urllib.request
 from openai import OpenAI
 
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.openai_format import CHAT
+from gateway.http_api.format import CHAT
 from tests.harness import GatewayThread
 from workqueue import WorkQueue
 

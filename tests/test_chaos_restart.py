@@ -24,7 +24,7 @@ SLEEP = ["sleep", "600"]  # a stand-in engine process: killed by pid, reaped, re
 
 
 class Supervisor:
-    """Restarts ``NAME``'s process once it died, as :class:`gateway.supervisor.EngineSupervisor` does.
+    """Restarts ``NAME``'s process once it died, as :class:`gateway.deploy.supervisor.EngineSupervisor` does.
     The dying process's last heartbeat lands meanwhile (stamped now: after the kill was sent); the new
     process heartbeats (written here for it) on every later check when ``new_heartbeats``."""
 

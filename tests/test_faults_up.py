@@ -38,8 +38,8 @@ def check_secrets(run_dir: Path, info: dict) -> None:
     the Redis URL on its command line, and the batch API wants the client token gateway up wrote."""
     import grpc
 
-    from gateway.auth import deployment_token
-    from gateway.tls import channel
+    from gateway.grpc_api.auth import deployment_token
+    from gateway.grpc_api.tls import channel
     from protos import fleetbatch_pb2 as pb
     from protos import fleetbatch_pb2_grpc as pb_grpc
 
@@ -104,7 +104,7 @@ def test_a_killed_engine_is_restarted_and_a_killed_gateway_up_leaves_no_process(
 def test_a_clean_exit_is_not_restarted_and_a_crash_is(tmp_path):
     """An engine that exits 0 chose to stop (its cluster was removed); one that exits 3 crashed."""
     from gateway.config import ClusterSpec
-    from gateway.supervisor import EngineSupervisor
+    from gateway.deploy.supervisor import EngineSupervisor
 
     sup = EngineSupervisor(
         [ClusterSpec("clean"), ClusterSpec("crash")], "redis://unused", tmp_path, backoff_base_s=60

@@ -234,7 +234,7 @@ def test_gateway_serve_cli_starts_and_stops_cleanly(redis_url, capsys):
     import sys
 
     from gateway.cli import main
-    from gateway.tls import channel
+    from gateway.grpc_api.tls import channel
     from tests.harness import REPO
 
     token = "ci-token-0123456789abcdef"  # the client tokens and the Redis URL come by environment

@@ -16,10 +16,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.auth import Authenticator, load_tokens, parse_tokens
+from gateway.batches.quota import ClientLocks
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.quota import ClientLocks
-from gateway.tls import channel
+from gateway.grpc_api.auth import Authenticator, load_tokens, parse_tokens
+from gateway.grpc_api.tls import channel
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, wait_until
@@ -208,7 +208,7 @@ def test_gateway_serve_refuses_to_start_without_tokens_unless_told(monkeypatch, 
 
 def test_the_fingerprint_of_a_submission_is_computed_off_the_event_loop(redis_url, monkeypatch):
     """Hashing every query of a large batch on the loop would stall every other call meanwhile."""
-    from gateway import service
+    from gateway.batches import service
 
     where: list[str] = []
     real = service.fingerprint
@@ -248,8 +248,8 @@ class _HeldSubmissions(pb_grpc.BatchServiceServicer):
 
 
 def test_requests_past_the_in_flight_bytes_are_resource_exhausted_until_one_ends():
-    from gateway.inflight_interceptor import InflightBytesInterceptor
-    from gateway.limits import InflightBytes
+    from gateway.batches.limits import InflightBytes
+    from gateway.grpc_api.inflight import InflightBytesInterceptor
 
     budget = InflightBytes(len(submission(40).SerializeToString()) * 3 // 2)  # one such request fits
     service, loop, ready = _HeldSubmissions(), asyncio.new_event_loop(), threading.Event()

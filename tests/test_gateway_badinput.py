@@ -313,16 +313,16 @@ def test_removed_clusters_leave_the_listing(start):
 
 
 def test_the_admin_token_is_compared_in_constant_time(start, monkeypatch):
-    import gateway.auth  # the one check of the admin token (gateway.auth.admin_refusal)
+    import gateway.grpc_api.auth  # the one check of the admin token (gateway.grpc_api.auth.admin_refusal)
 
     calls = []
-    real = gateway.auth.hmac.compare_digest
+    real = gateway.grpc_api.auth.hmac.compare_digest
 
     def spy(a, b):
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(gateway.auth.hmac, "compare_digest", spy)
+    monkeypatch.setattr(gateway.grpc_api.auth.hmac, "compare_digest", spy)
     _, admin, _, _, _ = start()
     err = rpc_error(
         admin.GetClusterStatus, pb.ListClustersRequest(), metadata=[("authorization", "Bearer no")]

@@ -12,7 +12,7 @@ import redis
 
 from gateway.cli import main as gateway_main
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.tls import channel
+from gateway.grpc_api.tls import channel
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread

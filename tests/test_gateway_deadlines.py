@@ -6,11 +6,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from gateway.checks.windows import WindowError, format_window, parse_window
 from gateway.cli import main
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.eta import PROMPT_WEIGHT, EtaBoard, Throughput, correction, estimate, work_units
-from gateway.metrics import GatewayMetrics
-from gateway.windows import WindowError, format_window, parse_window
+from gateway.status.eta import PROMPT_WEIGHT, EtaBoard, Throughput, correction, estimate, work_units
+from gateway.status.metrics import GatewayMetrics
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, batch_of, wait_until
@@ -169,7 +169,7 @@ def test_a_batch_that_turns_at_risk_is_logged_once(caplog):
     it is first predicted to miss its deadline, so no miss is silent."""
     board = EtaBoard()
     batches = [info("big", 1.0, 10_000, deadline=50.0), info("ok", 2.0, 10)]
-    with caplog.at_level("WARNING", logger="gateway.eta"):
+    with caplog.at_level("WARNING", logger="gateway.status.eta"):
         board.update(0.0, batches, 0, 0, capacity_tps=100.0)
         board.update(0.5, batches, 0, 0, capacity_tps=100.0)
     warned = [r.getMessage() for r in caplog.records if "at risk" in r.getMessage()]

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from gateway.fleet_up import FleetSettings, bits_histogram, chosen, describe_layout, fleet_specs
+from gateway.deploy.fleet_up import FleetSettings, bits_histogram, chosen, describe_layout, fleet_specs
 from tests.harness import REPO
 
 

@@ -15,9 +15,9 @@ import time
 import grpc
 import pytest
 
+from gateway.checks.validation import Checked
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.intake import Intake, IntakeSettings, encode_rows
-from gateway.validation import Checked
+from gateway.intake.background import Intake, IntakeSettings, encode_rows
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, wait_until

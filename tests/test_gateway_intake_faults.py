@@ -18,10 +18,10 @@ import logging
 import grpc
 import pytest
 
+from gateway.assign.policies import make_policy
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.intake import Intake, IntakeSettings
-from gateway.openai_object import batch_object
-from gateway.policies import make_policy
+from gateway.http_api.objects import batch_object
+from gateway.intake.background import Intake, IntakeSettings
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import Clock, GatewayThread, accept, enqueued, restarting, wait_until
@@ -133,7 +133,7 @@ def test_a_lost_intake_list_fails_its_rows_once_and_the_batch_finishes(redis_url
     assert queue.take_intake("z", "t", 30.0) and intake.step("z", "t") == 10  # one chunk enqueued
     queue.drop_intake("z", "t")
     queue.r.delete(intake_key("z"))  # lost: evicted, deleted, or gone in a failover
-    caplog.set_level(logging.ERROR, logger="gateway.intake")
+    caplog.set_level(logging.ERROR, logger="gateway.intake.background")
     for _ in range(3):
         intake.tick()
     lost = [r for r in caplog.records if "intake list lost" in r.getMessage()]

@@ -18,8 +18,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from gateway.intake import Intake, IntakeSettings, encode_rows
-from gateway.validation import Checked
+from gateway.checks.validation import Checked
+from gateway.intake.background import Intake, IntakeSettings, encode_rows
 from protos import fleetbatch_pb2 as pb
 from workqueue import QueuedQuery, WorkQueue, connect, keys
 from workqueue.batches import INTAKE, intake_key, intake_lease_key

@@ -16,10 +16,10 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.intake import Intake, IntakeSettings, encode_rows
-from gateway.policies import ClusterView, NoClusterError, QueryLoad, make_policy, misfit
-from gateway.rebalance import plan_moves
-from gateway.validation import Checked
+from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad, make_policy, misfit
+from gateway.checks.validation import Checked
+from gateway.intake.background import Intake, IntakeSettings, encode_rows
+from gateway.offload.rebalance import plan_moves
 from protos import fleetbatch_pb2 as pb
 from tests.harness import Clock, accept, enqueued, restarting
 from workqueue import WorkQueue, connect, keys
@@ -198,7 +198,7 @@ def test_a_first_turn_reads_only_the_rows_it_uses(fleet):
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "token"])
 def test_one_rule_says_where_a_query_fits_for_intake_assignment_and_drains(policy):
     """Placement (configured clusters), the policies and drains (accepting clusters) all ask
-    :func:`gateway.policies.misfit`, so their answers and words cannot drift apart."""
+    :func:`gateway.assign.policies.misfit`, so their answers and words cannot drift apart."""
     small = ClusterView("small", 100.0, max_query_tokens=50)
     big = ClusterView("big", 100.0, max_query_tokens=1000, accepting=False)  # restarting
     huge = QueryLoad("huge", 2000, 8.0)

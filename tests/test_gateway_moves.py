@@ -11,9 +11,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from gateway.assign.views import MAX_TAIL_READ
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.offloader import OffloadConfig, Offloader
-from gateway.views import MAX_TAIL_READ
+from gateway.offload.offloader import OffloadConfig, Offloader
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, wait_until

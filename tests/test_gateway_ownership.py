@@ -17,11 +17,11 @@ import pytest
 import redis
 from openai import OpenAI
 
-from gateway.auth import parse_tokens
+from gateway.batches.quota import client_key, client_of
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.openai_format import COMPLETIONS
-from gateway.quota import client_key, client_of
-from gateway.tls import channel
+from gateway.grpc_api.auth import parse_tokens
+from gateway.grpc_api.tls import channel
+from gateway.http_api.format import COMPLETIONS
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, batch_of, wait_until

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from gateway import openai_batches as ob
-from gateway import quota
-from gateway.auth import HTTP_CLIENT
-from gateway.listing import read_clusters
-from gateway.offloader import Offloader
+from gateway.assign.listing import read_clusters
+from gateway.batches import quota
+from gateway.grpc_api.auth import HTTP_CLIENT
+from gateway.http_api import batches as ob
+from gateway.offload.offloader import Offloader
 from workqueue import QueuedQuery, WorkQueue, connect
 from workqueue.invariants import check
 from workqueue.roundtrips import count_round_trips

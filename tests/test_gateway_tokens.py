@@ -1,4 +1,4 @@
-"""The byte bound of prompt tokens (gateway/tokens.py): an upper bound that lets a large batch skip tokenizing.
+"""The byte bound of prompt tokens (gateway/assign/tokens.py): an upper bound that lets a large batch skip tokenizing.
 
 The bound must never be below the exact count (hypothesis, on the default tokenizer and on a
 byte-level BPE that adds a prefix space); tokenizers it is not proved for get none. A large
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from gateway.assign.tokens import token_bound
+from gateway.checks.validation import InvalidBatch, Limits, check_batch
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.server import load_tokenizer, token_counter
-from gateway.tokens import token_bound
-from gateway.validation import InvalidBatch, Limits, check_batch
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, wait_until

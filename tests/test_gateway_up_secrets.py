@@ -7,8 +7,8 @@ import stat
 from pathlib import Path
 
 from gateway.config import ClusterSpec
-from gateway.supervisor import EngineSupervisor
-from gateway.up import banner, write_private
+from gateway.deploy.supervisor import EngineSupervisor
+from gateway.deploy.up import banner, write_private
 
 SECRET_URL = "redis://:s3cret-pw-0123@127.0.0.1:1/0"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from engines.metrics import WorkerCollector
-from gateway.metrics import GatewayMetrics
+from gateway.status.metrics import GatewayMetrics
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "k8s" / "grafana" / "fleetbatch.json"
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.openai_format import render_chat
+from gateway.http_api.format import render_chat
 from load.cli import main
 from load.openai_batch import error_path
 from load.workload import from_openai_jsonl

@@ -1,4 +1,4 @@
-"""Offload decisions (gateway.offload): link costs, which tail moves, backoff."""
+"""Offload decisions (gateway.offload.moves): link costs, which tail moves, backoff."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.offload import Backoff, LinkCost, Move, link_cost, plan_offload, tail_move
-from gateway.policies import ClusterView, QueryLoad
+from gateway.assign.policies import ClusterView, QueryLoad
+from gateway.offload.moves import Backoff, LinkCost, Move, link_cost, plan_offload, tail_move
 
 FREE = LinkCost(latency_s=0.0, bandwidth_bytes_per_s=1e15)
 

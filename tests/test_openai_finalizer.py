@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import os
 
-from gateway import openai_batches as ob
-from gateway.metrics import GatewayMetrics
-from gateway.openai_files import LocalFileStore, new_file_id, read_lines
-from gateway.openai_finalizer import Finalizer, file_id_of, retry_delay
-from gateway.openai_format import COMPLETIONS
+from gateway.http_api import batches as ob
+from gateway.http_api.files import LocalFileStore, new_file_id, read_lines
+from gateway.http_api.finalizer import Finalizer, file_id_of, retry_delay
+from gateway.http_api.format import COMPLETIONS
+from gateway.status.metrics import GatewayMetrics
 from tests.harness import Clock
 from workqueue import QueuedQuery, WorkQueue, connect, keys
 

@@ -19,10 +19,10 @@ import openai
 import pytest
 from openai import OpenAI
 
-from gateway import openai_batches as ob
-from gateway.openai_format import CHAT, COMPLETIONS
-from gateway.openai_object import batch_object
-from gateway.openai_retention import EXPIRE
+from gateway.http_api import batches as ob
+from gateway.http_api.format import CHAT, COMPLETIONS
+from gateway.http_api.objects import batch_object
+from gateway.http_api.retention import EXPIRE
 from load.openai_check import batch_problems
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc

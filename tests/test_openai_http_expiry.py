@@ -10,7 +10,7 @@ import json
 import pytest
 from openai import OpenAI
 
-from gateway.openai_format import COMPLETIONS
+from gateway.http_api.format import COMPLETIONS
 from tests.harness import wait_until
 from tests.openai_http_helpers import (
     KEY,

@@ -18,8 +18,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from gateway.openai_format import CHAT, COMPLETIONS
-from gateway.up import http_settings, write_private
+from gateway.deploy.up import http_settings, write_private
+from gateway.http_api.format import CHAT, COMPLETIONS
 from tests.openai_http_helpers import KEY, http_gateway, jsonl, raw_call, wait_final
 
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.openai_format import CHAT, COMPLETIONS
+from gateway.http_api.format import CHAT, COMPLETIONS
 from tests.harness import GatewayThread
 from tests.openai_http_helpers import KEY
 from workqueue import WorkQueue, connect

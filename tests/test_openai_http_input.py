@@ -17,8 +17,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from gateway import openai_batches as ob
-from gateway.openai_format import CHAT, COMPLETIONS
+from gateway.http_api import batches as ob
+from gateway.http_api.format import CHAT, COMPLETIONS
 from load.workload import from_openai_jsonl
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -262,7 +262,7 @@ def test_accepted_connections_send_without_nagle_delay():
     import asyncio
     import socket
 
-    from gateway.http_server import _bind
+    from gateway.http_api.server import _bind
 
     async def main() -> int:
         got: asyncio.Future = asyncio.get_running_loop().create_future()

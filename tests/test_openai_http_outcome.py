@@ -13,7 +13,7 @@ from openai import OpenAI
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.worker import Worker, WorkerConfig
-from gateway.openai_format import COMPLETIONS
+from gateway.http_api.format import COMPLETIONS
 from localmodels import build_model, default_tokenizer
 from tests.harness import wait_until
 from tests.openai_http_helpers import KEY, check_output_line, http_gateway, jsonl, wait_final

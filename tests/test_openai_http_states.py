@@ -13,9 +13,9 @@ import pytest
 import redis
 from openai import OpenAI
 
-from gateway import openai_batches as ob
-from gateway.openai_format import COMPLETIONS
-from gateway.openai_retention import expire_orphan
+from gateway.http_api import batches as ob
+from gateway.http_api.format import COMPLETIONS
+from gateway.http_api.retention import expire_orphan
 from tests.harness import wait_until
 from tests.openai_http_helpers import KEY, complete_claimed, http_gateway, jsonl, wait_final
 from workqueue import WorkQueue, connect

@@ -1,4 +1,4 @@
-"""Assignment policies (gateway.policies), capacity blending (gateway.capacity) and the policy benchmark."""
+"""Assignment policies (gateway.assign.policies), capacity blending (gateway.assign.capacity) and the policy benchmark."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.capacity import FALLBACK_TPS, effective_capacity
-from gateway.estimates import finish_times, tokens_per_cluster
-from gateway.policies import (
+from gateway.assign.capacity import FALLBACK_TPS, effective_capacity
+from gateway.assign.estimates import finish_times, tokens_per_cluster
+from gateway.assign.policies import (
     POLICIES,
     ClusterView,
     NoClusterError,

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from gateway.cli import build_parser as gateway_parser
-from gateway.up import gateway_config
+from gateway.deploy.up import gateway_config
 from predictor import shipped, store
 from predictor.cli import main as predictor_main
 from predictor.labeled import split

@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetdata.prefixes import shared_prefix_rows
+from gateway.assign.estimates import charged, charged_tokens
+from gateway.assign.policies import ClusterView, QueryLoad, make_policy, queue_order, water_fill_targets
+from gateway.assign.prefixes import PrefixRule, find_prefixes, prefix_finder
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.estimates import charged, charged_tokens
-from gateway.openai_format import render_chat
-from gateway.policies import ClusterView, QueryLoad, make_policy, queue_order, water_fill_targets
-from gateway.prefixes import PrefixRule, find_prefixes, prefix_finder
+from gateway.http_api.format import render_chat
 from localmodels import default_tokenizer
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.offloader import OffloadConfig, Offloader
+from gateway.offload.offloader import OffloadConfig, Offloader
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread

@@ -9,9 +9,9 @@ import json
 import grpc
 import pytest
 
+from gateway.assign.policies import QueryLoad, RoundRobin, TokenPolicy, queue_order
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.intake_chunks import Chunk, landing
-from gateway.policies import QueryLoad, RoundRobin, TokenPolicy, queue_order
+from gateway.intake.chunks import Chunk, landing
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, wait_until

@@ -6,8 +6,8 @@ import json
 
 from engines.interface import RequestOutput
 from engines.result_record import finished_record
-from gateway.batch_protos import fail_rows, result_proto
-from gateway.intake_rows import failed_result
+from gateway.batches.messages import fail_rows, result_proto
+from gateway.intake.rows import failed_result
 from predictor.observed import encode_observed, read_observed
 from protos import fleetbatch_pb2 as pb
 from workqueue import (

@@ -1,4 +1,4 @@
-"""`gateway rebalance` planning (gateway.rebalance): exact plans, drains, and conservation properties."""
+"""`gateway rebalance` planning (gateway.offload.rebalance): exact plans, drains, and conservation properties."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.offload import LinkCost, Move
-from gateway.policies import ClusterView, NoClusterError, QueryLoad
-from gateway.rebalance import (
+from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
+from gateway.offload.moves import LinkCost, Move
+from gateway.offload.rebalance import (
     balance_targets,
     expected_finish_s,
     format_plan,

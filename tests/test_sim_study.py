@@ -14,7 +14,7 @@ sys.path.insert(
 )  # `sim` is not in pyproject's package list yet
 
 from engines.scheduler import Scheduler  # noqa: E402
-from gateway.policies import ClusterView, QueryLoad, make_policy  # noqa: E402
+from gateway.assign.policies import ClusterView, QueryLoad, make_policy  # noqa: E402
 from load.arrivals import poisson_arrivals  # noqa: E402
 from sim.cli import main  # noqa: E402
 from sim.core import ClusterSpec, SimConfig, Simulator  # noqa: E402

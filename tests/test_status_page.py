@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.auth import deployment_token
-from gateway.tls import channel
+from gateway.grpc_api.auth import deployment_token
+from gateway.grpc_api.tls import channel
 from load.deployment import LocalDeployment
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc

@@ -6,7 +6,7 @@ batch hash without ``status`` (a creation cut short under older code) counts as 
 
 **Background intake** (:meth:`BatchOps.accept_batch`, :meth:`BatchOps.enqueue_chunk`): a large
 batch is accepted durably first, its validated rows stored in Redis, and enqueued chunk by
-chunk afterwards (see :mod:`gateway.intake`); until its last chunk lands, ``total`` counts
+chunk afterwards (see :mod:`gateway.intake.background`); until its last chunk lands, ``total`` counts
 the rows still in its intake list too.
 
 **Cancel** is lazy with a bounded sweep: one O(1) script marks the batch ``cancelling``,

@@ -3,7 +3,7 @@ time), where a batch's next chunk starts, how long a batch has waited for a clus
 becomes of a batch whose intake list was lost.
 
 **Waiting.** A chunk whose rows only a cluster that is not alive now could take waits for it
-(see :mod:`gateway.placement`); the batch hash remembers since when (``intake_waiting_since``,
+(see :mod:`gateway.assign.placement`); the batch hash remembers since when (``intake_waiting_since``,
 the caller's clock), so the bound on the wait holds across gateway replicas and restarts.
 
 **A lost intake list** (evicted, deleted by hand, lost in a failover) leaves rows that can

@@ -1,7 +1,7 @@
 """The one lease primitive: a Redis key that names its holder until the holder gives it back or its time runs out.
 
 The mover lease (:mod:`workqueue.mover`), a batch's intake lease (:mod:`workqueue.intake_ops`) and the
-HTTP front's finalizer lease (:mod:`gateway.openai_finalizer`) are all a :class:`Lease`:
+HTTP front's finalizer lease (:mod:`gateway.http_api.finalizer`) are all a :class:`Lease`:
 
 * **acquire**: ``SET key token NX PX ttl``: only when nobody holds it;
 * **renew**: the holder only (its token still in the key): ``PEXPIRE`` to ``ttl`` from now;

@@ -107,7 +107,7 @@ class QueuedQuery:
     forced_length: int | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     cached_tokens: int = (
-        0  # prompt tokens its cluster's prefix cache is expected to hold (gateway.prefix_policy)
+        0  # prompt tokens its cluster's prefix cache is expected to hold (gateway.assign.prefix_policy)
     )
 
     @property

@@ -1,0 +1,1 @@
+"""The batch service: submit, get, cancel and read batches, knowing neither gRPC nor HTTP. Its typed errors and the caller (errors), the per-client cap (quota), in-flight bytes (limits) and the batch's messages (messages)."""

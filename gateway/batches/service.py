@@ -1,0 +1,382 @@
+"""The batch service: submit, get, cancel and read the results of batches; the fronts are adapters.
+
+It knows neither gRPC nor HTTP. A submission is the project's own message
+(``protos.SubmitBatchRequest``, used as data); a refusal is a typed
+:class:`gateway.batches.errors.BatchError`; the caller is a :class:`gateway.batches.errors.Caller`
+that the front established by its own authentication. The gRPC front
+(:mod:`gateway.grpc_api.servicer`) and the OpenAI HTTP front (:mod:`gateway.http_api.front`) call it and
+map its errors to their own codes. The admin API is :mod:`gateway.grpc_api.admin`.
+
+Blocking work (tokenizing, predicting, Redis round trips) runs in worker threads via
+``asyncio.to_thread`` so the event loop keeps serving streams while a large batch is
+being assigned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.assign.estimates import charged_tokens
+from gateway.assign.listing import read_clusters
+from gateway.assign.placement import configured_views, first_misfit
+from gateway.assign.policies import AssignmentPolicy, ClusterView, NoClusterError, QueryLoad, queue_order
+from gateway.assign.prefixes import Prefix, prefixes_of
+from gateway.assign.views import cluster_views
+from gateway.batches import quota
+from gateway.batches.errors import Caller, Conflict, InvalidRequest, NotFound, QuotaExceeded, Unavailable
+from gateway.batches.limits import InflightBytes
+from gateway.batches.messages import fail_rows, fingerprint
+from gateway.checks.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
+from gateway.checks.windows import WindowError, check_priority, parse_window
+from gateway.config import GatewayConfig
+from gateway.intake.background import Intake, IntakeSettings, encode_rows
+from gateway.offload.moves import LinkCost
+from gateway.status.eta import Eta, EtaBoard
+from gateway.status.metrics import GatewayMetrics
+from protos import fleetbatch_pb2 as pb
+from workqueue import BatchInfo, ClusterInfo, QueryResult, QueuedQuery, WorkQueue
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayDeps:
+    """Everything the servicers use; built once by the server."""
+
+    config: GatewayConfig
+    queue: WorkQueue
+    count_tokens: Callable[[list[str]], list[int]]
+    predict_tokens: Callable[[list[str]], list[float]]
+    policy: AssignmentPolicy
+    metrics: GatewayMetrics
+    links: LinkCost = LinkCost()
+    predictor: object | None = None  # the LengthPredictor, kept for hot reload
+    intake: IntakeSettings = field(default_factory=IntakeSettings.from_env)
+    # a bound of a prompt's tokens: prompts of a large batch it proves short are counted in intake
+    token_bound: Callable[[str], int] | None = None
+    tokenizer: object | None = None  # the serving tokenizer, for the HTTP front's chat templates
+    inflight: InflightBytes | None = None  # --max-inflight-mb, shared by gRPC calls and the HTTP front
+    #: every unfinished batch's ETA, refreshed by the offloader
+    eta: EtaBoard = field(default_factory=EtaBoard)
+    #: each prompt's prefix group (gateway.assign.prefixes; None: none looked for, as a policy that ignores them)
+    find_prefixes: Callable[[list[str], list[int]], list[Prefix]] | None = None
+
+
+@dataclass(frozen=True)
+class BatchStatus:
+    """A batch as the service answers it: its record and, while it runs, its ETA."""
+
+    info: BatchInfo
+    eta: Eta | None = None
+
+
+class BatchService:
+    def __init__(self, deps: GatewayDeps):
+        self.d = deps
+        self._policy_lock = threading.Lock()  # policies may keep state (round robin's cursor)
+        self._limits = Limits.of(deps.config)
+        self._client_lock = quota.ClientLocks()
+        self.intake = Intake(
+            deps.queue,
+            deps.predict_tokens,
+            self._assign,
+            deps.intake,
+            self._count_assigned,
+            count_tokens=deps.count_tokens,
+            wait_s=deps.config.intake_wait_s,
+            order=lambda loads: queue_order(deps.policy, loads),
+            find_prefixes=deps.find_prefixes,
+        )
+
+    def _count_assigned(self, names: list[str]) -> None:
+        for n, k in Counter(names).items():  # one update per cluster, not per query
+            self.d.metrics.queries.labels(n).inc(k)
+
+    async def submit(self, request: pb.SubmitBatchRequest, caller: Caller) -> BatchStatus:
+        """Validate, predict and assign a batch (or accept a large one for the background intake)."""
+        d, cfg = self.d, self.d.config
+        t0 = time.perf_counter()
+        mode = request.on_bad_query or ON_BAD_QUERY[cfg.on_bad_query]
+        large = len(request.queries) >= d.intake.sync_max_queries  # enqueued by the background intake
+        try:  # sizes first, then tokenizing: off the event loop
+            checked = await asyncio.to_thread(
+                check_batch,
+                request,
+                d.count_tokens,
+                self._limits,
+                fail_row=mode == pb.ON_BAD_QUERY_FAIL_ROW,
+                bound=d.token_bound if large else None,
+            )
+            window_s = parse_window(request.completion_window)
+            check_priority(request.priority)
+        except (InvalidBatch, WindowError) as e:
+            d.metrics.rejected.inc()
+            log.info("rejected a batch of %d queries: %s", len(request.queries), e)
+            raise InvalidRequest(str(e)) from None
+        checked.window_s = window_s
+        batch_id = request.batch_id or uuid.uuid4().hex
+        if request.batch_id:
+            existing = await asyncio.to_thread(d.queue.batch, batch_id)
+            if existing is not None:
+                return await self._resubmitted(existing, request, caller)
+        owner = caller.owner  # written with the batch, as its place in its client's set
+        if cfg.max_queued_per_client <= 0:
+            return await self._create(
+                request, checked, batch_id, caller, t0, quota.creation_writes(batch_id, owner, None)
+            )
+        if caller.client is None:
+            raise InvalidRequest(caller.client_problem or "the caller names no client")
+        client = caller.client
+        async with self._client_lock(client):
+            left = await asyncio.to_thread(quota.unfinished, d.queue, client)
+            if left + len(request.queries) > cfg.max_queued_per_client:
+                d.metrics.rejected.inc()
+                raise QuotaExceeded(
+                    f"client {client!r} has {left} queries queued or running and submits "
+                    f"{len(request.queries)}; the cap is max_queued_per_client={cfg.max_queued_per_client}"
+                )
+            writes = quota.creation_writes(batch_id, owner, client)  # the batch counts as soon as it exists
+            return await self._create(request, checked, batch_id, caller, t0, writes)
+
+    async def _create(
+        self,
+        request: pb.SubmitBatchRequest,
+        checked: Checked,
+        batch_id: str,
+        caller: Caller,
+        t0: float,
+        writes,
+    ) -> BatchStatus:
+        d = self.d
+        if checked.uncounted or len(request.queries) >= d.intake.sync_max_queries:
+            return await self._accept(request, checked, batch_id, caller, t0, writes)
+        queued, names = await self._assign_all(request, checked, batch_id)
+        digest = await asyncio.to_thread(fingerprint, request)  # hashes every query: off the loop
+        created = await asyncio.to_thread(
+            d.queue.create_batch,
+            batch_id,
+            list(zip(queued, names, strict=True)),
+            policy=d.policy.name,
+            metadata=dict(request.metadata),
+            fingerprint=digest,
+            extra=writes,
+            window_s=checked.window_s,
+            priority=request.priority,
+        )
+        if created and checked.bad:
+            await asyncio.to_thread(fail_rows, d.queue, batch_id, request, checked.bad)
+        info = await asyncio.to_thread(d.queue.batch, batch_id)
+        if not created:  # a concurrent submission with the same id won
+            return await self._resubmitted(info, request, caller)
+        d.metrics.batches.inc()
+        self._count_assigned(names)
+        elapsed = time.perf_counter() - t0
+        d.metrics.assign_seconds.observe(elapsed)
+        log.info(
+            "batch %s: %d queries assigned by %s in %.3f s (%d bad, failed alone): %s",
+            batch_id,
+            len(queued),
+            d.policy.name,
+            elapsed,
+            len(checked.bad),
+            ", ".join(f"{c}={n}" for c, n in sorted(info.queries_per_cluster.items())),
+        )
+        return BatchStatus(info, self._at_submit(info, sum(q.charged_tokens for q in queued)))
+
+    def _at_submit(self, info: BatchInfo, tokens: float) -> Eta | None:
+        """The new batch's predicted finish from the work ahead of it, and whether it fits its window (never a
+        silent miss: a batch at risk is logged)."""
+        now = self.d.queue.clock()
+        finish = self.d.eta.new_batch(now, tokens, info.order_key)
+        if finish <= 0:
+            return None
+        eta = Eta(
+            finish, tokens * self.d.eta.fleet_ratio, self.d.eta.fleet_ratio, 0.0, finish > info.deadline > 0
+        )
+        self.d.eta.put(info.batch_id, eta)  # shown by GetBatch and /v1/batches until the next refresh
+        if eta.at_risk:
+            log.warning(
+                "batch %s is at risk: predicted to finish in %.0f s, its window ends in %.0f s",
+                info.batch_id,
+                finish - now,
+                info.deadline - now,
+            )
+        return eta
+
+    async def _accept(
+        self,
+        request: pb.SubmitBatchRequest,
+        checked: Checked,
+        batch_id: str,
+        caller: Caller,
+        t0: float,
+        writes,
+    ) -> BatchStatus:
+        """A large batch: store its validated rows and answer VALIDATING; :mod:`gateway.intake.background` enqueues it."""
+        d = self.d
+        active = configured_views(await asyncio.to_thread(read_clusters, d.queue))
+        if not active:  # with one, intake waits (bounded) for it to accept work
+            raise Unavailable("cannot assign the batch: no cluster is active (all draining or removed)")
+        rows = encode_rows(request, checked)  # encoded slice by slice while stored
+        digest = await asyncio.to_thread(fingerprint, request)  # hashes every query: off the loop
+        created = await asyncio.to_thread(
+            d.queue.accept_batch,
+            batch_id,
+            rows,
+            policy=d.policy.name,
+            metadata=dict(request.metadata),
+            fingerprint=digest,
+            extra=writes,
+            window_s=checked.window_s,
+            priority=request.priority,
+        )
+        info = await asyncio.to_thread(d.queue.batch, batch_id)
+        if not created:
+            return await self._resubmitted(info, request, caller)
+        self.intake.wake()
+        d.metrics.batches.inc()
+        log.info(
+            "batch %s: %d queries accepted in %.3f s (%d bad, failed alone); intake in the background",
+            batch_id,
+            len(rows),
+            time.perf_counter() - t0,
+            len(checked.bad),
+        )
+        return BatchStatus(info)
+
+    async def _assign_all(
+        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str
+    ) -> tuple[list[QueuedQuery], list[str]]:
+        """Predict and assign the good queries; bad ones (fail-row) go last, inert, on the last cluster used."""
+        d = self.d
+        good = [i for i in range(len(request.queries)) if i not in checked.bad]
+        prompts = [request.queries[i].prompt for i in good]
+        predicted = await asyncio.to_thread(d.predict_tokens, prompts)
+        counts = [checked.prompt_tokens[i] for i in good]
+        shared = await asyncio.to_thread(prefixes_of, d.find_prefixes, prompts, counts)
+        loads = [
+            QueryLoad(request.queries[i].id, n, float(min(p, checked.max_tokens[i])), *prefix)
+            for i, n, p, prefix in zip(good, counts, predicted, shared, strict=True)
+        ]
+        infos = await asyncio.to_thread(read_clusters, d.queue)
+        try:
+            names = await asyncio.to_thread(self._assign, loads, cluster_views(infos))
+        except NoClusterError as e:
+            never = first_misfit(loads, infos)  # permanent: no configured cluster can ever take it
+            refusal = InvalidRequest if never else Unavailable
+            raise refusal(f"cannot assign the batch: {never or e}") from None
+        queued = []
+        order = queue_order(d.policy, loads)  # the policy's queue order: longest first for the token ones
+        names = [names[j] for j in order]
+        charges = charged_tokens([loads[j] for j in order], names)  # a group's prefix once per cluster
+        for charge, i, load in ((c, good[j], loads[j]) for c, j in zip(charges, order, strict=True)):
+            q = request.queries[i]
+            queued.append(
+                QueuedQuery(
+                    batch_id=batch_id,
+                    query_id=q.id,
+                    prompt=q.prompt,
+                    max_tokens=checked.max_tokens[i],
+                    prompt_tokens=load.prompt_tokens,
+                    predicted_tokens=load.predicted_tokens,
+                    temperature=q.sampling.temperature,
+                    top_p=q.sampling.top_p or 1.0,
+                    seed=q.sampling.seed if q.sampling.HasField("seed") else None,
+                    forced_length=q.forced_length if q.HasField("forced_length") else None,
+                    metadata=dict(q.metadata),
+                    cached_tokens=round(load.total_tokens - charge),
+                )
+            )
+        for i in sorted(checked.bad):  # inert: an engine that claimed one first would refuse max_tokens 0
+            q = request.queries[i]
+            queued.append(QueuedQuery(batch_id, q.id, "", 0, 0, 0.0))
+            names.append(names[-1])
+        return queued, names
+
+    def _assign(self, loads: Sequence[QueryLoad], views) -> list[str]:
+        with self._policy_lock:
+            return self.d.policy.assign(loads, views)
+
+    async def _resubmitted(self, existing: BatchInfo, request, caller: Caller) -> BatchStatus:
+        """A retry of the same submission gets the existing batch; anything else with its id is refused,
+        as is a caller who is not its owner (a retry makes one without an owner the caller's)."""
+        owner, taken = caller.owner, f"batch_id {existing.batch_id!r} is taken"
+        if not await asyncio.to_thread(quota.may_see, self.d.queue, existing.batch_id, owner):
+            raise Conflict(taken)  # tells another's batch nothing more
+        window, asked = existing.deadline - existing.created_at, parse_window(request.completion_window)
+        if existing.priority != request.priority or (existing.deadline and abs(window - asked) > 1.0):
+            raise Conflict(
+                f"batch {existing.batch_id} exists with another completion window or priority; choose a new batch_id"
+            )
+        if existing.total != len(request.queries):
+            raise Conflict(
+                f"batch {existing.batch_id} exists with {existing.total} queries, this submission has {len(request.queries)}"
+            )
+        if existing.fingerprint and existing.fingerprint != await asyncio.to_thread(fingerprint, request):
+            raise Conflict(
+                f"batch {existing.batch_id} exists with other queries (same count, different ids, prompts "
+                "or settings); choose a new batch_id"
+            )
+        if not await asyncio.to_thread(quota.may_resubmit, self.d.queue, existing.batch_id, owner):
+            raise Conflict(taken)  # another claimed it meanwhile
+        return BatchStatus(existing, self.d.eta.get(existing.batch_id))
+
+    async def _info(self, batch_id: str, caller: Caller) -> BatchInfo:
+        problem = id_problem(batch_id, "batch_id")
+        if problem:
+            raise InvalidRequest(problem)
+        info, h = (await asyncio.to_thread(self.d.queue.batches, [batch_id]))[batch_id]  # one round trip
+        if info is None or not quota.owner_allows(h.get(quota.OWNER_FIELD), caller.owner):
+            raise NotFound(f"no batch {batch_id!r}")
+        return info
+
+    async def get(self, batch_id: str, caller: Caller) -> BatchStatus:
+        """The batch and its ETA (``NotFound`` for one the caller may not see)."""
+        return BatchStatus(await self._info(batch_id, caller), self.d.eta.get(batch_id))
+
+    async def cancel(self, batch_id: str, caller: Caller) -> BatchStatus:
+        """Ask the batch to stop: its queued queries go at once, running ones at their workers' next tick."""
+        await self._info(batch_id, caller)
+        removed = await asyncio.to_thread(self.d.queue.cancel_batch, batch_id)
+        log.info("batch %s: cancel requested, %d queued queries removed", batch_id, max(removed, 0))
+        return BatchStatus(await self._info(batch_id, caller))
+
+    async def results(
+        self, batch_id: str, start_index: int, follow: bool, caller: Caller
+    ) -> AsyncIterator[QueryResult]:
+        """The batch's results from ``start_index`` on, in the order they were written; ``follow``: until
+        the batch is final and every result has been read."""
+        await self._info(batch_id, caller)
+        if start_index < 0:
+            raise InvalidRequest("start_index must be >= 0")
+        idx = start_index
+        q = self.d.queue
+        while True:
+            rows = await asyncio.to_thread(q.query_results, batch_id, idx, idx + 499)
+            for r in rows:
+                yield r
+            idx += len(rows)
+            if rows:
+                continue
+            info = await asyncio.to_thread(q.batch, batch_id)
+            if not follow or info is None:
+                return
+            if info.final:
+                if await asyncio.to_thread(q.result_count, batch_id) <= idx:
+                    return
+                continue
+            await asyncio.sleep(0.05)
+
+    async def clusters(self) -> list[tuple[ClusterInfo, ClusterView]]:
+        """Every listed cluster with its view (capacity, pending work) as assignment sees it."""
+        infos = await asyncio.to_thread(read_clusters, self.d.queue, listed=True)
+        views = cluster_views(infos)
+        self.d.metrics.observe_clusters(infos, views)
+        return list(zip(infos, views, strict=True))

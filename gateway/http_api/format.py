@@ -1,0 +1,221 @@
+"""OpenAI batch files, the pure part: input rows to queries, results to output lines.
+
+Shared by the gateway's HTTP front (:mod:`gateway.http_api.front`) and ``loadgen submit --jsonl``
+(:mod:`load.openai_batch`, :mod:`load.workload`), so both read and write the same shape.
+
+**Input.** One JSON object a line: ``custom_id``, ``method`` (``POST``), ``url``
+(``/v1/chat/completions`` or ``/v1/completions``) and ``body`` with ``messages`` or ``prompt``.
+Chat messages are rendered with the serving tokenizer's chat template when it has one, else
+with the documented default (:data:`DEFAULT_TEMPLATE`). ``max_tokens`` /
+``max_completion_tokens``, ``temperature``, ``top_p`` and ``seed`` are honoured; ``stop``,
+``n`` > 1, streaming and any other field are errors that name them (:func:`check_body`).
+
+**Output.** One line per request. A request that succeeded has ``response`` (``status_code``
+200, ``request_id`` and a ``body``: a ``chat.completion`` for ``/v1/chat/completions``, a
+``text_completion`` for ``/v1/completions``, with ``choices`` and ``usage``) and ``error``
+null; it goes to the output file. A request that failed or was cancelled has ``response``
+null and ``error`` (``code``, ``message``) and goes to the error file, as OpenAI's batches do.
+Which it is comes from :func:`workqueue.outcome`, the rule the worker's counts follow too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway.checks.validation import number_problem
+from workqueue import Outcome, outcome
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
+
+#: body fields that are honoured or change nothing about the answer
+ACCEPTED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+            "seed", "user", "metadata", "store", "stream", "n", "stop"}  # fmt: skip
+
+#: the documented default chat template, for serving tokenizers without one
+DEFAULT_TEMPLATE = "<|{role}|>\n{content}\n"
+GENERATION_PROMPT = "<|assistant|>\n"
+
+
+@dataclass
+class OpenAIRequest:
+    """One input line as a query: what the engines need, and what its output line names."""
+
+    custom_id: str
+    url: str
+    prompt: str
+    max_tokens: int  # 0: the gateway's default
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    model: str = ""
+
+
+def check_body(body: dict) -> None:
+    """Refuse what the engines cannot honour, naming it: other fields, ``n`` > 1, ``stop``, streaming."""
+    unknown = sorted(set(body) - ACCEPTED)
+    if unknown:
+        raise ValueError(f"body fields not supported: {', '.join(unknown)}")
+    if body.get("n", 1) != 1:
+        raise ValueError(f"n={body['n']} is not supported (one choice per request)")
+    if body.get("stop"):
+        raise ValueError("stop sequences are not supported; remove 'stop'")
+    if body.get("stream"):
+        raise ValueError("stream=true has no meaning in a batch")
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text is supported
+        if not all(isinstance(p, dict) for p in content):
+            raise ValueError("message content parts must be objects ({'type': 'text', 'text': ...})")
+        kinds = sorted({str(p.get("type", "?")) for p in content} - {"text"})
+        if kinds:
+            raise ValueError(f"message content of type {', '.join(kinds)} is not supported (text only)")
+        texts = [p.get("text", "") for p in content]
+        if not all(isinstance(t, str) for t in texts):
+            raise ValueError("the 'text' of a message content part must be a string")
+        return "".join(texts)
+    raise ValueError(
+        f"message content must be a string or a list of text parts, not {type(content).__name__}"
+    )
+
+
+def render_chat(messages: list, tokenizer=None) -> str:
+    """One prompt from chat messages: the tokenizer's chat template when it has one, else
+    ``<|role|>`` headers (``<|system|>``, ``<|user|>``, ``<|assistant|>``) with each message on
+    its own lines, ending with the ``<|assistant|>`` header the answer follows."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    if not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages must be objects with 'role' and 'content'")
+    turns = [{"role": str(m.get("role", "user")), "content": _text(m.get("content", ""))} for m in messages]
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template may refuse roles or orders (jinja's raise_exception)
+            raise ValueError(f"the chat template refused the messages: {e}") from None
+    return "".join(DEFAULT_TEMPLATE.format(**t) for t in turns) + GENERATION_PROMPT
+
+
+def _number(body: Mapping, key: str, default: float, field: str | None = None) -> float:
+    """``body[key]`` checked against the range of the query's number ``field`` (default ``key``)."""
+    value = body.get(key)
+    if value is None:
+        return default
+    problem = number_problem(field or key, value, key)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def _utf8(text: str, what: str) -> str:
+    """``text``, if it can be sent (JSON allows lone surrogates, which UTF-8 cannot carry)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} holds a lone surrogate (\\ud800-\\udfff), which is not text") from None
+    return text
+
+
+def parse_row(row, default_max_tokens: int = 0, tokenizer=None, endpoint: str | None = None) -> OpenAIRequest:
+    """One input line (parsed JSON) as a request; ``ValueError`` naming the field otherwise.
+
+    ``endpoint``: the batch's endpoint, which every line's ``url`` must match (absent: ``CHAT``)."""
+    if not isinstance(row, dict):
+        raise ValueError("a line must be a JSON object")
+    url = row.get("url") or endpoint or CHAT
+    if url not in ENDPOINTS:
+        raise ValueError(f"endpoint {url!r} is not supported (supported: {', '.join(ENDPOINTS)})")
+    if endpoint is not None and url != endpoint:
+        raise ValueError(f"url {url!r} differs from the batch's endpoint {endpoint!r}")
+    if row.get("method", "POST") != "POST":
+        raise ValueError(f"method {row['method']!r} is not supported (POST only)")
+    if "custom_id" not in row:
+        raise ValueError("missing custom_id")
+    body = row.get("body") or {}
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    check_body(body)
+    if "messages" in body:
+        prompt = render_chat(body["messages"], tokenizer)
+    elif "prompt" in body:
+        raw = body["prompt"]
+        if not (isinstance(raw, str) or (isinstance(raw, list) and all(isinstance(p, str) for p in raw))):
+            raise ValueError("prompt must be a string or a list of strings")
+        prompt = raw if isinstance(raw, str) else "\n".join(raw)
+    else:
+        raise ValueError("body needs 'messages' or 'prompt'")
+    max_tokens = _number(body, "max_tokens", 0) or _number(body, "max_completion_tokens", 0, "max_tokens")
+    seed = body.get("seed")
+    return OpenAIRequest(
+        custom_id=_utf8(str(row["custom_id"]), "custom_id"),
+        url=url,
+        prompt=_utf8(prompt, "the prompt"),
+        max_tokens=int(max_tokens) or default_max_tokens,
+        temperature=float(_number(body, "temperature", 0.0)),
+        top_p=float(_number(body, "top_p", 1.0)),
+        seed=None if seed is None else int(_number(body, "seed", 0)),
+        model=_utf8(str(body.get("model") or ""), "model"),
+    )
+
+
+def _id(prefix: str, *parts: str) -> str:
+    return prefix + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def output_line(result: Mapping, endpoint: str, model: str, custom_id: str | None = None) -> dict:
+    """One request's line from its result (as the queue stores it, or ``loadgen submit`` writes it)."""
+    batch_id = str(result.get("batch_id", ""))
+    custom_id = str(result["query_id"]) if custom_id is None else custom_id
+    reason = result.get("finish_reason") or ""
+    line = {
+        "id": _id("batch_req_", batch_id, custom_id),
+        "custom_id": custom_id,
+        "response": None,
+        "error": None,
+    }
+    how = outcome(reason, result.get("error"))
+    if not how.answered:
+        code = (
+            "server_error"
+            if how is not Outcome.CANCELLED
+            else "batch_expired"
+            if reason == "batch_expired"
+            else "cancelled"
+        )
+        line["error"] = {"code": code, "message": result.get("error") or f"request {reason}"}
+        return line
+    prompt, completion = int(result.get("prompt_tokens") or 0), int(result.get("completion_tokens") or 0)
+    created = int(float((result.get("timings") or {}).get("finished_at") or 0))
+    finish = "length" if how is Outcome.TRUNCATED else "stop"
+    if endpoint == COMPLETIONS:
+        body = {
+            "object": "text_completion",
+            "choices": [
+                {"index": 0, "text": result.get("text", ""), "logprobs": None, "finish_reason": finish}
+            ],
+        }
+    else:
+        message = {"role": "assistant", "content": result.get("text", "")}
+        body = {
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        }
+    body = {
+        "id": _id("cmpl-" if endpoint == COMPLETIONS else "chatcmpl-", batch_id, custom_id),
+        "created": created,
+        "model": model,
+        **body,
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        },
+    }
+    line["response"] = {"status_code": 200, "request_id": _id("req_", batch_id, custom_id), "body": body}
+    return line
