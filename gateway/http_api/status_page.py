@@ -66,7 +66,7 @@ def batch_row(b: BatchInfo, board: EtaBoard) -> dict:
 class StatusPage:
     def __init__(self, queue: WorkQueue, board: EtaBoard) -> None:
         self.queue, self.board = queue, board
-        self.html = resources.files("gateway").joinpath("status_page.html").read_text(encoding="utf-8")
+        self.html = resources.files("gateway.http_api").joinpath("status_page.html").read_text(encoding="utf-8")
 
     def routes(self) -> list[Route]:
         return [
