@@ -98,8 +98,9 @@ def prefixes_of(
 def prefix_finder(
     tokenizer, rule: PrefixRule = PrefixRule()
 ) -> Callable[[list[str], list[int]], list[Prefix]]:
-    """:func:`find_prefixes` on prompts, given their token counts: each prompt's head
-    (``CHARS_PER_TOKEN * max_tokens`` characters) is tokenized as the engine tokenizes it."""
+    """:func:`find_prefixes` on prompts, given their token counts: the head (``CHARS_PER_TOKEN *
+    max_tokens`` characters) of each prompt longer than ``min_tokens`` is tokenized as the engine
+    tokenizes it (a shorter one cannot share enough)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     encode = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
     cut = CHARS_PER_TOKEN * rule.max_tokens
@@ -111,8 +112,14 @@ def prefix_finder(
         return [list(x) for x in tokenizer(heads, add_special_tokens=True)["input_ids"]]
 
     def find(prompts: list[str], prompt_tokens: list[int]) -> list[Prefix]:
-        if not prompts:
-            return []
-        return find_prefixes(head_ids(prompts), prompt_tokens, rule)
+        out: list[Prefix] = [(None, 0)] * len(prompts)
+        long = [i for i, n in enumerate(prompt_tokens) if n > rule.min_tokens]  # only these can share enough
+        if long:
+            found = find_prefixes(
+                head_ids([prompts[i] for i in long]), [prompt_tokens[i] for i in long], rule
+            )
+            for i, f in zip(long, found, strict=True):
+                out[i] = f
+        return out
 
     return find
