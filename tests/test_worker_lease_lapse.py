@@ -5,6 +5,8 @@ when Redis comes back. The worker must keep running the query and write its real
 
 from __future__ import annotations
 
+import time
+
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.worker import Worker, WorkerConfig
@@ -30,14 +32,16 @@ def queue_round(worker: Worker) -> None:
     worker.start_claimed()
 
 
-def make_worker(queue: WorkQueue, lease_s: float = 15.0, **engine_kw) -> Worker:
+def make_worker(queue: WorkQueue, lease_s: float = 15.0, heartbeat_s: float = 1.0, **engine_kw) -> Worker:
     tok = default_tokenizer()
     engine = LLMEngine(
         build_model("llama", "nano", tokenizer=tok, seed=3),
         tok,
         EngineConfig(kv_budget_tokens=512, block_size=4, **engine_kw),
     )
-    config = WorkerConfig(cluster="w", backend="native", record_observed=False, lease_s=lease_s)
+    config = WorkerConfig(
+        cluster="w", backend="native", record_observed=False, lease_s=lease_s, heartbeat_s=heartbeat_s
+    )
     return Worker(queue, engine, config)
 
 
@@ -48,6 +52,8 @@ class TickSpy:
         self.claim_call, self.renew_calls = queue.claim_call, queue.renew_calls
         self.events: list[tuple[str, list[str], int]] = []  # (claim | renew, gids renewed, queries held)
         self.held = lambda: 0
+        self.due = lambda: True  # whether a renewal was due when the tick was built
+        self.renewed_when_due: list[bool] = []  # per renew event: was a renewal due then?
         queue.claim_call = self.claim  # type: ignore[method-assign]
         queue.renew_calls = self.renew  # type: ignore[method-assign]
 
@@ -57,6 +63,7 @@ class TickSpy:
 
     def renew(self, cluster, gids, lease_s, worker_id=""):
         self.events.append(("renew", list(gids), self.held()))
+        self.renewed_when_due.append(self.due())
         return self.renew_calls(cluster, gids, lease_s, worker_id)
 
 
@@ -113,21 +120,28 @@ def test_a_claim_takes_back_the_workers_own_requeued_queries_first(redis_url):
 def test_ticks_renew_only_when_renewals_fall_due(redis_url):
     """Review of issue 31: every claim passed every running gid (O(running) Lua per claim). A real
     run with two engine slots: queries finish one by one and each freed slot is claimed while the
-    other query runs; with renewals fresh (due every 200 s here), no tick renews anything."""
+    other query runs; with renewals fresh (due every 200 s here: a 600 s lease, heartbeats every
+    600 s), no tick renews anything and no claim carries a renewal.
+
+    Whether a renewal was due is read off the agent's own clock as each tick is built, not
+    assumed from how long the run takes: with the default 1 s heartbeat, a run that a loaded
+    machine slowed past a second renewed, rightly, and failed this test."""
     queue = WorkQueue(connect(redis_url))
     qs = [QueuedQuery("b1", f"q{i}", f"prompt {i}", 64, 6, 8.0, forced_length=4 + 6 * i) for i in range(6)]
     assert queue.create_batch("b1", [(x, "w") for x in qs])
-    worker = make_worker(queue, lease_s=600.0, max_running=2, queue_depth=0)
+    worker = make_worker(queue, lease_s=600.0, heartbeat_s=600.0, max_running=2, queue_depth=0)
+    assert worker.config.renew_every_s == 200.0
     spy = TickSpy(queue)
     spy.held = lambda: len(worker.inflight)
+    agent = worker.agent
+    spy.due = lambda: time.monotonic() - agent.renewed_at >= worker.config.renew_every_s
     assert worker.run(max_queries=6) == 6
     assert queue.batch("b1").completed == 6
     assert any(kind == "claim" and held for kind, _, held in spy.events), (
         "no claim was made while a query ran"
     )
-    assert [e for e in spy.events if e[0] == "renew" or e[1]] == [], (
-        "a tick renewed though no renewal was due"
-    )
+    assert [e for e in spy.events if e[0] == "claim" and e[1]] == [], "a claim carried renewals"
+    assert all(spy.renewed_when_due), "a tick renewed though no renewal was due"
 
 
 def test_after_an_outage_the_tick_renews_before_it_claims_and_takes_its_query_back(redis_url):
