@@ -157,9 +157,30 @@ def test_after_an_outage_the_tick_renews_before_it_claims_and_takes_its_query_ba
     assert queue.create_batch("b2", [(QueuedQuery("b2", "q1", "p", 64, 6, 20.0, forced_length=20), "w")])
     spy.events.clear()
     queue_round(worker)
-    assert [(kind, gids) for kind, gids, _ in spy.events] == [("renew", ["b1:q0"]), ("claim", [])]
+    assert [(kind, gids) for kind, gids, _ in spy.events] == [("renew", ["b1:q0"]), ("claim", ["b1:q0"])]
     assert sorted(worker.inflight) == ["b1:q0", "b2:q1"]
     assert queue.queued_ids("w") == [] and queue.r.hget(keys.query("b1:q0"), "attempts") == "1"
     spy.events.clear()
     queue_round(worker)  # the renewal is fresh: the next tick carries none
     assert [kind for kind, _, _ in spy.events if kind == "renew"] == []
+
+
+def test_a_tick_renews_before_it_claims_when_redis_lacks_the_renew_script(redis_url):
+    """A Redis that lost its scripts (a restart, a failover) and got the CLAIM script back from another
+    worker first refuses the tick's RENEW (``NOSCRIPT``) but runs its CLAIM; the refused RENEW is sent
+    again only after it. The claim must still not pop the worker's own requeued query as a new attempt
+    (on its last attempt it would fail a query its worker still runs): the claim takes it back first."""
+    queue = WorkQueue(connect(redis_url))
+    assert queue.create_batch("b1", [(QueuedQuery("b1", "q0", "p", 64, 6, 20.0, forced_length=20), "w")])
+    worker = make_worker(queue)
+    queue_round(worker)  # claims q0
+    assert list(worker.inflight) == ["b1:q0"]
+    outage(worker)
+    lapse(queue, "w", "b1:q0")
+    assert queue.requeue_expired("w") == 1
+    queue.r.script_flush()  # Redis lost its scripts ...
+    queue.r.script_load(queue.lease_ops._claim.script)  # ... and another worker's claim loaded CLAIM again
+    assert queue.create_batch("b2", [(QueuedQuery("b2", "q1", "p", 64, 6, 20.0, forced_length=20), "w")])
+    queue_round(worker)
+    assert sorted(worker.inflight) == ["b1:q0", "b2:q1"]
+    assert queue.queued_ids("w") == [] and queue.r.hget(keys.query("b1:q0"), "attempts") == "1"
