@@ -15,14 +15,14 @@ def test_cancel_sweeps_in_bounded_calls_and_leaves_other_batches_alone(redis_url
         rows = [(QueuedQuery(bid, f"q{i}", "p", 8, 4, 6.0), "ab"[i % 2]) for i in range(3000)]
         q.create_batch(bid, rows)
     looked: list[int] = []
-    sweep = q._sweep
+    sweep = q.batch_ops._sweep
 
     def recording_sweep(*, keys, args):
         n, seen, nxt = sweep(keys=keys, args=args)
         looked.append(int(seen))
         return n, seen, nxt
 
-    q._sweep = recording_sweep
+    q.batch_ops._sweep = recording_sweep
     assert q.cancel_batch("x", chunk=400) == 3000
     assert max(looked) <= 400 and len(looked) >= 2 * 3000 // 400
     assert q.batch("x").status == "cancelled" and q.batch("x").cancelled == 3000
@@ -39,7 +39,7 @@ def test_a_claim_drops_queries_of_a_cancelling_batch_that_the_sweep_missed(redis
     q.register_cluster("a")
     q.create_batch("x", [(QueuedQuery("x", f"q{i}", "p", 8, 4, 6.0), "a") for i in range(5)])
     assert (
-        q._cancel(keys=[wq_keys.batch("x")], args=["x", 0.0]) == 1
+        q.batch_ops._cancel(keys=[wq_keys.batch("x")], args=["x", 0.0]) == 1
     )  # marked, not swept yet (as if the sweep missed them)
     assert q.claim("a", 5, "w", 30) == []
     assert q.batch("x").status == "cancelled" and q.batch("x").cancelled == 5
@@ -63,7 +63,7 @@ def test_a_claim_that_meets_cancelled_ids_does_not_rescan_the_queue(redis_url):
     q.register_cluster("a")
     q.create_batch("x", [(QueuedQuery("x", f"q{i}", "p", 8, 4, 6.0), "a") for i in range(3)])
     q.create_batch("y", [(QueuedQuery("y", "q0", "p", 8, 4, 6.0), "a")])
-    assert q._cancel(keys=[wq_keys.batch("x")], args=["x", 0.0]) == 1  # marked, not swept
+    assert q.batch_ops._cancel(keys=[wq_keys.batch("x")], args=["x", 0.0]) == 1  # marked, not swept
     before = int(q.r.info("commandstats").get("cmdstat_lrem", {}).get("calls", 0))
     assert [c.query.gid for c in q.claim("a", 1, "w", 30)] == ["y:q0"]
     after = int(q.r.info("commandstats").get("cmdstat_lrem", {}).get("calls", 0))

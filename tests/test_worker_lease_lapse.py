@@ -5,6 +5,8 @@ when Redis comes back. The worker must keep running the query and write its real
 
 from __future__ import annotations
 
+import time
+
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.worker import Worker, WorkerConfig
@@ -30,14 +32,16 @@ def queue_round(worker: Worker) -> None:
     worker.start_claimed()
 
 
-def make_worker(queue: WorkQueue, lease_s: float = 15.0, **engine_kw) -> Worker:
+def make_worker(queue: WorkQueue, lease_s: float = 15.0, heartbeat_s: float = 1.0, **engine_kw) -> Worker:
     tok = default_tokenizer()
     engine = LLMEngine(
         build_model("llama", "nano", tokenizer=tok, seed=3),
         tok,
         EngineConfig(kv_budget_tokens=512, block_size=4, **engine_kw),
     )
-    config = WorkerConfig(cluster="w", backend="native", record_observed=False, lease_s=lease_s)
+    config = WorkerConfig(
+        cluster="w", backend="native", record_observed=False, lease_s=lease_s, heartbeat_s=heartbeat_s
+    )
     return Worker(queue, engine, config)
 
 
@@ -48,15 +52,20 @@ class TickSpy:
         self.claim_call, self.renew_calls = queue.claim_call, queue.renew_calls
         self.events: list[tuple[str, list[str], int]] = []  # (claim | renew, gids renewed, queries held)
         self.held = lambda: 0
+        self.due = lambda: True  # whether a renewal was due when the tick was built
+        self.renewed_when_due: list[bool] = []  # per event that carried renewals: was a renewal due then?
         queue.claim_call = self.claim  # type: ignore[method-assign]
         queue.renew_calls = self.renew  # type: ignore[method-assign]
 
     def claim(self, cluster, n, worker_id, lease_s, now, renew=()):
         self.events.append(("claim", list(renew), self.held()))
+        if renew:
+            self.renewed_when_due.append(self.due())
         return self.claim_call(cluster, n, worker_id, lease_s, now, renew)
 
     def renew(self, cluster, gids, lease_s, worker_id=""):
         self.events.append(("renew", list(gids), self.held()))
+        self.renewed_when_due.append(self.due())
         return self.renew_calls(cluster, gids, lease_s, worker_id)
 
 
@@ -113,21 +122,27 @@ def test_a_claim_takes_back_the_workers_own_requeued_queries_first(redis_url):
 def test_ticks_renew_only_when_renewals_fall_due(redis_url):
     """Review of issue 31: every claim passed every running gid (O(running) Lua per claim). A real
     run with two engine slots: queries finish one by one and each freed slot is claimed while the
-    other query runs; with renewals fresh (due every 200 s here), no tick renews anything."""
+    other query runs; with renewals fresh (due every 200 s here: a 600 s lease, heartbeats every
+    600 s), no tick renews anything, in a RENEW call or in its claim.
+
+    Whether a renewal was due is read off the agent's own clock as each tick is built, not
+    assumed from how long the run takes: with the default 1 s heartbeat, a run that a loaded
+    machine slowed past a second renewed, rightly, and failed this test."""
     queue = WorkQueue(connect(redis_url))
     qs = [QueuedQuery("b1", f"q{i}", f"prompt {i}", 64, 6, 8.0, forced_length=4 + 6 * i) for i in range(6)]
     assert queue.create_batch("b1", [(x, "w") for x in qs])
-    worker = make_worker(queue, lease_s=600.0, max_running=2, queue_depth=0)
+    worker = make_worker(queue, lease_s=600.0, heartbeat_s=600.0, max_running=2, queue_depth=0)
+    assert worker.config.renew_every_s == 200.0
     spy = TickSpy(queue)
     spy.held = lambda: len(worker.inflight)
+    agent = worker.agent
+    spy.due = lambda: time.monotonic() - agent.renewed_at >= worker.config.renew_every_s
     assert worker.run(max_queries=6) == 6
     assert queue.batch("b1").completed == 6
     assert any(kind == "claim" and held for kind, _, held in spy.events), (
         "no claim was made while a query ran"
     )
-    assert [e for e in spy.events if e[0] == "renew" or e[1]] == [], (
-        "a tick renewed though no renewal was due"
-    )
+    assert all(spy.renewed_when_due), "a tick renewed though no renewal was due"
 
 
 def test_after_an_outage_the_tick_renews_before_it_claims_and_takes_its_query_back(redis_url):
@@ -143,9 +158,30 @@ def test_after_an_outage_the_tick_renews_before_it_claims_and_takes_its_query_ba
     assert queue.create_batch("b2", [(QueuedQuery("b2", "q1", "p", 64, 6, 20.0, forced_length=20), "w")])
     spy.events.clear()
     queue_round(worker)
-    assert [(kind, gids) for kind, gids, _ in spy.events] == [("renew", ["b1:q0"]), ("claim", [])]
+    assert [(kind, gids) for kind, gids, _ in spy.events] == [("renew", ["b1:q0"]), ("claim", ["b1:q0"])]
     assert sorted(worker.inflight) == ["b1:q0", "b2:q1"]
     assert queue.queued_ids("w") == [] and queue.r.hget(keys.query("b1:q0"), "attempts") == "1"
     spy.events.clear()
     queue_round(worker)  # the renewal is fresh: the next tick carries none
     assert [kind for kind, _, _ in spy.events if kind == "renew"] == []
+
+
+def test_a_tick_renews_before_it_claims_when_redis_lacks_the_renew_script(redis_url):
+    """A Redis that lost its scripts (a restart, a failover) and got the CLAIM script back from another
+    worker first refuses the tick's RENEW (``NOSCRIPT``) but runs its CLAIM; the refused RENEW is sent
+    again only after it. The claim must still not pop the worker's own requeued query as a new attempt
+    (on its last attempt it would fail a query its worker still runs): the claim takes it back first."""
+    queue = WorkQueue(connect(redis_url))
+    assert queue.create_batch("b1", [(QueuedQuery("b1", "q0", "p", 64, 6, 20.0, forced_length=20), "w")])
+    worker = make_worker(queue)
+    queue_round(worker)  # claims q0
+    assert list(worker.inflight) == ["b1:q0"]
+    outage(worker)
+    lapse(queue, "w", "b1:q0")
+    assert queue.requeue_expired("w") == 1
+    queue.r.script_flush()  # Redis lost its scripts ...
+    queue.r.script_load(queue.lease_ops._claim.script)  # ... and another worker's claim loaded CLAIM again
+    assert queue.create_batch("b2", [(QueuedQuery("b2", "q1", "p", 64, 6, 20.0, forced_length=20), "w")])
+    queue_round(worker)
+    assert sorted(worker.inflight) == ["b1:q0", "b2:q1"]
+    assert queue.queued_ids("w") == [] and queue.r.hget(keys.query("b1:q0"), "attempts") == "1"

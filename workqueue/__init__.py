@@ -3,10 +3,12 @@
 One place for the key schema (:mod:`workqueue.keys`), the Lua scripts that make every
 multi-key change atomic (:mod:`workqueue.scripts`; their shared functions from one source,
 :mod:`workqueue.lua` and :mod:`workqueue.lua_queue`), the one lease primitive (:mod:`workqueue.lease`), the typed queue API
-(:mod:`workqueue.queue`, its claim and lease side in :mod:`workqueue.leases`, its batches in
-:mod:`workqueue.batches`, intake waits and lost intake lists in :mod:`workqueue.intake_ops`,
-the mover lease in :mod:`workqueue.mover`, many clusters or batches per round trip in
-:mod:`workqueue.ticks`, its records in :mod:`workqueue.records`) and the embedded Redis server used when no URL is given
+(:mod:`workqueue.queue`: :class:`WorkQueue`, composed of parts that share a
+:class:`workqueue.core.QueueCore`: clusters and heartbeats in :mod:`workqueue.clusters`, claims
+and leases in :mod:`workqueue.leases`, batches in :mod:`workqueue.batches`, background intake in
+:mod:`workqueue.intake_ops`, queue reads and moves in :mod:`workqueue.moves`, many clusters or
+batches per round trip in :mod:`workqueue.ticks`; the mover lease in :mod:`workqueue.mover`, the
+records in :mod:`workqueue.records`) and the embedded Redis server used when no URL is given
 (:mod:`workqueue.embedded`). The gateway and the engines meet only here and in the protos.
 """
 

@@ -1,10 +1,11 @@
 """Batches in Redis: creation (atomic, idempotent), status, results, lazy cancel, retention.
 
-:meth:`BatchOps.create_batch` is atomic and idempotent by batch id: concurrent calls with
+:meth:`Batches.create_batch` is atomic and idempotent by batch id: concurrent calls with
 one new id create the batch once (one returns True, the others False, none raises), and a
 batch hash without ``status`` (a creation cut short under older code) counts as absent.
 
-**Background intake** (:meth:`BatchOps.accept_batch`, :meth:`BatchOps.enqueue_chunk`): a large
+**Background intake** (:class:`workqueue.intake_ops.Intake`, which creates its batches with
+:meth:`Batches.create_once` and :meth:`Batches.write_batch`): a large
 batch is accepted durably first, its validated rows stored in Redis, and enqueued chunk by
 chunk afterwards (see :mod:`gateway.intake.background`); until its last chunk lands, ``total`` counts
 the rows still in its intake list too.
@@ -20,16 +21,17 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
 from workqueue import batch_scripts, keys
-from workqueue.ordering import QueueOrder, rank
+from workqueue.core import QueueCore
+from workqueue.ordering import rank
 from workqueue.records import BatchInfo, BatchState, QueryResult, QueryState, QueuedQuery, as_float, as_int
+from workqueue.script_call import ScriptCall
 from workqueue.wake import announce
 
-DEFAULT_RETENTION_S = 7 * 24 * 3600  # finished batches (status, results) are kept a week
 PRUNE_CHUNK = 1000  # batch ids one prune call looks at
 SWEEP_CHUNK = 1000  # queued ids one cancel-sweep call looks at (keeps each script call short)
 CREATE_RETRIES = 20  # optimistic-transaction retries of create_batch (each lost race re-reads)
@@ -90,22 +92,32 @@ def batch_info(batch_id: str, h: Mapping[str, str]) -> BatchInfo | None:
     )
 
 
-class BatchOps:
-    """Batch lifecycle; mixed into :class:`workqueue.queue.WorkQueue`."""
+class ClusterNames(Protocol):
+    """What :class:`Batches` needs of the clusters' part (:class:`workqueue.clusters.Clusters`): whose queues to sweep."""
 
-    r: redis.Redis
-    clock: Callable[[], float]
-    cluster_names: Callable[[], list[str]]
+    def cluster_names(self) -> list[str]: ...
 
-    def _init_batches(self, client: redis.Redis, retention_s: float, order: QueueOrder) -> None:
-        if not retention_s >= 0:
-            raise ValueError(f"retention_s must be >= 0 (0: keep forever), not {retention_s}")
-        self.retention_s = int(retention_s)
-        self.order = order
-        self._expire_due = client.register_script(batch_scripts.EXPIRE_DUE)
-        self._cancel = client.register_script(batch_scripts.CANCEL)
-        self._sweep = client.register_script(batch_scripts.SWEEP_CANCELLED)
-        self._enqueue_chunk = client.register_script(batch_scripts.ENQUEUE_CHUNK)
+
+class Batches:
+    """Batch lifecycle on ``core``'s Redis (``core.clock``: creation times and deadlines; ``core.order``:
+    the batches' place in the queues; ``core.retention_s``: how long a finished batch is kept).
+    Cancels and expiry sweep the queues of every cluster ``clusters`` names.
+
+    For the intake (:class:`workqueue.intake_ops.Intake`), which creates batches the same way:
+    :meth:`create_once` (the optimistic creating transaction) and :meth:`write_batch` (the
+    batch's writes in it). For a tick (:class:`workqueue.ticks.Ticks`): :meth:`expire_due_call`."""
+
+    def __init__(self, core: QueueCore, clusters: ClusterNames) -> None:
+        self.core, self.clusters = core, clusters
+        self.r = core.r
+        self._expire_due = core.script(batch_scripts.EXPIRE_DUE)
+        self._cancel = core.script(batch_scripts.CANCEL)
+        self._sweep = core.script(batch_scripts.SWEEP_CANCELLED)
+
+    @property
+    def retention_s(self) -> int:
+        """Seconds a finished batch is kept (0: forever)."""
+        return self.core.retention_s
 
     def create_batch(
         self,
@@ -138,7 +150,7 @@ class BatchOps:
         """
         if ":" in batch_id or not batch_id:
             raise ValueError(f"bad batch id {batch_id!r}")
-        now = self.clock()
+        now = self.core.clock()
         deadline = now + window_s if window_s else deadline
         per_cluster: dict[str, int] = {}
         per_cluster_tokens: dict[str, float] = {}
@@ -147,11 +159,11 @@ class BatchOps:
             per_cluster_tokens[c] = per_cluster_tokens.get(c, 0.0) + q.charged_tokens
         rows = [(q.gid, json.dumps(asdict(q)), q.charged_tokens, c) for q, c in assignments]
         bkey = keys.batch(batch_id)
-        when = Schedule(now, deadline, priority, self.order.key(now, deadline, priority))
+        when = Schedule(now, deadline, priority, self.core.order.key(now, deadline, priority))
         seq = int(self.r.incrby(keys.SEQ, len(rows))) - len(rows) if rows else 0
 
         def write(pipe) -> None:
-            self._write_batch(
+            self.write_batch(
                 pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, when, seq
             )
             if fingerprint:
@@ -164,12 +176,12 @@ class BatchOps:
             if extra:
                 extra(pipe)
 
-        created = self._create_once(batch_id, write, "creation")
+        created = self.create_once(batch_id, write, "creation")
         if created:
             announce(self.r, per_cluster)  # idle engines start now, not after their poll back-off
         return created
 
-    def _create_once(self, batch_id: str, write: Callable[[Any], None], what: str) -> bool:
+    def create_once(self, batch_id: str, write: Callable[[Any], None], what: str) -> bool:
         """Run ``write(pipe)`` in one optimistic transaction unless the batch exists; True when it ran.
 
         WATCH on the batch hash, a hash with ``status`` means the batch exists (False), then
@@ -190,18 +202,21 @@ class BatchOps:
                     continue
         raise RuntimeError(f"batch {batch_id}: {what} kept racing with other writers")
 
-    def _write_batch(
+    def write_batch(
         self,
-        pipe,
-        batch_id,
-        rows,
-        per_cluster,
-        per_cluster_tokens,
-        policy,
-        metadata,
+        pipe: Any,
+        batch_id: str,
+        rows: Sequence[tuple[str, str, float, str]],
+        per_cluster: Mapping[str, int],
+        per_cluster_tokens: Mapping[str, float],
+        policy: str,
+        metadata: Mapping[str, str] | None,
         when: Schedule,
         seq: int,
     ) -> None:
+        """Queue the batch's writes on ``pipe`` (in the creating transaction): its hash, its place in the
+        batch list, and each row ``(gid, payload, predicted tokens, cluster)`` in its cluster's queue
+        from sequence number ``seq`` on, with the clusters' counters."""
         bkey, now = keys.batch(batch_id), when.created_at
         pipe.delete(bkey)  # a hash without status is a creation cut short: start afresh
         pipe.hset(
@@ -286,22 +301,27 @@ class BatchOps:
         the queues hold. Ids that claims or moves shift past the sweep are dropped by the claim
         that reaches them.
         """
-        marked = int(self._cancel(keys=[keys.batch(batch_id)], args=[batch_id, self.clock()]))
+        marked = int(self._cancel(keys=[keys.batch(batch_id)], args=[batch_id, self.core.clock()]))
         if marked <= 0:
             return marked
-        return sum(self.sweep_cancelled(c, chunk) for c in self.cluster_names())
+        return sum(self.sweep_cancelled(c, chunk) for c in self.clusters.cluster_names())
 
     def expire_due(self, now: float | None = None, chunk: int = SWEEP_CHUNK) -> list[str]:
         """Expire the batches whose deadline passed by ``now`` (default: the queue's clock, the one deadlines are
         set on); returns their ids. Each becomes ``expiring`` (O(1): see :mod:`workqueue.batch_scripts`), then
         the queues are swept as :meth:`cancel_batch` sweeps them: queued queries are finished ``batch_expired``,
         running ones are aborted by their workers, finished ones are kept; the batch ends ``expired``."""
-        now = self.clock() if now is None else now
-        due = self._expire_due(keys=[keys.DEADLINES], args=[now, chunk])
+        now = self.core.clock() if now is None else now
+        due = self.expire_due_call(now, chunk).run()
         if due:
-            for c in self.cluster_names():
+            for c in self.clusters.cluster_names():
                 self.sweep_cancelled(c, chunk)
         return list(due)
+
+    def expire_due_call(self, now: float, chunk: int = SWEEP_CHUNK) -> ScriptCall:
+        """The EXPIRE_DUE script's call, the first step of :meth:`expire_due`: the batches whose deadline
+        passed by ``now`` (``chunk`` at most) become ``expiring``; its reply is their ids."""
+        return ScriptCall(self._expire_due, [keys.DEADLINES], [now, chunk])
 
     def sweep_cancelled(self, cluster: str, chunk: int = SWEEP_CHUNK) -> int:
         """Take the queued queries of stopping (cancelled or expiring) batches out of one queue, ``chunk`` ids per
@@ -311,7 +331,8 @@ class BatchOps:
         start, total = 0, 0
         while True:
             n, looked, start = self._sweep(
-                keys=[keys.queue(cluster), keys.pending(cluster)], args=[cluster, start, chunk, self.clock()]
+                keys=[keys.queue(cluster), keys.pending(cluster)],
+                args=[cluster, start, chunk, self.core.clock()],
             )
             total += int(n)
             if int(looked) < chunk:

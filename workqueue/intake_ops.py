@@ -1,13 +1,16 @@
-"""Background intake's bookkeeping beyond landing rows: which batches are in intake (a page at a
-time), where a batch's next chunk starts, how long a batch has waited for a cluster, and what
-becomes of a batch whose intake list was lost.
+"""Background intake (:class:`Intake`): accepting a batch (its rows stored durably, the batch created
+``validating``), landing its rows chunk by chunk under its intake lease
+(:meth:`Intake.enqueue_parts`: the parts of a chunk in one round trip), which batches are in
+intake (a page at a time), where a batch's next chunk starts, how long a batch has waited for
+a cluster, and what becomes of a batch whose intake list was lost. The gateway's intake loop
+(:mod:`gateway.intake`) drives it.
 
 **Waiting.** A chunk whose rows only a cluster that is not alive now could take waits for it
 (see :mod:`gateway.assign.placement`); the batch hash remembers since when (``intake_waiting_since``,
 the caller's clock), so the bound on the wait holds across gateway replicas and restarts.
 
 **A lost intake list** (evicted, deleted by hand, lost in a failover) leaves rows that can
-never be enqueued: their ids were in it. :meth:`IntakeOps.fail_lost_intake` counts them as
+never be enqueued: their ids were in it. :meth:`Intake.fail_lost_intake` counts them as
 failed (``cancelled`` when the batch is being cancelled or expiring) in one script call, records how many
 (``intake_lost``) and why (``error``), takes the batch out of the intake set and, when nothing
 else of it is queued or running, gives it its final status (``failed`` when nothing completed).
@@ -19,11 +22,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-import redis
-
-from workqueue import keys
+from workqueue import batch_scripts, keys
 from workqueue.batches import (
     INTAKE,
     STAGE_CHUNK,
@@ -33,10 +34,12 @@ from workqueue.batches import (
     intake_lease_key,
     staging_key,
 )
-from workqueue.lease import Lease
+from workqueue.core import QueueCore
+from workqueue.lease import Lease, ttl_ms
 from workqueue.lua_queue import LIBRARY
-from workqueue.ordering import QueueOrder
 from workqueue.records import BatchState, as_int
+from workqueue.script_call import ScriptCall, execute
+from workqueue.wake import announce
 
 WAITING = "intake_waiting_since"  # batch hash field: when intake began to wait for a cluster
 LOST = "intake_lost"  # batch hash field: rows counted finished because the intake list was lost
@@ -72,20 +75,37 @@ return lost
 )
 
 
-class IntakeOps:
-    """Accepting a batch for background intake, its chunks, its waits and lost intake lists; mixed into
-    :class:`workqueue.queue.WorkQueue` (with :class:`workqueue.batches.BatchOps`, whose creation it shares)."""
+class BatchWriter(Protocol):
+    """What :class:`Intake` needs of the batches' part (:class:`workqueue.batches.Batches`): a batch is
+    accepted in the same optimistic transaction, with the same writes, as one created at once."""
 
-    r: redis.Redis
-    clock: Callable[[], float]
-    order: QueueOrder
-    _create_once: Callable[..., bool]
-    _write_batch: Callable[..., None]
-    enqueue_parts: Callable[..., list[int]]
+    def create_once(self, batch_id: str, write: Callable[[Any], None], what: str) -> bool: ...
 
-    def _init_intake_ops(self, client: redis.Redis) -> None:
-        self._wait = client.register_script(WAIT)
-        self._lost_intake = client.register_script(LOST_INTAKE)
+    def write_batch(
+        self,
+        pipe: Any,
+        batch_id: str,
+        rows: Sequence[tuple[str, str, float, str]],
+        per_cluster: Mapping[str, int],
+        per_cluster_tokens: Mapping[str, float],
+        policy: str,
+        metadata: Mapping[str, str] | None,
+        when: Schedule,
+        seq: int,
+    ) -> None: ...
+
+
+class Intake:
+    """Accepting a batch for background intake, landing its chunks, its waits and lost intake lists, on
+    ``core``'s Redis (``core.clock``: acceptance times and waits; ``core.order``: the batch's place in
+    the queues); batches are created through ``batches``."""
+
+    def __init__(self, core: QueueCore, batches: BatchWriter) -> None:
+        self.core, self.batches = core, batches
+        self.r = core.r
+        self._wait = core.script(WAIT)
+        self._lost_intake = core.script(LOST_INTAKE)
+        self._enqueue_chunk = core.script(batch_scripts.ENQUEUE_CHUNK)
 
     def accept_batch(
         self,
@@ -123,10 +143,10 @@ class IntakeOps:
             pipe.execute()
 
         def write(pipe) -> None:
-            now = self.clock()
+            now = self.core.clock()
             end = now + window_s if window_s else deadline
-            when = Schedule(now, end, priority, self.order.key(now, end, priority))
-            self._write_batch(pipe, batch_id, [], {}, {}, policy, metadata, when, 0)
+            when = Schedule(now, end, priority, self.core.order.key(now, end, priority))
+            self.batches.write_batch(pipe, batch_id, [], {}, {}, policy, metadata, when, 0)
             if end:
                 pipe.zadd(keys.DEADLINES, {batch_id: end})
             pipe.hset(
@@ -148,7 +168,7 @@ class IntakeOps:
 
         created = False
         try:
-            created = self._create_once(batch_id, write, "acceptance")
+            created = self.batches.create_once(batch_id, write, "acceptance")
             return created
         finally:
             if not created:  # renamed away when this call created the batch
@@ -189,6 +209,38 @@ class IntakeOps:
         with one part (``-1``: not ``token``'s lease, ``-2``: no such batch, ``-3``: stale cursor)."""
         return self.enqueue_parts(batch_id, token, cursor, [rows], ttl_s)[0]
 
+    def enqueue_parts(
+        self,
+        batch_id: str,
+        token: str,
+        cursor: int,
+        parts: Sequence[Sequence[tuple[str, str, float, str]]],
+        ttl_s: float,
+    ) -> list[int]:
+        """Land a chunk's ``parts`` (rows ``(gid, payload, predicted tokens, cluster)``, part k at
+        ``cursor`` plus the rows of the parts before it) with one ``ENQUEUE_CHUNK`` call each, all in
+        one pipeline (see ``batch_scripts.ENQUEUE_CHUNK``); then the clusters that got rows are announced.
+
+        Cluster ``''`` fails the row at once (its payload is its result JSON). Per part: the rows
+        handled, or -1 (the lease is not ``token``'s), -2 (no such batch), -3 (the cursor is
+        stale). Each call checks the lease and its own cursor, so a part lands only where the
+        batch's intake stands, exactly the rows at the head of its list: none lands twice or out
+        of order, and the parts after a refused one are refused too (its rows did not move the
+        cursor)."""
+        k = [keys.batch(batch_id), intake_lease_key(batch_id), intake_key(batch_id), INTAKE, keys.CLUSTERS]
+        calls: list[ScriptCall] = []
+        at, now = cursor, self.core.clock()
+        for rows in parts:
+            args: list = [batch_id, token, at, now, ttl_ms(ttl_s)]
+            for g, payload, tokens, c in rows:
+                args += [g, payload, tokens, c]
+            calls.append(ScriptCall(self._enqueue_chunk, k, args))
+            at += len(rows)
+        handled = [int(n) for n in execute(self.r, calls)]
+        landed = [c for rows, n in zip(parts, handled, strict=True) if n > 0 for _, _, _, c in rows]
+        announce(self.r, landed)
+        return handled
+
     def forget_intake(self, batch_id: str) -> None:
         """Drop the intake of a batch that no longer exists (expired or never created)."""
         pipe = self.r.pipeline(transaction=True)
@@ -210,7 +262,7 @@ class IntakeOps:
     def intake_wait(self, batch_id: str) -> float | None:
         """Since when the batch's intake waits for a cluster (starting now if it was not waiting);
         None when the batch does not exist."""
-        since = self._wait(keys=[keys.batch(batch_id)], args=[self.clock(), WAITING])
+        since = self._wait(keys=[keys.batch(batch_id)], args=[self.core.clock(), WAITING])
         return None if since is None else float(since)
 
     def intake_waited(self, batch_id: str) -> None:
@@ -221,4 +273,4 @@ class IntakeOps:
         """Count the rows of a batch whose intake list is gone as failed (see the module docstring);
         returns how many, 0 when none were left, -1 when the list exists after all, -2 without a batch."""
         k = [keys.batch(batch_id), intake_key(batch_id), INTAKE]
-        return int(self._lost_intake(keys=k, args=[batch_id, why, self.clock()]))
+        return int(self._lost_intake(keys=k, args=[batch_id, why, self.core.clock()]))

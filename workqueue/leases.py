@@ -6,18 +6,18 @@ lease length, and expiry is checked against Redis time too, so skewed client clo
 expire a live lease nor keep a dead one. The worker renews its leases while it works and
 *completes* each query once; a second completion of the same query id is ignored.
 
-A worker's claim carries its renewals (:meth:`LeaseOps.claim` ``renew``): when a Redis outage
+A worker's claim carries its renewals (:meth:`Leases.claim` ``renew``): when a Redis outage
 outlasted its leases and the requeue ran before it could renew, its queries come back to it
 rather than being handed to it (or another worker) as new work.
 
-A worker that dies stops renewing; :meth:`LeaseOps.requeue_expired` puts the queries whose
+A worker that dies stops renewing; :meth:`Leases.requeue_expired` puts the queries whose
 lease lapsed back in their queue, at their place in the order. A worker that was only slow may still
 complete such a query: the completion counts (it is the first result) and *reconciles* the
 queue, taking the requeued id out of its queue and its tokens out of the cluster's
 ``pending`` counter.
 
 **max_attempts** (default 3; ``None`` or 0: no limit) bounds how often one query is run.
-A lapsed lease (or one given back by :meth:`LeaseOps.release`) always goes back to the queue;
+A lapsed lease (or one given back by :meth:`Leases.release`) always goes back to the queue;
 the check is in the claim: a query popped after it already had ``max_attempts`` claims is
 not handed out but finished as ``failed``, with a result whose ``finish_reason`` is ``error``
 and whose ``error`` says it failed that many times. It counts in its batch's ``failed``
@@ -33,34 +33,36 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping
-
-import redis
+from collections.abc import Iterable, Mapping
 
 from workqueue import keys, scripts
+from workqueue.core import QueueCore
 from workqueue.records import FINAL_QUERY_STATES, ClaimedQuery, QueryResult, QueryState, QueuedQuery, as_float
 from workqueue.script_call import ScriptCall
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_ATTEMPTS = 3
 RENEW_CHUNK = 1000  # gids per RENEW call (one script call stays short)
 
 
-class LeaseOps:
-    """Claims, leases and results; mixed into :class:`workqueue.queue.WorkQueue`."""
+class Leases:
+    """Claims, leases and results on ``core``'s Redis: ``core.max_attempts`` bounds the claims a query
+    gets, ``core.clock`` stamps claims and results (lease deadlines are Redis time). The ``*_call``
+    methods return a script's call instead of running it, for the worker's one-round-trip tick
+    (:mod:`workqueue.worker_tick`), and :meth:`parse_claim` reads a CLAIM's reply."""
 
-    r: redis.Redis
+    def __init__(self, core: QueueCore) -> None:
+        self.core = core
+        self.r = core.r
+        self._complete = core.script(scripts.COMPLETE)
+        self._claim = core.script(scripts.CLAIM)
+        self._renew = core.script(scripts.RENEW)
+        self._requeue = core.script(scripts.REQUEUE_EXPIRED)
 
-    def _init_leases(self, client: redis.Redis, clock: Callable[[], float], max_attempts: int | None) -> None:
-        if max_attempts is not None and max_attempts < 0:
-            raise ValueError(f"max_attempts must be >= 0 or None, not {max_attempts}")
-        self.clock = clock
-        self.max_attempts = max_attempts or 0
-        self._complete = client.register_script(scripts.COMPLETE)
-        self._claim = client.register_script(scripts.CLAIM)
-        self._renew = client.register_script(scripts.RENEW)
-        self._requeue = client.register_script(scripts.REQUEUE_EXPIRED)
+    @property
+    def max_attempts(self) -> int:
+        """Claims a query gets (0: no limit)."""
+        return self.core.max_attempts
 
     def claim(
         self, cluster: str, n: int, worker_id: str, lease_s: float, renew: Iterable[str] = ()
@@ -74,7 +76,7 @@ class LeaseOps:
         renew = list(renew)
         if n <= 0 and not renew:
             return []
-        now = self.clock()
+        now = self.core.clock()
         call = self.claim_call(cluster, n, worker_id, lease_s, now, renew)
         return self.parse_claim(cluster, call.run(), now)
 
@@ -185,5 +187,5 @@ class LeaseOps:
         return ScriptCall(
             self._complete,
             [keys.query(gid), keys.batch(keys.split_gid(gid)[0])],
-            [gid, row, str(kind), int(actual_tokens), self.clock(), int(prompt or 0)],
+            [gid, row, str(kind), int(actual_tokens), self.core.clock(), int(prompt or 0)],
         )

@@ -14,56 +14,75 @@ twice still has exactly one result. The claim side lives in :mod:`workqueue.leas
 * a query that used its ``max_attempts`` claims (default 3) fails, with its error recorded,
   at its next claim instead of running forever, and the rest of its batch goes on.
 
-Batch creation (atomic, idempotent by id), results, lazy cancel and retention live in
-:mod:`workqueue.batches`; moves between clusters happen under the mover lease
-(:mod:`workqueue.mover`).
+**Composition.** :class:`WorkQueue` holds one part per job, each a class that gets what it
+needs explicitly: the shared :class:`~workqueue.core.QueueCore` (client, clock, order,
+settings) and, where it uses another part, that part through a ``Protocol`` its module
+declares. The queue forwards each of its methods to one part (:func:`_via`: same name,
+signature and docstring), so callers see one API:
 
-``clock`` (default :func:`time.time`) stamps what only ends up in records: creation,
-enqueue, claim and completion times, heartbeats.
+========================  ===========================================  =============================
+attribute                 part                                         what
+========================  ===========================================  =============================
+``cluster_ops``           :class:`workqueue.clusters.Clusters`         registration, state, heartbeats
+``lease_ops``             :class:`workqueue.leases.Leases`             claims, leases, results
+``batch_ops``             :class:`workqueue.batches.Batches`           creation, status, cancel, expiry
+``intake_ops``            :class:`workqueue.intake_ops.Intake`         background intake
+``move_ops``              :class:`workqueue.moves.Moves`               queue reads, moves
+``tick_ops``              :class:`workqueue.ticks.Ticks`               many clusters per round trip
+========================  ===========================================  =============================
+
+Moves between clusters happen under the mover lease (:mod:`workqueue.mover`). ``clock``
+(default :func:`time.time`) stamps what only ends up in records: creation, enqueue, claim and
+completion times, heartbeats.
 """
 
 from __future__ import annotations
 
-import json
+import functools
+import operator
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import redis
 
-from workqueue import keys, move_scripts
-from workqueue.batches import DEFAULT_RETENTION_S, BatchOps
-from workqueue.intake_ops import IntakeOps
-from workqueue.leases import DEFAULT_MAX_ATTEMPTS, LeaseOps
-from workqueue.mover import MoverLease
+from workqueue.batches import Batches
+from workqueue.clusters import Clusters
+from workqueue.core import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, QueueCore
+from workqueue.intake_ops import Intake
+from workqueue.leases import Leases
+from workqueue.moves import MOVE_WINDOW_SLACK, Moves
 from workqueue.ordering import QueueOrder
-from workqueue.records import (
-    ClusterInfo,
-    Observation,
-    QueryResult,
-    QueryState,
-    as_float,
-    as_int,
-    as_opt_int,
-)
-from workqueue.script_call import Command, execute
-from workqueue.ticks import TickOps
-from workqueue.wake import WakeListener, announce
+from workqueue.ticks import Ticks
 
 __all__ = ["MOVE_WINDOW_SLACK", "WorkQueue"]
 
-#: entries beyond a move's own ids that :meth:`WorkQueue.move_ids` looks at from the back of the
-#: source queue: room for queries appended, and ids a plan skipped, between the plan and the move
-MOVE_WINDOW_SLACK = 20_000
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-class WorkQueue(LeaseOps, BatchOps, IntakeOps, TickOps):
+def _via(part: str, method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[WorkQueue, P], R]:
+    """``method`` of the queue's part ``part`` as a method of the queue: same name, signature and
+    docstring; each call looks the part's method up, then calls it."""
+    look_up = operator.attrgetter(f"{part}.{method.__name__}")
+
+    @functools.wraps(method)
+    def forward(self: WorkQueue, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return look_up(self)(*args, **kwargs)
+
+    forward.__qualname__ = f"WorkQueue.{method.__name__}"
+    return forward
+
+
+class WorkQueue:
     """All queue operations on one Redis connection (thread-safe: redis-py pools connections).
 
     ``clock`` stamps records (lease deadlines use Redis time whatever it says) and is the clock batch
     deadlines are set and checked on; ``order`` is how batches are ordered in the queues
     (:mod:`workqueue.ordering`: earliest deadline first by default);
     ``max_attempts`` is how many claims a query gets: one popped after that many fails (None
-    or 0: no limit); see :mod:`workqueue.leases`.
+    or 0: no limit); see :mod:`workqueue.leases`. ``retention_s``: how long a finished batch
+    is kept (0: forever); see :mod:`workqueue.batches`.
     """
 
     def __init__(
@@ -75,232 +94,118 @@ class WorkQueue(LeaseOps, BatchOps, IntakeOps, TickOps):
         retention_s: float = DEFAULT_RETENTION_S,
         order: QueueOrder = QueueOrder(),
     ):
-        self.r = client
-        self._init_leases(client, clock, max_attempts)
-        self._init_batches(client, retention_s, order)
-        self._init_intake_ops(client)
-        self._init_ticks(client)
-        self._move_tail = client.register_script(move_scripts.MOVE_TAIL)
-        self._move_ids = client.register_script(move_scripts.MOVE_IDS)
-        self._fail_ids = client.register_script(move_scripts.FAIL_IDS)
+        core = QueueCore.create(
+            client, clock=clock, max_attempts=max_attempts, retention_s=retention_s, order=order
+        )
+        self.core = core
+        self.cluster_ops = Clusters(core)
+        self.lease_ops = Leases(core)
+        self.batch_ops = Batches(core, self.cluster_ops)
+        self.intake_ops = Intake(core, self.batch_ops)
+        self.move_ops = Moves(core)
+        self.tick_ops = Ticks(core, self.batch_ops)
 
     @classmethod
-    def from_url(cls, url: str, **kw) -> WorkQueue:
+    def from_url(cls, url: str, **kw: Any) -> WorkQueue:
         return cls(redis.Redis.from_url(url, decode_responses=True), **kw)
 
-    # ------------------------------------------------------------------ clusters
+    # ------------------------------------------------------------------ the shared settings (QueueCore)
 
-    def register_cluster(
-        self,
-        name: str,
-        *,
-        capacity_hint_tps: float | None = None,
-        plan_tps: float | None = None,
-        backend: str | None = None,
-        max_query_tokens: int | None = None,
-        kv_budget_tokens: int | None = None,
-        state: str | None = None,
-    ) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        for op in self.register_commands(
-            name,
-            capacity_hint_tps=capacity_hint_tps,
-            plan_tps=plan_tps,
-            backend=backend,
-            max_query_tokens=max_query_tokens,
-            kv_budget_tokens=kv_budget_tokens,
-            state=state,
-        ):
-            op.queue(pipe)
-        pipe.execute()
+    @property
+    def r(self) -> redis.Redis:
+        """The Redis client every part uses."""
+        return self.core.r
 
-    def register_commands(self, name: str, **fields: float | int | str | None) -> list[Command]:
-        """The commands of :meth:`register_cluster` (fields left None are not written)."""
-        if not name or ":" in name:
-            raise ValueError(f"bad cluster name {name!r}: must be non-empty and contain no ':'")
-        mapping = {k: v for k, v in fields.items() if v is not None}
-        ops = [
-            Command("sadd", keys.CLUSTERS, name),
-            Command("hsetnx", keys.cluster_info(name), "state", "active"),
-        ]
-        if mapping:
-            ops.append(Command("hset", keys.cluster_info(name), mapping=mapping))
-        return ops
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock that stamps records and on which batch deadlines are set and checked."""
+        return self.core.clock
 
-    def set_cluster_state(self, name: str, state: str) -> None:
-        if state not in ("active", "draining", "removed"):
-            raise ValueError(f"unknown cluster state {state!r}")
-        self.r.hset(keys.cluster_info(name), "state", state)
+    @property
+    def order(self) -> QueueOrder:
+        return self.core.order
 
-    def cluster_state(self, name: str) -> str:
-        """``active``, ``draining`` or ``removed`` (``active`` for a cluster never configured)."""
-        return self.r.hget(keys.cluster_info(name), "state") or "active"
+    @property
+    def max_attempts(self) -> int:
+        """Claims a query gets (0: no limit)."""
+        return self.core.max_attempts
 
-    def cluster_names(self) -> list[str]:
-        return sorted(self.r.smembers(keys.CLUSTERS))
+    @property
+    def retention_s(self) -> int:
+        """Seconds a finished batch is kept (0: forever)."""
+        return self.core.retention_s
 
-    def heartbeat(self, name: str, ttl_s: float, **fields: float | int | str) -> None:
-        """Publish a worker's heartbeat; the cluster counts as alive until ``ttl_s`` passes without one."""
-        pipe = self.r.pipeline(transaction=True)
-        for op in self.heartbeat_commands(name, ttl_s, **fields):
-            op.queue(pipe)
-        pipe.execute()
+    # ------------------------------------------------------------------ clusters (Clusters)
 
-    def heartbeat_commands(self, name: str, ttl_s: float, **fields: float | int | str) -> list[Command]:
-        """The commands of :meth:`heartbeat`."""
-        now = self.clock()
-        return [
-            Command("sadd", keys.CLUSTERS, name),
-            Command("hsetnx", keys.cluster_info(name), "state", "active"),
-            Command("hset", keys.cluster_info(name), "last_seen", now),
-            Command("hset", keys.heartbeat(name), mapping={"ts": now, **fields}),
-            Command("pexpire", keys.heartbeat(name), max(1, int(ttl_s * 1000))),
-        ]
+    register_cluster = _via("cluster_ops", Clusters.register_cluster)
+    register_commands = _via("cluster_ops", Clusters.register_commands)
+    set_cluster_state = _via("cluster_ops", Clusters.set_cluster_state)
+    cluster_state = _via("cluster_ops", Clusters.cluster_state)
+    cluster_names = _via("cluster_ops", Clusters.cluster_names)
+    heartbeat = _via("cluster_ops", Clusters.heartbeat)
+    heartbeat_commands = _via("cluster_ops", Clusters.heartbeat_commands)
+    clusters = _via("cluster_ops", Clusters.clusters)
+    record_observed = _via("cluster_ops", Clusters.record_observed)
+    observed_commands = _via("cluster_ops", Clusters.observed_commands)
+    wake_listener = _via("cluster_ops", Clusters.wake_listener)
 
-    def clusters(self, names: Iterable[str] | None = None) -> list[ClusterInfo]:
-        names = list(names) if names is not None else self.cluster_names()
-        pipe = self.r.pipeline(transaction=False)
-        for n in names:
-            pipe.hgetall(keys.cluster_info(n))
-            pipe.hgetall(keys.heartbeat(n))
-            pipe.zcard(keys.queue(n))
-            pipe.zcard(keys.inflight(n))
-            pipe.get(keys.pending(n))
-            pipe.hgetall(keys.cluster_stats(n))
-        raw = pipe.execute()
-        out = []
-        for i, n in enumerate(names):
-            info, hb, qlen, infl, pend, stats = raw[i * 6 : i * 6 + 6]
-            out.append(
-                ClusterInfo(
-                    name=n,
-                    state=info.get("state", "active"),
-                    backend=hb.get("backend") or info.get("backend", ""),
-                    capacity_hint_tps=as_float(info.get("capacity_hint_tps") or hb.get("capacity_hint_tps")),
-                    plan_tps=as_float(info.get("plan_tps") or hb.get("plan_tps")),
-                    max_query_tokens=as_int(info.get("max_query_tokens") or hb.get("max_query_tokens")),
-                    kv_budget_tokens=as_int(info.get("kv_budget_tokens") or hb.get("kv_total_tokens")),
-                    alive=bool(hb),
-                    last_heartbeat=as_float(hb.get("ts") or info.get("last_seen")),
-                    measured_tps=as_float(hb.get("tokens_per_s")),
-                    running=as_int(hb.get("running")),
-                    waiting=as_int(hb.get("waiting")),
-                    kv_used_tokens=as_int(hb.get("kv_used_tokens")),
-                    kv_total_tokens=as_int(hb.get("kv_total_tokens")),
-                    kv_step_tokens=as_int(hb.get("kv_step_tokens")),
-                    kv_token_seconds=as_float(hb.get("kv_token_seconds")),
-                    device_steps=as_int(hb.get("device_steps")),
-                    device_overrun_steps=as_int(hb.get("device_overrun_steps")),
-                    device_busy_s=as_float(hb.get("device_busy_s"), None),
-                    steps=as_opt_int(hb.get("steps")),
-                    redis_round_trips=as_opt_int(hb.get("redis_round_trips")),
-                    running_remaining_tokens=as_float(hb.get("running_remaining_tokens")),
-                    queue_length=int(qlen),
-                    inflight=int(infl),
-                    pending_tokens=max(0.0, as_float(pend)),
-                    assigned_predicted_tokens=as_float(stats.get("assigned_predicted_tokens")),
-                    finished_predicted_tokens=as_float(stats.get("finished_predicted_tokens")),
-                    finished_actual_tokens=as_int(stats.get("finished_actual_tokens")),
-                    finished_total_tokens=as_int(stats.get("finished_total_tokens")),
-                    finished_queries=as_int(stats.get("finished_queries")),
-                )
-            )
-        return out
+    # ------------------------------------------------------------------ workers: claims, leases, results (Leases)
 
-    # ------------------------------------------------------------------ workers (claims: LeaseOps)
+    claim = _via("lease_ops", Leases.claim)
+    claim_call = _via("lease_ops", Leases.claim_call)
+    parse_claim = _via("lease_ops", Leases.parse_claim)
+    renew = _via("lease_ops", Leases.renew)
+    renew_calls = _via("lease_ops", Leases.renew_calls)
+    release = _via("lease_ops", Leases.release)
+    requeue_expired = _via("lease_ops", Leases.requeue_expired)
+    requeue_call = _via("lease_ops", Leases.requeue_call)
+    complete = _via("lease_ops", Leases.complete)
+    complete_call = _via("lease_ops", Leases.complete_call)
 
-    def record_observed(self, rows: Sequence[Observation | Mapping], cap: int = 1_000_000) -> None:
-        """Append observed (prompt, length) records for predictor retraining; keeps the newest ``cap``.
+    # ------------------------------------------------------------------ batches (Batches)
 
-        Each row is an :class:`Observation` (or a mapping, written as it is)."""
-        if rows:
-            execute(self.r, self.observed_commands(rows, cap))
+    create_batch = _via("batch_ops", Batches.create_batch)
+    batch = _via("batch_ops", Batches.batch)
+    batch_ids = _via("batch_ops", Batches.batch_ids)
+    prune_batches = _via("batch_ops", Batches.prune_batches)
+    batch_statuses = _via("batch_ops", Batches.batch_statuses)
+    cancel_batch = _via("batch_ops", Batches.cancel_batch)
+    expire_due = _via("batch_ops", Batches.expire_due)
+    sweep_cancelled = _via("batch_ops", Batches.sweep_cancelled)
+    results = _via("batch_ops", Batches.results)
+    query_results = _via("batch_ops", Batches.query_results)
+    result_count = _via("batch_ops", Batches.result_count)
 
-    def observed_commands(self, rows: Sequence[Observation | Mapping], cap: int = 1_000_000) -> list[Command]:
-        """The commands of :meth:`record_observed` (``rows`` not empty)."""
-        return [
-            Command(
-                "rpush",
-                keys.OBSERVED,
-                *[r.to_json() if isinstance(r, Observation) else json.dumps(dict(r)) for r in rows],
-            ),
-            Command("ltrim", keys.OBSERVED, -cap, -1),
-        ]
+    # ------------------------------------------------------------------ background intake (Intake)
 
-    # ------------------------------------------------------------------ moving work
+    accept_batch = _via("intake_ops", Intake.accept_batch)
+    intake_batches = _via("intake_ops", Intake.intake_batches)
+    take_intake = _via("intake_ops", Intake.take_intake)
+    drop_intake = _via("intake_ops", Intake.drop_intake)
+    intake_state = _via("intake_ops", Intake.intake_state)
+    enqueue_chunk = _via("intake_ops", Intake.enqueue_chunk)
+    enqueue_parts = _via("intake_ops", Intake.enqueue_parts)
+    forget_intake = _via("intake_ops", Intake.forget_intake)
+    intake_page = _via("intake_ops", Intake.intake_page)
+    intake_head = _via("intake_ops", Intake.intake_head)
+    intake_wait = _via("intake_ops", Intake.intake_wait)
+    intake_waited = _via("intake_ops", Intake.intake_waited)
+    fail_lost_intake = _via("intake_ops", Intake.fail_lost_intake)
 
-    def mover_lease(self, owner: str, ttl_s: float = 30.0, wait_s: float = 0.0) -> MoverLease:
-        """The lease every mover (offloader, rebalance, any gateway replica) holds while it plans and
-        moves: ``with queue.mover_lease("offloader") as held: ...`` (see :mod:`workqueue.mover`)."""
-        return MoverLease(self.r, owner, ttl_s, wait_s)
+    # ------------------------------------------------------------------ the queues' contents, moving work (Moves)
 
-    def move_tail(self, src: str, dst: str, n: int) -> tuple[int, float]:
-        """Atomically move up to ``n`` not-yet-started queries from the back of ``src``'s queue to ``dst``'s."""
-        if src == dst or n <= 0:
-            return 0, 0.0
-        moved, tokens = self._move_tail(
-            keys=[keys.queue(src), keys.queue(dst), keys.pending(src), keys.pending(dst)], args=[src, dst, n]
-        )
-        if int(moved):
-            announce(self.r, [dst])
-        return int(moved), float(tokens)
+    mover_lease = _via("move_ops", Moves.mover_lease)
+    move_tail = _via("move_ops", Moves.move_tail)
+    move_ids = _via("move_ops", Moves.move_ids)
+    move_many = _via("move_ops", Moves.move_many)
+    fail_queued = _via("move_ops", Moves.fail_queued)
+    tail = _via("move_ops", Moves.tail)
+    tails = _via("move_ops", Moves.tails)
+    queued_ids = _via("move_ops", Moves.queued_ids)
+    inflight_ids = _via("move_ops", Moves.inflight_ids)
 
-    def move_ids(
-        self, src: str, dst: str, gids: Sequence[str], window: int | None = None
-    ) -> tuple[int, float]:
-        """Atomically move exactly those of ``gids`` still queued on ``src`` to the back of ``dst``'s
-        queue, in their order on ``src``; returns (moved, predicted tokens moved).
+    # ------------------------------------------------------------------ many clusters or batches per round trip (Ticks)
 
-        Movers plan from a read of a queue's tail (:meth:`tail`) and move later: queries may
-        have been claimed or appended meanwhile, and only the planned ones move. The script
-        looks for them from the back of ``src``'s queue and stops once all are found or
-        ``window`` entries were seen (default: ``len(gids)`` plus :data:`MOVE_WINDOW_SLACK`);
-        planned ids further from the back stay for a later round."""
-        gids = list(gids)
-        if src == dst or not gids:
-            return 0, 0.0
-        window = len(gids) + MOVE_WINDOW_SLACK if window is None else window
-        moved, tokens = self._move_ids(
-            keys=[keys.queue(src), keys.queue(dst), keys.pending(src), keys.pending(dst)],
-            args=[src, dst, max(1, int(window)), *gids],
-        )
-        if int(moved):
-            announce(self.r, [dst])
-        return int(moved), float(tokens)
-
-    def fail_queued(self, cluster: str, results: Mapping[str, QueryResult], window: int | None = None) -> int:
-        """Fail those of the queries ``results`` names (gid -> its failed result) still queued on
-        ``cluster``: each leaves the queue and the ``pending`` counter and gets its result once, as
-        :meth:`complete` writes it. They are looked for as :meth:`move_ids` looks for its ids (from
-        the back, ``window`` entries). Returns how many were failed."""
-        bad = [g for g, r in results.items() if r.outcome.state != QueryState.FAILED]
-        if bad:
-            raise ValueError(f"fail_queued takes failed results only: {', '.join(bad[:5])}")
-        if not results:
-            return 0
-        window = len(results) + MOVE_WINDOW_SLACK if window is None else window
-        args: list[str | int | float] = [cluster, max(1, int(window)), self.clock()]
-        for g, r in results.items():
-            args += [g, r.to_json()]
-        return int(self._fail_ids(keys=[keys.queue(cluster), keys.pending(cluster)], args=args))
-
-    def wake_listener(self, cluster: str) -> WakeListener:
-        """A subscription that ends an idle worker's wait when queries land in ``cluster``'s queue."""
-        return WakeListener(self.r, cluster)
-
-    def tail(self, cluster: str, n: int, skip: int = 0) -> list[tuple[str, float]]:
-        """The last ``n`` queued query ids of a cluster before its last ``skip`` (back of the queue
-        last) with their predicted tokens."""
-        gids = self.r.zrange(keys.queue(cluster), -(skip + n), -(skip + 1)) if n > 0 else []
-        if not gids:
-            return []
-        pipe = self.r.pipeline(transaction=False)
-        for g in gids:
-            pipe.hget(keys.query(g), "tokens")
-        return [(g, as_float(t)) for g, t in zip(gids, pipe.execute(), strict=True)]
-
-    def queued_ids(self, cluster: str) -> list[str]:
-        return self.r.zrange(keys.queue(cluster), 0, -1)
-
-    def inflight_ids(self, cluster: str) -> list[str]:
-        return self.r.zrange(keys.inflight(cluster), 0, -1)
+    requeue_all_expired = _via("tick_ops", Ticks.requeue_all_expired)
+    requeue_and_expire = _via("tick_ops", Ticks.requeue_and_expire)
+    batches = _via("tick_ops", Ticks.batches)

@@ -6,7 +6,10 @@ tick puts many of them, and plain commands (:class:`Command`), in one pipeline w
 :func:`execute`. That pipeline sends ``EVALSHA`` itself instead of redis-py's pipelined
 scripts, which ask ``SCRIPT EXISTS`` first: one more round trip each time. When Redis lacks a
 script (a restart, a failover), the calls it refused (``NOSCRIPT``: they did not run) are sent
-again, in order, once the scripts are loaded: two round trips then, one from then on.
+again, in order, once the scripts are loaded: two round trips then, one from then on. The calls
+behind a refused one that Redis had (another client may have loaded them again) ran before it,
+so no call may rely on an earlier script call of its pipeline having run: the worker's tick
+passes its renewals to its claim for that reason (:mod:`workqueue.worker_tick`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ Redis lost its scripts) and reads the replies into a :class:`TickReply`.
 The pipeline is not a transaction: every part is the same script or command the queue runs
 alone (:mod:`workqueue.leases`), in this order, with the same guarantees (write-once
 results, leases on Redis time). Renewals come before the claim, so queries of this worker
-that were requeued after an outage come back to it instead of being handed out again.
+that were requeued after an outage come back to it instead of being handed out again; and a
+tick that renews passes the same ids to its claim, whose script takes them back before it
+pops, so this holds even when Redis refused the RENEW calls (``NOSCRIPT``: a Redis that lost
+its scripts, where another worker loaded CLAIM again first) and ran the claim before they
+were sent again. Renewals fall due once every ``renew_every_s``, so most claims carry none.
 """
 
 from __future__ import annotations
@@ -80,8 +84,9 @@ def build(queue: WorkQueue, req: TickRequest, now: float) -> tuple[list[Op], dic
         part("renew", list(queue.renew_calls(req.cluster, req.renew, req.lease_s, req.worker_id)))
     if req.requeue:
         part("requeue", [queue.requeue_call(req.cluster)])
-    if req.claim > 0:
-        part("claim", [queue.claim_call(req.cluster, req.claim, req.worker_id, req.lease_s, now)])
+    if req.claim > 0:  # it carries the tick's renewals: see the module's docstring
+        renew = req.renew or ()
+        part("claim", [queue.claim_call(req.cluster, req.claim, req.worker_id, req.lease_s, now, renew)])
     part("statuses", [Command("hget", keys.batch(b), "status") for b in req.batches])
     if req.read_state:
         part("state", [Command("hget", keys.cluster_info(req.cluster), "state")])

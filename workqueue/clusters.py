@@ -1,0 +1,170 @@
+"""The clusters' part of the queue: registration, state, heartbeats, the clusters' view, observed lengths.
+
+:class:`Clusters` keeps the cluster set and each cluster's hash (its state ``active``,
+``draining`` or ``removed``, its configured capacity), publishes workers' heartbeats (a
+cluster counts as alive while its heartbeat key lives), reads every cluster's queue, in-flight,
+pending and heartbeat figures in one round trip (:meth:`Clusters.clusters`), records observed
+lengths for the predictor's retraining, and opens a cluster's wake channel. The ``*_commands``
+methods return the commands instead of running them, for the worker's one-round-trip tick
+(:mod:`workqueue.worker_tick`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+
+from workqueue import keys
+from workqueue.core import QueueCore
+from workqueue.records import ClusterInfo, Observation, as_float, as_int, as_opt_int
+from workqueue.script_call import Command, execute
+from workqueue.wake import WakeListener
+
+__all__ = ["Clusters"]
+
+
+class Clusters:
+    """The clusters and their workers' heartbeats on ``core``'s Redis (``core.clock`` stamps heartbeats)."""
+
+    def __init__(self, core: QueueCore) -> None:
+        self.core = core
+        self.r = core.r
+
+    def register_cluster(
+        self,
+        name: str,
+        *,
+        capacity_hint_tps: float | None = None,
+        plan_tps: float | None = None,
+        backend: str | None = None,
+        max_query_tokens: int | None = None,
+        kv_budget_tokens: int | None = None,
+        state: str | None = None,
+    ) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        for op in self.register_commands(
+            name,
+            capacity_hint_tps=capacity_hint_tps,
+            plan_tps=plan_tps,
+            backend=backend,
+            max_query_tokens=max_query_tokens,
+            kv_budget_tokens=kv_budget_tokens,
+            state=state,
+        ):
+            op.queue(pipe)
+        pipe.execute()
+
+    def register_commands(self, name: str, **fields: float | int | str | None) -> list[Command]:
+        """The commands of :meth:`register_cluster` (fields left None are not written)."""
+        if not name or ":" in name:
+            raise ValueError(f"bad cluster name {name!r}: must be non-empty and contain no ':'")
+        mapping = {k: v for k, v in fields.items() if v is not None}
+        ops = [
+            Command("sadd", keys.CLUSTERS, name),
+            Command("hsetnx", keys.cluster_info(name), "state", "active"),
+        ]
+        if mapping:
+            ops.append(Command("hset", keys.cluster_info(name), mapping=mapping))
+        return ops
+
+    def set_cluster_state(self, name: str, state: str) -> None:
+        if state not in ("active", "draining", "removed"):
+            raise ValueError(f"unknown cluster state {state!r}")
+        self.r.hset(keys.cluster_info(name), "state", state)
+
+    def cluster_state(self, name: str) -> str:
+        """``active``, ``draining`` or ``removed`` (``active`` for a cluster never configured)."""
+        return self.r.hget(keys.cluster_info(name), "state") or "active"
+
+    def cluster_names(self) -> list[str]:
+        return sorted(self.r.smembers(keys.CLUSTERS))
+
+    def heartbeat(self, name: str, ttl_s: float, **fields: float | int | str) -> None:
+        """Publish a worker's heartbeat; the cluster counts as alive until ``ttl_s`` passes without one."""
+        pipe = self.r.pipeline(transaction=True)
+        for op in self.heartbeat_commands(name, ttl_s, **fields):
+            op.queue(pipe)
+        pipe.execute()
+
+    def heartbeat_commands(self, name: str, ttl_s: float, **fields: float | int | str) -> list[Command]:
+        """The commands of :meth:`heartbeat`."""
+        now = self.core.clock()
+        return [
+            Command("sadd", keys.CLUSTERS, name),
+            Command("hsetnx", keys.cluster_info(name), "state", "active"),
+            Command("hset", keys.cluster_info(name), "last_seen", now),
+            Command("hset", keys.heartbeat(name), mapping={"ts": now, **fields}),
+            Command("pexpire", keys.heartbeat(name), max(1, int(ttl_s * 1000))),
+        ]
+
+    def clusters(self, names: Iterable[str] | None = None) -> list[ClusterInfo]:
+        names = list(names) if names is not None else self.cluster_names()
+        pipe = self.r.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(keys.cluster_info(n))
+            pipe.hgetall(keys.heartbeat(n))
+            pipe.zcard(keys.queue(n))
+            pipe.zcard(keys.inflight(n))
+            pipe.get(keys.pending(n))
+            pipe.hgetall(keys.cluster_stats(n))
+        raw = pipe.execute()
+        out = []
+        for i, n in enumerate(names):
+            info, hb, qlen, infl, pend, stats = raw[i * 6 : i * 6 + 6]
+            out.append(
+                ClusterInfo(
+                    name=n,
+                    state=info.get("state", "active"),
+                    backend=hb.get("backend") or info.get("backend", ""),
+                    capacity_hint_tps=as_float(info.get("capacity_hint_tps") or hb.get("capacity_hint_tps")),
+                    plan_tps=as_float(info.get("plan_tps") or hb.get("plan_tps")),
+                    max_query_tokens=as_int(info.get("max_query_tokens") or hb.get("max_query_tokens")),
+                    kv_budget_tokens=as_int(info.get("kv_budget_tokens") or hb.get("kv_total_tokens")),
+                    alive=bool(hb),
+                    last_heartbeat=as_float(hb.get("ts") or info.get("last_seen")),
+                    measured_tps=as_float(hb.get("tokens_per_s")),
+                    running=as_int(hb.get("running")),
+                    waiting=as_int(hb.get("waiting")),
+                    kv_used_tokens=as_int(hb.get("kv_used_tokens")),
+                    kv_total_tokens=as_int(hb.get("kv_total_tokens")),
+                    kv_step_tokens=as_int(hb.get("kv_step_tokens")),
+                    kv_token_seconds=as_float(hb.get("kv_token_seconds")),
+                    device_steps=as_int(hb.get("device_steps")),
+                    device_overrun_steps=as_int(hb.get("device_overrun_steps")),
+                    device_busy_s=as_float(hb.get("device_busy_s"), None),
+                    steps=as_opt_int(hb.get("steps")),
+                    redis_round_trips=as_opt_int(hb.get("redis_round_trips")),
+                    running_remaining_tokens=as_float(hb.get("running_remaining_tokens")),
+                    queue_length=int(qlen),
+                    inflight=int(infl),
+                    pending_tokens=max(0.0, as_float(pend)),
+                    assigned_predicted_tokens=as_float(stats.get("assigned_predicted_tokens")),
+                    finished_predicted_tokens=as_float(stats.get("finished_predicted_tokens")),
+                    finished_actual_tokens=as_int(stats.get("finished_actual_tokens")),
+                    finished_total_tokens=as_int(stats.get("finished_total_tokens")),
+                    finished_queries=as_int(stats.get("finished_queries")),
+                )
+            )
+        return out
+
+    def record_observed(self, rows: Sequence[Observation | Mapping], cap: int = 1_000_000) -> None:
+        """Append observed (prompt, length) records for predictor retraining; keeps the newest ``cap``.
+
+        Each row is an :class:`Observation` (or a mapping, written as it is)."""
+        if rows:
+            execute(self.r, self.observed_commands(rows, cap))
+
+    def observed_commands(self, rows: Sequence[Observation | Mapping], cap: int = 1_000_000) -> list[Command]:
+        """The commands of :meth:`record_observed` (``rows`` not empty)."""
+        return [
+            Command(
+                "rpush",
+                keys.OBSERVED,
+                *[r.to_json() if isinstance(r, Observation) else json.dumps(dict(r)) for r in rows],
+            ),
+            Command("ltrim", keys.OBSERVED, -cap, -1),
+        ]
+
+    def wake_listener(self, cluster: str) -> WakeListener:
+        """A subscription that ends an idle worker's wait when queries land in ``cluster``'s queue."""
+        return WakeListener(self.r, cluster)
