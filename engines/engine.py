@@ -318,8 +318,8 @@ class LLMEngine:
         room = self.config.max_running - len(s.running)
         free_kv = self.kv.total_tokens - s.committed_tokens()
         running = s.running or list(s.waiting)
-        typical = (
-            sum(s.reservation(q) for q in running) / len(running)
+        typical = (  # a query's own part: cached blocks shared with others are counted once, apart
+            sum(s.reservation(q) - q.num_cached_tokens for q in running) / len(running)
             if running
             else self.config.default_predicted_tokens * (1 + self.config.safety_margin)
         )

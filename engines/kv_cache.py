@@ -70,8 +70,10 @@ class KVCacheManager:
         self._cached: OrderedDict[int, None] = OrderedDict()  # unheld keyed blocks, least recently used first
         self._block_of: dict[bytes, int] = {}  # key -> block
         self._key_of: dict[int, bytes] = {}  # block -> key
-        self.lookup_tokens = 0  # tokens of admitted queries that needed KV (cumulative)
-        self.hit_tokens = 0  # of those, tokens found in the cache: prefill saved (cumulative)
+        # tokens of admitted queries that needed KV, and those found cached: prefill saved (cumulative;
+        # a preempted query's readmission counts again, its hits being recomputation saved)
+        self.lookup_tokens = 0
+        self.hit_tokens = 0
 
     @property
     def total_tokens(self) -> int:

@@ -175,7 +175,13 @@ class Scheduler:
         shared = {
             b for s in self.running if s.num_cached_tokens for b in s.block_table[: s.num_cached_tokens // bs]
         }
-        return own + len(shared) * bs
+        if not shared:
+            return own
+        # a shared block that a running query computed itself is in its own part already: once is enough
+        counted = sum(
+            1 for s in self.running for b in s.block_table[s.num_cached_tokens // bs :] if b in shared
+        )
+        return own + (len(shared) - counted) * bs
 
     # ---- the step ---------------------------------------------------------------------
     def schedule(self, busy: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:

@@ -256,3 +256,19 @@ def test_reference_counts_return_to_zero_when_idle(tokenizer, arrivals, blocks, 
         assert held == [engine.kv.refcount(b) for b in range(engine.kv.num_blocks)]
         step += 1
     _idle_and_clean(engine)
+
+
+def test_a_shared_prefix_counts_once_in_the_kv_budget(tokenizer):
+    """A computes a 16-token prefix; B takes it from the cache. The running batch's committed KV is
+    A's reservation plus B's own part: the prefix is not counted a second time for B."""
+    engine = _engine(tokenizer, True, max_running=4, prefill_chunk=64)
+    prefix = list(range(100, 116))
+    for rid, tail in (("a", [7]), ("b", [8])):
+        sp = SamplingParams(max_tokens=8, forced_length=4)
+        engine.add_request(Request(rid, "", sp, prompt_token_ids=[*prefix, *tail], predicted_tokens=4))
+        engine.step()
+    s = engine.scheduler
+    a, b = (s.requests[r] for r in ("a", "b"))
+    assert b.num_cached_tokens == 16 and b.block_table[:4] == a.block_table[:4]
+    assert s.committed_tokens() == a.reserved_tokens + b.reserved_tokens
+    assert b.reserved_tokens == s.reservation(b) - 16

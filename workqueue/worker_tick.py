@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from workqueue import keys
+from workqueue.leases import RENEW_CHUNK
 from workqueue.queue import WorkQueue
 from workqueue.records import ClaimedQuery, Observation, QueryResult, QueryState
 from workqueue.script_call import Command, Op, execute
@@ -84,8 +85,8 @@ def build(queue: WorkQueue, req: TickRequest, now: float) -> tuple[list[Op], dic
         part("renew", list(queue.renew_calls(req.cluster, req.renew, req.lease_s, req.worker_id)))
     if req.requeue:
         part("requeue", [queue.requeue_call(req.cluster)])
-    if req.claim > 0:  # it carries the tick's renewals: see the module's docstring
-        renew = req.renew or ()
+    if req.claim > 0:  # it carries the tick's renewals (one RENEW call's worth): see the module's docstring
+        renew = list(req.renew or ())[:RENEW_CHUNK]
         part("claim", [queue.claim_call(req.cluster, req.claim, req.worker_id, req.lease_s, now, renew)])
     part("statuses", [Command("hget", keys.batch(b), "status") for b in req.batches])
     if req.read_state:

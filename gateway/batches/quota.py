@@ -11,8 +11,8 @@ plus the new batch's would exceed the cap. Final or expired batches leave the se
 seen. Submissions of one client are checked one at a time within a gateway, so concurrent
 batches cannot both slip in.
 
-**Owners.** A batch submitted by a proven caller (a token client, or the HTTP front:
-:meth:`gateway.grpc_api.auth.Authenticator.caller`) is that caller's: its owner and its place in the
+**Owners.** A batch submitted by a proven caller (a token client, or the HTTP front: the
+``owner`` of the :class:`gateway.batches.errors.Caller` each front's ``caller_of`` makes) is that caller's: its owner and its place in the
 client's set are written in the transaction that creates it (:func:`creation_writes`), so no
 batch is left without one. Another caller's calls on it are ``NOT_FOUND``, its resubmissions
 ``ALREADY_EXISTS`` (:func:`may_see`, :func:`may_resubmit`); the admin sees every batch. A batch
