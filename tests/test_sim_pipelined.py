@@ -204,7 +204,10 @@ def test_the_micro_batches_are_the_real_pipelined_engines(tmp_path):
     from localmodels import build_model, default_tokenizer
 
     plan = write_plan(tmp_path / "p.json", [0, 1, 2], [cost(0.01), cost(0.01)], mb=(2, 2))
-    config = EngineConfig(plan_path=str(plan), prefill_chunk=8, block_size=4, kv_budget_tokens=192)
+    # the prompts all open with the same ids and the simulated workload has no prefix groups: no cache
+    config = EngineConfig(
+        plan_path=str(plan), prefill_chunk=8, block_size=4, kv_budget_tokens=192, prefix_cache=False
+    )
     prompts, lengths, predicted = [12, 5, 20, 7, 9, 3], [4, 9, 3, 6, 2, 5], [3, 8, 6, 6, 2, 9]
     tokenizer = default_tokenizer(vocab_size=1024)
     real = LLMEngine.build(build_model("llama", "nano", tokenizer=tokenizer, seed=5), tokenizer, config)
