@@ -44,7 +44,7 @@ from load.client import result_row, to_request
 from load.deadlines_stats import Plan, expired_rows_problems, scenario_plan, summarise
 from load.deployment import LocalDeployment
 from load.runrecord import Sampler, write_run
-from load.study import Setup, fleet_yaml, workload
+from load.study import Setup, add_fleet_arguments, fleet_yaml, workload
 from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -62,20 +62,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="cap on the recorded response lengths")
     p.add_argument("--orders", default="edf,fifo", help="queue orders to compare, one run each")
     p.add_argument("--no-expiry", action="store_true", help="skip the expired-batch run")
-    p.add_argument("--batch", type=int, default=8, help="engine batch size")
-    p.add_argument(
-        "--step-cost",
-        default="15,0.2,1",
-        metavar="OVERHEAD,PREFILL,DECODE",
-        help="the fastest device's cost model in ms (as loadgen study); the fleet's devices run at 1, 1/2, 1/4",
-    )
-    p.add_argument("--size", default="nano", help="random local model size")
     p.add_argument("--predictor", default="shipped", help="the gateway's length predictor")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/deadlines", help="one run directory per order, and the expiry run")
-    p.add_argument(
-        "--gateway-arg", action="append", default=[], help="extra `gateway up` argument (repeatable)"
-    )
+    add_fleet_arguments(p, "runs/deadlines", "one run directory per order, and the expiry run")
     p.set_defaults(emulation="cost", policy="token")  # what load.study.fleet_yaml reads
 
 

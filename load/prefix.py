@@ -39,7 +39,7 @@ from load.client import result_row, to_request
 from load.deployment import LocalDeployment
 from load.prefix_stats import SETUPS, summarise
 from load.runrecord import Sampler, write_run
-from load.study import Setup, fleet_yaml, sim_cli
+from load.study import Setup, add_fleet_arguments, fleet_yaml, sim_cli
 from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -63,20 +63,10 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=128, help="cap on the recorded answer lengths")
     p.add_argument("--kv-budget", type=int, default=4096, help="each engine's KV cache, tokens")
-    p.add_argument("--batch", type=int, default=8, help="engine batch size (max running queries)")
     p.add_argument("--setups", default="token,prefix", help=f"comma-separated, of {', '.join(SETUPS)}")
-    p.add_argument(
-        "--step-cost",
-        default="15,0.2,1",
-        metavar="OVERHEAD,PREFILL,DECODE",
-        help="the fastest device's cost model in ms (as loadgen study); the fleet's devices run at 1, 1/2, 1/4",
-    )
     p.add_argument("--no-offload", action="store_true", help="run the gateways without the offloader")
-    p.add_argument("--size", default="nano", help="random local model size")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/prefix", help="one run directory per setup")
-    p.add_argument(
-        "--gateway-arg", action="append", default=[], help="extra `gateway up` argument (repeatable)"
+    add_fleet_arguments(
+        p, "runs/prefix", "one run directory per setup", "engine batch size (max running queries)"
     )
     p.set_defaults(emulation="cost")  # what load.study.fleet_yaml reads
 

@@ -277,6 +277,26 @@ def format_table(reports: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def add_fleet_arguments(p, out: str, out_help: str, batch_help: str = "engine batch size") -> None:
+    """The options of a run on the study's cost-model fleet (``loadgen deadlines``, ``prefix``, ``wan``):
+    engine batch, the fastest device's cost model, model size, seed, where the runs go, extra gateway
+    arguments."""
+    p.add_argument("--batch", type=int, default=8, help=batch_help)
+    p.add_argument(
+        "--step-cost",
+        default="15,0.2,1",
+        metavar="OVERHEAD,PREFILL,DECODE",
+        help="the fastest device's cost model in ms: per forward pass, per prompt token, per decoded query "
+        "(as loadgen study)",
+    )
+    p.add_argument("--size", default="nano", help="random local model size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=out, help=out_help)
+    p.add_argument(
+        "--gateway-arg", action="append", default=[], help="extra `gateway up` argument (repeatable)"
+    )
+
+
 def add_arguments(p) -> None:
     p.add_argument("--num", "-n", type=int, default=300, help="queries per run (MICO: 200-1000)")
     p.add_argument(

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from engines.device import StepCost
 from load.report import build_report
 from load.runrecord import write_run
-from load.study import Setup, fleet_yaml, workload
+from load.study import Setup, add_fleet_arguments, fleet_yaml, workload
 from load.study_run import run_deployed
 from load.tcp_proxy import Link, TcpProxy
 from load.wan_plot import draw
@@ -175,21 +175,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="cap on forced response lengths")
     p.add_argument("--clusters", type=int, default=3, help="equal clusters (unless --fleet)")
     p.add_argument("--fleet", default="", help="relative step times per cluster instead, e.g. 1,2,4")
-    p.add_argument("--batch", type=int, default=8, help="engine batch size")
-    p.add_argument(
-        "--step-cost",
-        default="15,0.2,1",
-        metavar="OVERHEAD,PREFILL,DECODE",
-        help="the fastest device's cost model in ms: per forward pass, per prompt token, per decoded query "
-        "(as loadgen study)",
-    )
     p.add_argument("--policy", default="token", help="the gateway's assignment policy")
     p.add_argument("--offload", action="store_true", help="let the offloader move work (off by default)")
-    p.add_argument("--size", default="nano", help="random local model size")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/wan", help="one run directory per delay, and the plot")
-    p.add_argument(
-        "--gateway-arg", action="append", default=[], help="extra `gateway up` argument (repeatable)"
-    )
+    add_fleet_arguments(p, "runs/wan", "one run directory per delay, and the plot")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(emulation="cost")  # what load.study.fleet_yaml reads: the cost-model devices
