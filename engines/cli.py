@@ -269,6 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
         "stage a share of its rows, and the bench also runs the plan with the head on the last stage)",
     )
     pb.add_argument("--repeats", type=int, default=2, help="runs of each configuration; the best counts")
+    pb.add_argument(
+        "--profile-reps",
+        type=int,
+        default=3,
+        help="with --stages: `engine profile --reps` (rounds per point)",
+    )
+    pb.add_argument(
+        "--profile-min-time", type=float, default=0.05, help="with --stages: `engine profile --min-time` (s)"
+    )
     add_engine_arguments(b)
     b.set_defaults(size="small", threads=1)
 
