@@ -279,6 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
         "stage a share of its rows, and the bench also runs the plan with the head on the last stage)",
     )
     pb.add_argument("--repeats", type=int, default=2, help="runs of each configuration; the best counts")
+    pb.add_argument(
+        "--profile-reps",
+        type=int,
+        default=3,
+        help="with --stages: `engine profile --reps` (rounds per point)",
+    )
+    pb.add_argument(
+        "--profile-min-time", type=float, default=0.05, help="with --stages: `engine profile --min-time` (s)"
+    )
     xb = b.add_argument_group(
         "the prefix cache (--prefix-workload)",
         "Run a shared-prefix batch from the real data (few-shot blocks of 200-800 tokens before real "

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the whole test suite, on two workers (pytest-xdist; FLEETBATCH_TEST_WORKERS=0: in one process).
+# Each worker takes one test at a time, the longest modules first (tests/durations.json, tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 workers=${FLEETBATCH_TEST_WORKERS:-2}
-exec .venv/bin/python -m pytest -q -n "$workers" --durations=15 "$@"   # the slowest tests, to keep CI under its 20 minutes
+dist=()
+if [ "$workers" != 0 ]; then dist=(-n "$workers" --dist load --maxschedchunk 1); fi
+exec .venv/bin/python -m pytest -q "${dist[@]}" --durations=15 "$@"   # the slowest tests, to keep CI under its 20 minutes

@@ -1,8 +1,11 @@
-"""Shared fixtures: the real dataset directory and a real (embedded) Redis server."""
+"""Shared fixtures: the real dataset directory and a real (embedded) Redis server; the run's order
+(longest modules first, from ``tests/durations.json``)."""
 
 from __future__ import annotations
 
+import json
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -36,3 +39,56 @@ def redis_url(redis_server) -> str:
 
     redis.Redis.from_url(redis_server.url).flushall()
     return redis_server.url
+
+
+# -- the order of the run: the longest modules first ---------------------------------------------------
+#
+# Under pytest-xdist (scripts/test.sh: ``--dist load --maxschedchunk 1``) each worker takes the next
+# test when it is free, so a run ends soonest when the long tests start first and the short ones
+# fill in at the end. ``tests/durations.json`` holds each test's seconds (set-up, call and tear-down;
+# those of 1 s or more) from an earlier run: modules run in order of their summed seconds, longest
+# first; the tests inside a module keep their order (module fixtures stay shared); a test the file
+# does not know counts 0 s. ``pytest --store-durations`` writes the seconds of the tests it ran into
+# the file (after a change that makes a module much slower or faster, or adds a slow one).
+
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help=f"write the seconds of each test of 1 s or more to {DURATIONS.name} (the next runs' order)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    known: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    module_s: dict[str, float] = defaultdict(float)
+    for item in items:
+        module_s[item.nodeid.split("::")[0]] += known.get(item.nodeid, 0.0)
+    place = {id(item): k for k, item in enumerate(items)}
+    items.sort(key=lambda item: (-module_s[item.nodeid.split("::")[0]], place[id(item)]))
+
+
+class _DurationRecorder:
+    """Sums each test's phases as the reports come in (on the xdist controller: every worker's)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[report.nodeid] += report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        """The tests that ran get their new seconds; the others keep theirs (a partial run updates)."""
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        merged = {n: s for n, s in known.items() if n not in self.seconds}
+        merged.update({n: s for n, s in self.seconds.items() if s >= 1.0})
+        slow = sorted(((s, n) for n, s in merged.items()), reverse=True)
+        DURATIONS.write_text(json.dumps({n: round(s, 1) for s, n in slow}, indent=0) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("store_durations") and not hasattr(config, "workerinput"):  # not on xdist workers
+        config.pluginmanager.register(_DurationRecorder(), "fleetbatch-durations")

@@ -17,7 +17,7 @@ from tests.harness import REPO
 pytestmark = pytest.mark.slow
 
 
-def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path):
+def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path, capsys):
     out = tmp_path / "study"
     cmd = [sys.executable, "-m", "load.cli", "study", "-n", "16", "--max-tokens", "24", "--dataset", "",
            "--only", "token_static_equal,token_iteration_equal", "--out", str(out), "--no-progress",
@@ -38,11 +38,10 @@ def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path):
         assert all((d / f).stat().st_size > 5000 for f in ("kv.png", "finished.png", "cdf.png"))
         # the engines emulated the default cost-model device and said how often their compute outlasted it
         assert 0 <= report["device_overrun_fraction"] <= 1
-    again = subprocess.run(
-        [sys.executable, "-m", "load.cli", "report", str(out / "r0" / "token_static_equal"), "--no-plots"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1])["queries"] == 16
+    from load.cli import main as loadgen_main  # `loadgen report` reads the run directory back
+
+    assert loadgen_main(["report", str(out / "r0" / "token_static_equal"), "--no-plots"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["queries"] == 16
     check = validate(
         [out / "r0" / name for name in summary["runs"]], LinearCost()
     )  # the simulator replays them

@@ -57,6 +57,7 @@ def get(url: str, key: str) -> int:
 def test_the_status_page_shows_a_running_batch_move(tmp_path):
     driver = browser()
     from selenium.common.exceptions import StaleElementReferenceException
+
     up = ["--config", str(fleet(tmp_path / "clusters.yaml")), "--fleet", "none"]
     try:
         with (

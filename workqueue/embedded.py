@@ -28,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.cluster
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,10 @@ class EmbeddedRedis:
     def close(self) -> None:
         if self._proc.poll() is None:
             try:
-                redis.Redis(unix_socket_path=self.socket_file).shutdown(nosave=False)
+                # no retries: the server closing the connection is the answer (redis-py's default
+                # retries with backoff turned that into seconds of waiting on every close)
+                client = redis.Redis(unix_socket_path=self.socket_file, retry=Retry(NoBackoff(), 0))
+                client.shutdown(nosave=False)
             except redis.exceptions.RedisError:
                 pass
             try:

@@ -92,6 +92,10 @@ def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
         lengths,
         "--concurrent",
         str(len(slowdowns)),
+        "--reps",
+        str(args.profile_reps),
+        "--min-time",
+        str(args.profile_min_time),
         "--out",
         str(profile),
     ]
