@@ -169,6 +169,20 @@ def test_ids_outside_the_key_alphabet_are_invalid_argument(start):
     assert queue.cluster_names() == ["a", "b"]
 
 
+def test_a_start_index_past_any_batch_is_invalid_argument_not_unknown(start):
+    """Found by the fuzz test: a start_index near 2^63 overflowed Redis's range (its error came back
+    UNKNOWN); negative ones were refused already."""
+    client, _, _, _, _ = start()
+    client.SubmitBatch(batch_of(1, batch_id="x"))
+    for bad in (-1, 2**63 - 1, 2**53 + 1):
+        err = rpc_error(
+            lambda r: list(client.StreamResults(r)), pb.StreamResultsRequest(batch_id="x", start_index=bad)
+        )
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (bad, err.details())
+        assert "start_index" in err.details()
+    assert list(client.StreamResults(pb.StreamResultsRequest(batch_id="x", start_index=2**53))) == []
+
+
 # ---------------------------------------------------------------- positions and forced_length
 
 

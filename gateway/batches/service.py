@@ -45,6 +45,9 @@ from workqueue import BatchInfo, ClusterInfo, QueryResult, QueuedQuery, WorkQueu
 
 log = logging.getLogger(__name__)
 
+#: the largest start index of a results stream (2^53: exact as a JSON number; no batch holds as many)
+MAX_START_INDEX = 2**53
+
 
 @dataclass
 class GatewayDeps:
@@ -354,8 +357,8 @@ class BatchService:
         """The batch's results from ``start_index`` on, in the order they were written; ``follow``: until
         the batch is final and every result has been read."""
         await self._info(batch_id, caller)
-        if start_index < 0:
-            raise InvalidRequest("start_index must be >= 0")
+        if not 0 <= start_index <= MAX_START_INDEX:  # past it, Redis's list ranges would overflow
+            raise InvalidRequest(f"start_index must be in 0..{MAX_START_INDEX}, got {start_index}")
         idx = start_index
         q = self.d.queue
         while True:
