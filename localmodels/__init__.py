@@ -6,17 +6,32 @@ architectures (Llama, GPT-2, OPT) at small sizes with random weights, and loadin
 real model directory when a user gives one.
 """
 
-from localmodels.build import (
-    ARCHS,
-    SIZES,
-    build_model,
-    default_corpus,
-    default_tokenizer,
-    generated_corpus,
-    load_model,
-    load_or_build,
-    train_tokenizer,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from localmodels.build import (
+        ARCHS,
+        SIZES,
+        build_model,
+        default_corpus,
+        default_tokenizer,
+        generated_corpus,
+        load_model,
+        load_or_build,
+        train_tokenizer,
+    )
+
+
+def __getattr__(name: str):
+    """The builders are imported on first use (``localmodels.build`` imports torch and transformers,
+    which a command that only reads ``localmodels.paths`` does without)."""
+    if name in __all__:
+        return getattr(importlib.import_module("localmodels.build"), name)
+    raise AttributeError(f"module 'localmodels' has no attribute {name!r}")
+
 
 __all__ = [
     "ARCHS",

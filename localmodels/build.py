@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from fleetdata.datasets import data_dir, load_mixed
+from localmodels.paths import CACHE_ENV, cache_dir  # noqa: F401  (known from here too)
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,6 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "base": (768, 12, 12, 4, 2048),
 }
 SPECIAL = {"bos": "<s>", "eos": "</s>", "pad": "<pad>", "unk": "<unk>"}
-CACHE_ENV = "FLEETBATCH_CACHE"
 
 _WORDS = (
     "the a of to and in is for on with as by at from that this it be are was an or which "
@@ -50,12 +50,6 @@ _WORDS = (
     "music energy water light market price cost day week year people school book letter email "
     "summary short long simple detailed example problem solution method test case"
 ).split()
-
-
-def cache_dir() -> Path:
-    p = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "fleetbatch"))
-    p.mkdir(parents=True, exist_ok=True)
-    return p
 
 
 def generated_corpus(n: int = 4000, seed: int = 0) -> list[str]:

@@ -27,12 +27,11 @@ import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
-import torch
-
 from gateway.config import NAME_RE, ClusterSpec
-from localmodels.build import cache_dir
+from localmodels.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ def _run(cmd: list[str], what: str, log_file: Path) -> str:
 
 def cpu_profile(s: FleetSettings, log_dir: Path) -> Path:
     """This CPU's profile of the served model, measured once per machine, model and torch version."""
-    path = cache_dir() / "profiles" / f"{s.arch}-{s.size}-torch{torch.__version__}.json"
+    path = cache_dir() / "profiles" / f"{s.arch}-{s.size}-torch{version('torch')}.json"
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
