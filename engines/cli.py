@@ -46,12 +46,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--plan", default=None, help="plan.json from the planner (micro-batch sizes -> step limits)"
     )
-    g.add_argument(
-        "--no-prefix-cache",
-        dest="prefix_cache",
-        action="store_false",
-        help="turn the prefix cache off (default on: queries reuse the cached KV of a shared prompt prefix)",
-    )
+    serve.add_prefix_cache_argument(g)
     g.add_argument(
         "--threads",
         type=int,

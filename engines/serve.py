@@ -34,6 +34,17 @@ DEVICE_HELP = (
 )
 
 
+def add_prefix_cache_argument(p) -> None:
+    """``--no-prefix-cache`` (``engine serve``, ``generate`` and ``bench``): the cache is on by default."""
+    p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="turn the prefix cache off (default on: queries reuse the cached KV of a shared prompt prefix; "
+        "the vllm backend: its enable_prefix_caching)",
+    )
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="cluster name (its Redis queue is {fb}:c:NAME:queue)")
     p.add_argument("--redis-url", default=None, help=f"Redis URL (default: ${URL_ENV})")
@@ -67,13 +78,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="KV cache size in tokens of the native engine (default: its config's, 16384)",
     )
-    p.add_argument(
-        "--no-prefix-cache",
-        dest="prefix_cache",
-        action="store_false",
-        help="turn the prefix cache off (native: cached KV blocks of shared prompt prefixes are reused; "
-        "vllm: its enable_prefix_caching)",
-    )
+    add_prefix_cache_argument(p)
     p.add_argument(
         "--capacity", type=float, default=0.0, help="capacity hint in tokens/s (default: measured)"
     )

@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from gateway.batches.errors import ADMIN_CLIENT
+from gateway.batches.errors import ADMIN_CLIENT, Caller
 from gateway.checks.validation import id_problem
 from workqueue import WorkQueue, keys
 
@@ -51,6 +51,16 @@ def client_of(metadata: dict[str, str], peer: str) -> str:
 def header_problem(metadata: dict[str, str]) -> str | None:
     value = metadata.get(CLIENT_HEADER)
     return id_problem(value, f"{CLIENT_HEADER} header") if value is not None else None
+
+
+def unproven_caller(owner: str | None, metadata: dict[str, str], peer: str) -> Caller:
+    """A caller whose quota client no token proves: ``owner``, counted by its ``x-client-id`` header
+    (:func:`client_of`) or its address; a bad header is the caller's problem, told only when the
+    cap is on. Both fronts use it (the gRPC one without client tokens, the HTTP one always)."""
+    problem = header_problem(metadata)
+    if problem:
+        return Caller(owner, None, problem)
+    return Caller(owner, client_of(metadata, peer))
 
 
 def unfinished(queue: WorkQueue, client: str) -> int:

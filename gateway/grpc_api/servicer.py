@@ -47,11 +47,7 @@ def caller_of(auth: Authenticator, context: grpc.aio.ServicerContext) -> Caller:
     client = auth.client(metadata)
     if client is not None:
         return Caller(client, client)
-    md = dict(metadata)
-    problem = quota.header_problem(md)
-    if problem:
-        return Caller(None, None, problem)
-    return Caller(None, quota.client_of(md, context.peer()))
+    return quota.unproven_caller(None, dict(metadata), context.peer())
 
 
 class BatchServicer(pb_grpc.BatchServiceServicer):

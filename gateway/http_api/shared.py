@@ -57,12 +57,10 @@ def caller_of(request: Request) -> Caller:
     the batches made over HTTP); the per-client cap counts its ``x-client-id`` header, else its address."""
     header = request.headers.get(quota.CLIENT_HEADER)
     headers = {quota.CLIENT_HEADER: header} if header is not None else {}
-    problem = quota.header_problem(headers)
-    if problem:
-        return Caller(HTTP_CLIENT, None, problem)
     client = request.client
-    peer = f"ipv4:{client.host}:{client.port}" if client else "unknown"
-    return Caller(HTTP_CLIENT, quota.client_of(headers, peer))
+    return quota.unproven_caller(
+        HTTP_CLIENT, headers, f"ipv4:{client.host}:{client.port}" if client else "unknown"
+    )
 
 
 async def json_body(request: Request, limit: int):
