@@ -26,7 +26,7 @@ from array import array
 from collections import OrderedDict, deque
 from hashlib import blake2b
 
-from engines.sequence import Sequence
+from engines.sequence import BlockKey, Sequence
 
 _ROOT = b""  # the parent key of a query's first block
 
@@ -45,7 +45,7 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
     return blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
-def block_keys(seq: Sequence, block_size: int, num_blocks: int) -> list[bytes]:
+def block_keys(seq: Sequence, block_size: int, num_blocks: int) -> list[BlockKey]:
     """The keys of ``seq``'s first ``num_blocks`` full blocks (computed once, kept on the sequence:
     a block's tokens never change, so neither does its key)."""
     keys = seq.block_keys
@@ -68,8 +68,8 @@ class KVCacheManager:
         self._free: deque[int] = deque(range(num_blocks))  # blocks holding nothing worth keeping
         self._refs = [0] * num_blocks  # queries holding each block
         self._cached: OrderedDict[int, None] = OrderedDict()  # unheld keyed blocks, least recently used first
-        self._block_of: dict[bytes, int] = {}  # key -> block
-        self._key_of: dict[int, bytes] = {}  # block -> key
+        self._block_of: dict[BlockKey, int] = {}  # key -> block
+        self._key_of: dict[int, BlockKey] = {}  # block -> key
         # tokens of admitted queries that needed KV, and those found cached: prefill saved (cumulative;
         # a preempted query's readmission counts again, its hits being recomputation saved)
         self.lookup_tokens = 0

@@ -10,6 +10,8 @@ import torch
 
 from engines.interface import Request, SamplingParams
 
+BlockKey = bytes | int  # a full block's prefix-cache key
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -38,9 +40,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # of num_computed, tokens taken from the prefix cache at admission
     num_keyed_blocks: int = 0  # leading blocks of block_table already keyed in the prefix cache
-    block_keys: list[bytes] = field(
-        default_factory=list
-    )  # prefix-cache keys of its full blocks, once computed
+    # prefix-cache keys of its full blocks, once computed (engines.kv_cache's digests; the simulator
+    # sets ints of its own, equal where the digests would be)
+    block_keys: list[BlockKey] = field(default_factory=list)
     reserved_tokens: int = 0  # KV tokens set aside at admission (prompt + predicted * (1 + margin))
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str = ""
