@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 from gateway.config import ClusterSpec
@@ -20,7 +21,14 @@ def test_engines_get_the_redis_url_in_their_environment_not_on_their_command_lin
     sup.start_all()
     try:
         pid = sup.pids["c"]
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+        # while the child is in execve its command line reads empty: read it once exec is done
+        deadline = time.monotonic() + 60
+        while (
+            not (cmdline := Path(f"/proc/{pid}/cmdline").read_bytes().decode())
+            and time.monotonic() < deadline
+        ):
+            assert sup.procs["c"].poll() is None, Path(tmp_path / "engine-c.log").read_text()
+            time.sleep(0.01)
         environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
     finally:
         sup.stop()
