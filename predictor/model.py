@@ -76,7 +76,9 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int = 8000) -> PreTrainedT
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     # The trainer numbers tied tokens in a run-dependent order; renumber them (special tokens
-    # first, then sorted) so that the same learnt vocabulary always gets the same ids.
+    # first, then sorted) so that the same learnt vocabulary always gets the same ids. (Which tokens
+    # are learnt can itself differ between runs on small corpora: the trainer breaks tied merge
+    # counts in hash order, tokenizers issue 1794; a saved tokenizer is what makes a model repeatable.)
     learnt = tok.get_vocab()
     order = SPECIAL + sorted(t for t in learnt if t not in SPECIAL)
     tok.model = models.WordPiece({t: i for i, t in enumerate(order)}, unk_token="[UNK]")
