@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -143,10 +144,14 @@ class StageArgs:
 
 
 def _exit_with_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os._exit(3)
+    """Exit once the driver has: a pidfd turns readable when its process ends (the driver need not be
+    this process's parent: a stage is forked by the start method's server)."""
+    try:
+        fd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:
+        os._exit(3)
+    select.select([fd], [], [])
+    os._exit(3)
 
 
 def _private(model: nn.Module) -> nn.Module:
@@ -159,7 +164,7 @@ def _private(model: nn.Module) -> nn.Module:
 
 
 def stage_main(args: StageArgs, conn) -> None:
-    """Entry point of a stage process (``torch.multiprocessing`` spawn target)."""
+    """Entry point of a stage process (the target of a :func:`engines.pipeline.stage_context` process)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s stage: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it stops the stages
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
