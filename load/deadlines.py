@@ -14,9 +14,10 @@ Each order (``--orders``, default ``edf,fifo``: ``gateway up --queue-order``) ru
 ``gateway up`` on the cost-model devices of ``loadgen study`` (the 1:2:4 fleet, token policy,
 offloading on), with the learned predictor. While it runs, every batch is read with ``GetBatch``
 every half second: its token progress (predicted tokens done of its predicted tokens) and its
-predicted finish (``predicted_finish_at``), kept in ``etas.jsonl``. Then one more run, ``expiry``,
-sends a batch through the OpenAI-compatible HTTP front whose window (0.2 T) ends while it runs,
-and checks its output and error files.
+predicted finish (``predicted_finish_at``), kept in ``etas.jsonl``. Then ``expiry``: once the edf
+run's batches are final, a batch goes through the same deployment's OpenAI-compatible HTTP front
+(a deployment of its own when edf is not run) whose window (0.2 T) ends while it runs, and its
+output and error files are checked.
 
 The last line is one JSON object: ``deadlines_met_edf`` and ``deadlines_met_fifo`` (batches that
 finished within their window), ``missed_by_edf_met_by_fifo`` (should be empty), ``met_by_edf_missed_by_fifo``,
@@ -34,7 +35,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 
@@ -52,6 +55,8 @@ from workqueue.ordering import QueueOrder
 
 POLL_S = 0.5
 SPEEDS = (1.0, 2.0, 4.0)
+T = TypeVar("T")
+Expiry = tuple[list[str], dict]  # what is wrong with the expired batch's files; its rows finished and expired
 
 
 def add_arguments(p) -> None:
@@ -116,29 +121,33 @@ def _poll(stub, ids: dict[str, str], n: int, etas: list[dict], limit_s: float) -
     return final
 
 
-def run_order(order: str, items: list[WorkItem], plan: Plan, out: Path, args) -> dict:
-    """One ``gateway up`` with this queue order: the batches submitted on the plan, read until final."""
+def run_order(
+    order: str, items: list[WorkItem], plan: Plan, out: Path, args, after: Callable[[dict], T] | None = None
+) -> tuple[dict, T | None]:
+    """One ``gateway up`` with this queue order: the batches submitted on the plan, read until final; then
+    ``after(info)`` on the same deployment, outside the run's record (what it returns comes back too)."""
     run_dir = out / order
     up = _up_args(run_dir, args, order)
     etas: list[dict] = []
-    with (
-        LocalDeployment(run_dir / "deploy", up) as info,
-        channel(info["address"], token=deployment_token(info)) as ch,
-        Sampler(info["redis_url"], run_dir, interval_s=0.5),
-    ):
-        stub = pb_grpc.BatchServiceStub(ch)
-        ids: dict[str, str] = {}
-        submitter = threading.Thread(
-            target=_submit_all, args=(stub, plan, items, time.monotonic(), ids), daemon=True
-        )
-        submitter.start()
-        final = _poll(stub, ids, len(plan.batches), etas, 10 * plan.makespan_s + 600)
-        submitter.join()
-        rows = [
-            result_row(r)
-            for bid in ids.values()
-            for r in stub.StreamResults(pb.StreamResultsRequest(batch_id=bid), timeout=600)
-        ]
+    with LocalDeployment(run_dir / "deploy", up) as info:
+        with (
+            channel(info["address"], token=deployment_token(info)) as ch,
+            Sampler(info["redis_url"], run_dir, interval_s=0.5),
+        ):
+            stub = pb_grpc.BatchServiceStub(ch)
+            ids: dict[str, str] = {}
+            submitter = threading.Thread(
+                target=_submit_all, args=(stub, plan, items, time.monotonic(), ids), daemon=True
+            )
+            submitter.start()
+            final = _poll(stub, ids, len(plan.batches), etas, 10 * plan.makespan_s + 600)
+            submitter.join()
+            rows = [
+                result_row(r)
+                for bid in ids.values()
+                for r in stub.StreamResults(pb.StreamResultsRequest(batch_id=bid), timeout=600)
+            ]
+        then = after(info) if after is not None else None
     (run_dir / "etas.jsonl").write_text("".join(json.dumps(e) + "\n" for e in etas))
     meta = {
         "order": order, "policy": "token", "backend": "native", "fleet": list(SPEEDS), "offload": True,
@@ -153,12 +162,15 @@ def run_order(order: str, items: list[WorkItem], plan: Plan, out: Path, args) ->
         },
     }  # fmt: skip
     write_run(run_dir, rows, meta)
-    return meta
+    return meta, then
 
 
-def run_expiry(items: list[WorkItem], plan: Plan, out: Path, args) -> tuple[list[str], dict]:
-    """A batch whose window ends while it runs, through the OpenAI front: what is wrong with its files, and
-    how many of its rows finished and expired."""
+def run_expiry(items: list[WorkItem], plan: Plan, out: Path, args, info: dict | None = None) -> Expiry:
+    """A batch whose window ends while it runs, through the OpenAI front of the deployment ``info`` (an edf
+    one of its own when None): what is wrong with its files, and how many of its rows finished and expired."""
+    if info is None:
+        with LocalDeployment(out / "expiry" / "deploy", _up_args(out / "expiry", args, "edf")) as own:
+            return run_expiry(items, plan, out, args, own)
     from openai import OpenAI
 
     from load.openai_check import input_rows
@@ -168,26 +180,26 @@ def run_expiry(items: list[WorkItem], plan: Plan, out: Path, args) -> tuple[list
 
     rows = input_rows([items[i] for i in plan.expiry_rows], "/v1/chat/completions")
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
-    with LocalDeployment(out / "expiry" / "deploy", _up_args(out / "expiry", args, "edf")) as info:
-        key = Path(info["http_api_key_file"]).read_text().strip()
-        client = OpenAI(base_url=info["http_url"], api_key=key, max_retries=2)
-        f = client.files.create(file=("input.jsonl", data), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=f.id,
-            endpoint="/v1/chat/completions",
-            completion_window=_window(plan.expiry_window_s),
-        )
-        limit = time.monotonic() + plan.expiry_window_s + 600
-        while batch.status not in ("completed", "failed", "cancelled", "expired"):
-            if time.monotonic() > limit:
-                return [f"batch {batch.id} still {batch.status} long after its window"], {}
-            time.sleep(POLL_S)
-            batch = client.batches.retrieve(batch.id)
+    key = Path(info["http_api_key_file"]).read_text().strip()
+    client = OpenAI(base_url=info["http_url"], api_key=key, max_retries=2)
+    f = client.files.create(file=("input.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=f.id,
+        endpoint="/v1/chat/completions",
+        completion_window=_window(plan.expiry_window_s),
+    )
+    limit = time.monotonic() + plan.expiry_window_s + 600
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        if time.monotonic() > limit:
+            return [f"batch {batch.id} still {batch.status} long after its window"], {}
+        time.sleep(POLL_S)
+        batch = client.batches.retrieve(batch.id)
 
-        def lines(file_id: str | None) -> list[dict]:
-            return [json.loads(x) for x in client.files.content(file_id).text.splitlines()] if file_id else []
+    def lines(file_id: str | None) -> list[dict]:
+        return [json.loads(x) for x in client.files.content(file_id).text.splitlines()] if file_id else []
 
-        output, errors = lines(batch.output_file_id), lines(batch.error_file_id)
+    output, errors = lines(batch.output_file_id), lines(batch.error_file_id)
+    (out / "expiry").mkdir(parents=True, exist_ok=True)
     (out / "expiry" / "files.json").write_text(
         json.dumps({"batch": batch.model_dump(), "output": len(output), "errors": errors[:20]}, default=str)
     )
@@ -207,11 +219,18 @@ def run(args) -> dict:
     plan = scenario_plan(items, SPEEDS, args, out)
     print(f"the simulator's makespan of the whole workload: T = {plan.makespan_s:.1f} s; windows "
           + ", ".join(f"{b.name} {b.window_s:.0f} s at +{b.at_s:.0f} s" for b in plan.batches))  # fmt: skip
-    metas = {}
+    # the expiry batch runs on the edf run's deployment once its batches are final (one start-up fewer)
+    host = None if args.no_expiry or "edf" not in orders else "edf"
+    metas: dict[str, dict] = {}
+    expiry: Expiry | None = None
     for order in orders:
-        metas[order] = run_order(order, items, plan, out, args)
+        after = (lambda info: run_expiry(items, plan, out, args, info)) if order == host else None
+        metas[order], got = run_order(order, items, plan, out, args, after)
+        expiry = got or expiry
         print(f"{order}: " + ", ".join(f"{n} {m['status']}" for n, m in metas[order]["batches"].items()))
-    problems, rows = (None, None) if args.no_expiry else run_expiry(items, plan, out, args)
+    if not args.no_expiry and host is None:
+        expiry = run_expiry(items, plan, out, args)
+    problems, rows = expiry if expiry is not None else (None, None)
     result = summarise(out, orders, plan, args, problems)
     if rows is not None:
         result["expiry_rows"] = rows
