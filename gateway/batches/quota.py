@@ -30,6 +30,7 @@ from typing import Any
 from gateway.batches.errors import ADMIN_CLIENT, Caller
 from gateway.checks.validation import id_problem
 from workqueue import WorkQueue, keys
+from workqueue.set_once import set_once
 
 CLIENT_HEADER = "x-client-id"
 
@@ -78,14 +79,9 @@ def unfinished(queue: WorkQueue, client: str) -> int:
 
 
 OWNER_FIELD = "owner"  # a field of the batch's hash (workqueue.keys.batch): expires with the batch
+
+
 # Take an existing batch's ownership unless it has an owner; returns the owner (false: no batch).
-CLAIM = """
-if redis.call('HEXISTS', KEYS[1], 'status') == 0 then return false end
-redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
-return redis.call('HGET', KEYS[1], ARGV[1])
-"""
-
-
 def creation_writes(batch_id: str, owner: str | None, client: str | None) -> Callable[[Any], None]:
     """The writes that go in the transaction creating the batch (``extra`` of
     :meth:`workqueue.WorkQueue.create_batch`): its ``owner`` and its place in ``client``'s set (each
@@ -119,7 +115,7 @@ def may_resubmit(queue: WorkQueue, batch_id: str, client: str | None) -> bool:
     :func:`may_see`, but a proven client (not the admin) takes a batch without an owner, atomically."""
     if client is None or client == ADMIN_CLIENT:
         return True
-    owner = queue.r.eval(CLAIM, 1, keys.batch(batch_id), OWNER_FIELD, client)
+    owner = set_once(queue.r, keys.batch(batch_id), OWNER_FIELD, client, present="status")
     return owner in (None, client)  # None: the batch expired meanwhile
 
 

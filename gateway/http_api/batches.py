@@ -37,21 +37,22 @@ from gateway.status.eta import Eta
 from protos import fleetbatch_pb2 as pb
 from workqueue import BatchInfo, BatchState, WorkQueue, keys
 from workqueue.batches import batch_info
+from workqueue.set_once import set_once
 
 LIST = keys.OAI_BATCHES  # ZSET: ids of batches created over HTTP, by creation time
 PENDING = keys.OAI_FINALIZE  # SET: ids whose output files are not written yet
 MAX_ERRORS = 100  # lines an invalid input file's ``errors`` list (the rest are counted)
+
+
 # KEYS: a record. ARGV: field, value. Sets the field unless it is set (or the record expired
 # meanwhile: never recreates it); returns the field's value (nil when there is no record).
-SET_ONCE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
-return redis.call('HGET', KEYS[1], ARGV[1])
-"""
-
-
 def record_key(batch_id: str) -> str:
     return keys.oai_record(batch_id)
+
+
+def set_record_once(r, batch_id: str, field: str, value: str | float) -> str | None:
+    """:func:`workqueue.set_once.set_once` on the batch's record (there while it has ``created_at``)."""
+    return set_once(r, record_key(batch_id), field, value, present="created_at")
 
 
 def new_batch_id() -> str:
@@ -259,7 +260,7 @@ def note_progress(
         when = time.time()
     else:
         return
-    kept = queue.r.eval(SET_ONCE, 1, record_key(batch_id), "in_progress_at", when)
+    kept = set_record_once(queue.r, batch_id, "in_progress_at", when)
     rec["in_progress_at"] = kept or str(when)
 
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from gateway.http_api.batches import PENDING, SET_ONCE, names_of, note_progress, record_key
+from gateway.http_api.batches import PENDING, names_of, note_progress, record_key, set_record_once
 from gateway.http_api.files import FileStore, read_lines
 from gateway.http_api.format import CHAT, output_line
 from gateway.http_api.retention import expire_orphan, retire, sweep
@@ -123,7 +123,7 @@ class Finalizer:
                 return
             r.eval(COUNT_FAILURE, 1, key, 0)
             message = f"the output files could not be written: {type(error).__name__}: {error}"
-            if r.eval(SET_ONCE, 1, key, "finalize_error", message) is None:
+            if set_record_once(r, batch_id, "finalize_error", message) is None:
                 return  # the record expired meanwhile
             rec = r.hgetall(key)
             for kind in ("output", "errors"):  # what a failed pass may have left

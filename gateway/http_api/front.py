@@ -330,9 +330,7 @@ class OpenAIFront:
             raise api_error(e) from None
         if done.status in (BatchState.COMPLETED, BatchState.FAILED):  # it finished meanwhile
             await asyncio.to_thread(self._over, batch_id)
-        await asyncio.to_thread(
-            self.queue.r.eval, ob.SET_ONCE, 1, ob.record_key(batch_id), "cancelling_at", time.time()
-        )
+        await asyncio.to_thread(ob.set_record_once, self.queue.r, batch_id, "cancelling_at", time.time())
         return await asyncio.to_thread(self._object, batch_id)
 
     async def listing(self, request: Request) -> Response:
