@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -32,6 +30,7 @@ from engines.model_runner import ModelRunner
 from engines.stage_model import hidden_size, model_dtype
 from engines.stage_wire import GREEDY, STEP, STOP, Inbox, Outbox, capacity, pack, unpack
 from engines.step_batch import StepBatch
+from workqueue.embedded import on_exit_of
 
 log = logging.getLogger(__name__)
 
@@ -143,17 +142,6 @@ class StageArgs:
     emulated: EmulatedDevice | None = None  # --device-cost plan: the device's cost model (slowdown unused)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit once the driver has: a pidfd turns readable when its process ends (the driver need not be
-    this process's parent: a stage is forked by the start method's server)."""
-    try:
-        fd = os.pidfd_open(parent_pid)
-    except ProcessLookupError:
-        os._exit(3)
-    select.select([fd], [], [])
-    os._exit(3)
-
-
 def _private(model: nn.Module) -> nn.Module:
     """Copy the weights out of the shared memory they arrived in, into this process's own memory
     (the stage then holds nothing of the driver's; measured: no clear speed difference)."""
@@ -167,7 +155,7 @@ def stage_main(args: StageArgs, conn) -> None:
     """Entry point of a stage process (the target of a :func:`engines.pipeline.stage_context` process)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s stage: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it stops the stages
-    threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
+    on_exit_of(args.parent_pid, lambda: os._exit(3))  # the driver is gone: so is its pipeline
     torch.set_num_threads(max(1, args.threads))
     try:
         model = _private(args.model).to(args.device)

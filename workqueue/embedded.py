@@ -17,12 +17,15 @@ import hashlib
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -60,6 +63,32 @@ def die_with_parent_from_env() -> None:
     die_with_parent()
     if os.getppid() != int(parent):
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def pdeathsig_prefix() -> list[str]:
+    """``setpriv --pdeathsig TERM --`` (util-linux) in front of a binary's command asks the kernel for
+    SIGTERM when this process dies, and no Python runs in the child between ``fork`` and ``exec`` (a
+    ``preexec_fn`` there, beside gRPC's threads, once ended a restarted Redis with SIGABRT); [] where
+    there is no ``setpriv`` (then :func:`die_with_parent` as ``preexec_fn``)."""
+    found = shutil.which("setpriv")
+    return [found, "--pdeathsig", "TERM", "--"] if found else []
+
+
+def on_exit_of(pid: int, then: Callable[[], object]) -> None:
+    """Call ``then`` in a daemon thread once the process ``pid`` has ended (at once if it has): its pidfd
+    turns readable then, whether or not this process is its child (a forked engine's or stage's parent
+    is a fork server, and ``PR_SET_PDEATHSIG`` follows the parent)."""
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            then()
+            return
+        select.select([fd], [], [])
+        then()
+
+    threading.Thread(target=watch, name=f"exit-of-{pid}", daemon=True).start()
 
 
 #: where ``redis-server`` is looked for after ``PATH`` (Debian's package installs it in /usr/bin)
@@ -134,7 +163,10 @@ class EmbeddedRedis:
             "--appendfsync", "everysec",
         ]  # fmt: skip
         self._proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent
+            [*pdeathsig_prefix(), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=None if pdeathsig_prefix() else die_with_parent,
         )
         deadline = time.monotonic() + 20
         while True:

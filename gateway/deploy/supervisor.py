@@ -4,8 +4,8 @@
   backoff (1 s, doubling up to 30 s; reset once it has run for a minute), at most
   ``max_restarts`` times per engine. Its claimed queries come back through their leases and
   its queued work is moved by the offloader meanwhile, so a restart loses nothing.
-* **No orphans.** Every child (engines here, the embedded Redis in
-  :mod:`workqueue.embedded`) asks the kernel for SIGTERM when its parent dies
+* **No orphans.** An engine (forked by the fork server of :mod:`gateway.deploy.forked`) gets SIGTERM
+  when ``gateway up`` ends, and the embedded Redis (:mod:`workqueue.embedded`) from the kernel
   (``PR_SET_PDEATHSIG``), so a SIGKILL of ``gateway up`` leaves no engine or Redis behind.
 """
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.config import ClusterSpec
+from gateway.deploy.forked import EngineProcess
 from workqueue.embedded import PARENT_ENV, URL_ENV
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,7 @@ def engine_command(spec: ClusterSpec, threads: int, extra: Sequence[str]) -> lis
 
 
 def engine_env(redis_url: str) -> dict[str, str]:
-    """The engine's environment: the Redis URL, and this process as the parent it must not outlive (the engine
-    asks the kernel itself: a ``preexec_fn`` would run Python in a child forked beside gRPC's threads)."""
+    """The engine's environment: the Redis URL, and this process as the one it must not outlive."""
     return dict(os.environ, PYTHONUNBUFFERED="1", **{URL_ENV: redis_url, PARENT_ENV: str(os.getpid())})
 
 
@@ -63,7 +63,7 @@ class EngineSupervisor:
     backoff_max_s: float = 30.0
     stable_s: float = 60.0  # an engine up this long has its backoff reset
     on_change: Callable[[dict[str, int]], None] | None = None  # told the pids after a restart
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    procs: dict[str, EngineProcess] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     _started_at: dict[str, float] = field(default_factory=dict)
     _due: dict[str, float] = field(default_factory=dict)
@@ -73,14 +73,11 @@ class EngineSupervisor:
             self._start(spec)
 
     def _start(self, spec: ClusterSpec) -> None:
-        with open(self.log_dir / f"engine-{spec.name}.log", "ab") as logfile:
-            self.procs[spec.name] = subprocess.Popen(
-                engine_command(spec, self.threads, self.extra),
-                stdout=logfile,
-                stderr=subprocess.STDOUT,
-                env=engine_env(spec.redis_url or self.redis_url),  # a spec's own URL: e.g. through a proxy
-                start_new_session=True,
-            )
+        self.procs[spec.name] = EngineProcess(
+            engine_command(spec, self.threads, self.extra),
+            engine_env(spec.redis_url or self.redis_url),  # a spec's own URL: e.g. through a proxy
+            str(self.log_dir / f"engine-{spec.name}.log"),
+        )
         self._started_at[spec.name] = time.monotonic()
         log.info("engine %s started (pid %d, backend %s)", spec.name, self.procs[spec.name].pid, spec.backend)
 
