@@ -1,7 +1,7 @@
 """The driver's side of a multi-stage plan: stage 0 in this process, one process per further stage.
 
 The driver (rank 0) owns the scheduler, embeds, runs stage 0's layers, and samples; stages
-1..S-1 are processes of their own (:mod:`engines.stage_worker`, forked by :func:`stage_context`)
+1..S-1 are processes of their own (:mod:`engines.stage_worker`, started by :func:`stage_context`)
 holding only their own layers and their layers' paged KV pools. ``submit`` runs stage 0 on a micro-batch and sends it on without
 waiting; ``result`` receives the logits of the oldest micro-batch in flight from the last
 stage, or, for a greedy micro-batch, the tokens the last stage picked. With a head split (the
@@ -83,15 +83,12 @@ def _kill(procs: list) -> None:
         p.join(timeout=5)
 
 
-def stage_context(*modules: str):
-    """How stage processes start: forked by the process's multiprocessing fork server, which imports
-    the stage's code (and ``modules``: the model's classes) once. A spawned stage imports torch and
-    transformers afresh, seconds of CPU each; a fork from the server takes a fraction of one. The server
-    is a fresh, single-threaded interpreter that never touches a GPU, so its forks are as safe as a
-    spawn (a fork of the driver itself is not: its OpenMP pool and CUDA state do not survive a fork)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["engines.stage_worker", *modules])  # read when the server starts: once
-    return ctx
+def stage_context():
+    """How stage processes start: spawned (a fresh interpreter, safe beside CUDA and the driver's
+    threads). A fork server would start them for a fraction of the CPU (it imports torch and the model's
+    classes once; measured: the pipeline tests' CPU 115 s to 32 s), but a driver that had used one ended
+    with a C++ abort at exit in about 1 loaded bench run of 10; see docs/engine.md."""
+    return mp.get_context("spawn")
 
 
 class PipelineRunner:
@@ -130,7 +127,6 @@ class PipelineRunner:
         self.head_start = round(head_split * self.vocab)  # the driver computes LM-head rows [0, head_start)
         self.head0 = head_rows(model, 0, self.head_start) if self.head_start else None
         self.hidden = hidden_size(model)
-        self.model_module = type(model).__module__  # its layers' classes: the stage server imports them once
         # --device-cost plan: every stage's device by its cost model (ValueError naming a stage that has none)
         share = self.head_start / self.vocab
         self.emulated = [s.emulated(self.num_stages, share) if emulate_cost else None for s in stages]
@@ -207,7 +203,7 @@ class PipelineRunner:
         self, parts, init_method, backend, num_blocks, block_size, kv_bits, max_tokens, layout_cap
     ) -> list:
         """Start one process per stage after the first; returns the pipes they report readiness on."""
-        ctx = stage_context(self.model_module)
+        ctx = stage_context()
         conns = []
         for s, part in zip(self.stages[1:], parts[1:], strict=True):
             parent, child = ctx.Pipe()
@@ -393,7 +389,7 @@ class PipelineRunner:
                 p.join(timeout=10)
         _kill(self.procs)
         # the receives still posted hold the process group: dropped first, so that it is torn down here and
-        # not at the interpreter's exit (where a fork server's stages left a C++ abort in about 1 run of 6)
+        # not at the interpreter's exit
         self.inbox = self.outbox = None
         if dist.is_initialized():
             dist.destroy_process_group()
