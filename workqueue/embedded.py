@@ -66,18 +66,29 @@ def die_with_parent_from_env() -> None:
 
 
 def pdeathsig_prefix() -> list[str]:
-    """``setpriv --pdeathsig TERM --`` (util-linux) in front of a binary's command asks the kernel for
-    SIGTERM when this process dies, and no Python runs in the child between ``fork`` and ``exec`` (a
+    """``setpriv --pdeathsig TERM --`` (util-linux 2.33 or later) in front of a binary's command asks the
+    kernel for SIGTERM when the thread that starts it ends (here: this process's), and no Python runs in the child between ``fork`` and ``exec`` (a
     ``preexec_fn`` there, beside gRPC's threads, once ended a restarted Redis with SIGABRT); [] where
     there is no ``setpriv`` (then :func:`die_with_parent` as ``preexec_fn``)."""
     found = shutil.which("setpriv")
     return [found, "--pdeathsig", "TERM", "--"] if found else []
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def on_exit_of(pid: int, then: Callable[[], object]) -> None:
     """Call ``then`` in a daemon thread once the process ``pid`` has ended (at once if it has): its pidfd
-    turns readable then, whether or not this process is its child (a forked engine's or stage's parent
-    is a fork server, and ``PR_SET_PDEATHSIG`` follows the parent)."""
+    turns readable then, whether or not this process is its child (a forked engine's parent is a fork
+    server, and ``PR_SET_PDEATHSIG`` follows the parent). Where there is no pidfd (kernels before 5.3,
+    some seccomp profiles) the pid is polled every half second."""
 
     def watch() -> None:
         try:
@@ -85,7 +96,17 @@ def on_exit_of(pid: int, then: Callable[[], object]) -> None:
         except ProcessLookupError:
             then()
             return
-        select.select([fd], [], [])
+        except OSError:
+            while _alive(pid):
+                time.sleep(0.5)
+            then()
+            return
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            poller.poll()
+        finally:
+            os.close(fd)
         then()
 
     threading.Thread(target=watch, name=f"exit-of-{pid}", daemon=True).start()

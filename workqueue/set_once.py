@@ -1,6 +1,6 @@
 """One rule for a field written once on a record that may have expired: the first write wins, and a
-record that is gone is not brought back (used for a batch's owner and an OpenAI batch's first
-``in_progress_at``)."""
+record that is gone is not brought back (a batch's owner; an OpenAI batch's first ``in_progress_at``,
+``cancelling_at`` and ``finalize_error``)."""
 
 from __future__ import annotations
 

@@ -81,7 +81,6 @@ def unfinished(queue: WorkQueue, client: str) -> int:
 OWNER_FIELD = "owner"  # a field of the batch's hash (workqueue.keys.batch): expires with the batch
 
 
-# Take an existing batch's ownership unless it has an owner; returns the owner (false: no batch).
 def creation_writes(batch_id: str, owner: str | None, client: str | None) -> Callable[[Any], None]:
     """The writes that go in the transaction creating the batch (``extra`` of
     :meth:`workqueue.WorkQueue.create_batch`): its ``owner`` and its place in ``client``'s set (each

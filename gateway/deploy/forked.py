@@ -3,16 +3,21 @@ once for a deployment's engines and their restarts, where each ``python -m engin
 it afresh (about 4 s of CPU an engine).
 
 The server is :mod:`multiprocessing`'s: a fresh, single-threaded interpreter started (fork and exec) by
-the first engine's start, so no engine is forked from ``gateway up``'s threads. An engine gets SIGTERM
+the first engine's start, so no engine is forked from ``gateway up``'s threads (the server forks them). An engine gets SIGTERM
 when ``gateway up`` ends (:func:`workqueue.embedded.on_exit_of`; the server, whose liveness pipe each
 engine holds, ends after them). A forked engine starts a session of its own, writes
 to its log, gets the environment ``gateway up`` gives it (the Redis URL: never on a command line) and
-shows its command line (without secrets) to ``ps`` as a spawned one did. :class:`EngineProcess` gives
+shows its command line (without secrets) to ``ps`` as a spawned one did. A forked engine ends with
+``os._exit`` (no ``atexit`` handlers run; none of the engine's code relies on them), and imports the
+starting program's ``__main__`` (``gateway.cli``; ``load.cli`` under ``loadgen chaos``) as
+``multiprocessing`` does. Its exit code is read from the server: were the server killed on its own,
+a running engine would read as exited (255), and be restarted beside itself (left: a pidfd per engine). :class:`EngineProcess` gives
 the supervisor and the chaos harness the part of :class:`subprocess.Popen` they use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
@@ -30,6 +35,7 @@ PRELOAD = ("engines.cli",)
 
 def _run(argv: Sequence[str], env: Mapping[str, str], log_path: str) -> None:
     """The forked engine: ``argv`` is ``[python, "-m", module, *args]`` as a spawned engine's would be."""
+    mp.current_process().daemon = False  # started daemonic (see EngineProcess); it starts its stages
     setproctitle.setproctitle(" ".join(argv))  # before the environment changes: it finds argv's memory by it
     os.setsid()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -53,8 +59,11 @@ class EngineProcess:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([*PRELOAD, __name__])  # read when the server starts: once
         self.args = list(argv)
-        # not daemonic: a daemonic process may not start processes (the engine's pipeline stages)
-        self._p = ctx.Process(target=_run, args=(self.args, dict(env), log_path), name="fleetbatch-engine")
+        # daemonic: at this process's exit multiprocessing terminates engines still running rather than
+        # waiting for them (they stop only when told, or when this process is gone)
+        self._p = ctx.Process(
+            target=_run, args=(self.args, dict(env), log_path), name="fleetbatch-engine", daemon=True
+        )
         self._p.start()
         self.pid: int = self._p.pid or 0
 
@@ -73,7 +82,8 @@ class EngineProcess:
 
     def send_signal(self, sig: int) -> None:
         if self._p.exitcode is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # it ended just now
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

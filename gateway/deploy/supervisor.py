@@ -117,7 +117,10 @@ class EngineSupervisor:
                 self.restarts[name] = self.restarts.get(name, 0) + 1
                 try:
                     self._start(spec)
-                except OSError as e:  # counted as a restart; the next check tries again after a backoff
+                except (
+                    OSError,
+                    EOFError,
+                ) as e:  # counted as a restart; the next check tries again after a backoff
                     log.error("engine %s could not be restarted: %s", name, e)
                     continue
                 restarted.append(name)

@@ -20,7 +20,6 @@ import logging
 import os
 import secrets
 import signal
-import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 from gateway.config import HTTP_KEY_ENV, ClusterSpec, GatewayConfig, load_clusters
 from gateway.deploy.fleet_up import FleetSettings, describe_layout, fleet_specs, plan_fleet
+from gateway.deploy.forked import EngineProcess
 from gateway.deploy.supervisor import EngineSupervisor
 from gateway.grpc_api.auth import CLIENT_TOKEN_ENV
 from gateway.server import serve
@@ -81,7 +81,7 @@ def cluster_specs(args, run_dir: Path) -> tuple[list[ClusterSpec], dict[str, dic
 
 
 async def wait_for_engines(
-    queue: WorkQueue, names: list[str], procs: Mapping[str, subprocess.Popen], timeout_s: float
+    queue: WorkQueue, names: list[str], procs: Mapping[str, EngineProcess], timeout_s: float
 ) -> None:
     deadline = time.monotonic() + timeout_s
     while True:

@@ -44,8 +44,6 @@ PENDING = keys.OAI_FINALIZE  # SET: ids whose output files are not written yet
 MAX_ERRORS = 100  # lines an invalid input file's ``errors`` list (the rest are counted)
 
 
-# KEYS: a record. ARGV: field, value. Sets the field unless it is set (or the record expired
-# meanwhile: never recreates it); returns the field's value (nil when there is no record).
 def record_key(batch_id: str) -> str:
     return keys.oai_record(batch_id)
 
