@@ -67,9 +67,10 @@ def die_with_parent_from_env() -> None:
 
 def pdeathsig_prefix() -> list[str]:
     """``setpriv --pdeathsig TERM --`` (util-linux 2.33 or later) in front of a binary's command asks the
-    kernel for SIGTERM when the thread that starts it ends (here: this process's), and no Python runs in the child between ``fork`` and ``exec`` (a
-    ``preexec_fn`` there, beside gRPC's threads, once ended a restarted Redis with SIGABRT); [] where
-    there is no ``setpriv`` (then :func:`die_with_parent` as ``preexec_fn``)."""
+    kernel for SIGTERM when the thread that starts it ends (here: this process's), and no Python runs in
+    the child between ``fork`` and ``exec`` (a ``preexec_fn`` there, beside gRPC's threads, once ended a
+    restarted Redis with SIGABRT); [] where there is no ``setpriv`` (then :func:`die_with_parent` as
+    ``preexec_fn``)."""
     found = shutil.which("setpriv")
     return [found, "--pdeathsig", "TERM", "--"] if found else []
 
@@ -79,8 +80,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # there, but another user's
+        pass
     return True
 
 
@@ -183,11 +184,12 @@ class EmbeddedRedis:
             "--appendonly", "yes" if persist else "no",
             "--appendfsync", "everysec",
         ]  # fmt: skip
+        prefix = pdeathsig_prefix()
         self._proc = subprocess.Popen(
-            [*pdeathsig_prefix(), *args],
+            [*prefix, *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=None if pdeathsig_prefix() else die_with_parent,
+            preexec_fn=None if prefix else die_with_parent,
         )
         deadline = time.monotonic() + 20
         while True:
