@@ -1,15 +1,15 @@
 """The driver's side of a multi-stage plan: stage 0 in this process, one process per further stage.
 
-The driver (rank 0) owns the scheduler, embeds, runs stage 0's layers, and samples; stages
-1..S-1 are processes of their own (:mod:`engines.stage_worker`, started by :func:`stage_context`)
-holding only their own layers and their layers' paged KV pools. ``submit`` runs stage 0 on a micro-batch and sends it on without
-waiting; ``result`` receives the logits of the oldest micro-batch in flight from the last
-stage, or, for a greedy micro-batch, the tokens the last stage picked. With a head split (the
-plan's ``head_split``, ``planner.head_split``) the driver computes the LM head's first rows
-itself from the final hidden states the last stage sends back with the logits of the other
-rows, so a head-heavy last stage is balanced against the first. The engine keeps up to
-``num_stages`` micro-batches in flight, so every stage works at once. KV blocks are numbered by the driver's block manager and mean the same slots in every
-stage, so freeing a finished query's blocks frees them in every stage at once.
+The driver (rank 0) owns the scheduler, embeds, runs stage 0's layers, and samples; stages 1..S-1 are
+processes of their own (:mod:`engines.stage_worker`, started by :func:`stage_context`) holding only their
+own layers and their layers' paged KV pools. ``submit`` runs stage 0 on a micro-batch and sends it on
+without waiting; ``result`` receives the logits of the oldest micro-batch in flight from the last stage,
+or, for a greedy micro-batch, the tokens the last stage picked. With a head split (the plan's
+``head_split``, ``planner.head_split``) the driver computes the LM head's first rows itself from the final
+hidden states the last stage sends back with the logits of the other rows, so a head-heavy last stage is
+balanced against the first. The engine keeps up to ``num_stages`` micro-batches in flight, so every stage
+works at once. KV blocks are numbered by the driver's block manager and mean the same slots in every stage,
+so freeing a finished query's blocks frees them in every stage at once.
 
 A watchdog notices a stage process that dies, names it, and stops the others; the blocked
 call then raises :class:`StageFailure` with that name.
@@ -83,12 +83,13 @@ def _kill(procs: list) -> None:
         p.join(timeout=5)
 
 
-def stage_context():
-    """How stage processes start: spawned (a fresh interpreter, safe beside CUDA and the driver's
-    threads). A fork server would start them for a fraction of the CPU (it imports torch and the model's
-    classes once; measured: the pipeline tests' CPU 115 s to 32 s), but a driver that had used one ended
-    with a C++ abort at exit in about 1 loaded bench run of 10; see docs/engine.md."""
-    return mp.get_context("spawn")
+def stage_context(*modules: str):
+    """How stage processes start: forked by this process's fork server, which imports the stage's code and
+    ``modules`` (the model's classes) once: a fraction of a second of CPU where a spawn takes about 4 s. The
+    server never runs a model or touches a GPU: its forks are as safe as a spawn (a fork of the driver is not)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["engines.stage_worker", *modules])  # read when the server starts: once
+    return ctx
 
 
 class PipelineRunner:
@@ -127,6 +128,7 @@ class PipelineRunner:
         self.head_start = round(head_split * self.vocab)  # the driver computes LM-head rows [0, head_start)
         self.head0 = head_rows(model, 0, self.head_start) if self.head_start else None
         self.hidden = hidden_size(model)
+        self.model_module = type(model).__module__  # its layers' classes: the stage server imports them once
         # --device-cost plan: every stage's device by its cost model (ValueError naming a stage that has none)
         share = self.head_start / self.vocab
         self.emulated = [s.emulated(self.num_stages, share) if emulate_cost else None for s in stages]
@@ -142,7 +144,7 @@ class PipelineRunner:
         self.counters = StageCounters(memory_bytes=self.memory[0])
         self.trailer = torch.zeros(self.num_stages, NUM_COUNTERS, dtype=torch.float64)
         self.failure: str | None = None
-        self._closing = False
+        self._closing = threading.Event()
         self._inflight: deque[tuple[StepBatch, Hold]] = deque()
         init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
         backend = backend_for(device, backend)
@@ -203,7 +205,7 @@ class PipelineRunner:
         self, parts, init_method, backend, num_blocks, block_size, kv_bits, max_tokens, layout_cap
     ) -> list:
         """Start one process per stage after the first; returns the pipes they report readiness on."""
-        ctx = stage_context()
+        ctx = stage_context(self.model_module)
         conns = []
         for s, part in zip(self.stages[1:], parts[1:], strict=True):
             parent, child = ctx.Pipe()
@@ -255,9 +257,9 @@ class PipelineRunner:
         return [p.pid for p in self.procs]
 
     def _watch(self) -> None:
-        while not self._closing:
+        while not self._closing.is_set():
             for s, p in zip(self.stages[1:], self.procs, strict=True):
-                if not p.is_alive() and not self._closing:
+                if not p.is_alive() and not self._closing.is_set():
                     code = p.exitcode
                     how = (
                         f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
@@ -266,7 +268,7 @@ class PipelineRunner:
                     log.error("pipeline %s; stopping the other stages", self.failure)
                     _kill(self.procs)  # unblocks the driver's pending receive
                     return
-            time.sleep(0.2)
+            self._closing.wait(0.2)
 
     def _fail(self, e: Exception) -> StageFailure:
         time.sleep(0.5)  # let the watchdog name the stage
@@ -376,9 +378,11 @@ class PipelineRunner:
 
     def close(self) -> None:
         """Stop every stage (they exit on ``STOP``; stragglers are killed) and leave the process group."""
-        if self._closing:
+        if self._closing.is_set():
             return
-        self._closing = True
+        self._closing.set()
+        # the watchdog (a bound method) ends here, never to free this runner itself: see docs/engine.md
+        self._watchdog.join()
         if self.failure is None:
             try:
                 self.outbox.send(pack(STOP, torch.zeros(0, dtype=torch.long), self.trailer, None))

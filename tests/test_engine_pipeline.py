@@ -7,6 +7,9 @@ what the same quantized model gives in one process.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -112,6 +115,12 @@ def test_pipeline_equals_one_process(tokenizer, tmp_path, reference, cuts, head_
     # every stage computed micro-batches and reports its memory
     assert all(c["micro_batches"] > 0 and c["compute_s"] > 0 and c["memory_bytes"] > 0 for c in counters)
     assert not any(p.is_alive() for p in engine.pipeline.procs)
+    # nothing holds the pipeline once closed, its stage watchdog included: a runner that a daemon thread
+    # freed while the interpreter exited aborted the process ("terminate called without an active exception")
+    pipeline = weakref.ref(engine.pipeline)
+    del engine
+    gc.collect()
+    assert pipeline() is None
 
 
 def test_sampled_and_greedy_queries_equal_one_process(tokenizer, tmp_path):
