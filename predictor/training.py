@@ -301,7 +301,9 @@ def train(
             running.append(loss.item())
             bar.update(1)
             out_of_time = cfg.max_minutes is not None and time.monotonic() - started > 60 * cfg.max_minutes
-            if step % eval_every == 0 or step == total_steps or out_of_time:
+            # the cap stops the run at its next scheduled evaluation, never at one of its own: an evaluation the
+            # uninterrupted run does not make, kept as the best weights, would set a resumed run apart
+            if step % eval_every == 0 or step == total_steps:
                 if ema is not None:  # evaluate (and keep) the averaged weights
                     live = copy.deepcopy(model.state_dict())
                     model.load_state_dict(ema.state_dict(model))

@@ -179,7 +179,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--limit", type=int, default=None, help="subsample the training split to this many examples"
     )
     p.add_argument(
-        "--max-minutes", type=float, default=None, help="stop training after about this many minutes"
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop training at the first evaluation after this many minutes",
     )
     p.add_argument(
         "--truncation",
