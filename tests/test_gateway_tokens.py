@@ -28,8 +28,11 @@ from tests.harness import GatewayThread, wait_until
 from workqueue import WorkQueue, connect, keys
 
 DEFAULT = load_tokenizer(None)
+# text: no lone surrogates (\ud800-\udfff), which both fronts refuse (gateway/http_api/format.py; protobuf's
+# UTF-8 cannot carry them) and the tokenizer cannot encode
 PIECES = st.one_of(
-    st.characters(), st.sampled_from(["<s>", "</s>", " ", "\n", "  ", "\ufdfa", "\u00e9", "\U0001f642"])
+    st.characters(exclude_categories=["Cs"]),
+    st.sampled_from(["<s>", "</s>", " ", "\n", "  ", "\ufdfa", "\u00e9", "\U0001f642"]),
 )
 TEXT = st.lists(PIECES, max_size=120).map("".join)
 
