@@ -1,15 +1,15 @@
 """The driver's side of a multi-stage plan: stage 0 in this process, one process per further stage.
 
 The driver (rank 0) owns the scheduler, embeds, runs stage 0's layers, and samples; stages 1..S-1 are
-processes of their own (:mod:`engines.stage_worker`, started by :func:`stage_context`) holding only their
-own layers and their layers' paged KV pools. ``submit`` runs stage 0 on a micro-batch and sends it on
-without waiting; ``result`` receives the logits of the oldest micro-batch in flight from the last stage,
-or, for a greedy micro-batch, the tokens the last stage picked. With a head split (the plan's
-``head_split``, ``planner.head_split``) the driver computes the LM head's first rows itself from the final
-hidden states the last stage sends back with the logits of the other rows, so a head-heavy last stage is
-balanced against the first. The engine keeps up to ``num_stages`` micro-batches in flight, so every stage
-works at once. KV blocks are numbered by the driver's block manager and mean the same slots in every stage,
-so freeing a finished query's blocks frees them in every stage at once.
+processes of their own (:mod:`engines.stage_worker`, started and watched by :mod:`engines.stage_procs`)
+holding only their own layers and their layers' paged KV pools. ``submit`` runs stage 0 on a micro-batch
+and sends it on without waiting; ``result`` receives the logits of the oldest micro-batch in flight from
+the last stage, or, for a greedy micro-batch, the tokens the last stage picked. With a head split (the
+plan's ``head_split``, ``planner.head_split``) the driver computes the LM head's first rows itself from
+the final hidden states the last stage sends back with the logits of the other rows, so a head-heavy
+last stage is balanced against the first. The engine keeps up to ``num_stages`` micro-batches in flight,
+so every stage works at once. KV blocks are numbered by the driver's block manager and mean the same
+slots in every stage, so freeing a finished query's blocks frees them in every stage at once.
 
 A watchdog notices a stage process that dies, names it, and stops the others; the blocked
 call then raises :class:`StageFailure` with that name.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 import weakref
 from collections import deque
@@ -28,12 +27,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from engines.emulation import Hold
 from engines.model_runner import ModelRunner
 from engines.stage_model import cut_stage, head_rows, hidden_size, model_dtype, module_bytes, vocab_size
+from engines.stage_procs import StageWatch, kill_stages, stage_context
 from engines.stage_spec import StageSpec
 from engines.stage_wire import GREEDY, STEP, STOP, Inbox, Outbox, capacity, pack, unpack
 from engines.stage_worker import (
@@ -73,23 +72,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _kill(procs: list) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        p.join(timeout=5)
-
-
-def stage_context(*modules: str):
-    """How stage processes start: forked by this process's fork server, which imports the stage's code and
-    ``modules`` (the model's classes) once: a fraction of a second of CPU where a spawn takes about 4 s. The
-    server never runs a model or touches a GPU: its forks are as safe as a spawn (a fork of the driver is not)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["engines.stage_worker", *modules])  # read when the server starts: once
-    return ctx
 
 
 class PipelineRunner:
@@ -143,14 +125,13 @@ class PipelineRunner:
         self.memory = self._check_memory(parts)
         self.counters = StageCounters(memory_bytes=self.memory[0])
         self.trailer = torch.zeros(self.num_stages, NUM_COUNTERS, dtype=torch.float64)
-        self.failure: str | None = None
-        self._closing = threading.Event()
+        self._watch: StageWatch | None = None
         self._inflight: deque[tuple[StepBatch, Hold]] = deque()
         init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
         backend = backend_for(device, backend)
         layout_cap = 2 + 4 * max_tokens + num_blocks  # the blocks of one micro-batch's queries are distinct
         self.procs: list = []
-        self._finalizer = weakref.finalize(self, _kill, self.procs)
+        self._finalizer = weakref.finalize(self, kill_stages, self.procs)
         try:
             conns = self._spawn(
                 parts, init_method, backend, num_blocks, block_size, kv_bits, max_tokens, layout_cap
@@ -166,13 +147,12 @@ class PipelineRunner:
             self.inbox = Inbox(
                 S - 1, capacity(max_sampled, S, NUM_COUNTERS, max_sampled, cols, self.dtype), S
             )
+            self._watch = StageWatch([s.describe() for s in stages[1:]], self.procs)
         except BaseException:
-            _kill(self.procs)
+            kill_stages(self.procs)
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise
-        self._watchdog = threading.Thread(target=self._watch, name="stage-watchdog", daemon=True)
-        self._watchdog.start()
         log.info(
             "pipeline of %d stages (%s): %s; stage pids %s",
             self.num_stages,
@@ -205,9 +185,9 @@ class PipelineRunner:
         self, parts, init_method, backend, num_blocks, block_size, kv_bits, max_tokens, layout_cap
     ) -> list:
         """Start one process per stage after the first; returns the pipes they report readiness on."""
-        ctx = stage_context(self.model_module)
         conns = []
         for s, part in zip(self.stages[1:], parts[1:], strict=True):
+            ctx = stage_context(part, self.model_module)
             parent, child = ctx.Pipe()
             args = StageArgs(
                 s.index,
@@ -256,19 +236,10 @@ class PipelineRunner:
     def stage_pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def _watch(self) -> None:
-        while not self._closing.is_set():
-            for s, p in zip(self.stages[1:], self.procs, strict=True):
-                if not p.is_alive() and not self._closing.is_set():
-                    code = p.exitcode
-                    how = (
-                        f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                    )
-                    self.failure = f"{s.describe()}, pid {p.pid}, died ({how})"
-                    log.error("pipeline %s; stopping the other stages", self.failure)
-                    _kill(self.procs)  # unblocks the driver's pending receive
-                    return
-            self._closing.wait(0.2)
+    @property
+    def failure(self) -> str | None:
+        """The stage that died, named, once the watchdog found it (``None`` while every stage runs)."""
+        return self._watch.failure if self._watch is not None else None
 
     def _fail(self, e: Exception) -> StageFailure:
         time.sleep(0.5)  # let the watchdog name the stage
@@ -378,11 +349,9 @@ class PipelineRunner:
 
     def close(self) -> None:
         """Stop every stage (they exit on ``STOP``; stragglers are killed) and leave the process group."""
-        if self._closing.is_set():
+        if self._watch.stopped:
             return
-        self._closing.set()
-        # the watchdog (a bound method) ends here, never to free this runner itself: see docs/engine.md
-        self._watchdog.join()
+        self._watch.stop()  # first: stages that exit from here on are not failures
         if self.failure is None:
             try:
                 self.outbox.send(pack(STOP, torch.zeros(0, dtype=torch.long), self.trailer, None))
@@ -391,7 +360,7 @@ class PipelineRunner:
                 pass
             for p in self.procs:
                 p.join(timeout=10)
-        _kill(self.procs)
+        kill_stages(self.procs)
         # the receives still posted hold the process group: dropped first, so that it is torn down here and
         # not at the interpreter's exit
         self.inbox = self.outbox = None

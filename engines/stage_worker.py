@@ -7,8 +7,8 @@ computes the logits of the sampled rows and sends them, with the counters, back 
 driver); for a micro-batch flagged ``GREEDY`` it picks the tokens itself and sends back their
 ids instead. ``STOP`` travels down the chain and every stage exits.
 
-A stage exits by itself when its parent (the driver) disappears, so no orphan outlives a
-killed engine.
+A stage exits by itself when its driver disappears (a pidfd watch: its parent is the fork server), so
+no orphan outlives a killed engine.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class StageArgs:
     slowdown: float
     memory_bytes: int
     threads: int
-    parent_pid: int
+    parent_pid: int  # the driver's (a fork-served stage's parent is the fork server)
     max_tokens: int  # most tokens (rows) of one micro-batch
     max_layout: int  # most int64s of one micro-batch's layout
     head_start: int = 0  # last stage: the first LM-head row it computes (the driver computes those before)

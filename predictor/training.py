@@ -370,7 +370,7 @@ def train(
                     log.info("early stop at step %d: no validation improvement in %d evaluations", step, bad)
                     result.stopped_early = True
                     break
-                if out_of_time:
+                if out_of_time and step < total_steps:  # a run that ends at the cap is finished
                     log.info("stopping at step %d: time cap of %.1f minutes reached", step, cfg.max_minutes)
                     result.stopped_early = timed_out = True
                     break

@@ -12,11 +12,13 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
 from engines.pipeline import StageFailure
+from engines.stage_procs import FORK_SERVER_MAX_TENSORS, shared_tensors, stage_context
 from localmodels import build_model, default_tokenizer, generated_corpus
 from tests import harness
 
@@ -219,3 +221,17 @@ def test_killed_stage_is_named(tokenizer, tmp_path):
         engine.close()
     assert not any(p.is_alive() for p in engine.pipeline.procs)
     assert torch.distributed.is_initialized() is False
+
+
+def test_a_stage_holding_more_tensors_than_the_fork_server_passes_still_starts():
+    """Each tensor travels to a stage process as a file descriptor, and the fork server takes at most 256
+    per start: a stage of more tensors (a large model's layers) failed to start with 'too many fds'.
+    It is spawned."""
+    part = nn.ModuleList(nn.Linear(2, 2) for _ in range(150))  # 300 tensors
+    assert shared_tensors(part) == 300 > FORK_SERVER_MAX_TENSORS
+    p = stage_context(part).Process(target=len, args=(part,))  # the child unpickles every tensor
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    small = stage_context(nn.Linear(2, 2))
+    assert small.get_start_method() == "forkserver"

@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="64 prompt tokens, 6,000 training examples, no MLM, 2.2-minute cap: 1-3 minutes on 2 CPU cores",
+        help="64 prompt tokens, 6,000 training examples, no MLM, a 2.2-minute cap (then the next evaluation)",
     )
     p.add_argument(
         "--pretrained",
