@@ -214,7 +214,10 @@ class PipelineRunner:
             p = ctx.Process(
                 target=stage_main, args=(args, child), name=f"fleetbatch-stage{s.index}", daemon=True
             )
-            p.start()
+            try:
+                p.start()
+            except (OSError, EOFError, ValueError) as e:  # e.g. the fork server could not start
+                raise StageFailure(f"{s.describe()} could not start: {type(e).__name__}: {e}") from e
             self.procs.append(p)
             conns.append(parent)
         return conns

@@ -15,6 +15,7 @@ from engines.engine import LLMEngine
 from engines.interface import Engine
 from engines.metrics import serve_metrics
 from engines.model_runner import resolve_device
+from engines.pipeline import StageFailure
 from engines.plan import plan_stages
 from engines.static_engine import StaticBatchEngine
 from engines.vllm_backend import VLLMEngine
@@ -206,6 +207,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError, ImportError) as e:
         log.error("cannot build the %s engine: %s", args.backend, e)
         return 2
+    except StageFailure as e:  # a stage process of the plan did not start (its message names it)
+        log.error("cannot start the engine's pipeline: %s", e)
+        return 1
     config = WorkerConfig(
         cluster=args.cluster,
         lease_s=args.lease_s,

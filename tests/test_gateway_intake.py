@@ -126,19 +126,23 @@ def test_a_dead_holder_of_the_intake_lease_delays_the_batch_only_until_it_lapses
         stub.SubmitBatch(submission(2000, "warm"))  # the gateway's own intake runs
         wait_until(lambda: enqueued(queue, "warm") == 2000, 60, "the first batch", 0.05)
         g.stop()
+    ttl = 2.0  # the dead holder's lease (each chunk it lands extends the lease by its own settings' ttl)
     dead = Intake(
-        queue, lambda ps: [8.0] * len(ps), lambda loads, views: ["a"] * len(loads), IntakeSettings(chunk=500)
+        queue,
+        lambda ps: [8.0] * len(ps),
+        lambda loads, views: ["a"] * len(loads),
+        IntakeSettings(chunk=500, lease_ttl_s=ttl),
     )
     req = submission()
     checked = Checked(prompt_tokens=[5] * N, max_tokens=[16] * N)
     assert queue.accept_batch("big", encode_rows(req, checked), fingerprint="x")
     assert queue.batch("big").status == "validating" and not check(queue.r)
-    assert queue.take_intake("big", "dead-token", ttl_s=1.5)
+    assert queue.take_intake("big", "dead-token", ttl_s=ttl)
+    t0 = time.monotonic()  # before the last extension: the lease lapses no sooner than ttl from here
     assert dead.step("big", "dead-token") == 500  # one chunk, then the holder dies (no release)
     assert dead.step("big", "stale-token") == -1  # a lease it does not hold lands nothing
-    t0 = time.monotonic()
     finish_on_a_new_gateway(redis_url, queue, "the lease to lapse and the intake to finish")
-    assert time.monotonic() - t0 >= 1.0  # not before the dead holder's lease lapsed
+    assert time.monotonic() - t0 >= ttl - 0.05  # not before the dead holder's lease lapsed (Redis's clock)
     ids = [g for g in queued(queue) if g.startswith("big:")]
     assert len(ids) == len(set(ids)) == N and not check(queue.r)
 
