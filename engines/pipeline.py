@@ -32,7 +32,7 @@ from torch import nn
 from engines.emulation import Hold
 from engines.model_runner import ModelRunner
 from engines.stage_model import cut_stage, head_rows, hidden_size, model_dtype, module_bytes, vocab_size
-from engines.stage_procs import StageWatch, kill_stages, stage_context
+from engines.stage_procs import StageWatch, kill_stages, stage_context, stop_stages
 from engines.stage_spec import StageSpec
 from engines.stage_wire import GREEDY, STEP, STOP, Inbox, Outbox, capacity, pack, unpack
 from engines.stage_worker import (
@@ -131,7 +131,6 @@ class PipelineRunner:
         backend = backend_for(device, backend)
         layout_cap = 2 + 4 * max_tokens + num_blocks  # the blocks of one micro-batch's queries are distinct
         self.procs: list = []
-        self._finalizer = weakref.finalize(self, kill_stages, self.procs)
         try:
             conns = self._spawn(
                 parts, init_method, backend, num_blocks, block_size, kv_bits, max_tokens, layout_cap
@@ -153,6 +152,9 @@ class PipelineRunner:
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise
+        self._finalizer = weakref.finalize(
+            self, stop_stages, self._watch, self.procs
+        )  # freed without close()
         log.info(
             "pipeline of %d stages (%s): %s; stage pids %s",
             self.num_stages,
@@ -245,7 +247,7 @@ class PipelineRunner:
         return self._watch.failure if self._watch is not None else None
 
     def _fail(self, e: Exception) -> StageFailure:
-        time.sleep(0.5)  # let the watchdog name the stage
+        self._watch.found.wait(2.0)  # let the watchdog name the stage (a receive can fail first)
         return StageFailure(f"pipeline stopped: {self.failure or e}")
 
     # ---- micro-batches --------------------------------------------------------------------
@@ -352,7 +354,7 @@ class PipelineRunner:
 
     def close(self) -> None:
         """Stop every stage (they exit on ``STOP``; stragglers are killed) and leave the process group."""
-        if self._watch.stopped:
+        if self._watch is None or self._watch.stopped:
             return
         self._watch.stop()  # first: stages that exit from here on are not failures
         if self.failure is None:

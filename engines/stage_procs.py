@@ -52,6 +52,7 @@ class StageWatch:
 
     def __init__(self, names: list[str], procs: list, poll_s: float = 0.2) -> None:
         self.failure: str | None = None
+        self.found = threading.Event()  # set once ``failure`` names the stage that died
         self._stopped = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(names, procs, poll_s), name="stage-watchdog", daemon=True
@@ -67,6 +68,7 @@ class StageWatch:
                         f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                     )
                     self.failure = f"{name}, pid {p.pid}, died ({how})"
+                    self.found.set()
                     log.error("pipeline %s; stopping the other stages", self.failure)
                     kill_stages(procs)
                     return
@@ -81,3 +83,9 @@ class StageWatch:
         self._stopped.set()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+
+
+def stop_stages(watch: StageWatch, procs: list) -> None:
+    """Stop watching, then kill the stages still alive: a runner freed (or left at exit) without ``close``."""
+    watch.stop()
+    kill_stages(procs)

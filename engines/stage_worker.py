@@ -152,7 +152,7 @@ def _private(model: nn.Module) -> nn.Module:
 
 
 def stage_main(args: StageArgs, conn) -> None:
-    """Entry point of a stage process (the target of a :func:`engines.pipeline.stage_context` process)."""
+    """Entry point of a stage process (the target of a :func:`engines.stage_procs.stage_context` process)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s stage: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; it stops the stages
     on_exit_of(args.parent_pid, lambda: os._exit(3))  # the driver is gone: so is its pipeline
