@@ -10,8 +10,8 @@ to its log, gets the environment ``gateway up`` gives it (the Redis URL: never o
 shows its command line (without secrets) to ``ps`` as a spawned one did. It ends with ``os._exit``
 (no ``atexit`` handlers run; none of the engine's code relies on them), and imports the starting
 program's ``__main__`` (``gateway.cli``; ``load.cli`` under ``loadgen chaos``) as ``multiprocessing``
-does. Its exit code is read from the server: were the server killed on its own, a running engine
-would read as exited (255) and be restarted beside itself (left: a pidfd per engine).
+does. Its exit code is read from the server; whether it still runs, from its pidfd: were the server
+killed on its own, its pipe would read as exit 255, and a running engine would be restarted beside itself.
 :class:`EngineProcess` gives the supervisor and the chaos harness the part of :class:`subprocess.Popen`
 they use.
 """
@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import multiprocessing as mp
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -32,6 +33,21 @@ import setproctitle
 from workqueue.embedded import PARENT_ENV, on_exit_of
 
 PRELOAD = ("engines.cli",)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (``None`` where it has ended already or there are no pidfds)."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _ended(pidfd: int, timeout_s: float | None = 0.0) -> bool:
+    """Whether the process of ``pidfd`` has ended, waiting up to ``timeout_s`` (``None``: until it has)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else max(0.0, timeout_s) * 1000))
 
 
 def _run(argv: Sequence[str], env: Mapping[str, str], log_path: str) -> None:
@@ -67,24 +83,38 @@ class EngineProcess:
         )
         self._p.start()
         self.pid: int = self._p.pid or 0
+        self._pidfd = _pidfd(self.pid)
 
     @property
     def returncode(self) -> int | None:
-        return self._p.exitcode
+        return self.poll()
 
     def poll(self) -> int | None:
-        return self._p.exitcode
+        code = self._p.exitcode  # the server's report; 255 also when the server itself is gone
+        if code is None or self._pidfd is None:
+            return code
+        if not _ended(self._pidfd):
+            return None  # the server is gone, the engine runs on
+        os.close(self._pidfd)
+        self._pidfd = None
+        return code
 
     def wait(self, timeout: float | None = None) -> int:
-        self._p.join(timeout)
-        if self._p.exitcode is None:
+        self._p.join(timeout)  # at once when the server is gone: then the engine's own end is awaited
+        if self._p.exitcode is not None and self._pidfd is not None:
+            _ended(self._pidfd, timeout)
+        code = self.poll()
+        if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        return self._p.exitcode
+        return code
 
     def send_signal(self, sig: int) -> None:
-        if self._p.exitcode is None:
+        if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):  # it ended just now
-                os.kill(self.pid, sig)
+                if self._pidfd is not None:
+                    signal.pidfd_send_signal(self._pidfd, sig)  # never a reused pid
+                else:
+                    os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -1,0 +1,47 @@
+"""Fork-served engines (gateway/deploy/forked.py) as the supervisor sees them, with a real fork server
+and real processes: the fork server killed on its own must not make running engines read as exited."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from multiprocessing import forkserver
+
+from gateway.deploy.forked import EngineProcess
+from tests.harness import wait_until
+from workqueue.embedded import PARENT_ENV
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, ended but not yet reaped by whoever inherited it, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_an_engine_outlives_its_killed_fork_server_as_running(tmp_path):
+    """Before, the server's closed pipe read as exit 255: the supervisor restarted an engine that ran on."""
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    engine = EngineProcess(
+        [sys.executable, "-m", "tests.forked_sleeper", "120"], env, str(tmp_path / "e.log")
+    )
+    wait_until(lambda: _alive(engine.pid), 30, "the engine")
+    server = forkserver._forkserver._forkserver_pid
+    assert server and server != engine.pid
+    os.kill(server, signal.SIGKILL)
+    wait_until(lambda: engine._p.exitcode is not None, 30, "the server's pipe to close")
+    assert engine._p.exitcode == 255  # what the server's end reads as
+    assert engine.poll() is None and engine.returncode is None and _alive(engine.pid)  # it runs on
+    engine.terminate()  # by its pidfd
+    assert engine.wait(30) == 255  # its own code died with the server
+    assert not _alive(engine.pid)
+
+
+def test_an_engine_that_ends_reports_its_code(tmp_path):
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    engine = EngineProcess([sys.executable, "-m", "tests.forked_sleeper", "0"], env, str(tmp_path / "e.log"))
+    assert engine.wait(60) == 0 and engine.poll() == 0
+    engine.kill()  # a signal to an engine that has ended is nothing
