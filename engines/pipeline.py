@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import time
 import weakref
@@ -69,6 +70,17 @@ class StageFailure(RuntimeError):
 
 
 def free_port() -> int:
+    """A free port for the rendezvous, below the kernel's ephemeral range: a port from ``bind(0)`` is free
+    again once tested, and another process binding port 0 (a server, a stage, another pipeline) could take
+    it before the driver's store does; its stages then joined a stranger's store and hung (seen once)."""
+    for _ in range(100):
+        port = random.SystemRandom().randint(20000, 32000)  # the ephemeral range: 32768-60999 by default
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

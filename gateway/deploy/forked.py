@@ -26,6 +26,7 @@ import select
 import signal
 import subprocess
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 
 import setproctitle
@@ -84,6 +85,8 @@ class EngineProcess:
         self._p.start()
         self.pid: int = self._p.pid or 0
         self._pidfd = _pidfd(self.pid)
+        if self._pidfd is not None:  # closed with this object, never while another thread may use it
+            weakref.finalize(self, os.close, self._pidfd)
 
     @property
     def returncode(self) -> int | None:
@@ -91,13 +94,9 @@ class EngineProcess:
 
     def poll(self) -> int | None:
         code = self._p.exitcode  # the server's report; 255 also when the server itself is gone
-        if code is None or self._pidfd is None:
+        if code is None or self._pidfd is None or _ended(self._pidfd):
             return code
-        if not _ended(self._pidfd):
-            return None  # the server is gone, the engine runs on
-        os.close(self._pidfd)
-        self._pidfd = None
-        return code
+        return None  # the server is gone, the engine runs on
 
     def wait(self, timeout: float | None = None) -> int:
         self._p.join(timeout)  # at once when the server is gone: then the engine's own end is awaited
