@@ -155,6 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect over TLS")
     st.add_argument("--token", help=f"client token (default: ${CLIENT_TOKEN_ENV}, else --token-file)")
     st.add_argument("--token-file", default="runs/local/client-token", help="file of the client token")
+
+    pr = sub.add_parser(
+        "prepare",
+        help="build the caches a fresh machine lacks (tokenizer, CPU profile, font cache); run by scripts/setup.sh",
+        description=(
+            "Builds, once, every cache that `gateway up`, the demo, the studies and the tests read: the default "
+            "tokenizer (trained on the shared data, else generated text), this CPU's profile of the default "
+            "fleet's served model, and matplotlib's font cache, in $FLEETBATCH_CACHE (default "
+            "~/.cache/fleetbatch) and $MPLCONFIGDIR. What is there already is kept. Prints one JSON object: "
+            "the cache directory and the seconds each step took."
+        ),
+    )
+    pr.add_argument(
+        "--log-dir", default=None, help="logs of the build steps (default: $FLEETBATCH_CACHE/logs)"
+    )
     return p
 
 
@@ -351,7 +366,14 @@ def _status(args) -> int:
     return 0
 
 
-COMMANDS = {"serve": _serve, "up": _up, "rebalance": _rebalance, "status": _status}
+def _prepare(args) -> int:
+    from gateway.deploy.prepare import run  # lazy: the other commands never need it
+
+    print(json.dumps(run(args)))
+    return 0
+
+
+COMMANDS = {"serve": _serve, "up": _up, "rebalance": _rebalance, "status": _status, "prepare": _prepare}
 ERRORS = (FileNotFoundError, ValueError, ConnectionError, OSError, TimeoutError, RuntimeError)
 
 

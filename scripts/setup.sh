@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything fleetbatch needs on a fresh machine (idempotent):
 # a redis-server binary, a virtualenv in .venv, the CPU build of torch 2.13.0,
-# and the project with its test extras.
+# the project with its test extras, and the caches a run reads (`gateway prepare`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,4 +40,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing fleetbatch with its test extras"
 .venv/bin/python -m pip install -q -e ".[test]"
+# the caches a run reads (the default tokenizer, this CPU's profile, matplotlib's fonts), built here once,
+# never by surprise in the middle of a run or by several test workers at once
+echo "setup: building the caches (gateway prepare: \$FLEETBATCH_CACHE=${FLEETBATCH_CACHE:-~/.cache/fleetbatch})"
+.venv/bin/gateway prepare >/dev/null
 echo "setup: done (activate with: . .venv/bin/activate)"

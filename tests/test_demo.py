@@ -5,18 +5,24 @@ cluster's layout and the per-cluster summary, and stops everything."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 from load.cli import build_parser, demo_dataset
+from localmodels.paths import CACHE_ENV
 from tests.harness import REPO
 
 
 def test_loadgen_demo_runs_the_local_deployment_end_to_end(tmp_path):
+    """On a fresh machine: an empty cache directory, so the tokenizer is trained and this CPU profiled during
+    the run (`engine profile` run by `gateway up`, itself started by loadgen: it once ended itself, exit -15)."""
     # short answers: one long answer left alone on the slow cluster would set the test's time
     cmd = [sys.executable, "-m", "load.cli", "demo", "-n", "24", "--max-tokens", "32", "--no-progress",
            "--run-dir", str(tmp_path / "run")]  # fmt: skip
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    cache = tmp_path / "empty-cache"
+    env = {**os.environ, CACHE_ENV: str(cache)}
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["status"] == "completed" and summary["completed"] == 24 and summary["duplicates"] == 0
@@ -40,6 +46,7 @@ def test_loadgen_demo_runs_the_local_deployment_end_to_end(tmp_path):
     assert any(p["measured_tokens_per_s"] for p in plans.values())
     engine_logs = "".join(f.read_text() for f in (tmp_path / "run" / "logs").glob("engine-*.log"))
     assert "emulated by its cost model" in engine_logs or "emulated devices" in engine_logs
+    assert list((cache / "profiles").glob("*.json")), "the run profiled this CPU into the empty cache"
 
 
 def test_the_demo_draws_real_prompts_where_the_data_is_and_generates_elsewhere(tmp_path, monkeypatch):

@@ -136,3 +136,32 @@ def test_a_child_started_without_a_preexec_fn_still_dies_with_its_parent():
         timeout=60,
     )
     assert mine.returncode == 0 and mine.stdout.strip() == "alive"
+
+
+def test_the_parent_variable_is_consumed_not_inherited_by_grandchildren():
+    """A harness ties `gateway up` to itself; `gateway up` then runs `engine profile` with its own environment.
+    The grandchild must not inherit the harness's pid (it would see another parent and end itself: the
+    fresh-machine failure of `loadgen demo`, 'engine profile failed (exit -15)')."""
+    from workqueue.embedded import PARENT_ENV
+
+    grandchild = (
+        "from workqueue.embedded import die_with_parent_from_env as d; d(); print('grandchild alive')"
+    )
+    child = (
+        "import os, subprocess, sys\n"
+        "from workqueue.embedded import PARENT_ENV, die_with_parent_from_env\n"
+        "die_with_parent_from_env()\n"
+        "assert PARENT_ENV not in os.environ, 'the variable was left for the children'\n"
+        f"r = subprocess.run([sys.executable, '-c', {grandchild!r}], capture_output=True, text=True)\n"
+        "print(r.returncode, r.stdout.strip())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", child],
+        env={**os.environ, PARENT_ENV: str(os.getpid())},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0 grandchild alive"

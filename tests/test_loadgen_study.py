@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from load.study import sim_ratios
+from localmodels.paths import CACHE_ENV
 from sim.costs import LinearCost
 from sim.validate import validate
 from tests.harness import REPO
@@ -63,8 +65,11 @@ def test_the_planned_study_runs_a_planned_fleet_through_the_gateway(tmp_path):
     cmd = [sys.executable, "-m", "load.cli", "study", "--planned", "--fleet", str(fleet), "-n", "16",
            "--max-tokens", "24", "--only", "planned", "--out", str(out), "--no-progress", "--no-scale",
            "--gateway-arg=--predictor", "--gateway-arg=heuristic"]  # fmt: skip
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    cache = tmp_path / "empty-cache"  # a fresh machine: this CPU is profiled during the run
+    env = {**os.environ, CACHE_ENV: str(cache)}
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert list((cache / "profiles").glob("*.json"))
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert "planned_over_even" not in summary  # its baseline did not run
     assert summary["capacity_error"] is not None and summary["capacity_error"] >= 0

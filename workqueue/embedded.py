@@ -56,8 +56,12 @@ def die_with_parent_from_env() -> None:
     """:func:`die_with_parent`, called by the child itself at its start when ``$FLEETBATCH_DIE_WITH_PARENT``
     names its parent's pid; it ends at once if that parent is already gone. A parent with threads that
     hold locks across ``fork`` (gRPC's) sets the variable instead of a ``preexec_fn``: no Python runs in
-    the child between ``fork`` and ``exec``, where it could crash or hang."""
-    parent = os.environ.get(PARENT_ENV)
+    the child between ``fork`` and ``exec``, where it could crash or hang.
+
+    The variable is consumed: it ties this process to the pid it names, and none of this process's own
+    children inherits it (a grandchild that read it would find a parent that is not that pid and end
+    itself: ``gateway up``'s ``engine profile`` did, on every machine without a cached profile)."""
+    parent = os.environ.pop(PARENT_ENV, None)
     if not parent:
         return
     die_with_parent()
