@@ -15,8 +15,9 @@ from grpc_reflection.v1alpha import reflection
 from gateway.assign.policies import make_policy
 from gateway.assign.prefixes import prefix_finder
 from gateway.assign.tokens import token_bound
+from gateway.batches.deps import GatewayDeps
 from gateway.batches.limits import InflightBytes
-from gateway.batches.service import BatchService, GatewayDeps
+from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig, redact_url
 from gateway.grpc_api.admin import AdminService
 from gateway.grpc_api.auth import AdminInterceptor, Authenticator, AuthInterceptor

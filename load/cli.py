@@ -24,11 +24,11 @@ from load import (
     study,
     wan,
 )
-from load.client import format_summary, run_batch, summarise
+from load.client import Tally, format_summary, run_batch
 from load.deployment import LocalDeployment
 from load.layout import format_layouts, mean_lengths, plan_rows
-from load.openai_batch import endpoints_of, error_path, write_openai_output
-from load.workload import from_dataset, from_openai_jsonl, generated
+from load.openai_batch import OpenAIOutput, error_path
+from load.workload import OpenAIFile, from_dataset, generated
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,26 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         "--dataset",
         help="a dataset of ../shared/data: mixed, alpaca_eval, gsm8k, code_alpaca, roleplay, toolformer",
     )
-    src.add_argument("--jsonl", help="an OpenAI Batch input file (custom_id, body.messages / body.prompt)")
-    p.add_argument("-n", "--num", type=int, default=200, help="number of queries (generated or sampled)")
+    src.add_argument(
+        "--jsonl",
+        help="an OpenAI Batch input file (custom_id, body.messages / body.prompt), sent whole and streamed "
+        "(read row by row, sent in parts: any size)",
+    )
+    p.add_argument(
+        "-n",
+        "--num",
+        type=int,
+        default=None,
+        help="number of queries, generated or sampled (default 200); with --jsonl a cap: the first N rows "
+        "(default: every row; a warning names the rows left out)",
+    )
+    p.add_argument(
+        "--served-model",
+        default=None,
+        metavar="DIR",
+        help="with --jsonl: the served model's directory (Hugging Face): chat rows are rendered with its "
+        "tokenizer's chat template (default: the project's own template, with a warning)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each query")
     p.add_argument("--no-forced", action="store_true", help="do not force the recorded response length")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the workload")
@@ -168,48 +186,93 @@ def build_parser() -> argparse.ArgumentParser:
 RAW = argparse.RawDescriptionHelpFormatter
 
 
+DEFAULT_NUM = 200
+
+
 def _workload(args):
-    forced = not args.no_forced
-    if args.num < 1:
+    """The generated or sampled workload (``--num``, 200 by default), or a ``--jsonl`` file's first rows."""
+    num = DEFAULT_NUM if args.num is None else args.num
+    if num < 1:
         raise ValueError("--num must be >= 1")
     if args.jsonl:
-        return from_openai_jsonl(args.jsonl, args.max_tokens)[: args.num]
+        return list(_openai_file(args, num))
+    forced = not args.no_forced
     if args.dataset:
         from localmodels import default_tokenizer  # lazy: transformers (loadgen starts without)
 
-        return from_dataset(args.dataset, args.num, args.seed, args.max_tokens, forced, default_tokenizer())
-    return generated(args.num, args.seed, args.max_tokens, forced)
+        return from_dataset(args.dataset, num, args.seed, args.max_tokens, forced, default_tokenizer())
+    return generated(num, args.seed, args.max_tokens, forced)
+
+
+def _openai_file(args, limit: int | None) -> OpenAIFile:
+    """``--jsonl`` read row by row, chat rows rendered with ``--served-model``'s template."""
+    tokenizer = None
+    if args.served_model:
+        from transformers import AutoTokenizer  # lazy: loadgen starts without transformers
+
+        tokenizer = AutoTokenizer.from_pretrained(args.served_model)
+    return OpenAIFile(args.jsonl, args.max_tokens, tokenizer, limit)
+
+
+def _jsonl_source(args) -> OpenAIFile:
+    """``submit --jsonl``: the whole file (``--num``: a cap, with a warning naming the rows it leaves out)."""
+    if args.num is not None and args.num < 1:
+        raise ValueError("--num must be >= 1")
+    source = _openai_file(args, args.num)
+    left = source.rows_after(args.num) if args.num is not None else 0
+    if left:
+        print(f"loadgen submit: --num {args.num} sends the first {args.num} rows of {args.jsonl}; "
+              f"{left} rows are left out", file=sys.stderr)  # fmt: skip
+    return source
 
 
 def _submit(
     args, target: str, token: str | None = None, layouts: dict | None = None, items: list | None = None
 ) -> int:
-    """Submit the workload (``items``, else ``--num`` queries of it) and summarise the results."""
+    """Submit the workload (``items``, else ``--num`` queries of it, or the whole ``--jsonl`` file sent in
+    parts and never held whole) and summarise the results as they come (no result row is kept)."""
     resume = getattr(args, "resume", None)
     if resume and not args.out:
         raise ValueError("--resume needs --out: the file that holds the results seen so far")
     openai_out = getattr(args, "openai_out", None)
     if openai_out and not args.jsonl:
         raise ValueError("--openai-out needs --jsonl: the OpenAI batch input it answers")
-    if items is None:
-        items = [] if resume else _workload(args)
-    batch, results, wall = run_batch(
-        target,
-        items,
-        batch_id=resume or getattr(args, "batch_id", ""),
-        progress=not args.no_progress,
-        out=args.out,
-        resume=bool(resume),
-        on_bad_query=getattr(args, "on_bad_query", None) or "",
-        tls_ca=getattr(args, "tls_ca", None),
-        token=token if token is not None else client_token(args.token, args.token_file),
-    )
+    source = None
+    if items is None and not resume:
+        source = _jsonl_source(args) if args.jsonl else None
+        items = _workload(args) if source is None else None
+    tally = Tally()
+    writer = None
+    if openai_out:
+        endpoint = (source or _openai_file(args, None)).endpoint
+        writer = OpenAIOutput(openai_out, endpoint, args.model)
+    try:
+        batch, _, wall = run_batch(
+            target,
+            (lambda: iter(source)) if source is not None else (items or []),
+            batch_id=resume or getattr(args, "batch_id", ""),
+            progress=not args.no_progress,
+            out=args.out,
+            resume=bool(resume),
+            on_bad_query=getattr(args, "on_bad_query", None) or "",
+            tls_ca=getattr(args, "tls_ca", None),
+            token=token if token is not None else client_token(args.token, args.token_file),
+            on_row=lambda row: (tally.add(row), writer and writer.write(row)),
+            keep=False,
+        )
+    finally:
+        if writer is not None:
+            writer.close()
+    if source is not None and source.chat_rows and not args.served_model:
+        print(f"loadgen submit: {source.chat_rows} chat rows were rendered with the project's default template "
+              "(<|role|> headers); give --served-model DIR to use the served model's own", file=sys.stderr)  # fmt: skip
     if args.out:
         print(f"results written to {args.out}")
-    if openai_out:
-        ok, bad = write_openai_output(results, endpoints_of(args.jsonl), openai_out, args.model)
-        print(f"OpenAI batch output: {ok} lines in {openai_out}, {bad} in {error_path(openai_out)}")
-    summary = summarise(batch, results, wall)
+    if writer is not None:
+        print(
+            f"OpenAI batch output: {writer.ok} lines in {openai_out}, {writer.bad} in {error_path(openai_out)}"
+        )
+    summary = tally.summary(batch, wall)
     print(format_summary(summary))
     if layouts:
         summary["plans"] = plan_rows(layouts, summary)

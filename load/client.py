@@ -13,8 +13,9 @@ import json
 import os
 import sys
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -26,6 +27,7 @@ from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 
+PART_ROWS = 2000  # queries per message of a batch sent in parts (~1 MB of typical prompts)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 ON_BAD_QUERY = {
     "": pb.ON_BAD_QUERY_UNSPECIFIED,
@@ -88,8 +90,10 @@ def stream_results(
     on_row: Callable[[dict], None] = lambda row: None,
     timeout_s: float | None = None,
     retry_s: float = 60.0,
+    keep: bool = True,
 ) -> None:
-    """Append the batch's results after those in ``results`` until it is final (no duplicates).
+    """Append the batch's results after those in ``results`` until it is final (no duplicates); with
+    ``keep`` False they only go to ``on_row`` (a million rows are not held in memory).
 
     A stream that breaks with ``UNAVAILABLE`` (gateway restarting) is opened again from the next
     index, with back-off, until ``retry_s`` passes without progress."""
@@ -107,7 +111,8 @@ def stream_results(
                     continue
                 seen.add(r.query_id)
                 row = result_row(r)
-                results.append(row)
+                if keep:
+                    results.append(row)
                 on_row(row)
             return
         except grpc.RpcError as e:
@@ -121,9 +126,62 @@ def stream_results(
             delay = min(delay * 2, 5.0)
 
 
+def request_parts(
+    items: Iterable[WorkItem], batch_id: str, on_bad_query: str = "", rows: int = PART_ROWS
+) -> Iterator[pb.SubmitBatchRequest]:
+    """``items`` as the messages of ``SubmitBatchStream``: the batch's settings and its first ``rows`` queries,
+    then ``rows`` queries a message; built as the stream takes them (never the whole batch at once)."""
+    part: list[WorkItem] = []
+    first = True
+    for it in items:
+        part.append(it)
+        if len(part) == rows:
+            yield to_request(part, batch_id, on_bad_query=on_bad_query) if first else to_request(part)
+            part, first = [], False
+    if part or first:
+        yield to_request(part, batch_id, on_bad_query=on_bad_query) if first else to_request(part)
+
+
+def submit_parts(
+    stub: pb_grpc.BatchServiceStub,
+    items: Callable[[], Iterable[WorkItem]],
+    batch_id: str,
+    on_bad_query: str = "",
+    retry_s: float = 60.0,
+) -> pb.Batch:
+    """Send a batch in parts (``SubmitBatchStream``), reading ``items()`` as it goes. A stream broken by
+    ``UNAVAILABLE`` is sent again from the start (``items()`` anew) with back-off for up to ``retry_s``
+    seconds: the gateway created nothing, or, if it answered before the break, the same ``batch_id``
+    finds the batch (idempotent)."""
+    give_up, delay = time.monotonic() + retry_s, 0.5
+    while True:
+        failed: list[BaseException] = []  # gRPC reads the parts in its own thread and cancels the call
+
+        def parts() -> Iterator[pb.SubmitBatchRequest]:
+            try:
+                yield from request_parts(items(), batch_id, on_bad_query)
+            except BaseException as e:  # a bad row of the file: the call ends, this error is the answer
+                failed.append(e)
+                raise
+
+        try:
+            return stub.SubmitBatchStream(parts(), timeout=3600)
+        except grpc.RpcError as e:
+            if failed:
+                raise failed[0] from None
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > give_up:
+                raise
+            print(
+                f"submitting batch {batch_id} broke (UNAVAILABLE: {e.details()}); sending it again",
+                file=sys.stderr,
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
 def run_batch(
     target: str,
-    items: Sequence[WorkItem],
+    items: Sequence[WorkItem] | Callable[[], Iterable[WorkItem]],
     *,
     batch_id: str = "",
     progress: bool = True,
@@ -134,13 +192,19 @@ def run_batch(
     retry_s: float = 60.0,
     tls_ca: str | None = None,
     token: str | None = None,
+    on_row: Callable[[dict], None] = lambda row: None,
+    keep: bool = True,
 ) -> tuple[pb.Batch, list[dict], float]:
     """Submit (or with ``resume``, find ``batch_id``), stream every result until the batch is final.
 
-    Returns (batch, results, wall seconds); with ``out``, results are appended there as they come
-    (the file is started afresh unless resuming). The batch id goes to stderr at once. ``token``: the
-    client token sent with every call (None: ``$FLEETBATCH_TOKEN``)."""
+    ``items``: a list is sent in one ``SubmitBatch``; a callable returning an iterable (a file read row by
+    row) is sent in parts (:func:`submit_parts`) under ``batch_id`` (a new one when empty, so that a resent
+    stream is idempotent). Returns (batch, results, wall seconds); with ``out``, results are appended
+    there as they come (the file is started afresh unless resuming), and each goes to ``on_row``; with
+    ``keep`` False, ``results`` stays empty. The batch id goes to stderr at once. ``token``: the client
+    token sent with every call (None: ``$FLEETBATCH_TOKEN``)."""
     results: list[dict] = read_results(out) if (out and resume) else []
+    seen_before = list(results)
     if out and not resume:
         Path(out).write_text("")
     options = [("grpc.max_send_message_length", 512 * 1024 * 1024)]
@@ -149,6 +213,8 @@ def run_batch(
         t0 = time.time()
         if resume:
             batch = stub.GetBatch(pb.GetBatchRequest(batch_id=batch_id), timeout=30, wait_for_ready=True)
+        elif callable(items):
+            batch = submit_parts(stub, items, batch_id or uuid.uuid4().hex, on_bad_query, retry_s)
         else:
             batch = stub.SubmitBatch(to_request(items, batch_id, on_bad_query=on_bad_query), timeout=600)
         print(f"batch {batch.id} ({batch.request_counts.total} queries)", file=sys.stderr, flush=True)
@@ -162,13 +228,18 @@ def run_batch(
         # line-buffered: every row is in the file once written, for a later --resume
         sink = open(out, "a", encoding="utf-8", buffering=1) if out else None  # noqa: SIM115 - closed below
 
-        def on_row(row: dict) -> None:
+        def each_row(row: dict) -> None:
             bar.update(1)
             if sink is not None:
                 sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+            on_row(row)
 
+        for row in seen_before:
+            on_row(row)
         try:
-            stream_results(stub, batch.id, results, on_row=on_row, timeout_s=timeout_s, retry_s=retry_s)
+            stream_results(
+                stub, batch.id, results, on_row=each_row, timeout_s=timeout_s, retry_s=retry_s, keep=keep
+            )
         finally:
             bar.close()
             if sink is not None:
@@ -180,53 +251,76 @@ def run_batch(
     return batch, results, wall
 
 
-def summarise(batch: pb.Batch, results: Sequence[dict], wall_s: float) -> dict:
-    """Per-cluster and total figures of a finished batch."""
-    per: dict[str, dict] = defaultdict(
-        lambda: {
-            "queries": 0,
-            "completion_tokens": 0,
-            "prompt_tokens": 0,
-            "predicted": 0.0,
-            "last_finish": 0.0,
-        }
-    )
-    first_enqueue = min((r["timings"]["enqueued_at"] for r in results if r.get("timings")), default=0.0)
-    for r in results:
-        c = per[r.get("cluster") or "-"]
+class Tally:
+    """A batch's results counted as they come (:meth:`add`), for :meth:`summary`: no row is kept."""
+
+    def __init__(self) -> None:
+        self.per: dict[str, dict] = defaultdict(
+            lambda: {
+                "queries": 0,
+                "completion_tokens": 0,
+                "prompt_tokens": 0,
+                "predicted": 0.0,
+                "last_finish": 0.0,
+            }
+        )
+        self.reasons: dict[str, int] = defaultdict(int)
+        self.ids: set[str] = set()
+        self.rows = 0
+        self.first_enqueue = 0.0
+
+    def add(self, r: dict) -> None:
+        self.rows += 1
+        self.ids.add(r["query_id"])
+        self.reasons[r.get("finish_reason", "")] += 1
+        timings = r.get("timings") or {}
+        if timings.get("enqueued_at") is not None:
+            t = float(timings["enqueued_at"])
+            self.first_enqueue = min(self.first_enqueue, t) if self.first_enqueue else t
+        c = self.per[r.get("cluster") or "-"]
         c["queries"] += 1
         c["completion_tokens"] += int(r.get("completion_tokens", 0))
         c["prompt_tokens"] += int(r.get("prompt_tokens", 0))
         c["predicted"] += float(r.get("predicted_tokens") or 0.0)
-        c["last_finish"] = max(c["last_finish"], float((r.get("timings") or {}).get("finished_at", 0)))
-    clusters = {}
-    for name, c in sorted(per.items()):
-        clusters[name] = {
-            "queries": c["queries"],
-            "prompt_tokens": c["prompt_tokens"],
-            "completion_tokens": c["completion_tokens"],
-            "predicted_completion_tokens": round(c["predicted"], 1),
-            "finished_after_s": round(c["last_finish"] - first_enqueue, 2) if first_enqueue else None,
+        c["last_finish"] = max(c["last_finish"], float(timings.get("finished_at", 0)))
+
+    def summary(self, batch: pb.Batch, wall_s: float) -> dict:
+        """Per-cluster and total figures of the finished ``batch``."""
+        first = self.first_enqueue
+        clusters = {
+            name: {
+                "queries": c["queries"],
+                "prompt_tokens": c["prompt_tokens"],
+                "completion_tokens": c["completion_tokens"],
+                "predicted_completion_tokens": round(c["predicted"], 1),
+                "finished_after_s": round(c["last_finish"] - first, 2) if first else None,
+            }
+            for name, c in sorted(self.per.items())
         }
-    total_tokens = sum(c["completion_tokens"] for c in per.values())
-    reasons: dict[str, int] = defaultdict(int)
+        total_tokens = sum(c["completion_tokens"] for c in self.per.values())
+        return {
+            "batch_id": batch.id,
+            "status": pb.BatchStatus.Name(batch.status).lower(),
+            "queries": batch.request_counts.total,
+            "completed": batch.request_counts.completed,
+            "failed": batch.request_counts.failed,
+            "cancelled": batch.request_counts.cancelled,
+            "results": self.rows,
+            "duplicates": self.rows - len(self.ids),
+            "wall_s": round(wall_s, 2),
+            "completion_tokens": total_tokens,
+            "tokens_per_s": round(total_tokens / wall_s, 1) if wall_s > 0 else 0.0,
+            "finish_reasons": dict(self.reasons),
+            "clusters": clusters,
+        }
+
+
+def summarise(batch: pb.Batch, results: Iterable[dict], wall_s: float) -> dict:
+    """Per-cluster and total figures of a finished batch."""
+    tally = Tally()
     for r in results:
-        reasons[r.get("finish_reason", "")] += 1
-    return {
-        "batch_id": batch.id,
-        "status": pb.BatchStatus.Name(batch.status).lower(),
-        "queries": batch.request_counts.total,
-        "completed": batch.request_counts.completed,
-        "failed": batch.request_counts.failed,
-        "cancelled": batch.request_counts.cancelled,
-        "results": len(results),
-        "duplicates": len(results) - len({r["query_id"] for r in results}),
-        "wall_s": round(wall_s, 2),
-        "completion_tokens": total_tokens,
-        "tokens_per_s": round(total_tokens / wall_s, 1) if wall_s > 0 else 0.0,
-        "finish_reasons": dict(reasons),
-        "clusters": clusters,
-    }
+        tally.add(r)
+    return tally.summary(batch, wall_s)
 
 
 def format_summary(s: dict) -> str:

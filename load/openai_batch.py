@@ -8,20 +8,10 @@ HTTP front; this module writes the output file and, beside it, the error file.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from gateway.http_api.format import CHAT, output_line
-
-
-def endpoints_of(input_path: str | Path) -> dict[str, str]:
-    """``custom_id -> url`` of an OpenAI batch input file (``/v1/chat/completions`` when absent)."""
-    out = {}
-    for line in Path(input_path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            out[str(row["custom_id"])] = row.get("url") or CHAT
-    return out
+from gateway.http_api.format import output_line
 
 
 def error_path(output: str | Path) -> Path:
@@ -29,15 +19,20 @@ def error_path(output: str | Path) -> Path:
     return p.with_name(p.stem + "_errors" + (p.suffix or ".jsonl"))
 
 
-def write_openai_output(
-    results: Iterable[Mapping], endpoints: Mapping[str, str], output: str | Path, model: str = "fleetbatch"
-) -> tuple[int, int]:
-    """Write the output and error files; returns (lines written to each)."""
-    ok, bad = 0, 0
-    with open(output, "w", encoding="utf-8") as out, open(error_path(output), "w", encoding="utf-8") as err:
-        for r in results:
-            line = output_line(r, endpoints.get(str(r["query_id"]), CHAT), model)
-            target = err if line["error"] else out
-            target.write(json.dumps(line, ensure_ascii=False) + "\n")
-            ok, bad = (ok, bad + 1) if line["error"] else (ok + 1, bad)
-    return ok, bad
+class OpenAIOutput:
+    """The output file and, beside it, the error file of a batch, written a result at a time as results come
+    (``endpoint``: a result's request url by its ``custom_id``); ``ok`` and ``bad`` count the lines."""
+
+    def __init__(self, output: str | Path, endpoint: Callable[[str], str], model: str = "fleetbatch") -> None:
+        self.endpoint, self.model, self.ok, self.bad = endpoint, model, 0, 0
+        self._out = open(output, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._err = open(error_path(output), "w", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, r: Mapping) -> None:
+        line = output_line(r, self.endpoint(str(r["query_id"])), self.model)
+        (self._err if line["error"] else self._out).write(json.dumps(line, ensure_ascii=False) + "\n")
+        self.ok, self.bad = (self.ok, self.bad + 1) if line["error"] else (self.ok + 1, self.bad)
+
+    def close(self) -> None:
+        self._out.close()
+        self._err.close()

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetdata.datasets import load_dataset, response_lengths
-from gateway.http_api.format import parse_row
+from gateway.http_api.format import CHAT, parse_row
 
 _TOPICS = (
     "rivers", "tax forms", "sorting algorithms", "the moon", "coffee", "bridges", "solar panels", "chess",
@@ -91,28 +91,81 @@ def from_dataset(
     ]
 
 
-def from_openai_jsonl(path: str | Path, default_max_tokens: int = 256, tokenizer=None) -> list[WorkItem]:
-    """Read an OpenAI Batch input file (``custom_id``, ``url``, ``body`` with ``messages`` or ``prompt``).
+class OpenAIFile:
+    """An OpenAI Batch input file (``custom_id``, ``url``, ``body`` with ``messages`` or ``prompt``) read row
+    by row, never whole: iterating yields its :class:`WorkItem` objects (each pass reads the file anew, so a
+    retried submission can send it again); ``limit`` stops after that many rows.
 
     Chat messages are rendered with ``tokenizer``'s chat template when it has one, else with the
     default template of :func:`gateway.http_api.format.render_chat`. ``max_tokens`` (or
     ``max_completion_tokens``), ``temperature``, ``top_p`` and ``seed`` are honoured; any other
-    body field that would change the answer is an error naming it (:func:`gateway.http_api.format.check_body`).
+    body field that would change the answer is an error naming it and its line
+    (:func:`gateway.http_api.format.check_body`). :meth:`endpoint` is a row's ``url`` after a pass:
+    only rows whose url is not the first row's are remembered (a file has one endpoint, as a rule).
     """
-    items = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                item = _openai_item(row, default_max_tokens, tokenizer)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: {e}") from None
-            items.append(item)
-    return items
+
+    def __init__(
+        self, path: str | Path, default_max_tokens: int = 256, tokenizer=None, limit: int | None = None
+    ):
+        self.path, self.default_max_tokens, self.tokenizer, self.limit = (
+            Path(path),
+            default_max_tokens,
+            tokenizer,
+            limit,
+        )
+        self._first_url: str | None = None
+        self._other_urls: dict[str, str] = {}
+        self.chat_rows = 0  # rows of the last pass rendered from chat messages
+
+    def __iter__(self) -> Iterator[WorkItem]:
+        self.chat_rows, sent = 0, 0
+        with open(self.path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if self.limit is not None and sent >= self.limit:
+                    return
+                try:
+                    row = json.loads(line)
+                    item = _openai_item(row, self.default_max_tokens, self.tokenizer)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{self.path}:{lineno}: not valid JSON ({e.msg})") from None
+                except ValueError as e:
+                    raise ValueError(f"{self.path}:{lineno}: {e}") from None
+                self._remember(item.id, row.get("url") or CHAT)
+                self.chat_rows += isinstance(row.get("body"), dict) and "messages" in row["body"]
+                sent += 1
+                yield item
+
+    def _remember(self, custom_id: str, url: str) -> None:
+        if self._first_url is None:
+            self._first_url = url
+        elif url != self._first_url:
+            self._other_urls[custom_id] = url
+
+    def endpoint(self, custom_id: str) -> str:
+        """The ``url`` of the row ``custom_id`` (``/v1/chat/completions`` when absent); the file's urls are read
+        first when no pass has read them (a resumed submission sends nothing)."""
+        if self._first_url is None:
+            self._scan_urls()
+        return self._other_urls.get(custom_id) or self._first_url or CHAT
+
+    def _scan_urls(self) -> None:
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    self._remember(str(row.get("custom_id")), row.get("url") or CHAT)
+
+    def rows_after(self, n: int) -> int:
+        """How many non-empty lines the file has after its first ``n`` rows (counted, not parsed)."""
+        with open(self.path, encoding="utf-8") as f:
+            return max(0, sum(1 for line in f if line.strip()) - n)
+
+
+def from_openai_jsonl(path: str | Path, default_max_tokens: int = 256, tokenizer=None) -> list[WorkItem]:
+    """Every row of an OpenAI Batch input file, as a list (:class:`OpenAIFile` reads it row by row)."""
+    return list(OpenAIFile(path, default_max_tokens, tokenizer))
 
 
 def _openai_item(row: dict, default_max_tokens: int, tokenizer) -> WorkItem:

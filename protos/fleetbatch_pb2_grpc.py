@@ -41,6 +41,11 @@ class BatchServiceStub:
                 request_serializer=protos_dot_fleetbatch__pb2.SubmitBatchRequest.SerializeToString,
                 response_deserializer=protos_dot_fleetbatch__pb2.Batch.FromString,
                 _registered_method=True)
+        self.SubmitBatchStream = channel.stream_unary(
+                '/fleetbatch.v1.BatchService/SubmitBatchStream',
+                request_serializer=protos_dot_fleetbatch__pb2.SubmitBatchRequest.SerializeToString,
+                response_deserializer=protos_dot_fleetbatch__pb2.Batch.FromString,
+                _registered_method=True)
         self.GetBatch = channel.unary_unary(
                 '/fleetbatch.v1.BatchService/GetBatch',
                 request_serializer=protos_dot_fleetbatch__pb2.GetBatchRequest.SerializeToString,
@@ -71,6 +76,18 @@ class BatchServiceServicer:
     def SubmitBatch(self, request, context):
         """Validate, predict lengths, assign and enqueue a batch. INVALID_ARGUMENT on any bad query
         (nothing is enqueued then); ALREADY_EXISTS when batch_id is reused with other queries.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitBatchStream(self, request_iterator, context):
+        """The same batch sent in parts, for one too large for a message (a file of a million rows): the first
+        message carries the batch's settings (batch_id, metadata, on_bad_query, completion_window, priority)
+        and its first queries, every later one only queries. Each part is checked and stored as it arrives;
+        the batch is created when the client ends the stream (always for the background intake: VALIDATING),
+        with the fingerprint of the same queries sent in one SubmitBatch. A stream that breaks or is refused
+        creates nothing; a retry with the same batch_id is idempotent. Refusals as SubmitBatch's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +127,11 @@ def add_BatchServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'SubmitBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitBatch,
+                    request_deserializer=protos_dot_fleetbatch__pb2.SubmitBatchRequest.FromString,
+                    response_serializer=protos_dot_fleetbatch__pb2.Batch.SerializeToString,
+            ),
+            'SubmitBatchStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.SubmitBatchStream,
                     request_deserializer=protos_dot_fleetbatch__pb2.SubmitBatchRequest.FromString,
                     response_serializer=protos_dot_fleetbatch__pb2.Batch.SerializeToString,
             ),
@@ -161,6 +183,33 @@ class BatchService:
             request,
             target,
             '/fleetbatch.v1.BatchService/SubmitBatch',
+            protos_dot_fleetbatch__pb2.SubmitBatchRequest.SerializeToString,
+            protos_dot_fleetbatch__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitBatchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/fleetbatch.v1.BatchService/SubmitBatchStream',
             protos_dot_fleetbatch__pb2.SubmitBatchRequest.SerializeToString,
             protos_dot_fleetbatch__pb2.Batch.FromString,
             options,

@@ -124,23 +124,72 @@ class Intake:
         """Accept a batch for background intake: store its ``rows`` durably, then create it ``validating``.
 
         Same contract as :meth:`create_batch` (atomic, idempotent by ``batch_id``; True when this
-        call created it; ``extra``, ``deadline``, ``window_s`` and ``priority`` as there). The rows go to a staging list of this call in transactions of ``chunk``
-        rows (a gateway that dies here leaves only that list, which expires); then one optimistic
-        transaction checks that no batch has the id, creates the batch hash (``total`` =
-        ``intake_total`` = the rows, ``intake_done`` 0), renames the staging list to the batch's
-        intake list and puts the id in the intake set. Nothing is queued yet.
+        call created it; ``extra``, ``deadline``, ``window_s`` and ``priority`` as there). The rows go to a
+        staging list of this call (:meth:`new_stage`, :meth:`stage_rows`; a gateway that dies here leaves
+        only that list, which expires); then :meth:`accept_staged` creates the batch from it.
         """
-        if ":" in batch_id or not batch_id:
-            raise ValueError(f"bad batch id {batch_id!r}")
         if not rows:
             raise ValueError("a batch accepted for intake needs rows")
-        bkey, token = keys.batch(batch_id), uuid.uuid4().hex
-        stage = staging_key(batch_id, token)
+        stage = self.new_stage(batch_id)
+        try:
+            self.stage_rows(stage, rows, chunk)
+        except BaseException:
+            self.r.delete(stage)
+            raise
+        return self.accept_staged(
+            batch_id,
+            stage,
+            len(rows),
+            policy=policy,
+            metadata=metadata,
+            fingerprint=fingerprint,
+            extra=extra,
+            deadline=deadline,
+            priority=priority,
+            window_s=window_s,
+        )
+
+    def new_stage(self, batch_id: str) -> str:
+        """A new staging list's key for rows of ``batch_id`` (nothing is written)."""
+        if ":" in batch_id or not batch_id:
+            raise ValueError(f"bad batch id {batch_id!r}")
+        return staging_key(batch_id, uuid.uuid4().hex)
+
+    def stage_rows(self, stage: str, rows: Sequence[str], chunk: int = STAGE_CHUNK) -> None:
+        """Append ``rows`` to the staging list ``stage`` in transactions of ``chunk`` rows; the list
+        expires ``STAGE_TTL_S`` after its last write unless :meth:`accept_staged` takes it."""
         for i in range(0, len(rows), chunk):
             pipe = self.r.pipeline(transaction=True)
             pipe.rpush(stage, *rows[i : i + chunk])
             pipe.expire(stage, STAGE_TTL_S)
             pipe.execute()
+
+    def drop_stage(self, stage: str) -> None:
+        """Delete a staging list that will not become a batch."""
+        self.r.delete(stage)
+
+    def accept_staged(
+        self,
+        batch_id: str,
+        stage: str,
+        total: int,
+        *,
+        policy: str = "",
+        metadata: Mapping[str, str] | None = None,
+        fingerprint: str = "",
+        extra: Callable[[Any], None] | None = None,
+        deadline: float = 0.0,
+        priority: int = 0,
+        window_s: float = 0.0,
+    ) -> bool:
+        """Create the batch from the ``total`` rows staged in ``stage``: one optimistic transaction checks
+        that no batch has the id, creates the batch hash (``total`` = ``intake_total`` = the rows,
+        ``intake_done`` 0), renames the staging list to the batch's intake list and puts the id in the
+        intake set. Nothing is queued yet. The staging list is deleted when this call did not create it.
+        """
+        if total < 1:
+            raise ValueError("a batch accepted for intake needs rows")
+        bkey = keys.batch(batch_id)
 
         def write(pipe) -> None:
             now = self.core.clock()
@@ -153,9 +202,9 @@ class Intake:
                 bkey,
                 mapping={
                     "status": BatchState.VALIDATING,
-                    "total": len(rows),
+                    "total": total,
                     "completed_at": 0,
-                    "intake_total": len(rows),
+                    "intake_total": total,
                     "intake_done": 0,
                     "fingerprint": fingerprint,
                 },

@@ -179,6 +179,10 @@ class WorkQueue:
     # ------------------------------------------------------------------ background intake (Intake)
 
     accept_batch = _via("intake_ops", Intake.accept_batch)
+    new_stage = _via("intake_ops", Intake.new_stage)
+    stage_rows = _via("intake_ops", Intake.stage_rows)
+    drop_stage = _via("intake_ops", Intake.drop_stage)
+    accept_staged = _via("intake_ops", Intake.accept_staged)
     intake_batches = _via("intake_ops", Intake.intake_batches)
     take_intake = _via("intake_ops", Intake.take_intake)
     drop_intake = _via("intake_ops", Intake.drop_intake)

@@ -23,13 +23,27 @@ STATUS = {
 }
 
 
+class Fingerprint:
+    """:func:`fingerprint` taken message by message: a batch sent in parts gets the digest of the same
+    queries sent in one message."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def add(self, request: pb.SubmitBatchRequest) -> None:
+        for q in request.queries:
+            self._h.update(q.SerializeToString(deterministic=True))
+            self._h.update(b"\0")
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def fingerprint(request: pb.SubmitBatchRequest) -> str:
     """Digest of a submission's queries (ids, prompts, limits, sampling, metadata), in order."""
-    h = hashlib.sha256()
-    for q in request.queries:
-        h.update(q.SerializeToString(deterministic=True))
-        h.update(b"\0")
-    return h.hexdigest()
+    f = Fingerprint()
+    f.add(request)
+    return f.hexdigest()
 
 
 def batch_proto(b: BatchInfo, eta: Eta | None = None) -> pb.Batch:

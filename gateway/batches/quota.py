@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-from gateway.batches.errors import ADMIN_CLIENT, Caller
+from gateway.batches.errors import ADMIN_CLIENT, Caller, InvalidRequest, QuotaExceeded
 from gateway.checks.validation import id_problem
 from workqueue import WorkQueue, keys
 from workqueue.set_once import set_once
@@ -116,6 +116,39 @@ def may_resubmit(queue: WorkQueue, batch_id: str, client: str | None) -> bool:
         return True
     owner = set_once(queue.r, keys.batch(batch_id), OWNER_FIELD, client, present="status")
     return owner in (None, client)  # None: the batch expired meanwhile
+
+
+T = TypeVar("T")
+
+
+async def within_quota(
+    queue: WorkQueue,
+    locks: ClientLocks,
+    cap: int,
+    caller: Caller,
+    batch_id: str,
+    count: int,
+    create: Callable[[Callable[[Any], None]], Awaitable[T]],
+    refused: Callable[[], object] = lambda: None,
+) -> T:
+    """``create(writes)`` when the caller's client may queue ``count`` more queries under ``cap`` (0: no
+    cap), one submission of a client at a time; ``writes`` puts the batch in its client's set and names its
+    owner, in the transaction that creates it. ``QuotaExceeded`` (after ``refused()``) otherwise."""
+    owner = caller.owner
+    if cap <= 0:
+        return await create(creation_writes(batch_id, owner, None))
+    if caller.client is None:
+        raise InvalidRequest(caller.client_problem or "the caller names no client")
+    client = caller.client
+    async with locks(client):
+        left = await asyncio.to_thread(unfinished, queue, client)
+        if left + count > cap:
+            refused()
+            raise QuotaExceeded(
+                f"client {client!r} has {left} queries queued or running and submits "
+                f"{count}; the cap is max_queued_per_client={cap}"
+            )
+        return await create(creation_writes(batch_id, owner, client))  # counts as soon as it exists
 
 
 class ClientLocks:

@@ -20,56 +20,33 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from gateway.assign.estimates import charged_tokens
 from gateway.assign.listing import read_clusters
 from gateway.assign.placement import configured_views, first_misfit
-from gateway.assign.policies import AssignmentPolicy, ClusterView, NoClusterError, QueryLoad, queue_order
-from gateway.assign.prefixes import Prefix, prefixes_of
+from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad, queue_order
+from gateway.assign.prefixes import prefixes_of
 from gateway.assign.views import cluster_views
 from gateway.batches import quota
-from gateway.batches.errors import Caller, Conflict, InvalidRequest, NotFound, QuotaExceeded, Unavailable
-from gateway.batches.limits import InflightBytes
+from gateway.batches.deps import GatewayDeps
+from gateway.batches.errors import Caller, InvalidRequest, NotFound, Unavailable
 from gateway.batches.messages import fail_rows, fingerprint
+from gateway.batches.parts import stage_parts
+from gateway.batches.resubmit import check_resubmission
 from gateway.checks.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.checks.windows import WindowError, check_priority, parse_window
-from gateway.config import GatewayConfig
-from gateway.intake.background import Intake, IntakeSettings, encode_rows
-from gateway.offload.moves import LinkCost
-from gateway.status.eta import Eta, EtaBoard
-from gateway.status.metrics import GatewayMetrics
+from gateway.intake.background import Intake, encode_rows
+from gateway.status.eta import Eta
 from protos import fleetbatch_pb2 as pb
-from workqueue import BatchInfo, ClusterInfo, QueryResult, QueuedQuery, WorkQueue
+from workqueue import BatchInfo, ClusterInfo, QueryResult, QueuedQuery
 
 log = logging.getLogger(__name__)
 
 #: the largest start index of a results stream (2^53: exact as a JSON number; no batch holds as many)
 MAX_START_INDEX = 2**53
-
-
-@dataclass
-class GatewayDeps:
-    """Everything the servicers use; built once by the server."""
-
-    config: GatewayConfig
-    queue: WorkQueue
-    count_tokens: Callable[[list[str]], list[int]]
-    predict_tokens: Callable[[list[str]], list[float]]
-    policy: AssignmentPolicy
-    metrics: GatewayMetrics
-    links: LinkCost = LinkCost()
-    predictor: object | None = None  # the LengthPredictor, kept for hot reload
-    intake: IntakeSettings = field(default_factory=IntakeSettings.from_env)
-    # a bound of a prompt's tokens: prompts of a large batch it proves short are counted in intake
-    token_bound: Callable[[str], int] | None = None
-    tokenizer: object | None = None  # the serving tokenizer, for the HTTP front's chat templates
-    inflight: InflightBytes | None = None  # --max-inflight-mb, shared by gRPC calls and the HTTP front
-    #: every unfinished batch's ETA, refreshed by the offloader
-    eta: EtaBoard = field(default_factory=EtaBoard)
-    #: each prompt's prefix group (gateway.assign.prefixes; None: none looked for, as a policy that ignores them)
-    find_prefixes: Callable[[list[str], list[int]], list[Prefix]] | None = None
 
 
 @dataclass(frozen=True)
@@ -129,24 +106,64 @@ class BatchService:
             existing = await asyncio.to_thread(d.queue.batch, batch_id)
             if existing is not None:
                 return await self._resubmitted(existing, request, caller)
-        owner = caller.owner  # written with the batch, as its place in its client's set
-        if cfg.max_queued_per_client <= 0:
-            return await self._create(
-                request, checked, batch_id, caller, t0, quota.creation_writes(batch_id, owner, None)
-            )
-        if caller.client is None:
-            raise InvalidRequest(caller.client_problem or "the caller names no client")
-        client = caller.client
-        async with self._client_lock(client):
-            left = await asyncio.to_thread(quota.unfinished, d.queue, client)
-            if left + len(request.queries) > cfg.max_queued_per_client:
-                d.metrics.rejected.inc()
-                raise QuotaExceeded(
-                    f"client {client!r} has {left} queries queued or running and submits "
-                    f"{len(request.queries)}; the cap is max_queued_per_client={cfg.max_queued_per_client}"
+        return await self._within_quota(
+            caller,
+            batch_id,
+            len(request.queries),
+            lambda writes: self._create(request, checked, batch_id, caller, t0, writes),
+        )
+
+    async def submit_parts(self, parts: AsyncIterator[pb.SubmitBatchRequest], caller: Caller) -> BatchStatus:
+        """A batch sent in parts (``SubmitBatchStream``, :mod:`gateway.batches.parts`): each part is checked
+        and staged in Redis as it arrives; when the stream ends, the batch is accepted for the background
+        intake, as a large :meth:`submit`'s. A stream that breaks or is refused creates nothing."""
+        d, t0 = self.d, time.perf_counter()
+        first = await anext(parts, None)
+        if first is None:
+            raise InvalidRequest("the stream ended before its first message: a batch needs queries")
+        if first.batch_id and (problem := id_problem(first.batch_id, "batch_id")):
+            raise InvalidRequest(problem)
+        batch_id = first.batch_id or uuid.uuid4().hex
+        existing = await asyncio.to_thread(d.queue.batch, batch_id) if first.batch_id else None
+        if existing is None:
+            await self._some_cluster_active()
+        stage = None if existing is not None else d.queue.new_stage(batch_id)
+        created = False
+        try:
+            sent = await stage_parts(
+                first, parts, queue=d.queue, count_tokens=d.count_tokens, bound=d.token_bound,
+                limits=self._limits, default_mode=d.config.on_bad_query, stage=stage,
+            )  # fmt: skip
+            if existing is not None:
+                return await self._resubmitted_as(existing, caller, first, sent.total, sent.digest)
+
+            async def create(writes) -> BatchStatus:
+                nonlocal created
+                created = await asyncio.to_thread(
+                    d.queue.accept_staged, batch_id, stage, sent.total, policy=d.policy.name,
+                    metadata=dict(first.metadata), fingerprint=sent.digest, extra=writes,
+                    window_s=sent.window_s, priority=first.priority,
+                )  # fmt: skip
+                what = f"{sent.total} queries in {sent.parts} parts"
+                return await self._accepted(
+                    batch_id, created, caller, first, sent.total, sent.digest, what, t0
                 )
-            writes = quota.creation_writes(batch_id, owner, client)  # the batch counts as soon as it exists
-            return await self._create(request, checked, batch_id, caller, t0, writes)
+
+            return await self._within_quota(caller, batch_id, sent.total, create)
+        except InvalidRequest:
+            d.metrics.rejected.inc()
+            raise
+        finally:
+            if stage is not None and not created:
+                await asyncio.to_thread(d.queue.drop_stage, stage)
+
+    async def _within_quota(
+        self, caller: Caller, batch_id: str, count: int, create: Callable[[Any], Awaitable[BatchStatus]]
+    ) -> BatchStatus:
+        cap = self.d.config.max_queued_per_client
+        return await quota.within_quota(
+            self.d.queue, self._client_lock, cap, caller, batch_id, count, create, self.d.metrics.rejected.inc
+        )
 
     async def _create(
         self,
@@ -191,27 +208,9 @@ class BatchService:
             len(checked.bad),
             ", ".join(f"{c}={n}" for c, n in sorted(info.queries_per_cluster.items())),
         )
-        return BatchStatus(info, self._at_submit(info, sum(q.charged_tokens for q in queued)))
-
-    def _at_submit(self, info: BatchInfo, tokens: float) -> Eta | None:
-        """The new batch's predicted finish from the work ahead of it, and whether it fits its window (never a
-        silent miss: a batch at risk is logged)."""
-        now = self.d.queue.clock()
-        finish = self.d.eta.new_batch(now, tokens, info.order_key)
-        if finish <= 0:
-            return None
-        eta = Eta(
-            finish, tokens * self.d.eta.fleet_ratio, self.d.eta.fleet_ratio, 0.0, finish > info.deadline > 0
+        return BatchStatus(
+            info, d.eta.at_submit(d.queue.clock(), info, sum(q.charged_tokens for q in queued))
         )
-        self.d.eta.put(info.batch_id, eta)  # shown by GetBatch and /v1/batches until the next refresh
-        if eta.at_risk:
-            log.warning(
-                "batch %s is at risk: predicted to finish in %.0f s, its window ends in %.0f s",
-                info.batch_id,
-                finish - now,
-                info.deadline - now,
-            )
-        return eta
 
     async def _accept(
         self,
@@ -224,33 +223,43 @@ class BatchService:
     ) -> BatchStatus:
         """A large batch: store its validated rows and answer VALIDATING; :mod:`gateway.intake.background` enqueues it."""
         d = self.d
-        active = configured_views(await asyncio.to_thread(read_clusters, d.queue))
-        if not active:  # with one, intake waits (bounded) for it to accept work
-            raise Unavailable("cannot assign the batch: no cluster is active (all draining or removed)")
+        await self._some_cluster_active()  # with one, intake waits (bounded) for it to accept work
         rows = encode_rows(request, checked)  # encoded slice by slice while stored
         digest = await asyncio.to_thread(fingerprint, request)  # hashes every query: off the loop
         created = await asyncio.to_thread(
-            d.queue.accept_batch,
-            batch_id,
-            rows,
-            policy=d.policy.name,
-            metadata=dict(request.metadata),
-            fingerprint=digest,
-            extra=writes,
-            window_s=checked.window_s,
-            priority=request.priority,
-        )
-        info = await asyncio.to_thread(d.queue.batch, batch_id)
+            d.queue.accept_batch, batch_id, rows, policy=d.policy.name, metadata=dict(request.metadata),
+            fingerprint=digest, extra=writes, window_s=checked.window_s, priority=request.priority,
+        )  # fmt: skip
+        what = f"{len(rows)} queries ({len(checked.bad)} bad, failed alone)"
+        return await self._accepted(batch_id, created, caller, request, len(rows), digest, what, t0)
+
+    async def _some_cluster_active(self) -> None:
+        if not configured_views(await asyncio.to_thread(read_clusters, self.d.queue)):
+            raise Unavailable("cannot assign the batch: no cluster is active (all draining or removed)")
+
+    async def _accepted(
+        self,
+        batch_id: str,
+        created: bool,
+        caller: Caller,
+        settings,
+        total: int,
+        digest: str,
+        what: str,
+        t0: float,
+    ) -> BatchStatus:
+        """The batch accepted for the background intake (``created``: by this call, else by a concurrent
+        submission of the same id, which this one must match)."""
+        info = await asyncio.to_thread(self.d.queue.batch, batch_id)
         if not created:
-            return await self._resubmitted(info, request, caller)
+            return await self._resubmitted_as(info, caller, settings, total, digest)
         self.intake.wake()
-        d.metrics.batches.inc()
+        self.d.metrics.batches.inc()
         log.info(
-            "batch %s: %d queries accepted in %.3f s (%d bad, failed alone); intake in the background",
+            "batch %s: %s accepted in %.3f s; intake in the background",
             batch_id,
-            len(rows),
+            what,
             time.perf_counter() - t0,
-            len(checked.bad),
         )
         return BatchStatus(info)
 
@@ -310,25 +319,15 @@ class BatchService:
     async def _resubmitted(self, existing: BatchInfo, request, caller: Caller) -> BatchStatus:
         """A retry of the same submission gets the existing batch; anything else with its id is refused,
         as is a caller who is not its owner (a retry makes one without an owner the caller's)."""
-        owner, taken = caller.owner, f"batch_id {existing.batch_id!r} is taken"
-        if not await asyncio.to_thread(quota.may_see, self.d.queue, existing.batch_id, owner):
-            raise Conflict(taken)  # tells another's batch nothing more
-        window, asked = existing.deadline - existing.created_at, parse_window(request.completion_window)
-        if existing.priority != request.priority or (existing.deadline and abs(window - asked) > 1.0):
-            raise Conflict(
-                f"batch {existing.batch_id} exists with another completion window or priority; choose a new batch_id"
-            )
-        if existing.total != len(request.queries):
-            raise Conflict(
-                f"batch {existing.batch_id} exists with {existing.total} queries, this submission has {len(request.queries)}"
-            )
-        if existing.fingerprint and existing.fingerprint != await asyncio.to_thread(fingerprint, request):
-            raise Conflict(
-                f"batch {existing.batch_id} exists with other queries (same count, different ids, prompts "
-                "or settings); choose a new batch_id"
-            )
-        if not await asyncio.to_thread(quota.may_resubmit, self.d.queue, existing.batch_id, owner):
-            raise Conflict(taken)  # another claimed it meanwhile
+        digest = await asyncio.to_thread(fingerprint, request) if existing.fingerprint else ""
+        return await self._resubmitted_as(existing, caller, request, len(request.queries), digest)
+
+    async def _resubmitted_as(
+        self, existing: BatchInfo, caller: Caller, settings: pb.SubmitBatchRequest, total: int, digest: str
+    ) -> BatchStatus:
+        """:meth:`_resubmitted` for a submission of ``total`` queries whose fingerprint is ``digest``, with
+        the completion window and priority of ``settings``."""
+        await check_resubmission(self.d.queue, existing, caller, settings, total, digest)
         return BatchStatus(existing, self.d.eta.get(existing.batch_id))
 
     async def _info(self, batch_id: str, caller: Caller) -> BatchInfo:

@@ -156,18 +156,31 @@ def metadata_problem(md: Mapping[str, str], limit: int, what: str = "metadata") 
 
 def batch_problems(req: pb.SubmitBatchRequest, limits: Limits) -> list[str]:
     """Problems that reject the whole batch: its id, size and metadata, and bad or duplicate query ids."""
-    problems: list[str] = []
-    if req.batch_id and not ID_RE.match(req.batch_id):
-        problems.append(id_problem(req.batch_id, "batch_id") or "")
+    problems = settings_problems(req, limits)
     if not req.queries:
         problems.append("the batch has no queries")
     if len(req.queries) > limits.max_batch_queries:
         problems.append(f"the batch has {len(req.queries)} queries; the limit is {limits.max_batch_queries}")
+    problems.extend(id_problems(req.queries, set()))
+    return problems
+
+
+def settings_problems(req: pb.SubmitBatchRequest, limits: Limits) -> list[str]:
+    """Problems of the batch's own settings that validation checks here: its id and its metadata."""
+    problems: list[str] = []
+    if req.batch_id and not ID_RE.match(req.batch_id):
+        problems.append(id_problem(req.batch_id, "batch_id") or "")
     md = metadata_problem(req.metadata, limits.max_metadata_bytes, "batch metadata")
     if md:
         problems.append(md)
-    seen: set[str] = set()
-    for i, q in enumerate(req.queries):
+    return problems
+
+
+def id_problems(queries: Sequence[pb.Query], seen: set[str], offset: int = 0) -> list[str]:
+    """Empty, malformed and duplicate query ids (``seen``: the ids before these, updated); ``offset``: the
+    position of the first of ``queries`` in its batch."""
+    problems: list[str] = []
+    for i, q in enumerate(queries, offset):
         qid = q.id  # each read of a proto string field copies it
         if not qid:
             problems.append(f"query #{i}: empty id")
@@ -177,6 +190,37 @@ def batch_problems(req: pb.SubmitBatchRequest, limits: Limits) -> list[str]:
             problems.append(f"{_name(i, q)}: duplicate id")
         seen.add(qid)
     return problems
+
+
+@dataclass
+class Part:
+    """Where one message of a batch sent in parts (``SubmitBatchStream``) stands: the queries of the parts
+    before it (``offset``) and their ids (an id is unique in the whole batch). Only the first part may
+    carry the batch's settings; :meth:`advance` moves on to the next part."""
+
+    offset: int = 0
+    messages: int = 0
+    seen: set[str] = field(default_factory=set)
+
+    def problems(self, req: pb.SubmitBatchRequest, limits: Limits) -> list[str]:
+        """What rejects the whole batch in this part (its ids are added to ``seen``)."""
+        if self.messages == 0:
+            problems = settings_problems(req, limits)
+        elif req.batch_id or req.metadata or req.completion_window or req.priority or req.on_bad_query:
+            problems = [
+                f"message {self.messages + 1} of the stream sets the batch's settings (batch_id, metadata, "
+                "on_bad_query, completion_window, priority): only the first message may"
+            ]
+        else:
+            problems = []
+        if self.offset + len(req.queries) > limits.max_batch_queries:
+            problems.append(f"the batch has more than {limits.max_batch_queries} queries (the limit)")
+        problems.extend(id_problems(req.queries, self.seen, self.offset))
+        return problems
+
+    def advance(self, req: pb.SubmitBatchRequest) -> None:
+        self.offset += len(req.queries)
+        self.messages += 1
 
 
 def _name(i: int, q: pb.Query) -> str:
@@ -262,6 +306,7 @@ def check_batch(
     *,
     fail_row: bool = False,
     bound: Callable[[str], int] | None = None,
+    part: Part | None = None,
 ) -> Checked:
     """Validate ``req``; tokenize only prompts that passed the size checks.
 
@@ -271,9 +316,11 @@ def check_batch(
 
     Raises :class:`InvalidBatch` naming every problem (by query position and id). With
     ``fail_row``, row problems (prompt, sampling, lengths, metadata) do not raise: they come
-    back in :attr:`Checked.bad`, unless every row is bad.
+    back in :attr:`Checked.bad`, unless every row is bad. ``part``: ``req`` is one message of a
+    batch sent in parts (positions count from the batch's start; a part may be all bad: the caller
+    checks the whole batch at its end).
     """
-    problems = batch_problems(req, limits)
+    problems = batch_problems(req, limits) if part is None else part.problems(req, limits)
     if problems:
         raise InvalidBatch(problems)
     queries: Sequence[pb.Query] = req.queries
@@ -293,8 +340,9 @@ def check_batch(
         found = token_problems(queries[i], n, limits)
         if found:
             rows[i] = found
-    if rows and (not fail_row or len(rows) == len(queries)):
-        problems = [f"{_name(i, queries[i])}: {p}" for i in sorted(rows) for p in rows[i]]
+    if rows and (not fail_row or (part is None and len(rows) == len(queries))):
+        offset = part.offset if part else 0
+        problems = [f"{_name(offset + i, queries[i])}: {p}" for i in sorted(rows) for p in rows[i]]
         if fail_row:
             problems.insert(0, "every query of the batch is bad")
         raise InvalidBatch(problems)

@@ -35,7 +35,7 @@ from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from gateway.batches.service import GatewayDeps
+    from gateway.batches.deps import GatewayDeps
 
 log = logging.getLogger(__name__)
 

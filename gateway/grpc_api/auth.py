@@ -127,6 +127,8 @@ def _refused(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
 
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(abort_stream, None, handler.response_serializer)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(abort, None, handler.response_serializer)
     return grpc.unary_unary_rpc_method_handler(abort, None, handler.response_serializer)
 
 

@@ -73,6 +73,10 @@ class RedisUnavailableInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 _stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
             )
+        if handler.stream_unary is not None:  # the request is a stream of messages; the answer one
+            return grpc.stream_unary_rpc_method_handler(
+                _unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+            )
         return handler
 
 
@@ -115,6 +119,21 @@ def _reject_undecodable_stream(behavior):
     return wrapped
 
 
+def _reject_undecodable_parts(behavior):
+    """A stream of requests: the first message that does not decode ends the call (``INVALID_ARGUMENT``)."""
+
+    async def wrapped(requests, context):
+        async def checked():
+            async for request in requests:
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                yield request
+
+        return await behavior(checked(), context)
+
+    return wrapped
+
+
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Requests of ``file``'s services that cannot be decoded are ``INVALID_ARGUMENT``."""
 
@@ -142,5 +161,9 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _reject_undecodable_stream(handler.unary_stream), deserialize, handler.response_serializer
+            )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                _reject_undecodable_parts(handler.stream_unary), deserialize, handler.response_serializer
             )
         return handler

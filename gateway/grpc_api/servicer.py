@@ -66,6 +66,12 @@ class BatchServicer(pb_grpc.BatchServiceServicer):
     ) -> pb.Batch:
         return await self._answer(self.service.submit(request, caller_of(self.auth, context)), context)
 
+    async def SubmitBatchStream(
+        self, request_iterator: AsyncIterator[pb.SubmitBatchRequest], context: grpc.aio.ServicerContext
+    ) -> pb.Batch:
+        caller = caller_of(self.auth, context)
+        return await self._answer(self.service.submit_parts(aiter(request_iterator), caller), context)
+
     async def GetBatch(self, request: pb.GetBatchRequest, context: grpc.aio.ServicerContext) -> pb.Batch:
         return await self._answer(self.service.get(request.batch_id, caller_of(self.auth, context)), context)
 

@@ -210,3 +210,20 @@ class EtaBoard:
             ahead = sum(e.remaining_tokens for b in self._batches if (e := self._etas.get(b.batch_id))
                         and b.order_key <= order_key)  # fmt: skip
             return now + (ahead + predicted_tokens * self.fleet_ratio) / self.rate_tps
+
+    def at_submit(self, now: float, info: BatchInfo, tokens: float) -> Eta | None:
+        """A new batch's predicted finish from the work ahead of it, kept until the next refresh, and whether it
+        fits its window (never a silent miss: a batch at risk is logged); None while no rate is known."""
+        finish = self.new_batch(now, tokens, info.order_key)
+        if finish <= 0:
+            return None
+        eta = Eta(finish, tokens * self.fleet_ratio, self.fleet_ratio, 0.0, finish > info.deadline > 0)
+        self.put(info.batch_id, eta)  # shown by GetBatch and /v1/batches until the next refresh
+        if eta.at_risk:
+            log.warning(
+                "batch %s is at risk: predicted to finish in %.0f s, its window ends in %.0f s",
+                info.batch_id,
+                finish - now,
+                info.deadline - now,
+            )
+        return eta

@@ -1,0 +1,150 @@
+"""A batch sent in parts (``SubmitBatchStream``): real gateway, real Redis, real gRPC on loopback.
+
+The parts add up to one batch (every row queued once, the fingerprint of the same queries sent in one
+``SubmitBatch``, so a retry may come either way); what rejects a whole batch rejects the stream (a
+duplicate id across parts, settings on a later message, no queries, an undecodable message, no token)
+and leaves nothing behind, nor does a stream the client breaks off.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from gateway.config import ClusterSpec, GatewayConfig
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+from tests.harness import GatewayThread, wait_until
+from workqueue import WorkQueue, connect, keys
+
+CLUSTERS = ("a", "b")
+
+
+@pytest.fixture
+def served(redis_url):
+    g = GatewayThread(
+        GatewayConfig(redis_url=redis_url, offload=False, clusters=[ClusterSpec(c) for c in CLUSTERS])
+    )
+    address = g.start()
+    with grpc.insecure_channel(address) as ch:
+        yield pb_grpc.BatchServiceStub(ch), WorkQueue(connect(redis_url)), ch
+    g.stop()
+
+
+def parts(n: int, size: int, batch_id: str = "", first: int = 0, **settings) -> list[pb.SubmitBatchRequest]:
+    out = []
+    for start in range(first, first + n, size):
+        req = (
+            pb.SubmitBatchRequest(batch_id=batch_id, **settings)
+            if start == first
+            else pb.SubmitBatchRequest()
+        )
+        for i in range(start, min(first + n, start + size)):
+            req.queries.add(id=f"q{i}", prompt=f"Explain item {i} briefly.", max_tokens=8)
+        out.append(req)
+    return out
+
+
+def queued(queue: WorkQueue) -> list[str]:
+    return [g for c in CLUSTERS for g in queue.queued_ids(c)]
+
+
+def staging_lists(queue: WorkQueue) -> list[str]:
+    return [k for k in queue.r.scan_iter("*") if "stag" in k]
+
+
+def test_the_parts_make_one_batch_whose_rows_are_each_queued_once(served):
+    stub, queue, _ = served
+    batch = stub.SubmitBatchStream(iter(parts(2500, 1000, "streamed", metadata={"k": "v"})), timeout=60)
+    assert batch.id == "streamed" and batch.request_counts.total == 2500
+    assert batch.status == pb.VALIDATING and dict(batch.metadata) == {"k": "v"}
+    wait_until(lambda: len(queued(queue)) == 2500, 60, "every row queued")
+    assert sorted(queued(queue)) == sorted(f"streamed:q{i}" for i in range(2500))
+    assert staging_lists(queue) == []
+    # the same queries sent in one message are the same submission: the batch comes back, nothing more
+    whole = parts(2500, 2500, "streamed", metadata={"k": "v"})[0]
+    again = stub.SubmitBatch(whole, timeout=60)
+    assert again.id == "streamed" and again.request_counts.total == 2500
+    assert stub.SubmitBatchStream(iter(parts(2500, 700, "streamed")), timeout=60).id == "streamed"
+    with pytest.raises(grpc.RpcError) as e:  # other queries under its id
+        stub.SubmitBatchStream(iter(parts(2500, 1000, "streamed", first=1)), timeout=60)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert len(queued(queue)) == 2500
+
+
+@pytest.mark.parametrize(
+    "messages, named",
+    [
+        (parts(30, 10)[:1] + [pb.SubmitBatchRequest(queries=[pb.Query(id="q3", prompt="x y")])], "query #10 ('q3'): duplicate id"),
+        (parts(20, 10)[:1] + [pb.SubmitBatchRequest(batch_id="x", queries=[pb.Query(id="z", prompt="p")])], "message 2 of the stream sets the batch's settings"),
+        ([], "the stream ended before its first message"),
+        ([pb.SubmitBatchRequest(batch_id="empty")], "the batch has no queries"),
+        ([pb.SubmitBatchRequest(batch_id="bad id!")], "batch_id 'bad id!' must be"),
+        (parts(20, 10)[:1] + [pb.SubmitBatchRequest(queries=[pb.Query(id="w", prompt="p", max_tokens=-1)])], "query #10 ('w'): max_tokens -1"),
+    ],
+)  # fmt: skip
+def test_what_rejects_a_batch_rejects_the_stream_and_leaves_nothing(served, messages, named):
+    stub, queue, _ = served
+    with pytest.raises(grpc.RpcError) as e:
+        stub.SubmitBatchStream(iter(messages), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in e.value.details()
+    assert queue.batch_ids() == [] and staging_lists(queue) == [] and queued(queue) == []
+
+
+def test_fail_row_a_part_of_bad_rows_fails_them_alone(served):
+    stub, queue, _ = served
+    good = parts(10, 10, "rows", on_bad_query=pb.ON_BAD_QUERY_FAIL_ROW)
+    bad = pb.SubmitBatchRequest(queries=[pb.Query(id=f"b{i}", prompt="   ") for i in range(3)])
+    batch = stub.SubmitBatchStream(iter([*good, bad]), timeout=60)
+    assert batch.request_counts.total == 13
+    wait_until(lambda: queue.batch("rows").failed == 3, 60, "the three bad rows failed")
+    assert len(queued(queue)) == 10
+    errors = {r.query_id: r.error for r in queue.query_results("rows", 0, -1)}
+    assert set(errors) == {"b0", "b1", "b2"} and all("empty prompt" in e for e in errors.values())
+
+
+def test_an_undecodable_part_is_invalid_argument(served):
+    _, queue, ch = served
+    call = ch.stream_unary("/fleetbatch.v1.BatchService/SubmitBatchStream")  # raw bytes, no message type
+    good = parts(5, 5, "raw")[0].SerializeToString()
+    with pytest.raises(grpc.RpcError) as e:
+        call(iter([good, b"\x0a\x05\x0a\x03\xff\xfe\xfd"]), timeout=60)  # a query whose id is not UTF-8
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in e.value.details()
+    assert queue.batch_ids() == [] and staging_lists(queue) == []
+
+
+def test_a_stream_the_client_breaks_off_creates_nothing(served):
+    stub, queue, _ = served
+    sent = []
+
+    def breaking():
+        for i, p in enumerate(parts(3000, 1000, "broken")):
+            if i == 2:
+                wait_until(lambda: queue.r.exists(*staging_lists(queue) or ["-"]), 30, "two parts staged")
+                raise RuntimeError("the client stops")
+            sent.append(p)
+            yield p
+
+    with pytest.raises(grpc.RpcError) as e:
+        stub.SubmitBatchStream(breaking(), timeout=60)
+    assert "iterating requests" in e.value.details() and len(sent) == 2  # the client ended the call
+    wait_until(lambda: staging_lists(queue) == [], 30, "the staged parts dropped")
+    assert queue.batch("broken") is None and queued(queue) == []
+    assert keys.batch("broken") not in set(queue.r.scan_iter("*"))
+
+
+def test_a_stream_without_a_client_token_is_unauthenticated(redis_url):
+    g = GatewayThread(
+        GatewayConfig(
+            redis_url=redis_url, offload=False, clusters=[ClusterSpec("a")], client_tokens={"t0k": "al"}
+        )
+    )
+    address = g.start()
+    try:
+        with grpc.insecure_channel(address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.BatchServiceStub(ch).SubmitBatchStream(iter(parts(5, 5)), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        g.stop()
