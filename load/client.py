@@ -142,6 +142,18 @@ def request_parts(
         yield to_request(part, batch_id, on_bad_query=on_bad_query) if first else to_request(part)
 
 
+def _noting(
+    parts: Iterator[pb.SubmitBatchRequest], failed: list[BaseException]
+) -> Iterator[pb.SubmitBatchRequest]:
+    """``parts``, with the error that ends them (a bad row of the file) put in ``failed``: gRPC only says
+    'Exception iterating requests!', and that error is the answer to give."""
+    try:
+        yield from parts
+    except BaseException as e:
+        failed.append(e)
+        raise
+
+
 def submit_parts(
     stub: pb_grpc.BatchServiceStub,
     items: Callable[[], Iterable[WorkItem]],
@@ -156,16 +168,10 @@ def submit_parts(
     give_up, delay = time.monotonic() + retry_s, 0.5
     while True:
         failed: list[BaseException] = []  # gRPC reads the parts in its own thread and cancels the call
-
-        def parts() -> Iterator[pb.SubmitBatchRequest]:
-            try:
-                yield from request_parts(items(), batch_id, on_bad_query)
-            except BaseException as e:  # a bad row of the file: the call ends, this error is the answer
-                failed.append(e)
-                raise
-
         try:
-            return stub.SubmitBatchStream(parts(), timeout=3600)
+            return stub.SubmitBatchStream(
+                _noting(request_parts(items(), batch_id, on_bad_query), failed), timeout=3600
+            )
         except grpc.RpcError as e:
             if failed:
                 raise failed[0] from None
