@@ -17,6 +17,7 @@ from load import (
     chaos,
     compare_policies,
     deadlines,
+    file_soak,
     openai_check,
     prefix,
     report,
@@ -24,7 +25,7 @@ from load import (
     study,
     wan,
 )
-from load.client import Tally, format_summary, run_batch
+from load.client import PART_ROWS, Tally, format_summary, run_batch
 from load.deployment import LocalDeployment
 from load.layout import format_layouts, mean_lengths, plan_rows
 from load.openai_batch import OpenAIOutput, error_path
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="file holding the client token (default: gateway up's, when it exists)",
     )
     _add_workload_args(s)
+    s.add_argument(
+        "--part-rows",
+        type=int,
+        default=PART_ROWS,
+        help=f"with --jsonl: queries per message of the batch sent in parts (default {PART_ROWS})",
+    )
 
     d = sub.add_parser(
         "demo",
@@ -173,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
             "one large batch submitted and streamed back through one gateway, predictor off and on",
         ),
         (
+            "file-soak",
+            file_soak,
+            "a million-row OpenAI batch file sent whole by `loadgen submit --jsonl`: the client's peak memory, "
+            "every row once",
+        ),
+        (
             "openai-check",
             openai_check,
             "the OpenAI batch flow (files, batches, output) with the openai client against gateway up",
@@ -218,6 +231,8 @@ def _jsonl_source(args) -> OpenAIFile:
     """``submit --jsonl``: the whole file (``--num``: a cap, with a warning naming the rows it leaves out)."""
     if args.num is not None and args.num < 1:
         raise ValueError("--num must be >= 1")
+    if args.part_rows < 1:
+        raise ValueError("--part-rows must be >= 1")
     source = _openai_file(args, args.num)
     left = source.rows_after(args.num) if args.num is not None else 0
     if left:
@@ -259,6 +274,7 @@ def _submit(
             token=token if token is not None else client_token(args.token, args.token_file),
             on_row=lambda row: (tally.add(row), writer and writer.write(row)),
             keep=False,
+            part_rows=getattr(args, "part_rows", PART_ROWS),
         )
     finally:
         if writer is not None:
@@ -327,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
         return _demo(args)
     modules = {"bench-offload": bench_offload, "compare-policies": compare_policies}
     modules.update(chaos=chaos, study=study, report=report, soak=soak)
+    modules["file-soak"] = file_soak
     modules["openai-check"] = openai_check
     modules["wan"] = wan
     modules["deadlines"] = deadlines

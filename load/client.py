@@ -160,6 +160,7 @@ def submit_parts(
     batch_id: str,
     on_bad_query: str = "",
     retry_s: float = 60.0,
+    part_rows: int = PART_ROWS,
 ) -> pb.Batch:
     """Send a batch in parts (``SubmitBatchStream``), reading ``items()`` as it goes. A stream broken by
     ``UNAVAILABLE`` is sent again from the start (``items()`` anew) with back-off for up to ``retry_s``
@@ -170,7 +171,7 @@ def submit_parts(
         failed: list[BaseException] = []  # gRPC reads the parts in its own thread and cancels the call
         try:
             return stub.SubmitBatchStream(
-                _noting(request_parts(items(), batch_id, on_bad_query), failed), timeout=3600
+                _noting(request_parts(items(), batch_id, on_bad_query, part_rows), failed), timeout=3600
             )
         except grpc.RpcError as e:
             if failed:
@@ -200,6 +201,7 @@ def run_batch(
     token: str | None = None,
     on_row: Callable[[dict], None] = lambda row: None,
     keep: bool = True,
+    part_rows: int = PART_ROWS,
 ) -> tuple[pb.Batch, list[dict], float]:
     """Submit (or with ``resume``, find ``batch_id``), stream every result until the batch is final.
 
@@ -220,7 +222,7 @@ def run_batch(
         if resume:
             batch = stub.GetBatch(pb.GetBatchRequest(batch_id=batch_id), timeout=30, wait_for_ready=True)
         elif callable(items):
-            batch = submit_parts(stub, items, batch_id or uuid.uuid4().hex, on_bad_query, retry_s)
+            batch = submit_parts(stub, items, batch_id or uuid.uuid4().hex, on_bad_query, retry_s, part_rows)
         else:
             batch = stub.SubmitBatch(to_request(items, batch_id, on_bad_query=on_bad_query), timeout=600)
         print(f"batch {batch.id} ({batch.request_counts.total} queries)", file=sys.stderr, flush=True)

@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
 
 
-def _memory(pid: int) -> dict[str, float]:
+def memory(pid: int) -> dict[str, float]:
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(("VmRSS:", "VmHWM:")):
@@ -66,7 +66,7 @@ def _memory(pid: int) -> dict[str, float]:
     return out
 
 
-def _start_gateway(
+def start_gateway(
     redis_url: str, predictor: str, threads: int, run_dir: Path, token: str
 ) -> tuple[subprocess.Popen, str]:
     (run_dir / "clusters.yaml").write_text(
@@ -89,7 +89,7 @@ def _start_gateway(
     raise RuntimeError(f"gateway serve exited with {proc.wait()} before listening")
 
 
-def _drain(queue: WorkQueue, stop: threading.Event, cluster: str) -> None:
+def drain(queue: WorkQueue, stop: threading.Event, cluster: str) -> None:
     while not stop.is_set():
         claimed = queue.claim(cluster, 256, f"soak-{cluster}", 120)
         if not claimed:
@@ -131,10 +131,10 @@ def _one_run(predictor: str, args, items, run_dir: Path) -> dict:
     with EmbeddedRedis(run_dir / f"redis-{predictor.replace('/', '_')}", persist=False) as server:
         queue = WorkQueue(connect(server.url), retention_s=0)
         token = secrets.token_urlsafe(24)
-        proc, address = _start_gateway(server.url, predictor, args.predictor_threads, run_dir, token)
+        proc, address = start_gateway(server.url, predictor, args.predictor_threads, run_dir, token)
         stop, done = threading.Event(), threading.Event()
         try:
-            base = _memory(proc.pid)["VmRSS"]
+            base = memory(proc.pid)["VmRSS"]
             request = to_request(items, batch_id="soak")
             first: list[float] = []
             options = [("grpc.max_send_message_length", 1 << 30)]
@@ -149,7 +149,7 @@ def _one_run(predictor: str, args, items, run_dir: Path) -> dict:
                 submit_s = time.perf_counter() - t0
                 drainers = [
                     threading.Thread(
-                        target=_drain, args=(queue, stop, CLUSTERS[i % len(CLUSTERS)]), daemon=True
+                        target=drain, args=(queue, stop, CLUSTERS[i % len(CLUSTERS)]), daemon=True
                     )
                     for i in range(max(args.drainers, len(CLUSTERS)))
                 ]
@@ -159,7 +159,7 @@ def _one_run(predictor: str, args, items, run_dir: Path) -> dict:
                 stream_results(stub, batch.id, results, timeout_s=args.timeout)
                 stream_s = time.perf_counter() - t0 - submit_s
                 final = stub.GetBatch(pb.GetBatchRequest(batch_id=batch.id), timeout=30)
-            mem = _memory(proc.pid)
+            mem = memory(proc.pid)
         finally:
             stop.set()
             done.set()

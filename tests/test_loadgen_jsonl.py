@@ -1,0 +1,84 @@
+"""`loadgen submit --jsonl FILE` sends the whole file (it once sent its first 200 rows and said 200/200), read row
+by row and sent in parts; `-n` is a cap that names the rows it leaves out; a bad line ends the submission with
+its line number and creates nothing. Real gateway, real Redis; the engine's work done through the queue API."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from gateway.config import ClusterSpec, GatewayConfig
+from load.cli import main
+from tests.harness import GatewayThread, wait_until
+from workqueue import WorkQueue, connect
+
+
+def _file(path, n: int, bad_line: int | None = None) -> None:
+    with open(path, "w") as f:
+        for i in range(n):
+            if i + 1 == bad_line:
+                f.write("{not json\n")
+                continue
+            body = {"messages": [{"role": "user", "content": f"Question {i}?"}], "max_tokens": 4}
+            f.write(json.dumps({"custom_id": f"r{i}", "url": "/v1/chat/completions", "body": body}) + "\n")
+
+
+def _drain(queue: WorkQueue, stop: threading.Event) -> None:
+    while not stop.is_set():
+        for c in queue.claim("a", 200, "w", 30):
+            q = c.query
+            queue.complete(
+                q.gid, {"batch_id": q.batch_id, "query_id": q.query_id, "text": "ok"}, "completed", 1
+            )
+        stop.wait(0.05)
+
+
+def _run(redis_url, argv: list[str]) -> int:
+    g = GatewayThread(GatewayConfig(redis_url=redis_url, offload=False, clusters=[ClusterSpec("a")]))
+    address = g.start()
+    stop = threading.Event()
+    drainer = threading.Thread(target=_drain, args=(WorkQueue(connect(redis_url)), stop), daemon=True)
+    drainer.start()
+    try:
+        return main(["submit", "--target", address, "--no-progress", *argv])
+    finally:
+        stop.set()
+        drainer.join(timeout=10)
+        g.stop()
+
+
+def test_the_whole_file_is_sent_in_parts_and_every_row_comes_back_once(redis_url, tmp_path, capsys):
+    src, out, oai = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "batch_output.jsonl"
+    _file(src, 450)
+    argv = ["--jsonl", str(src), "--part-rows", "100", "--out", str(out), "--openai-out", str(oai)]
+    assert _run(redis_url, argv) == 0
+    printed = capsys.readouterr()
+    summary = json.loads(printed.out.strip().splitlines()[-1])
+    assert (
+        summary["queries"] == summary["results"] == summary["completed"] == 450 and summary["duplicates"] == 0
+    )
+    ids = [json.loads(line)["query_id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(450))
+    assert len(oai.read_text().splitlines()) == 450
+    assert "450 chat rows were rendered with the project's default template" in printed.err
+
+
+def test_num_is_a_cap_that_names_the_rows_it_leaves_out(redis_url, tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    _file(src, 300)
+    assert _run(redis_url, ["--jsonl", str(src), "-n", "120"]) == 0
+    printed = capsys.readouterr()
+    assert "sends the first 120 rows" in printed.err and "180 rows are left out" in printed.err
+    assert json.loads(printed.out.strip().splitlines()[-1])["results"] == 120
+
+
+def test_a_bad_line_ends_the_submission_with_its_number_and_creates_nothing(redis_url, tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    _file(src, 500, bad_line=430)
+    assert _run(redis_url, ["--jsonl", str(src), "--part-rows", "100"]) == 1
+    assert "in.jsonl:430: not valid JSON" in capsys.readouterr().err
+    queue = WorkQueue(connect(redis_url))
+    wait_until(
+        lambda: not [k for k in queue.r.scan_iter("*") if "staging" in k], 30, "the staged parts dropped"
+    )
+    assert queue.batch_ids() == []
