@@ -275,6 +275,7 @@ def _submit(
             on_row=lambda row: (tally.add(row), writer and writer.write(row)),
             keep=False,
             part_rows=getattr(args, "part_rows", PART_ROWS),
+            seen=tally.ids,
         )
     finally:
         if writer is not None:

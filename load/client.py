@@ -91,13 +91,16 @@ def stream_results(
     timeout_s: float | None = None,
     retry_s: float = 60.0,
     keep: bool = True,
+    seen: set[str] | None = None,
 ) -> None:
     """Append the batch's results after those in ``results`` until it is final (no duplicates); with
-    ``keep`` False they only go to ``on_row`` (a million rows are not held in memory).
+    ``keep`` False they only go to ``on_row`` (a million rows are not held in memory). ``seen``: the set
+    of query ids to skip and to add to (shared with a :class:`Tally`: one set of ids, not two).
 
     A stream that breaks with ``UNAVAILABLE`` (gateway restarting) is opened again from the next
     index, with back-off, until ``retry_s`` passes without progress."""
-    seen = {r.get("query_id") for r in results}
+    seen = seen if seen is not None else set()
+    seen.update(r.get("query_id") for r in results)
     next_index = max((int(r.get("index", -1)) for r in results), default=-1) + 1
     last_progress = time.monotonic()
     delay = 0.2
@@ -202,6 +205,7 @@ def run_batch(
     on_row: Callable[[dict], None] = lambda row: None,
     keep: bool = True,
     part_rows: int = PART_ROWS,
+    seen: set[str] | None = None,
 ) -> tuple[pb.Batch, list[dict], float]:
     """Submit (or with ``resume``, find ``batch_id``), stream every result until the batch is final.
 
@@ -246,7 +250,14 @@ def run_batch(
             on_row(row)
         try:
             stream_results(
-                stub, batch.id, results, on_row=each_row, timeout_s=timeout_s, retry_s=retry_s, keep=keep
+                stub,
+                batch.id,
+                results,
+                on_row=each_row,
+                timeout_s=timeout_s,
+                retry_s=retry_s,
+                keep=keep,
+                seen=seen,
             )
         finally:
             bar.close()
@@ -278,6 +289,7 @@ class Tally:
         self.first_enqueue = 0.0
 
     def add(self, r: dict) -> None:
+        """Count one result (``ids`` may be the set a results stream already added it to)."""
         self.rows += 1
         self.ids.add(r["query_id"])
         self.reasons[r.get("finish_reason", "")] += 1

@@ -6,8 +6,9 @@ Redis, and runs ``loadgen submit --jsonl FILE --out OUT`` as a child process, ex
 threads stand in for engines: they claim and complete queries directly in Redis (the client and the path are
 measured, not the model). It measures:
 
-* ``client_peak_rss_mb``: the submitting client's peak resident memory (``ru_maxrss`` of the child, from
-  ``wait4``): the file is read row by row and sent in parts, results are written as they come, none kept;
+* ``client_peak_rss_mb``: the submitting client's peak resident memory (its ``VmHWM`` since its ``exec``,
+  read every 0.1 s while it runs; a fork's ``ru_maxrss`` would count this process's pages too): the file
+  is read row by row and sent in parts, results are written as they come, none kept;
 * ``results``, ``lost``, ``duplicated``: the ``--out`` file read back line by line against the rows sent
   (every row's result once), and the client's own exit status (0 only when it saw every row once);
 * ``gateway_peak_rss_growth_mb``: the gateway's peak resident memory minus its memory before the submit;
@@ -44,17 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", default=None, metavar="DIR", help="keep the file, results and logs here")
 
 
-def write_file(path: Path, n: int, seed: int) -> None:
-    """``n`` chat rows of the generated mix as an OpenAI batch input file (custom ids ``r<i>``)."""
+def write_file(path: Path, n: int, seed: int, step: int = 10_000) -> None:
+    """``n`` chat rows of the generated mix as an OpenAI batch input file (custom ids ``r<i>``), made ``step``
+    rows at a time (this process stays small: the client it starts is measured)."""
     with open(path, "w", encoding="utf-8") as f:
-        for i, it in enumerate(generated(n, seed, 64, forced=False)):
-            body = {"model": "m", "messages": [{"role": "user", "content": it.prompt}], "max_tokens": 8}
-            f.write(
-                json.dumps(
-                    {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
-                )
-            )
-            f.write("\n")
+        for start in range(0, n, step):
+            for i, it in enumerate(generated(min(step, n - start), seed + start, 64, forced=False), start):
+                body = {"model": "m", "messages": [{"role": "user", "content": it.prompt}], "max_tokens": 8}
+                row = {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+                f.write(json.dumps(row) + "\n")
 
 
 def check_results(path: Path, n: int) -> dict:
@@ -99,7 +98,7 @@ def run(args) -> dict:
                 base = memory(gateway.pid)["VmRSS"]
                 for t in drainers:
                     t.start()
-                client, submit_s, wall_s, rss_kb = _client(address, token, src, out, work, args.timeout)
+                client, submit_s, wall_s, peak_mb = _client(address, token, src, out, work, args.timeout)
                 gateway_mem = memory(gateway.pid)
             finally:
                 stop.set()
@@ -110,7 +109,7 @@ def run(args) -> dict:
             "rows": args.num,
             "file_mb": round(src.stat().st_size / 1e6, 1),
             "client_exit": client,
-            "client_peak_rss_mb": round(rss_kb / 1024, 1),
+            "client_peak_rss_mb": round(peak_mb, 1),
             **checked,
             "gateway_peak_rss_growth_mb": round(gateway_mem["VmHWM"] - base, 1),
             "submit_s": submit_s,
@@ -120,7 +119,7 @@ def run(args) -> dict:
 
 
 def _client(address: str, token: str, src: Path, out: Path, work: Path, timeout: float):
-    """Run ``loadgen submit --jsonl``: (exit status, seconds to acceptance, seconds in all, peak RSS in KB)."""
+    """Run ``loadgen submit --jsonl``: (exit status, seconds to acceptance, seconds in all, peak RSS in MB)."""
     cmd = [sys.executable, "-m", "load.cli", "submit", "--target", address, "--jsonl", str(src),
            "--out", str(out), "--no-progress"]  # fmt: skip
     env = {**os.environ, "FLEETBATCH_TOKEN": token}
@@ -137,20 +136,16 @@ def _client(address: str, token: str, src: Path, out: Path, work: Path, timeout:
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        deadline = time.monotonic() + timeout
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
+        deadline, peak_mb = time.monotonic() + timeout, 0.0
+        while proc.poll() is None:
+            try:  # the high-water mark of the client's own memory since its exec, read while it runs
+                peak_mb = max(peak_mb, memory(proc.pid)["VmHWM"])
+            except (OSError, KeyError):  # it has just exited
+                pass
             if time.monotonic() > deadline:
                 proc.kill()
                 raise TimeoutError(f"loadgen submit did not finish within {timeout:g} s")
-            time.sleep(0.2)
+            time.sleep(0.1)
         watcher.join(timeout=10)
     wall = time.perf_counter() - t0
-    return (
-        os.waitstatus_to_exitcode(status),
-        round(accepted[0], 1) if accepted else None,
-        round(wall, 1),
-        usage.ru_maxrss,
-    )
+    return proc.returncode, round(accepted[0], 1) if accepted else None, round(wall, 1), peak_mb

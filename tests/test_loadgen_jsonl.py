@@ -82,3 +82,13 @@ def test_a_bad_line_ends_the_submission_with_its_number_and_creates_nothing(redi
         lambda: not [k for k in queue.r.scan_iter("*") if "staging" in k], 30, "the staged parts dropped"
     )
     assert queue.batch_ids() == []
+
+
+def test_file_soak_prints_one_json_object_with_the_clients_peak_memory(capsys):
+    """`loadgen file-soak` (a million rows in docs/BENCHMARKS.md; a few thousand here): the client is a real
+    `loadgen submit --jsonl` process against `gateway serve` on an embedded Redis."""
+    assert main(["file-soak", "-n", "3000"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["ok"] is True and out["rows"] == out["results"] == 3000
+    assert out["lost"] == out["duplicated"] == out["unknown_ids"] == 0 and out["client_exit"] == 0
+    assert 20 < out["client_peak_rss_mb"] < 500 and out["file_mb"] > 0
