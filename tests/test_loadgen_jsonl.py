@@ -33,14 +33,17 @@ def _drain(queue: WorkQueue, stop: threading.Event) -> None:
         stop.wait(0.05)
 
 
-def _run(redis_url, argv: list[str]) -> int:
+def _run(redis_url, argv: list[str], check=lambda: None) -> int:
+    """``loadgen submit`` against a gateway with a drainer; ``check()`` runs before the gateway stops."""
     g = GatewayThread(GatewayConfig(redis_url=redis_url, offload=False, clusters=[ClusterSpec("a")]))
     address = g.start()
     stop = threading.Event()
     drainer = threading.Thread(target=_drain, args=(WorkQueue(connect(redis_url)), stop), daemon=True)
     drainer.start()
     try:
-        return main(["submit", "--target", address, "--no-progress", *argv])
+        code = main(["submit", "--target", address, "--no-progress", *argv])
+        check()
+        return code
     finally:
         stop.set()
         drainer.join(timeout=10)
@@ -75,12 +78,15 @@ def test_num_is_a_cap_that_names_the_rows_it_leaves_out(redis_url, tmp_path, cap
 def test_a_bad_line_ends_the_submission_with_its_number_and_creates_nothing(redis_url, tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     _file(src, 500, bad_line=430)
-    assert _run(redis_url, ["--jsonl", str(src), "--part-rows", "100"]) == 1
-    assert "in.jsonl:430: not valid JSON" in capsys.readouterr().err
     queue = WorkQueue(connect(redis_url))
-    wait_until(
-        lambda: not [k for k in queue.r.scan_iter("*") if "staging" in k], 30, "the staged parts dropped"
-    )
+
+    def dropped() -> None:  # by the gateway that staged them, once it sees the call end
+        wait_until(
+            lambda: not [k for k in queue.r.scan_iter("*") if "staging" in k], 30, "the staged parts dropped"
+        )
+
+    assert _run(redis_url, ["--jsonl", str(src), "--part-rows", "100"], dropped) == 1
+    assert "in.jsonl:430: not valid JSON" in capsys.readouterr().err
     assert queue.batch_ids() == []
 
 

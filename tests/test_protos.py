@@ -21,4 +21,11 @@ def test_services_are_declared():
 
     assert set(pb.DESCRIPTOR.services_by_name) == {"BatchService", "AdminService"}
     methods = {m.name for m in pb.DESCRIPTOR.services_by_name["BatchService"].methods}
-    assert methods == {"SubmitBatch", "SubmitBatchStream", "GetBatch", "StreamResults", "CancelBatch", "ListClusters"}
+    assert methods == {
+        "SubmitBatch",
+        "SubmitBatchStream",
+        "GetBatch",
+        "StreamResults",
+        "CancelBatch",
+        "ListClusters",
+    }

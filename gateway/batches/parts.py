@@ -26,6 +26,34 @@ from protos import fleetbatch_pb2 as pb
 from workqueue import WorkQueue
 
 
+class Staging:
+    """A batch's staging list (``key``) and its write in flight. A call cancelled while a part is being
+    written goes on at once, but the write goes on in its thread: :meth:`drop` waits for it, or its
+    ``RPUSH`` would make the dropped list anew (to linger until it expires)."""
+
+    def __init__(self, queue: WorkQueue, key: str) -> None:
+        self.queue, self.key = queue, key
+        self._writing: asyncio.Future | None = None
+
+    async def append(self, rows) -> None:
+        self._writing = asyncio.ensure_future(asyncio.to_thread(self.queue.stage_rows, self.key, rows))
+        await asyncio.shield(self._writing)
+
+    def drop(self) -> None:
+        """Delete the list now, or once the write in flight has ended."""
+        writing = self._writing
+        if writing is None or writing.done():
+            self.queue.drop_stage(self.key)
+            return
+
+        def after(f: asyncio.Future) -> None:
+            if not f.cancelled():
+                f.exception()  # seen: the caller has gone, the list goes anyway
+            self.queue.drop_stage(self.key)
+
+        writing.add_done_callback(after)
+
+
 @dataclass(frozen=True)
 class Sent:
     """What the parts of a batch added up to."""
@@ -41,12 +69,11 @@ async def stage_parts(
     first: pb.SubmitBatchRequest,
     rest: AsyncIterator[pb.SubmitBatchRequest],
     *,
-    queue: WorkQueue,
     count_tokens: Callable[[list[str]], list[int]],
     bound: Callable[[str], int] | None,
     limits: Limits,
     default_mode: str,
-    stage: str | None,
+    stage: Staging | None,
 ) -> Sent:
     """Check ``first`` and every message of ``rest``, appending their rows to the staging list ``stage``
     (None: only check and fingerprint them, for a batch that exists already). ``InvalidRequest`` names
@@ -73,7 +100,7 @@ async def stage_parts(
         except InvalidBatch as e:
             raise InvalidRequest(f"message {part.messages + 1} of the stream: {e}") from None
         if stage is not None and msg.queries:
-            await asyncio.to_thread(queue.stage_rows, stage, encode_rows(msg, checked))
+            await stage.append(encode_rows(msg, checked))
         await asyncio.to_thread(digest.add, msg)
         bad += len(checked.bad)
         part.advance(msg)

@@ -34,7 +34,7 @@ from gateway.batches import quota
 from gateway.batches.deps import GatewayDeps
 from gateway.batches.errors import Caller, InvalidRequest, NotFound, Unavailable
 from gateway.batches.messages import fail_rows, fingerprint
-from gateway.batches.parts import stage_parts
+from gateway.batches.parts import Staging, stage_parts
 from gateway.batches.resubmit import check_resubmission
 from gateway.checks.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.checks.windows import WindowError, check_priority, parse_window
@@ -113,10 +113,17 @@ class BatchService:
             lambda writes: self._create(request, checked, batch_id, caller, t0, writes),
         )
 
-    async def submit_parts(self, parts: AsyncIterator[pb.SubmitBatchRequest], caller: Caller) -> BatchStatus:
+    async def submit_parts(
+        self,
+        parts: AsyncIterator[pb.SubmitBatchRequest],
+        caller: Caller,
+        broken: Callable[[], bool] = lambda: False,
+    ) -> BatchStatus:
         """A batch sent in parts (``SubmitBatchStream``, :mod:`gateway.batches.parts`): each part is checked
         and staged in Redis as it arrives; when the stream ends, the batch is accepted for the background
-        intake, as a large :meth:`submit`'s. A stream that breaks or is refused creates nothing."""
+        intake, as a large :meth:`submit`'s. A stream that breaks or is refused creates nothing: ``broken()``
+        tells an end the client chose (it half-closed) from a call cancelled mid-stream, whose parts also
+        just stop coming."""
         d, t0 = self.d, time.perf_counter()
         first = await anext(parts, None)
         if first is None:
@@ -127,11 +134,11 @@ class BatchService:
         existing = await asyncio.to_thread(d.queue.batch, batch_id) if first.batch_id else None
         if existing is None:
             await self._some_cluster_active()
-        stage = None if existing is not None else d.queue.new_stage(batch_id)
+        stage = None if existing is not None else Staging(d.queue, d.queue.new_stage(batch_id))
         created = False
         try:
             sent = await stage_parts(
-                first, parts, queue=d.queue, count_tokens=d.count_tokens, bound=d.token_bound,
+                first, parts, count_tokens=d.count_tokens, bound=d.token_bound,
                 limits=self._limits, default_mode=d.config.on_bad_query, stage=stage,
             )  # fmt: skip
             if existing is not None:
@@ -139,8 +146,12 @@ class BatchService:
 
             async def create(writes) -> BatchStatus:
                 nonlocal created
+                if broken():  # checked last, right before the batch is created
+                    raise asyncio.CancelledError(
+                        f"the stream of batch {batch_id} was broken off: nothing created"
+                    )
                 created = await asyncio.to_thread(
-                    d.queue.accept_staged, batch_id, stage, sent.total, policy=d.policy.name,
+                    d.queue.accept_staged, batch_id, stage.key, sent.total, policy=d.policy.name,
                     metadata=dict(first.metadata), fingerprint=sent.digest, extra=writes,
                     window_s=sent.window_s, priority=first.priority,
                 )  # fmt: skip
@@ -154,8 +165,8 @@ class BatchService:
             d.metrics.rejected.inc()
             raise
         finally:
-            if stage is not None and not created:
-                await asyncio.to_thread(d.queue.drop_stage, stage)
+            if stage is not None and not created:  # not awaited: a cancelled call (the client broke
+                stage.drop()  # off, the gateway stops) must still drop it
 
     async def _within_quota(
         self, caller: Caller, batch_id: str, count: int, create: Callable[[Any], Awaitable[BatchStatus]]

@@ -70,7 +70,8 @@ class BatchServicer(pb_grpc.BatchServiceServicer):
         self, request_iterator: AsyncIterator[pb.SubmitBatchRequest], context: grpc.aio.ServicerContext
     ) -> pb.Batch:
         caller = caller_of(self.auth, context)
-        return await self._answer(self.service.submit_parts(aiter(request_iterator), caller), context)
+        parts = self.service.submit_parts(aiter(request_iterator), caller, broken=context.cancelled)
+        return await self._answer(parts, context)
 
     async def GetBatch(self, request: pb.GetBatchRequest, context: grpc.aio.ServicerContext) -> pb.Batch:
         return await self._answer(self.service.get(request.batch_id, caller_of(self.auth, context)), context)
