@@ -16,12 +16,38 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 TIMESTAMPED_LOG = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PLAIN_LOG = "%(levelname)s %(name)s: %(message)s"
+#: ``fleetbatch -v``: debug logging in this process and every one it starts
+VERBOSE_ENV = "FLEETBATCH_VERBOSE"
+#: ``fleetbatch --log-format json|text``: how log lines look, in this process and every one it starts
+LOG_FORMAT_ENV = "FLEETBATCH_LOG_FORMAT"
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object a line: time (unix seconds), level, logger, message (and the traceback, if any)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"time": round(record.created, 3), "level": record.levelname, "logger": record.name,
+                "message": record.getMessage()}  # fmt: skip
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, ensure_ascii=False)
+
+
+def _configure_logging(level: int, log_format: str) -> None:
+    """The root logger on stderr, as text in ``log_format`` or as JSON lines (``$FLEETBATCH_LOG_FORMAT``)."""
+    if os.environ.get(LOG_FORMAT_ENV) == "json":
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonLogFormatter())
+        logging.basicConfig(level=level, handlers=[handler])
+    else:
+        logging.basicConfig(level=level, format=log_format, stream=sys.stderr)
 
 
 def command_of(args: argparse.Namespace) -> str:
@@ -36,7 +62,7 @@ def run_main(
     *,
     prog: str,
     errors: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, OSError),
-    error_code: int = 2,
+    error_code: int = 1,
     message: str = "{prog}{command}: error: {error}",
     describe: Callable[[BaseException], str] = str,
     log_format: str | None = TIMESTAMPED_LOG,
@@ -48,9 +74,11 @@ def run_main(
 ) -> int:
     """Parse ``argv`` with ``parser``, set up logging, run ``run(args)``; returns the exit code.
 
-    - Logging: ``levels`` = (level without ``-v``, level with ``-v``/``--verbose``) in
-      ``log_format`` on stderr. A parser without ``-v``, or ``log_format=None``, leaves logging
-      alone. ``quiet_loggers`` (noisy libraries) log errors only.
+    - Logging: ``levels`` = (level without ``-v``, level with ``-v``/``--verbose`` or ``$FLEETBATCH_VERBOSE``)
+      in ``log_format`` on stderr (JSON lines with ``$FLEETBATCH_LOG_FORMAT=json``). A parser without
+      ``-v`` (unless the variable is set), or ``log_format=None``, leaves logging alone. ``quiet_loggers``
+      (noisy libraries) log errors only.
+    - Exit status: argparse's 2 for a usage error; ``error_code`` (1) for every other failure.
     - Errors: ``message`` is formatted with ``prog``, ``command`` (the subcommand after a space,
       :func:`command_of`; empty without one) and ``error`` (``describe(exception)``, ``str`` by
       default).
@@ -59,8 +87,10 @@ def run_main(
     """
     args = parser.parse_args(argv)
     verbose = getattr(args, "verbose", None)
+    if os.environ.get(VERBOSE_ENV) == "1":
+        verbose = True
     if log_format is not None and verbose is not None:
-        logging.basicConfig(level=levels[bool(verbose)], format=log_format, stream=sys.stderr)
+        _configure_logging(levels[bool(verbose)], log_format)
         for name in quiet_loggers:
             logging.getLogger(name).setLevel(logging.ERROR)
     try:

@@ -1,4 +1,4 @@
-"""The engines: one per cluster (``engine serve``), turning queued queries into results.
+"""The engines: one per cluster (``fleetbatch engine serve``), turning queued queries into results.
 
 :mod:`engines.worker` claims queries from the cluster's Redis queue under leases and writes
 each result once; behind it an engine implements :class:`engines.interface.Engine`: the

@@ -162,9 +162,9 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "fleetbatch engine") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="engine",
+        prog=prog,
         description=(
             "Per-cluster inference engine. `serve` pulls queries from the cluster's Redis queue and "
             "generates them with iteration-level batching; `generate` runs a JSONL file offline; "
@@ -278,10 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile-reps",
         type=int,
         default=3,
-        help="with --stages: `engine profile --reps` (rounds per point)",
+        help="with --stages: `fleetbatch engine profile --reps` (rounds per point)",
     )
     pb.add_argument(
-        "--profile-min-time", type=float, default=0.05, help="with --stages: `engine profile --min-time` (s)"
+        "--profile-min-time",
+        type=float,
+        default=0.05,
+        help="with --stages: `fleetbatch engine profile --min-time` (s)",
     )
     xb = b.add_argument_group(
         "the prefix cache (--prefix-workload)",
@@ -300,11 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser(
         "profile",
-        help="time the engine's own layer and LM head here; write a profile for `planner plan --profile`",
+        help="time the engine's own layer and LM head here; write a profile for `fleetbatch planner plan --profile`",
         description=(
             "Time one decoder layer of the native engine (paged KV cache, the engine's attention) and the "
             "LM head on this machine, one thread, over decode batch x context and prefill batch x prompt "
-            "grids; write a planner profile (use it as `planner plan --profile CPU=profile.json`, so plans "
+            "grids; write a fleetbatch planner profile (use it as `fleetbatch planner plan --profile CPU=profile.json`, so plans "
             "predict the engine's stages). Prints a JSON summary as the last line."
         ),
     )
@@ -341,9 +344,9 @@ def run(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    die_with_parent_from_env()  # started by `gateway up`: not to outlive it
-    return run_main(build_parser(), argv, run, prog="engine")
+def main(argv: list[str] | None = None, prog: str = "fleetbatch engine") -> int:
+    die_with_parent_from_env()  # started by `fleetbatch gateway up`: not to outlive it
+    return run_main(build_parser(prog), argv, run, prog=prog)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ class PipelineConfig:
     layer ranges and splits the layers evenly over its stages (the baseline a plan is measured
     against). ``head_split`` False keeps the whole LM head on the last stage even where the plan
     gives the first stage a share of its rows (the baseline the share is measured against).
-    ``emulate_cost`` (``engine serve --device-cost plan``): every stage, a one-stage plan too, makes
+    ``emulate_cost`` (``fleetbatch engine serve --device-cost plan``): every stage, a one-stage plan too, makes
     each micro-batch last what its plan device's cost model charges for it (:mod:`engines.emulation`).
     """
 

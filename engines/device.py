@@ -4,7 +4,7 @@ One forward pass that computes ``p`` prefill tokens and decodes ``d`` sequences 
 
     (step_overhead_s + prefill_per_token_s * p + decode_per_seq_s * d) / speed
 
-seconds on the emulated device. ``engine serve --device-cost`` makes the worker sleep after each
+seconds on the emulated device. ``fleetbatch engine serve --device-cost`` makes the worker sleep after each
 step until the step has lasted what its forward passes cost (a step whose real compute took longer
 lasts its compute, and counts as an overrun). Unlike ``--slowdown``, which multiplies each step's
 own CPU time, the modelled time does not depend on how fast this CPU happens to run the step, on

@@ -1,4 +1,4 @@
-"""A stage that emulates its plan device by the device's cost model (``engine serve --device-cost plan``).
+"""A stage that emulates its plan device by the device's cost model (``fleetbatch engine serve --device-cost plan``).
 
 A plan's device may carry a ``cost`` (:class:`planfile.DeviceCost`: the planner's fitted
 per-layer latency model). An :class:`EmulatedDevice` charges one micro-batch what that model

@@ -74,7 +74,7 @@ class EngineStats:
     # the last step's forward passes, (prefill tokens, decoded queries, repeats) each: what an emulated
     # device charges for it (engines.device); empty where the backend does not report them
     step_forwards: tuple[tuple[int, int, int], ...] = ()
-    # a plan's stages emulating their devices by cost model (engine serve --device-cost plan), summed
+    # a plan's stages emulating their devices by cost model (fleetbatch engine serve --device-cost plan), summed
     # over the stages: micro-batches charged, and those whose compute outlasted the model
     device_steps: int = 0
     device_overrun_steps: int = 0

@@ -3,7 +3,7 @@
 Per stage (label ``stage``, plus its layer range and device): micro-batches, compute seconds
 (CPU time of the stage's thread on CPU), emulated seconds (the sleep of a slower device), idle
 seconds (waiting for the previous stage or for results), memory (weights + KV pools), and the
-mean measured decode micro-batch latency beside the plan's predicted one. Under ``engine serve
+mean measured decode micro-batch latency beside the plan's predicted one. Under ``fleetbatch engine serve
 --device-cost plan``, also the device's modelled seconds and the micro-batches (and seconds) by
 which the real compute outlasted it.
 """

@@ -73,7 +73,7 @@ class QueueAgent:
         self._stop = threading.Event()
         self.free_slots = 0
         self.finished = 0  # results written
-        self.removed = False  # `gateway rebalance --remove`: claim nothing more
+        self.removed = False  # `fleetbatch gateway rebalance --remove`: claim nothing more
         self.renewed_at = time.monotonic()  # when the last renewal of every lease it held began
         self.tick_s = 0.0  # a tick's duration (moving average): the round trip, mostly
         self.ticks = 0

@@ -1,4 +1,4 @@
-"""``engine serve``: its arguments, the engine of the chosen backend, and the worker run until stopped."""
+"""``fleetbatch engine serve``: its arguments, the engine of the chosen backend, and the worker run until stopped."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ DEVICE_HELP = (
 
 
 def add_prefix_cache_argument(p) -> None:
-    """``--no-prefix-cache`` (``engine serve``, ``generate`` and ``bench``): the cache is on by default."""
+    """``--no-prefix-cache`` (``fleetbatch engine serve``, ``generate`` and ``bench``): the cache is on by default."""
     p.add_argument(
         "--no-prefix-cache",
         dest="prefix_cache",
@@ -64,7 +64,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="tiny", help="size of the random model: nano, micro, tiny, small, base")
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument(
-        "--plan", default=None, help="plan.json from `planner plan` (layer bits, micro-batch sizes)"
+        "--plan",
+        default=None,
+        help="plan.json from `fleetbatch planner plan` (layer bits, micro-batch sizes)",
     )
     p.add_argument(
         "--rendezvous",
@@ -177,24 +179,27 @@ def parse_device_cost(args: argparse.Namespace) -> StepCost | None:
 def run_serve(args: argparse.Namespace) -> int:
     url = args.redis_url or os.environ.get(URL_ENV)
     if not url:
-        log.error("no Redis URL: pass --redis-url or set $%s (`gateway up` sets it for its engines)", URL_ENV)
-        return 2
+        log.error(
+            "no Redis URL: pass --redis-url or set $%s (`fleetbatch gateway up` sets it for its engines)",
+            URL_ENV,
+        )
+        return 1
     if args.max_batch < 1:
         log.error("--max-batch must be >= 1")
-        return 2
+        return 1
     if args.backend != "vllm":
         try:
             resolve_device(args.device)
         except ValueError as e:
             log.error("%s", e)
-            return 2
+            return 1
     device_cost = None
     if args.device_cost is not None:
         try:
             device_cost = parse_device_cost(args)
         except (ValueError, OSError) as e:
             log.error("--device-cost: %s", e)
-            return 2
+            return 1
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -206,7 +211,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = build_engine(args)
     except (FileNotFoundError, ValueError, ImportError) as e:
         log.error("cannot build the %s engine: %s", args.backend, e)
-        return 2
+        return 1
     except StageFailure as e:  # a stage process of the plan did not start (its message names it)
         log.error("cannot start the engine's pipeline: %s", e)
         return 1

@@ -45,7 +45,7 @@ def plan_to_vllm(
     if len(tp_sizes) > 1:
         raise ValueError(
             f"the plan mixes tensor-parallel sizes {tp_sizes} across stages; vLLM needs one size "
-            "for every pipeline stage: re-plan with `planner plan --tp-sizes N`"
+            "for every pipeline stage: re-plan with `fleetbatch planner plan --tp-sizes N`"
         )
     bits = sorted({b for s in stages for b in s.bits})
     widest = max(bits)
@@ -106,7 +106,7 @@ def sampling_kwargs(request: Request) -> dict[str, Any]:
 
 
 def engine_kwargs(args) -> dict[str, Any]:
-    """``vllm.EngineArgs`` keyword arguments of ``engine serve --backend vllm``: the plan's translation
+    """``vllm.EngineArgs`` keyword arguments of ``fleetbatch engine serve --backend vllm``: the plan's translation
     (its environment goes into ``os.environ``) or the model and batch size; prefix caching on unless
     ``--no-prefix-cache``."""
     if args.plan:

@@ -1,4 +1,4 @@
-"""The gateway: the one door of the system (``gateway serve`` / ``gateway up``).
+"""The gateway: the one door of the system (``fleetbatch gateway serve`` / ``fleetbatch gateway up``).
 
 It validates batches submitted over gRPC (:mod:`gateway.checks.validation`), predicts each query's
 response length, assigns queries to clusters at token granularity (:mod:`gateway.assign.policies`)

@@ -21,9 +21,9 @@ from workqueue.embedded import die_with_parent_from_env
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="gateway",
+        prog=prog,
         description=(
             "The fleetbatch gateway: accepts batches over gRPC, predicts each query's response length, "
             "assigns queries to clusters by predicted tokens per unit of capacity, queues them in Redis, "
@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-auth", action="store_true", help="no client token (default: one in RUN_DIR/client-token)"
     )
     u.add_argument(
-        "--engine-arg", action="append", help="extra argument for every `engine serve` (repeatable)"
+        "--engine-arg",
+        action="append",
+        help="extra argument for every `fleetbatch engine serve` (repeatable)",
     )
     add_common(u)
     add_http(u, 0, "any free port", None)
@@ -118,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target", default=DEFAULT_TARGET, help="gateway address host:port")
     r.add_argument("--token", default=None, help=f"admin token (default: ${TOKEN_ENV} or --token-file)")
     r.add_argument(
-        "--token-file", default=None, help="file holding the admin token (gateway up: runs/local/admin-token)"
+        "--token-file",
+        default=None,
+        help="file holding the admin token (fleetbatch gateway up: runs/local/admin-token)",
     )
     r.add_argument("--apply", action="store_true", help="carry out the moves (default: dry run)")
     r.add_argument(
@@ -160,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare",
         help="build the caches a fresh machine lacks (tokenizer, CPU profile, font cache); run by scripts/setup.sh",
         description=(
-            "Builds, once, every cache that `gateway up`, the demo, the studies and the tests read: the default "
+            "Builds, once, every cache that `fleetbatch gateway up`, the demo, the studies and the tests read: the default "
             "tokenizer (trained on the shared data, else generated text), this CPU's profile of the default "
             "fleet's served model, and matplotlib's font cache, in $FLEETBATCH_CACHE (default "
             "~/.cache/fleetbatch) and $MPLCONFIGDIR. What is there already is kept. Prints one JSON object: "
@@ -221,7 +225,9 @@ def _token(args) -> str:
     path = Path(args.token_file or "runs/local/admin-token")
     if path.exists():
         return path.read_text().strip()
-    raise SystemExit(f"gateway rebalance: no admin token: pass --token, set ${TOKEN_ENV} or --token-file")
+    raise SystemExit(
+        f"fleetbatch gateway rebalance: no admin token: pass --token, set ${TOKEN_ENV} or --token-file"
+    )
 
 
 def batch_table(batches, now: float) -> str:
@@ -290,7 +296,7 @@ def _rebalance(args) -> int:
                     for name in args.drain:
                         admin.DrainCluster(pb.DrainClusterRequest(name=name, dry_run=False), metadata=md)
         except grpc.RpcError as e:
-            print(f"gateway rebalance: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"fleetbatch gateway rebalance: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     if args.json:
         print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True)))
@@ -311,13 +317,13 @@ def _add(admin, args, md) -> int:
 
     if not math.isfinite(args.capacity) or args.capacity < 0:
         print(
-            f"gateway rebalance: --capacity must be a finite number >= 0 (0: no hint), not {args.capacity}",
+            f"fleetbatch gateway rebalance: --capacity must be a finite number >= 0 (0: no hint), not {args.capacity}",
             file=sys.stderr,
         )
         return 1
     if not NAME_RE.match(args.add):
         print(
-            f"gateway rebalance: cluster name {args.add!r} must be 1-128 characters of [A-Za-z0-9_.-]",
+            f"fleetbatch gateway rebalance: cluster name {args.add!r} must be 1-128 characters of [A-Za-z0-9_.-]",
             file=sys.stderr,
         )
         return 1
@@ -326,7 +332,8 @@ def _add(admin, args, md) -> int:
         known = {c.name for c in admin.GetClusterStatus(pb.ListClustersRequest(), metadata=md).clusters}
         if args.add in known and not args.update:
             print(
-                f"gateway rebalance: cluster {args.add} exists; pass --update to change it", file=sys.stderr
+                f"fleetbatch gateway rebalance: cluster {args.add} exists; pass --update to change it",
+                file=sys.stderr,
             )
             return 1
         print(
@@ -355,7 +362,7 @@ def _status(args) -> int:
             resp = stub.ListClusters(pb.ListClustersRequest(), timeout=10)
             batches = [stub.GetBatch(pb.GetBatchRequest(batch_id=b), timeout=10) for b in args.batch]
         except grpc.RpcError as e:
-            print(f"gateway status: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"fleetbatch gateway status: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
     if args.json:
         out = MessageToDict(resp, preserving_proto_field_name=True)
@@ -377,15 +384,14 @@ COMMANDS = {"serve": _serve, "up": _up, "rebalance": _rebalance, "status": _stat
 ERRORS = (FileNotFoundError, ValueError, ConnectionError, OSError, TimeoutError, RuntimeError)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "fleetbatch gateway") -> int:
     die_with_parent_from_env()  # started by a harness that named itself: not to outlive it
     return run_main(
-        build_parser(),
+        build_parser(prog),
         argv,
         lambda args: COMMANDS[args.command](args),
-        prog="gateway",
+        prog=prog,
         errors=ERRORS,
-        error_code=1,
         message="{prog}{command}: {error}",
         levels=(logging.INFO, logging.DEBUG),
     )

@@ -1,11 +1,11 @@
-"""The options ``gateway serve`` and ``gateway up`` share: the HTTP front, and the gateway's
+"""The options ``fleetbatch gateway serve`` and ``fleetbatch gateway up`` share: the HTTP front, and the gateway's
 policy, predictor, limits, intake and offloading settings (parsed into :class:`GatewayConfig`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from gateway.assign.policies import POLICIES
+from gateway.assign.registry import POLICIES
 from gateway.config import HTTP_KEY_ENV, INTAKE_WAIT_S, TOKEN_ENV
 
 

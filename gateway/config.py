@@ -28,12 +28,14 @@ class ClusterSpec:
 
     name: str
     capacity_tps: float = 0.0  # capacity hint in tokens/s
-    plan: str | None = None  # plan.json written by `planner plan`
+    plan: str | None = None  # plan.json written by `fleetbatch planner plan`
     backend: str = "native"
     redis_url: str | None = None  # the shared Redis (one per deployment); kept for the k8s manifests
     max_query_tokens: int = 0
     kv_budget_tokens: int = 0
-    engine_args: list[str] = field(default_factory=list)  # extra `engine serve` flags for `gateway up`
+    engine_args: list[str] = field(
+        default_factory=list
+    )  # extra `fleetbatch engine serve` flags for `fleetbatch gateway up`
 
 
 @dataclass
@@ -85,7 +87,7 @@ class GatewayConfig:
         clusters: list[ClusterSpec],
         client_tokens: dict[str, str] | None = None,
     ) -> GatewayConfig:
-        """The config of ``gateway serve`` / ``gateway up`` from their shared command-line options."""
+        """The config of ``fleetbatch gateway serve`` / ``fleetbatch gateway up`` from their shared command-line options."""
         return cls(
             redis_url=redis_url,
             listen=args.listen,

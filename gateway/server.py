@@ -12,8 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.assign.policies import make_policy
 from gateway.assign.prefixes import prefix_finder
+from gateway.assign.registry import make_policy
 from gateway.assign.tokens import token_bound
 from gateway.batches.deps import GatewayDeps
 from gateway.batches.limits import InflightBytes

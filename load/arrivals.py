@@ -8,7 +8,7 @@ Each returns ``n`` arrival times in seconds from the first (``[0.0, ...]``, non-
   (``../shared/data/azure_trace``, ``conv`` or ``code``), starting at a row chosen by ``seed``,
   multiplied by ``scale`` (below 1 replays the trace faster than it happened).
 
-Used by ``loadgen study --arrivals`` (real runs submit each arrival group when its time comes)
+Used by ``fleetbatch loadgen study --arrivals`` (real runs submit each arrival group when its time comes)
 and by the simulator (``python -m sim.cli study --arrivals``).
 """
 

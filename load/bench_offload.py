@@ -3,7 +3,7 @@
 Both runs use the same workload, the same fleet (every cluster *configured* with the same
 capacity hint, one of them secretly ``--slowdown`` times slower, like a GPU pool that turns
 out slower than its spec) and the same assignment policy; only offloading differs. Each
-run starts its own ``gateway up`` deployment. The last printed line is one JSON object.
+run starts its own ``fleetbatch gateway up`` deployment. The last printed line is one JSON object.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""``loadgen chaos``: one real deployment, eleven fault kinds injected while batches run, then the books.
+"""``fleetbatch loadgen chaos``: one real deployment, eleven fault kinds injected while batches run, then the books.
 
 The deployment: an embedded Redis (AOF, ``appendfsync everysec``), two gateway replicas
 (both run offloaders, background intake and the OpenAI-compatible HTTP front on one shared
 files directory), one engine process per cluster kept alive by
-:class:`gateway.deploy.supervisor.EngineSupervisor` (as under ``gateway up``), the first cluster's
+:class:`gateway.deploy.supervisor.EngineSupervisor` (as under ``fleetbatch gateway up``), the first cluster's
 engine talking to Redis through a TCP proxy the harness controls (:mod:`load.tcp_proxy`); with
 ``--wan-delay-ms``, every engine through its own proxy with that one-way delay (the clusters in
 other clouds, Redis and the gateways in one; the ``wan`` entry of the report says so), and

@@ -1,4 +1,4 @@
-"""Evidence that a ``loadgen chaos`` fault took effect (it *bit*), and the probes that gather it.
+"""Evidence that a ``fleetbatch loadgen chaos`` fault took effect (it *bit*), and the probes that gather it.
 
 A fault is counted injected only when its :class:`Bite` holds evidence and no reason it
 ``missed``: a SIGKILL of an engine that held no lease, a Redis that still answered pings, a

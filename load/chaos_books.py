@@ -1,4 +1,4 @@
-"""The books of a ``loadgen chaos`` run: what the queue and the user see, and whether the run passed.
+"""The books of a ``fleetbatch loadgen chaos`` run: what the queue and the user see, and whether the run passed.
 
 Over every gRPC batch of the run (the waves and the batches some faults submit):
 

@@ -1,4 +1,4 @@
-"""The settings of ``loadgen chaos``: the fault kinds in the order they fire, :class:`ChaosConfig`,
+"""The settings of ``fleetbatch loadgen chaos``: the fault kinds in the order they fire, :class:`ChaosConfig`,
 and the command line that fills it.
 
 ``--wan-delay-ms`` (and ``--wan-jitter-ms``) put every engine behind its own TCP proxy to Redis

@@ -1,4 +1,4 @@
-"""The process and network faults of ``loadgen chaos``, each injected and healed on real processes and
+"""The process and network faults of ``fleetbatch loadgen chaos``, each injected and healed on real processes and
 sockets, each returning a :class:`load.chaos_bite.Bite`: the evidence that it bit, or why not.
 
 * ``kill_engine`` / ``stop_engine``: SIGKILL / SIGSTOP an engine that holds leases (the run waits,

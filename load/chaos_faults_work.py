@@ -1,4 +1,4 @@
-"""The work and control-plane faults of ``loadgen chaos``, each returning a :class:`load.chaos_bite.Bite`.
+"""The work and control-plane faults of ``fleetbatch loadgen chaos``, each returning a :class:`load.chaos_bite.Bite`.
 
 * ``racing_movers``: admin rebalances ``--apply`` on both replicas at once, with both offloaders.
   Evidence: the calls' status codes, at least one ``OK`` and every other one ``UNAVAILABLE``

@@ -1,4 +1,4 @@
-"""The load of ``loadgen chaos``: waves of generated queries, and the rows some faults need.
+"""The load of ``fleetbatch loadgen chaos``: waves of generated queries, and the rows some faults need.
 
 * **Waves.** The batch is cut into one wave per fault plus one; wave ``k + 1`` is submitted only
   once fault ``k`` has fired and healed, so the run cannot finish before its last fault,

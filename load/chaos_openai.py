@@ -1,7 +1,7 @@
-"""The OpenAI part of ``loadgen chaos``: batches through the HTTP front, and the user's view of them.
+"""The OpenAI part of ``fleetbatch loadgen chaos``: batches through the HTTP front, and the user's view of them.
 
 :class:`OpenAIBatches` uploads input files, creates batches, waits for them and downloads
-their output and error files with the ``openai`` client (as ``loadgen openai-check`` does).
+their output and error files with the ``openai`` client (as ``fleetbatch loadgen openai-check`` does).
 :func:`user_view` checks what a user reads: every ``custom_id`` exactly once across the output
 and error files, ``request_counts`` equal to those lines, ``usage`` the sum of the output
 lines' usage, and no error line for a row that could have run.
@@ -40,7 +40,9 @@ class OpenAIBatches:
         try:
             from openai import OpenAI
         except ImportError:
-            raise ValueError("loadgen chaos needs the openai package: pip install openai") from None
+            raise ValueError(
+                "fleetbatch loadgen chaos needs the openai package: pip install openai"
+            ) from None
         for name in ("httpx", "httpx2", "openai"):  # the client logs every request at INFO
             logging.getLogger(name).setLevel(logging.WARNING)
         self.client = OpenAI(base_url=base_url, api_key=api_key, max_retries=5, timeout=60)

@@ -1,4 +1,4 @@
-"""The processes `loadgen chaos` runs and breaks: an embedded Redis it can kill and restart
+"""The processes `fleetbatch loadgen chaos` runs and breaks: an embedded Redis it can kill and restart
 (same data directory and socket) and gateway replicas it can kill and restart (same ports),
 each with the OpenAI-compatible HTTP front on a shared files directory."""
 
@@ -42,7 +42,7 @@ class RestartableRedis:
 
 
 class GatewayProcess:
-    """One ``gateway serve`` replica on a fixed loopback port."""
+    """One ``fleetbatch gateway serve`` replica on a fixed loopback port."""
 
     def __init__(
         self,

@@ -73,9 +73,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "fleetbatch loadgen") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="loadgen",
+        prog=prog,
         description="Load generation for fleetbatch: submit batches (generated, real datasets, OpenAI batch JSONL), "
         "stream results, summarise per cluster; run the local demo; compare assignment policies.",
     )
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--token-file",
         default="runs/local/client-token",
-        help="file holding the client token (default: gateway up's, when it exists)",
+        help="file holding the client token (default: fleetbatch gateway up's, when it exists)",
     )
     _add_workload_args(s)
     s.add_argument(
@@ -118,10 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "demo",
-        help="start `gateway up` (embedded Redis, 3 engines), submit a sample batch, print the summary, stop",
+        help="start `fleetbatch gateway up` (embedded Redis, 3 engines), submit a sample batch, print the summary, stop",
     )
-    d.add_argument("--run-dir", default="runs/demo", help="where `gateway up` keeps Redis data and logs")
-    d.add_argument("--gateway-arg", action="append", help="extra argument for `gateway up` (repeatable)")
+    d.add_argument(
+        "--run-dir", default="runs/demo", help="where `fleetbatch gateway up` keeps Redis data and logs"
+    )
+    d.add_argument(
+        "--gateway-arg", action="append", help="extra argument for `fleetbatch gateway up` (repeatable)"
+    )
     d.add_argument(
         "--predictor",
         default="shipped",
@@ -152,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         (
             "study",
             study,
-            "MICO's study for real: {round robin, token} x {static, iteration-level} through gateway up",
+            "MICO's study for real: {round robin, token} x {static, iteration-level} through fleetbatch gateway up",
         ),
         (
             "wan",
@@ -182,13 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
         (
             "file-soak",
             file_soak,
-            "a million-row OpenAI batch file sent whole by `loadgen submit --jsonl`: the client's peak memory, "
+            "a million-row OpenAI batch file sent whole by `fleetbatch loadgen submit --jsonl`: the client's peak memory, "
             "every row once",
         ),
         (
             "openai-check",
             openai_check,
-            "the OpenAI batch flow (files, batches, output) with the openai client against gateway up",
+            "the OpenAI batch flow (files, batches, output) with the openai client against fleetbatch gateway up",
         ),
     ):
         sp = sub.add_parser(name, help=help_text, description=module.__doc__, formatter_class=RAW)
@@ -236,7 +240,7 @@ def _jsonl_source(args) -> OpenAIFile:
     source = _openai_file(args, args.num)
     left = source.rows_after(args.num) if args.num is not None else 0
     if left:
-        print(f"loadgen submit: --num {args.num} sends the first {args.num} rows of {args.jsonl}; "
+        print(f"fleetbatch loadgen submit: --num {args.num} sends the first {args.num} rows of {args.jsonl}; "
               f"{left} rows are left out", file=sys.stderr)  # fmt: skip
     return source
 
@@ -281,7 +285,7 @@ def _submit(
         if writer is not None:
             writer.close()
     if source is not None and source.chat_rows and not args.served_model:
-        print(f"loadgen submit: {source.chat_rows} chat rows were rendered with the project's default template "
+        print(f"fleetbatch loadgen submit: {source.chat_rows} chat rows were rendered with the project's default template "
               "(<|role|> headers); give --served-model DIR to use the served model's own", file=sys.stderr)  # fmt: skip
     if args.out:
         print(f"results written to {args.out}")
@@ -325,7 +329,7 @@ def _demo(args) -> int:
         f"{prompt},{output}",
         *(args.gateway_arg or []),
     ]
-    print("starting: gateway up", " ".join(up_args), flush=True)
+    print("starting: fleetbatch gateway up", " ".join(up_args), flush=True)
     try:
         with LocalDeployment(args.run_dir, up_args, args.timeout, quiet=False) as info:
             layouts = info.get("layouts") or {}
@@ -333,7 +337,7 @@ def _demo(args) -> int:
                 print("planned layout per cluster:\n" + format_layouts(layouts), flush=True)
             return _submit(args, info["address"], deployment_token(info), layouts, items)
     except (RuntimeError, TimeoutError) as e:
-        print(f"loadgen demo: {e}", file=sys.stderr)
+        print(f"fleetbatch loadgen demo: {e}", file=sys.stderr)
         return 1
 
 
@@ -360,14 +364,13 @@ def _describe(e: BaseException) -> str:
     return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "fleetbatch loadgen") -> int:
     return run_main(
-        build_parser(),
+        build_parser(prog),
         argv,
         run,
-        prog="loadgen",
+        prog=prog,
         errors=(grpc.RpcError, FileNotFoundError, ValueError, TimeoutError),
-        error_code=1,
         message="{prog}{command}: {error}",
         describe=_describe,
     )

@@ -1,4 +1,4 @@
-"""`loadgen compare-policies`: assignment policies side by side on real response lengths.
+"""`fleetbatch loadgen compare-policies`: assignment policies side by side on real response lengths.
 
 The workload is the mixed workload of issue [2/9] (``fleetdata.datasets.load_mixed``), in
 tokens of the serving tokenizer (``localmodels.default_tokenizer``). A seeded batch of
@@ -31,7 +31,8 @@ import numpy as np
 from cliutil import run_main
 from fleetdata.datasets import load_mixed, response_lengths
 from gateway.assign.estimates import tokens_per_cluster
-from gateway.assign.policies import POLICIES, ClusterView, QueryLoad, make_policy
+from gateway.assign.policies import ClusterView, QueryLoad
+from gateway.assign.registry import POLICIES, make_policy
 from predictor.labeled import split_of
 
 POLICY_ORDER = ("round_robin", "least_loaded", "token_equal", "token")
@@ -318,7 +319,9 @@ def _print_summary(result: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="loadgen compare-policies", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="fleetbatch loadgen compare-policies", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     errors = (ValueError, FileNotFoundError)
     return run_main(parser, argv, _run_and_summarise, prog="compare-policies", errors=errors, print_json=True)

@@ -1,4 +1,4 @@
-"""``loadgen deadlines``: batches with different completion windows on one fleet, earliest deadline first
+"""``fleetbatch loadgen deadlines``: batches with different completion windows on one fleet, earliest deadline first
 against first in, first out, the ETA's error as the batches run, and an expired batch's rows.
 
 The scenario (same fleet, workload and submission times in every run): the ``--num`` queries of the
@@ -10,8 +10,8 @@ the fleet as the simulator predicts it from the recorded lengths:
 * ``urgent`` (25 %) at +2 s, window 0.65 T: met only if it overtakes ``bulk``;
 * ``steady`` (15 %) at +4 s, window 1.2 T.
 
-Each order (``--orders``, default ``edf,fifo``: ``gateway up --queue-order``) runs in its own
-``gateway up`` on the cost-model devices of ``loadgen study`` (the 1:2:4 fleet, token policy,
+Each order (``--orders``, default ``edf,fifo``: ``fleetbatch gateway up --queue-order``) runs in its own
+``fleetbatch gateway up`` on the cost-model devices of ``fleetbatch loadgen study`` (the 1:2:4 fleet, token policy,
 offloading on), with the learned predictor. While it runs, every batch is read with ``GetBatch``
 every half second: its token progress (predicted tokens done of its predicted tokens) and its
 predicted finish (``predicted_finish_at``), kept in ``etas.jsonl``. Then ``expiry``: once the edf
@@ -124,7 +124,7 @@ def _poll(stub, ids: dict[str, str], n: int, etas: list[dict], limit_s: float) -
 def run_order(
     order: str, items: list[WorkItem], plan: Plan, out: Path, args, after: Callable[[dict], T] | None = None
 ) -> tuple[dict, T | None]:
-    """One ``gateway up`` with this queue order: the batches submitted on the plan, read until final; then
+    """One ``fleetbatch gateway up`` with this queue order: the batches submitted on the plan, read until final; then
     ``after(info)`` on the same deployment, outside the run's record (what it returns comes back too)."""
     run_dir = out / order
     up = _up_args(run_dir, args, order)

@@ -1,4 +1,4 @@
-"""``loadgen deadlines``' scenario and figures: the batches' windows from the simulator's makespan, which
+"""``fleetbatch loadgen deadlines``' scenario and figures: the batches' windows from the simulator's makespan, which
 windows each order met, the ETA's error at 25 % and 50 % of a batch's tokens, the expired batch's
 files, and the simulator's replay of each run (:mod:`load.deadlines`)."""
 

@@ -1,10 +1,10 @@
-"""A local deployment for benchmarks: ``gateway up`` in a child process, its ``gateway.json``, a clean stop.
+"""A local deployment for benchmarks: ``fleetbatch gateway up`` in a child process, its ``gateway.json``, a clean stop.
 
-``with LocalDeployment(run_dir, ["--config", "clusters.yaml"]) as info:`` starts ``gateway up``
+``with LocalDeployment(run_dir, ["--config", "clusters.yaml"]) as info:`` starts ``fleetbatch gateway up``
 (embedded Redis, one engine per cluster, the gateway on a free port), waits until it has
 written ``gateway.json`` (address, Redis URL, pids) and stops everything on exit (SIGINT,
 then SIGKILL of its process group if it hangs). The children die with it whatever happens
-(``gateway up`` asks the kernel for that), so a crashed benchmark leaves no engines behind.
+(``fleetbatch gateway up`` asks the kernel for that), so a crashed benchmark leaves no engines behind.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class LocalDeployment:
         timeout_s: float = 600.0,
         quiet: bool = True,
     ):
-        """``quiet``: ``gateway up``'s output goes to ``run_dir/up.log`` (else to this terminal)."""
+        """``quiet``: ``fleetbatch gateway up``'s output goes to ``run_dir/up.log`` (else to this terminal)."""
         self.run_dir = Path(run_dir)
         self.quiet = quiet
         self.args = list(args)
@@ -61,7 +61,7 @@ class LocalDeployment:
         while not info_file.exists():
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"`gateway up` exited with code {self.proc.returncode}; see {self.run_dir / 'up.log'}"
+                    f"`fleetbatch gateway up` exited with code {self.proc.returncode}; see {self.run_dir / 'up.log'}"
                 )
             if time.monotonic() > deadline:
                 self.stop()

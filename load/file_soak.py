@@ -1,8 +1,8 @@
-"""`loadgen file-soak`: one OpenAI batch file of a million rows sent whole by ``loadgen submit --jsonl``.
+"""`fleetbatch loadgen file-soak`: one OpenAI batch file of a million rows sent whole by ``fleetbatch loadgen submit --jsonl``.
 
 Writes an ``-n``-row OpenAI batch input file (chat rows of the generated mix, default 1,000,000), starts
-``gateway serve`` (own process, prompt-length heuristic: the predictor is not under test) on an embedded
-Redis, and runs ``loadgen submit --jsonl FILE --out OUT`` as a child process, exactly as a user would. Drain
+``fleetbatch gateway serve`` (own process, prompt-length heuristic: the predictor is not under test) on an embedded
+Redis, and runs ``fleetbatch loadgen submit --jsonl FILE --out OUT`` as a child process, exactly as a user would. Drain
 threads stand in for engines: they claim and complete queries directly in Redis (the client and the path are
 measured, not the model). It measures:
 
@@ -119,7 +119,7 @@ def run(args) -> dict:
 
 
 def _client(address: str, token: str, src: Path, out: Path, work: Path, timeout: float):
-    """Run ``loadgen submit --jsonl``: (exit status, seconds to acceptance, seconds in all, peak RSS in MB)."""
+    """Run ``fleetbatch loadgen submit --jsonl``: (exit status, seconds to acceptance, seconds in all, peak RSS in MB)."""
     cmd = [sys.executable, "-m", "load.cli", "submit", "--target", address, "--jsonl", str(src),
            "--out", str(out), "--no-progress"]  # fmt: skip
     env = {**os.environ, "FLEETBATCH_TOKEN": token}
@@ -144,7 +144,7 @@ def _client(address: str, token: str, src: Path, out: Path, work: Path, timeout:
                 pass
             if time.monotonic() > deadline:
                 proc.kill()
-                raise TimeoutError(f"loadgen submit did not finish within {timeout:g} s")
+                raise TimeoutError(f"fleetbatch loadgen submit did not finish within {timeout:g} s")
             time.sleep(0.1)
         watcher.join(timeout=10)
     wall = time.perf_counter() - t0

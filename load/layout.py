@@ -1,6 +1,6 @@
-"""The planned layout of each cluster next to what it measured (``loadgen demo``, ``loadgen report``).
+"""The planned layout of each cluster next to what it measured (``fleetbatch loadgen demo``, ``fleetbatch loadgen report``).
 
-``gateway up`` with a fleet records in ``gateway.json`` (``layouts``) the plan each cluster runs:
+``fleetbatch gateway up`` with a fleet records in ``gateway.json`` (``layouts``) the plan each cluster runs:
 devices, layer split, bits per layer, micro-batch sizes, predicted tokens/s. After a batch, a
 cluster's measured tokens/s is what it sustained: in a run report, the median of the engine's own
 tokens/s over the samples where work waited in its queue (no ramp, no tail); in ``loadgen``'s
@@ -17,7 +17,7 @@ from load.workload import WorkItem
 
 def mean_lengths(items: Sequence[WorkItem]) -> tuple[int, int]:
     """Mean prompt tokens (by the served tokenizer) and mean response tokens (forced, else the cap) of
-    ``items``: the lengths a fleet is planned for (``gateway up --fleet-lengths``)."""
+    ``items``: the lengths a fleet is planned for (``fleetbatch gateway up --fleet-lengths``)."""
     from localmodels import default_tokenizer  # lazy: transformers
 
     tok = default_tokenizer()

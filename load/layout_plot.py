@@ -1,4 +1,4 @@
-"""``layout.png``: each cluster's planned layout, drawn next to a run's other plots (``loadgen report``).
+"""``layout.png``: each cluster's planned layout, drawn next to a run's other plots (``fleetbatch loadgen report``).
 
 One row per cluster: its stages side by side, each as wide as its layers, each layer coloured by
 its bit width and each stage labelled with its device; the row's title gives the plan's

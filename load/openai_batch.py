@@ -1,4 +1,4 @@
-"""OpenAI Batch output files for ``loadgen submit --openai-out``: the results of a batch as the
+"""OpenAI Batch output files for ``fleetbatch loadgen submit --openai-out``: the results of a batch as the
 ``openai`` client and other tools read them.
 
 The line format (and its description) is :mod:`gateway.http_api.format`, shared with the gateway's

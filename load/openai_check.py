@@ -1,6 +1,6 @@
-"""`loadgen openai-check`: the OpenAI batch flow with the official ``openai`` client against ``gateway up``.
+"""`fleetbatch loadgen openai-check`: the OpenAI batch flow with the official ``openai`` client against ``fleetbatch gateway up``.
 
-Starts ``gateway up`` (embedded Redis, its default fleet of engines, the gateway with its
+Starts ``fleetbatch gateway up`` (embedded Redis, its default fleet of engines, the gateway with its
 OpenAI-compatible HTTP front on a free port), writes ``-n`` queries of a workload (by default
 the mixed workload of ``../shared/data``) as an OpenAI batch input file (``/v1/chat/completions``:
 each prompt a user message, ``max_tokens`` its recorded response length; or
@@ -37,8 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the workload")
     p.add_argument("--max-tokens", type=int, default=256, help="cap of each request's max_tokens")
     p.add_argument("--endpoint", default=CHAT, choices=(CHAT, COMPLETIONS), help="the batch's endpoint")
-    p.add_argument("--run-dir", default="runs/openai-check", help="run directory of `gateway up`")
-    p.add_argument("--gateway-arg", action="append", help="extra argument for `gateway up` (repeatable)")
+    p.add_argument("--run-dir", default="runs/openai-check", help="run directory of `fleetbatch gateway up`")
+    p.add_argument(
+        "--gateway-arg", action="append", help="extra argument for `fleetbatch gateway up` (repeatable)"
+    )
     p.add_argument("--predictor", default="shipped", help="length predictor of the gateway")
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed for the deployment and batch")
 
@@ -143,7 +145,9 @@ def run(args) -> dict:
     try:
         from openai import OpenAI
     except ImportError:
-        raise ValueError("loadgen openai-check needs the openai package: pip install openai") from None
+        raise ValueError(
+            "fleetbatch loadgen openai-check needs the openai package: pip install openai"
+        ) from None
     if args.num < 1:
         raise ValueError("--num must be >= 1")
     for name in ("httpx", "httpx2"):  # the client logs every poll at INFO
@@ -154,7 +158,7 @@ def run(args) -> dict:
     up_args = ["--predictor", args.predictor, *(args.gateway_arg or [])]
     with LocalDeployment(args.run_dir, up_args, args.timeout) as info:
         if "http_url" not in info:
-            raise ValueError("`gateway up` started no HTTP front (was --http-port negative?)")
+            raise ValueError("`fleetbatch gateway up` started no HTTP front (was --http-port negative?)")
         key = Path(info["http_api_key_file"]).read_text().strip()
         client = OpenAI(base_url=info["http_url"], api_key=key, max_retries=2)
         batch, out, err, wall = _flow(client, data, args.endpoint, args.timeout)

@@ -1,4 +1,4 @@
-"""``loadgen prefix``: a batch whose rows share long prefixes, token-only against prefix-aware assignment.
+"""``fleetbatch loadgen prefix``: a batch whose rows share long prefixes, token-only against prefix-aware assignment.
 
 The workload (:func:`fleetdata.prefixes.shared_prefix_rows`, real data): ``--groups`` few-shot blocks
 of gsm8k worked examples (``--prefix-words``: about 200-800 tokens each), each in front of many real
@@ -6,16 +6,16 @@ questions, plus ``--unique-share`` of rows with no shared prefix; rows shuffled,
 written without care; every row generates its question's recorded answer length (capped at
 ``--max-tokens``).
 
-The fleet: ``loadgen study``'s three unlike clusters (cost-model devices at speeds 1, 1/2, 1/4 of
-``--step-cost``; real engines, the small random model, embedded Redis, ``gateway up``), each engine
+The fleet: ``fleetbatch loadgen study``'s three unlike clusters (cost-model devices at speeds 1, 1/2, 1/4 of
+``--step-cost``; real engines, the small random model, embedded Redis, ``fleetbatch gateway up``), each engine
 with a modest KV cache (``--kv-budget``) so that rows of many groups mixed in one queue evict each
-other's prefixes. Setups (``--setups``), one ``gateway up`` each, the same batch:
+other's prefixes. Setups (``--setups``), one ``fleetbatch gateway up`` each, the same batch:
 
 * ``token``: ``--policy token``, the engines' prefix cache on (a group's rows spread over every cluster);
 * ``prefix``: ``--policy prefix`` (:mod:`gateway.assign.prefix_policy`), the cache on;
 * ``token_nocache``: ``--policy token``, every engine ``--no-prefix-cache``.
 
-Each run is a run directory (``loadgen report`` reads it) with ``prefixes.json``: each row's prefix
+Each run is a run directory (``fleetbatch loadgen report`` reads it) with ``prefixes.json``: each row's prefix
 group and shared tokens as the gateway's rule finds them (:mod:`gateway.assign.prefixes`), which the
 simulator's replay (``python -m sim.cli validate``) gives its engines. The last line is one JSON
 object (:mod:`load.prefix_stats`): ``prefix_aware_over_token`` (token's makespan over prefix's),
@@ -105,7 +105,7 @@ def workload(args) -> tuple[list[WorkItem], dict[str, list]]:
 
 
 def fleet(name: str, args) -> dict:
-    """``loadgen study``'s 1:2:4 cost-model fleet, each engine with ``--kv-budget`` (and no cache for ``*_nocache``)."""
+    """``fleetbatch loadgen study``'s 1:2:4 cost-model fleet, each engine with ``--kv-budget`` (and no cache for ``*_nocache``)."""
     policy = SETUPS[name][0]
     out = fleet_yaml(Setup(name, policy, "native", SPEEDS), args)
     for c in out["clusters"]:

@@ -1,4 +1,4 @@
-"""``loadgen report RUN``: throughput, makespan, tokens per cluster (predicted against actual), the
+"""``fleetbatch loadgen report RUN``: throughput, makespan, tokens per cluster (predicted against actual), the
 completion-time CDF, cumulative KV, and MICO-style plots, from a run directory (:mod:`load.runrecord`).
 
 Plots (PNG, next to the data): ``kv.png`` -- KV-cache tokens per cluster over time (the mean
@@ -230,7 +230,10 @@ def format_report(r: dict) -> str:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("run", help="run directory (written by `loadgen study`, or by `loadgen submit --run-dir`)")
+    p.add_argument(
+        "run",
+        help="run directory (written by `fleetbatch loadgen study`, or by `fleetbatch loadgen submit --run-dir`)",
+    )
     p.add_argument("--no-plots", action="store_true", help="figures only, no PNGs")
 
 

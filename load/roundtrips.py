@@ -7,7 +7,7 @@ one) on an embedded Redis, each figure after a warm-up (scripts loaded, connecti
 * ``intake``: its background intake, in all and per chunk (3 live clusters);
 * ``offloader_steady``: one offloader tick with K busy clusters (nothing to move);
 * ``offloader_offload``: one tick with one busy cluster and K-1 idle ones that each take work;
-* ``cluster_status``: ``ListClusters`` / ``gateway status`` with K clusters;
+* ``cluster_status``: ``ListClusters`` / ``fleetbatch gateway status`` with K clusters;
 * ``get_batch``: ``GetBatch`` of one batch; ``list_batches``: the HTTP ``GET /v1/batches`` page
   of B batches; ``quota``: a submission's per-client cap check over B unfinished batches.
 """

@@ -1,4 +1,4 @@
-"""What a run leaves behind for ``loadgen report``: results, a time series of what engines reported, metadata.
+"""What a run leaves behind for ``fleetbatch loadgen report``: results, a time series of what engines reported, metadata.
 
 A run directory holds:
 

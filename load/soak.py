@@ -1,7 +1,7 @@
-"""`loadgen soak`: one large batch submitted and streamed back through one gateway, predictor off and on.
+"""`fleetbatch loadgen soak`: one large batch submitted and streamed back through one gateway, predictor off and on.
 
 For each predictor setting (the prompt-length heuristic, then the learned one) a fresh
-``gateway serve`` process (own process, so its memory is its own) on an embedded Redis takes
+``fleetbatch gateway serve`` process (own process, so its memory is its own) on an embedded Redis takes
 one ``-n``-query generated batch. The soak measures:
 
 * ``accepted_queries_per_s``: queries / seconds from the submit until every query of the
@@ -10,7 +10,7 @@ one ``-n``-query generated batch. The soak measures:
   off; ``answer_s`` is how long ``SubmitBatch`` itself took;
 * ``predictor_intake_ratio``: the same with the learned predictor on, divided by the
   learned predictor's own queries/s on the same prompts and torch threads, timed in this
-  process in the same run (what ``predictor bench`` times), right before and right after the
+  process in the same run (what ``fleetbatch predictor bench`` times), right before and right after the
   predictor-on run, averaged (the load of a shared host drifts);
 * ``first_enqueue_s``: seconds from the submit to the first query on a cluster queue
   (Redis polled every 5 ms), predictor on;
@@ -86,7 +86,7 @@ def start_gateway(
         if m:
             threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
             return proc, m.group(1)
-    raise RuntimeError(f"gateway serve exited with {proc.wait()} before listening")
+    raise RuntimeError(f"fleetbatch gateway serve exited with {proc.wait()} before listening")
 
 
 def drain(queue: WorkQueue, stop: threading.Event, cluster: str) -> None:

@@ -1,10 +1,10 @@
-"""``loadgen study``: MICO's four combinations measured for real, on the same workload, clusters and seed.
+"""``fleetbatch loadgen study``: MICO's four combinations measured for real, on the same workload, clusters and seed.
 
-{round robin, token} x {static batches, iteration-level}, each a real ``gateway up`` (embedded
+{round robin, token} x {static batches, iteration-level}, each a real ``fleetbatch gateway up`` (embedded
 Redis, one engine process per cluster, the ``static`` backend for static batching), on
 three equal clusters; then the capacity-weighted ``token`` policy against round robin, both
 iteration-level, on clusters at speeds 1:2:4. Every run is a directory that
-``loadgen report`` reads (results, the engines' KV over time, plots).
+``fleetbatch loadgen report`` reads (results, the engines' KV over time, plots).
 
 **Two cores, three engines.** The engines run the small random model and emulate their
 device with ``--slowdown``: each step lasts (1 + slowdown) x its compute time, measured as
@@ -69,7 +69,7 @@ def setups(clusters: int) -> list[Setup]:
 
 
 def device_args(speed: float, args) -> list[str]:
-    """The ``engine serve`` arguments that emulate a cluster's device ``speed`` times slower than the fastest."""
+    """The ``fleetbatch engine serve`` arguments that emulate a cluster's device ``speed`` times slower than the fastest."""
     if args.emulation == "cost":
         return ["--device-cost", args.step_cost, "--device-speed", f"{1.0 / speed:.6g}"]
     return ["--slowdown", str(speed * (1 + args.base_slowdown) - 1)]
@@ -278,7 +278,7 @@ def format_table(reports: dict[str, dict]) -> str:
 
 
 def add_fleet_arguments(p, out: str, out_help: str, batch_help: str = "engine batch size") -> None:
-    """The options of a run on the study's cost-model fleet (``loadgen deadlines``, ``prefix``, ``wan``):
+    """The options of a run on the study's cost-model fleet (``fleetbatch loadgen deadlines``, ``prefix``, ``wan``):
     engine batch, the fastest device's cost model, model size, seed, where the runs go, extra gateway
     arguments."""
     p.add_argument("--batch", type=int, default=8, help=batch_help)
@@ -287,13 +287,16 @@ def add_fleet_arguments(p, out: str, out_help: str, batch_help: str = "engine ba
         default="15,0.2,1",
         metavar="OVERHEAD,PREFILL,DECODE",
         help="the fastest device's cost model in ms: per forward pass, per prompt token, per decoded query "
-        "(as loadgen study)",
+        "(as fleetbatch loadgen study)",
     )
     p.add_argument("--size", default="nano", help="random local model size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=out, help=out_help)
     p.add_argument(
-        "--gateway-arg", action="append", default=[], help="extra `gateway up` argument (repeatable)"
+        "--gateway-arg",
+        action="append",
+        default=[],
+        help="extra `fleetbatch gateway up` argument (repeatable)",
     )
 
 
@@ -330,10 +333,15 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=1, help="run the whole study this many times")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--out", default="runs/study", help="one run directory per setup (loadgen report reads them)"
+        "--out",
+        default="runs/study",
+        help="one run directory per setup (fleetbatch loadgen report reads them)",
     )
     p.add_argument(
-        "--gateway-arg", action="append", default=[], help="extra `gateway up` argument (repeatable)"
+        "--gateway-arg",
+        action="append",
+        default=[],
+        help="extra `fleetbatch gateway up` argument (repeatable)",
     )
     p.add_argument(
         "--no-scale",

@@ -1,7 +1,7 @@
-"""``loadgen study --planned``: the planners' claim measured end to end, through the gateway.
+"""``fleetbatch loadgen study --planned``: the planners' claim measured end to end, through the gateway.
 
 One fleet of unlike clusters (a fleet file; by default fast = 2 x A100-40G, medium = V100-32G +
-T4, slow = 2 x T4), run three times on the same workload, each a real ``gateway up --fleet``
+T4, slow = 2 x T4), run three times on the same workload, each a real ``fleetbatch gateway up --fleet``
 (the token policy, offloading off, engines running their plans' stages on emulated devices):
 
 * ``planned``: every cluster runs the ILP's plan;
@@ -34,7 +34,7 @@ from load.runrecord import write_run
 from load.study_run import run_deployed
 from load.workload import WorkItem
 
-#: setup name -> ``gateway up --fleet-method``
+#: setup name -> ``fleetbatch gateway up --fleet-method``
 SETUPS = {"planned": "ilp", "even": "uniform", "best_baseline": "best-baseline"}
 RATIOS = {"planned_over_even": "even", "planned_over_best_baseline": "best_baseline"}
 
@@ -42,7 +42,7 @@ RATIOS = {"planned_over_even": "even", "planned_over_best_baseline": "best_basel
 def run_setup(
     name: str, method: str, items: list[WorkItem], run_dir: Path, args, lengths: tuple[int, int]
 ) -> dict:
-    """One planned fleet through ``gateway up``; the run's report with its clusters' plans."""
+    """One planned fleet through ``fleetbatch gateway up``; the run's report with its clusters' plans."""
     run_dir.mkdir(parents=True, exist_ok=True)
     up_args = ["--fleet", args.fleet, "--fleet-method", method, "--fleet-lengths", f"{lengths[0]},{lengths[1]}",
                "--policy", "token", "--no-offload", *args.gateway_arg]  # fmt: skip

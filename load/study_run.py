@@ -1,7 +1,7 @@
-"""One study setup through a real ``gateway up``: deploy, submit, stream every result, sample the engines.
+"""One study setup through a real ``fleetbatch gateway up``: deploy, submit, stream every result, sample the engines.
 
 Shared by MICO's study (:mod:`load.study`) and the planners' (:mod:`load.study_planned`): the
-setups differ in their ``gateway up`` arguments and in what their ``meta.json`` records.
+setups differ in their ``fleetbatch gateway up`` arguments and in what their ``meta.json`` records.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def run_deployed(
     times: list[float] | None = None,
     tick_s: float = 0.25,
 ) -> tuple[dict, list[str], list[dict]]:
-    """``gateway up`` with ``up_args`` under ``run_dir/deploy``, the workload submitted and every result
+    """``fleetbatch gateway up`` with ``up_args`` under ``run_dir/deploy``, the workload submitted and every result
     streamed back while the engines' heartbeats are sampled into ``run_dir``; ``(gateway.json's info,
     batch ids, result rows)``."""
     with (

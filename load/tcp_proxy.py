@@ -1,6 +1,6 @@
 """A TCP proxy the harness controls: one-way delay and jitter, a bandwidth cap, and partitions.
 
-``loadgen chaos`` puts one between an engine and Redis to partition them; it is also meant to
+``fleetbatch loadgen chaos`` puts one between an engine and Redis to partition them; it is also meant to
 emulate a WAN link (issue 33). Each direction of a connection has its own :class:`Link`:
 
 * ``delay_s`` and ``jitter_s``: every chunk read is held ``delay_s + U(0, jitter_s)`` seconds

@@ -1,7 +1,7 @@
-"""``loadgen wan``: the same batch on the same emulated devices, with every engine across a slow link to Redis.
+"""``fleetbatch loadgen wan``: the same batch on the same emulated devices, with every engine across a slow link to Redis.
 
 Each one-way delay of ``--delays-ms`` (default 0, 10, 25, 50 and 100 ms: round trips of 0 to
-200 ms) is its own real ``gateway up`` on the cost-model devices of ``loadgen study``
+200 ms) is its own real ``fleetbatch gateway up`` on the cost-model devices of ``fleetbatch loadgen study``
 (``--step-cost``, three equal clusters or ``--fleet 1,2,4``, token policy, offloading off). The
 harness starts the embedded Redis itself and puts a latency proxy (:mod:`load.tcp_proxy`) between
 EVERY cluster's engine and it: each cluster's ``redis_url`` in ``clusters.yaml`` points at its
@@ -18,7 +18,7 @@ way, over the one at 0 ms), ``utilization_at_100ms`` (mean device-busy fraction 
 over the one at 0 ms) and ``redis_round_trips_per_step``; ratios need a 0 ms and a 50 ms run
 and are null otherwise. ``utilization_vs_rtt.png`` in ``--out`` plots each cluster's busy
 fraction and the makespan ratio against RTT; each run's directory (``--out/rttNms``) is one
-that ``loadgen report`` reads. See docs/wan.md.
+that ``fleetbatch loadgen report`` reads. See docs/wan.md.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def run_at(delay_ms: float, items: list[WorkItem], run_dir: Path, speeds: tuple[
             "proxies": [p.stats() for p in proxies],
         }
         write_run(run_dir, rows, meta)
-        build_report(run_dir, plots=False)  # report.json, as `loadgen report` writes it
+        build_report(run_dir, plots=False)  # report.json, as `fleetbatch loadgen report` writes it
     finally:
         for p in proxies:
             p.close()

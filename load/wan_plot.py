@@ -1,4 +1,4 @@
-"""``loadgen wan``'s plot: each cluster's device-busy fraction, and the makespan against 0 ms, by round-trip time."""
+"""``fleetbatch loadgen wan``'s plot: each cluster's device-busy fraction, and the makespan against 0 ms, by round-trip time."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What ``loadgen wan`` reads back from its run directories: each cluster's device-busy fraction, its
+"""What ``fleetbatch loadgen wan`` reads back from its run directories: each cluster's device-busy fraction, its
 Redis round trips per engine step, and the summary across round-trip times.
 
 A cluster's **span** runs from its first claim (the earliest ``started_at`` among its results)

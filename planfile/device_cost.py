@@ -2,7 +2,7 @@
 
 A plan may give each device a ``cost`` (``plan.devices[i]["cost"]``): the planner's fitted
 latency model of that device for the plan's model, the one it planned with. A pipeline stage
-that emulates its device (``engine serve --plan P --device-cost plan``) makes each micro-batch
+that emulates its device (``fleetbatch engine serve --plan P --device-cost plan``) makes each micro-batch
 last what this model charges for the stage's layers at their bits, so the layout the planner
 chose is what the run measures. The linear forms (LLM-PQ's) live here, at the bottom, and the
 planner fits them (``planner.latency``):

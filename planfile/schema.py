@@ -3,7 +3,7 @@
 Fields: ``version``, ``model`` (name + hidden, layers, heads, kv_heads, intermediate, vocab),
 ``method``, ``devices`` (ordered: stage k runs on ``devices[stages[k].device_index]``; each has
 ``name``, ``type``, ``memory_bytes``, ``node`` and an optional ``slowdown`` >= 0, default 0: an
-emulated slower device that takes ``1 + slowdown`` times as long, as ``engine serve --slowdown``,
+emulated slower device that takes ``1 + slowdown`` times as long, as ``fleetbatch engine serve --slowdown``,
 and an optional ``cost``: the device's per-layer latency model, :mod:`planfile.device_cost`),
 ``stages`` (``layer_start``, ``layer_end`` exclusive, ``bits`` per layer, predicted memory (per
 device) and prefill/decode seconds, optional ``tp_device_indices``: the devices of a

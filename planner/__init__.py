@@ -1,4 +1,4 @@
-"""The phase-aware planner (``planner plan``): how one cluster of unlike devices serves a model.
+"""The phase-aware planner (``fleetbatch planner plan``): how one cluster of unlike devices serves a model.
 
 An OR-Tools ILP (:mod:`planner.ilp`, driven by :mod:`planner.search`) chooses the layer
 partition over the cluster's devices, the bits of each layer and the prefill and decode

@@ -1,6 +1,6 @@
 """A lower bound on the batch latency of *any* pipeline-parallel plan under the cost model.
 
-Used by ``planner compare`` to say how far a speedup over the baselines could go at all. It
+Used by ``fleetbatch planner compare`` to say how far a speedup over the baselines could go at all. It
 relaxes the plan: every device of the cluster may be a stage, layers may be split fractionally,
 each layer takes the fastest allowed bit width on its device (allowed: a bit width some layer
 can take without its omega alone exceeding the cap), memory counts only weights + KV at the

@@ -31,7 +31,7 @@ class DeviceType:
 
     ``slowdown`` emulates a slower device of this kind on the same hardware: it takes
     ``1 + slowdown`` times as long for every layer and the LM head (the same meaning as
-    ``engine serve --slowdown``: extra time as a multiple of the compute time). Such copies come
+    ``fleetbatch engine serve --slowdown``: extra time as a multiple of the compute time). Such copies come
     from ``with_slowdown``; they carry a distinct ``name`` and keep the catalog name in ``base``
     (read it as ``base_name``).
     """

@@ -219,9 +219,9 @@ def _add_tp_sizes(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "fleetbatch planner") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="planner",
+        prog=prog,
         description="Phase-aware planner for pipelines of unlike GPUs: device order, layers per device, bit "
         "width per layer, prefill/decode micro-batch sizes (ILP in OR-Tools CP-SAT, heuristics, baselines).",
     )
@@ -296,9 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "fleetbatch planner") -> int:
     spec = {"errors": (CliError,), "log_format": PLAIN_LOG, "levels": (logging.WARNING, logging.INFO)}
-    return run_main(build_parser(), argv, lambda args: args.func(args), prog="planner", **spec)
+    return run_main(build_parser(prog), argv, lambda args: args.func(args), prog=prog, **spec)
 
 
 if __name__ == "__main__":

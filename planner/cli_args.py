@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 
 class CliError(Exception):
-    """Bad input: reported as one line, exit status 2."""
+    """Bad input: reported as one line, exit status 1."""
 
 
 @contextmanager
@@ -51,7 +51,7 @@ def _tp_sizes(text: str) -> tuple[int, ...]:
 
 
 def _sizes(text: str) -> tuple[int, ...]:
-    """``--batches`` / ``--lengths`` of ``planner profile``: distinct positive integers."""
+    """``--batches`` / ``--lengths`` of ``fleetbatch planner profile``: distinct positive integers."""
     vals = _int_set(text, "grid sizes", "8,16,32")
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"grid sizes must be positive integers like 8,16,32, got {text!r}")

@@ -1,4 +1,4 @@
-"""``planner fleet``: plan every cluster of a fleet file on its devices as emulated on this machine."""
+"""``fleetbatch planner fleet``: plan every cluster of a fleet file on its devices as emulated on this machine."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def add_fleet_parser(sub) -> None:
             "docs/study.md), map each device onto this machine (this CPU's profile of the served model, "
             "scaled by the device's catalog ratios; a memory budget scaled from the reference model), "
             "and plan every cluster by each method. Writes OUT/CLUSTER.METHOD.json (plans carrying their "
-            "devices' cost models, for `engine serve --plan P --device-cost plan`) and OUT/fleet-plans.json; "
+            "devices' cost models, for `fleetbatch engine serve --plan P --device-cost plan`) and OUT/fleet-plans.json; "
             "prints that summary as the last line. Cached: the same inputs are not solved twice."
         ),
     )
@@ -55,7 +55,9 @@ def add_fleet_parser(sub) -> None:
     )
     f.add_argument("--model", default="llama:micro", help="the served model's shape (default llama:micro)")
     f.add_argument(
-        "--profile", required=True, help="this CPU's profile of the served model (`engine profile`)"
+        "--profile",
+        required=True,
+        help="this CPU's profile of the served model (`fleetbatch engine profile`)",
     )
     f.add_argument("--methods", default="ilp", help=f"comma-separated, of {', '.join(METHODS)} (default ilp)")
     f.add_argument("--out", default="plans", help="directory of the plan files (default plans)")

@@ -1,4 +1,4 @@
-"""``planner profile`` and ``planner fidelity``: timing a decoder layer here, and the cost models' errors."""
+"""``fleetbatch planner profile`` and ``fleetbatch planner fidelity``: timing a decoder layer here, and the cost models' errors."""
 
 from __future__ import annotations
 
@@ -42,7 +42,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         lm = fit_profile(prof)
         pre, dec = lm.prefill_coef[16], lm.decode_coef[16]
     except ValueError as e:  # a grid too small to fit the layer model: the profile is still written
-        print(f"planner profile: warning: {e}; `planner plan` cannot use this profile", file=sys.stderr)
+        print(
+            f"fleetbatch planner profile: warning: {e}; `fleetbatch planner plan` cannot use this profile",
+            file=sys.stderr,
+        )
         pre = dec = None
     print(
         json.dumps(
@@ -71,7 +74,7 @@ QUICK_LENGTHS = (64, 128, 256)
 
 
 def _profile_grids(args: argparse.Namespace) -> tuple[list | None, list | None]:
-    """Prefill (v x s) and decode (v x c) grids of ``planner profile``: ``--batches`` x ``--lengths``,
+    """Prefill (v x s) and decode (v x c) grids of ``fleetbatch planner profile``: ``--batches`` x ``--lengths``,
     each defaulting to the ``--quick`` sizes, else to the profiler's; (None, None) for the full default."""
     batches = args.batches or (QUICK_BATCHES if args.quick else None)
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else None)

@@ -17,7 +17,7 @@ A spec is YAML or JSON::
 
 A device entry is a type name or a mapping with ``type`` and optional ``count`` (default 1),
 ``memory_gib`` (a memory cap) and ``slowdown`` (default 0: the device takes ``1 + slowdown``
-times as long, as with ``engine serve --slowdown``; its type is renamed e.g. ``CPU@x2`` and the
+times as long, as with ``fleetbatch engine serve --slowdown``; its type is renamed e.g. ``CPU@x2`` and the
 planner scales the base type's profile, see ``planner.catalog.with_slowdown``).
 
 A shorthand string such as ``"3xT4+V100"`` gives one node per device type.

@@ -1,4 +1,4 @@
-"""``planner compare``: our plan against the Uniform and Het baselines on many clusters and models.
+"""``fleetbatch planner compare``: our plan against the Uniform and Het baselines on many clusters and models.
 
 For each (cluster, model) the baselines are planned first; ours is then solved with the total
 omega capped at the smallest omega of the baselines that fit, so its quality is no worse than

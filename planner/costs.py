@@ -284,7 +284,7 @@ class Problem:
 
     def driver_s(self, dev: int, v: int) -> float:
         """The engine's own work per decode micro-batch of ``v`` queries, done by the first stage's
-        process beside its layers (measured by ``engine profile``; 0 when the profile lacks it)."""
+        process beside its layers (measured by ``fleetbatch engine profile``; 0 when the profile lacks it)."""
         return self.latency[self._dtype(dev).name].driver_s(v)
 
     def link_bytes_per_s(self, src: int, dst: int) -> float:

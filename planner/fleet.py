@@ -13,7 +13,7 @@ A fleet file (YAML or JSON) names each cluster's devices by catalog type::
 (the ``clusters:`` level may be left out: a mapping of names to device lists is read as the
 clusters). The devices are emulated on this machine for the *served* local model:
 
-* **Time.** A device's samples are this CPU's profile of the served model (``engine profile``:
+* **Time.** A device's samples are this CPU's profile of the served model (``fleetbatch engine profile``:
   one decoder layer, prefill and decode, and the LM head, at 16 bits), each scaled by the
   catalog roofline ratio of that device at that bit width to the fleet's fastest device at 16
   bits, on the reference model at the same batch and length, times ``time_scale``. So an A100
@@ -30,7 +30,7 @@ clusters). The devices are emulated on this machine for the *served* local model
 
 Each cluster is then planned by the planner on its emulated devices (``plan_cluster``): the
 ILP, or a baseline. The plans carry each device's cost model (``planfile.device_cost``), so
-``engine serve --plan P --device-cost plan`` runs what was planned on the devices it was
+``fleetbatch engine serve --plan P --device-cost plan`` runs what was planned on the devices it was
 planned for.
 """
 
@@ -55,7 +55,7 @@ DEFAULT_TIME_SCALE = 32.0
 DEFAULT_REFERENCE = "opt-30b"
 DEFAULT_BITS = (4, 8, 16)
 
-#: the fleet of ``gateway up --fleet default`` and ``loadgen demo``
+#: the fleet of ``fleetbatch gateway up --fleet default`` and ``fleetbatch loadgen demo``
 DEFAULT_FLEET: dict[str, tuple[str, ...]] = {
     "fast": ("A100-40G", "A100-40G"),
     "medium": ("V100-32G", "T4"),
@@ -156,7 +156,9 @@ def emulated_profile(
     roofline ratio (at each bit width) to the anchor's at 16 bits on the reference model, times ``time_scale``."""
     base = cpu.samples.get(16)
     if not base or not base.get("prefill") or not base.get("decode"):
-        raise ValueError("the CPU profile has no 16-bit prefill and decode samples (run `engine profile`)")
+        raise ValueError(
+            "the CPU profile has no 16-bit prefill and decode samples (run `fleetbatch engine profile`)"
+        )
 
     def scaled(rows, time_of, b: int) -> list[tuple[float, float, float]]:
         """Each ``(v, s, t)`` sample as ``dev`` takes it at ``b`` bits, by the roofline ratio."""

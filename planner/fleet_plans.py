@@ -1,4 +1,4 @@
-"""Plan every cluster of a fleet (``planner fleet``): plan files with their devices' cost models, cached.
+"""Plan every cluster of a fleet (``fleetbatch planner fleet``): plan files with their devices' cost models, cached.
 
 For each cluster of the fleet file (:mod:`planner.fleet`) and each method asked for (``ilp``: the
 planner; ``uniform``: an even layer split at the highest uniform bit width that fits; ``het``:
@@ -7,7 +7,7 @@ a speed-balanced split at one bit width; see :mod:`planner.baselines`), this wri
 (``planfile.device_cost``) and whose ``memory_bytes`` (the engine's cap) adds what the budget leaves
 out (the KV pool of the engine's ``kv_tokens`` for the stage's layers, embeddings, head,
 activations), counted at the engine's float32, and ``<out>/fleet-plans.json``, the summary
-``gateway up --fleet`` and ``loadgen study --planned`` read: per cluster and method the plan's
+``fleetbatch gateway up --fleet`` and ``fleetbatch loadgen study --planned`` read: per cluster and method the plan's
 path, devices, layer split, bits, micro-batch sizes, predicted tokens/s and solve time.
 
 Plans are cached by the content of (fleet, model, CPU profile, workload, methods): a second run
@@ -134,7 +134,7 @@ def granted_bytes(problem: Problem, a: Assignment, k: int, kv_tokens: int) -> in
 
 
 def summary_row(pl: Plan, path: Path) -> dict:
-    """What ``gateway up`` prints and ``loadgen`` reads of one plan."""
+    """What ``fleetbatch gateway up`` prints and ``loadgen`` reads of one plan."""
     return {
         "plan": str(path),
         "method": pl.method,

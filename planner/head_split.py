@@ -11,7 +11,7 @@ the two stages that meet at sampling.
 ``f`` makes the first and last stages' decode micro-batches equally long (a decode micro-batch
 runs once per generated token; prefill takes the same share), within the first stage's memory.
 The first stage's process is also the engine's driver: per micro-batch it schedules, builds and
-sends the batch and applies its tokens. That work, measured by ``engine profile``
+sends the batch and applies its tokens. That work, measured by ``fleetbatch engine profile``
 (``Problem.driver_s``), counts on the first stage's side of the balance; the stage latencies the
 plan predicts stay those of the model's compute.
 The search scores every candidate with its best share, so the layer partition is chosen knowing

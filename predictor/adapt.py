@@ -1,4 +1,4 @@
-"""``predictor adapt``: does retraining on observed lengths adapt the predictor to the served model?
+"""``fleetbatch predictor adapt``: does retraining on observed lengths adapt the predictor to the served model?
 
 A benchmark that plays a deployment whose served model answers differently from the data the
 predictor was trained on (issue 16, item 3):
@@ -10,14 +10,14 @@ predictor was trained on (issue 16, item 3):
 3. the observed part's (prompt, true length) pairs are written to a real Redis exactly as the
    engines do it: ``WorkQueue.record_observed`` (``engines/worker.py``), onto ``fb:observed``,
    with the before-model's estimate as ``predicted``;
-4. ``predictor retrain --from-redis`` runs on it: its own option declarations and ``run``
+4. ``fleetbatch predictor retrain --from-redis`` runs on it: its own option declarations and ``run``
    (:mod:`predictor.commands.retrain`);
 5. Kendall tau, MAE (of each model's declared point estimate) and the predicted/true sum
    ratio (of the calibrated expectation, what the gateway adds up) are scored on the held-out
    prompts before and after, with the original workload's test split beside them.
 
 Lengths are in the serving tokenizer's tokens (``localmodels.default_tokenizer`` unless
-``--serving-tokenizer``), the same counting as ``predictor train``.
+``--serving-tokenizer``), the same counting as ``fleetbatch predictor train``.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def relabeled(
     original: LabeledSet, served: LabeledSet, observed: LabeledSet, path: Path, keep_n: int | None, seed: int
 ) -> Path:
     """Write the original labels without any served prompt (a seeded sample of ``keep_n`` of them when
-    given), plus the observations, as a labels JSONL (the format of ``predictor export``)."""
+    given), plus the observations, as a labels JSONL (the format of ``fleetbatch predictor export``)."""
     drop = set(served.prompts)
     keep = original.subset([i for i, p in enumerate(original.prompts) if p not in drop]).sample(keep_n, seed)
     data = keep.concat(LabeledSet(observed.prompts, observed.lengths, ["observed"] * len(observed)))
@@ -188,7 +188,7 @@ def relabeled(
 
 
 def retrain_argv(args: argparse.Namespace, url: str, out: str, n_observed: int, data: str) -> list[str]:
-    """The ``predictor retrain`` command line this benchmark runs."""
+    """The ``fleetbatch predictor retrain`` command line this benchmark runs."""
     argv = ["retrain", "--model", str(args.model), "--from-redis", url, "--out", out]
     argv += ["--observed-limit", str(n_observed), "--data", data]
     argv += ["--original", str(args.original), "--epochs", str(args.epochs), "--lr", str(args.lr)]
@@ -208,7 +208,7 @@ def _row(name: str, model: str, s: dict) -> str:
 
 
 def print_table(served: str, sets: dict[str, tuple[dict, dict]]) -> None:
-    print(f"predictor adapt: served model {served}")
+    print(f"fleetbatch predictor adapt: served model {served}")
     print(
         f"{'set':<22} {'model':<7} {'n':>6} {'estimate':>8} {'tau':>6} {'MAE':>7} {'sum':>6} "
         f"{'mean pred':>9} {'mean true':>9}"

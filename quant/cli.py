@@ -129,7 +129,7 @@ def cmd_bytes(a: argparse.Namespace) -> dict:
 def cmd_eval(a: argparse.Namespace) -> dict:
     if not (Path(a.model) / "config.json").exists():
         raise FileNotFoundError(
-            f"{a.model} is not a model directory (no config.json); run `quant train-tiny` first"
+            f"{a.model} is not a model directory (no config.json); run `fleetbatch quant train-tiny` first"
         )
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
@@ -152,9 +152,9 @@ def cmd_eval(a: argparse.Namespace) -> dict:
     return res
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "fleetbatch quant") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="quant",
+        prog=prog,
         description="Mixed-precision weight-only quantization (RTN 2/3/4/8 bit, packed), exact memory "
         "accounting, the LLM-PQ variance indicator, KV-cache quantization and perplexity checks.",
     )
@@ -263,10 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "fleetbatch quant") -> int:
     errors = (ValueError, FileNotFoundError, OSError, TypeError)
     spec = {"errors": errors, "log_format": PLAIN_LOG, "print_json": True, "json_default": str}
-    return run_main(build_parser(), argv, lambda a: a.func(a), prog="quant", **spec)
+    return run_main(build_parser(prog), argv, lambda a: a.func(a), prog=prog, **spec)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Quality of bit maps: held-out perplexity of a model under uniform and mixed bit maps.
 
-``quant eval`` compares, on the ``heldout`` split of :mod:`quant.textdata`:
+``fleetbatch quant eval`` compares, on the ``heldout`` split of :mod:`quant.textdata`:
 fp16 weights, uniform int8/int4/int3, and mixed maps at *equal weight bytes* -- half of the
 decoder layers at the high bit width and half at the low one -- chosen by the variance indicator
 (the layers with the largest ``omega(i, low) - omega(i, high)`` get the high bits) versus random
@@ -163,7 +163,7 @@ def evaluate(
     data_dir=None,
     plot: str | Path | None = None,
 ) -> dict:
-    """All figures of ``quant eval`` (see the module docstring)."""
+    """All figures of ``fleetbatch quant eval`` (see the module docstring)."""
     cfg = model.config
     L = cfg.num_hidden_layers
     if L < 2:
@@ -189,7 +189,7 @@ def evaluate(
     g, a, rnd = layer_maps(omega, low, high, n_random, seed)
     go, ao, rndo = op_maps(cfg, per_op, low, high, n_random, seed)
     total = 4 + 2 + len(rnd) + 2 + len(rndo) + 2
-    bar = tqdm(total=total, desc="quant eval", unit="ppl")
+    bar = tqdm(total=total, desc="fleetbatch quant eval", unit="ppl")
 
     def step(v):
         bar.update(1)

@@ -2,7 +2,7 @@
 
 The mixed workload (prompt and response of each record) is split deterministically by record
 index: index % 20 == 0 -> ``heldout`` (perplexity), == 1 -> ``calib`` (indicator activations),
-the rest -> ``train`` (``quant train-tiny``). So perplexity is measured on texts the model and the
+the rest -> ``train`` (``fleetbatch quant train-tiny``). So perplexity is measured on texts the model and the
 indicator never saw.
 """
 

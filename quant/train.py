@@ -1,6 +1,6 @@
-"""``quant train-tiny``: train a small Llama-architecture LM on the shared text (CPU, minutes).
+"""``fleetbatch quant train-tiny``: train a small Llama-architecture LM on the shared text (CPU, minutes).
 
-Random weights make perplexity meaningless, so the quality checks of ``quant eval`` use a model
+Random weights make perplexity meaningless, so the quality checks of ``fleetbatch quant eval`` use a model
 trained here: Llama (hidden 128, 4 layers, GQA 4/2 heads, tied embeddings; small so that a few
 minutes on 2 shared cores teach it something) with the project's
 default BPE tokenizer, on the ``train`` split of :mod:`quant.textdata`, AdamW with warmup and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the main job on the embedded default: `gateway up`
+# Set up (if needed) and run the main job on the embedded default: `fleetbatch gateway up`
 # (embedded Redis, three engines of different speeds, the gateway) plus a sample
 # batch: real prompts of the mixed workload with their recorded lengths where the data
 # directory exists ($FLEETBATCH_DATA or ../shared/data), else the generated mix; then
@@ -9,4 +9,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/loadgen demo -n "${DEMO_QUERIES:-200}" "$@"
+exec .venv/bin/fleetbatch loadgen demo -n "${DEMO_QUERIES:-200}" "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything fleetbatch needs on a fresh machine (idempotent):
 # a redis-server binary, a virtualenv in .venv, the CPU build of torch 2.13.0,
-# the project with its test extras, and the caches a run reads (`gateway prepare`).
+# the project with its test extras, and the caches a run reads (`fleetbatch gateway prepare`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,6 +42,6 @@ echo "setup: installing fleetbatch with its test extras"
 .venv/bin/python -m pip install -q -e ".[test]"
 # the caches a run reads (the default tokenizer, this CPU's profile, matplotlib's fonts), built here once,
 # never by surprise in the middle of a run or by several test workers at once
-echo "setup: building the caches (gateway prepare: \$FLEETBATCH_CACHE=${FLEETBATCH_CACHE:-~/.cache/fleetbatch})"
-.venv/bin/gateway prepare >/dev/null
+echo "setup: building the caches (fleetbatch gateway prepare: \$FLEETBATCH_CACHE=${FLEETBATCH_CACHE:-~/.cache/fleetbatch})"
+.venv/bin/fleetbatch gateway prepare >/dev/null
 echo "setup: done (activate with: . .venv/bin/activate)"

@@ -13,12 +13,12 @@ What runs for real (imported from the project, not copied):
 * static batching: the batch choice and ``free_slots`` of :class:`engines.static_engine.StaticBatchEngine`.
 
 What is modelled: the time a step takes (:mod:`sim.costs`: a linear per-cluster cost model,
-or one linearised from a planner profile), the model's tokens (forced lengths), Redis (plain
+or one linearised from a fleetbatch planner profile), the model's tokens (forced lengths), Redis (plain
 per-cluster deques) and the network (moves are instant; their cost enters only the decision).
 
 Modules: :mod:`sim.costs` (step times), :mod:`sim.workload` (queries and arrivals),
 :mod:`sim.engines` (simulated engines around the real scheduler), :mod:`sim.pipelined` (a planned
 cluster: the plan's pipeline stages on their devices' cost models), :mod:`sim.core` (the event
 loop), :mod:`sim.study` (MICO's four combinations, the cluster sweep, the scale run) and
-:mod:`sim.cli` (the ``fleetsim`` command: ``fleetsim study|scale``; ``python -m sim.cli`` too). See ``docs/sim.md``.
+:mod:`sim.cli` (the ``fleetsim`` command: ``fleetbatch sim study|scale``; ``python -m sim.cli`` too). See ``docs/sim.md``.
 """

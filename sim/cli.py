@@ -1,4 +1,4 @@
-"""``fleetsim study|scale|validate|deadlines`` (or ``python -m sim.cli``): MICO's study and the scale run in cost-model time.
+"""``fleetbatch sim study|scale|validate|deadlines`` (or ``python -m sim.cli``): MICO's study and the scale run in cost-model time.
 
 The last line of the output is one JSON object (see ``docs/sim.md``).
 """
@@ -85,9 +85,9 @@ def _setup(args: argparse.Namespace) -> StudySetup:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "fleetbatch sim") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fleetsim",
+        prog=prog,
         description="Discrete-event simulation of a fleet in cost-model time, driving the real assigner, "
         "offloading decision and engine scheduler.",
     )
@@ -133,19 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
     _cost_args(c)
     v = sub.add_parser(
         "validate",
-        help="sim_makespan_error: replay real `loadgen study` runs in cost-model time",
+        help="sim_makespan_error: replay real `fleetbatch loadgen study` runs in cost-model time",
         description=validate_doc,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     v.add_argument(
         "runs",
         nargs="+",
-        help="run directories of `loadgen study` (iteration-level setups) or of `loadgen study --planned`",
+        help="run directories of `fleetbatch loadgen study` (iteration-level setups) or of `fleetbatch loadgen study --planned`",
     )
     _cost_args(v)
     d = sub.add_parser(
         "deadlines",
-        help="loadgen deadlines' scenario makespan and its runs replayed (deadline order, expiry)",
+        help="fleetbatch loadgen deadlines' scenario makespan and its runs replayed (deadline order, expiry)",
         description=deadlines.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -207,11 +207,9 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "fleetbatch sim") -> int:
     errors, message = (ValueError, FileNotFoundError), "error: {error}"
-    return run_main(
-        build_parser(), argv, run, prog="fleetsim", errors=errors, message=message, print_json=True
-    )
+    return run_main(build_parser(prog), argv, run, prog=prog, errors=errors, message=message, print_json=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 from engines.config import EngineConfig
 from gateway.assign.estimates import charged_tokens
-from gateway.assign.policies import ClusterView, QueryLoad, make_policy, queue_order
+from gateway.assign.policies import ClusterView, QueryLoad, queue_order
+from gateway.assign.registry import make_policy
 from gateway.offload.moves import Backoff, LinkCost, plan_offload
 from sim.costs import LinearCost
 from sim.engines import IterationEngine, StaticEngine
@@ -66,7 +67,7 @@ class SimConfig:
     prefill_chunk: int = 256
     safety_margin: float = 0.10
     bulk: bool = True
-    prefix_cache: bool = True  # the engines' prefix cache (engine serve --no-prefix-cache: False)
+    prefix_cache: bool = True  # the engines' prefix cache (fleetbatch engine serve --no-prefix-cache: False)
 
 
 class _Cluster:

@@ -1,4 +1,4 @@
-"""Step times in cost-model seconds: a linear per-cluster model, or one linearised from a planner profile.
+"""Step times in cost-model seconds: a linear per-cluster model, or one linearised from a fleetbatch planner profile.
 
 One engine step that computes ``p`` prefill tokens and decodes ``d`` sequences takes
 
@@ -7,7 +7,7 @@ One engine step that computes ``p`` prefill tokens and decodes ``d`` sequences t
 seconds. ``speed`` is the cluster's speed factor (1:2:4 fleets). The model has no context-length
 term on purpose: a step's time then does not change while a batch decodes, so the simulator can
 advance many identical decode steps at once (``docs/sim.md``). :meth:`LinearCost.from_profile`
-linearises a planner profile (``planner profile`` / ``engine profile`` output, the LLM-PQ forms of
+linearises a fleetbatch planner profile (``fleetbatch planner profile`` / ``fleetbatch engine profile`` output, the LLM-PQ forms of
 ``docs/planner.md``) at a reference prompt length and context.
 """
 
@@ -23,7 +23,7 @@ from planner.latency import Profile, fit_profile
 
 @dataclass(frozen=True)
 class LinearCost(StepCost):
-    """Per-cluster step cost (:class:`engines.device.StepCost`, the emulated device of ``engine serve
+    """Per-cluster step cost (:class:`engines.device.StepCost`, the emulated device of ``fleetbatch engine serve
     --device-cost``); times are those of a speed-1 cluster, divided by ``speed``."""
 
     def with_speed(self, speed: float) -> LinearCost:
@@ -48,7 +48,7 @@ class LinearCost(StepCost):
         context_ref: float = 256.0,
         speed: float = 1.0,
     ) -> LinearCost:
-        """Linearise a planner profile of one decoder layer for a ``layers``-layer model on one device.
+        """Linearise a fleetbatch planner profile of one decoder layer for a ``layers``-layer model on one device.
 
         Prefill of a chunk of ``s`` tokens: ``c0 + c1 + (c2 + c3) s + c4 s^2`` per layer, taken per
         token at ``s = prompt_ref`` (the per-call terms go to the step overhead). Decode of ``v``

@@ -1,15 +1,15 @@
-"""``python -m sim.cli deadlines``: the simulator's side of ``loadgen deadlines`` (which runs it apart:
+"""``python -m sim.cli deadlines``: the simulator's side of ``fleetbatch loadgen deadlines`` (which runs it apart:
 ``load`` does not import ``sim``).
 
 * ``--workload FILE`` (prompt and true tokens, written by the harness): the makespan of the whole
   workload on the fleet, all at once: the ``T`` the scenario's windows are multiples of.
-* run directories of ``loadgen deadlines`` (``results.jsonl``, ``meta.json``): each run replayed with
+* run directories of ``fleetbatch loadgen deadlines`` (``results.jsonl``, ``meta.json``): each run replayed with
   its rows' lengths and predictions, its batches' submission times, order keys and deadlines (a row
   that expired unrun gets its predicted length; a queued row past its deadline expires): each
   batch's finish, seconds after the first submission, or null when some of it expired.
 
 The fleet is the study's: ``--speeds`` (1,2,4) on the ``--device-cost`` device, token policy,
-offloading, the capacity hints of ``loadgen study`` (100 / speed).
+offloading, the capacity hints of ``fleetbatch loadgen study`` (100 / speed).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def replay(run_dir: Path, batch: int) -> dict[str, float | None]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("runs", nargs="*", help="run directories of `loadgen deadlines` to replay")
+    p.add_argument("runs", nargs="*", help="run directories of `fleetbatch loadgen deadlines` to replay")
     p.add_argument("--workload", default=None, help="a workload file: print the fleet's makespan of it")
     p.add_argument(
         "--device-cost", default="15,0.2,1", help="the speed-1 device, ms: overhead,prefill,decode"

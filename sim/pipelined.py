@@ -9,7 +9,7 @@ stage is in flight, then take the oldest back and apply it.
 
 Each micro-batch lasts on each stage what that stage's plan device charges
 (:class:`engines.emulation.EmulatedDevice`, built by :meth:`engines.stage_spec.StageSpec.emulated`
-from :func:`engines.plan.plan_stages`, as ``engine serve --device-cost plan`` builds it), read
+from :func:`engines.plan.plan_stages`, as ``fleetbatch engine serve --device-cost plan`` builds it), read
 from the micro-batch's layout (prompt chunk tokens, decode contexts, sampled rows). The timing
 follows :mod:`engines.pipeline`: the driver computes stage 0's layers when it submits (it waits
 for them), the stage processes take micro-batches in order, each when it arrives and the stage
@@ -80,7 +80,7 @@ class PipelineClock:
 
     @classmethod
     def from_plan(cls, path: str | Path) -> PipelineClock:
-        """The devices ``engine serve --plan PATH --device-cost plan`` emulates (a ValueError when a
+        """The devices ``fleetbatch engine serve --plan PATH --device-cost plan`` emulates (a ValueError when a
         stage's device has no cost model)."""
         plan = load_plan(Path(path))
         stages = plan_stages(str(path))

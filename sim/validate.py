@@ -1,4 +1,4 @@
-"""The simulator against real runs: ``sim_makespan_error`` on ``loadgen study`` run directories.
+"""The simulator against real runs: ``sim_makespan_error`` on ``fleetbatch loadgen study`` run directories.
 
 Each real run (``results.jsonl``, ``meta.json``, ``clusters.yaml`` of :mod:`load.study`) is
 replayed in cost-model time with the same queries (prompt tokens, the lengths the engines
@@ -10,12 +10,12 @@ with the median real/simulated ratio of the *other* runs of its session (one stu
 the machine's speed drifts between sessions). ``sim_makespan_error`` is the mean relative
 error of those predictions.
 
-Runs whose engines emulated their device by cost model (``loadgen study --emulation cost``, the
+Runs whose engines emulated their device by cost model (``fleetbatch loadgen study --emulation cost``, the
 default; ``meta.json`` names the device as ``device_cost_ms``) need no fit: the simulator replays
 them on that very device, and the error is that of the simulation itself (queue and gateway
 overheads, step-boundary timing) with nothing calibrated on the runs.
 
-Planned runs (``loadgen study --planned``: ``meta.json`` has ``planned``, each cluster's plan under
+Planned runs (``fleetbatch loadgen study --planned``: ``meta.json`` has ``planned``, each cluster's plan under
 ``plans/``) are replayed the same way with nothing fitted, each cluster as
 :class:`sim.pipelined.PipelinedEngine` on its plan (its stages on their plan devices' cost models,
 as the engines emulated them), the capacity the gateway used being the plan's tokens/s. One
@@ -50,7 +50,9 @@ class RealRun:
     makespan_s: float
     device_cost_ms: str | None = None  # the emulated speed-1 device of --emulation cost runs
     names: list[str] | None = None  # the clusters' names (planned runs; else c1, c2, ...)
-    plans: list[str] | None = None  # planned runs (``loadgen study --planned``): each cluster's plan file
+    plans: list[str] | None = (
+        None  # planned runs (``fleetbatch loadgen study --planned``): each cluster's plan file
+    )
     offload: bool = False  # the run's gateway offloaded (``meta.json``: ``offload``)
     kv_budget_tokens: int = 16384  # each engine's KV cache (``--kv-budget-tokens``)
     prefix_cache: bool = True  # the engines' prefix cache (off: ``--no-prefix-cache``)
@@ -72,7 +74,7 @@ def read_run(path: str | Path) -> RealRun:
     t0 = min(float(r["timings"]["enqueued_at"]) for r in rows)
     end = max(float(r["timings"]["finished_at"]) for r in rows)
     prompts = [int(r.get("prompt_tokens") or 1) for r in rows]
-    # loadgen prefix: each row's prefix group and shared tokens, as the gateway's rule finds them
+    # fleetbatch loadgen prefix: each row's prefix group and shared tokens, as the gateway's rule finds them
     shared = json.loads((run / "prefixes.json").read_text()) if (run / "prefixes.json").exists() else None
     pairs = [shared.get(r["query_id"], [None, 0]) for r in rows] if shared is not None else None
     work = Workload(
@@ -90,7 +92,7 @@ def read_run(path: str | Path) -> RealRun:
     )
     kv = int(args[args.index("--kv-budget-tokens") + 1]) if "--kv-budget-tokens" in args else 16384
     planned = meta.get("planned")
-    if planned is not None:  # loadgen study --planned: every cluster runs its plan's stages
+    if planned is not None:  # fleetbatch loadgen study --planned: every cluster runs its plan's stages
         plans = [str(run / planned["clusters"][c["name"]]["plan"]) for c in fleet]
         return RealRun(
             path=run,
@@ -153,7 +155,7 @@ def validate(paths: list[str | Path], cost: LinearCost) -> dict:
     """Leave-one-out makespan error of the simulator on real runs.
 
     The held-out run's scale is the median real/simulated ratio of the other runs *of the same
-    session* (the runs in the same directory: one ``loadgen study`` repeat, measured minutes
+    session* (the runs in the same directory: one ``fleetbatch loadgen study`` repeat, measured minutes
     apart on the same machine), or of all other runs when it is alone in its session. A shared
     CPU's speed drifts between sessions (a third between two repeats on an idle machine), which
     no cost model can know; ``sim_makespan_error_pooled`` fits one scale over every session,
@@ -162,7 +164,7 @@ def validate(paths: list[str | Path], cost: LinearCost) -> dict:
     planned = [r.plans is not None for r in runs]
     if any(planned) and not all(planned):
         raise ValueError(
-            "planned runs (loadgen study --planned) are validated apart from the other studies' runs"
+            "planned runs (fleetbatch loadgen study --planned) are validated apart from the other studies' runs"
         )
     devices = {r.device_cost_ms for r in runs}
     # planned runs: every stage emulated its plan device's cost model, replayed on the plans (no fit)

@@ -8,7 +8,7 @@ Sources, all through the real loaders of :mod:`load.workload`:
   for unseen prompts;
 * ``mixed`` -- :func:`load.workload.from_dataset` on the real mixed workload of ``../shared/data``
   (lengths in tokens of the serving tokenizer); the prediction comes from the TF-IDF + ridge
-  fallback predictor of ``loadgen compare-policies`` fitted on other records of the dataset;
+  fallback predictor of ``fleetbatch loadgen compare-policies`` fitted on other records of the dataset;
 * :func:`bootstrap` -- ``n`` queries resampled from one of the above (the 1,000,000-query scale run).
 
 Arrivals come from :mod:`load.arrivals` (all at once, Poisson, or the Azure trace's timestamps).

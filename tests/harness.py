@@ -65,7 +65,7 @@ class GatewayThread:
 
 
 def start_engine(cluster: str, redis_url: str, log_dir: Path, *extra: str) -> subprocess.Popen:
-    """A real ``engine serve`` process (small random model) for ``cluster``."""
+    """A real ``fleetbatch engine serve`` process (small random model) for ``cluster``."""
     log = open(log_dir / f"engine-{cluster}.log", "ab")  # noqa: SIM115 - owned by the child
     cmd = [
         sys.executable,

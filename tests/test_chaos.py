@@ -1,4 +1,4 @@
-"""`loadgen chaos` in CI: all eleven fault kinds injected into one real deployment while batches run.
+"""`fleetbatch loadgen chaos` in CI: all eleven fault kinds injected into one real deployment while batches run.
 
 SIGKILL and SIGSTOP of busy engines, SIGKILL of Redis and a Redis outage of more than twice the
 lease, a partition between an engine and Redis (a TCP proxy blackhole), racing admin rebalances,

@@ -1,4 +1,4 @@
-"""The books of `loadgen chaos` on hand-made OpenAI batches (issue 31, build 2): a user's view
+"""The books of `fleetbatch loadgen chaos` on hand-made OpenAI batches (issue 31, build 2): a user's view
 counts a missing or doubled ``custom_id``, ``request_counts`` that disagree with the files,
 ``usage`` that is not the lines' sum, and an error line for a row that could have run. And on
 hand-made gRPC batches in a real Redis: a batch counting too many cannot hide a stuck one, the

@@ -1,4 +1,4 @@
-"""How ``loadgen chaos`` tells that a killed engine came back (``load.chaos_faults``): real processes
+"""How ``fleetbatch loadgen chaos`` tells that a killed engine came back (``load.chaos_faults``): real processes
 killed by pid, heartbeats in a real Redis, a stand-in for the supervisor that restarts them.
 
 A heartbeat the killed engine stamped while dying (after the harness noted the time of the kill,

@@ -29,12 +29,12 @@ def run(args: argparse.Namespace):
 
 
 def test_an_expected_error_is_a_message_and_an_exit_code(capsys):
-    assert run_main(parser(), ["go", "--fail", "value"], run, prog="tool", log_format=None) == 2
+    assert run_main(parser(), ["go", "--fail", "value"], run, prog="tool", log_format=None) == 1
     assert capsys.readouterr().err.strip() == "tool go: error: bad value"
     code = run_main(
-        parser(), ["go", "--fail", "value"], run, prog="tool", error_code=1, message="{prog}: {error}!"
+        parser(), ["go", "--fail", "value"], run, prog="tool", error_code=3, message="{prog}: {error}!"
     )
-    assert code == 1 and capsys.readouterr().err.strip() == "tool: bad value!"
+    assert code == 3 and capsys.readouterr().err.strip() == "tool: bad value!"
 
 
 def test_other_errors_keep_their_traceback():
@@ -61,5 +61,5 @@ def test_without_a_subcommand_the_message_names_the_program_alone(capsys):
         raise FileNotFoundError("no such file")
 
     plain = argparse.ArgumentParser(prog="tool")
-    assert run_main(plain, [], fail, prog="tool") == 2
+    assert run_main(plain, [], fail, prog="tool") == 1
     assert capsys.readouterr().err.strip() == "tool: error: no such file"

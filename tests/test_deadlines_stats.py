@@ -1,4 +1,4 @@
-"""``loadgen deadlines``' figures on recorded reads, and the simulator's deadline order and expiry."""
+"""``fleetbatch loadgen deadlines``' figures on recorded reads, and the simulator's deadline order and expiry."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The README's main job, small: `loadgen demo` runs `gateway up` (embedded Redis, the planned default
+"""The README's main job, small: `fleetbatch loadgen demo` runs `fleetbatch gateway up` (embedded Redis, the planned default
 fleet's 3 engines with their pipeline stages, gateway), submits a batch of real prompts, prints each
 cluster's layout and the per-cluster summary, and stops everything."""
 
@@ -16,7 +16,7 @@ from tests.harness import REPO
 
 def test_loadgen_demo_runs_the_local_deployment_end_to_end(tmp_path):
     """On a fresh machine: an empty cache directory, so the tokenizer is trained and this CPU profiled during
-    the run (`engine profile` run by `gateway up`, itself started by loadgen: it once ended itself, exit -15)."""
+    the run (`fleetbatch engine profile` run by `fleetbatch gateway up`, itself started by loadgen: it once ended itself, exit -15)."""
     # short answers: one long answer left alone on the slow cluster would set the test's time
     cmd = [sys.executable, "-m", "load.cli", "demo", "-n", "24", "--max-tokens", "32", "--no-progress",
            "--run-dir", str(tmp_path / "run")]  # fmt: skip
@@ -32,7 +32,7 @@ def test_loadgen_demo_runs_the_local_deployment_end_to_end(tmp_path):
     assert all(c["predicted_completion_tokens"] > 0 for c in summary["clusters"].values())
     assert "length predictor: learned" in out.stdout + out.stderr  # the shipped model, not the heuristic
     assert "workload: mixed (real prompts, recorded lengths)" in out.stdout  # the data directory is here
-    assert not (tmp_path / "run" / "gateway.json").exists(), "gateway up did not clean up"
+    assert not (tmp_path / "run" / "gateway.json").exists(), "fleetbatch gateway up did not clean up"
     # the default fleet is planned: every cluster's layout is shown, then its plan against measurement
     assert (
         "planned layout per cluster:" in out.stdout and "plan against measurement per cluster:" in out.stdout

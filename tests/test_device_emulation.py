@@ -1,4 +1,4 @@
-"""The cost-model device (``engine serve --device-cost``): what engines report, what the worker charges,
+"""The cost-model device (``fleetbatch engine serve --device-cost``): what engines report, what the worker charges,
 and when a query counts as finished on the emulated device."""
 
 from __future__ import annotations

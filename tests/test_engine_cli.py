@@ -31,12 +31,12 @@ def test_generate_jsonl_roundtrip(tmp_path, capsys):
 def test_generate_bad_input_is_a_clear_error(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
-    assert main(["generate", str(bad), "--size", "nano"]) == 2
+    assert main(["generate", str(bad), "--size", "nano"]) == 1
     assert "line 1 needs a string 'prompt'" in capsys.readouterr().err
     bad.write_text("{not json\n")
-    assert main(["generate", str(bad), "--size", "nano"]) == 2
+    assert main(["generate", str(bad), "--size", "nano"]) == 1
     assert "line 1 is not valid JSON" in capsys.readouterr().err
-    assert main(["generate", str(tmp_path / "missing.jsonl"), "--size", "nano"]) == 2
+    assert main(["generate", str(tmp_path / "missing.jsonl"), "--size", "nano"]) == 1
     assert "not found" in capsys.readouterr().err
 
 
@@ -61,7 +61,7 @@ def test_bench_prints_one_json_object_last(data_root, tmp_path, capsys):
 
 
 def test_bench_rejects_unknown_method(capsys):
-    assert main(["bench", "--methods", "static,magic"]) == 2
+    assert main(["bench", "--methods", "static,magic"]) == 1
     assert "unknown method" in capsys.readouterr().err
 
 
@@ -81,5 +81,5 @@ def test_prefix_bench_prints_the_cache_figures_last(data_root, capsys):
 
 
 def test_prefix_bench_rejects_a_bad_share(capsys):
-    assert main(["bench", "--prefix-workload", "--unique-share", "1.5"]) == 2
+    assert main(["bench", "--prefix-workload", "--unique-share", "1.5"]) == 1
     assert "--unique-share" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The model runner runs on the device it is given: the CPU by default, CUDA only when it is there.
 
-Asked for CUDA on a machine without it, the engine and ``engine serve --device cuda`` fail with a
+Asked for CUDA on a machine without it, the engine and ``fleetbatch engine serve --device cuda`` fail with a
 clear error instead of running on the CPU.
 """
 
@@ -69,10 +69,10 @@ def test_serve_with_an_unavailable_device_exits_with_a_message(monkeypatch, capl
     no_cuda(monkeypatch)
     argv = ["serve", "--cluster", "c", "--redis-url", "redis://127.0.0.1:1", "--device", "cuda"]
     with caplog.at_level(logging.ERROR):
-        assert main(argv) == 2
+        assert main(argv) == 1
     assert "CUDA is not available" in caplog.text
     argv = ["serve", "--cluster", "c", "--redis-url", "redis://127.0.0.1:1", "--device", "tpu"]
-    assert main(argv) == 2
+    assert main(argv) == 1
 
 
 @pytest.mark.gpu

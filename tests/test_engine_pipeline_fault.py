@@ -1,4 +1,4 @@
-"""SIGKILL one stage process of a pipelined ``engine serve`` mid-batch: a clear error naming the stage,
+"""SIGKILL one stage process of a pipelined ``fleetbatch engine serve`` mid-batch: a clear error naming the stage,
 the worker's queries go back to the queue, another worker finishes them, each exactly once, no orphan."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _plan(path) -> str:
 
 
 def _start_pipelined(cluster: str, redis_url: str, tmp_path, *extra: str) -> tuple:
-    """``engine serve --plan`` for ``cluster``; returns the process and its stage process's pid (from its log)."""
+    """``fleetbatch engine serve --plan`` for ``cluster``; returns the process and its stage process's pid (from its log)."""
     engine = start_engine(
         cluster, redis_url, tmp_path, *ENGINE_ARGS, *extra, "--plan", _plan(tmp_path / "plan.json")
     )

@@ -1,4 +1,4 @@
-"""`gateway up` under faults: a killed engine is restarted, and a killed `gateway up` leaves no orphans."""
+"""`fleetbatch gateway up` under faults: a killed engine is restarted, and a killed `fleetbatch gateway up` leaves no orphans."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def read_info(run_dir: Path) -> dict | None:
 
 def check_secrets(run_dir: Path, info: dict) -> None:
     """Issue 31 (finding 7, 10): gateway.json and the token files are the owner's alone, no engine has
-    the Redis URL on its command line, and the batch API wants the client token gateway up wrote."""
+    the Redis URL on its command line, and the batch API wants the client token fleetbatch gateway up wrote."""
     import grpc
 
     from gateway.grpc_api.auth import deployment_token
@@ -64,7 +64,7 @@ def test_a_killed_engine_is_restarted_and_a_killed_gateway_up_leaves_no_process(
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
     up = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        info = wait_until(lambda: read_info(run_dir), 300, "gateway up to start")
+        info = wait_until(lambda: read_info(run_dir), 300, "fleetbatch gateway up to start")
         queue = WorkQueue(connect(info["redis_url"]))
         check_secrets(run_dir, info)
         old = info["engine_pids"]["fast"]
@@ -89,7 +89,7 @@ def test_a_killed_engine_is_restarted_and_a_killed_gateway_up_leaves_no_process(
         assert info["engine_pids"]["fast"] != old
         children = [*info["engine_pids"].values(), info["redis_pid"]]
         assert all(running(p) for p in children)
-        os.kill(up.pid, signal.SIGKILL)  # no clean-up code runs in gateway up
+        os.kill(up.pid, signal.SIGKILL)  # no clean-up code runs in fleetbatch gateway up
         up.wait(timeout=30)
         wait_until(lambda: not any(running(p) for p in children), 60, "engines and Redis to exit with it")
     finally:
@@ -118,7 +118,7 @@ def test_a_clean_exit_is_not_restarted_and_a_crash_is(tmp_path):
 
 
 def test_a_child_started_without_a_preexec_fn_still_dies_with_its_parent():
-    """`gateway up` starts engines without a preexec_fn (no Python between fork and exec beside gRPC's threads):
+    """`fleetbatch gateway up` starts engines without a preexec_fn (no Python between fork and exec beside gRPC's threads):
     the engine asks the kernel itself, and ends at once when the parent it was given is already gone."""
     from workqueue.embedded import PARENT_ENV
 
@@ -139,9 +139,9 @@ def test_a_child_started_without_a_preexec_fn_still_dies_with_its_parent():
 
 
 def test_the_parent_variable_is_consumed_not_inherited_by_grandchildren():
-    """A harness ties `gateway up` to itself; `gateway up` then runs `engine profile` with its own environment.
+    """A harness ties `fleetbatch gateway up` to itself; `fleetbatch gateway up` then runs `fleetbatch engine profile` with its own environment.
     The grandchild must not inherit the harness's pid (it would see another parent and end itself: the
-    fresh-machine failure of `loadgen demo`, 'engine profile failed (exit -15)')."""
+    fresh-machine failure of `fleetbatch loadgen demo`, 'fleetbatch engine profile failed (exit -15)')."""
     from workqueue.embedded import PARENT_ENV
 
     grandchild = (

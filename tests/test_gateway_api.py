@@ -253,7 +253,7 @@ def test_gateway_serve_cli_starts_and_stops_cleanly(redis_url, capsys):
             if m:
                 address = m.group(1)
                 break
-        assert address, "gateway serve never said where it listens"
+        assert address, "fleetbatch gateway serve never said where it listens"
         with channel(address, token=token) as ch:
             assert pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=10) is not None
         with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as e:

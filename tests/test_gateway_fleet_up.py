@@ -1,4 +1,4 @@
-"""`gateway up --fleet`: planned clusters become engines that run their plans (issue 32).
+"""`fleetbatch gateway up --fleet`: planned clusters become engines that run their plans (issue 32).
 
 The whole path (profile, plan, engines, a batch) runs in `tests/test_demo.py`; here the pieces,
 and a bad fleet refused before anything starts.
@@ -85,5 +85,5 @@ def test_a_bad_fleet_file_stops_gateway_up_before_anything_starts(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode != 0
-    assert "unknown device type 'H9000'" in out.stderr and "planner fleet" in out.stderr
+    assert "unknown device type 'H9000'" in out.stderr and "fleetbatch planner fleet" in out.stderr
     assert not (run / "redis").exists() and not (run / "gateway.json").exists()  # nothing was started

@@ -18,7 +18,7 @@ import logging
 import grpc
 import pytest
 
-from gateway.assign.policies import make_policy
+from gateway.assign.registry import make_policy
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.http_api.objects import batch_object
 from gateway.intake.background import Intake, IntakeSettings

@@ -16,7 +16,8 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad, make_policy, misfit
+from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad, misfit
+from gateway.assign.registry import make_policy
 from gateway.checks.validation import Checked
 from gateway.intake.background import Intake, IntakeSettings, encode_rows
 from gateway.offload.rebalance import plan_moves

@@ -3,7 +3,7 @@
 Counted on a real Redis (:func:`workqueue.roundtrips.count_round_trips`: a command or a whole
 pipeline is one), which is deterministic: the offloader's tick, with every cluster busy or with
 idle clusters that each take work; the per-client cap's read of a client's batches; the HTTP
-front's batch listing; the cluster status (``ListClusters``, ``gateway status``).
+front's batch listing; the cluster status (``ListClusters``, ``fleetbatch gateway status``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`gateway up` keeps secrets off command lines and out of what it prints (issue 31, finding 10)."""
+"""`fleetbatch gateway up` keeps secrets off command lines and out of what it prints (issue 31, finding 10)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ SECRET_URL = "redis://:s3cret-pw-0123@127.0.0.1:1/0"
 
 
 def test_engines_get_the_redis_url_in_their_environment_not_on_their_command_line(tmp_path):
-    """A real ``engine serve`` process as ``gateway up`` starts it (forked by the fork server): any user of
+    """A real ``fleetbatch engine serve`` process as ``fleetbatch gateway up`` starts it (forked by the fork server): any user of
     the host can read a command line (/proc/PID/cmdline, ps), which names the engine and no secret; the
     URL, password included, reaches the engine in its environment (it dials that "Redis" and logs in)."""
     with socket.create_server(("127.0.0.1", 0)) as listener:  # accepts, never answers: the engine waits

@@ -1,4 +1,4 @@
-"""`loadgen deadlines` end to end at a tiny size: real `gateway up` runs on cost-model devices, the expired
+"""`fleetbatch loadgen deadlines` end to end at a tiny size: real `fleetbatch gateway up` runs on cost-model devices, the expired
 batch's files through the OpenAI front, the simulator's replay; every key of the last JSON line. Which
 windows are met depends on the machine's speed: the figures are the benchmark's (docs/BENCHMARKS.md)."""
 

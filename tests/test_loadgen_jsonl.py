@@ -1,4 +1,4 @@
-"""`loadgen submit --jsonl FILE` sends the whole file (it once sent its first 200 rows and said 200/200), read row
+"""`fleetbatch loadgen submit --jsonl FILE` sends the whole file (it once sent its first 200 rows and said 200/200), read row
 by row and sent in parts; `-n` is a cap that names the rows it leaves out; a bad line ends the submission with
 its line number and creates nothing. Real gateway, real Redis; the engine's work done through the queue API."""
 
@@ -34,7 +34,7 @@ def _drain(queue: WorkQueue, stop: threading.Event) -> None:
 
 
 def _run(redis_url, argv: list[str], check=lambda: None) -> int:
-    """``loadgen submit`` against a gateway with a drainer; ``check()`` runs before the gateway stops."""
+    """``fleetbatch loadgen submit`` against a gateway with a drainer; ``check()`` runs before the gateway stops."""
     g = GatewayThread(GatewayConfig(redis_url=redis_url, offload=False, clusters=[ClusterSpec("a")]))
     address = g.start()
     stop = threading.Event()
@@ -91,8 +91,8 @@ def test_a_bad_line_ends_the_submission_with_its_number_and_creates_nothing(redi
 
 
 def test_file_soak_prints_one_json_object_with_the_clients_peak_memory(capsys):
-    """`loadgen file-soak` (a million rows in docs/BENCHMARKS.md; a few thousand here): the client is a real
-    `loadgen submit --jsonl` process against `gateway serve` on an embedded Redis."""
+    """`fleetbatch loadgen file-soak` (a million rows in docs/BENCHMARKS.md; a few thousand here): the client is a real
+    `fleetbatch loadgen submit --jsonl` process against `fleetbatch gateway serve` on an embedded Redis."""
     assert main(["file-soak", "-n", "3000"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["ok"] is True and out["rows"] == out["results"] == 3000

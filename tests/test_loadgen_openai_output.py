@@ -1,4 +1,4 @@
-"""`loadgen submit --jsonl IN --openai-out OUT`: OpenAI Batch output (chat.completion /
+"""`fleetbatch loadgen submit --jsonl IN --openai-out OUT`: OpenAI Batch output (chat.completion /
 text_completion bodies with usage) for the requests that succeeded, OpenAI-shaped errors for the
 rest; real gateway, real Redis (the engine's work done through the queue API)."""
 

@@ -1,4 +1,4 @@
-"""`loadgen prefix` end to end at a tiny size: real `gateway up` runs (token-only and prefix-aware, the engines'
+"""`fleetbatch loadgen prefix` end to end at a tiny size: real `fleetbatch gateway up` runs (token-only and prefix-aware, the engines'
 prefix cache on) on cost-model devices, hit rates from the heartbeats, the simulator's replay; every key of the
 last JSON line. The figures themselves are the benchmark's (docs/BENCHMARKS.md)."""
 
@@ -10,7 +10,9 @@ import pytest
 
 from load.cli import main
 
-pytestmark = pytest.mark.slow  # two `gateway up` runs of three engines each, and the replay: ~2 min
+pytestmark = (
+    pytest.mark.slow
+)  # two `fleetbatch gateway up` runs of three engines each, and the replay: ~2 min
 
 
 def test_a_tiny_prefix_run_prints_every_figure(tmp_path, capsys, data_root):

@@ -1,4 +1,4 @@
-"""`loadgen submit`: results stream into --out as they come, --resume goes on from them, and a
+"""`fleetbatch loadgen submit`: results stream into --out as they come, --resume goes on from them, and a
 gateway restart mid-stream loses and duplicates nothing. Real gateway, real Redis."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_resume_streams_on_from_the_results_in_out(redis_url, tmp_path, capsys):
             stub.SubmitBatch(req)
             _finish(queue, 2)
             seen = list(stub.StreamResults(pb.StreamResultsRequest(batch_id="rb")))
-        # what a killed `loadgen submit --out` left: two rows, then a torn third one
+        # what a killed `fleetbatch loadgen submit --out` left: two rows, then a torn third one
         rows = [json.dumps({"query_id": r.query_id, "index": r.index, "text": r.text}) for r in seen]
         out.write_text("\n".join(rows) + '\n{"query_id": "q')
         code: list[int] = []

@@ -1,4 +1,4 @@
-"""`loadgen soak` end to end at a small size: real gateway processes, real Redis, the learned predictor."""
+"""`fleetbatch loadgen soak` end to end at a small size: real gateway processes, real Redis, the learned predictor."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`loadgen study` on a real (tiny) deployment writes run directories that `loadgen report` reads."""
+"""`fleetbatch loadgen study` on a real (tiny) deployment writes run directories that `fleetbatch loadgen report` reads."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path, capsys)
         assert all((d / f).stat().st_size > 5000 for f in ("kv.png", "finished.png", "cdf.png"))
         # the engines emulated the default cost-model device and said how often their compute outlasted it
         assert 0 <= report["device_overrun_fraction"] <= 1
-    from load.cli import main as loadgen_main  # `loadgen report` reads the run directory back
+    from load.cli import main as loadgen_main  # `fleetbatch loadgen report` reads the run directory back
 
     assert loadgen_main(["report", str(out / "r0" / "token_static_equal"), "--no-plots"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["queries"] == 16
@@ -55,7 +55,7 @@ def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path, capsys)
 
 
 def test_the_planned_study_runs_a_planned_fleet_through_the_gateway(tmp_path):
-    """`loadgen study --planned`: each setup is a real `gateway up --fleet` whose engines run their
+    """`fleetbatch loadgen study --planned`: each setup is a real `fleetbatch gateway up --fleet` whose engines run their
     plans' stages on emulated devices; the run directory keeps the plans and draws the layout. (One
     setup here, for time: the baselines' plans are checked in tests/test_planner_fleet.py.)"""
     out = tmp_path / "planned"

@@ -213,7 +213,7 @@ def test_the_whole_flow_with_the_openai_client(live):
     assert done.usage.output_tokens == sum(u["completion_tokens"] for u in usage) > 0
     assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
     assert done.created_at <= done.in_progress_at <= done.completed_at
-    assert batch_problems(done, lines) == []  # what `loadgen openai-check` checks
+    assert batch_problems(done, lines) == []  # what `fleetbatch loadgen openai-check` checks
     with grpc.insecure_channel(address) as ch:  # the same batch over gRPC
         same = pb_grpc.BatchServiceStub(ch).GetBatch(pb.GetBatchRequest(batch_id=batch.id), timeout=10)
     assert same.status == pb.COMPLETED and same.request_counts.completed == 6
@@ -261,7 +261,7 @@ def test_cancel(live):
 
 @pytest.mark.slow
 def test_loadgen_openai_check_runs_the_flow_against_gateway_up(tmp_path):
-    """`gateway up` starts the HTTP front and records it in gateway.json; `loadgen openai-check` uses it."""
+    """`fleetbatch gateway up` starts the HTTP front and records it in gateway.json; `fleetbatch loadgen openai-check` uses it."""
     cmd = [sys.executable, "-m", "load.cli", "openai-check", "-n", "12", "--dataset", "generated",
            "--max-tokens", "16", "--endpoint", COMPLETIONS, "--run-dir", str(tmp_path / "run"),
            "--gateway-arg=--fleet", "--gateway-arg=none", "--gateway-arg=--clusters", "--gateway-arg=2"]  # fmt: skip

@@ -75,7 +75,7 @@ def test_numbers_past_protobufs_range_fail_the_batch_naming_line_and_field(front
 
 
 def test_the_grpc_road_uses_the_same_range_rule(front, tmp_path):
-    """``loadgen submit --jsonl`` names the line before building its message; a gRPC message out
+    """``fleetbatch loadgen submit --jsonl`` names the line before building its message; a gRPC message out
     of range is INVALID_ARGUMENT with the same words as the HTTP front's."""
     path = tmp_path / "in.jsonl"
     path.write_bytes(jsonl([{"custom_id": "a", "body": {"prompt": "hi"}},

@@ -1,4 +1,4 @@
-"""`planner fleet`: a fleet of catalog devices mapped onto this CPU and planned cluster by cluster (issue 32).
+"""`fleetbatch planner fleet`: a fleet of catalog devices mapped onto this CPU and planned cluster by cluster (issue 32).
 
 The CPU profile here is synthetic (a layer that costs a fixed amount per call, per token and
 per query), so the mapping's ratios and the plans are deterministic; `tests/test_demo.py` runs
@@ -34,7 +34,7 @@ MODEL = "llama:micro"
 
 
 def cpu_profile() -> Profile:
-    """A profile of the served model as `engine profile` writes one, from a simple formula."""
+    """A profile of the served model as `fleetbatch engine profile` writes one, from a simple formula."""
     shape = load_shape(MODEL)
     prefill = [(v, s, 1e-4 + 2e-6 * v * s) for v in (1, 2, 4) for s in (64, 128, 256)]
     decode = [(v, c, 5e-4 + 2e-5 * v + 1e-8 * v * c) for v in (1, 8, 16, 32) for c in (64, 128, 256)]
@@ -145,9 +145,9 @@ def test_the_cli_plans_a_fleet_file_and_names_bad_input(tmp_path, capsys):
     assert (out / "solo.ilp.json").is_file() and summary["clusters"]["solo"]["ilp"]["plan"].endswith(
         "solo.ilp.json"
     )
-    assert main(["fleet", str(tmp_path / "none.yaml"), "--profile", str(prof)]) == 2
+    assert main(["fleet", str(tmp_path / "none.yaml"), "--profile", str(prof)]) == 1
     assert "fleet file" in capsys.readouterr().err
-    assert main([*argv, "--methods", "best"]) == 2
+    assert main([*argv, "--methods", "best"]) == 1
     assert "--methods" in capsys.readouterr().err
-    assert main(["fleet", str(fleet), "--profile", str(prof), "--model", "llama:tiny"]) == 2
+    assert main(["fleet", str(fleet), "--profile", str(prof), "--model", "llama:tiny"]) == 1
     assert "profile the served model" in capsys.readouterr().err

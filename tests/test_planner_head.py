@@ -1,6 +1,6 @@
 """The measured LM head: profile samples, ``LatencyModel.head_coef`` / ``head_s``, ``Problem.head_s``
 (measured where the profile timed it, roofline otherwise, slowdown applied once) and the
-``planner profile --batches/--lengths`` grid."""
+``fleetbatch planner profile --batches/--lengths`` grid."""
 
 from __future__ import annotations
 

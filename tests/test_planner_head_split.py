@@ -97,7 +97,7 @@ def test_plan_file_checks_the_share(tmp_path):
 
 def _profile_with_driver(cluster: Cluster, driver_s: float | None) -> dict[str, Profile]:
     """The roofline's samples of the CPU, with a measured LM head and, unless None, the engine's
-    own work per decode micro-batch (``engine profile``'s ``driver`` rows)."""
+    own work per decode micro-batch (``fleetbatch engine profile``'s ``driver`` rows)."""
     dev = cluster.devices[0].type
     prof = roofline_profile(dev, SHAPE, (16,))
     head = [(v, 0.0, 1e-3 + 1e-4 * v) for v in (1, 8, 16)]

@@ -93,7 +93,7 @@ def test_cli_bad_input_exits_nonzero_with_message(tmp_path, capsys):
                 str(tmp_path / "x"),
             ]
         )
-        == 2
+        == 1
     )
     assert "unknown device type" in capsys.readouterr().err
     assert (
@@ -110,10 +110,10 @@ def test_cli_bad_input_exits_nonzero_with_message(tmp_path, capsys):
                 str(tmp_path / "x"),
             ]
         )
-        == 2
+        == 1
     )
     assert "no plan fits" in capsys.readouterr().err
-    assert main(["plan", "--cluster", "1xT4", "--model", "nope", "--output-tokens", "10"]) == 2
+    assert main(["plan", "--cluster", "1xT4", "--model", "nope", "--output-tokens", "10"]) == 1
     assert "unknown model" in capsys.readouterr().err
 
 

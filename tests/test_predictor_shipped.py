@@ -1,5 +1,5 @@
 """The length predictor shipped with the project: package data, fp16 round trip, and its use by
-``gateway up`` / ``loadgen demo``; ``predictor eval`` on any alpaca_eval answer file."""
+``fleetbatch gateway up`` / ``fleetbatch loadgen demo``; ``fleetbatch predictor eval`` on any alpaca_eval answer file."""
 
 from __future__ import annotations
 

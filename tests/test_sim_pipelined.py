@@ -3,7 +3,7 @@
 Hand-made plans whose devices take a constant time per layer per micro-batch give the exact
 makespan a pipeline must have: one query goes through the stages one micro-batch at a time; two
 queries in a two-stage pipeline (one decoding query per micro-batch) overlap, the slower stage
-setting the pace. A synthetic ``loadgen study --planned`` run directory is read and replayed.
+setting the pace. A synthetic ``fleetbatch loadgen study --planned`` run directory is read and replayed.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_a_stage_without_a_device_cost_is_refused(tmp_path):
 
 
 def planned_run(root, name: str, plans: dict[str, str], rows: list[dict]) -> str:
-    """A run directory as ``loadgen study --planned`` writes it: results, meta, clusters, plans."""
+    """A run directory as ``fleetbatch loadgen study --planned`` writes it: results, meta, clusters, plans."""
     run = root / name
     (run / "plans").mkdir(parents=True)
     clusters = {}

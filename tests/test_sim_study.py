@@ -14,7 +14,8 @@ sys.path.insert(
 )  # `sim` is not in pyproject's package list yet
 
 from engines.scheduler import Scheduler  # noqa: E402
-from gateway.assign.policies import ClusterView, QueryLoad, make_policy  # noqa: E402
+from gateway.assign.policies import ClusterView, QueryLoad  # noqa: E402
+from gateway.assign.registry import make_policy
 from load.arrivals import poisson_arrivals  # noqa: E402
 from sim.cli import main  # noqa: E402
 from sim.core import ClusterSpec, SimConfig, Simulator  # noqa: E402
@@ -126,7 +127,7 @@ def test_scale_run_calls_the_scheduler_about_once_per_query(monkeypatch):
 def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["study", "--batches", "0"])
-    assert main("scale --speeds 1,-2 --no-progress".split()) == 2
+    assert main("scale --speeds 1,-2 --no-progress".split()) == 1
     assert "speeds" in capsys.readouterr().err
 
 

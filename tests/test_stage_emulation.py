@@ -1,11 +1,11 @@
-"""``engine serve --plan P --device-cost plan``: every stage emulates its plan device by the device's
+"""``fleetbatch engine serve --plan P --device-cost plan``: every stage emulates its plan device by the device's
 cost model (real stage processes, the random nano model).
 
 Each stage's modelled seconds must be what :meth:`planfile.DeviceCost.micro_batch_s` charges for
 the micro-batches it computed (its layers at their bits, the prompt chunks and decode contexts of
 each micro-batch, its share of the LM head); a model far faster than the CPU makes every
 micro-batch an overrun, one far slower none; the worker's totals (its heartbeat) sum the stages;
-and ``engine serve`` refuses the combinations of flags that cannot work, with exit code 2.
+and ``fleetbatch engine serve`` refuses the combinations of flags that cannot work, with exit code 1.
 """
 
 from __future__ import annotations
@@ -279,6 +279,6 @@ def test_serve_refuses_what_cannot_be_emulated(tmp_path, caplog, flags, message)
         "missing": tmp_path / "missing.json",
     }
     with caplog.at_level(logging.ERROR):
-        assert main(serve(*(f.format(**paths) for f in flags))) == 2
+        assert main(serve(*(f.format(**paths) for f in flags))) == 1
     assert "--device-cost" in caplog.text
     assert any(re.search(message, r.getMessage()) for r in caplog.records), caplog.text

@@ -1,5 +1,5 @@
 """The status page in a real headless browser (Debian's chromium, driven by Selenium) against a live
-`gateway up` whose engine emulates a slow device: the clusters render, a running batch's progress moves,
+`fleetbatch gateway up` whose engine emulates a slow device: the clusters render, a running batch's progress moves,
 a wrong key is told so, and a screenshot is saved. Its JSON needs the API key like the rest of the API."""
 
 from __future__ import annotations

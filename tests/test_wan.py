@@ -1,4 +1,4 @@
-"""`loadgen wan`: the summary's figures from recorded run directories, the heartbeat figures it reads,
+"""`fleetbatch loadgen wan`: the summary's figures from recorded run directories, the heartbeat figures it reads,
 and one tiny real run through the CLI with every engine behind a latency proxy."""
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def die_with_parent_from_env() -> None:
 
     The variable is consumed: it ties this process to the pid it names, and none of this process's own
     children inherits it (a grandchild that read it would find a parent that is not that pid and end
-    itself: ``gateway up``'s ``engine profile`` did, on every machine without a cached profile)."""
+    itself: ``fleetbatch gateway up``'s ``fleetbatch engine profile`` did, on every machine without a cached profile)."""
     parent = os.environ.pop(PARENT_ENV, None)
     if not parent:
         return

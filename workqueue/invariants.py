@@ -1,6 +1,6 @@
 """The queue's invariants, as code: what must hold whenever no script is running.
 
-:func:`check` reads the whole key space (it is for tests, audits and ``gateway status
+:func:`check` reads the whole key space (it is for tests, audits and ``fleetbatch gateway status
 --check``-style tools, not for a hot path) and returns every violation it finds:
 
 * every query of a batch is in exactly one place: a cluster's queue (state ``queued``), a

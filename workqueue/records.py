@@ -189,7 +189,9 @@ class ClusterInfo:
     kv_total_tokens: int = 0
     kv_step_tokens: int = 0  # KV the engine held during its last step
     kv_token_seconds: float = 0.0  # the engine's KV tokens x seconds since it started (MICO's cumulative KV)
-    device_steps: int = 0  # steps on an emulated device (engine serve --device-cost) since it started
+    device_steps: int = (
+        0  # steps on an emulated device (fleetbatch engine serve --device-cost) since it started
+    )
     device_overrun_steps: int = 0  # of those, the steps whose real compute outlasted the modelled time
     # cumulative since the engine started; None from an engine that does not report them
     device_busy_s: float | None = None  # seconds spent in steps, emulated device time included

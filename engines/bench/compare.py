@@ -1,4 +1,4 @@
-"""``engine bench``: static padded batches vs Hugging Face continuous batching vs this engine.
+"""``fleetbatch engine bench``: static padded batches vs Hugging Face continuous batching vs this engine.
 
 Same model, same queries (real prompts, forced response lengths from a real dataset), side
 by side in one run. Forced length = the record's response length in tokens of the model's

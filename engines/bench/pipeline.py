@@ -1,4 +1,4 @@
-"""``engine bench --stages N`` / ``--plan plan.json``: a plan run as pipeline stages, measured.
+"""``fleetbatch engine bench --stages N`` / ``--plan plan.json``: a plan run as pipeline stages, measured.
 
 Side by side in one run, on the same model and workload (real prompts from the dataset cut or
 cycled to exactly ``--prompt-len`` tokens, every response forced to ``--gen-len`` tokens, all
@@ -11,12 +11,12 @@ queries submitted at once):
 * ``even_listed``: when the planner ordered the devices otherwise than the cluster lists them,
   the even split in the listed order too (what a user splitting by hand would run);
 * ``head_on_last``: when the plan shares the LM head between the first and last stage
-  (``planner plan --head-split``, on unless ``--no-head-split``), the same plan with the whole
+  (``fleetbatch planner plan --head-split``, on unless ``--no-head-split``), the same plan with the whole
   head on the last stage.
 
-Without ``--plan`` the planner lays the model out itself: ``engine profile --concurrent N``'s
+Without ``--plan`` the planner lays the model out itself: ``fleetbatch engine profile --concurrent N``'s
 measurement of the engine's own layer and LM head on this CPU (N profilers at once, as the N
-stages will share the memory system) goes to ``planner plan`` (its CLI), which solves
+stages will share the memory system) goes to ``fleetbatch planner plan`` (its CLI), which solves
 the ILP over N ``CPU`` devices whose ``slowdown`` comes from ``--stage-speeds``; nothing needs
 preparing.
 
@@ -101,7 +101,7 @@ def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
     ]
     if args.model_dir:
         cmd += ["--model-dir", args.model_dir]
-    _run_cli(cmd, "engine profile")
+    _run_cli(cmd, "fleetbatch engine profile")
     plan = workdir / "plan.json"
     _planner(
         "plan",

@@ -1,4 +1,4 @@
-"""``engine bench --prefix-workload``: the prefix cache on and off, side by side, in one process.
+"""``fleetbatch engine bench --prefix-workload``: the prefix cache on and off, side by side, in one process.
 
 Two workloads from the real data (:mod:`fleetdata.prefixes`): the *shared-prefix* batch (few-shot
 blocks of 200-800 tokens, each in front of many real questions, plus a share of plain

@@ -1,10 +1,10 @@
-"""``engine profile``: time the engine's own decoder layer and LM head, and write a planner profile.
+"""``fleetbatch engine profile``: time the engine's own decoder layer and LM head, and write a fleetbatch planner profile.
 
 The planner fits its latency model to a profile (``profile.json``, version 1: ``device``,
 ``model``, ``source``, ``meta`` and ``samples[bits]`` with ``prefill`` ``[v, s, seconds]``,
 ``decode`` ``[v, c, seconds]``, ``head`` ``[v, 0, seconds]`` and ``driver`` ``[v, 0, seconds]`` rows:
 the last is the engine's own work per decode micro-batch of ``v`` queries besides the model,
-which the first pipeline stage's process does). ``planner profile``
+which the first pipeline stage's process does). ``fleetbatch planner profile``
 times a Hugging Face layer; this one times what the engine really runs: one layer of
 :class:`~engines.model_runner.ModelRunner` over a :class:`~engines.step_batch.StepBatch` with
 the paged KV cache (gathered context, masked attention), so a plan made from it predicts the
@@ -228,7 +228,7 @@ def merge_profiles(docs: list[dict]) -> dict:
     return out
 
 
-# ---- `engine profile` ----------------------------------------------------------------
+# ---- `fleetbatch engine profile` ----------------------------------------------------------------
 
 
 def _profile_concurrently(args: argparse.Namespace) -> int:

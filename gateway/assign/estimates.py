@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gateway.assign.policies import ClusterView, QueryLoad
+from gateway.assign.loads import ClusterView, QueryLoad
 
 
 def charged(queries: Sequence[QueryLoad]) -> float:

@@ -9,7 +9,7 @@ Three answers, each with its own treatment:
   once and the synchronous path answers ``INVALID_ARGUMENT``, each naming the limit.
 * **later**: some configured cluster could take the query, but none of them accepts work now
   (an engine restarting or loading its model sends no heartbeat). That is transient: the
-  intake waits for it, bounded (``gateway serve --intake-wait-s``, :data:`gateway.config.INTAKE_WAIT_S`
+  intake waits for it, bounded (``fleetbatch gateway serve --intake-wait-s``, :data:`gateway.config.INTAKE_WAIT_S`
   by default), and fails the row only after the bound; the synchronous path answers the
   retryable ``UNAVAILABLE``.
 

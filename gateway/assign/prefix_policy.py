@@ -29,7 +29,8 @@ import math
 from collections.abc import Sequence
 
 from gateway.assign.estimates import charged
-from gateway.assign.policies import ClusterView, QueryLoad, TokenPolicy, _no_fit, _usable, water_fill_targets
+from gateway.assign.loads import ClusterView, QueryLoad, no_fit, usable_clusters
+from gateway.assign.policies import TokenPolicy, water_fill_targets
 
 
 def units(queries: Sequence[QueryLoad]) -> list[list[int]]:
@@ -88,7 +89,7 @@ class PrefixPolicy:
         self._token = TokenPolicy(capacity_aware=True)
 
     def assign(self, queries: Sequence[QueryLoad], clusters: Sequence[ClusterView]) -> list[str]:
-        usable = _usable(clusters)
+        usable = usable_clusters(clusters)
         if not any(q.prefix_group is not None for q in queries):
             return self._token.assign(queries, clusters)  # exactly as before
         groups = units(queries)
@@ -127,7 +128,7 @@ class PrefixPolicy:
                 big = max(rest, key=lambda j: queries[j].total_tokens)
                 k = fill.best(queries[big].total_tokens)
                 if k < 0:
-                    raise _no_fit(queries[big], fill.usable)
+                    raise no_fit(queries[big], fill.usable)
                 fill.put(k, queries[big].total_tokens)
                 out.append((k, [big]))
                 rest.remove(big)

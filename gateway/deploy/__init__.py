@@ -1,1 +1,1 @@
-"""Deployment: `gateway up` (a fleet of local engines beside the gateway), the fleet's plans (fleet_up) and the supervisor that restarts engines."""
+"""Deployment: `fleetbatch gateway up` (a fleet of local engines beside the gateway), the fleet's plans (fleet_up) and the supervisor that restarts engines."""

@@ -1,14 +1,14 @@
-"""``gateway up --fleet``: plan a fleet of catalog devices and start engines that run the plans.
+"""``fleetbatch gateway up --fleet``: plan a fleet of catalog devices and start engines that run the plans.
 
 At start-up, for a fleet file (``--fleet FILE``, or the default fleet: fast = 2 x A100-40G,
 medium = V100-32G + T4, slow = 2 x T4):
 
-1. this CPU's profile of the served model (``engine profile``), cached per machine in the
+1. this CPU's profile of the served model (``fleetbatch engine profile``), cached per machine in the
    fleetbatch cache directory (``$FLEETBATCH_CACHE/profiles``), measured once;
-2. ``planner fleet``: every cluster planned on its devices as emulated here (cached in
+2. ``fleetbatch planner fleet``: every cluster planned on its devices as emulated here (cached in
    ``<run-dir>/plans`` by the content of the fleet, model, profile and workload; the solve time
    is logged);
-3. one ``engine serve --plan P --device-cost plan`` per cluster: stage processes, the plan's
+3. one ``fleetbatch engine serve --plan P --device-cost plan`` per cluster: stage processes, the plan's
    per-layer bits and micro-batch sizes, each stage lasting what its device takes; the cluster's
    capacity hint is the plan's predicted tokens/s (the gateway corrects it by measurement).
 
@@ -42,7 +42,7 @@ KV_TOKENS = 16384
 
 @dataclass(frozen=True)
 class FleetSettings:
-    """What ``gateway up`` plans: the fleet file, the served random model, the plan each cluster runs."""
+    """What ``fleetbatch gateway up`` plans: the fleet file, the served random model, the plan each cluster runs."""
 
     fleet: str = "default"
     arch: str = "llama"
@@ -55,7 +55,7 @@ class FleetSettings:
 
     @classmethod
     def from_args(cls, args) -> FleetSettings:
-        """From ``gateway up``'s ``--fleet``, ``--fleet-method``, ``--fleet-lengths`` and ``--size``."""
+        """From ``fleetbatch gateway up``'s ``--fleet``, ``--fleet-method``, ``--fleet-lengths`` and ``--size``."""
         try:
             prompt, output = (int(x) for x in args.fleet_lengths.split(","))
         except ValueError:
@@ -93,13 +93,13 @@ def cpu_profile(s: FleetSettings, log_dir: Path) -> Path:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     cmd = [sys.executable, "-m", "engines.cli", "profile", "--arch", s.arch, "--size", s.size, "--reps", "2",
            "--min-time", "0.02", "--out", str(tmp)]  # fmt: skip
-    _run(cmd, "engine profile", log_dir / "profile.log")
+    _run(cmd, "fleetbatch engine profile", log_dir / "profile.log")
     tmp.replace(path)
     return path
 
 
 def plan_fleet(s: FleetSettings, run_dir: Path) -> dict:
-    """``planner fleet``'s summary for ``s`` (plans under ``<run_dir>/plans``)."""
+    """``fleetbatch planner fleet``'s summary for ``s`` (plans under ``<run_dir>/plans``)."""
     log_dir = run_dir / "logs"
     profile = cpu_profile(s, log_dir)
     methods = "ilp," + ",".join(BASELINES) if s.method != "ilp" else "ilp"
@@ -109,7 +109,7 @@ def plan_fleet(s: FleetSettings, run_dir: Path) -> dict:
            "--prompt-len", str(s.prompt_len), "--output-tokens", str(s.output_tokens)]  # fmt: skip
     log_file = log_dir / "planner.log"
     start = log_file.stat().st_size if log_file.exists() else 0
-    out = _run(cmd, f"planner fleet {s.fleet}", log_file)
+    out = _run(cmd, f"fleetbatch planner fleet {s.fleet}", log_file)
     with open(log_file, errors="replace") as f:  # this run's lines: each cluster's solve, or the cache hit
         f.seek(start)
         for line in f.read().splitlines():

@@ -3,13 +3,13 @@ once for a deployment's engines and their restarts, where each ``python -m engin
 it afresh (about 4 s of CPU an engine).
 
 The server is :mod:`multiprocessing`'s: a fresh interpreter started (fork and exec) by the first
-engine's start; it forks the engines, so none is forked beside ``gateway up``'s gRPC threads. An engine
-gets SIGTERM when ``gateway up`` ends (:func:`workqueue.embedded.on_exit_of`; the server, whose
+engine's start; it forks the engines, so none is forked beside ``fleetbatch gateway up``'s gRPC threads. An engine
+gets SIGTERM when ``fleetbatch gateway up`` ends (:func:`workqueue.embedded.on_exit_of`; the server, whose
 liveness pipe each engine holds, ends after them). A forked engine starts a session of its own, writes
-to its log, gets the environment ``gateway up`` gives it (the Redis URL: never on a command line) and
+to its log, gets the environment ``fleetbatch gateway up`` gives it (the Redis URL: never on a command line) and
 shows its command line (without secrets) to ``ps`` as a spawned one did. It ends with ``os._exit``
 (no ``atexit`` handlers run; none of the engine's code relies on them), and imports the starting
-program's ``__main__`` (``gateway.cli``; ``load.cli`` under ``loadgen chaos``) as ``multiprocessing``
+program's ``__main__`` (``gateway.cli``; ``load.cli`` under ``fleetbatch loadgen chaos``) as ``multiprocessing``
 does. Its exit code is read from the server; whether it still runs, from its pidfd: were the server
 killed on its own, its pipe would read as exit 255, and a running engine would be restarted beside itself.
 :class:`EngineProcess` gives the supervisor and the chaos harness the part of :class:`subprocess.Popen`

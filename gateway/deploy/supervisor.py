@@ -1,12 +1,12 @@
-"""The engine processes of ``gateway up``: start them, restart one that dies, stop them all.
+"""The engine processes of ``fleetbatch gateway up``: start them, restart one that dies, stop them all.
 
 * **Restarts.** An engine that crashes (exits non-zero or by a signal) is started again after a
   backoff (1 s, doubling up to 30 s; reset once it has run for a minute), at most
   ``max_restarts`` times per engine. Its claimed queries come back through their leases and
   its queued work is moved by the offloader meanwhile, so a restart loses nothing.
 * **No orphans.** An engine (forked by the fork server of :mod:`gateway.deploy.forked`) gets SIGTERM
-  when ``gateway up`` ends, and the embedded Redis (:mod:`workqueue.embedded`) from the kernel
-  (``PR_SET_PDEATHSIG``), so a SIGKILL of ``gateway up`` leaves no engine or Redis behind.
+  when ``fleetbatch gateway up`` ends, and the embedded Redis (:mod:`workqueue.embedded`) from the kernel
+  (``PR_SET_PDEATHSIG``), so a SIGKILL of ``fleetbatch gateway up`` leaves no engine or Redis behind.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def engine_command(spec: ClusterSpec, threads: int, extra: Sequence[str]) -> list[str]:
-    """``engine serve`` for ``spec``; the Redis URL goes in its environment (:func:`engine_env`),
+    """``fleetbatch engine serve`` for ``spec``; the Redis URL goes in its environment (:func:`engine_env`),
     never on its command line, which every user of the host can read."""
     return [
         sys.executable, "-m", "engines.cli", "serve",
@@ -51,7 +51,7 @@ def engine_env(redis_url: str) -> dict[str, str]:
 
 @dataclass
 class EngineSupervisor:
-    """One ``engine serve`` process per cluster spec, kept running until :meth:`stop`."""
+    """One ``fleetbatch engine serve`` process per cluster spec, kept running until :meth:`stop`."""
 
     specs: Sequence[ClusterSpec]
     redis_url: str

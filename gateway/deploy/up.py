@@ -1,13 +1,13 @@
-"""``gateway up``: the one-command local deployment.
+"""``fleetbatch gateway up``: the one-command local deployment.
 
-Starts an embedded Redis, one ``engine serve`` process per cluster (by default the planned
+Starts an embedded Redis, one ``fleetbatch engine serve`` process per cluster (by default the planned
 fleet of :mod:`gateway.deploy.fleet_up`: three clusters of catalog GPUs emulated on this CPU, each
 running its plan's pipeline stages; ``--fleet none``: three one-process engines slowed 1x, 2x
 and 4x) and the gateway in this process. It writes ``<run-dir>/gateway.json`` (address, Redis URL, admin and client token
 files, engine pids, the OpenAI-compatible HTTP front's URL and key file) once everything is up, and
 stops everything cleanly on Ctrl-C / SIGTERM. Secrets stay off command lines and out of
 world-readable files: the token files and ``gateway.json`` are 0600, the engines get the Redis URL
-in their environment, and the printed URL has its password masked. An engine that dies is restarted (:mod:`gateway.deploy.supervisor`); a SIGKILL of ``gateway up``
+in their environment, and the printed URL has its password masked. An engine that dies is restarted (:mod:`gateway.deploy.supervisor`); a SIGKILL of ``fleetbatch gateway up``
 leaves no engine or Redis process behind.
 """
 
@@ -110,7 +110,7 @@ def gateway_config(
 
 
 def client_token_file(args, run_dir: Path) -> Path | None:
-    """The batch API's token of ``gateway up`` (``$FLEETBATCH_TOKEN`` or a new one), written 0600 to
+    """The batch API's token of ``fleetbatch gateway up`` (``$FLEETBATCH_TOKEN`` or a new one), written 0600 to
     ``<run-dir>/client-token``; None with ``--no-auth``."""
     path = run_dir / "client-token"
     if getattr(args, "no_auth", False):
@@ -121,7 +121,7 @@ def client_token_file(args, run_dir: Path) -> Path | None:
 
 
 def http_settings(args, run_dir: Path) -> Path | None:
-    """The HTTP front of ``gateway up`` (on unless ``--http-port`` < 0): its files under the run
+    """The HTTP front of ``fleetbatch gateway up`` (on unless ``--http-port`` < 0): its files under the run
     dir unless ``--files-dir``, its key from ``--http-api-key`` / the environment or a new one, kept
     in ``<run-dir>/http-api-key``; returns that file (None when the front is off)."""
     if getattr(args, "http_port", None) is None or args.http_port < 0:
@@ -149,7 +149,7 @@ def write_private(path: Path, text: str) -> None:
 
 
 def banner(info: Mapping[str, Any]) -> str:
-    """What ``gateway up`` prints once everything is up (from ``gateway.json``'s ``info``): where
+    """What ``fleetbatch gateway up`` prints once everything is up (from ``gateway.json``'s ``info``): where
     things are, never a secret (the Redis URL's password is masked, tokens are named by their file)."""
     lines = [
         f"gateway listening on {info['address']}",

@@ -174,7 +174,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         if exists and not request.update:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS,
-                f"cluster {request.name!r} exists; set update (gateway rebalance --add --update) to change it",
+                f"cluster {request.name!r} exists; set update (fleetbatch gateway rebalance --add --update) to change it",
             )
         if request.update and not exists:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no cluster {request.name!r} to update")

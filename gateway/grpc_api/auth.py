@@ -9,9 +9,9 @@ batch (no tokens-file entry may be named ``admin``). The admin API needs the adm
 by :class:`AdminInterceptor` before a request is decoded; health checks and reflection need no token.
 The HTTP front calls the batch service as a client of its own (:data:`HTTP_CLIENT`).
 
-Tokens come from a file (``gateway serve --client-tokens FILE``) or ``$FLEETBATCH_CLIENT_TOKENS``,
+Tokens come from a file (``fleetbatch gateway serve --client-tokens FILE``) or ``$FLEETBATCH_CLIENT_TOKENS``,
 one ``CLIENT:TOKEN`` per line or comma-separated, ``#`` starting a comment. Clients send their token
-from ``$FLEETBATCH_TOKEN`` or a file (:func:`client_token`; ``gateway up`` writes one, 0600, and
+from ``$FLEETBATCH_TOKEN`` or a file (:func:`client_token`; ``fleetbatch gateway up`` writes one, 0600, and
 names it in ``gateway.json`` as ``client_token_file``).
 """
 
@@ -196,6 +196,6 @@ def client_token(token: str | None = None, token_file: str | os.PathLike | None 
 
 
 def deployment_token(info: Mapping[str, object]) -> str:
-    """The client token of a ``gateway up`` deployment, from its ``gateway.json`` (``info``)."""
+    """The client token of a ``fleetbatch gateway up`` deployment, from its ``gateway.json`` (``info``)."""
     path = info.get("client_token_file")
     return Path(str(path)).read_text(encoding="utf-8").strip() if path else ""

@@ -1,7 +1,7 @@
 """TLS for the gateway's gRPC port and its clients.
 
 The server serves TLS when given a certificate chain and its key (``--tls-cert``,
-``--tls-key``, PEM files); clients (``gateway rebalance``/``status``, ``loadgen submit``)
+``--tls-key``, PEM files); clients (``fleetbatch gateway rebalance``/``status``, ``fleetbatch loadgen submit``)
 connect with TLS when given the CA that signed it (``--tls-ca``), and send their client token
 (:mod:`gateway.grpc_api.auth`) as ``authorization: Bearer <token>`` on every call. Redis over TLS needs no
 code here: a ``rediss://`` URL (``rediss://host:port?ssl_ca_certs=/path/ca.pem``) is enough.

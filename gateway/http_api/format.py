@@ -1,6 +1,6 @@
 """OpenAI batch files, the pure part: input rows to queries, results to output lines.
 
-Shared by the gateway's HTTP front (:mod:`gateway.http_api.front`) and ``loadgen submit --jsonl``
+Shared by the gateway's HTTP front (:mod:`gateway.http_api.front`) and ``fleetbatch loadgen submit --jsonl``
 (:mod:`load.openai_batch`, :mod:`load.workload`), so both read and write the same shape.
 
 **Input.** One JSON object a line: ``custom_id``, ``method`` (``POST``), ``url``
@@ -169,7 +169,7 @@ def _id(prefix: str, *parts: str) -> str:
 
 
 def output_line(result: Mapping, endpoint: str, model: str, custom_id: str | None = None) -> dict:
-    """One request's line from its result (as the queue stores it, or ``loadgen submit`` writes it)."""
+    """One request's line from its result (as the queue stores it, or ``fleetbatch loadgen submit`` writes it)."""
     batch_id = str(result.get("batch_id", ""))
     custom_id = str(result["query_id"]) if custom_id is None else custom_id
     reason = result.get("finish_reason") or ""

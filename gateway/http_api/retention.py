@@ -1,7 +1,7 @@
 """Retention of the HTTP front's records and files, and file deletion (``DELETE /v1/files/{id}``).
 
 **Retention follows the gateway batch's.** The queue gives a final batch's keys a TTL of its
-``retention_s`` (``gateway serve --retention-hours``; 0 keeps them forever). When the finalizer
+``retention_s`` (``fleetbatch gateway serve --retention-hours``; 0 keeps them forever). When the finalizer
 has written a batch's files, :func:`retire` copies the gateway batch's remaining TTL onto the
 record ``{fb}:oai:b:<id>`` (both expire together) and schedules, in the ZSET ``{fb}:oai:expire``
 scored by the time they are due, the batch id (``b:<id>``: leaves the batch list and the

@@ -23,7 +23,7 @@ and the next tick goes on from there.
 
 **Waiting for a cluster** (:mod:`gateway.assign.placement`). A chunk with rows that only a cluster
 not alive now could take (restarting, loading its model) waits, bounded by ``wait_s``
-(``gateway serve --intake-wait-s``), then fails those rows; a row over every configured
+(``fleetbatch gateway serve --intake-wait-s``), then fails those rows; a row over every configured
 cluster's limit fails at once, naming the limit. The waiting chunk is counted and predicted
 once: each later poll only places it again (:mod:`gateway.intake.chunks`). **A lost intake list** fails the batch's
 rows not yet enqueued once (:meth:`workqueue.WorkQueue.fail_lost_intake`), and the batch

@@ -1,1 +1,1 @@
-"""Offloading and rebalancing: the moves between clusters' queues (moves), the offloader's tick (offloader) and `gateway rebalance`'s plan (rebalance)."""
+"""Offloading and rebalancing: the moves between clusters' queues (moves), the offloader's tick (offloader) and `fleetbatch gateway rebalance`'s plan (rebalance)."""

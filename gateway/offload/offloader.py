@@ -3,7 +3,7 @@
 Every tick the offloader (1) requeues queries whose worker died (expired leases), (2)
 moves the queued work of dead, draining or removed clusters to live ones, and (3) for each
 idle or nearly idle cluster whose backoff allows it, asks :func:`gateway.offload.moves.plan_offload`
-for a paying move. Steps (1) and (2) always run; (3) only with ``balance`` (``gateway serve
+for a paying move. Steps (1) and (2) always run; (3) only with ``balance`` (``fleetbatch gateway serve
 --no-offload`` turns it off). A cluster that got nothing waits exponentially longer before
 asking again.
 
@@ -47,7 +47,9 @@ class OffloadConfig:
     links: LinkCost = field(default_factory=LinkCost)
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
-    balance: bool = True  # step (3): moves between live clusters (off: `gateway serve --no-offload`)
+    balance: bool = (
+        True  # step (3): moves between live clusters (off: `fleetbatch gateway serve --no-offload`)
+    )
 
 
 class Offloader:

@@ -1,4 +1,4 @@
-"""`gateway rebalance` planning: the queue moves that equalise expected finish times.
+"""`fleetbatch gateway rebalance` planning: the queue moves that equalise expected finish times.
 
 :func:`plan_moves` works in two phases on a copy of the state:
 

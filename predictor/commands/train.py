@@ -1,4 +1,4 @@
-"""``predictor train``: train a new model version (from scratch, from a local pretrained encoder, or
+"""``fleetbatch predictor train``: train a new model version (from scratch, from a local pretrained encoder, or
 distilled from teachers) and save it as ``OUT/v<N>/``."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="fine-tune a local Hugging Face encoder checkpoint (BERT, DistilBERT, MiniLM, ...: read with "
         "AutoModel and AutoTokenizer, local files only) under a mean-pooled bucket head, instead of "
-        "building a model; `predictor pretrained minilm --out DIR` unpacks all-MiniLM-L6-v2",
+        "building a model; `fleetbatch predictor pretrained minilm --out DIR` unpacks all-MiniLM-L6-v2",
     )
     p.add_argument(
         "--scheme",
