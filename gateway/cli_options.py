@@ -15,7 +15,7 @@ def add_http(s: argparse.ArgumentParser, port: int | None, shown: str, files_dir
         type=int,
         default=port,
         help=f"serve the OpenAI-compatible /v1/files and /v1/batches on this port (0: any free port; "
-        f"default: {shown})",
+        f"negative: no HTTP front; default: {shown})",
     )
     s.add_argument(
         "--http-api-key", default=None, help=f"Bearer key of the HTTP front (default: ${HTTP_KEY_ENV})"

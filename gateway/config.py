@@ -88,6 +88,7 @@ class GatewayConfig:
         client_tokens: dict[str, str] | None = None,
     ) -> GatewayConfig:
         """The config of ``fleetbatch gateway serve`` / ``fleetbatch gateway up`` from their shared command-line options."""
+        port = getattr(args, "http_port", None)
         return cls(
             redis_url=redis_url,
             listen=args.listen,
@@ -115,7 +116,9 @@ class GatewayConfig:
             retention_s=args.retention_hours * 3600,
             intake_wait_s=args.intake_wait_s,
             clusters=clusters,
-            http_port=getattr(args, "http_port", None),
+            http_port=None
+            if port is None or port < 0
+            else port,  # negative: no HTTP front (serve and up alike)
             http_api_key=getattr(args, "http_api_key", None) or os.environ.get(HTTP_KEY_ENV, ""),
             files_dir=getattr(args, "files_dir", None) or "",
         )

@@ -1,4 +1,4 @@
-"""Every console script explains itself, and so does every subcommand; bad input gets a message, not a traceback."""
+"""Every part of `fleetbatch` explains itself, and so does every subcommand; bad input gets a message, not a traceback."""
 
 from __future__ import annotations
 
@@ -11,15 +11,9 @@ from pathlib import Path
 
 import pytest
 
-MODULES = {
-    "gateway": "gateway.cli",
-    "engine": "engines.cli",
-    "planner": "planner.cli",
-    "predictor": "predictor.cli",
-    "quant": "quant.cli",
-    "loadgen": "load.cli",
-    "fleetsim": "sim.cli",
-}
+from fleetbatch.cli import PARTS
+
+MODULES = {name: module for name, (module, _) in PARTS.items()}
 
 
 def call(module: str, args: list[str], capsys) -> tuple[int, str, str]:
@@ -40,8 +34,8 @@ def subcommands(help_text: str) -> list[str]:
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_help_explains_every_subcommand(name, capsys):
-    installed = (Path(sys.executable).parent / name).exists() or shutil.which(name)
-    assert installed, f"console script {name} is not installed"
+    installed = (Path(sys.executable).parent / "fleetbatch").exists() or shutil.which("fleetbatch")
+    assert installed, "the console script fleetbatch is not installed"
     code, out, _ = call(MODULES[name], ["--help"], capsys)
     assert code == 0 and "usage:" in out and len(out) > 200
     subs = subcommands(out)
@@ -58,9 +52,10 @@ def test_unknown_subcommand_is_an_error_not_a_crash(name, capsys):
     assert code != 0 and "invalid choice" in err
 
 
-def test_every_command_is_a_console_script_of_the_package():
-    """pyproject's [project.scripts] names each command's module's ``main`` (``pip install -e .`` installs them)."""
+def test_fleetbatch_is_the_package_s_one_console_script():
+    """pyproject's [project.scripts] names one command, whose parts are the CLI modules (``pip install -e .``)."""
     scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
         "scripts"
     ]
-    assert scripts == {name: f"{module}:main" for name, module in MODULES.items()}
+    assert scripts == {"fleetbatch": "fleetbatch.cli:main"}
+    assert set(MODULES) == {"gateway", "engine", "planner", "predictor", "quant", "loadgen", "sim"}

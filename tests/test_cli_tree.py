@@ -113,3 +113,18 @@ def test_completion_scripts_cover_the_tree():
     assert out.returncode == 0
     for word in ("gateway", "rebalance", "file-soak", "--served-model"):
         assert word in out.stdout
+
+
+@pytest.mark.parametrize("command", ["serve", "up"])
+def test_a_negative_http_port_turns_the_http_front_off_for_serve_and_up_alike(command):
+    """`fleetbatch gateway serve --http-port -1` once tried to start the front on port -1 and asked for its key,
+    where `gateway up --http-port -1` turned it off, as docs/gateway.md says."""
+    from gateway.cli import build_parser
+    from gateway.config import GatewayConfig
+
+    args = build_parser().parse_args([command, "--http-port", "-1"])
+    config = GatewayConfig.from_args(args, redis_url="redis://unused", admin_token="", clusters=[])
+    assert config.http_port is None
+    on = GatewayConfig.from_args(build_parser().parse_args([command, "--http-port", "0"]), redis_url="redis://unused",
+                                 admin_token="", clusters=[])  # fmt: skip
+    assert on.http_port == 0
