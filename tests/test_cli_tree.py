@@ -107,12 +107,12 @@ def test_global_options_reach_the_part_by_the_environment(tmp_path):
     assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
 
 
-def test_completion_scripts_cover_the_tree():
-    out = subprocess.run([sys.executable, "-m", "fleetbatch.cli", "completion", "bash"], capture_output=True,
-                         text=True, cwd=REPO)  # fmt: skip
-    assert out.returncode == 0
+def test_completion_scripts_cover_the_tree(tree, capsys):
+    assert main(["completion", "bash"]) == 0
+    script = capsys.readouterr().out
     for word in ("gateway", "rebalance", "file-soak", "--served-model"):
-        assert word in out.stdout
+        assert word in script
+    assert main(["completion", "fish"]) == 2  # not a shell shtab writes for
 
 
 @pytest.mark.parametrize("command", ["serve", "up"])
