@@ -1,9 +1,10 @@
-"""``loadgen``: the users' side and the benchmarks that drive the whole system from outside.
+"""``fleetbatch loadgen``: the users' side and the benchmarks that drive the whole system from outside.
 
-Workloads (:mod:`load.workload`), the gRPC client (:mod:`load.client`), the local demo, and
-benchmarks that run real deployments: policies (:mod:`load.compare_policies`), offloading
-(:mod:`load.bench_offload`), MICO's study (:mod:`load.study`) with run reports
-(:mod:`load.report`), fault injection (:mod:`load.chaos`, with the TCP proxy of :mod:`load.tcp_proxy` for partitions
-and latency) and intake soak (:mod:`load.soak`).
-It sits above every other package.
+At the top: workloads (:mod:`load.workload`), the gRPC client (:mod:`load.client`), OpenAI batch output
+(:mod:`load.openai_batch`), a local deployment for the demo and the studies (:mod:`load.deployment`),
+arrival processes (:mod:`load.arrivals`), the TCP proxy for latency and partitions (:mod:`load.tcp_proxy`)
+and the command (:mod:`load.cli`). In rooms by job: :mod:`load.chaos` (fault injection on a real
+deployment), :mod:`load.studies` (MICO's study, the planned fleet, deadlines, prefixes, the WAN, policies,
+offloading), :mod:`load.soaks` (the gateway's API at scale) and :mod:`load.reports` (what a run leaves and
+how it is read). It sits above every other package but the simulator and the command.
 """

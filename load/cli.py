@@ -12,23 +12,14 @@ import grpc
 from cliutil import run_main
 from fleetdata.datasets import data_dir
 from gateway.grpc_api.auth import CLIENT_TOKEN_ENV, client_token, deployment_token
-from load import (
-    bench_offload,
-    chaos,
-    compare_policies,
-    deadlines,
-    file_soak,
-    openai_check,
-    prefix,
-    report,
-    soak,
-    study,
-    wan,
-)
+from load.chaos import run as chaos
 from load.client import PART_ROWS, Tally, format_summary, run_batch
 from load.deployment import LocalDeployment
-from load.layout import format_layouts, mean_lengths, plan_rows
 from load.openai_batch import OpenAIOutput, error_path
+from load.reports import report
+from load.reports.layout import format_layouts, mean_lengths, plan_rows
+from load.soaks import file_soak, openai_check, soak
+from load.studies import bench_offload, compare_policies, deadlines, prefix, study, wan
 from load.workload import OpenAIFile, from_dataset, generated
 
 log = logging.getLogger(__name__)

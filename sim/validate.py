@@ -1,6 +1,6 @@
 """The simulator against real runs: ``sim_makespan_error`` on ``fleetbatch loadgen study`` run directories.
 
-Each real run (``results.jsonl``, ``meta.json``, ``clusters.yaml`` of :mod:`load.study`) is
+Each real run (``results.jsonl``, ``meta.json``, ``clusters.yaml`` of :mod:`load.studies.study`) is
 replayed in cost-model time with the same queries (prompt tokens, the lengths the engines
 generated, the gateway's predictions, in submission order), the same policy, backend, batch
 size and capacity hints, and offloading as the run had it (``meta.json``). The step cost is one

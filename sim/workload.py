@@ -25,7 +25,7 @@ import numpy as np
 
 from fleetdata.datasets import load_dataset, response_lengths
 from gateway.assign.policies import QueryLoad
-from load.compare_policies import fit_fallback_predictor
+from load.studies.compare_policies import fit_fallback_predictor
 from load.workload import WorkItem, from_dataset, generated
 
 

@@ -20,8 +20,8 @@ import json
 
 import pytest
 
-from load.chaos import FAULTS, ChaosConfig, run_chaos
-from load.chaos_books import CHECKED, verdict
+from load.chaos.books import CHECKED, verdict
+from load.chaos.run import FAULTS, ChaosConfig, run_chaos
 
 pytestmark = pytest.mark.fault
 
@@ -83,7 +83,7 @@ def test_a_fault_that_fires_on_a_finished_wave_does_not_count(tmp_path):
 def test_the_wan_options_reach_the_config_and_bad_values_are_refused(tmp_path):
     import argparse
 
-    from load.chaos_config import add_arguments, config_from_args
+    from load.chaos.config import add_arguments, config_from_args
 
     p = argparse.ArgumentParser()
     add_arguments(p)

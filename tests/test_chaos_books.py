@@ -13,12 +13,12 @@ import threading
 import pytest
 from openai.types import Batch
 
-from load.chaos import FAULTS, ChaosConfig
-from load.chaos_books import GrpcBatch, grpc_books
-from load.chaos_client import ResilientClient
-from load.chaos_load import kv_row, legit_failure, waves
-from load.chaos_openai import OpenAIRun, user_view
-from load.openai_check import input_rows
+from load.chaos.books import GrpcBatch, grpc_books
+from load.chaos.client import ResilientClient
+from load.chaos.openai_view import OpenAIRun, user_view
+from load.chaos.run import FAULTS, ChaosConfig
+from load.chaos.waves import kv_row, legit_failure, waves
+from load.soaks.openai_check import input_rows
 from load.workload import generated
 from protos import fleetbatch_pb2 as pb
 from workqueue import WorkQueue, connect, keys

@@ -1,4 +1,4 @@
-"""The chaos harness's resilient client (load/chaos_client.py) against a real gRPC server on
+"""The chaos harness's resilient client (load/chaos/client.py) against a real gRPC server on
 loopback: it retries a transient error (UNAVAILABLE) and gives up, with the error recorded, on a
 permanent one (INVALID_ARGUMENT), where the old client retried forever."""
 
@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from load.chaos_client import ResilientClient
+from load.chaos.client import ResilientClient
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 

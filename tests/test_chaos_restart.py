@@ -1,4 +1,4 @@
-"""How ``fleetbatch loadgen chaos`` tells that a killed engine came back (``load.chaos_faults``): real processes
+"""How ``fleetbatch loadgen chaos`` tells that a killed engine came back (``load.chaos.faults``): real processes
 killed by pid, heartbeats in a real Redis, a stand-in for the supervisor that restarts them.
 
 A heartbeat the killed engine stamped while dying (after the harness noted the time of the kill,
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from load.chaos_bite import Bite
-from load.chaos_faults import ProcessFaults
+from load.chaos.bite import Bite
+from load.chaos.faults import ProcessFaults
 from workqueue import WorkQueue, connect
 
 pytestmark = pytest.mark.fault

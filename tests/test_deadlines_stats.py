@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from load.deadlines_stats import eta_errors, expired_rows_problems, met
+from load.studies.deadlines_stats import eta_errors, expired_rows_problems, met
 from sim.core import ClusterSpec, SimConfig, Simulator
 from sim.queues import OrderedQueue
 from sim.workload import Workload

@@ -128,3 +128,12 @@ def test_the_cycle_finder_sees_a_circle_of_three():
     for a, b in [("p.a", "p.b"), ("p.b", "p.c"), ("p.c", "p.a"), ("p.c", "p.d"), ("p.e", "p.d")]:
         graph.add_import(importer=a, imported=b)
     assert import_cycles(graph) == [["p.a", "p.b", "p.c"]]
+
+
+def test_load_is_kept_in_rooms_by_job():
+    """`load/` holds at most 12 modules at its top level; the rest live in subpackages by job (chaos, studies,
+    soaks, reports), each saying its role."""
+    top = sorted(p.name for p in (REPO / "load").glob("*.py"))
+    assert len(top) <= 12, top
+    for sub in ("chaos", "studies", "soaks", "reports"):
+        assert (REPO / "load" / sub / "__init__.py").read_text().startswith('"""'), sub

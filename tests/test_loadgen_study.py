@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from load.study import sim_ratios
+from load.studies.study import sim_ratios
 from localmodels.paths import CACHE_ENV
 from sim.costs import LinearCost
 from sim.validate import validate

@@ -23,7 +23,7 @@ from gateway.http_api import batches as ob
 from gateway.http_api.format import CHAT, COMPLETIONS
 from gateway.http_api.objects import batch_object
 from gateway.http_api.retention import EXPIRE
-from load.openai_check import batch_problems
+from load.soaks.openai_check import batch_problems
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import REPO, start_engine, wait_until

@@ -278,7 +278,7 @@ def test_effective_capacity_always_positive(plan, measured, hint, alpha):
 
 
 def test_compare_policies_small_run(data_root, tmp_path, capsys):
-    from load import compare_policies
+    from load.studies import compare_policies
 
     plot = tmp_path / "p.png"
     argv = ["--data-dir", str(data_root), "--n", "300", "--train-max", "400", "--timing-n", "0"]
@@ -303,7 +303,7 @@ def test_compare_policies_small_run(data_root, tmp_path, capsys):
 
 
 def test_compare_policies_bad_input(data_root, capsys):
-    from load import compare_policies
+    from load.studies import compare_policies
 
     assert compare_policies.main(["--data-dir", str(data_root), "--n", "5"]) == 1
     assert "--n must be at least 10" in capsys.readouterr().err

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from load.report import build_report, finish_spread
-from load.runrecord import write_run
-from load.study import ratios
+from load.reports.report import build_report, finish_spread
+from load.reports.runrecord import write_run
+from load.studies.study import ratios
 
 
 def row(cluster: str, enqueued: float, finished: float) -> dict:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from load.cli import main
-from load.runrecord import META, RESULTS, TIMESERIES
-from load.wan_plot import PLOT, draw
-from load.wan_stats import COST_MODEL, HEARTBEAT, cluster_figures, rtt_key, summarise
+from load.reports.runrecord import META, RESULTS, TIMESERIES
+from load.studies.wan_plot import PLOT, draw
+from load.studies.wan_stats import COST_MODEL, HEARTBEAT, cluster_figures, rtt_key, summarise
 from tests.harness import REPO
 from workqueue import WorkQueue, connect
 

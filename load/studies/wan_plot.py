@@ -13,7 +13,7 @@ PLOT = "utilization_vs_rtt.png"
 
 
 def draw(summary: dict, out_dir: Path, title: str = "") -> Path:
-    """Write :data:`PLOT` into ``out_dir`` from :func:`load.wan_stats.summarise`'s summary."""
+    """Write :data:`PLOT` into ``out_dir`` from :func:`load.studies.wan_stats.summarise`'s summary."""
     rtts = sorted(summary["makespan_by_rtt_ms"], key=float)
     x = [float(r) for r in rtts]
     fig, ax = plt.subplots(figsize=(7.5, 5))

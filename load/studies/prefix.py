@@ -18,7 +18,7 @@ other's prefixes. Setups (``--setups``), one ``fleetbatch gateway up`` each, the
 Each run is a run directory (``fleetbatch loadgen report`` reads it) with ``prefixes.json``: each row's prefix
 group and shared tokens as the gateway's rule finds them (:mod:`gateway.assign.prefixes`), which the
 simulator's replay (``python -m sim.cli validate``) gives its engines. The last line is one JSON
-object (:mod:`load.prefix_stats`): ``prefix_aware_over_token`` (token's makespan over prefix's),
+object (:mod:`load.studies.prefix_stats`): ``prefix_aware_over_token`` (token's makespan over prefix's),
 ``hit_rate`` (the prefix run's, from the engines' heartbeats: hit / looked-up prompt tokens),
 ``sim_makespan_error`` (mean |sim - measured| / measured over the runs), and per setup its makespan,
 hit rate and simulated makespan.
@@ -37,9 +37,9 @@ from gateway.grpc_api.auth import deployment_token
 from gateway.grpc_api.tls import channel
 from load.client import result_row, to_request
 from load.deployment import LocalDeployment
-from load.prefix_stats import SETUPS, summarise
-from load.runrecord import Sampler, write_run
-from load.study import Setup, add_fleet_arguments, fleet_yaml, sim_cli
+from load.reports.runrecord import Sampler, write_run
+from load.studies.prefix_stats import SETUPS, summarise
+from load.studies.study import Setup, add_fleet_arguments, fleet_yaml, sim_cli
 from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -68,7 +68,7 @@ def add_arguments(p) -> None:
     add_fleet_arguments(
         p, "runs/prefix", "one run directory per setup", "engine batch size (max running queries)"
     )
-    p.set_defaults(emulation="cost")  # what load.study.fleet_yaml reads
+    p.set_defaults(emulation="cost")  # what load.studies.study.fleet_yaml reads
 
 
 def workload(args) -> tuple[list[WorkItem], dict[str, list]]:

@@ -37,10 +37,10 @@ from tqdm import tqdm
 
 from engines.device import StepCost
 from load.arrivals import add_arrival_arguments, arrivals
-from load.report import build_report
-from load.runrecord import write_run
-from load.study_planned import run_planned
-from load.study_run import run_deployed
+from load.reports.report import build_report
+from load.reports.runrecord import write_run
+from load.studies.planned import run_planned
+from load.studies.run import run_deployed
 from load.workload import WorkItem, from_dataset, generated
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ RATIOS = {  # name: (numerator setup, denominator setup, measure)
 
 def ratios(r: dict[str, dict]) -> dict[str, float]:
     """The study's ratios, for those whose two setups ran, and ``finish_spread_unequal``: how far apart
-    the 1:2:4 fleet's clusters finished under the token policy (:func:`load.report.finish_spread`)."""
+    the 1:2:4 fleet's clusters finished under the token policy (:func:`load.reports.report.finish_spread`)."""
     out = {}
     for name, (num, den, measure) in RATIOS.items():
         if num in r and den in r:

@@ -5,7 +5,7 @@ A cluster's **span** runs from its first claim (the earliest ``started_at`` amon
 to its last finish; its **device-busy fraction** is the seconds its engine spent in steps within
 that span, divided by the span. Busy seconds, steps and round trips are the differences of the
 engine's cumulative heartbeat figures (``device_busy_s``, ``steps``, ``redis_round_trips``, as
-:class:`load.runrecord.Sampler` recorded them) between the last sample taken before the batch
+:class:`load.reports.runrecord.Sampler` recorded them) between the last sample taken before the batch
 was submitted and the first heartbeat sent at or after the cluster's last finish (so idle time
 after the batch barely counts). An engine that does not report ``device_busy_s`` gets an
 estimate from the cost model instead: its device steps (``device_steps``) x the per-pass
@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from engines.device import StepCost
-from load.runrecord import META, RESULTS, TIMESERIES, read_jsonl
+from load.reports.runrecord import META, RESULTS, TIMESERIES, read_jsonl
 
 HEARTBEAT, COST_MODEL = "heartbeat", "cost_model"
 

@@ -44,10 +44,10 @@ import yaml
 from gateway.grpc_api.auth import deployment_token
 from gateway.grpc_api.tls import channel
 from load.client import result_row, to_request
-from load.deadlines_stats import Plan, expired_rows_problems, scenario_plan, summarise
 from load.deployment import LocalDeployment
-from load.runrecord import Sampler, write_run
-from load.study import Setup, add_fleet_arguments, fleet_yaml, workload
+from load.reports.runrecord import Sampler, write_run
+from load.studies.deadlines_stats import Plan, expired_rows_problems, scenario_plan, summarise
+from load.studies.study import Setup, add_fleet_arguments, fleet_yaml, workload
 from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -69,7 +69,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-expiry", action="store_true", help="skip the expired-batch run")
     p.add_argument("--predictor", default="shipped", help="the gateway's length predictor")
     add_fleet_arguments(p, "runs/deadlines", "one run directory per order, and the expiry run")
-    p.set_defaults(emulation="cost", policy="token")  # what load.study.fleet_yaml reads
+    p.set_defaults(emulation="cost", policy="token")  # what load.studies.study.fleet_yaml reads
 
 
 def _up_args(run_dir: Path, args, order: str) -> list[str]:
@@ -173,7 +173,7 @@ def run_expiry(items: list[WorkItem], plan: Plan, out: Path, args, info: dict | 
             return run_expiry(items, plan, out, args, own)
     from openai import OpenAI
 
-    from load.openai_check import input_rows
+    from load.soaks.openai_check import input_rows
 
     for name in ("httpx", "httpx2"):  # the client logs every poll at INFO
         logging.getLogger(name).setLevel(logging.WARNING)

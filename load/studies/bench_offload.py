@@ -88,6 +88,6 @@ def run(args) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m load.bench_offload", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m load.studies.bench_offload", description=__doc__)
     add_arguments(parser)
     print(json.dumps(run(parser.parse_args())))

@@ -1,6 +1,6 @@
 """One study setup through a real ``fleetbatch gateway up``: deploy, submit, stream every result, sample the engines.
 
-Shared by MICO's study (:mod:`load.study`) and the planners' (:mod:`load.study_planned`): the
+Shared by MICO's study (:mod:`load.studies.study`) and the planners' (:mod:`load.studies.planned`): the
 setups differ in their ``fleetbatch gateway up`` arguments and in what their ``meta.json`` records.
 """
 
@@ -14,7 +14,7 @@ from gateway.grpc_api.tls import channel
 from load.arrivals import groups
 from load.client import result_row, to_request
 from load.deployment import LocalDeployment
-from load.runrecord import Sampler
+from load.reports.runrecord import Sampler
 from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc

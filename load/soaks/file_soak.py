@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from load.soak import CLUSTERS, drain, memory, start_gateway
+from load.soaks.soak import CLUSTERS, drain, memory, start_gateway
 from load.workload import generated
 from workqueue import WorkQueue, connect
 from workqueue.embedded import EmbeddedRedis

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.http_api.format import CHAT
-from load.chaos_load import legit_failure
-from load.openai_check import FINAL, batch_problems, input_rows
+from load.chaos.waves import legit_failure
+from load.soaks.openai_check import FINAL, batch_problems, input_rows
 from load.workload import WorkItem
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """``fleetbatch loadgen report RUN``: throughput, makespan, tokens per cluster (predicted against actual), the
-completion-time CDF, cumulative KV, and MICO-style plots, from a run directory (:mod:`load.runrecord`).
+completion-time CDF, cumulative KV, and MICO-style plots, from a run directory (:mod:`load.reports.runrecord`).
 
 Plots (PNG, next to the data): ``kv.png`` -- KV-cache tokens per cluster over time (the mean
 KV each engine held between two samples, from its cumulative KV token-seconds, so static
@@ -19,9 +19,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from load.layout import plan_rows  # noqa: E402
-from load.layout_plot import draw_layout  # noqa: E402
-from load.runrecord import META, RESULTS, TIMESERIES, read_jsonl  # noqa: E402
+from load.reports.layout import plan_rows  # noqa: E402
+from load.reports.layout_plot import draw_layout  # noqa: E402
+from load.reports.runrecord import META, RESULTS, TIMESERIES, read_jsonl  # noqa: E402
 
 REPORT = "report.json"
 

@@ -1,4 +1,4 @@
-"""Round trips to Redis per gateway tick: ``python -m load.roundtrips`` prints a table, then one JSON line.
+"""Round trips to Redis per gateway tick: ``python -m load.reports.roundtrips`` prints a table, then one JSON line.
 
 Counted with :func:`workqueue.roundtrips.count_round_trips` (a command or a whole pipeline is
 one) on an embedded Redis, each figure after a warm-up (scripts loaded, connections open):
@@ -216,7 +216,7 @@ def table(m: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m load.roundtrips", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m load.reports.roundtrips", description=__doc__.splitlines()[0])
     p.add_argument("-n", type=int, default=20_000, help="queries in the submitted batch")
     p.add_argument("--clusters", type=int, nargs="+", default=[3, 6, 12], help="cluster counts")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 10, 50], help="batch counts")

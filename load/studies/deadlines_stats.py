@@ -1,6 +1,6 @@
 """``fleetbatch loadgen deadlines``' scenario and figures: the batches' windows from the simulator's makespan, which
 windows each order met, the ETA's error at 25 % and 50 % of a batch's tokens, the expired batch's
-files, and the simulator's replay of each run (:mod:`load.deadlines`)."""
+files, and the simulator's replay of each run (:mod:`load.studies.deadlines`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from load.runrecord import read_jsonl
-from load.study import sim_cli
+from load.reports.runrecord import read_jsonl
+from load.studies.study import sim_cli
 from load.workload import WorkItem
 
 #: (name, share of the rows, submitted at +s, window in multiples of the whole workload's makespan T)

@@ -1,4 +1,4 @@
-"""The figures of ``fleetbatch loadgen prefix`` (:mod:`load.prefix`): makespans, prefix-cache hit rates, the simulator's replay."""
+"""The figures of ``fleetbatch loadgen prefix`` (:mod:`load.studies.prefix`): makespans, prefix-cache hit rates, the simulator's replay."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ and the run's sampler talk to Redis directly: only the engines are across the WA
 
 What it reports, per round-trip time (RTT = 2 x the one-way delay, the JSON's keys in ms):
 each cluster's device-busy fraction (seconds its engine spent in steps, from its heartbeats,
-over its span from first claim to last finish; :mod:`load.wan_stats`), their mean, the
+over its span from first claim to last finish; :mod:`load.studies.wan_stats`), their mean, the
 makespan and its ratio to the 0 ms run, and Redis round trips per engine step. The last line
 of stdout is one JSON object with ``utilization_by_rtt_ms``, ``utilization_by_cluster``,
 ``makespan_by_rtt_ms``, ``makespan_ratio_at_100ms`` (makespan at 100 ms RTT, i.e. 50 ms one
@@ -30,13 +30,13 @@ import yaml
 from tqdm import tqdm
 
 from engines.device import StepCost
-from load.report import build_report
-from load.runrecord import write_run
-from load.study import Setup, add_fleet_arguments, fleet_yaml, workload
-from load.study_run import run_deployed
+from load.reports.report import build_report
+from load.reports.runrecord import write_run
+from load.studies.run import run_deployed
+from load.studies.study import Setup, add_fleet_arguments, fleet_yaml, workload
+from load.studies.wan_plot import draw
+from load.studies.wan_stats import rtt_key, summarise
 from load.tcp_proxy import Link, TcpProxy
-from load.wan_plot import draw
-from load.wan_stats import rtt_key, summarise
 from load.workload import WorkItem
 from workqueue.embedded import EmbeddedRedis
 
@@ -179,4 +179,4 @@ def add_arguments(p) -> None:
     p.add_argument("--offload", action="store_true", help="let the offloader move work (off by default)")
     add_fleet_arguments(p, "runs/wan", "one run directory per delay, and the plot")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(emulation="cost")  # what load.study.fleet_yaml reads: the cost-model devices
+    p.set_defaults(emulation="cost")  # what load.studies.study.fleet_yaml reads: the cost-model devices

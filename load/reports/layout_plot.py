@@ -20,7 +20,7 @@ BIT_COLOURS = {2: "#7f0000", 3: "#d7301f", 4: "#fc8d59", 8: "#fdcc8a", 16: "#9ec
 
 
 def draw_layout(path: Path, rows: Mapping[str, dict]) -> str:
-    """``rows``: cluster -> ``load.layout.plan_rows`` row (devices, layers, bits, predicted/measured)."""
+    """``rows``: cluster -> ``load.reports.layout.plan_rows`` row (devices, layers, bits, predicted/measured)."""
     fig, axes = plt.subplots(len(rows), 1, figsize=(7.2, 0.55 + 1.05 * len(rows)), squeeze=False)
     used: set[int] = set()
     for ax, (name, r) in zip(axes[:, 0], rows.items(), strict=True):

@@ -8,8 +8,8 @@ engine talking to Redis through a TCP proxy the harness controls (:mod:`load.tcp
 ``--wan-delay-ms``, every engine through its own proxy with that one-way delay (the clusters in
 other clouds, Redis and the gateways in one; the ``wan`` entry of the report says so), and
 clients that stream with ``start_index`` and switch replica on transient errors
-(:mod:`load.chaos_client`). The first cluster takes only small queries (``max_query_tokens``),
-the second any that fit its KV cache (:mod:`load.chaos_load`).
+(:mod:`load.chaos.client`). The first cluster takes only small queries (``max_query_tokens``),
+the second any that fit its KV cache (:mod:`load.chaos.waves`).
 
 **Faults follow progress, not the clock.** The load comes in waves, one per fault plus one:
 fault ``k`` fires once ``--fire-at`` of wave ``k`` has results, and wave ``k + 1`` is submitted
@@ -18,16 +18,16 @@ order of :data:`FAULTS`: SIGKILL and SIGSTOP of a busy engine, SIGKILL of Redis,
 of ``--outage-s``, a partition of ``--partition-s`` between the first engine and Redis (a
 blackhole by default: ``--partition-mode``), racing admin rebalances, KV-exhausting rows, an
 unwritable file store, an engine restart during intake, a SIGKILL of a gateway replica, and the
-removal of a cluster holding a row only it can take (:mod:`load.chaos_faults`,
-:mod:`load.chaos_faults_work`).
+removal of a cluster holding a row only it can take (:mod:`load.chaos.faults`,
+:mod:`load.chaos.faults_work`).
 
-**A fault counts only when it bit.** Each returns evidence (:class:`load.chaos_bite.Bite`):
+**A fault counts only when it bit.** Each returns evidence (:class:`load.chaos.bite.Bite`):
 leases held by the engine it hit, pings that failed, connections the partition froze and a
 lapsed heartbeat, the admin calls' status codes, the KV error on the rows, a failed finalizer
 pass, a batch still in intake, a refusal naming the row... ``faults`` counts the kinds that
 bit, ``fault_misses`` says why the others did not, ``evidence`` holds what each did.
 
-Then the books (:mod:`load.chaos_books`); the run fails (exit code 1) when a count there is
+Then the books (:mod:`load.chaos.books`); the run fails (exit code 1) when a count there is
 above 0, a fault did not bite, or a client met a permanent error. ``recovery_s``: per fault,
 seconds from the moment it healed (Redis started, proxy healed, SIGCONT sent, process
 restarted...) to the next result written (by the cluster it hit, for a fault on one engine).
@@ -49,15 +49,15 @@ import yaml
 
 from gateway.deploy.supervisor import EngineSupervisor
 from gateway.deploy.up import default_clusters
-from load.chaos_bite import Bite
-from load.chaos_books import GrpcBatch, format_report, grpc_books, merged_counts, verdict
-from load.chaos_client import ResilientClient
-from load.chaos_config import FAULTS, ChaosConfig, add_arguments, config_from_args  # noqa: F401  (add_arguments: the CLI reads it here)
-from load.chaos_faults import CLIENT_TOKEN, TOKEN, ProcessFaults
-from load.chaos_faults_work import WorkFaults
-from load.chaos_load import KV_BUDGET, SMALL_LIMIT, waves
-from load.chaos_openai import OpenAIBatches, OpenAIRun, user_view
-from load.chaos_procs import GatewayProcess, RestartableRedis
+from load.chaos.bite import Bite
+from load.chaos.books import GrpcBatch, format_report, grpc_books, merged_counts, verdict
+from load.chaos.client import ResilientClient
+from load.chaos.config import FAULTS, ChaosConfig, add_arguments, config_from_args  # noqa: F401  (add_arguments: the CLI reads it here)
+from load.chaos.faults import CLIENT_TOKEN, TOKEN, ProcessFaults
+from load.chaos.faults_work import WorkFaults
+from load.chaos.openai_view import OpenAIBatches, OpenAIRun, user_view
+from load.chaos.procs import GatewayProcess, RestartableRedis
+from load.chaos.waves import KV_BUDGET, SMALL_LIMIT, waves
 from load.client import to_request
 from load.tcp_proxy import Link, TcpProxy
 from load.workload import WorkItem

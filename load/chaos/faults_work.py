@@ -1,4 +1,4 @@
-"""The work and control-plane faults of ``fleetbatch loadgen chaos``, each returning a :class:`load.chaos_bite.Bite`.
+"""The work and control-plane faults of ``fleetbatch loadgen chaos``, each returning a :class:`load.chaos.bite.Bite`.
 
 * ``racing_movers``: admin rebalances ``--apply`` on both replicas at once, with both offloaders.
   Evidence: the calls' status codes, at least one ``OK`` and every other one ``UNAVAILABLE``
@@ -27,9 +27,9 @@ from collections.abc import Callable
 import grpc
 
 from gateway.http_api.batches import PENDING, record_key
-from load.chaos_bite import Bite
-from load.chaos_faults import TOKEN
-from load.chaos_load import big_row, intake_rows, kv_row
+from load.chaos.bite import Bite
+from load.chaos.faults import TOKEN
+from load.chaos.waves import big_row, intake_rows, kv_row
 from load.workload import generated
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -57,7 +57,7 @@ def admin(target: str, call: Callable[[pb_grpc.AdminServiceStub], object]) -> tu
 
 
 class WorkFaults:
-    """Load and admin faults for :class:`load.chaos.Chaos` (which provides the deployment and helpers)."""
+    """Load and admin faults for :class:`load.chaos.run.Chaos` (which provides the deployment and helpers)."""
 
     def racing_movers(self) -> Bite:
         calls: list[tuple[str, str]] = []

@@ -11,10 +11,10 @@ Over every gRPC batch of the run (the waves and the batches some faults submit):
   their result rows counted by :func:`workqueue.outcome` (what gRPC reports against the rows);
 * ``wrongly_failed``: rows without an answer (``not outcome(...).answered``) that could have
   run: any row but the deliberate misfits failed with their own error
-  (:func:`load.chaos_load.legit_failure`), plus such error lines in the OpenAI files;
+  (:func:`load.chaos.waves.legit_failure`), plus such error lines in the OpenAI files;
 
 then ``invariant_violations`` (:func:`workqueue.invariants.check` on the quiet queue) and the
-user's view of the OpenAI batches (:func:`load.chaos_openai.user_view`). :func:`verdict` lists
+user's view of the OpenAI batches (:func:`load.chaos.openai_view.user_view`). :func:`verdict` lists
 why a run failed: a count of :data:`CHECKED` above 0, a fault that did not bite, fewer fault
 kinds than asked, a killed engine whose restart was not observed, or a client that met a
 permanent error.
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from load.chaos_client import ResilientClient
-from load.chaos_load import legit_failure
+from load.chaos.client import ResilientClient
+from load.chaos.waves import legit_failure
 from workqueue import QueryState, WorkQueue, outcome
 
 #: the counts that must be 0 for a run to pass

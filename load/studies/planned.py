@@ -28,10 +28,10 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from load.layout import mean_lengths
-from load.report import build_report
-from load.runrecord import write_run
-from load.study_run import run_deployed
+from load.reports.layout import mean_lengths
+from load.reports.report import build_report
+from load.reports.runrecord import write_run
+from load.studies.run import run_deployed
 from load.workload import WorkItem
 
 #: setup name -> ``fleetbatch gateway up --fleet-method``

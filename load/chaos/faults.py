@@ -1,5 +1,5 @@
 """The process and network faults of ``fleetbatch loadgen chaos``, each injected and healed on real processes and
-sockets, each returning a :class:`load.chaos_bite.Bite`: the evidence that it bit, or why not.
+sockets, each returning a :class:`load.chaos.bite.Bite`: the evidence that it bit, or why not.
 
 * ``kill_engine`` / ``stop_engine``: SIGKILL / SIGSTOP an engine that holds leases (the run waits,
   bounded, for one; a wave already final is a miss). Evidence: its leases at the hit (> 0).
@@ -25,7 +25,7 @@ import os
 import signal
 import time
 
-from load.chaos_bite import Bite, DownProbe, LogWatch
+from load.chaos.bite import Bite, DownProbe, LogWatch
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ BUSY_WAIT_S = 60.0  # how long a fault on a busy engine waits for one to hold a 
 
 
 class ProcessFaults:
-    """Engine, Redis, network and gateway faults for :class:`load.chaos.Chaos` (which provides the
+    """Engine, Redis, network and gateway faults for :class:`load.chaos.run.Chaos` (which provides the
     deployment and the helpers ``_wait``, ``queue``, ``_batch_final``, ``_healed``)."""
 
     restarts_observed: int
