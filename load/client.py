@@ -53,28 +53,33 @@ def to_request(
     return req
 
 
-def read_results(path: str | Path) -> list[dict]:
-    """Result rows already in a JSONL file (none if it is missing). A torn last line (the writer was
-    killed mid-row) is cut off the file, so appending goes on from a whole row."""
+def scan_results(path: str | Path) -> Iterator[dict]:
+    """The result rows already in a JSONL file, one at a time (none if it is missing). A torn last line
+    (the writer was killed mid-row) is cut off the file once the scan ends, so appending goes on from a
+    whole row."""
     p = Path(path)
     if not p.exists():
-        return []
-    data = p.read_bytes()
-    rows, good = [], 0
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
-        try:
-            row = json.loads(line)
-        except ValueError:
-            break
-        if line.strip():
-            rows.append(row)
-        good += len(line)
-    if good < len(data):
+        return
+    good = 0
+    with open(p, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            try:
+                row = json.loads(line)
+            except ValueError:
+                break
+            good += len(line)
+            if line.strip():
+                yield row
+    if good < p.stat().st_size:
         with open(p, "r+b") as f:
             f.truncate(good)
-    return rows
+
+
+def read_results(path: str | Path) -> list[dict]:
+    """:func:`scan_results` as a list."""
+    return list(scan_results(path))
 
 
 def result_row(r: pb.QueryResult) -> dict:
@@ -92,6 +97,7 @@ def stream_results(
     retry_s: float = 60.0,
     keep: bool = True,
     seen: set[str] | None = None,
+    start_index: int | None = None,
 ) -> None:
     """Append the batch's results after those in ``results`` until it is final (no duplicates); with
     ``keep`` False they only go to ``on_row`` (a million rows are not held in memory). ``seen``: the set
@@ -102,6 +108,8 @@ def stream_results(
     seen = seen if seen is not None else set()
     seen.update(r.get("query_id") for r in results)
     next_index = max((int(r.get("index", -1)) for r in results), default=-1) + 1
+    if start_index is not None:  # the rows before were counted by the caller, not passed in results
+        next_index = max(next_index, start_index)
     last_progress = time.monotonic()
     delay = 0.2
     while True:
@@ -133,16 +141,29 @@ def request_parts(
     items: Iterable[WorkItem], batch_id: str, on_bad_query: str = "", rows: int = PART_ROWS
 ) -> Iterator[pb.SubmitBatchRequest]:
     """``items`` as the messages of ``SubmitBatchStream``: the batch's settings and its first ``rows`` queries,
-    then ``rows`` queries a message; built as the stream takes them (never the whole batch at once)."""
+    then ``rows`` queries a message, the last one marked ``end_of_batch``; built as the stream takes them
+    (two parts held at most, never the whole batch)."""
+    made = 0
+
+    def message(chunk: list[WorkItem]) -> pb.SubmitBatchRequest:
+        nonlocal made
+        made += 1
+        return to_request(chunk, batch_id, on_bad_query=on_bad_query) if made == 1 else to_request(chunk)
+
+    pending: pb.SubmitBatchRequest | None = None
     part: list[WorkItem] = []
-    first = True
     for it in items:
         part.append(it)
         if len(part) == rows:
-            yield to_request(part, batch_id, on_bad_query=on_bad_query) if first else to_request(part)
-            part, first = [], False
-    if part or first:
-        yield to_request(part, batch_id, on_bad_query=on_bad_query) if first else to_request(part)
+            if pending is not None:
+                yield pending
+            pending, part = message(part), []
+    if part or pending is None:
+        if pending is not None:
+            yield pending
+        pending = message(part)
+    pending.end_of_batch = True
+    yield pending
 
 
 def _noting(
@@ -215,8 +236,16 @@ def run_batch(
     there as they come (the file is started afresh unless resuming), and each goes to ``on_row``; with
     ``keep`` False, ``results`` stays empty. The batch id goes to stderr at once. ``token``: the client
     token sent with every call (None: ``$FLEETBATCH_TOKEN``)."""
-    results: list[dict] = read_results(out) if (out and resume) else []
-    seen_before = list(results)
+    results: list[dict] = []
+    seen = seen if seen is not None else set()
+    before = start = 0
+    for row in scan_results(out) if (out and resume) else ():  # read a row at a time: none kept unless keep
+        seen.add(row.get("query_id"))
+        start = max(start, int(row.get("index", -1)) + 1)
+        before += 1
+        if keep:
+            results.append(row)
+        on_row(row)
     if out and not resume:
         Path(out).write_text("")
     options = [("grpc.max_send_message_length", 512 * 1024 * 1024)]
@@ -226,13 +255,15 @@ def run_batch(
         if resume:
             batch = stub.GetBatch(pb.GetBatchRequest(batch_id=batch_id), timeout=30, wait_for_ready=True)
         elif callable(items):
-            batch = submit_parts(stub, items, batch_id or uuid.uuid4().hex, on_bad_query, retry_s, part_rows)
+            batch_id = batch_id or uuid.uuid4().hex  # named before sending: a retry, or --resume, finds it
+            print(f"submitting batch {batch_id} in parts", file=sys.stderr, flush=True)
+            batch = submit_parts(stub, items, batch_id, on_bad_query, retry_s, part_rows)
         else:
             batch = stub.SubmitBatch(to_request(items, batch_id, on_bad_query=on_bad_query), timeout=600)
         print(f"batch {batch.id} ({batch.request_counts.total} queries)", file=sys.stderr, flush=True)
         bar = tqdm(
             total=batch.request_counts.total,
-            initial=len(results),
+            initial=before,
             desc=f"batch {batch.id[:8]}",
             unit="q",
             disable=not progress,
@@ -246,8 +277,6 @@ def run_batch(
                 sink.write(json.dumps(row, ensure_ascii=False) + "\n")
             on_row(row)
 
-        for row in seen_before:
-            on_row(row)
         try:
             stream_results(
                 stub,
@@ -258,6 +287,7 @@ def run_batch(
                 retry_s=retry_s,
                 keep=keep,
                 seen=seen,
+                start_index=start,
             )
         finally:
             bar.close()
@@ -294,8 +324,8 @@ class Tally:
         self.ids.add(r["query_id"])
         self.reasons[r.get("finish_reason", "")] += 1
         timings = r.get("timings") or {}
-        if timings.get("enqueued_at") is not None:
-            t = float(timings["enqueued_at"])
+        t = float(timings.get("enqueued_at") or 0)
+        if t > 0:  # a row failed at intake was never enqueued (0)
             self.first_enqueue = min(self.first_enqueue, t) if self.first_enqueue else t
         c = self.per[r.get("cluster") or "-"]
         c["queries"] += 1

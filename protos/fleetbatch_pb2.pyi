@@ -71,7 +71,7 @@ class Query(_message.Message):
     def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., forced_length: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SubmitBatchRequest(_message.Message):
-    __slots__ = ("queries", "metadata", "batch_id", "on_bad_query", "completion_window", "priority")
+    __slots__ = ("queries", "metadata", "batch_id", "on_bad_query", "completion_window", "priority", "end_of_batch")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,13 +85,15 @@ class SubmitBatchRequest(_message.Message):
     ON_BAD_QUERY_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_WINDOW_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    END_OF_BATCH_FIELD_NUMBER: _ClassVar[int]
     queries: _containers.RepeatedCompositeFieldContainer[Query]
     metadata: _containers.ScalarMap[str, str]
     batch_id: str
     on_bad_query: OnBadQuery
     completion_window: str
     priority: int
-    def __init__(self, queries: _Optional[_Iterable[_Union[Query, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ..., on_bad_query: _Optional[_Union[OnBadQuery, str]] = ..., completion_window: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    end_of_batch: bool
+    def __init__(self, queries: _Optional[_Iterable[_Union[Query, _Mapping]]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ..., on_bad_query: _Optional[_Union[OnBadQuery, str]] = ..., completion_window: _Optional[str] = ..., priority: _Optional[int] = ..., end_of_batch: _Optional[bool] = ...) -> None: ...
 
 class RequestCounts(_message.Message):
     __slots__ = ("total", "completed", "failed", "cancelled")

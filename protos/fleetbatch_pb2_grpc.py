@@ -84,8 +84,9 @@ class BatchServiceServicer:
     def SubmitBatchStream(self, request_iterator, context):
         """The same batch sent in parts, for one too large for a message (a file of a million rows): the first
         message carries the batch's settings (batch_id, metadata, on_bad_query, completion_window, priority)
-        and its first queries, every later one only queries. Each part is checked and stored as it arrives;
-        the batch is created when the client ends the stream (always for the background intake: VALIDATING),
+        and its first queries, every later one only queries; the last one sets end_of_batch. Each part is
+        checked and stored as it arrives; the batch is created at that last message (always for the
+        background intake: VALIDATING),
         with the fingerprint of the same queries sent in one SubmitBatch. A stream that breaks or is refused
         creates nothing; a retry with the same batch_id is idempotent. Refusals as SubmitBatch's.
         """

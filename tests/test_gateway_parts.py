@@ -32,6 +32,7 @@ def served(redis_url):
 
 
 def parts(n: int, size: int, batch_id: str = "", first: int = 0, **settings) -> list[pb.SubmitBatchRequest]:
+    """``n`` queries in messages of ``size``, the last marked ``end_of_batch``."""
     out = []
     for start in range(first, first + n, size):
         req = (
@@ -42,7 +43,21 @@ def parts(n: int, size: int, batch_id: str = "", first: int = 0, **settings) -> 
         for i in range(start, min(first + n, start + size)):
             req.queries.add(id=f"q{i}", prompt=f"Explain item {i} briefly.", max_tokens=8)
         out.append(req)
+    out[-1].end_of_batch = True
     return out
+
+
+def ended(*messages: pb.SubmitBatchRequest) -> list[pb.SubmitBatchRequest]:
+    """``messages`` with the last one marked ``end_of_batch``."""
+    out = [pb.SubmitBatchRequest.FromString(m.SerializeToString()) for m in messages]
+    out[-1].end_of_batch = True
+    return out
+
+
+def _first_of(n: int) -> pb.SubmitBatchRequest:
+    first = parts(n, n)[0]
+    first.end_of_batch = False
+    return first
 
 
 def queued(queue: WorkQueue) -> list[str]:
@@ -75,12 +90,13 @@ def test_the_parts_make_one_batch_whose_rows_are_each_queued_once(served):
 @pytest.mark.parametrize(
     "messages, named",
     [
-        (parts(30, 10)[:1] + [pb.SubmitBatchRequest(queries=[pb.Query(id="q3", prompt="x y")])], "query #10 ('q3'): duplicate id"),
-        (parts(20, 10)[:1] + [pb.SubmitBatchRequest(batch_id="x", queries=[pb.Query(id="z", prompt="p")])], "message 2 of the stream sets the batch's settings"),
+        (ended(_first_of(10), pb.SubmitBatchRequest(queries=[pb.Query(id="q3", prompt="x y")])), "query #10 ('q3'): duplicate id"),
+        (ended(_first_of(10), pb.SubmitBatchRequest(batch_id="x", queries=[pb.Query(id="z", prompt="p")])), "message 2 of the stream sets the batch's settings"),
         ([], "the stream ended before its first message"),
-        ([pb.SubmitBatchRequest(batch_id="empty")], "the batch has no queries"),
-        ([pb.SubmitBatchRequest(batch_id="bad id!")], "batch_id 'bad id!' must be"),
-        (parts(20, 10)[:1] + [pb.SubmitBatchRequest(queries=[pb.Query(id="w", prompt="p", max_tokens=-1)])], "query #10 ('w'): max_tokens -1"),
+        (ended(pb.SubmitBatchRequest(batch_id="empty")), "the batch has no queries"),
+        (ended(pb.SubmitBatchRequest(batch_id="bad id!")), "batch_id 'bad id!' must be"),
+        (ended(_first_of(10), pb.SubmitBatchRequest(queries=[pb.Query(id="w", prompt="p", max_tokens=-1)])), "query #10 ('w'): max_tokens -1"),
+        ([_first_of(10)], "ended without a message that sets end_of_batch"),
     ],
 )  # fmt: skip
 def test_what_rejects_a_batch_rejects_the_stream_and_leaves_nothing(served, messages, named):
@@ -94,9 +110,12 @@ def test_what_rejects_a_batch_rejects_the_stream_and_leaves_nothing(served, mess
 
 def test_fail_row_a_part_of_bad_rows_fails_them_alone(served):
     stub, queue, _ = served
-    good = parts(10, 10, "rows", on_bad_query=pb.ON_BAD_QUERY_FAIL_ROW)
-    bad = pb.SubmitBatchRequest(queries=[pb.Query(id=f"b{i}", prompt="   ") for i in range(3)])
-    batch = stub.SubmitBatchStream(iter([*good, bad]), timeout=60)
+    good = _first_of(10)
+    good.batch_id, good.on_bad_query = "rows", pb.ON_BAD_QUERY_FAIL_ROW
+    bad = pb.SubmitBatchRequest(
+        queries=[pb.Query(id=f"b{i}", prompt="   ") for i in range(3)], end_of_batch=True
+    )
+    batch = stub.SubmitBatchStream(iter([good, bad]), timeout=60)
     assert batch.request_counts.total == 13
     wait_until(lambda: queue.batch("rows").failed == 3, 60, "the three bad rows failed")
     assert len(queued(queue)) == 10
@@ -107,7 +126,9 @@ def test_fail_row_a_part_of_bad_rows_fails_them_alone(served):
 def test_an_undecodable_part_is_invalid_argument(served):
     _, queue, ch = served
     call = ch.stream_unary("/fleetbatch.v1.BatchService/SubmitBatchStream")  # raw bytes, no message type
-    good = parts(5, 5, "raw")[0].SerializeToString()
+    first = _first_of(5)  # not the last: the next message is read
+    first.batch_id = "raw"
+    good = first.SerializeToString()
     with pytest.raises(grpc.RpcError) as e:
         call(iter([good, b"\x0a\x05\x0a\x03\xff\xfe\xfd"]), timeout=60)  # a query whose id is not UTF-8
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in e.value.details()
@@ -186,4 +207,57 @@ def test_a_part_still_being_written_when_the_call_is_cancelled_is_dropped_after_
             await asyncio.sleep(0.05)
 
     asyncio.run(scenario())
+    assert not queue.r.exists(staging.key)
+
+
+def test_the_batch_is_created_only_from_a_list_that_holds_every_row_sent(redis_url):
+    """A list that expired between two parts (or doubled by a resent write) does not hold what the parts sent:
+    nothing is created, the list goes, and the gateway answers UNAVAILABLE (send it again)."""
+    from workqueue import StagedRowsMissing
+
+    queue = WorkQueue(connect(redis_url))
+    stage = queue.new_stage("short")
+    queue.stage_rows(stage, ["{}"] * 5)
+    with pytest.raises(StagedRowsMissing, match="5 rows staged, 6 sent"):
+        queue.accept_staged("short", stage, 6)
+    assert queue.batch("short") is None and not queue.r.exists(stage)
+    stage = queue.new_stage("whole")
+    queue.stage_rows(stage, ["{}"] * 6)
+    assert queue.accept_staged("whole", stage, 6) and queue.batch("whole").total == 6
+    assert queue.r.ttl(keys.intake("whole")) == -1  # the intake list does not expire
+
+
+def test_a_call_cancelled_while_its_batch_is_created_leaves_no_list_behind(redis_url):
+    """The creation runs in its thread to its end; the list is dropped after it (gone, renamed, when it
+    created the batch), never halfway through the creating transaction."""
+    import asyncio
+    import threading
+
+    from gateway.batches.parts import Staging
+
+    queue = WorkQueue(connect(redis_url))
+    staging = Staging(queue, queue.new_stage("held"))
+    queue.stage_rows(staging.key, ["{}"] * 3)
+    started, release = threading.Event(), threading.Event()
+
+    def held_create(key: str) -> bool:
+        started.set()
+        release.wait(30)
+        return queue.accept_staged("held", key, 3)
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(staging.accept(held_create))
+        await asyncio.to_thread(started.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        staging.drop()  # as the service's finally does, the creation still running
+        release.set()
+        for _ in range(100):
+            if queue.batch("held") is not None and not queue.r.exists(staging.key):
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+    assert queue.batch("held").total == 3 and queue.r.llen(keys.intake("held")) == 3
     assert not queue.r.exists(staging.key)

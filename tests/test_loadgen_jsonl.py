@@ -98,3 +98,15 @@ def test_file_soak_prints_one_json_object_with_the_clients_peak_memory(capsys):
     assert out["ok"] is True and out["rows"] == out["results"] == 3000
     assert out["lost"] == out["duplicated"] == out["unknown_ids"] == 0 and out["client_exit"] == 0
     assert 20 < out["client_peak_rss_mb"] < 500 and out["file_mb"] > 0
+
+
+def test_a_row_never_enqueued_does_not_move_the_first_enqueue():
+    """Rows failed at intake carry enqueued_at 0: the per-cluster 'done after' counts from the first real one."""
+    from load.client import Tally
+    from protos import fleetbatch_pb2 as pb
+
+    tally = Tally()
+    for qid, enq, fin in (("a", 100.0, 130.0), ("b", 0.0, 0.0), ("c", 150.0, 160.0)):
+        tally.add({"query_id": qid, "cluster": "x", "timings": {"enqueued_at": enq, "finished_at": fin}})
+    summary = tally.summary(pb.Batch(id="b1"), 10.0)
+    assert summary["clusters"]["x"]["finished_after_s"] == 60.0 and summary["results"] == 3

@@ -13,6 +13,7 @@ records in :mod:`workqueue.records`) and the embedded Redis server used when no 
 """
 
 from workqueue.embedded import EmbeddedRedis, connect, resolve_url
+from workqueue.intake_ops import StagedRowsMissing
 from workqueue.queue import WorkQueue
 from workqueue.records import (
     BatchInfo,
@@ -38,6 +39,7 @@ __all__ = [
     "QueryResult",
     "QueryState",
     "QueuedQuery",
+    "StagedRowsMissing",
     "WorkQueue",
     "connect",
     "outcome",

@@ -95,6 +95,11 @@ class BatchWriter(Protocol):
     ) -> None: ...
 
 
+class StagedRowsMissing(RuntimeError):
+    """The staging list does not hold the rows its parts sent (it expired between two parts, or a resent
+    write doubled one): nothing is created."""
+
+
 class Intake:
     """Accepting a batch for background intake, landing its chunks, its waits and lost intake lists, on
     ``core``'s Redis (``core.clock``: acceptance times and waits; ``core.order``: the batch's place in
@@ -185,11 +190,21 @@ class Intake:
         """Create the batch from the ``total`` rows staged in ``stage``: one optimistic transaction checks
         that no batch has the id, creates the batch hash (``total`` = ``intake_total`` = the rows,
         ``intake_done`` 0), renames the staging list to the batch's intake list and puts the id in the
-        intake set. Nothing is queued yet. The staging list is deleted when this call did not create it.
+        intake set. Nothing is queued yet. The staging list is deleted when this call did not create it;
+        :class:`StagedRowsMissing` when it does not hold ``total`` rows.
         """
         if total < 1:
             raise ValueError("a batch accepted for intake needs rows")
         bkey = keys.batch(batch_id)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.llen(stage)
+        pipe.persist(stage)  # it can no longer expire before it is renamed (or deleted below)
+        staged, _ = pipe.execute()
+        if staged != total:  # expired between two parts, or a part written twice
+            self.r.delete(stage)
+            raise StagedRowsMissing(
+                f"batch {batch_id}: {staged} rows staged, {total} sent; send the batch again"
+            )
 
         def write(pipe) -> None:
             now = self.core.clock()

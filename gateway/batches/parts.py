@@ -3,7 +3,8 @@
 A batch too large for one message (a million rows of an OpenAI batch file) comes as a stream of
 ``SubmitBatchRequest`` messages: the first carries the batch's settings (``batch_id``, ``metadata``,
 ``on_bad_query``, ``completion_window``, ``priority``) and its first queries, each later one only
-queries. :func:`stage_parts` checks each part as :func:`gateway.checks.validation.check_batch` checks a
+queries, and the last one sets ``end_of_batch``: a stream that stops before it was broken off (a cancelled
+call's parts also just stop coming) and creates nothing. :func:`stage_parts` checks each part as :func:`gateway.checks.validation.check_batch` checks a
 whole batch (positions count from the batch's start; an id is unique in the whole batch; with
 ``fail-row`` a bad row fails alone unless every row of the batch is bad), appends its rows to the
 staging list and adds its queries to the batch's fingerprint, which is the fingerprint of the same
@@ -26,23 +27,36 @@ from protos import fleetbatch_pb2 as pb
 from workqueue import WorkQueue
 
 
+class StreamBrokenOff(Exception):
+    """The parts stopped before the one that ends the batch (``end_of_batch``): a call cancelled mid-stream,
+    or a client that half-closed too soon. Nothing is created either way."""
+
+
 class Staging:
-    """A batch's staging list (``key``) and its write in flight. A call cancelled while a part is being
-    written goes on at once, but the write goes on in its thread: :meth:`drop` waits for it, or its
-    ``RPUSH`` would make the dropped list anew (to linger until it expires)."""
+    """A batch's staging list (``key``) and the Redis call on it in flight (a part's append, or the batch's
+    creation from it). A cancelled call goes on at once, but the Redis call goes on in its thread:
+    :meth:`drop` waits for it, or an append would make the dropped list anew (to linger until it expires)
+    and a creation could find it gone halfway."""
 
     def __init__(self, queue: WorkQueue, key: str) -> None:
         self.queue, self.key = queue, key
-        self._writing: asyncio.Future | None = None
+        self._busy: asyncio.Future | None = None
+
+    async def _run(self, fn: Callable, *args):
+        self._busy = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        return await asyncio.shield(self._busy)
 
     async def append(self, rows) -> None:
-        self._writing = asyncio.ensure_future(asyncio.to_thread(self.queue.stage_rows, self.key, rows))
-        await asyncio.shield(self._writing)
+        await self._run(self.queue.stage_rows, self.key, rows)
+
+    async def accept(self, create: Callable[[str], bool]) -> bool:
+        """``create(key)``: the batch made from the list (True), run to its end even if the call is cancelled."""
+        return await self._run(create, self.key)
 
     def drop(self) -> None:
-        """Delete the list now, or once the write in flight has ended."""
-        writing = self._writing
-        if writing is None or writing.done():
+        """Delete the list now, or once the call in flight has ended (after a creation it is gone already)."""
+        busy = self._busy
+        if busy is None or busy.done():
             self.queue.drop_stage(self.key)
             return
 
@@ -51,7 +65,7 @@ class Staging:
                 f.exception()  # seen: the caller has gone, the list goes anyway
             self.queue.drop_stage(self.key)
 
-        writing.add_done_callback(after)
+        busy.add_done_callback(after)
 
 
 @dataclass(frozen=True)
@@ -104,7 +118,13 @@ async def stage_parts(
         await asyncio.to_thread(digest.add, msg)
         bad += len(checked.bad)
         part.advance(msg)
+        if msg.end_of_batch:  # the batch is whole: nothing after it is read
+            break
         msg = await anext(rest, None)
+    else:
+        raise StreamBrokenOff(
+            "the stream ended without a message that sets end_of_batch: nothing was created"
+        )
     if part.offset == 0:
         raise InvalidRequest("the batch has no queries")
     if bad == part.offset:

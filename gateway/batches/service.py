@@ -22,6 +22,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from gateway.assign.estimates import charged_tokens
@@ -34,14 +35,14 @@ from gateway.batches import quota
 from gateway.batches.deps import GatewayDeps
 from gateway.batches.errors import Caller, InvalidRequest, NotFound, Unavailable
 from gateway.batches.messages import fail_rows, fingerprint
-from gateway.batches.parts import Staging, stage_parts
+from gateway.batches.parts import Staging, StreamBrokenOff, stage_parts
 from gateway.batches.resubmit import check_resubmission
 from gateway.checks.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.checks.windows import WindowError, check_priority, parse_window
 from gateway.intake.background import Intake, encode_rows
 from gateway.status.eta import Eta
 from protos import fleetbatch_pb2 as pb
-from workqueue import BatchInfo, ClusterInfo, QueryResult, QueuedQuery
+from workqueue import BatchInfo, ClusterInfo, QueryResult, QueuedQuery, StagedRowsMissing
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +122,9 @@ class BatchService:
     ) -> BatchStatus:
         """A batch sent in parts (``SubmitBatchStream``, :mod:`gateway.batches.parts`): each part is checked
         and staged in Redis as it arrives; when the stream ends, the batch is accepted for the background
-        intake, as a large :meth:`submit`'s. A stream that breaks or is refused creates nothing: ``broken()``
-        tells an end the client chose (it half-closed) from a call cancelled mid-stream, whose parts also
-        just stop coming."""
+        intake, as a large :meth:`submit`'s. A stream that breaks or is refused creates nothing: the batch is
+        made only after a message with ``end_of_batch`` (a cancelled call's parts just stop coming), and
+        ``broken()`` (the call was cancelled) is checked once more right before."""
         d, t0 = self.d, time.perf_counter()
         first = await anext(parts, None)
         if first is None:
@@ -137,10 +138,15 @@ class BatchService:
         stage = None if existing is not None else Staging(d.queue, d.queue.new_stage(batch_id))
         created = False
         try:
-            sent = await stage_parts(
-                first, parts, count_tokens=d.count_tokens, bound=d.token_bound,
-                limits=self._limits, default_mode=d.config.on_bad_query, stage=stage,
-            )  # fmt: skip
+            try:
+                sent = await stage_parts(
+                    first, parts, count_tokens=d.count_tokens, bound=d.token_bound,
+                    limits=self._limits, default_mode=d.config.on_bad_query, stage=stage,
+                )  # fmt: skip
+            except StreamBrokenOff as e:
+                if broken():  # the client is gone: nobody to answer
+                    raise asyncio.CancelledError(str(e)) from None
+                raise InvalidRequest(str(e)) from None
             if existing is not None:
                 return await self._resubmitted_as(existing, caller, first, sent.total, sent.digest)
 
@@ -150,11 +156,15 @@ class BatchService:
                     raise asyncio.CancelledError(
                         f"the stream of batch {batch_id} was broken off: nothing created"
                     )
-                created = await asyncio.to_thread(
-                    d.queue.accept_staged, batch_id, stage.key, sent.total, policy=d.policy.name,
+                accept = partial(
+                    d.queue.accept_staged, batch_id, total=sent.total, policy=d.policy.name,
                     metadata=dict(first.metadata), fingerprint=sent.digest, extra=writes,
                     window_s=sent.window_s, priority=first.priority,
                 )  # fmt: skip
+                try:
+                    created = await stage.accept(lambda key: accept(stage=key))
+                except StagedRowsMissing as e:
+                    raise Unavailable(str(e)) from None
                 what = f"{sent.total} queries in {sent.parts} parts"
                 return await self._accepted(
                     batch_id, created, caller, first, sent.total, sent.digest, what, t0
