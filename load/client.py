@@ -169,13 +169,14 @@ def request_parts(
 def _noting(
     parts: Iterator[pb.SubmitBatchRequest], failed: list[BaseException]
 ) -> Iterator[pb.SubmitBatchRequest]:
-    """``parts``, with the error that ends them (a bad row of the file) put in ``failed``: gRPC only says
-    'Exception iterating requests!', and that error is the answer to give."""
+    """``parts``, until one fails to be made (a bad row of the file): that error goes to ``failed`` and the
+    stream just ends, without ``end_of_batch``, so the gateway creates nothing and refuses the call; the
+    error is the answer to give (raised, gRPC would log a traceback and say only 'Exception iterating
+    requests!')."""
     try:
         yield from parts
-    except BaseException as e:
+    except Exception as e:
         failed.append(e)
-        raise
 
 
 def submit_parts(

@@ -75,7 +75,9 @@ def test_num_is_a_cap_that_names_the_rows_it_leaves_out(redis_url, tmp_path, cap
     assert json.loads(printed.out.strip().splitlines()[-1])["results"] == 120
 
 
-def test_a_bad_line_ends_the_submission_with_its_number_and_creates_nothing(redis_url, tmp_path, capsys):
+def test_a_bad_line_ends_the_submission_with_its_number_and_creates_nothing(
+    redis_url, tmp_path, capsys, caplog
+):
     src = tmp_path / "in.jsonl"
     _file(src, 500, bad_line=430)
     queue = WorkQueue(connect(redis_url))
@@ -87,6 +89,7 @@ def test_a_bad_line_ends_the_submission_with_its_number_and_creates_nothing(redi
 
     assert _run(redis_url, ["--jsonl", str(src), "--part-rows", "100"], dropped) == 1
     assert "in.jsonl:430: not valid JSON" in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.name.startswith("grpc")]  # no traceback of gRPC's before it
     assert queue.batch_ids() == []
 
 
