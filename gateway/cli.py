@@ -14,6 +14,7 @@ from pathlib import Path
 from cliutil import run_main
 from gateway.cli_options import add_common, add_http
 from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
+from gateway.deploy import prepare
 from gateway.deploy.fleet_up import FLEET_METHODS
 from gateway.grpc_api.auth import CLIENT_TOKEN_ENV, TOKENS_ENV, client_token, load_tokens
 from workqueue.embedded import die_with_parent_from_env
@@ -160,19 +161,13 @@ def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
     st.add_argument("--token", help=f"client token (default: ${CLIENT_TOKEN_ENV}, else --token-file)")
     st.add_argument("--token-file", default="runs/local/client-token", help="file of the client token")
 
-    pr = sub.add_parser(
-        "prepare",
-        help="build the caches a fresh machine lacks (tokenizer, CPU profile, font cache); run by scripts/setup.sh",
-        description=(
-            "Builds, once, every cache that `fleetbatch gateway up`, the demo, the studies and the tests read: the default "
-            "tokenizer (trained on the shared data, else generated text), this CPU's profile of the default "
-            "fleet's served model, and matplotlib's font cache, in $FLEETBATCH_CACHE (default "
-            "~/.cache/fleetbatch) and $MPLCONFIGDIR. What is there already is kept. Prints one JSON object: "
-            "the cache directory and the seconds each step took."
-        ),
-    )
-    pr.add_argument(
-        "--log-dir", default=None, help="logs of the build steps (default: $FLEETBATCH_CACHE/logs)"
+    prepare.add_arguments(
+        sub.add_parser(
+            "prepare",
+            help="build the caches a fresh machine lacks (tokenizers, CPU profile, fonts); run by scripts/setup.sh",
+            description=prepare.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
     )
     return p
 
@@ -374,9 +369,7 @@ def _status(args) -> int:
 
 
 def _prepare(args) -> int:
-    from gateway.deploy.prepare import run  # lazy: the other commands never need it
-
-    print(json.dumps(run(args)))
+    print(json.dumps(prepare.run(args)))
     return 0
 
 

@@ -123,8 +123,8 @@ class BatchService:
         """A batch sent in parts (``SubmitBatchStream``, :mod:`gateway.batches.parts`): each part is checked
         and staged in Redis as it arrives; when the stream ends, the batch is accepted for the background
         intake, as a large :meth:`submit`'s. A stream that breaks or is refused creates nothing: the batch is
-        made only after a message with ``end_of_batch`` (a cancelled call's parts just stop coming), and
-        ``broken()`` (the call was cancelled) is checked once more right before."""
+        made only after a message with ``end_of_batch`` (a cancelled call's parts just stop coming; ``broken()``
+        tells the client that left from one that half-closed too soon, which is answered)."""
         d, t0 = self.d, time.perf_counter()
         first = await anext(parts, None)
         if first is None:
@@ -152,17 +152,13 @@ class BatchService:
 
             async def create(writes) -> BatchStatus:
                 nonlocal created
-                if broken():  # checked last, right before the batch is created
-                    raise asyncio.CancelledError(
-                        f"the stream of batch {batch_id} was broken off: nothing created"
-                    )
-                accept = partial(
+                create_from = partial(  # called with the staging list's key
                     d.queue.accept_staged, batch_id, total=sent.total, policy=d.policy.name,
                     metadata=dict(first.metadata), fingerprint=sent.digest, extra=writes,
                     window_s=sent.window_s, priority=first.priority,
                 )  # fmt: skip
                 try:
-                    created = await stage.accept(lambda key: accept(stage=key))
+                    created = await stage.accept(create_from)
                 except StagedRowsMissing as e:
                     raise Unavailable(str(e)) from None
                 what = f"{sent.total} queries in {sent.parts} parts"
@@ -338,16 +334,14 @@ class BatchService:
             return self.d.policy.assign(loads, views)
 
     async def _resubmitted(self, existing: BatchInfo, request, caller: Caller) -> BatchStatus:
-        """A retry of the same submission gets the existing batch; anything else with its id is refused,
-        as is a caller who is not its owner (a retry makes one without an owner the caller's)."""
+        """``request`` under an existing batch's id: :meth:`_resubmitted_as` with its count and fingerprint."""
         digest = await asyncio.to_thread(fingerprint, request) if existing.fingerprint else ""
         return await self._resubmitted_as(existing, caller, request, len(request.queries), digest)
 
     async def _resubmitted_as(
         self, existing: BatchInfo, caller: Caller, settings: pb.SubmitBatchRequest, total: int, digest: str
     ) -> BatchStatus:
-        """:meth:`_resubmitted` for a submission of ``total`` queries whose fingerprint is ``digest``, with
-        the completion window and priority of ``settings``."""
+        """The existing batch, if the submission matches it (the rule: :mod:`gateway.batches.resubmit`)."""
         await check_resubmission(self.d.queue, existing, caller, settings, total, digest)
         return BatchStatus(existing, self.d.eta.get(existing.batch_id))
 

@@ -87,6 +87,13 @@ def prepare(log_dir: Path) -> dict[str, dict]:
     return out
 
 
+def add_arguments(p) -> None:
+    """``fleetbatch gateway prepare``'s options."""
+    p.add_argument(
+        "--log-dir", default=None, help="logs of the build steps (default: $FLEETBATCH_CACHE/logs)"
+    )
+
+
 def run(args) -> dict:
     """``fleetbatch gateway prepare``: per step the seconds and what it built, the cache's place, the total."""
     steps = prepare(Path(args.log_dir) if args.log_dir else cache_dir() / "logs")
