@@ -16,7 +16,7 @@ import pytest
 from fleetbatch.cli import PARTS, full_parser, main
 from tests.harness import REPO
 
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "k8s" / "README.md"]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), REPO / "k8s" / "README.md"]
 
 
 def commands(
@@ -118,7 +118,7 @@ def test_completion_scripts_cover_the_tree(tree, capsys):
 @pytest.mark.parametrize("command", ["serve", "up"])
 def test_a_negative_http_port_turns_the_http_front_off_for_serve_and_up_alike(command):
     """`fleetbatch gateway serve --http-port -1` once tried to start the front on port -1 and asked for its key,
-    where `gateway up --http-port -1` turned it off, as docs/gateway.md says."""
+    where `gateway up --http-port -1` turned it off, as docs/design/gateway.md says."""
     from gateway.cli import build_parser
     from gateway.config import GatewayConfig
 

@@ -142,7 +142,7 @@ def test_merged_profile_is_the_mean_of_concurrent_ones():
 
 
 def test_bench_runs_a_given_plan(tmp_path, data_root, capsys):
-    """``fleetbatch engine bench --plan`` (documented in docs/engine.md) crashed with a TypeError without --stages."""
+    """``fleetbatch engine bench --plan`` (documented in docs/design/engine.md) crashed with a TypeError without --stages."""
     plan = harness_plan(
         tmp_path / "plan.json", "nano", [0, 1, 2], [16, 16], decode_mb=4, prefill_mb=2, head_split=0.5
     )

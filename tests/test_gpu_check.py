@@ -1,6 +1,6 @@
 """`scripts/gpu-check.sh` (engines.bench.gpu_check): its CPU dry run for real, and its answer on a machine without CUDA.
 
-The GPU runs themselves need a GPU machine (see docs/engine.md); here the dry run drives check
+The GPU runs themselves need a GPU machine (see docs/design/engine.md); here the dry run drives check
 A's code on the CPU (a real 2-stage pipeline over gloo, compared token for token with one
 process) and check B's plan translation, and the script's JSON is read back.
 """

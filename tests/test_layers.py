@@ -1,5 +1,5 @@
 """The layers between packages hold, and no modules import each other in a circle. `lint-imports` checks
-the contracts in pyproject.toml (the layers of docs/layers.md; gateway and engines independent;
+the contracts in pyproject.toml (the layers of docs/design/layers.md; gateway and engines independent;
 fleetdata, planfile, cliutil, workqueue and protos at the bottom; engines and gateway without the
 planner; load and sim on top; planner, predictor and quant free of serving code)."""
 
