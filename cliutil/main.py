@@ -21,6 +21,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cliutil.config_file import resolve_config
+
 TIMESTAMPED_LOG = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PLAIN_LOG = "%(levelname)s %(name)s: %(message)s"
 #: ``fleetbatch -v``: debug logging in this process and every one it starts
@@ -94,7 +96,7 @@ def run_main(
         for name in quiet_loggers:
             logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        result = run(args)
+        result = run(resolve_config(args))  # options a command takes from the environment or --config-file
     except errors as e:
         command = f" {command_of(args)}" if command_of(args) else ""
         print(message.format(prog=prog, command=command, error=describe(e)), file=sys.stderr)
