@@ -41,7 +41,7 @@ class ClusterFileError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid")
 
 
 class Emulation(_Strict):
@@ -92,6 +92,10 @@ class Cluster(_Strict):
         if any(not item.strip() for item in value):
             raise ValueError("entries must not be empty")
         return value
+
+    def __init__(self, name: str | None = None, /, **fields: Any) -> None:
+        """``Cluster("a", capacity_tps=100)``: the name may come first, unnamed."""
+        super().__init__(**({"name": name} if name is not None else {}), **fields)
 
     def reserved_set(self) -> list[str]:
         """The reserved fields this cluster sets (accepted, not used yet)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from cliutil import run_main
+from cliutil import enable_config_file, run_main
 from engines import serve
 from engines.bench.compare import bench
 from engines.bench.pipeline import bench_pipeline
@@ -28,7 +28,7 @@ log = logging.getLogger("engine")
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument(
-        "--model-dir", default=None, help="local Hugging Face model directory (default: a random model)"
+        "--served-model", default=None, help="local Hugging Face model directory (default: a random model)"
     )
     g.add_argument(
         "--arch", default="llama", choices=["llama", "gpt2", "opt"], help="random model architecture"
@@ -108,7 +108,9 @@ def _read_requests(path: str, args: argparse.Namespace) -> list[Request]:
 
 def run_generate(args: argparse.Namespace) -> int:
     reqs = _read_requests(args.input, args)
-    engine = LLMEngine.from_pretrained(args.model_dir, args.arch, args.size, _config(args, args.max_running))
+    engine = LLMEngine.from_pretrained(
+        args.served_model, args.arch, args.size, _config(args, args.max_running)
+    )
     start = time.perf_counter()
     try:
         outs = engine.generate(reqs, progress=True)
@@ -129,11 +131,11 @@ def run_generate(args: argparse.Namespace) -> int:
         if o.error:
             row["error"] = o.error
         rows.append(json.dumps(row) + "\n")
-    if args.output == "-":
+    if args.out == "-":
         sys.stdout.writelines(rows)
         sys.stdout.flush()
     else:
-        Path(args.output).write_text("".join(rows), encoding="utf-8")
+        Path(args.out).write_text("".join(rows), encoding="utf-8")
     tokens = sum(o.completion_tokens for o in outs)
     summary = {
         "requests": len(outs),
@@ -142,10 +144,10 @@ def run_generate(args: argparse.Namespace) -> int:
         "tokens_per_s": round(tokens / elapsed, 2) if elapsed else 0.0,
         "errors": sum(o.finish_reason == "error" for o in outs),
         "preemptions": engine.num_preemptions,
-        "output": args.output,
+        "output": args.out,
     }
     log.info("generated %d tokens for %d requests in %.1f s", tokens, len(outs), elapsed)
-    print(json.dumps(summary), file=sys.stderr if args.output == "-" else sys.stdout)
+    print(json.dumps(summary), file=sys.stderr if args.out == "-" else sys.stdout)
     return 0
 
 
@@ -179,6 +181,7 @@ def build_parser(prog: str = "fleetbatch engine") -> argparse.ArgumentParser:
         description="Serve one cluster: take queries from its Redis queue, generate, write results once per query.",
     )
     serve.add_serve_arguments(serve_parser)
+    enable_config_file(serve_parser)  # every option also from FLEETBATCH_<OPTION> or a YAML file
 
     gen = sub.add_parser(
         "generate",
@@ -191,7 +194,7 @@ def build_parser(prog: str = "fleetbatch engine") -> argparse.ArgumentParser:
         ),
     )
     gen.add_argument("input", help="JSONL file of requests ('-' for stdin)")
-    gen.add_argument("-o", "--output", default="-", help="JSONL results file ('-' for stdout)")
+    gen.add_argument("-o", "--out", default="-", help="JSONL results file ('-' for stdout)")
     gen.add_argument("--max-tokens", type=int, default=128, help="default max_tokens per request")
     gen.add_argument("--temperature", type=float, default=0.0, help="default temperature (0 = greedy)")
     gen.add_argument("--top-p", type=float, default=1.0, help="default top-p")
@@ -219,7 +222,12 @@ def build_parser(prog: str = "fleetbatch engine") -> argparse.ArgumentParser:
     b.add_argument(
         "--data-dir", default=None, help="dataset directory (default $FLEETBATCH_DATA or ../shared/data)"
     )
-    b.add_argument("--num-queries", type=int, default=48, help="queries sampled from the dataset")
+    b.add_argument(
+        "--num-queries",
+        type=int,
+        default=None,
+        help="queries sampled from the dataset (default 48; 96 with --prefix-workload)",
+    )
     b.add_argument(
         "--batch-size",
         type=int,
@@ -232,8 +240,13 @@ def build_parser(prog: str = "fleetbatch engine") -> argparse.ArgumentParser:
         default=None,
         help="engine/HF continuous max running (default 4x --batch-size; the KV budget limits it too)",
     )
-    b.add_argument("--max-len", type=int, default=256, help="cap on forced response length (CPU time)")
-    b.add_argument("--max-prompt", type=int, default=256, help="prompts keep their last N tokens")
+    b.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="cap on forced response length (CPU time; default 256; 128 with --prefix-workload)",
+    )
+    b.add_argument("--max-prompt", type=int, default=128, help="prompts keep their last N tokens")
     b.add_argument("--methods", default="static,engine,hf_continuous", help="comma-separated subset to run")
     b.add_argument("--seed", type=int, default=0, help="query sampling seed")
     b.add_argument(
@@ -242,7 +255,7 @@ def build_parser(prog: str = "fleetbatch engine") -> argparse.ArgumentParser:
         choices=["cpu", "wall"],
         help="clock of the headline figures: process CPU seconds (steady on a shared machine) or wall time",
     )
-    b.add_argument("--out-dir", default=None, help="write engine_bench.json and PNG figures here")
+    b.add_argument("--out", default=None, help="write engine_bench.json and PNG figures here")
     pb = b.add_argument_group(
         "pipeline stages (--stages or --plan)",
         "Run a plan as one process per stage and compare it with one process (and, on unlike stages, "

@@ -56,7 +56,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="native: iteration-level engine; static: HF generate on padded batches; vllm: GPU only",
     )
     p.add_argument(
-        "--model", default=None, help="local Hugging Face model directory (default: a random model)"
+        "--served-model", default=None, help="local Hugging Face model directory (default: a random model)"
     )
     p.add_argument(
         "--arch", default="llama", choices=("llama", "gpt2", "opt"), help="architecture of the random model"
@@ -74,7 +74,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="torch.distributed rendezvous of a multi-stage plan's stage processes, tcp://HOST:PORT "
         "(default: a free port on 127.0.0.1)",
     )
-    p.add_argument("--max-batch", type=int, default=8, help="most queries running at once")
+    p.add_argument("--max-running", type=int, default=8, help="most queries running at once")
     p.add_argument(
         "--kv-budget-tokens",
         type=int,
@@ -131,7 +131,9 @@ def build_engine(args: argparse.Namespace) -> Engine:
     if args.backend == "vllm":
         return VLLMEngine.from_args(args)
     if args.backend == "native":
-        config = EngineConfig(max_running=args.max_batch, device=args.device, prefix_cache=args.prefix_cache)
+        config = EngineConfig(
+            max_running=args.max_running, device=args.device, prefix_cache=args.prefix_cache
+        )
         if args.kv_budget_tokens is not None:
             config.kv_budget_tokens = args.kv_budget_tokens
             config.validate()
@@ -139,11 +141,11 @@ def build_engine(args: argparse.Namespace) -> Engine:
             config.plan_path = args.plan
             config.pipeline.init_method = args.rendezvous
             config.pipeline.emulate_cost = args.device_cost == PLAN_COST
-        return LLMEngine.from_pretrained(args.model, arch=args.arch, size=args.size, config=config)
+        return LLMEngine.from_pretrained(args.served_model, arch=args.arch, size=args.size, config=config)
     if args.device != "cpu":
         raise ValueError(f"the static backend runs on the CPU only, not on --device {args.device}")
-    model, tokenizer = load_or_build(args.model, arch=args.arch, size=args.size)
-    return StaticBatchEngine(model, tokenizer, max_batch=args.max_batch)
+    model, tokenizer = load_or_build(args.served_model, arch=args.arch, size=args.size)
+    return StaticBatchEngine(model, tokenizer, max_batch=args.max_running)
 
 
 def parse_device_cost(args: argparse.Namespace) -> StepCost | None:
@@ -184,8 +186,8 @@ def run_serve(args: argparse.Namespace) -> int:
             URL_ENV,
         )
         return 1
-    if args.max_batch < 1:
-        log.error("--max-batch must be >= 1")
+    if args.max_running < 1:
+        log.error("--max-running must be >= 1")
         return 1
     if args.backend != "vllm":
         try:

@@ -33,7 +33,7 @@ def plan_to_vllm(
 ) -> VLLMArgs:
     """Engine arguments and environment for serving ``plan`` (a :class:`planfile.Plan`) with vLLM."""
     if not model_dir:
-        raise ValueError("the vLLM backend needs --model DIR (a local Hugging Face model directory)")
+        raise ValueError("the vLLM backend needs --served-model DIR (a local Hugging Face model directory)")
     stages = sorted(plan.stages, key=lambda s: s.layer_start)
     if not stages:
         raise ValueError("plan has no stages")
@@ -74,7 +74,7 @@ def plan_to_vllm(
         args["quantization"] = None
         notes.append(
             f"plan uses {widest}-bit weights everywhere; vLLM needs a pre-quantized (AWQ/GPTQ) checkpoint "
-            "for that, so this serves 16-bit weights unless --model points at one"
+            "for that, so this serves 16-bit weights unless --served-model points at one"
         )
     if len(bits) > 1:
         notes.append(
@@ -110,13 +110,15 @@ def engine_kwargs(args) -> dict[str, Any]:
     (its environment goes into ``os.environ``) or the model and batch size; prefix caching on unless
     ``--no-prefix-cache``."""
     if args.plan:
-        translated = plan_to_vllm(load_plan(args.plan), args.model)
+        translated = plan_to_vllm(load_plan(args.plan), args.served_model)
         os.environ.update(translated.env)
         kwargs = {k: v for k, v in translated.engine_args.items() if v is not None}
     else:
-        if not args.model:
-            raise ValueError("the vLLM backend needs --model DIR (a local Hugging Face model directory)")
-        kwargs = {"model": args.model, "max_num_seqs": args.max_batch}
+        if not args.served_model:
+            raise ValueError(
+                "the vLLM backend needs --served-model DIR (a local Hugging Face model directory)"
+            )
+        kwargs = {"model": args.served_model, "max_num_seqs": args.max_running}
     kwargs["enable_prefix_caching"] = getattr(args, "prefix_cache", True)
     return kwargs
 

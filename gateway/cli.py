@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from cliutil import run_main
+from cliutil import enable_config_file, run_main
 from gateway.cli_options import add_common, add_http
 from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
 from gateway.deploy import prepare
@@ -52,6 +52,8 @@ def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
     s.add_argument("--no-auth", action="store_true", help="no client tokens: anyone may use the batch API")
     add_common(s)
     add_http(s, None, "off", "runs/openai-files")
+    # every option also from FLEETBATCH_<OPTION> or a YAML file; FLEETBATCH_CLIENT_TOKENS is the token table itself
+    enable_config_file(s, env_exempt=("client_tokens",))
 
     u = sub.add_parser(
         "up",
@@ -61,18 +63,18 @@ def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
             "is three clusters of catalog GPUs emulated on this CPU (fast: 2 x A100-40G, medium: V100-32G + "
             "T4, slow: 2 x T4), each planned at start-up by the phase-aware planner (layer split, bits per "
             "layer, micro-batches) and run as pipeline stages that last what their devices take. "
-            "--fleet FILE names other clusters; --fleet none starts the quick unplanned fleet (one engine "
-            "process per cluster, 1x, 2x and 4x slower)."
+            "--clusters FILE names other clusters; --num-clusters N starts the quick unplanned fleet (one "
+            "engine process per cluster, 1x, 2x and 4x slower)."
         ),
     )
     u.add_argument("--listen", default="127.0.0.1:50051", help="gateway host:port (port 0: any free port)")
     u.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
-    u.add_argument("--config", default=None, help="clusters.yaml instead of a fleet (engines as it says)")
     u.add_argument(
-        "--fleet",
+        "--clusters",
         default="default",
-        help="fleet file of catalog devices per cluster (docs/study.md), 'default', or 'none' (the quick "
-        "unplanned fleet of --clusters engines slowed 1x/2x/4x)",
+        metavar="FILE",
+        help="the cluster file (docs/reference/cluster-file.md): clusters that name devices are planned and "
+        "emulated here, others start as the file says; 'default': three planned clusters of catalog GPUs",
     )
     u.add_argument(
         "--fleet-method",
@@ -87,13 +89,18 @@ def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
         metavar="PROMPT,OUTPUT",
         help="mean prompt and response tokens the fleet is planned for (default 128,128)",
     )
-    u.add_argument("--clusters", type=int, default=3, help="with --fleet none: how many clusters")
+    u.add_argument(
+        "--num-clusters",
+        type=int,
+        default=None,
+        help="start the quick unplanned fleet of N engines instead (slowed 1x, 2x, 4x, ...; no --clusters)",
+    )
     u.add_argument("--backend", default="native", choices=("native", "static", "vllm"), help="engine backend")
     u.add_argument(
         "--size",
         default=None,
-        help="size of the random served model (nano, micro, tiny, small, base; default micro with a fleet, "
-        "nano with --fleet none)",
+        help="size of the random served model (nano, micro, tiny, small, base; default micro with a planned "
+        "fleet, nano with --num-clusters)",
     )
     u.add_argument("--run-dir", default="runs/local", help="Redis data, logs, admin token, gateway.json")
     u.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine process")
@@ -146,10 +153,10 @@ def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
 
     st = sub.add_parser(
         "status",
-        help="list clusters (liveness, capacity, queue, expected finish) and, with --batch, batches' progress and ETA",
+        help="list clusters (liveness, capacity, queue, expected finish) and, with --batch-id, batches' progress and ETA",
     )
     st.add_argument(
-        "--batch",
+        "--batch-id",
         action="append",
         default=[],
         metavar="ID",
@@ -355,7 +362,7 @@ def _status(args) -> int:
         stub = pb_grpc.BatchServiceStub(ch)
         try:
             resp = stub.ListClusters(pb.ListClustersRequest(), timeout=10)
-            batches = [stub.GetBatch(pb.GetBatchRequest(batch_id=b), timeout=10) for b in args.batch]
+            batches = [stub.GetBatch(pb.GetBatchRequest(batch_id=b), timeout=10) for b in args.batch_id]
         except grpc.RpcError as e:
             print(f"fleetbatch gateway status: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

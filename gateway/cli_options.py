@@ -21,7 +21,7 @@ def add_http(s: argparse.ArgumentParser, port: int | None, shown: str, files_dir
         "--http-api-key", default=None, help=f"Bearer key of the HTTP front (default: ${HTTP_KEY_ENV})"
     )
     s.add_argument(
-        "--files-dir",
+        "--files",
         default=files_dir,
         help=f"directory of the HTTP front's files (default: {files_dir or 'RUN_DIR/files'})",
     )
@@ -36,7 +36,7 @@ def add_common(s: argparse.ArgumentParser) -> None:
         "with fleetbatch) or 'heuristic' (prompt-length heuristic)",
     )
     s.add_argument(
-        "--tokenizer", default=None, help="serving model directory whose tokenizer counts prompt tokens"
+        "--served-model", default=None, help="serving model directory whose tokenizer counts prompt tokens"
     )
     s.add_argument("--predictor-threads", type=int, default=1, help="torch threads for length prediction")
     s.add_argument("--admin-token", default=None, help=f"admin API token (default: ${TOKEN_ENV})")
@@ -95,7 +95,7 @@ def add_common(s: argparse.ArgumentParser) -> None:
         "--max-positions",
         type=int,
         default=0,
-        help="the model's positions (start token counted; 0: from --tokenizer's config, else 2048)",
+        help="the model's positions (start token counted; 0: from --served-model's config, else 2048)",
     )
     s.add_argument(
         "--on-bad-query",

@@ -1,16 +1,18 @@
-"""Gateway settings and the cluster config file (``clusters.yaml``)."""
+"""Gateway settings, and the clusters of a cluster file (:mod:`clusterfile`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
+from clusterfile import NAME_PATTERN, Cluster, load_cluster_file
 from workqueue.embedded import redact_url  # noqa: F401 - re-exported: the gateway logs URLs through it
+
+log = logging.getLogger(__name__)
 
 TOKEN_ENV = "FLEETBATCH_ADMIN_TOKEN"
 HTTP_KEY_ENV = "FLEETBATCH_HTTP_API_KEY"  # the OpenAI-compatible HTTP front's Bearer key
@@ -19,23 +21,11 @@ DEFAULT_MAX_POSITIONS = 2048
 #: default bound, in seconds, on how long background intake waits for a cluster that can take a query
 INTAKE_WAIT_S = 300.0
 #: cluster names (and every other id that becomes part of a Redis key)
-NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}\Z")  # \Z: "$" would accept a trailing newline
+NAME_RE = re.compile(NAME_PATTERN + r"\Z")  # \Z: "$" would accept a trailing newline
 
 
-@dataclass
-class ClusterSpec:
-    """One cluster as configured: what the gateway may assume before heartbeats arrive."""
-
-    name: str
-    capacity_tps: float = 0.0  # capacity hint in tokens/s
-    plan: str | None = None  # plan.json written by `fleetbatch planner plan`
-    backend: str = "native"
-    redis_url: str | None = None  # the shared Redis (one per deployment); kept for the k8s manifests
-    max_query_tokens: int = 0
-    kv_budget_tokens: int = 0
-    engine_args: list[str] = field(
-        default_factory=list
-    )  # extra `fleetbatch engine serve` flags for `fleetbatch gateway up`
+#: one cluster as configured (the cluster file's schema): what the gateway may assume before heartbeats arrive
+ClusterSpec = Cluster
 
 
 @dataclass
@@ -96,7 +86,7 @@ class GatewayConfig:
             policy=args.policy,
             predictor_dir=args.predictor or "shipped",  # the learned model shipped with us; 'heuristic' too
             predictor_threads=args.predictor_threads,
-            tokenizer_dir=args.tokenizer,
+            tokenizer_dir=args.served_model,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             offload=not args.no_offload,
@@ -142,35 +132,11 @@ class GatewayConfig:
 
 
 def load_clusters(path: str | os.PathLike) -> list[ClusterSpec]:
-    """Read ``clusters.yaml``: ``clusters: [{name, capacity_tps, plan, backend, ...}, ...]``."""
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"cluster config {p} not found") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"{p}: not valid YAML: {e}") from e
-    rows = (data or {}).get("clusters") if isinstance(data, dict) else None
-    if not isinstance(rows, list) or not rows:
-        raise ValueError(f"{p}: expected a non-empty list under 'clusters:'")
-    known = set(ClusterSpec.__dataclass_fields__)
-    out, seen = [], set()
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict) or not row.get("name"):
-            raise ValueError(f"{p}: cluster #{i + 1} needs a 'name'")
-        unknown = set(row) - known
-        if unknown:
-            raise ValueError(f"{p}: cluster {row['name']!r} has unknown fields {sorted(unknown)}")
-        if not NAME_RE.match(str(row["name"])):
-            raise ValueError(f"{p}: cluster name {row['name']!r} must be 1-128 characters of [A-Za-z0-9_.-]")
-        for key in ("capacity_tps", "max_query_tokens", "kv_budget_tokens"):
-            value = row.get(key, 0)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
-                raise ValueError(
-                    f"{p}: cluster {row['name']!r}: {key} must be a finite number >= 0, not {value!r}"
-                )
-        if row["name"] in seen:
-            raise ValueError(f"{p}: cluster name {row['name']!r} appears twice")
-        seen.add(row["name"])
-        out.append(ClusterSpec(**row))
-    return out
+    """The clusters of a cluster file (:mod:`clusterfile`); the reserved fields it sets are logged as not used yet."""
+    doc = load_cluster_file(path)
+    for c in doc.clusters:
+        if c.reserved_set():
+            log.warning(
+                "%s: cluster %s sets %s, which this version does not use yet", path, c.name, c.reserved_set()
+            )
+    return list(doc.clusters)

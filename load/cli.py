@@ -38,7 +38,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "-n",
-        "--num",
+        "--num-queries",
         type=int,
         default=None,
         help="number of queries, generated or sampled (default 200); with --jsonl a cap: the first N rows "
@@ -60,7 +60,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --jsonl: also write OpenAI Batch output here (errors to NAME_errors.jsonl beside it)",
     )
-    p.add_argument("--model", default="fleetbatch", help="model name in the OpenAI output bodies")
+    p.add_argument("--model-name", default="fleetbatch", help="model name in the OpenAI output bodies")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -198,10 +198,10 @@ DEFAULT_NUM = 200
 
 
 def _workload(args):
-    """The generated or sampled workload (``--num``, 200 by default), or a ``--jsonl`` file's first rows."""
-    num = DEFAULT_NUM if args.num is None else args.num
+    """The generated or sampled workload (``--num-queries``, 200 by default), or a ``--jsonl`` file's first rows."""
+    num = DEFAULT_NUM if args.num_queries is None else args.num_queries
     if num < 1:
-        raise ValueError("--num must be >= 1")
+        raise ValueError("--num-queries must be >= 1")
     if args.jsonl:
         return list(_openai_file(args, num))
     forced = not args.no_forced
@@ -223,15 +223,15 @@ def _openai_file(args, limit: int | None) -> OpenAIFile:
 
 
 def _jsonl_source(args) -> OpenAIFile:
-    """``submit --jsonl``: the whole file (``--num``: a cap, with a warning naming the rows it leaves out)."""
-    if args.num is not None and args.num < 1:
-        raise ValueError("--num must be >= 1")
+    """``submit --jsonl``: the whole file (``--num-queries``: a cap, with a warning naming the rows it leaves out)."""
+    if args.num_queries is not None and args.num_queries < 1:
+        raise ValueError("--num-queries must be >= 1")
     if args.part_rows < 1:
         raise ValueError("--part-rows must be >= 1")
-    source = _openai_file(args, args.num)
-    left = source.rows_after(args.num) if args.num is not None else 0
+    source = _openai_file(args, args.num_queries)
+    left = source.rows_after(args.num_queries) if args.num_queries is not None else 0
     if left:
-        print(f"fleetbatch loadgen submit: --num {args.num} sends the first {args.num} rows of {args.jsonl}; "
+        print(f"fleetbatch loadgen submit: --num-queries {args.num_queries} sends the first {args.num_queries} rows of {args.jsonl}; "
               f"{left} rows are left out", file=sys.stderr)  # fmt: skip
     return source
 
@@ -239,7 +239,7 @@ def _jsonl_source(args) -> OpenAIFile:
 def _submit(
     args, target: str, token: str | None = None, layouts: dict | None = None, items: list | None = None
 ) -> int:
-    """Submit the workload (``items``, else ``--num`` queries of it, or the whole ``--jsonl`` file sent in
+    """Submit the workload (``items``, else ``--num-queries`` queries of it, or the whole ``--jsonl`` file sent in
     parts and never held whole) and summarise the results as they come (no result row is kept)."""
     resume = getattr(args, "resume", None)
     if resume and not args.out:
@@ -255,7 +255,7 @@ def _submit(
     writer = None
     if openai_out:
         endpoint = (source or _openai_file(args, None)).endpoint
-        writer = OpenAIOutput(openai_out, endpoint, args.model)
+        writer = OpenAIOutput(openai_out, endpoint, args.model_name)
     try:
         batch, _, wall = run_batch(
             target,

@@ -9,6 +9,7 @@ A stream broken by a gateway restart (``UNAVAILABLE``) is resumed the same way, 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -194,10 +195,10 @@ def submit_parts(
     give_up, delay = time.monotonic() + retry_s, 0.5
     while True:
         failed: list[BaseException] = []  # gRPC reads the parts in its own thread and cancels the call
+        parts = request_parts(items(), batch_id, on_bad_query, part_rows)
+        first = next(parts)  # read before connecting: a bad row in it is named whether the gateway is up or not
         try:
-            return stub.SubmitBatchStream(
-                _noting(request_parts(items(), batch_id, on_bad_query, part_rows), failed), timeout=3600
-            )
+            return stub.SubmitBatchStream(_noting(itertools.chain([first], parts), failed), timeout=3600)
         except grpc.RpcError as e:
             if failed:
                 raise failed[0] from None

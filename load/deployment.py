@@ -1,6 +1,6 @@
 """A local deployment for benchmarks: ``fleetbatch gateway up`` in a child process, its ``gateway.json``, a clean stop.
 
-``with LocalDeployment(run_dir, ["--config", "clusters.yaml"]) as info:`` starts ``fleetbatch gateway up``
+``with LocalDeployment(run_dir, ["--clusters", "clusters.yaml"]) as info:`` starts ``fleetbatch gateway up``
 (embedded Redis, one engine per cluster, the gateway on a free port), waits until it has
 written ``gateway.json`` (address, Redis URL, pids) and stops everything on exit (SIGINT,
 then SIGKILL of its process group if it hangs). The children die with it whatever happens

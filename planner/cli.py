@@ -117,7 +117,7 @@ def _profiles(items: list[str] | None) -> dict:
 def cmd_plan(args: argparse.Namespace) -> int:
     with bad_input(ClusterSpecError, ValueError):
         cluster = load_cluster(args.cluster)
-        shape = load_shape(args.model)
+        shape = load_shape(args.shape)
         problem = build_problem(
             cluster,
             shape,
@@ -178,8 +178,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    clusters = args.clusters.split(",") if args.clusters else list(PAPER_CLUSTERS)
-    models = args.models.split(",")
+    clusters = args.cluster_specs.split(",") if args.cluster_specs else list(PAPER_CLUSTERS)
+    models = args.shapes.split(",")
     with bad_input(ClusterSpecError, ValueError):
         for c in clusters:
             load_cluster(c)
@@ -191,7 +191,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         models,
         wl,
         args.time_limit,
-        progress=not args.quiet,
+        progress=not args.no_progress,
         group_size=args.group_size,
         kappas=args.prefill_chunks,
         tp_sizes=args.tp_sizes,
@@ -233,7 +233,7 @@ def build_parser(prog: str = "fleetbatch planner") -> argparse.ArgumentParser:
         "--cluster", required=True, help="cluster spec file (YAML/JSON) or shorthand like 3xT4+V100 or 1xCPU"
     )
     p.add_argument(
-        "--model",
+        "--shape",
         required=True,
         help="opt-13b, opt-30b, opt-66b, llama3-8b, arch:size (localmodels) or a config.json",
     )
@@ -275,8 +275,8 @@ def build_parser(prog: str = "fleetbatch planner") -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     c = sub.add_parser("compare", help="benchmark: ours vs Uniform and Het over the papers' clusters")
-    c.add_argument("--clusters", help=f"comma-separated clusters (default: {','.join(PAPER_CLUSTERS)})")
-    c.add_argument("--models", default="opt-13b,opt-30b,opt-66b", help="comma-separated models")
+    c.add_argument("--cluster-specs", help=f"comma-separated clusters (default: {','.join(PAPER_CLUSTERS)})")
+    c.add_argument("--shapes", default="opt-13b,opt-30b,opt-66b", help="comma-separated models")
     c.add_argument("--time-limit", type=float, default=6.0, help="seconds of search per plan (default 6)")
     c.add_argument("--group-size", type=_positive, help="layers per ILP group (default: at most 16 groups)")
     c.add_argument(
@@ -287,7 +287,7 @@ def build_parser(prog: str = "fleetbatch planner") -> argparse.ArgumentParser:
     _add_tp_sizes(c)
     c.add_argument("--markdown", help="also write the table to this file")
     c.add_argument("--plot", help="save a bar chart of the speedups (PNG)")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_workload(c, theta=1.0)
     c.set_defaults(func=cmd_compare, output_tokens=100)
 

@@ -23,8 +23,8 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         raise CliError(f"--kv-tokens must be >= 1, got {args.kv_tokens}")
     with bad_input(ClusterSpecError, ValueError):
         job = FleetJob(
-            fleet=load_fleet(args.fleet),
-            shape=load_shape(args.model),
+            fleet=load_fleet(args.clusters),
+            shape=load_shape(args.shape),
             profile=Profile.load(args.profile),
             workload=default_workload(args.batch, args.prompt_len, args.output_tokens, args.bits),
             methods=methods,
@@ -39,10 +39,10 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 def add_fleet_parser(sub) -> None:
     f = sub.add_parser(
         "fleet",
-        help="plan every cluster of a fleet file (catalog devices emulated on this CPU); write plan files",
+        help="plan every cluster of a cluster file (catalog devices emulated on this CPU); write plan files",
         description=(
-            "Read a fleet file (clusters of catalog devices, e.g. 'fast: [A100-40G, A100-40G]'; see "
-            "docs/study.md), map each device onto this machine (this CPU's profile of the served model, "
+            "Read a cluster file whose clusters name catalog devices (e.g. '{name: fast, devices: [A100-40G, "
+            "A100-40G]}'; docs/reference/cluster-file.md), map each device onto this machine (this CPU's profile of the served model, "
             "scaled by the device's catalog ratios; a memory budget scaled from the reference model), "
             "and plan every cluster by each method. Writes OUT/CLUSTER.METHOD.json (plans carrying their "
             "devices' cost models, for `fleetbatch engine serve --plan P --device-cost plan`) and OUT/fleet-plans.json; "
@@ -50,10 +50,11 @@ def add_fleet_parser(sub) -> None:
         ),
     )
     f.add_argument(
-        "fleet",
-        help="fleet file (YAML/JSON), or 'default' (fast: 2xA100-40G, medium: V100-32G+T4, slow: 2xT4)",
+        "clusters",
+        metavar="FILE",
+        help="the cluster file (YAML/JSON), or 'default' (fast: 2xA100-40G, medium: V100-32G+T4, slow: 2xT4)",
     )
-    f.add_argument("--model", default="llama:micro", help="the served model's shape (default llama:micro)")
+    f.add_argument("--shape", default="llama:micro", help="the served model's shape (default llama:micro)")
     f.add_argument(
         "--profile",
         required=True,

@@ -19,7 +19,7 @@ from planner.profiler import profile_local
 
 def cmd_profile(args: argparse.Namespace) -> int:
     with bad_input():
-        shape = load_shape(args.model)
+        shape = load_shape(args.shape)
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise CliError("--device cuda given but no CUDA GPU is available")
@@ -32,7 +32,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             pre_grid,
             dec_grid,
             args.reps,
-            progress=not args.quiet,
+            progress=not args.no_progress,
             clock=args.clock,
             min_time_s=args.min_time,
         )
@@ -87,14 +87,14 @@ def _profile_grids(args: argparse.Namespace) -> tuple[list | None, list | None]:
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
     with bad_input():
-        shape = load_shape(args.model)
+        shape = load_shape(args.shape)
         mem_shape = load_shape(args.memory_model)
     with bad_input():
         prof = fidelity_profile(
             shape,
             args.threads,
             args.reps,
-            progress=not args.quiet,
+            progress=not args.no_progress,
             clock=args.clock,
             min_time_s=args.min_time,
         )
@@ -165,7 +165,7 @@ def add_measure_parsers(sub) -> None:
         "hidden -> vocab projection) on v tokens for every decode batch v; write the profile and print "
         "the fitted coefficients as one JSON line.",
     )
-    f.add_argument("--model", default="llama:small", help="model shape to profile (default llama:small)")
+    f.add_argument("--shape", default="llama:small", help="model shape to profile (default llama:small)")
     f.add_argument("--device", default="cpu", help="cpu or cuda")
     f.add_argument(
         "--threads", type=int, default=1, help="CPU threads (default 1: steadier on a shared machine)"
@@ -189,17 +189,17 @@ def add_measure_parsers(sub) -> None:
         help="prompt lengths s of the prefill grid and cached tokens c of the decode grid, e.g. "
         "64,128,256 (default 128,256,512,1024; with --quick 64,128,256)",
     )
-    f.add_argument("--quiet", action="store_true", help="no progress bar")
+    f.add_argument("--no-progress", action="store_true", help="no progress bar")
     f.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
     f.set_defaults(func=cmd_profile)
 
     d = sub.add_parser(
         "fidelity", help="benchmark: cost-model errors on this CPU (latency on unseen shapes, memory)"
     )
-    d.add_argument("--model", default="llama:small", help="shape whose layer is timed (default llama:small)")
+    d.add_argument("--shape", default="llama:small", help="shape whose layer is timed (default llama:small)")
     d.add_argument("--memory-model", default="llama:small", help="model built to check the memory model")
     d.add_argument("--threads", type=int, default=1)
     _add_timing_arguments(d, reps=8, min_time=0.3)
     d.add_argument("--save-profile", help="also write the measured profile")
-    d.add_argument("--quiet", action="store_true")
+    d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=cmd_fidelity)

@@ -1,17 +1,17 @@
 """A fleet described as devices, mapped onto this machine, and planned cluster by cluster.
 
-A fleet file (YAML or JSON) names each cluster's devices by catalog type::
+A cluster file (:mod:`clusterfile`, YAML or JSON) names each cluster's devices by catalog type::
 
+    version: 1
     clusters:
-      fast: [A100-40G, A100-40G]
-      medium: [V100-32G, T4]
-      slow: [T4, T4]
+      - {name: fast, devices: [A100-40G, A100-40G]}
+      - {name: medium, devices: [V100-32G, T4]}
+      - {name: slow, devices: [T4, T4]}
     emulation:              # optional
       time_scale: 32        # the fleet's fastest device takes 32x this CPU's time at 16 bits
       reference: opt-30b    # the model whose catalog ratios and memory the devices keep
 
-(the ``clusters:`` level may be left out: a mapping of names to device lists is read as the
-clusters). The devices are emulated on this machine for the *served* local model:
+The devices are emulated on this machine for the *served* local model:
 
 * **Time.** A device's samples are this CPU's profile of the served model (``fleetbatch engine profile``:
   one decoder layer, prefill and decode, and the LM head, at 16 bits), each scaled by the
@@ -38,24 +38,24 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
 
+from clusterfile import ClusterFileError, Emulation, parse_cluster_file
 from planner.catalog import DeviceType, device_type
 from planner.cluster import DEFAULT_INTER_GBPS, Cluster, ClusterSpecError, Device
 from planner.latency import Profile, lm_head_s, roofline_decode_s, roofline_prefill_s
 from planner.memory import MemoryModel, usable_bytes
 from planner.modelshape import ModelShape, load_shape
 
-DEFAULT_TIME_SCALE = 32.0
-DEFAULT_REFERENCE = "opt-30b"
+DEFAULT_TIME_SCALE = Emulation().time_scale  # the cluster file's defaults
+DEFAULT_REFERENCE = Emulation().reference
 DEFAULT_BITS = (4, 8, 16)
 
-#: the fleet of ``fleetbatch gateway up --fleet default`` and ``fleetbatch loadgen demo``
+#: the fleet of ``fleetbatch gateway up`` (``--clusters default``) and ``fleetbatch loadgen demo``
 DEFAULT_FLEET: dict[str, tuple[str, ...]] = {
     "fast": ("A100-40G", "A100-40G"),
     "medium": ("V100-32G", "T4"),
@@ -81,61 +81,46 @@ class Fleet:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def fleet_from_dict(spec: object) -> Fleet:
-    """A :class:`Fleet` from a parsed fleet file; a :class:`ClusterSpecError` naming what is wrong."""
-    if not isinstance(spec, dict) or not spec:
-        raise ClusterSpecError(
-            "a fleet file is a mapping of cluster names to device lists (under 'clusters:')"
-        )
-    emulation = spec.get("emulation", {}) if "clusters" in spec else {}
-    clusters = spec["clusters"] if "clusters" in spec else spec
-    if not isinstance(clusters, dict) or not clusters:
-        raise ClusterSpecError("the fleet's 'clusters' must map cluster names to device lists")
-    out: dict[str, tuple[str, ...]] = {}
-    for name, devices in clusters.items():
-        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\0" in name:
-            raise ClusterSpecError(
-                f"cluster name {name!r} cannot name a plan file"
-            )  # the gateway checks the rest
-        if isinstance(devices, str):
-            devices = [devices]
-        if not isinstance(devices, list) or not devices or not all(isinstance(d, str) for d in devices):
-            raise ClusterSpecError(f"cluster {name!r}: give a list of device types, e.g. [A100-40G, T4]")
-        try:
-            out[name] = tuple(device_type(d).name for d in devices)
-        except ValueError as e:
-            raise ClusterSpecError(f"cluster {name!r}: {e}") from None
-        if any(device_type(d).is_cpu for d in out[name]):
-            raise ClusterSpecError(f"cluster {name!r}: a fleet names catalog GPUs; CPU is what emulates them")
-    if not isinstance(emulation, dict):
-        raise ClusterSpecError("the fleet's 'emulation' must be a mapping (time_scale, reference)")
-    scale = emulation.get("time_scale", DEFAULT_TIME_SCALE)
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float))
-        or not (math.isfinite(scale) and scale > 0)
-    ):
-        raise ClusterSpecError(f"emulation.time_scale must be a number > 0, got {scale!r}")
-    reference = str(emulation.get("reference", DEFAULT_REFERENCE))
+def fleet_from_dict(spec: object, source: str = "cluster file") -> Fleet:
+    """A :class:`Fleet` from a parsed cluster file whose clusters name catalog devices; a
+    :class:`ClusterSpecError` naming what is wrong."""
     try:
-        load_shape(reference)
+        doc = parse_cluster_file(spec, source)
+    except ClusterFileError as e:
+        raise ClusterSpecError(str(e)) from None
+    out: dict[str, tuple[str, ...]] = {}
+    for c in doc.clusters:
+        if not c.devices:
+            raise ClusterSpecError(
+                f"{source}: cluster {c.name!r}: a planned fleet names each cluster's devices"
+            )
+        try:
+            out[c.name] = tuple(device_type(d).name for d in c.devices)
+        except ValueError as e:
+            raise ClusterSpecError(f"{source}: cluster {c.name!r}: {e}") from None
+        if any(device_type(d).is_cpu for d in out[c.name]):
+            raise ClusterSpecError(
+                f"{source}: cluster {c.name!r}: a fleet names catalog GPUs; CPU is what emulates them"
+            )
+    try:
+        load_shape(doc.emulation.reference)
     except ValueError as e:
-        raise ClusterSpecError(f"emulation.reference: {e}") from None
-    return Fleet(out, float(scale), reference)
+        raise ClusterSpecError(f"{source}: emulation.reference: {e}") from None
+    return Fleet(out, doc.emulation.time_scale, doc.emulation.reference)
 
 
 def load_fleet(source: str | Path) -> Fleet:
-    """The fleet of a YAML/JSON file, or ``default`` (:data:`DEFAULT_FLEET`)."""
+    """The fleet of a cluster file (YAML/JSON), or ``default`` (:data:`DEFAULT_FLEET`)."""
     if str(source) == "default":
         return Fleet(dict(DEFAULT_FLEET))
     p = Path(source)
     if not p.is_file():
-        raise ClusterSpecError(f"fleet file {p} not found")
+        raise ClusterSpecError(f"cluster file {p} not found")
     try:
         spec = json.loads(p.read_text()) if p.suffix.lower() == ".json" else yaml.safe_load(p.read_text())
     except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ClusterSpecError(f"cannot parse fleet file {p}: {e}") from None
-    return fleet_from_dict(spec)
+        raise ClusterSpecError(f"cannot parse cluster file {p}: {e}") from None
+    return fleet_from_dict(spec, str(p))
 
 
 def anchor(fleet: Fleet, ref: ModelShape) -> DeviceType:

@@ -10,14 +10,14 @@ predictor was trained on (issue 16, item 3):
 3. the observed part's (prompt, true length) pairs are written to a real Redis exactly as the
    engines do it: ``WorkQueue.record_observed`` (``engines/worker.py``), onto ``fb:observed``,
    with the before-model's estimate as ``predicted``;
-4. ``fleetbatch predictor retrain --from-redis`` runs on it: its own option declarations and ``run``
+4. ``fleetbatch predictor retrain --redis-url`` runs on it: its own option declarations and ``run``
    (:mod:`predictor.commands.retrain`);
 5. Kendall tau, MAE (of each model's declared point estimate) and the predicted/true sum
    ratio (of the calibrated expectation, what the gateway adds up) are scored on the held-out
    prompts before and after, with the original workload's test split beside them.
 
 Lengths are in the serving tokenizer's tokens (``localmodels.default_tokenizer`` unless
-``--serving-tokenizer``), the same counting as ``fleetbatch predictor train``.
+``--served-model``), the same counting as ``fleetbatch predictor train``.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ _DEFAULT_ALPACA = "llama-2-7b-chat-hf"
 CLUSTER = "adapt"  # the cluster name written with each observation
 FLUSH = 32  # observations per record_observed call, as a worker's flush writes them
 RETRAIN_DATA = ("relabeled", "original")
-ORIGINAL_SET = "original test (others)"  # --data's test split without the served prompts
+ORIGINAL_SET = "original test (others)"  # --dataset's test split without the served prompts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``adapt`` options (the CLI adds ``--data``, ``--data-dir``, ``--serving-tokenizer``,
-    ``--threads``, ``--device`` and ``-v``: ``--data`` is the original training data)."""
-    p.add_argument("--model", default=store.SHIPPED_NAME, help="the 'before' model (default: shipped)")
+    """The ``adapt`` options (the CLI adds ``--dataset``, ``--data-dir``, ``--served-model``,
+    ``--threads``, ``--device`` and ``-v``: ``--dataset`` is the original training data)."""
+    p.add_argument("--predictor", default=store.SHIPPED_NAME, help="the 'before' model (default: shipped)")
     p.add_argument(
         "--served",
         default=DEFAULT_SERVED,
@@ -84,9 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--retrain-data",
         choices=RETRAIN_DATA,
         default="relabeled",
-        help="retrain's --data: 'original' (--data as is: its stale labels of the served prompts stay, and "
+        help="retrain's --dataset: 'original' (--dataset as is: its stale labels of the served prompts stay, and "
         "its validation split, which early stopping and calibration use, knows nothing of the served "
-        "model) or 'relabeled' (default: a labels JSONL of --data with every served prompt's stale record "
+        "model) or 'relabeled' (default: a labels JSONL of --dataset with every served prompt's stale record "
         "replaced by the observations; held-out prompts appear in neither)",
     )
     p.add_argument(
@@ -189,14 +189,14 @@ def relabeled(
 
 def retrain_argv(args: argparse.Namespace, url: str, out: str, n_observed: int, data: str) -> list[str]:
     """The ``fleetbatch predictor retrain`` command line this benchmark runs."""
-    argv = ["retrain", "--model", str(args.model), "--from-redis", url, "--out", out]
-    argv += ["--observed-limit", str(n_observed), "--data", data]
+    argv = ["retrain", "--predictor", str(args.predictor), "--redis-url", url, "--out", out]
+    argv += ["--observed-limit", str(n_observed), "--dataset", data]
     argv += ["--original", str(args.original), "--epochs", str(args.epochs), "--lr", str(args.lr)]
     argv += ["--batch-size", str(args.batch_size), "--seed", str(args.seed), "--device", args.device]
     if args.data_dir:
         argv += ["--data-dir", args.data_dir]
-    if args.serving_tokenizer:
-        argv += ["--serving-tokenizer", args.serving_tokenizer]
+    if args.served_model:
+        argv += ["--served-model", args.served_model]
     return argv
 
 
@@ -225,11 +225,11 @@ def _public(s: dict) -> dict:
 def run(args: argparse.Namespace) -> dict:
     """The benchmark; prints the table and returns the JSON summary (``predictor`` prints it last)."""
     served = served_name(args.served)
-    before = store.load(args.model, args.device)
+    before = store.load(args.predictor, args.device)
     trained = set().union(*(trained_alpaca_models(m.meta) for m in before.parts))  # an ensemble: any member's
     if served.startswith("alpaca_eval:") and served.split(":", 1)[1] in trained:
         raise ValueError(f"{served} was in {before.path}'s training data; serve another model")
-    tokenizer = serving_tokenizer(args.serving_tokenizer)
+    tokenizer = serving_tokenizer(args.served_model)
     data = label(records_for(served, args.data_dir), tokenizer)
     observed, held_out = split_observed(data, args.observed_fraction, args.seed)
     log.info("served %s: %d observed, %d held out", served, len(observed), len(held_out))
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> dict:
     obs_before = score(before, observed)
     original = None
     if args.retrain_data == "relabeled" or not args.no_original_eval:
-        original = load_labeled(args.data, args.data_dir, tokenizer)
+        original = load_labeled(args.dataset, args.data_dir, tokenizer)
     original_test = None
     if not args.no_original_eval:
         test = split(original)["test"]
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> dict:
         try:
             url = args.redis_url or server.url
             n = record(url, observed, obs_before["expected"], f"served:{served}")
-            retrain_data = args.data
+            retrain_data = args.dataset
             if args.retrain_data == "relabeled":
                 path = Path(tmp) / "relabeled.jsonl"
                 keep = None if args.relabel_original < 0 else args.relabel_original

@@ -19,7 +19,7 @@ from predictor.commands import bench, choose, combine, evaluate, export, pretrai
 from predictor.commands.common import data_args, runtime_args
 
 #: name -> (module with add_arguments/run, help, description, data options: None, or whether they
-#: include --serving-tokenizer, the tokenizer that counts response lengths)
+#: include --served-model, the tokenizer that counts response lengths)
 SUBCOMMANDS = {
     "train": (
         train,
@@ -65,7 +65,7 @@ SUBCOMMANDS = {
         export,
         "write a dataset's labels (prompt, length in serving tokens, source, split) as JSONL",
         "Count response lengths once with the serving tokenizer and write {prompt, length, "
-        "source, split} lines: `--data FILE.jsonl` then trains on exactly the same examples and splits "
+        "source, split} lines: `--dataset FILE.jsonl` then trains on exactly the same examples and splits "
         "elsewhere (e.g. on an accelerator machine) without the raw data or the tokenizer.",
         True,
     ),
@@ -93,7 +93,7 @@ def build_parser(prog: str = "fleetbatch predictor") -> argparse.ArgumentParser:
         prog=prog,
         description="Response-length predictor: a DistilBERT classifier over length buckets (MICO), "
         "predicting how many tokens the serving model will answer with. Lengths are counted in the "
-        "serving tokenizer (the project's default BPE unless --serving-tokenizer names a model directory).",
+        "serving tokenizer (the project's default BPE unless --served-model names a model directory).",
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, (module, help_text, description, lengths) in SUBCOMMANDS.items():

@@ -73,7 +73,7 @@ def train_extra(
 ) -> dict:
     """What ``fleetbatch predictor train`` adds to ``predictor.json``: data, pre-training, teacher, model config."""
     return {
-        "data": args.data,
+        "data": args.dataset,
         "mlm_epochs": mlm_epochs,
         "mlm_responses": bool(args.mlm_responses and not args.pretrained),
         "extra_train": args.extra_train,

@@ -16,7 +16,7 @@ Rebuild it (the commands are in ``docs/predictor.md``)::
 
     fleetbatch predictor train --threads 1 --max-minutes 20 --out /tmp/pred_ship/model
     python -m predictor.shipped export --from /tmp/pred_ship/model
-    fleetbatch predictor eval --model predictor/shipped_model --plot /tmp/pred_ship/cm.png --report /tmp/pred_ship/eval.json
+    fleetbatch predictor eval --predictor predictor/shipped_model --plot /tmp/pred_ship/cm.png --report /tmp/pred_ship/eval.json
     python -m predictor.shipped record-eval /tmp/pred_ship/eval.json
 """
 
@@ -46,7 +46,7 @@ SHIPPED = store.SHIPPED_NAME
 HEURISTIC = "heuristic"
 REFERENCE_FILE = "reference.json"
 MAX_BYTES = 5 * 1024 * 1024
-#: What the serving engines of ``fleetbatch gateway up`` count tokens with (``fleetbatch engine serve`` without ``--model-dir``).
+#: What the serving engines of ``fleetbatch gateway up`` count tokens with (``fleetbatch engine serve`` without ``--served-model``).
 DEFAULT_SERVING_TOKENIZER = "localmodels.default_tokenizer"
 EVAL_KEYS = (
     "n",
@@ -231,9 +231,9 @@ def describe(loaded: store.LoadedModel) -> str:
 def _run(args: argparse.Namespace) -> dict:
     if args.command == "export":
         info = None
-        if args.serving_tokenizer:
-            tok = AutoTokenizer.from_pretrained(args.serving_tokenizer, local_files_only=True)
-            info = serving_tokenizer_info(tok, name=str(args.serving_tokenizer))
+        if args.served_model:
+            tok = AutoTokenizer.from_pretrained(args.served_model, local_files_only=True)
+            info = serving_tokenizer_info(tok, name=str(args.served_model))
         out = export(args.source, args.out, info)
         return {"model_dir": str(out), "bytes": _dir_bytes(out)}
     return record_eval(args.report, args.out)
@@ -248,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     e.add_argument("--from", dest="source", required=True, help="model directory (version or parent)")
     e.add_argument("--out", default=str(SHIPPED_DIR), help="destination (default: the shipped model)")
-    e.add_argument(
-        "--serving-tokenizer", default=None, help="model directory whose tokenizer counted lengths"
-    )
+    e.add_argument("--served-model", default=None, help="model directory whose tokenizer counted lengths")
     r = sub.add_parser(
         "record-eval", help="store `fleetbatch predictor eval --report` figures in predictor.json"
     )

@@ -86,12 +86,12 @@ def cmd_train_tiny(a: argparse.Namespace) -> dict:
 
 
 def cmd_indicator(a: argparse.Namespace) -> dict:
-    model, tok = load_or_build(a.model, size=a.size)
+    model, tok = load_or_build(a.served_model, size=a.size)
     calib = calibration_blocks(tok, a.calib_tokens, a.seq_len, a.data_dir)
     moments = collect_input_moments(model, calib.split(8))
     omega, _ = variance_indicator(model, moments, a.bits, a.group_size, not a.asymmetric, a.error_model)
     meta = {
-        "model": a.model or f"random-llama-{a.size}",
+        "model": a.served_model or f"random-llama-{a.size}",
         "source": "measured",
         "calib_tokens": int(calib.numel()),
         "group_size": a.group_size,
@@ -103,21 +103,21 @@ def cmd_indicator(a: argparse.Namespace) -> dict:
 
 
 def cmd_synthetic(a: argparse.Namespace) -> dict:
-    cfg = named_config(a.model)
+    cfg = named_config(a.shape)
     omega = synthetic_indicator(cfg, a.bits, a.seed, a.group_size, not a.asymmetric)
     save_indicator(
-        a.out, omega, {"model": a.model, "source": "synthetic", "seed": a.seed, "group_size": a.group_size}
+        a.out, omega, {"model": a.shape, "source": "synthetic", "seed": a.seed, "group_size": a.group_size}
     )
     return {"out": a.out, "layers": len(omega), "bits": a.bits, "synthetic": True}
 
 
 def cmd_bytes(a: argparse.Namespace) -> dict:
-    cfg = named_config(a.model)
+    cfg = named_config(a.shape)
     sym = not a.asymmetric
     layer = {str(b): decoder_layer_weight_bytes(cfg, b, a.group_size, sym) for b in (16, 8, 4, 3, 2)}
     n = cfg.num_hidden_layers
     return {
-        "model": a.model,
+        "model": a.shape,
         "layers": n,
         "layer_bytes": layer,
         "model_bytes": {b: v * n + non_layer_weight_bytes(cfg) for b, v in layer.items()},
@@ -127,12 +127,12 @@ def cmd_bytes(a: argparse.Namespace) -> dict:
 
 
 def cmd_eval(a: argparse.Namespace) -> dict:
-    if not (Path(a.model) / "config.json").exists():
+    if not (Path(a.served_model) / "config.json").exists():
         raise FileNotFoundError(
-            f"{a.model} is not a model directory (no config.json); run `fleetbatch quant train-tiny` first"
+            f"{a.served_model} is not a model directory (no config.json); run `fleetbatch quant train-tiny` first"
         )
     torch.set_num_threads(a.threads)
-    model, tok = load_model(a.model)
+    model, tok = load_model(a.served_model)
     res = evaluate(
         model,
         tok,
@@ -148,7 +148,7 @@ def cmd_eval(a: argparse.Namespace) -> dict:
         data_dir=a.data_dir,
         plot=a.plot,
     )
-    res["model"] = a.model
+    res["model"] = a.served_model
     return res
 
 
@@ -196,8 +196,8 @@ def build_parser(prog: str = "fleetbatch quant") -> argparse.ArgumentParser:
     p = sub.add_parser(
         "indicator", help="measure the variance indicator omega(layer, bits) and save it as JSON"
     )
-    p.add_argument("--model", default=None, help="model directory (default: a random Llama of --size)")
-    p.add_argument("--size", default="tiny", help="size of the random model when --model is not given")
+    p.add_argument("--served-model", metavar="DIR", default=None, help="model directory (default: a random Llama of --size)")
+    p.add_argument("--size", default="tiny", help="size of the random model when --served-model is not given")
     p.add_argument("--out", default="omega.json", help="output JSON file (default omega.json)")
     p.add_argument(
         "--bits", type=_bits_list, default=[3, 4, 8, 16], help="comma-separated bit widths (default 3,4,8,16)"
@@ -221,7 +221,7 @@ def build_parser(prog: str = "fleetbatch quant") -> argparse.ArgumentParser:
         help="fabricate a plausible omega for a big model from its shapes (not measured)",
     )
     p.add_argument(
-        "--model", required=True, help="opt-13b, opt-30b, opt-66b, llama-2-7b, ... or a local model directory"
+        "--shape", required=True, help="opt-13b, opt-30b, opt-66b, llama-2-7b, ... or a local model directory"
     )
     p.add_argument("--out", default="omega-synthetic.json")
     p.add_argument("--bits", type=_bits_list, default=[3, 4, 8, 16])
@@ -231,7 +231,7 @@ def build_parser(prog: str = "fleetbatch quant") -> argparse.ArgumentParser:
 
     p = sub.add_parser("bytes", help="exact weight and KV bytes of a model's decoder layers per bit width")
     p.add_argument(
-        "--model", required=True, help="opt-13b, opt-30b, opt-66b, llama-2-7b, ... or a local model directory"
+        "--shape", required=True, help="opt-13b, opt-30b, opt-66b, llama-2-7b, ... or a local model directory"
     )
     _quant_args(p)
     p.set_defaults(func=cmd_bytes)
@@ -241,7 +241,7 @@ def build_parser(prog: str = "fleetbatch quant") -> argparse.ArgumentParser:
         help="held-out perplexity: fp16, int8/4/3, omega-guided vs random mixed maps at equal bytes, KV int8/int4",
     )
     p.add_argument(
-        "--model", default="runs/tiny-llama", help="trained model directory (default runs/tiny-llama)"
+        "--served-model", metavar="DIR", default="runs/tiny-llama", help="trained model directory (default runs/tiny-llama)"
     )
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens (default 4096)")
     p.add_argument("--calib-tokens", type=int, default=512, help="calibration tokens for omega (default 512)")

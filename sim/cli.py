@@ -96,14 +96,14 @@ def build_parser(prog: str = "fleetbatch sim") -> argparse.ArgumentParser:
         "study",
         help="MICO's four combinations {round_robin, token} x {static, iteration} and the 3/6/9-cluster replay",
         description="Runs {round_robin, token} x {static batches, iteration-level} on 3 equal clusters and on "
-        "3 clusters at --speeds, for every engine batch size of --batches and batch length of --queries; "
+        "3 clusters at --speeds, for every engine batch size of --batches and batch length of --num-queries; "
         "then the four combinations at each of --cluster-counts. Prints a table; the last line is JSON.",
     )
     s.add_argument(
         "--workload", choices=("generated", "mixed"), default="mixed", help="query source (default mixed)"
     )
     s.add_argument(
-        "--queries", type=_ints, default=[200, 500, 1000], help="batch lengths (default 200,500,1000)"
+        "--num-queries", type=_ints, default=[200, 500, 1000], help="batch lengths (default 200,500,1000)"
     )
     s.add_argument(
         "--batches", type=_ints, default=[2, 4, 6, 8, 10], help="engine batch sizes (default 2,4,6,8,10)"
@@ -117,13 +117,15 @@ def build_parser(prog: str = "fleetbatch sim") -> argparse.ArgumentParser:
     c = sub.add_parser(
         "scale",
         help="time the simulator: 100 clusters x 1,000,000 queries by default",
-        description="Simulates --queries queries (resampled from the generated workload, all at once) on "
+        description="Simulates --num-queries queries (resampled from the generated workload, all at once) on "
         "--clusters iteration-level clusters at --speeds with the token policy and offloading, and reports "
         "the wall-clock seconds of the simulation (sim_seconds_100x1m for the default size).",
     )
-    c.add_argument("--clusters", type=int, default=100, help="iteration-level clusters (default 100)")
-    c.add_argument("--queries", type=int, default=1_000_000, help="queries, all at once (default 1,000,000)")
-    c.add_argument("--batch", type=int, default=8, help="engine batch size (max_running; default 8)")
+    c.add_argument("--num-clusters", type=int, default=100, help="iteration-level clusters (default 100)")
+    c.add_argument(
+        "--num-queries", type=int, default=1_000_000, help="queries, all at once (default 1,000,000)"
+    )
+    c.add_argument("--max-running", type=int, default=8, help="engine batch size (max_running; default 8)")
     c.add_argument(
         "--policy",
         choices=("token", "round_robin"),
@@ -185,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
     elif args.command == "study":
         works = make_workloads(
             args.workload,
-            args.queries,
+            args.num_queries,
             args.seed,
             args.max_tokens,
             args.arrivals,
@@ -199,10 +201,16 @@ def run(args: argparse.Namespace) -> dict:
         out.update(workload=args.workload, arrivals=args.arrivals, offload=setup.offload)
         print(_table(out))
     else:
-        if args.clusters < 1 or args.queries < 1 or args.batch < 1:
-            raise ValueError("--clusters, --queries and --batch must be >= 1")
+        if args.num_clusters < 1 or args.num_queries < 1 or args.max_running < 1:
+            raise ValueError("--num-clusters, --num-queries and --max-running must be >= 1")
         out = scale(
-            args.clusters, args.queries, args.batch, setup, args.seed, args.policy, not args.no_progress
+            args.num_clusters,
+            args.num_queries,
+            args.max_running,
+            setup,
+            args.seed,
+            args.policy,
+            not args.no_progress,
         )
     return out
 

@@ -80,12 +80,14 @@ def add_arguments(p) -> None:
         "--device-cost", default="15,0.2,1", help="the speed-1 device, ms: overhead,prefill,decode"
     )
     p.add_argument("--speeds", default="1,2,4", help="the fleet's step times relative to the fastest")
-    p.add_argument("--batch", type=int, default=8, help="engine batch size (max_running)")
+    p.add_argument("--max-running", type=int, default=8, help="engine batch size (max_running)")
 
 
 def run(args) -> dict:
     speeds = [float(x) for x in args.speeds.split(",")]
-    out: dict = {"replays": {str(r): replay(Path(r), args.batch) for r in args.runs}}
+    out: dict = {"replays": {str(r): replay(Path(r), args.max_running) for r in args.runs}}
     if args.workload:
-        out["makespan_s"] = round(makespan(Path(args.workload), speeds, args.device_cost, args.batch), 3)
+        out["makespan_s"] = round(
+            makespan(Path(args.workload), speeds, args.device_cost, args.max_running), 3
+        )
     return out

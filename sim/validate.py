@@ -29,8 +29,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from clusterfile import load_cluster_file
 from engines.device import StepCost
 from planfile import load_plan
 from sim.core import ClusterSpec, SimConfig, SimResult, Simulator
@@ -68,9 +67,9 @@ def read_run(path: str | Path) -> RealRun:
     rows = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines() if line.strip()]
     rows.sort(key=lambda r: (_index(r["query_id"]), r["query_id"]))  # submission order
     meta = json.loads((run / "meta.json").read_text())
-    fleet = yaml.safe_load((run / "clusters.yaml").read_text())["clusters"]
+    fleet = [c.model_dump() for c in load_cluster_file(run / "clusters.yaml").clusters]
     args = fleet[0].get("engine_args") or []
-    batch = int(args[args.index("--max-batch") + 1]) if "--max-batch" in args else 8
+    batch = int(args[args.index("--max-running") + 1]) if "--max-running" in args else 8
     t0 = min(float(r["timings"]["enqueued_at"]) for r in rows)
     end = max(float(r["timings"]["finished_at"]) for r in rows)
     prompts = [int(r.get("prompt_tokens") or 1) for r in rows]

@@ -16,7 +16,7 @@ from tests.harness import GatewayThread
 from workqueue import WorkQueue
 
 KEY = "test-key-123"
-ENGINE_ARGS = ("--backend", "static", "--size", "nano", "--max-batch", "8", "--heartbeat-s", "0.3")
+ENGINE_ARGS = ("--backend", "static", "--size", "nano", "--max-running", "8", "--heartbeat-s", "0.3")
 FINAL = ("completed", "failed", "cancelled", "expired")
 
 

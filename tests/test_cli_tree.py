@@ -95,7 +95,7 @@ def test_a_usage_error_exits_2_and_any_other_failure_1(tmp_path, capsys):
 def test_global_options_reach_the_part_by_the_environment(tmp_path):
     """`-v --log-format json` before the part: the planner, which logs warnings only by default, logs its
     progress (INFO), as JSON lines."""
-    argv = ["-v", "--log-format", "json", "planner", "plan", "--cluster", "1xT4", "--model", "llama:micro",
+    argv = ["-v", "--log-format", "json", "planner", "plan", "--cluster", "1xT4", "--shape", "llama:micro",
             "--output-tokens", "64", "--out", str(tmp_path / "plan.json")]  # fmt: skip
     out = subprocess.run([sys.executable, "-m", "fleetbatch.cli", *argv], capture_output=True, text=True,
                          cwd=REPO, timeout=120)  # fmt: skip
@@ -119,12 +119,13 @@ def test_completion_scripts_cover_the_tree(tree, capsys):
 def test_a_negative_http_port_turns_the_http_front_off_for_serve_and_up_alike(command):
     """`fleetbatch gateway serve --http-port -1` once tried to start the front on port -1 and asked for its key,
     where `gateway up --http-port -1` turned it off, as docs/design/gateway.md says."""
+    from cliutil.config_file import resolve_config
     from gateway.cli import build_parser
     from gateway.config import GatewayConfig
 
-    args = build_parser().parse_args([command, "--http-port", "-1"])
+    args = resolve_config(build_parser().parse_args([command, "--http-port", "-1"]), {})
     config = GatewayConfig.from_args(args, redis_url="redis://unused", admin_token="", clusters=[])
     assert config.http_port is None
-    on = GatewayConfig.from_args(build_parser().parse_args([command, "--http-port", "0"]), redis_url="redis://unused",
+    on = GatewayConfig.from_args(resolve_config(build_parser().parse_args([command, "--http-port", "0"]), {}), redis_url="redis://unused",
                                  admin_token="", clusters=[])  # fmt: skip
     assert on.http_port == 0

@@ -21,7 +21,7 @@ ENGINE_ARGS = (
     "static",
     "--size",
     "nano",
-    "--max-batch",
+    "--max-running",
     "4",
     "--lease-s",
     "3",

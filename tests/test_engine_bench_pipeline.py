@@ -118,7 +118,7 @@ def test_engine_profile_writes_a_profile_the_planner_plans_from(tmp_path):
         "plan",
         "--cluster",
         str(spec),
-        "--model",
+        "--shape",
         "llama:nano",
         "--profile",
         f"CPU={prof}",

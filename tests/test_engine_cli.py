@@ -43,7 +43,7 @@ def test_generate_bad_input_is_a_clear_error(tmp_path, capsys):
 def test_bench_prints_one_json_object_last(data_root, tmp_path, capsys):
     argv = [
         "bench", "--data-dir", str(data_root), "--size", "nano", "--num-queries", "6", "--batch-size", "3",
-        "--max-len", "6", "--max-prompt", "16", "--out-dir", str(tmp_path),
+        "--max-len", "6", "--max-prompt", "16", "--out", str(tmp_path),
     ]  # fmt: skip
     assert main(argv) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

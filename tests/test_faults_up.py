@@ -59,8 +59,8 @@ def check_secrets(run_dir: Path, info: dict) -> None:
 
 def test_a_killed_engine_is_restarted_and_a_killed_gateway_up_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gateway.cli", "up", "--listen", "127.0.0.1:0", "--fleet", "none", "--clusters", "2",
-           "--size", "nano", "--run-dir", str(run_dir), "--engine-arg=--max-batch", "--engine-arg=4"]  # fmt: skip
+    cmd = [sys.executable, "-m", "gateway.cli", "up", "--listen", "127.0.0.1:0", "--num-clusters", "2",
+           "--size", "nano", "--run-dir", str(run_dir), "--engine-arg=--max-running", "--engine-arg=4"]  # fmt: skip
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
     up = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -69,7 +69,7 @@ def test_the_gateway_exposes_grpc_metrics_and_the_http_front():
     env = {e["name"]: e for e in container["env"]}
     assert env["FLEETBATCH_HTTP_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "fleetbatch-http"
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
-    assert args[args.index("--files-dir") + 1] in mounts
+    assert args[args.index("--files") + 1] in mounts
     exposed = next(x for x in (K8S / "Dockerfile").read_text().splitlines() if x.startswith("EXPOSE"))
     assert set(served.values()) <= {int(p) for p in exposed.split()[1:]}
 

@@ -11,7 +11,7 @@ from load.cli import main
 
 def test_a_tiny_deadlines_run_prints_every_figure(tmp_path, capsys, data_root):
     out = tmp_path / "deadlines"
-    assert main(["deadlines", "--num", "24", "--orders", "edf", "--out", str(out)]) == 0
+    assert main(["deadlines", "--num-queries", "24", "--orders", "edf", "--out", str(out)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("deadlines_met_edf", "eta_error_at_25pct", "eta_error_at_50pct", "sim_deadlines_met_edf"):
         assert key in result

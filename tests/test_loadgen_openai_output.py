@@ -42,7 +42,7 @@ def test_openai_batch_output_and_errors(redis_url, tmp_path):
         "--openai-out",
         str(out),
         "--no-progress",
-        "--model",
+        "--model-name",
         "m",
     ]
     t = threading.Thread(target=lambda: code.append(main(argv)))

@@ -17,7 +17,7 @@ pytestmark = (
 
 def test_a_tiny_prefix_run_prints_every_figure(tmp_path, capsys, data_root):
     out = tmp_path / "prefix"
-    argv = ["prefix", "--num", "24", "--groups", "3", "--max-tokens", "8", "--out", str(out)]
+    argv = ["prefix", "--num-queries", "24", "--groups", "3", "--max-tokens", "8", "--out", str(out)]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in (

@@ -60,9 +60,11 @@ def test_the_planned_study_runs_a_planned_fleet_through_the_gateway(tmp_path):
     setup here, for time: the baselines' plans are checked in tests/test_planner_fleet.py.)"""
     out = tmp_path / "planned"
     fleet = tmp_path / "fleet.yaml"  # two clusters of unlike devices: fewer processes than the default's
-    fleet.write_text("clusters:\n  pair: [V100-32G, T4]\n  t4s: [T4, T4]\n")
+    fleet.write_text(
+        "version: 1\nclusters:\n  - {name: pair, devices: [V100-32G, T4]}\n  - {name: t4s, devices: [T4, T4]}\n"
+    )
     # the predictor is not under test: the heuristic starts faster
-    cmd = [sys.executable, "-m", "load.cli", "study", "--planned", "--fleet", str(fleet), "-n", "16",
+    cmd = [sys.executable, "-m", "load.cli", "study", "--planned", "--clusters", str(fleet), "-n", "16",
            "--max-tokens", "24", "--only", "planned", "--out", str(out), "--no-progress", "--no-scale",
            "--gateway-arg=--predictor", "--gateway-arg=heuristic"]  # fmt: skip
     cache = tmp_path / "empty-cache"  # a fresh machine: this CPU is profiled during the run

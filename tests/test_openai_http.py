@@ -264,7 +264,7 @@ def test_loadgen_openai_check_runs_the_flow_against_gateway_up(tmp_path):
     """`fleetbatch gateway up` starts the HTTP front and records it in gateway.json; `fleetbatch loadgen openai-check` uses it."""
     cmd = [sys.executable, "-m", "load.cli", "openai-check", "-n", "12", "--dataset", "generated",
            "--max-tokens", "16", "--endpoint", COMPLETIONS, "--run-dir", str(tmp_path / "run"),
-           "--gateway-arg=--fleet", "--gateway-arg=none", "--gateway-arg=--clusters", "--gateway-arg=2"]  # fmt: skip
+           "--gateway-arg=--num-clusters", "--gateway-arg=2"]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -48,15 +48,23 @@ def cpu_profile() -> Profile:
     return Profile("CPU", model, "measured", samples)
 
 
+def _one(cluster: dict) -> dict:
+    return {"version": 1, "clusters": [cluster]}
+
+
 def test_a_fleet_file_names_clusters_of_catalog_devices(tmp_path):
     f = tmp_path / "fleet.yaml"
     f.write_text(
-        "clusters:\n  big: [A100-40G, a100-40g]\n  mixed: [V100-32G, T4]\nemulation: {time_scale: 4}\n"
+        "version: 1\nclusters:\n  - {name: big, devices: [A100-40G, a100-40g]}\n"
+        "  - {name: mixed, devices: [V100-32G, T4]}\nemulation: {time_scale: 4}\n"
     )
     fleet = load_fleet(f)
     assert fleet.clusters == {"big": ("A100-40G", "A100-40G"), "mixed": ("V100-32G", "T4")}
     assert fleet.time_scale == 4.0
-    assert fleet_from_dict({"solo": "T4"}).clusters == {"solo": ("T4",)}  # the clusters level may be left out
+    solo = {"version": 1, "clusters": [{"name": "solo", "devices": ["T4"]}]}
+    assert (
+        fleet_from_dict(solo).clusters == {"solo": ("T4",)} and fleet_from_dict(solo).reference == "opt-30b"
+    )
     assert load_fleet("default").clusters == DEFAULT_FLEET
     assert fleet.digest() != load_fleet("default").digest()
 
@@ -64,13 +72,17 @@ def test_a_fleet_file_names_clusters_of_catalog_devices(tmp_path):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ({}, "mapping of cluster names"),
-        ({"clusters": {"a": []}}, "give a list of device types"),
-        ({"clusters": {"a": ["H9000"]}}, "unknown device type 'H9000'"),
-        ({"clusters": {"a": ["CPU"]}}, "a fleet names catalog GPUs"),
-        ({"clusters": {"a/b": ["T4"]}}, "cluster name 'a/b' cannot name a plan file"),
-        ({"clusters": {"a": ["T4"]}, "emulation": {"time_scale": 0}}, "time_scale must be a number > 0"),
-        ({"clusters": {"a": ["T4"]}, "emulation": {"reference": "gpt-9"}}, "emulation.reference"),
+        ({}, "version"),
+        ({"clusters": {"a": ["T4"]}}, "version"),  # the old fleet file's shape is refused, not misread
+        (_one({"name": "a"}), "names each cluster's devices"),
+        (_one({"name": "a", "devices": ["H9000"]}), "unknown device type 'H9000'"),
+        (_one({"name": "a", "devices": ["CPU"]}), "a fleet names catalog GPUs"),
+        (_one({"name": "a/b", "devices": ["T4"]}), "cluster 'a/b': name: must be 1-128 characters"),
+        ({**_one({"name": "a", "devices": ["T4"]}), "emulation": {"time_scale": 0}}, "emulation.time_scale"),
+        (
+            {**_one({"name": "a", "devices": ["T4"]}), "emulation": {"reference": "gpt-9"}},
+            "emulation.reference",
+        ),
     ],
 )
 def test_a_bad_fleet_file_is_refused_with_the_reason(spec, message):
@@ -137,7 +149,7 @@ def test_the_cli_plans_a_fleet_file_and_names_bad_input(tmp_path, capsys):
     prof = tmp_path / "cpu.json"
     cpu_profile().save(prof)
     fleet = tmp_path / "fleet.yaml"
-    fleet.write_text("solo: [T4, T4]\n")
+    fleet.write_text("version: 1\nclusters: [{name: solo, devices: [T4, T4]}]\n")
     out = tmp_path / "plans"
     argv = ["fleet", str(fleet), "--profile", str(prof), "--out", str(out), "--time-limit", "1"]
     assert main(argv) == 0
@@ -146,8 +158,8 @@ def test_the_cli_plans_a_fleet_file_and_names_bad_input(tmp_path, capsys):
         "solo.ilp.json"
     )
     assert main(["fleet", str(tmp_path / "none.yaml"), "--profile", str(prof)]) == 1
-    assert "fleet file" in capsys.readouterr().err
+    assert "cluster file" in capsys.readouterr().err
     assert main([*argv, "--methods", "best"]) == 1
     assert "--methods" in capsys.readouterr().err
-    assert main(["fleet", str(fleet), "--profile", str(prof), "--model", "llama:tiny"]) == 1
+    assert main(["fleet", str(fleet), "--profile", str(prof), "--shape", "llama:tiny"]) == 1
     assert "profile the served model" in capsys.readouterr().err

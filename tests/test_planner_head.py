@@ -96,8 +96,8 @@ def test_head_for_another_vocabulary_is_not_used():
 
 def test_cli_profile_batches_and_lengths(tmp_path, capsys):
     out = tmp_path / "nano.json"
-    argv = ["profile", "--model", "llama:nano", "--batches", "2,4", "--lengths", "16,32"]
-    argv += ["--reps", "1", "--min-time", "0.001", "--quiet", "--out", str(out)]
+    argv = ["profile", "--shape", "llama:nano", "--batches", "2,4", "--lengths", "16,32"]
+    argv += ["--reps", "1", "--min-time", "0.001", "--no-progress", "--out", str(out)]
     assert main(argv) == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out.strip().splitlines()[-1])
@@ -116,7 +116,7 @@ def test_cli_profile_batches_and_lengths(tmp_path, capsys):
 @pytest.mark.parametrize("bad", ["0,2", "x", ",", "-4"])
 def test_cli_profile_rejects_bad_sizes(bad, capsys):
     with pytest.raises(SystemExit):
-        main(["profile", "--batches", bad, "--quiet"])
+        main(["profile", "--batches", bad, "--no-progress"])
     assert "grid sizes" in capsys.readouterr().err
 
 

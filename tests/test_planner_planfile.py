@@ -69,7 +69,7 @@ def test_invalid_plans_are_rejected(tmp_path, mutate, message):
 def test_cli_plan_writes_valid_plan(tmp_path, capsys):
     out = tmp_path / "plan.json"
     rc = main(
-        ["plan", "--cluster", "V100+A100", "--model", "opt-13b", "--output-tokens", "100", "--out", str(out)]
+        ["plan", "--cluster", "V100+A100", "--shape", "opt-13b", "--output-tokens", "100", "--out", str(out)]
     )
     assert rc == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -85,7 +85,7 @@ def test_cli_bad_input_exits_nonzero_with_message(tmp_path, capsys):
                 "plan",
                 "--cluster",
                 "2xZ80",
-                "--model",
+                "--shape",
                 "opt-13b",
                 "--output-tokens",
                 "10",
@@ -102,7 +102,7 @@ def test_cli_bad_input_exits_nonzero_with_message(tmp_path, capsys):
                 "plan",
                 "--cluster",
                 "1xT4",
-                "--model",
+                "--shape",
                 "opt-66b",
                 "--output-tokens",
                 "100",
@@ -113,7 +113,7 @@ def test_cli_bad_input_exits_nonzero_with_message(tmp_path, capsys):
         == 1
     )
     assert "no plan fits" in capsys.readouterr().err
-    assert main(["plan", "--cluster", "1xT4", "--model", "nope", "--output-tokens", "10"]) == 1
+    assert main(["plan", "--cluster", "1xT4", "--shape", "nope", "--output-tokens", "10"]) == 1
     assert "unknown model" in capsys.readouterr().err
 
 
@@ -127,7 +127,7 @@ def test_cli_length_distribution(tmp_path, capsys):
                 "plan",
                 "--cluster",
                 "4xA100",
-                "--model",
+                "--shape",
                 "opt-13b",
                 "--length-distribution",
                 str(dist),
@@ -142,7 +142,18 @@ def test_cli_length_distribution(tmp_path, capsys):
 
 def test_cli_compare_last_line_json(capsys):
     assert (
-        main(["compare", "--clusters", "V100+A100", "--models", "opt-13b", "--quiet", "--time-limit", "2"])
+        main(
+            [
+                "compare",
+                "--cluster-specs",
+                "V100+A100",
+                "--shapes",
+                "opt-13b",
+                "--no-progress",
+                "--time-limit",
+                "2",
+            ]
+        )
         == 0
     )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -281,7 +281,7 @@ def test_compare_policies_small_run(data_root, tmp_path, capsys):
     from load.studies import compare_policies
 
     plot = tmp_path / "p.png"
-    argv = ["--data-dir", str(data_root), "--n", "300", "--train-max", "400", "--timing-n", "0"]
+    argv = ["--data-dir", str(data_root), "-n", "300", "--train-max", "400", "--timing-n", "0"]
     assert compare_policies.main([*argv, "--plot", str(plot)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     result = json.loads(last)
@@ -305,7 +305,7 @@ def test_compare_policies_small_run(data_root, tmp_path, capsys):
 def test_compare_policies_bad_input(data_root, capsys):
     from load.studies import compare_policies
 
-    assert compare_policies.main(["--data-dir", str(data_root), "--n", "5"]) == 1
-    assert "--n must be at least 10" in capsys.readouterr().err
+    assert compare_policies.main(["--data-dir", str(data_root), "-n", "5"]) == 1
+    assert "-n must be at least 10" in capsys.readouterr().err
     assert compare_policies.main(["--data-dir", str(data_root), "--capacities", "1,x"]) == 1
     assert "--capacities" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """``fleetbatch predictor adapt``: observed lengths of a more verbose served model, written to a real Redis the way
-the engines write them, and ``fleetbatch predictor retrain --from-redis`` moving predictions toward them."""
+the engines write them, and ``fleetbatch predictor retrain --redis-url`` moving predictions toward them."""
 
 from __future__ import annotations
 
@@ -27,13 +27,22 @@ def test_retrain_from_redis_moves_predictions_toward_observed_lengths(tmp_path, 
     s = synthetic(240, seed=3)  # the served model answers the same kinds of prompt 3x as long
     served = LabeledSet([f"served {p}" for p in s.prompts], s.lengths * 3, s.sources)
     served_file = write_jsonl(served, tmp_path / "served.jsonl")
-    common = ["--data", str(original), "--serving-tokenizer", str(tok), "--threads", "1"]
+    common = ["--dataset", str(original), "--served-model", str(tok), "--threads", "1"]
     model = tmp_path / "model"
     train = ["train", *common, "--out", str(model), "--epochs", "4", "--buckets", "6", "--lr", "1e-2"]
     assert main([*train, "--patience", "10", "--ema", "0", *TINY]) == 0
     capsys.readouterr()
 
-    adapt = ["adapt", *common, "--model", str(model), "--served", str(served_file), "--redis-url", redis_url]
+    adapt = [
+        "adapt",
+        *common,
+        "--predictor",
+        str(model),
+        "--served",
+        str(served_file),
+        "--redis-url",
+        redis_url,
+    ]
     adapt += ["--relabel-original", "0", "--original", "0", "--epochs", "6", "--lr", "1e-2", "--seed", "1"]
     assert main(adapt) == 0
     out = capsys.readouterr().out.strip().splitlines()

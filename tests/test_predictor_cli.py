@@ -51,9 +51,9 @@ def model_parent(workload, tmp_path_factory):
     rc = main(
         [
             "train",
-            "--data",
+            "--dataset",
             str(jsonl),
-            "--serving-tokenizer",
+            "--served-model",
             str(tok),
             "--out",
             str(out),
@@ -88,11 +88,11 @@ def test_eval_prints_figures_and_plot(model_parent, workload, tmp_path, capsys):
     rc = main(
         [
             "eval",
-            "--model",
+            "--predictor",
             str(model_parent),
-            "--data",
+            "--dataset",
             str(jsonl),
-            "--serving-tokenizer",
+            "--served-model",
             str(tok),
             "--plot",
             str(png),
@@ -134,7 +134,9 @@ def test_choose_records_the_point_estimate(model_parent, workload, capsys):
     saved = json.loads(meta.read_text())
     wrong = "midpoint" if saved["point_estimate"] != "midpoint" else "expected"
     meta.write_text(json.dumps({**saved, "point_estimate": wrong}))
-    rc = main(["choose", "--model", str(model_parent), "--data", str(jsonl), "--serving-tokenizer", str(tok)])
+    rc = main(
+        ["choose", "--predictor", str(model_parent), "--dataset", str(jsonl), "--served-model", str(tok)]
+    )
     assert rc == 0
     r = last_json(capsys)
     assert r["previous"] == wrong and r["point_estimate"] == saved["point_estimate"]
@@ -149,9 +151,9 @@ def test_bench_reports_ms_per_query(model_parent, workload, capsys):
         main(
             [
                 "bench",
-                "--model",
+                "--predictor",
                 str(model_parent),
-                "--data",
+                "--dataset",
                 str(jsonl),
                 "-n",
                 "64",
@@ -170,7 +172,7 @@ def test_bench_reports_ms_per_query(model_parent, workload, capsys):
 def test_export_writes_labels_that_train_elsewhere(workload, tmp_path, capsys):
     jsonl, tok = workload
     out = tmp_path / "labels.jsonl"
-    assert main(["export", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(out)]) == 0
+    assert main(["export", "--dataset", str(jsonl), "--served-model", str(tok), "--out", str(out)]) == 0
     r = last_json(capsys)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == r["examples"] == 450 and r["train"] + r["val"] + r["test"] == 450
@@ -181,12 +183,12 @@ def test_export_writes_labels_that_train_elsewhere(workload, tmp_path, capsys):
 
 
 def test_bad_input_gives_clear_error(tmp_path, capsys):
-    assert main(["eval", "--model", str(tmp_path / "missing")]) == 1
+    assert main(["eval", "--predictor", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err
     assert "error" in err and "missing" in err and "Traceback" not in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt"}\n')
-    assert main(["train", "--data", str(bad), "--out", str(tmp_path / "o")]) == 1
+    assert main(["train", "--dataset", str(bad), "--out", str(tmp_path / "o")]) == 1
     assert "no 'prompt' field" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--scheme", "cubic"])
@@ -211,8 +213,8 @@ def test_retrain_from_redis_writes_next_version(model_parent, workload, redis_ur
         zip(*[synthetic(120, seed=1).prompts, synthetic(120, seed=1).lengths], strict=True)
     ):
         record_observed(client, p, int(n), source="observed", cluster=f"c{i % 2}")
-    retrain = ["retrain", "--model", str(model_parent), "--from-redis", redis_url, "--data", str(jsonl)]
-    retrain += ["--serving-tokenizer", str(tok)]
+    retrain = ["retrain", "--predictor", str(model_parent), "--redis-url", redis_url, "--dataset", str(jsonl)]
+    retrain += ["--served-model", str(tok)]
     rc = main([*retrain, "--original", "100", "--epochs", "1"])
     assert rc == 0
     r = last_json(capsys)
@@ -234,7 +236,7 @@ def test_extra_training_data_skips_held_out_prompts(workload, tmp_path, capsys):
     extra = write_jsonl(
         fresh.concat(LabeledSet(held_out, [9] * len(held_out), ["x"] * len(held_out))), tmp_path / "e.jsonl"
     )
-    args = ["train", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(tmp_path / "m")]
+    args = ["train", "--dataset", str(jsonl), "--served-model", str(tok), "--out", str(tmp_path / "m")]
     assert main([*args, "--epochs", "1", "--buckets", "4", *TINY_ARGS, "--extra-train", str(extra)]) == 0
     r = last_json(capsys)
     assert r["train_examples"] == len(sp["train"]) + 30
@@ -249,26 +251,26 @@ def test_extra_training_data_skips_held_out_prompts(workload, tmp_path, capsys):
 
 def test_eval_of_an_ensemble(model_parent, workload, tmp_path, capsys):
     jsonl, tok = workload
-    args = ["eval", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--no-baselines"]
+    args = ["eval", "--dataset", str(jsonl), "--served-model", str(tok), "--no-baselines"]
     v1 = str(model_parent / "v1")  # not the parent: the retrain test may have added v2 to it
-    assert main([*args, "--model", v1, "--plot", str(tmp_path / "a.png")]) == 0
+    assert main([*args, "--predictor", v1, "--plot", str(tmp_path / "a.png")]) == 0
     single = last_json(capsys)
-    assert main([*args, "--model", v1, "--ensemble", v1, "--plot", str(tmp_path / "b.png")]) == 0
+    assert main([*args, "--predictor", v1, "--ensemble", v1, "--plot", str(tmp_path / "b.png")]) == 0
     twice = last_json(capsys)  # the mean of two identical members is that member
     assert twice["ensemble"] == [v1] and single["ensemble"] == []
     assert twice["kendall_tau"] == single["kendall_tau"] and twice["mae_tokens"] == single["mae_tokens"]
     other = tmp_path / "other"
-    train = ["train", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(other)]
+    train = ["train", "--dataset", str(jsonl), "--served-model", str(tok), "--out", str(other)]
     assert main([*train, "--epochs", "1", "--buckets", "3", *TINY_ARGS]) == 0
     capsys.readouterr()
-    assert main([*args, "--model", v1, "--ensemble", str(other), "--plot", str(tmp_path / "c.png")]) == 1
+    assert main([*args, "--predictor", v1, "--ensemble", str(other), "--plot", str(tmp_path / "c.png")]) == 1
     assert "other bucket edges" in capsys.readouterr().err
 
 
 def test_train_distils_a_teacher(model_parent, workload, tmp_path, capsys):
     jsonl, tok = workload
     v1 = str(model_parent / "v1")
-    train = ["train", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(tmp_path / "s")]
+    train = ["train", "--dataset", str(jsonl), "--served-model", str(tok), "--out", str(tmp_path / "s")]
     assert main([*train, "--epochs", "1", "--buckets", "5", *TINY_ARGS, "--teacher", f"{v1},{v1}"]) == 0
     r = last_json(capsys)
     meta = json.loads((tmp_path / "s" / r["version"] / "predictor.json").read_text())
@@ -305,7 +307,7 @@ def test_train_distils_a_teacher(model_parent, workload, tmp_path, capsys):
 def test_train_augments_for_the_teacher(model_parent, workload, tmp_path, capsys):
     jsonl, tok = workload
     v1 = str(model_parent / "v1")
-    train = ["train", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(tmp_path / "s")]
+    train = ["train", "--dataset", str(jsonl), "--served-model", str(tok), "--out", str(tmp_path / "s")]
     common = [*train, "--epochs", "1", "--buckets", "5", *TINY_ARGS]
     assert main([*common, "--teacher", v1]) == 0
     plain = last_json(capsys)
@@ -343,7 +345,7 @@ def test_teacher_outputs_are_kept_and_read_back(model_parent, workload, tmp_path
     ensemble.teacher([v1], prompts, "cpu", features=False, cache=cache)  # no features kept: a miss
     assert len(list(cache.glob("*.npz"))) == 3
     # through the CLI: a second identical run reads the file, another seed's copies miss
-    train = ["train", "--data", str(jsonl), "--serving-tokenizer", str(tok), "--out", str(tmp_path / "s")]
+    train = ["train", "--dataset", str(jsonl), "--served-model", str(tok), "--out", str(tmp_path / "s")]
     common = [*train, "--epochs", "1", "--buckets", "5", *TINY_ARGS, "--teacher", v1, "--augment", "1"]
     cli_cache = tmp_path / "cli-cache"
     with caplog.at_level(logging.INFO, logger="predictor"):
@@ -377,7 +379,7 @@ def test_mlm_reads_the_responses_of_the_training_prompts_only(tmp_path, capsys, 
     jsonl = tmp_path / "r.jsonl"
     jsonl.write_text("\n".join(lines) + "\n", encoding="utf-8")
     caplog.set_level(logging.INFO, logger="predictor")
-    args = ["train", "--data", str(jsonl), "--out", str(tmp_path / "m"), "--epochs", "1", "--buckets", "3"]
+    args = ["train", "--dataset", str(jsonl), "--out", str(tmp_path / "m"), "--epochs", "1", "--buckets", "3"]
     assert main([*args, *TINY_ARGS, "--mlm-epochs", "0.5", "--mlm-responses", "--limit", "40"]) == 0
     assert "MLM pre-training also reads 40 training responses" in caplog.text
     assert len(split(data)["train"]) > 40  # the limit, not the whole training split

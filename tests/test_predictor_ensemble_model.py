@@ -38,7 +38,7 @@ def workload(tmp_path_factory):
 
 def data_args(workload) -> list[str]:
     jsonl, tok = workload
-    return ["--data", str(jsonl), "--serving-tokenizer", str(tok), "--threads", "1"]
+    return ["--dataset", str(jsonl), "--served-model", str(tok), "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,15 @@ def test_an_ensemble_serves_and_evaluates_like_one_model(combined, workload, tmp
     )
     assert pred.point_estimate == ens.point_estimate and pred.version == "v1"
     rc = main(
-        ["eval", *data_args(workload), "--model", parent, "--no-baselines", "--plot", str(tmp_path / "c.png")]
+        [
+            "eval",
+            *data_args(workload),
+            "--predictor",
+            parent,
+            "--no-baselines",
+            "--plot",
+            str(tmp_path / "c.png"),
+        ]
     )
     assert rc == 0
     r = last_json(capsys)
@@ -132,10 +140,10 @@ def test_retrain_of_an_ensemble_moves_every_member_toward_observed_lengths(
     for p, n in zip(served.prompts, served.lengths, strict=True):
         record_observed(client, p, int(n), source="served", cluster="a")
     out = tmp_path / "retrained"
-    # retrain validates on --data's split: here the served model's labels, as `fleetbatch predictor adapt` hands it
+    # retrain validates on --dataset's split: here the served model's labels, as `fleetbatch predictor adapt` hands it
     relabeled = write_jsonl(served, tmp_path / "served.jsonl")
-    retrain = ["retrain", "--data", str(relabeled), "--serving-tokenizer", str(workload[1]), "--threads", "1"]
-    retrain += ["--model", parent, "--from-redis", redis_url, "--out", str(out)]
+    retrain = ["retrain", "--dataset", str(relabeled), "--served-model", str(workload[1]), "--threads", "1"]
+    retrain += ["--predictor", parent, "--redis-url", redis_url, "--out", str(out)]
     assert main([*retrain, "--original", "0", "--epochs", "3", "--lr", "1e-2"]) == 0
     r = last_json(capsys)
     assert r["observed_examples"] == 150 and len(r["members"]) == 2 and "best_val_loss" not in r
@@ -197,5 +205,5 @@ def test_a_malformed_ensemble_is_a_clear_error(combined, tmp_path, capsys):
     (bad / "predictor.json").write_text(json.dumps({**meta, "members": ["m1", "m3"]}))
     with pytest.raises(ValueError, match="m3 are not single model"):
         store.load(bad)
-    assert main(["eval", "--model", str(bad)]) == 1
+    assert main(["eval", "--predictor", str(bad)]) == 1
     assert "m3" in capsys.readouterr().err

@@ -101,7 +101,7 @@ def test_train_pretrained_on_real_prompts_saves_a_model_that_serves(
     data, tok = jsonl
     ckpt = checkpoint(kind, [r.prompt for r in real_records], tmp_path)
     out = tmp_path / "model"
-    argv = ["train", "--pretrained", str(ckpt), "--data", str(data), "--serving-tokenizer", str(tok)]
+    argv = ["train", "--pretrained", str(ckpt), "--dataset", str(data), "--served-model", str(tok)]
     argv += [
         "--out",
         str(out),
@@ -138,12 +138,12 @@ def test_train_pretrained_on_real_prompts_saves_a_model_that_serves(
     assert loaded.model.config.hidden_size == start.config.hidden_size == 32
     assert loaded.model.config.vocab_size == start.config.vocab_size == len(loaded.tokenizer)
 
-    assert main(["eval", "--model", str(out), "--data", str(data), "--serving-tokenizer", str(tok)]) == 0
+    assert main(["eval", "--predictor", str(out), "--dataset", str(data), "--served-model", str(tok)]) == 0
     ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert ev["model"] == str(out / "v1") and -1.0 <= ev["kendall_tau"] <= 1.0
 
     # the teacher -> student path: a small from-scratch model distilled from the fine-tuned encoder
-    student = ["train", "--teacher", str(out), "--data", str(data), "--serving-tokenizer", str(tok)]
+    student = ["train", "--teacher", str(out), "--dataset", str(data), "--served-model", str(tok)]
     student += ["--out", str(tmp_path / "student"), "--epochs", "1", "--buckets", "4", "--max-ratio", "0"]
     student += ["--layers", "1", "--dim", "32", "--heads", "2", "--max-len", "32", "--vocab", "300"]
     assert main([*student, "--mlm-epochs", "0", "--threads", "1"]) == 0

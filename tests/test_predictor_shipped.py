@@ -177,15 +177,16 @@ def test_eval_on_any_alpaca_eval_answer_file(tiny_shipped, tmp_path, capsys):
     (tmp_path / "alpaca_eval" / "brand-new-model.json").write_text(json.dumps(rows))
     tok = tmp_path / "tok"
     save_small_tokenizer(tok)
-    common = ["--data-dir", str(tmp_path), "--serving-tokenizer", str(tok), "--split", "all"]
+    common = ["--data-dir", str(tmp_path), "--served-model", str(tok), "--split", "all"]
     rc = predictor_main(
-        ["eval", "--model", str(tiny_shipped), "--data", "alpaca_eval:brand-new-model", *common]
+        ["eval", "--predictor", str(tiny_shipped), "--dataset", "alpaca_eval:brand-new-model", *common]
         + ["--no-baselines", "--plot", str(tmp_path / "cm.png")]
     )
     assert rc == 0
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["n"] == 90 and r["kendall_tau"] > 0.3
     assert (
-        predictor_main(["eval", "--model", str(tiny_shipped), "--data", "alpaca_eval:nobody", *common]) != 0
+        predictor_main(["eval", "--predictor", str(tiny_shipped), "--dataset", "alpaca_eval:nobody", *common])
+        != 0
     )
     assert "brand-new-model" in capsys.readouterr().err

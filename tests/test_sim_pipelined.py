@@ -125,7 +125,7 @@ def planned_run(root, name: str, plans: dict[str, str], rows: list[dict]) -> str
     yaml_rows = "".join(
         f"- name: {c}\n  capacity_tps: 1000.0\n  backend: native\n  plan: plans/{c}.json\n" for c in plans
     )
-    (run / "clusters.yaml").write_text("clusters:\n" + yaml_rows)
+    (run / "clusters.yaml").write_text("version: 1\nclusters:\n" + yaml_rows)
     return str(run)
 
 
@@ -174,7 +174,7 @@ def test_planned_and_unplanned_runs_are_not_validated_together(tmp_path):
     (other / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (other / "meta.json").write_text(json.dumps({"policy": "token", "backend": "native", "fleet": [1, 2]}))
     (other / "clusters.yaml").write_text(
-        "clusters:\n- name: slow\n  capacity_tps: 10\n  engine_args: []\n- name: fast\n  capacity_tps: 20\n  engine_args: []\n"
+        "version: 1\nclusters:\n- name: slow\n  capacity_tps: 10\n  engine_args: []\n- name: fast\n  capacity_tps: 20\n  engine_args: []\n"
     )
     with pytest.raises(ValueError, match="apart"):
         validate([run, str(other)], LinearCost())

@@ -86,7 +86,7 @@ def test_static_batches_hold_kv_longer_than_iteration_level():
 
 def test_study_cli_prints_the_ratios_as_its_last_line(capsys):
     rc = main(
-        "study --workload generated --queries 60,120 --batches 2,8 --cluster-counts 3,6 --no-progress".split()
+        "study --workload generated --num-queries 60,120 --batches 2,8 --cluster-counts 3,6 --no-progress".split()
     )
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -99,7 +99,7 @@ def test_study_cli_prints_the_ratios_as_its_last_line(capsys):
 
 
 def test_scale_cli_reports_its_time(capsys):
-    assert main("scale --clusters 4 --queries 3000 --no-progress".split()) == 0
+    assert main("scale --num-clusters 4 --num-queries 3000 --no-progress".split()) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["queries"] == 3000 and out["clusters"] == 4
     assert out["sim_seconds"] > 0 and out["makespan_s"] > 0

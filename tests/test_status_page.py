@@ -40,8 +40,12 @@ def browser():
 
 
 def fleet(path: Path) -> Path:
-    engine = ["--size", "nano", "--device-cost", "30,0.1,2", "--max-batch", "4"]  # a slow emulated device
-    path.write_text(yaml.safe_dump({"clusters": [{"name": "c1", "capacity_tps": 50, "engine_args": engine}]}))
+    engine = ["--size", "nano", "--device-cost", "30,0.1,2", "--max-running", "4"]  # a slow emulated device
+    path.write_text(
+        yaml.safe_dump(
+            {"version": 1, "clusters": [{"name": "c1", "capacity_tps": 50, "engine_args": engine}]}
+        )
+    )
     return path
 
 
@@ -58,7 +62,7 @@ def test_the_status_page_shows_a_running_batch_move(tmp_path):
     driver = browser()
     from selenium.common.exceptions import StaleElementReferenceException
 
-    up = ["--config", str(fleet(tmp_path / "clusters.yaml")), "--fleet", "none"]
+    up = ["--clusters", str(fleet(tmp_path / "clusters.yaml"))]
     try:
         with (
             LocalDeployment(tmp_path / "run", up) as info,

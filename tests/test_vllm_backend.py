@@ -80,7 +80,7 @@ def test_a_head_split_is_said_to_be_left_on_the_last_stage():
 
 
 def test_bad_inputs_are_named():
-    with pytest.raises(ValueError, match="--model"):
+    with pytest.raises(ValueError, match="--served-model"):
         plan_to_vllm(make_plan([2], [16, 16]), "")
 
 

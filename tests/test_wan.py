@@ -111,7 +111,7 @@ def _loadgen(*argv: str, timeout: float) -> subprocess.CompletedProcess:
         (["--delays-ms", "0,x"], "--delays-ms: comma-separated numbers"),
         (["--delays-ms", "0,-5"], "--delays-ms: finite numbers >= 0"),
         (["--delays-ms", "10,10"], "appears twice"),
-        (["--fleet", "1,0"], "--fleet: finite numbers > 0"),
+        (["--step-times", "1,0"], "--step-times: finite numbers > 0"),
         (["--step-cost", "1,2"], "--step-cost"),
     ],
 )
@@ -125,7 +125,7 @@ def test_bad_options_are_a_clear_error_before_anything_starts(tmp_path, capsys, 
 def test_a_tiny_wan_run_reports_every_field_and_draws_the_plot(tmp_path):
     """One real run at 50 ms one way (the ratios against 0 ms are tested on recorded runs above)."""
     out = tmp_path / "wan"
-    run = _loadgen("--delays-ms", "50", "--clusters", "1", "-n", "4", "--max-tokens", "8", "--dataset", "",
+    run = _loadgen("--delays-ms", "50", "--num-clusters", "1", "-n", "4", "--max-tokens", "8", "--dataset", "",
                    "--out", str(out), "--no-progress", "--gateway-arg=--predictor",
                    "--gateway-arg=heuristic", timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]

@@ -31,7 +31,7 @@ def test_engine_survives_a_redis_restart(tmp_path):
         "native",
         "--size",
         "nano",
-        "--max-batch",
+        "--max-running",
         "2",
         "--lease-s",
         "20",

@@ -37,6 +37,16 @@ from localmodels import load_or_build
 log = logging.getLogger(__name__)
 
 
+def with_defaults(args, **defaults):
+    """``args`` with each of ``defaults`` set where the command line left it ``None``: ``--num-queries``
+    and ``--max-len`` default per kind of bench, each to the workload of its headline figure
+    (docs/BENCHMARKS.md)."""
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    return args
+
+
 @dataclass
 class Query:
     qid: str
@@ -231,6 +241,7 @@ def plot(results: dict[str, MethodResult], out_dir: Path) -> list[str]:
 
 def bench(args) -> dict:
     """Run the three methods on the same queries; returns the summary printed as the last line."""
+    with_defaults(args, num_queries=48, max_len=256)
     if args.num_queries < 1 or args.batch_size < 1 or args.max_len < 1 or args.max_prompt < 1:
         raise ValueError("--num-queries, --batch-size, --max-len and --max-prompt must be >= 1")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -238,7 +249,7 @@ def bench(args) -> dict:
     if unknown:
         raise ValueError(f"unknown method(s) {sorted(unknown)}; choose from static, hf_continuous, engine")
     torch.manual_seed(args.seed)
-    model, tok = load_or_build(args.model_dir, arch=args.arch, size=args.size)
+    model, tok = load_or_build(args.served_model, arch=args.arch, size=args.size)
     queries = load_queries(
         tok, args.dataset, args.num_queries, args.max_len, args.max_prompt, args.seed, args.data_dir
     )
@@ -279,7 +290,7 @@ def bench(args) -> dict:
             )
         log.info("%s: %s", m, results[m].summary())
     summary = {
-        "model": args.model_dir or f"{args.arch}-{args.size} (random weights)",
+        "model": args.served_model or f"{args.arch}-{args.size} (random weights)",
         "dataset": args.dataset,
         "queries": len(queries),
         "forced_tokens": total,
@@ -304,8 +315,8 @@ def bench(args) -> dict:
             summary["kv_ratio_vs_static"] = round(
                 eng.cumulative_kv_tokens / results["static"].cumulative_kv_tokens, 3
             )
-    if args.out_dir:
-        out = Path(args.out_dir)
+    if args.out:
+        out = Path(args.out)
         summary["figures"] = plot(results, out)
         (out / "engine_bench.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -131,7 +131,7 @@ def vllm_check(
         return skipped(why, **described(translate(str(plan), str(model_dir), w, info["gpu_count"])))
     if timeout_s < 30:
         return skipped(f"no time left ({timeout_s:.0f} s of the budget)")
-    argv = ["--model-dir", str(model_dir), "--plan", str(plan), "--workload", json.dumps(w.to_dict())]
+    argv = ["--served-model", str(model_dir), "--plan", str(plan), "--workload", json.dumps(w.to_dict())]
     return run_check("engines.bench.gpu_check_vllm", argv, timeout_s)
 
 
@@ -145,7 +145,7 @@ def run_checks(info: dict[str, Any], args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fleetbatch-gpu-check-") as tmp:
         log.info("building llama:%s (random weights) and an uneven 2-stage plan in %s", w.size, tmp)
         model_dir, plan = prepare(Path(tmp), w)
-        argv = ["--model-dir", str(model_dir), "--plan", str(plan), "--device", device]
+        argv = ["--served-model", str(model_dir), "--plan", str(plan), "--device", device]
         argv += ["--workload", json.dumps(w.to_dict())]
         log.info("check A: the native engine on %s", device)
         native = run_check("engines.bench.gpu_check_native", argv, args.native_timeout_s)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-dry-run", action="store_true", help="run check A's code on the CPU, tiny model")
     p.add_argument("--size", choices=("tiny", "small", "base"), help="model size (default small; tiny dry)")
-    p.add_argument("--queries", type=int, help="queries per timed run (default 64; 4 dry)")
+    p.add_argument("--num-queries", type=int, help="queries per timed run (default 64; 4 dry)")
     p.add_argument("--native-timeout-s", type=float, default=120.0)
     p.add_argument("--vllm-timeout-s", type=float, default=150.0)
     p.add_argument("--budget-s", type=float, default=240.0, help="both checks together, at most")

@@ -1,6 +1,6 @@
 """Check A of the GPU check: the native engine on a device, one process and with a 2-stage plan.
 
-``python -m engines.bench.gpu_check_native --model-dir D --plan P --device cuda [--workload JSON]``
+``python -m engines.bench.gpu_check_native --served-model D --plan P --device cuda [--workload JSON]``
 (started by :mod:`engines.bench.gpu_check`, which gives it a time limit) runs the saved model
 
 * on the CPU, greedily, on the first ``compare`` prompts: the reference;
@@ -156,13 +156,13 @@ def check(model_dir: str, plan: str, device: str, w: Workload) -> dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", required=True)
+    p.add_argument("--served-model", required=True)
     p.add_argument("--plan", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--workload", default="{}", help="Workload fields as JSON")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gpu-check: %(message)s", stream=sys.stderr)
-    out = check(args.model_dir, args.plan, args.device, Workload(**json.loads(args.workload)))
+    out = check(args.served_model, args.plan, args.device, Workload(**json.loads(args.workload)))
     print(json.dumps(out), flush=True)
     return 0
 

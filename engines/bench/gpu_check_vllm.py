@@ -1,6 +1,6 @@
 """Check B of the GPU check: vLLM serving the saved model with the plan's translated settings.
 
-``python -m engines.bench.gpu_check_vllm --model-dir D --plan P [--workload JSON]`` (started by
+``python -m engines.bench.gpu_check_vllm --served-model D --plan P [--workload JSON]`` (started by
 :mod:`engines.bench.gpu_check` with a time limit) translates the uneven 2-stage plan with
 :func:`engines.vllm_backend.plan_to_vllm` into ``pipeline_parallel_size`` 2 and
 ``VLLM_PP_LAYER_PARTITION``, and runs vLLM offline (``vllm.LLM``) on the saved random model:
@@ -109,7 +109,7 @@ def run(model_dir: str, w: Workload, s: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", required=True)
+    p.add_argument("--served-model", required=True)
     p.add_argument("--plan", required=True)
     p.add_argument("--workload", default="{}", help="Workload fields as JSON")
     args = p.parse_args(argv)
@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        s = translate(args.plan, args.model_dir, w, torch.cuda.device_count())
-        out = run(args.model_dir, w, s)
+        s = translate(args.plan, args.served_model, w, torch.cuda.device_count())
+        out = run(args.served_model, w, s)
     except Exception as e:  # reported in the JSON: the check's job is to say what broke
         log.exception("vllm check failed")
         out = {"status": "failed", "error": f"{type(e).__name__}: {e}", **described(s)}

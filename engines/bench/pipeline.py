@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from engines.bench.compare import load_queries
+from engines.bench.compare import load_queries, with_defaults
 from engines.config import EngineConfig, PipelineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
@@ -99,15 +99,15 @@ def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
         "--out",
         str(profile),
     ]
-    if args.model_dir:
-        cmd += ["--model-dir", args.model_dir]
+    if args.served_model:
+        cmd += ["--served-model", args.served_model]
     _run_cli(cmd, "fleetbatch engine profile")
     plan = workdir / "plan.json"
     _planner(
         "plan",
         "--cluster",
         str(cluster),
-        "--model",
+        "--shape",
         model,
         "--profile",
         f"CPU={profile}",
@@ -145,7 +145,7 @@ def _workload(tokenizer, args) -> list[Request]:
 def _run(
     args, requests: list[Request], plan: Path | None, even: bool = False, head_split: bool = True
 ) -> dict:
-    model, tok = load_or_build(args.model_dir, arch=args.arch, size=args.size)
+    model, tok = load_or_build(args.served_model, arch=args.arch, size=args.size)
     cfg = EngineConfig(
         kv_budget_tokens=args.num_queries * (args.prompt_len + args.gen_len) + 64,
         max_batch_tokens=max(args.max_batch_tokens, args.prompt_len),
@@ -281,6 +281,7 @@ def latency_error(run: dict) -> float:
 
 
 def bench_pipeline(args) -> dict:
+    with_defaults(args, num_queries=48)
     torch.set_num_threads(1)
     if args.plan is None:  # the planner lays the model out over --stages devices at --stage-speeds
         speeds = (
@@ -293,7 +294,7 @@ def bench_pipeline(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="fleetbatch-bench-") as tmp:
         plan = Path(args.plan) if args.plan else make_plan(args, slowdowns_from_speeds(speeds), Path(tmp))
         plan_doc = json.loads(plan.read_text())
-        _, tok = load_or_build(args.model_dir, arch=args.arch, size=args.size)
+        _, tok = load_or_build(args.served_model, arch=args.arch, size=args.size)
         requests = _workload(tok, args)
         uneven = any(d.get("slowdown", 0) for d in plan_doc["devices"])
         split = plan_doc.get("head_split", 0.0) > 0

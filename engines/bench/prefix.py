@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engines.bench.compare import MethodResult, Query, run_engine
+from engines.bench.compare import MethodResult, Query, run_engine, with_defaults
 from engines.config import EngineConfig
 from fleetdata.datasets import Record, response_lengths
 from fleetdata.prefixes import shared_prefix_rows, unique_rows
@@ -59,12 +59,13 @@ def _best(model, tok, queries: list[Query], config: EngineConfig, repeats: int, 
 
 def prefix_bench(args) -> dict:
     """Run both workloads with the cache off and on; returns the summary printed as the last line."""
+    with_defaults(args, num_queries=96, max_len=128)  # the headline's workload (docs/BENCHMARKS.md)
     if args.num_queries < 1 or args.max_len < 1 or args.repeats < 1 or args.prefix_groups < 1:
         raise ValueError("--num-queries, --max-len, --repeats and --prefix-groups must be >= 1")
     if not 0.0 <= args.unique_share < 1.0:
         raise ValueError(f"--unique-share must be in [0, 1), got {args.unique_share}")
     torch.manual_seed(args.seed)
-    model, tok = load_or_build(args.model_dir, arch=args.arch, size=args.size)
+    model, tok = load_or_build(args.served_model, arch=args.arch, size=args.size)
     root = Path(args.data_dir) if args.data_dir else None
     rows = shared_prefix_rows(
         args.num_queries, args.prefix_groups, args.unique_share, seed=args.seed, root=root
@@ -103,7 +104,7 @@ def prefix_bench(args) -> dict:
         log.info("%s: off %s / on %s", name, off, on)
     unique_ratio = tps["unique"]["cache_on"] / tps["unique"]["cache_off"]
     return {
-        "model": args.model_dir or f"{args.arch}-{args.size} (random weights)",
+        "model": args.served_model or f"{args.arch}-{args.size} (random weights)",
         "queries": args.num_queries,
         "prefix_groups": args.prefix_groups,
         "unique_share": args.unique_share,

@@ -236,8 +236,8 @@ def _profile_concurrently(args: argparse.Namespace) -> int:
     base = [sys.executable, "-m", "engines.cli", "profile", "--arch", args.arch, "--size", args.size]
     base += ["--batches", args.batches, "--lengths", args.lengths, "--prefill-batches", args.prefill_batches]
     base += ["--bits", args.bits, "--reps", str(args.reps), "--min-time", str(args.min_time)]
-    if args.model_dir:
-        base += ["--model-dir", args.model_dir]
+    if args.served_model:
+        base += ["--served-model", args.served_model]
     with tempfile.TemporaryDirectory(prefix="fleetbatch-profile-") as tmp:
         outs = [f"{tmp}/p{k}.json" for k in range(args.concurrent)]
         logs = [Path(f"{o}.log") for o in outs]
@@ -272,8 +272,8 @@ def run_profile(args: argparse.Namespace) -> int:
         raise ValueError(f"--concurrent must be >= 1, got {args.concurrent}")
     if args.concurrent > 1:
         return _profile_concurrently(args)
-    model, _ = load_or_build(args.model_dir, arch=args.arch, size=args.size)
-    name = args.model_dir or f"{args.arch}:{args.size}"
+    model, _ = load_or_build(args.served_model, arch=args.arch, size=args.size)
+    name = args.served_model or f"{args.arch}:{args.size}"
     doc = profile_engine(
         model,
         name,

@@ -1,6 +1,6 @@
-"""``fleetbatch gateway up --fleet``: plan a fleet of catalog devices and start engines that run the plans.
+"""``fleetbatch gateway up --clusters``: plan a fleet of catalog devices and start engines that run the plans.
 
-At start-up, for a fleet file (``--fleet FILE``, or the default fleet: fast = 2 x A100-40G,
+At start-up, for a cluster file whose clusters name devices (``--clusters FILE``, or the default fleet: fast = 2 x A100-40G,
 medium = V100-32G + T4, slow = 2 x T4):
 
 1. this CPU's profile of the served model (``fleetbatch engine profile``), cached per machine in the
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from gateway.config import NAME_RE, ClusterSpec
+from gateway.config import ClusterSpec
 from localmodels.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class FleetSettings:
 
     @classmethod
     def from_args(cls, args) -> FleetSettings:
-        """From ``fleetbatch gateway up``'s ``--fleet``, ``--fleet-method``, ``--fleet-lengths`` and ``--size``."""
+        """From ``fleetbatch gateway up``'s ``--clusters``, ``--fleet-method``, ``--fleet-lengths`` and ``--size``."""
         try:
             prompt, output = (int(x) for x in args.fleet_lengths.split(","))
         except ValueError:
@@ -65,7 +65,7 @@ class FleetSettings:
         if prompt < 1 or output < 1:
             raise ValueError(f"--fleet-lengths must be >= 1 tokens each, not {args.fleet_lengths!r}")
         return cls(
-            args.fleet,
+            args.clusters,
             size=args.size or "micro",
             method=args.fleet_method,
             prompt_len=prompt,
@@ -103,7 +103,7 @@ def plan_fleet(s: FleetSettings, run_dir: Path) -> dict:
     log_dir = run_dir / "logs"
     profile = cpu_profile(s, log_dir)
     methods = "ilp," + ",".join(BASELINES) if s.method != "ilp" else "ilp"
-    cmd = [sys.executable, "-m", "planner.cli", "-v", "fleet", s.fleet, "--model", f"{s.arch}:{s.size}",
+    cmd = [sys.executable, "-m", "planner.cli", "-v", "fleet", s.fleet, "--shape", f"{s.arch}:{s.size}",
            "--profile", str(profile), "--methods", methods, "--out", str(run_dir / "plans"),
            "--kv-tokens", str(s.kv_tokens), "--time-limit", str(s.time_limit_s),
            "--prompt-len", str(s.prompt_len), "--output-tokens", str(s.output_tokens)]  # fmt: skip
@@ -129,10 +129,6 @@ def fleet_specs(s: FleetSettings, summary: dict) -> tuple[list[ClusterSpec], dic
     """One cluster spec per planned cluster, and the layout each runs (``summary``'s row)."""
     specs, layouts = [], {}
     for name, rows in summary["clusters"].items():
-        if not NAME_RE.match(name):
-            raise ValueError(
-                f"fleet {s.fleet}: cluster name {name!r} must be 1-128 characters of [A-Za-z0-9_.-]"
-            )
         row = chosen(rows, s.method)
         layouts[name] = row
         specs.append(

@@ -2,7 +2,7 @@
 
 Starts an embedded Redis, one ``fleetbatch engine serve`` process per cluster (by default the planned
 fleet of :mod:`gateway.deploy.fleet_up`: three clusters of catalog GPUs emulated on this CPU, each
-running its plan's pipeline stages; ``--fleet none``: three one-process engines slowed 1x, 2x
+running its plan's pipeline stages; ``--num-clusters N``: one-process engines slowed 1x, 2x
 and 4x) and the gateway in this process. It writes ``<run-dir>/gateway.json`` (address, Redis URL, admin and client token
 files, engine pids, the OpenAI-compatible HTTP front's URL and key file) once everything is up, and
 stops everything cleanly on Ctrl-C / SIGTERM. Secrets stay off command lines and out of
@@ -25,7 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gateway.config import HTTP_KEY_ENV, ClusterSpec, GatewayConfig, load_clusters
+from clusterfile import load_cluster_file
+from gateway.config import HTTP_KEY_ENV, ClusterSpec, GatewayConfig
 from gateway.deploy.fleet_up import FleetSettings, describe_layout, fleet_specs, plan_fleet
 from gateway.deploy.forked import EngineProcess
 from gateway.deploy.supervisor import EngineSupervisor
@@ -36,7 +37,7 @@ from workqueue.embedded import URL_ENV, EmbeddedRedis, redact_url
 
 log = logging.getLogger(__name__)
 
-#: The quick unplanned fleet (``--fleet none``): three clusters, the second twice and the third four
+#: The quick unplanned fleet (``--num-clusters``): three clusters, the second twice and the third four
 #: times slower than the first (capacity hints in the same ratio), like an A100, a V100 and a T4 pool.
 DEFAULT_FLEET = (("fast", 0.0, 400.0), ("medium", 1.0, 200.0), ("slow", 3.0, 100.0))
 
@@ -59,13 +60,24 @@ def default_clusters(n: int, backend: str, size: str) -> list[ClusterSpec]:
 
 
 def cluster_specs(args, run_dir: Path) -> tuple[list[ClusterSpec], dict[str, dict]]:
-    """The clusters to start: ``--config``'s, the planned ``--fleet``'s (with the layout each runs,
-    logged), or with ``--fleet none`` the quick unplanned fleet."""
-    if args.config:
-        return load_clusters(args.config), {}
-    fleet = getattr(args, "fleet", "none")
-    if fleet == "none":
-        return default_clusters(args.clusters, args.backend, args.size or "nano"), {}
+    """The clusters to start: with ``--num-clusters`` the quick unplanned fleet; else ``--clusters``'s
+    (``default``: the default fleet), planned when they name devices (with the layout each runs, logged),
+    else started as the file says."""
+    if args.num_clusters is not None:
+        if args.clusters != "default":
+            raise ValueError("--num-clusters starts the quick unplanned fleet; leave out --clusters")
+        if args.num_clusters < 1:
+            raise ValueError(f"--num-clusters must be >= 1, not {args.num_clusters}")
+        return default_clusters(args.num_clusters, args.backend, args.size or "nano"), {}
+    if args.clusters != "default":
+        doc = load_cluster_file(args.clusters)
+        if not doc.planned:
+            return list(doc.clusters), {}
+        unplanned = [c.name for c in doc.clusters if not c.devices]
+        if unplanned:
+            raise ValueError(
+                f"{args.clusters}: clusters {unplanned} name no devices; a planned fleet needs devices for each"
+            )
     if args.backend != "native":
         raise ValueError(
             f"a planned fleet runs native engines (pipeline stages), not --backend {args.backend}"
@@ -122,7 +134,7 @@ def client_token_file(args, run_dir: Path) -> Path | None:
 
 def http_settings(args, run_dir: Path) -> Path | None:
     """The HTTP front of ``fleetbatch gateway up`` (on unless ``--http-port`` < 0): its files under the run
-    dir unless ``--files-dir``, its key from ``--http-api-key`` / the environment or a new one, kept
+    dir unless ``--files``, its key from ``--http-api-key`` / the environment or a new one, kept
     in ``<run-dir>/http-api-key``; returns that file (None when the front is off)."""
     if getattr(args, "http_port", None) is None or args.http_port < 0:
         args.http_port = None

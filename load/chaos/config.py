@@ -50,7 +50,7 @@ class ChaosConfig:
     progress_timeout_s: float = 600.0  # a wave without that progress this long ends the run
     seed: int = 0
     slowdown: float = 3.0  # every engine sleeps this x its compute per step
-    engine_args: list[str] = field(default_factory=lambda: ["--max-batch", "4"])
+    engine_args: list[str] = field(default_factory=lambda: ["--max-running", "4"])
     faults: tuple[str, ...] = FAULTS
 
     @property
@@ -69,12 +69,18 @@ class ChaosConfig:
         if self.partition_mode not in MODES:
             raise ValueError(f"--partition-mode must be one of {', '.join(MODES)}")
         if self.queries < len(self.faults) + 1:
-            raise ValueError(f"--num must be at least {len(self.faults) + 1}: one wave per fault, plus one")
+            raise ValueError(
+                f"--num-queries must be at least {len(self.faults) + 1}: one wave per fault, plus one"
+            )
 
 
 def add_arguments(p) -> None:
     p.add_argument(
-        "--num", "-n", type=int, default=1000, help="generated queries, cut into one wave per fault + 1"
+        "--num-queries",
+        "-n",
+        type=int,
+        default=1000,
+        help="generated queries, cut into one wave per fault + 1",
     )
     p.add_argument("--slowdown", type=float, default=3.0, help="engines sleep this x their compute per step")
     p.add_argument("--size", default="nano", help="size of the random local model")
@@ -130,7 +136,7 @@ def config_from_args(args) -> ChaosConfig:
         raise ValueError(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
     return ChaosConfig(
         run_dir=Path(args.run_dir).resolve(),
-        queries=args.num,
+        queries=args.num_queries,
         size=args.size,
         max_tokens=args.max_tokens,
         lease_s=args.lease_s,

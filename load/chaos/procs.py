@@ -82,7 +82,7 @@ class GatewayProcess:
             "heuristic",
             "--http-port",
             str(self.http_port),
-            "--files-dir",
+            "--files",
             str(files_dir),
         ]  # fmt: skip  (restarts fast; the predictor is not under test; secrets from the environment)
         self.log_path = log_dir / f"gateway-{name}.log"

@@ -45,8 +45,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import redis
-import yaml
 
+from clusterfile import dump_cluster_file
 from gateway.deploy.supervisor import EngineSupervisor
 from gateway.deploy.up import default_clusters
 from load.chaos.bite import Bite
@@ -117,7 +117,7 @@ class Chaos(ProcessFaults, WorkFaults):
         rows = [{"name": s.name, "capacity_tps": s.capacity_tps} for s in specs]
         rows[0]["max_query_tokens"] = SMALL_LIMIT
         clusters_file = c.run_dir / "clusters.yaml"
-        clusters_file.write_text(yaml.safe_dump({"clusters": rows}))
+        dump_cluster_file(clusters_file, rows)
         http_key = secrets.token_urlsafe(18)
         intake_env = {  # batches of intake_rows and more go through a slow background intake
             "FLEETBATCH_INTAKE_SYNC_MAX": str(c.intake_rows),

@@ -217,13 +217,13 @@ def table(m: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m load.reports.roundtrips", description=__doc__.splitlines()[0])
-    p.add_argument("-n", type=int, default=20_000, help="queries in the submitted batch")
-    p.add_argument("--clusters", type=int, nargs="+", default=[3, 6, 12], help="cluster counts")
+    p.add_argument("-n", "--num-queries", type=int, default=20_000, help="queries in the submitted batch")
+    p.add_argument("--num-clusters", type=int, nargs="+", default=[3, 6, 12], help="cluster counts")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 10, 50], help="batch counts")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fleetbatch-rt-") as tmp:
         with EmbeddedRedis(Path(tmp) / "redis", persist=False) as server:
-            m = measure(server.url, args.clusters, args.batches, args.n)
+            m = measure(server.url, args.num_clusters, args.batches, args.num_queries)
     print(table(m), file=sys.stderr)
     print(json.dumps(m))
     return 0

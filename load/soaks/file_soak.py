@@ -38,7 +38,7 @@ from workqueue.embedded import EmbeddedRedis
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--num", type=int, default=1_000_000, help="rows of the batch file")
+    p.add_argument("-n", "--num-queries", type=int, default=1_000_000, help="rows of the batch file")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated rows")
     p.add_argument("--drainers", type=int, default=3, help="threads standing in for engines")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed for the client")
@@ -75,15 +75,15 @@ def check_results(path: Path, n: int) -> dict:
 
 
 def run(args) -> dict:
-    if args.num < 1:
-        raise ValueError("--num must be >= 1")
+    if args.num_queries < 1:
+        raise ValueError("--num-queries must be >= 1")
     with tempfile.TemporaryDirectory(prefix="fleetbatch-file-soak-") as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         src, out = work / "batch_input.jsonl", work / "results.jsonl"
         t0 = time.perf_counter()
-        write_file(src, args.num, args.seed)
-        print(f"wrote {args.num} rows ({src.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s",
+        write_file(src, args.num_queries, args.seed)
+        print(f"wrote {args.num_queries} rows ({src.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)  # fmt: skip
         with EmbeddedRedis(work / "redis", persist=False) as server:
             queue = WorkQueue(connect(server.url), retention_s=0)
@@ -104,9 +104,9 @@ def run(args) -> dict:
                 stop.set()
                 gateway.terminate()
                 gateway.wait(timeout=30)
-        checked = check_results(out, args.num)
+        checked = check_results(out, args.num_queries)
         return {
-            "rows": args.num,
+            "rows": args.num_queries,
             "file_mb": round(src.stat().st_size / 1e6, 1),
             "client_exit": client,
             "client_peak_rss_mb": round(peak_mb, 1),

@@ -32,7 +32,7 @@ FINAL = ("completed", "failed", "cancelled", "expired")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--num", type=int, default=200, help="requests in the batch")
+    p.add_argument("-n", "--num-queries", type=int, default=200, help="requests in the batch")
     p.add_argument("--dataset", default="mixed", help="dataset of ../shared/data, or 'generated'")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the workload")
     p.add_argument("--max-tokens", type=int, default=256, help="cap of each request's max_tokens")
@@ -114,10 +114,10 @@ def input_rows(items: list[WorkItem], endpoint: str) -> list[dict]:
 
 def _workload(args) -> list[WorkItem]:
     if args.dataset == "generated":
-        return generated(args.num, args.seed, args.max_tokens, True)
+        return generated(args.num_queries, args.seed, args.max_tokens, True)
     from localmodels import default_tokenizer
 
-    return from_dataset(args.dataset, args.num, args.seed, args.max_tokens, True, default_tokenizer())
+    return from_dataset(args.dataset, args.num_queries, args.seed, args.max_tokens, True, default_tokenizer())
 
 
 def _flow(
@@ -148,8 +148,8 @@ def run(args) -> dict:
         raise ValueError(
             "fleetbatch loadgen openai-check needs the openai package: pip install openai"
         ) from None
-    if args.num < 1:
-        raise ValueError("--num must be >= 1")
+    if args.num_queries < 1:
+        raise ValueError("--num-queries must be >= 1")
     for name in ("httpx", "httpx2"):  # the client logs every poll at INFO
         logging.getLogger(name).setLevel(logging.WARNING)
     items = _workload(args)

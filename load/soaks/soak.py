@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from clusterfile import dump_cluster_file
 from gateway.grpc_api.auth import TOKENS_ENV
 from gateway.grpc_api.tls import channel
 from load.client import stream_results, to_request
@@ -50,7 +51,7 @@ CLUSTERS = ("fast", "medium", "slow")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--num", type=int, default=100_000, help="queries in the soak batch")
+    p.add_argument("-n", "--num-queries", type=int, default=100_000, help="queries in the soak batch")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
     p.add_argument("--predictor", default="shipped", help="the learned predictor: shipped or a model dir")
     p.add_argument("--predictor-threads", type=int, default=1, help="torch threads for prediction")
@@ -69,9 +70,7 @@ def memory(pid: int) -> dict[str, float]:
 def start_gateway(
     redis_url: str, predictor: str, threads: int, run_dir: Path, token: str
 ) -> tuple[subprocess.Popen, str]:
-    (run_dir / "clusters.yaml").write_text(
-        "clusters:\n" + "".join(f"  - {{name: {c}, capacity_tps: 100}}\n" for c in CLUSTERS)
-    )
+    dump_cluster_file(run_dir / "clusters.yaml", [{"name": c, "capacity_tps": 100} for c in CLUSTERS])
     cmd = [
         sys.executable, "-m", "gateway.cli", "serve", "--listen", "127.0.0.1:0",
         "--clusters", str(run_dir / "clusters.yaml"), "--no-offload", "--predictor", predictor,
@@ -201,9 +200,9 @@ def predictor_qps(predictor: str, prompts: list[str], threads: int) -> float:
 
 
 def run(args) -> dict:
-    if args.num < 1:
-        raise ValueError("--num must be >= 1")
-    items = generated(args.num, args.seed, 64, forced=False)
+    if args.num_queries < 1:
+        raise ValueError("--num-queries must be >= 1")
+    items = generated(args.num_queries, args.seed, 64, forced=False)
     with tempfile.TemporaryDirectory(prefix="fleetbatch-soak-") as tmp:
         off = _one_run("heuristic", args, items, Path(tmp))
         print(f"predictor off: {off}", file=sys.stderr, flush=True)
@@ -214,7 +213,7 @@ def run(args) -> dict:
     after = predictor_qps(args.predictor, prompts, args.predictor_threads)
     bench = (before + after) / 2  # the host's load drifts: timed right before and right after the intake
     return {
-        "queries": args.num,
+        "queries": args.num_queries,
         "accepted_queries_per_s": off["accepted_queries_per_s"],
         "accepted_queries_per_s_predictor_on": on["accepted_queries_per_s"],
         "predictor_bench_queries_per_s": round(bench, 1),

@@ -13,8 +13,7 @@ import json
 import tempfile
 from pathlib import Path
 
-import yaml
-
+from clusterfile import dump_cluster_file
 from gateway.grpc_api.auth import deployment_token
 from load.client import run_batch, summarise
 from load.deployment import LocalDeployment
@@ -22,17 +21,17 @@ from load.workload import from_dataset
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", "--num", type=int, default=120, help="queries in the batch")
+    p.add_argument("-n", "--num-queries", type=int, default=150, help="queries in the batch")
     p.add_argument(
         "--dataset", default="mixed", help="dataset of ../shared/data for prompts and recorded lengths"
     )
-    p.add_argument("--max-tokens", type=int, default=96, help="cap on the forced response length")
+    p.add_argument("--max-tokens", type=int, default=128, help="cap on the forced response length")
     p.add_argument(
         "--slowdown", type=float, default=4.0, help="the slow cluster sleeps this multiple of each step"
     )
-    p.add_argument("--clusters", type=int, default=3, help="clusters in the fleet (the last one is slow)")
+    p.add_argument("--num-clusters", type=int, default=3, help="clusters in the fleet (the last one is slow)")
     p.add_argument("--backend", default="native", choices=("native", "static"), help="engine backend")
-    p.add_argument("--size", default="nano", help="random model size")
+    p.add_argument("--size", default="tiny", help="random model size")
     p.add_argument("--policy", default="token", help="assignment policy of both runs")
     p.add_argument("--seed", type=int, default=0, help="workload sampling seed")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
@@ -40,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _fleet(args, run_dir: Path) -> Path:
     clusters = []
-    for i in range(args.clusters):
-        slow = i == args.clusters - 1
+    for i in range(args.num_clusters):
+        slow = i == args.num_clusters - 1
         clusters.append(
             {
                 "name": f"c{i}" + ("-slow" if slow else ""),
@@ -51,14 +50,14 @@ def _fleet(args, run_dir: Path) -> Path:
             }
         )
     path = run_dir / "clusters.yaml"
-    path.write_text(yaml.safe_dump({"clusters": clusters}))
+    dump_cluster_file(path, clusters)
     return path
 
 
 def _one_run(args, items, offload: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="fleetbatch-bench-") as tmp:
         run_dir = Path(tmp)
-        up_args = ["--config", str(_fleet(args, run_dir)), "--policy", args.policy]
+        up_args = ["--clusters", str(_fleet(args, run_dir)), "--policy", args.policy]
         with LocalDeployment(run_dir, up_args + ([] if offload else ["--no-offload"]), args.timeout) as info:
             batch, results, wall = run_batch(
                 info["address"], items, progress=True, timeout_s=args.timeout, token=deployment_token(info)
@@ -69,7 +68,9 @@ def _one_run(args, items, offload: bool) -> dict:
 def run(args) -> dict:
     from localmodels import default_tokenizer  # lazy: transformers (loadgen starts without)
 
-    items = from_dataset(args.dataset, args.num, args.seed, args.max_tokens, True, default_tokenizer())
+    items = from_dataset(
+        args.dataset, args.num_queries, args.seed, args.max_tokens, True, default_tokenizer()
+    )
     without = _one_run(args, items, offload=False)
     with_ = _one_run(args, items, offload=True)
     return {

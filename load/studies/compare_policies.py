@@ -2,7 +2,7 @@
 
 The workload is the mixed workload of issue [2/9] (``fleetdata.datasets.load_mixed``), in
 tokens of the serving tokenizer (``localmodels.default_tokenizer``). A seeded batch of
-``--n`` queries is drawn; each query's expected response length comes from the serving
+``-n`` queries is drawn; each query's expected response length comes from the serving
 predictor (``--predictor DIR``) or, when that is absent, from a TF-IDF + ridge model on
 log length fitted here on a disjoint training split (the output JSON says which). Every
 policy assigns the batch from the *predicted* lengths; the simulation then charges each
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir", default=None, help="dataset directory (default $FLEETBATCH_DATA or ../shared/data)"
     )
-    parser.add_argument("--n", type=int, default=3000, help="queries in the batch (default 3000)")
+    parser.add_argument("-n", "--num-queries", type=int, default=3000, help="queries in the batch (default 3000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--predictor", default=None, help="trained predictor directory (predictor.serving)")
     parser.add_argument(
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capacities", default="1,2,4", help="capacities of the unequal clusters (default 1,2,4)"
     )
-    parser.add_argument("--clusters", type=int, default=3, help="number of equal clusters (default 3)")
+    parser.add_argument("--num-clusters", type=int, default=3, help="number of equal clusters (default 3)")
     parser.add_argument(
         "--small-batch", type=int, default=200, help="batch size of the small-batch imbalance figure"
     )
@@ -72,15 +72,15 @@ def _parse_capacities(text: str) -> list[float]:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if args.n < 10:
-        raise ValueError(f"--n must be at least 10, not {args.n}")
-    if args.clusters < 2:
-        raise ValueError(f"--clusters must be at least 2, not {args.clusters}")
+    if args.num_queries < 10:
+        raise ValueError(f"-n must be at least 10, not {args.num_queries}")
+    if args.num_clusters < 2:
+        raise ValueError(f"--num-clusters must be at least 2, not {args.num_clusters}")
     if args.train_max < 100:
         raise ValueError(f"--train-max must be at least 100, not {args.train_max}")
-    if args.small_batch < args.clusters:
+    if args.small_batch < args.num_clusters:
         raise ValueError(
-            f"--small-batch must be at least --clusters ({args.clusters}), not {args.small_batch}"
+            f"--small-batch must be at least --num-clusters ({args.num_clusters}), not {args.small_batch}"
         )
 
 
@@ -213,13 +213,13 @@ def run(args: argparse.Namespace) -> dict:
     if args.predictor:
         # a trained predictor has seen its train/val splits: draw the batch from its test split only
         records = [r for r in records if split_of(r.prompt) == "test"]
-    if len(records) < args.n + 100:
+    if len(records) < args.num_queries + 100:
         raise ValueError(
-            f"--n {args.n} is too large for {len(records)} records (need room for a training split)"
+            f"-n {args.num_queries} is too large for {len(records)} records (need room for a training split)"
         )
     order = np.random.default_rng(args.seed).permutation(len(records))
-    batch = [records[i] for i in order[: args.n]]
-    train = [records[i] for i in order[args.n : args.n + args.train_max]]
+    batch = [records[i] for i in order[: args.num_queries]]
+    train = [records[i] for i in order[args.num_queries : args.num_queries + args.train_max]]
     tok = default_tokenizer()
     prompts = [r.prompt for r in batch]
     prompt_tokens = [len(ids) for ids in tok(prompts, add_special_tokens=False)["input_ids"]]
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> dict:
     ]
     actual_total = [p + a for p, a in zip(prompt_tokens, actual.tolist(), strict=True)]
 
-    equal_clusters = [ClusterView(f"c{i}", 1.0) for i in range(args.clusters)]
+    equal_clusters = [ClusterView(f"c{i}", 1.0) for i in range(args.num_clusters)]
     unequal_clusters = [ClusterView(f"c{i}", c) for i, c in enumerate(caps)]
     names = [n for n in POLICY_ORDER if n in POLICIES]
     equal = {n: simulate(n, queries, actual_total, equal_clusters) for n in names}
@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "benchmark": "compare-policies",
         "workload": "mixed",
-        "n": args.n,
+        "n": args.num_queries,
         "seed": args.seed,
         "tokenizer": "localmodels.default_tokenizer",
         "predictor": predictor_desc,

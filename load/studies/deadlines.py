@@ -1,7 +1,7 @@
 """``fleetbatch loadgen deadlines``: batches with different completion windows on one fleet, earliest deadline first
 against first in, first out, the ETA's error as the batches run, and an expired batch's rows.
 
-The scenario (same fleet, workload and submission times in every run): the ``--num`` queries of the
+The scenario (same fleet, workload and submission times in every run): the ``--num-queries`` queries of the
 mixed workload (recorded lengths) are split into three batches, submitted over gRPC a few seconds
 apart, each with a completion window that is a multiple of ``T``, the whole workload's makespan on
 the fleet as the simulator predicts it from the recorded lengths:
@@ -39,8 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import yaml
-
+from clusterfile import dump_cluster_file
 from gateway.grpc_api.auth import deployment_token
 from gateway.grpc_api.tls import channel
 from load.client import result_row, to_request
@@ -60,7 +59,9 @@ Expiry = tuple[list[str], dict]  # what is wrong with the expired batch's files;
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--num", "-n", type=int, default=480, help="queries in all, split over the three batches")
+    p.add_argument(
+        "--num-queries", "-n", type=int, default=480, help="queries in all, split over the three batches"
+    )
     p.add_argument(
         "--dataset", default="mixed", help="real workload with recorded lengths ('' for the generated mix)"
     )
@@ -74,11 +75,11 @@ def add_arguments(p) -> None:
 
 def _up_args(run_dir: Path, args, order: str) -> list[str]:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "clusters.yaml").write_text(
-        yaml.safe_dump(fleet_yaml(Setup("deadlines", "token", "native", SPEEDS), args))
+    dump_cluster_file(
+        run_dir / "clusters.yaml", fleet_yaml(Setup("deadlines", "token", "native", SPEEDS), args)["clusters"]
     )
     return [
-        "--config", str(run_dir / "clusters.yaml"), "--policy", "token", "--predictor", args.predictor,
+        "--clusters", str(run_dir / "clusters.yaml"), "--policy", "token", "--predictor", args.predictor,
         "--queue-order", order, *args.gateway_arg,
     ]  # fmt: skip
 
@@ -208,8 +209,8 @@ def run_expiry(items: list[WorkItem], plan: Plan, out: Path, args, info: dict | 
 
 
 def run(args) -> dict:
-    if args.num < 6:
-        raise ValueError("--num must be >= 6 (three batches)")
+    if args.num_queries < 6:
+        raise ValueError("--num-queries must be >= 6 (three batches)")
     orders = [o.strip() for o in args.orders.split(",") if o.strip()]
     bad = [o for o in orders if o not in ("edf", "fifo")]
     if bad or not orders:

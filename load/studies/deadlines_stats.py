@@ -66,8 +66,8 @@ def _fleet(speeds, args) -> list[str]:
         args.step_cost,
         "--speeds",
         ",".join(f"{s:g}" for s in speeds),
-        "--batch",
-        str(args.batch),
+        "--max-running",
+        str(args.max_running),
     ]
 
 

@@ -1,7 +1,7 @@
 """``fleetbatch loadgen study --planned``: the planners' claim measured end to end, through the gateway.
 
 One fleet of unlike clusters (a fleet file; by default fast = 2 x A100-40G, medium = V100-32G +
-T4, slow = 2 x T4), run three times on the same workload, each a real ``fleetbatch gateway up --fleet``
+T4, slow = 2 x T4), run three times on the same workload, each a real ``fleetbatch gateway up --clusters``
 (the token policy, offloading off, engines running their plans' stages on emulated devices):
 
 * ``planned``: every cluster runs the ILP's plan;
@@ -25,9 +25,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import yaml
 from tqdm import tqdm
 
+from clusterfile import dump_cluster_file
 from load.reports.layout import mean_lengths
 from load.reports.report import build_report
 from load.reports.runrecord import write_run
@@ -44,7 +44,7 @@ def run_setup(
 ) -> dict:
     """One planned fleet through ``fleetbatch gateway up``; the run's report with its clusters' plans."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    up_args = ["--fleet", args.fleet, "--fleet-method", method, "--fleet-lengths", f"{lengths[0]},{lengths[1]}",
+    up_args = ["--clusters", args.clusters, "--fleet-method", method, "--fleet-lengths", f"{lengths[0]},{lengths[1]}",
                "--policy", "token", "--no-offload", *args.gateway_arg]  # fmt: skip
     info, (batch_id,), rows = run_deployed(run_dir, up_args, items, f"planned-{name}")
     layouts = info.get("layouts") or {}
@@ -65,7 +65,7 @@ def run_setup(
         {"name": c, "capacity_tps": p["predicted_tokens_per_s"], "backend": "native", "plan": p["plan"]}
         for c, p in planned.items()
     ]
-    (run_dir / "clusters.yaml").write_text(yaml.safe_dump({"clusters": clusters}))
+    dump_cluster_file(run_dir / "clusters.yaml", clusters)
     report = build_report(run_dir)
     report["predicted_tokens_per_s"] = round(sum(r["predicted_tokens_per_s"] for r in layouts.values()), 1)
     return report
@@ -115,5 +115,5 @@ def run_planned(args, items: list[WorkItem], sim) -> dict:
         }
         for n, r in reports.items()
     }
-    out.update(queries=len(items), fleet=args.fleet, planned_lengths=list(lengths), out=str(root))
+    out.update(queries=len(items), fleet=args.clusters, planned_lengths=list(lengths), out=str(root))
     return out

@@ -30,8 +30,7 @@ import json
 import time
 from pathlib import Path
 
-import yaml
-
+from clusterfile import dump_cluster_file
 from gateway.assign.prefixes import prefix_finder
 from gateway.grpc_api.auth import deployment_token
 from gateway.grpc_api.tls import channel
@@ -49,7 +48,7 @@ SPEEDS = (1.0, 2.0, 4.0)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--num", "-n", type=int, default=360, help="rows of the batch")
+    p.add_argument("--num-queries", "-n", type=int, default=360, help="rows of the batch")
     p.add_argument("--groups", type=int, default=24, help="few-shot blocks (prefix groups)")
     p.add_argument("--unique-share", type=float, default=0.15, help="share of rows with no shared prefix")
     p.add_argument(
@@ -78,7 +77,7 @@ def workload(args) -> tuple[list[WorkItem], dict[str, list]]:
     from localmodels import default_tokenizer
 
     lo, hi = (int(x) for x in args.prefix_words.split(","))
-    rows = shared_prefix_rows(args.num, args.groups, args.unique_share, (lo, hi), args.seed)
+    rows = shared_prefix_rows(args.num_queries, args.groups, args.unique_share, (lo, hi), args.seed)
     rows = unique_rows(rows) if args.unique else rows
     tok = default_tokenizer()
     lengths = response_lengths(rows, tok)
@@ -122,10 +121,10 @@ def heartbeats(redis_url: str) -> dict[str, dict]:
 
 def run_one(name: str, items: list[WorkItem], prefixes: dict, run_dir: Path, args) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "clusters.yaml").write_text(yaml.safe_dump(fleet(name, args)))
+    dump_cluster_file(run_dir / "clusters.yaml", fleet(name, args)["clusters"])
     (run_dir / "prefixes.json").write_text(json.dumps(prefixes))
     policy = SETUPS[name][0]
-    up = ["--config", str(run_dir / "clusters.yaml"), "--policy", policy, *args.gateway_arg]
+    up = ["--clusters", str(run_dir / "clusters.yaml"), "--policy", policy, *args.gateway_arg]
     up += ["--no-offload"] if args.no_offload else []
     with (
         LocalDeployment(run_dir / "deploy", up) as info,
@@ -170,7 +169,7 @@ def run(args) -> dict:
         prefix_words=args.prefix_words,
         max_tokens=args.max_tokens,
         kv_budget_tokens=args.kv_budget,
-        batch=args.batch,
+        batch=args.max_running,
         step_cost_ms=args.step_cost,
         offload=not args.no_offload,
         out=str(root),

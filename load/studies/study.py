@@ -32,9 +32,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from tqdm import tqdm
 
+from clusterfile import dump_cluster_file
 from engines.device import StepCost
 from load.arrivals import add_arrival_arguments, arrivals
 from load.reports.report import build_report
@@ -87,8 +87,8 @@ def fleet_yaml(s: Setup, args) -> dict:
                     "--size",
                     args.size,
                     *device_args(speed, args),
-                    "--max-batch",
-                    str(args.batch),
+                    "--max-running",
+                    str(args.max_running),
                 ],
             }
         )
@@ -97,8 +97,8 @@ def fleet_yaml(s: Setup, args) -> dict:
 
 def run_one(s: Setup, items: list[WorkItem], run_dir: Path, args, times: list[float] | None = None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "clusters.yaml").write_text(yaml.safe_dump(fleet_yaml(s, args)))
-    up_args = ["--config", str(run_dir / "clusters.yaml"), "--policy", s.policy]
+    dump_cluster_file(run_dir / "clusters.yaml", fleet_yaml(s, args)["clusters"])
+    up_args = ["--clusters", str(run_dir / "clusters.yaml"), "--policy", s.policy]
     up_args += [] if s.offload else ["--no-offload"]
     _, batch_ids, rows = run_deployed(run_dir, [*up_args, *args.gateway_arg], items, s.name, times, args.tick)
     meta = {
@@ -121,8 +121,10 @@ def workload(args) -> list[WorkItem]:
     if args.dataset:
         from localmodels import default_tokenizer
 
-        return from_dataset(args.dataset, args.num, args.seed, args.max_tokens, True, default_tokenizer())
-    return generated(args.num, args.seed, args.max_tokens, True)
+        return from_dataset(
+            args.dataset, args.num_queries, args.seed, args.max_tokens, True, default_tokenizer()
+        )
+    return generated(args.num_queries, args.seed, args.max_tokens, True)
 
 
 UNEQUAL = "token_iteration_unequal"  # its finish_spread is the study's finish_spread_unequal
@@ -171,9 +173,11 @@ def run(args) -> dict:
     root = Path(args.out)
     per_repeat = []
     all_reports: dict[str, dict] = {}
-    chosen = [s for s in setups(args.clusters) if not args.only or s.name in args.only.split(",")]
+    chosen = [s for s in setups(args.num_clusters) if not args.only or s.name in args.only.split(",")]
     if not chosen:
-        raise ValueError(f"--only names no setup; known: {', '.join(s.name for s in setups(args.clusters))}")
+        raise ValueError(
+            f"--only names no setup; known: {', '.join(s.name for s in setups(args.num_clusters))}"
+        )
     bar = tqdm(total=len(chosen) * args.repeats, desc="study", unit="run", disable=args.no_progress)
     for rep in range(args.repeats):
         reports = {}
@@ -202,8 +206,8 @@ def run(args) -> dict:
     }
     out.update(
         queries=len(items),
-        clusters=args.clusters,
-        batch=args.batch,
+        clusters=args.num_clusters,
+        batch=args.max_running,
         emulation=args.emulation,
         **(
             {"step_cost_ms": args.step_cost}
@@ -281,7 +285,7 @@ def add_fleet_arguments(p, out: str, out_help: str, batch_help: str = "engine ba
     """The options of a run on the study's cost-model fleet (``fleetbatch loadgen deadlines``, ``prefix``, ``wan``):
     engine batch, the fastest device's cost model, model size, seed, where the runs go, extra gateway
     arguments."""
-    p.add_argument("--batch", type=int, default=8, help=batch_help)
+    p.add_argument("--max-running", type=int, default=8, help=batch_help)
     p.add_argument(
         "--step-cost",
         default="15,0.2,1",
@@ -301,13 +305,13 @@ def add_fleet_arguments(p, out: str, out_help: str, batch_help: str = "engine ba
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--num", "-n", type=int, default=300, help="queries per run (MICO: 200-1000)")
+    p.add_argument("--num-queries", "-n", type=int, default=300, help="queries per run (MICO: 200-1000)")
     p.add_argument(
         "--dataset", default="mixed", help="real workload with forced lengths ('' for the generated mix)"
     )
     p.add_argument("--max-tokens", type=int, default=256, help="cap on forced response lengths")
-    p.add_argument("--clusters", type=int, default=3, help="clusters per fleet")
-    p.add_argument("--batch", type=int, default=8, help="engine batch size (MICO: 2-10)")
+    p.add_argument("--num-clusters", type=int, default=3, help="clusters per fleet")
+    p.add_argument("--max-running", type=int, default=8, help="engine batch size (MICO: 2-10)")
     p.add_argument(
         "--emulation",
         choices=("cost", "cpu"),
@@ -356,7 +360,10 @@ def add_arguments(p) -> None:
         "split at uniform bits, and the best baseline per cluster (setups planned, even, best_baseline)",
     )
     p.add_argument(
-        "--fleet", default="default", help="with --planned: the fleet file (docs/study.md), or 'default'"
+        "--clusters",
+        default="default",
+        metavar="FILE",
+        help="with --planned: the cluster file of devices per cluster, or 'default'",
     )
     add_arrival_arguments(p)
     p.add_argument(

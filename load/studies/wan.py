@@ -2,7 +2,7 @@
 
 Each one-way delay of ``--delays-ms`` (default 0, 10, 25, 50 and 100 ms: round trips of 0 to
 200 ms) is its own real ``fleetbatch gateway up`` on the cost-model devices of ``fleetbatch loadgen study``
-(``--step-cost``, three equal clusters or ``--fleet 1,2,4``, token policy, offloading off). The
+(``--step-cost``, three equal clusters or ``--step-times 1,2,4``, token policy, offloading off). The
 harness starts the embedded Redis itself and puts a latency proxy (:mod:`load.tcp_proxy`) between
 EVERY cluster's engine and it: each cluster's ``redis_url`` in ``clusters.yaml`` points at its
 own proxy, which holds every chunk ``delay + U(0, --jitter-ms)`` in each direction. The gateway
@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import yaml
 from tqdm import tqdm
 
+from clusterfile import dump_cluster_file
 from engines.device import StepCost
 from load.reports.report import build_report
 from load.reports.runrecord import write_run
@@ -64,8 +64,8 @@ def run_at(delay_ms: float, items: list[WorkItem], run_dir: Path, speeds: tuple[
             proxy = TcpProxy(redis.socket_file, up=link, down=link, seed=args.seed + i).start()
             proxies.append(proxy)
             row["redis_url"] = f"redis://{proxy.address}/0"  # the engine's Redis: across the proxy
-        (run_dir / "clusters.yaml").write_text(yaml.safe_dump(fleet))
-        up_args = ["--config", str(run_dir / "clusters.yaml"), "--policy", args.policy]
+        dump_cluster_file(run_dir / "clusters.yaml", fleet["clusters"])
+        up_args = ["--clusters", str(run_dir / "clusters.yaml"), "--policy", args.policy]
         up_args += ["--redis-url", redis.url, *([] if args.offload else ["--no-offload"]), *args.gateway_arg]
         _, batch_ids, rows = run_deployed(run_dir, up_args, items, f"wan-rtt{rtt_key(delay_ms)}")
         meta = {
@@ -94,12 +94,12 @@ def run(args) -> dict:
     if len({rtt_key(d) for d in delays}) != len(delays):
         raise ValueError(f"--delays-ms: a delay appears twice in {args.delays_ms!r}")
     parse_numbers(str(args.jitter_ms), "--jitter-ms")
-    if args.fleet:
-        speeds = tuple(parse_numbers(args.fleet, "--fleet", positive=True))
+    if args.step_times:
+        speeds = tuple(parse_numbers(args.step_times, "--step-times", positive=True))
     else:
-        if args.clusters < 1:
+        if args.num_clusters < 1:
             raise ValueError("--clusters must be >= 1")
-        speeds = (1.0,) * args.clusters
+        speeds = (1.0,) * args.num_clusters
     try:  # a bad cost model fails here, not in every engine
         StepCost.parse(args.step_cost)
     except ValueError as e:
@@ -123,7 +123,7 @@ def run(args) -> dict:
         jitter_ms=args.jitter_ms,
         queries=len(items),
         fleet=list(speeds),
-        batch=args.batch,
+        batch=args.max_running,
         policy=args.policy,
         step_cost_ms=args.step_cost,
         span="cluster: its first claim to its last finish",
@@ -168,13 +168,13 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--jitter-ms", type=float, default=0.0, help="each chunk also waits U(0, this) ms, each way"
     )
-    p.add_argument("--num", "-n", type=int, default=300, help="queries in the batch")
+    p.add_argument("--num-queries", "-n", type=int, default=300, help="queries in the batch")
     p.add_argument(
         "--dataset", default="mixed", help="real workload with forced lengths ('' for the generated mix)"
     )
     p.add_argument("--max-tokens", type=int, default=256, help="cap on forced response lengths")
-    p.add_argument("--clusters", type=int, default=3, help="equal clusters (unless --fleet)")
-    p.add_argument("--fleet", default="", help="relative step times per cluster instead, e.g. 1,2,4")
+    p.add_argument("--num-clusters", type=int, default=3, help="equal clusters (unless --step-times)")
+    p.add_argument("--step-times", default="", help="relative step times per cluster instead, e.g. 1,2,4")
     p.add_argument("--policy", default="token", help="the gateway's assignment policy")
     p.add_argument("--offload", action="store_true", help="let the offloader move work (off by default)")
     add_fleet_arguments(p, "runs/wan", "one run directory per delay, and the plot")

@@ -22,17 +22,17 @@ log = logging.getLogger("predictor")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default=None, help="model directory (default: a random model of the --quick size)"
+        "--predictor", default=None, help="model directory (default: a random model of the --quick size)"
     )
     p.add_argument("--batch-size", type=int, default=64, help="queries per forward pass (default 64)")
-    p.add_argument("-n", "--queries", type=int, default=1024, help="queries to time (default 1024)")
+    p.add_argument("-n", "--num-queries", type=int, default=1024, help="queries to time (default 1024)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up batches")
 
 
 def _random_model(args) -> store.LoadedModel:
     """A model of the ``--quick`` size with random weights (what the timing needs is its shape)."""
-    log.info("no --model: timing a random model of the --quick size")
-    prompts = [r.prompt for r in records_for(args.data, args.data_dir)]
+    log.info("no --predictor: timing a random model of the --quick size")
+    prompts = [r.prompt for r in records_for(args.dataset, args.data_dir)]
     tok = train_wordpiece(prompts[:5000], QUICK.vocab_size)
     buckets = quantile_buckets(np.arange(1, 1000), 16)
     model = build_classifier(QUICK, tok, buckets.n).to(args.device).eval()
@@ -40,18 +40,18 @@ def _random_model(args) -> store.LoadedModel:
 
 
 def run(args) -> dict:
-    if args.batch_size < 1 or args.queries < 1:
-        raise ValueError("--batch-size and --queries must be positive")
-    if args.model:
+    if args.batch_size < 1 or args.num_queries < 1:
+        raise ValueError("--batch-size and --num-queries must be positive")
+    if args.predictor:
         predictor = LengthPredictor(
-            store.load(args.model, args.device), Path(args.model), max_batch=args.batch_size
+            store.load(args.predictor, args.device), Path(args.predictor), max_batch=args.batch_size
         )
     else:
         predictor = LengthPredictor(_random_model(args), None, max_batch=args.batch_size)
-    prompts = [r.prompt for r in records_for(args.data, args.data_dir)]
+    prompts = [r.prompt for r in records_for(args.dataset, args.data_dir)]
     rng = np.random.default_rng(0)
     prompts = [
-        prompts[i] for i in rng.choice(len(prompts), size=min(args.queries, len(prompts)), replace=False)
+        prompts[i] for i in rng.choice(len(prompts), size=min(args.num_queries, len(prompts)), replace=False)
     ]
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     for bt in batches[: args.warmup]:

@@ -15,11 +15,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> dict:
-    loaded = store.load(args.model, args.device)
+    loaded = store.load(args.predictor, args.device)
     _, sp = splits(args)
     val = sp["val"]
     if not len(val):
-        raise ValueError(f"the validation split of {args.data} is empty")
+        raise ValueError(f"the validation split of {args.dataset} is empty")
     probs = loaded.predict_proba(val.prompts, 128)
     result = TrainResult()
     choose_estimate(loaded.buckets, probs, val.lengths, result)

@@ -51,13 +51,13 @@ def run(args: argparse.Namespace) -> dict:
     _, sp = splits(args)
     val = sp["val"]
     if not len(val):
-        raise ValueError(f"the validation split of {args.data} is empty")
+        raise ValueError(f"the validation split of {args.dataset} is empty")
     probs = [m.predict_proba(val.prompts, 128) for m in members]
     alone = [_val_figures(m, p, val.lengths) for m, p in zip(members, probs, strict=True)]
     buckets, result = combine(members, val, probs=np.mean(probs, axis=0))
     meta = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "data": args.data,
+        "data": args.dataset,
         "combined_from": [{"path": str(m.path), "version": m.version} for m in members],
         "torch": torch.__version__,
         "point_estimate": result.point_estimate,

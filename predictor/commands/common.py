@@ -17,9 +17,9 @@ DEFAULT_OUT = "runs/predictor"
 
 
 def data_args(p: argparse.ArgumentParser, lengths: bool = True) -> None:
-    """``--data``, ``--data-dir`` and, where response lengths are counted, ``--serving-tokenizer``."""
+    """``--dataset``, ``--data-dir`` and, where response lengths are counted, ``--served-model``."""
     p.add_argument(
-        "--data",
+        "--dataset",
         default="mixed",
         help="dataset: 'mixed' (default; alpaca_eval llama-2-7b answers, gsm8k train, code_alpaca, "
         "gpteacher roleplay and toolformer), one source name, 'alpaca_eval:<model>', or a JSONL file "
@@ -30,7 +30,7 @@ def data_args(p: argparse.ArgumentParser, lengths: bool = True) -> None:
     )
     if lengths:
         p.add_argument(
-            "--serving-tokenizer", default=None, help="model directory whose tokenizer counts response tokens"
+            "--served-model", default=None, help="model directory whose tokenizer counts response tokens"
         )
 
 
@@ -47,8 +47,8 @@ def runtime_args(p: argparse.ArgumentParser) -> None:
 
 
 def model_arg(p: argparse.ArgumentParser, what: str = "model version directory or parent") -> None:
-    """``--model`` with the default parent directory of versions."""
-    p.add_argument("--model", default=DEFAULT_OUT, help=f"{what} (default {DEFAULT_OUT})")
+    """``--predictor`` with the default parent directory of versions."""
+    p.add_argument("--predictor", default=DEFAULT_OUT, help=f"{what} (default {DEFAULT_OUT})")
 
 
 def serving_tokenizer(path: str | None):
@@ -61,15 +61,15 @@ def serving_tokenizer(path: str | None):
 
 
 def length_tokenizer(args):
-    """The ``--serving-tokenizer`` if given, else None: ``labeled.label`` then loads the default only if
+    """The ``--served-model`` if given, else None: ``labeled.label`` then loads the default only if
     some record needs its response counted (a JSONL of {prompt, length} lines, e.g. from `fleetbatch predictor
     export`, needs none)."""
-    return serving_tokenizer(args.serving_tokenizer) if args.serving_tokenizer else None
+    return serving_tokenizer(args.served_model) if args.served_model else None
 
 
 def splits(args, limit: int | None = None) -> tuple[LabeledSet, dict[str, LabeledSet]]:
-    """``--data`` labelled and split (train/val/test); ``limit`` subsamples the training split."""
-    data = load_labeled(args.data, args.data_dir, length_tokenizer(args))
+    """``--dataset`` labelled and split (train/val/test); ``limit`` subsamples the training split."""
+    data = load_labeled(args.dataset, args.data_dir, length_tokenizer(args))
     sp = split(data)
     if limit is not None:
         sp["train"] = sp["train"].sample(limit, args.seed if hasattr(args, "seed") else 0)

@@ -43,18 +43,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIRS",
         help="comma-separated further model directories with the same bucket edges: evaluate the mean "
-        "of their bucket probabilities and --model's (costs one forward pass per model at serving time)",
+        "of their bucket probabilities and --predictor's (costs one forward pass per model at serving time)",
     )
     p.add_argument("--report", default=None, help="also write the full report JSON here")
     p.add_argument("--no-baselines", action="store_true", help="skip the TF-IDF baselines")
 
 
 def run(args) -> dict:
-    loaded = store.load(args.model, args.device)
+    loaded = store.load(args.predictor, args.device)
     data, sp = splits(args)
     test = data if args.split == "all" else sp[args.split]
     if not len(test):
-        raise ValueError(f"the {args.split} split of {args.data} is empty")
+        raise ValueError(f"the {args.split} split of {args.dataset} is empty")
     train = sp["train"]
     b = loaded.buckets
     log.info(
@@ -105,7 +105,7 @@ def run(args) -> dict:
     )
     cm = confusion(b.label(test.lengths), probs.argmax(1), b.n)
     report["confusion_png"] = str(
-        plot_confusion(cm, b, plot, f"{loaded.version}: {b.scheme} buckets, {args.data} {args.split}")
+        plot_confusion(cm, b, plot, f"{loaded.version}: {b.scheme} buckets, {args.dataset} {args.split}")
     )
     report["confusion"] = cm.tolist()
     report = rounded(report)

@@ -20,9 +20,9 @@ log = logging.getLogger("predictor")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default=DEFAULT_OUT, help=f"parent directory of versions (default {DEFAULT_OUT})"
+        "--predictor", default=DEFAULT_OUT, help=f"parent directory of versions (default {DEFAULT_OUT})"
     )
-    p.add_argument("--from-redis", required=True, metavar="URL", help="Redis URL holding fb:observed")
+    p.add_argument("--redis-url", required=True, metavar="URL", help="Redis URL holding fb:observed")
     p.add_argument("--observed-limit", type=int, default=None, help="use only the newest N observations")
     p.add_argument(
         "--original",
@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--out", default=None, help="where to write the new version (default: the --model parent)")
+    p.add_argument(
+        "--out", default=None, help="where to write the new version (default: the --predictor parent)"
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -55,11 +57,11 @@ def _losses(r: TrainResult) -> dict:
 
 
 def run(args) -> dict:
-    loaded = store.load(args.model, args.device)
-    observed = read_observed(args.from_redis, args.observed_limit)
+    loaded = store.load(args.predictor, args.device)
+    observed = read_observed(args.redis_url, args.observed_limit)
     if not observed:
-        raise ValueError(f"no observed lengths in Redis at {args.from_redis}; nothing to retrain on")
-    obs = label(observed, serving_tokenizer(args.serving_tokenizer))
+        raise ValueError(f"no observed lengths in Redis at {args.redis_url}; nothing to retrain on")
+    obs = label(observed, serving_tokenizer(args.served_model))
     _, sp = splits(args)
     original = sp["train"].sample(args.original, args.seed) if args.original else None
     train_set = obs if original is None else original.concat(obs)
@@ -78,7 +80,7 @@ def run(args) -> dict:
     out = (
         Path(args.out)
         if args.out
-        else (Path(args.model).parent if store.is_version_dir(args.model) else Path(args.model))
+        else (Path(args.predictor).parent if store.is_version_dir(args.predictor) else Path(args.predictor))
     )
     vdir = save_retrained(out, loaded, retrained, len(obs), len(train_set) - len(obs))
     return {

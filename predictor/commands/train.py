@@ -219,7 +219,9 @@ def training_responses(args, train_prompts: list[str]) -> list[str]:
     Only prompts actually in the training set count, so ``--limit`` limits these too.
     """
     wanted = set(train_prompts)
-    texts = [r.response for r in records_for(args.data, args.data_dir) if r.response and r.prompt in wanted]
+    texts = [
+        r.response for r in records_for(args.dataset, args.data_dir) if r.response and r.prompt in wanted
+    ]
     log.info("MLM pre-training also reads %d training responses", len(texts))
     return texts
 
