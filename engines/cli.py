@@ -223,6 +223,7 @@ def build_parser(prog: str = "fleetbatch engine") -> argparse.ArgumentParser:
         "--data-dir", default=None, help="dataset directory (default $FLEETBATCH_DATA or ../shared/data)"
     )
     b.add_argument(
+        "-n",
         "--num-queries",
         type=int,
         default=None,

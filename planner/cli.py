@@ -72,12 +72,12 @@ def _workload(args: argparse.Namespace) -> Workload:
     else:
         raise CliError("give --output-tokens, --length-distribution or --max-output-tokens")
     with bad_input():
-        return Workload(args.batch, args.prompt_len, max(1, round(n)), args.kv_bits, args.bits, args.theta)
+        return Workload(args.batch_size, args.prompt_len, max(1, round(n)), args.kv_bits, args.bits, args.theta)
 
 
 def _add_workload(p: argparse.ArgumentParser, theta: float) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--batch", type=_positive, default=32, help="batch size B (default 32)")
+    g.add_argument("--batch-size", type=_positive, default=32, help="batch size B (default 32)")
     g.add_argument(
         "--prompt-len", type=_positive, default=512, help="prompt length s in tokens (default 512)"
     )
@@ -116,7 +116,7 @@ def _profiles(items: list[str] | None) -> dict:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     with bad_input(ClusterSpecError, ValueError):
-        cluster = load_cluster(args.cluster)
+        cluster = load_cluster(args.cluster_spec)
         shape = load_shape(args.shape)
         problem = build_problem(
             cluster,
@@ -230,7 +230,7 @@ def build_parser(prog: str = "fleetbatch planner") -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan one cluster and write plan.json")
     p.add_argument(
-        "--cluster", required=True, help="cluster spec file (YAML/JSON) or shorthand like 3xT4+V100 or 1xCPU"
+        "--cluster-spec", required=True, help="cluster spec file (YAML/JSON) or shorthand like 3xT4+V100 or 1xCPU"
     )
     p.add_argument(
         "--shape",

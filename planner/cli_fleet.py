@@ -19,16 +19,16 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     bad = [m for m in methods if m not in METHODS]
     if not methods or bad:
         raise CliError(f"--methods: choose from {', '.join(METHODS)}, not {args.methods!r}")
-    if args.kv_tokens < 1:
-        raise CliError(f"--kv-tokens must be >= 1, got {args.kv_tokens}")
+    if args.kv_budget_tokens < 1:
+        raise CliError(f"--kv-tokens must be >= 1, got {args.kv_budget_tokens}")
     with bad_input(ClusterSpecError, ValueError):
         job = FleetJob(
             fleet=load_fleet(args.clusters),
             shape=load_shape(args.shape),
             profile=Profile.load(args.profile),
-            workload=default_workload(args.batch, args.prompt_len, args.output_tokens, args.bits),
+            workload=default_workload(args.batch_size, args.prompt_len, args.output_tokens, args.bits),
             methods=methods,
-            kv_tokens=args.kv_tokens,
+            kv_tokens=args.kv_budget_tokens,
             time_limit_s=args.time_limit,
         )
         summary = plan_fleet(job, Path(args.out))
@@ -62,14 +62,14 @@ def add_fleet_parser(sub) -> None:
     )
     f.add_argument("--methods", default="ilp", help=f"comma-separated, of {', '.join(METHODS)} (default ilp)")
     f.add_argument("--out", default="plans", help="directory of the plan files (default plans)")
-    f.add_argument("--batch", type=int, default=16, help="queries of the planned workload (default 16)")
+    f.add_argument("--batch-size", type=int, default=16, help="queries of the planned workload (default 16)")
     f.add_argument("--prompt-len", type=int, default=128, help="mean prompt tokens (default 128)")
     f.add_argument("--output-tokens", type=int, default=128, help="mean response tokens (default 128)")
     f.add_argument(
         "--bits", type=_bits, default=DEFAULT_BITS, help="bit widths a layer may take (default 4,8,16)"
     )
     f.add_argument(
-        "--kv-tokens", type=int, default=16384, help="the engines' KV cache in tokens (default 16384)"
+        "--kv-budget-tokens", type=int, default=16384, help="the engines' KV cache in tokens (default 16384)"
     )
     f.add_argument(
         "--time-limit", type=float, default=6.0, help="seconds of ILP search per cluster (default 6)"

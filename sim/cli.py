@@ -63,7 +63,7 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--speeds", default="1,2,4", help="speeds of the unequal fleet, repeated (default 1,2,4)")
     p.add_argument(
-        "--kv-budget", type=int, default=16384, help="KV tokens per iteration-level engine (default 16384)"
+        "--kv-budget-tokens", type=int, default=16384, help="KV tokens per iteration-level engine (default 16384)"
     )
     p.add_argument("--max-tokens", type=int, default=256, help="response cap of the workload (default 256)")
     p.add_argument("--no-offload", action="store_true", help="turn the backoff offloader off")
@@ -78,7 +78,7 @@ def _setup(args: argparse.Namespace) -> StudySetup:
         cost = LinearCost(args.prefill_per_token, args.decode_per_seq, args.step_overhead)
     return StudySetup(
         cost=cost,
-        kv_budget_tokens=args.kv_budget,
+        kv_budget_tokens=args.kv_budget_tokens,
         offload=not args.no_offload,
         speeds=tuple(parse_speeds(args.speeds)),
         max_tokens=args.max_tokens,
@@ -103,7 +103,7 @@ def build_parser(prog: str = "fleetbatch sim") -> argparse.ArgumentParser:
         "--workload", choices=("generated", "mixed"), default="mixed", help="query source (default mixed)"
     )
     s.add_argument(
-        "--num-queries", type=_ints, default=[200, 500, 1000], help="batch lengths (default 200,500,1000)"
+        "-n", "--num-queries", type=_ints, default=[200, 500, 1000], help="batch lengths (default 200,500,1000)"
     )
     s.add_argument(
         "--batches", type=_ints, default=[2, 4, 6, 8, 10], help="engine batch sizes (default 2,4,6,8,10)"
@@ -123,7 +123,7 @@ def build_parser(prog: str = "fleetbatch sim") -> argparse.ArgumentParser:
     )
     c.add_argument("--num-clusters", type=int, default=100, help="iteration-level clusters (default 100)")
     c.add_argument(
-        "--num-queries", type=int, default=1_000_000, help="queries, all at once (default 1,000,000)"
+        "-n", "--num-queries", type=int, default=1_000_000, help="queries, all at once (default 1,000,000)"
     )
     c.add_argument("--max-running", type=int, default=8, help="engine batch size (max_running; default 8)")
     c.add_argument(

@@ -95,7 +95,7 @@ def test_a_usage_error_exits_2_and_any_other_failure_1(tmp_path, capsys):
 def test_global_options_reach_the_part_by_the_environment(tmp_path):
     """`-v --log-format json` before the part: the planner, which logs warnings only by default, logs its
     progress (INFO), as JSON lines."""
-    argv = ["-v", "--log-format", "json", "planner", "plan", "--cluster", "1xT4", "--shape", "llama:micro",
+    argv = ["-v", "--log-format", "json", "planner", "plan", "--cluster-spec", "1xT4", "--shape", "llama:micro",
             "--output-tokens", "64", "--out", str(tmp_path / "plan.json")]  # fmt: skip
     out = subprocess.run([sys.executable, "-m", "fleetbatch.cli", *argv], capture_output=True, text=True,
                          cwd=REPO, timeout=120)  # fmt: skip

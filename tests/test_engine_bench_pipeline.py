@@ -116,7 +116,7 @@ def test_engine_profile_writes_a_profile_the_planner_plans_from(tmp_path):
     plan = tmp_path / "plan.json"
     argv = [
         "plan",
-        "--cluster",
+        "--cluster-spec",
         str(spec),
         "--shape",
         "llama:nano",
@@ -125,7 +125,7 @@ def test_engine_profile_writes_a_profile_the_planner_plans_from(tmp_path):
         "--bits",
         "16",
     ]
-    argv += ["--tp-sizes", "1", "--stages", "2", "--batch", "8", "--prompt-len", "16", "--output-tokens", "8"]
+    argv += ["--tp-sizes", "1", "--stages", "2", "--batch-size", "8", "--prompt-len", "16", "--output-tokens", "8"]
     assert planner_main([*argv, "--out", str(plan), "--time-limit", "2"]) == 0
     assert len(load_plan(plan).stages) == 2  # exactly the stages asked for, though 1 or 3 could be planned
 

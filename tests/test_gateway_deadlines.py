@@ -74,7 +74,7 @@ def test_the_answer_at_submit_says_whether_the_window_fits(gateway, capsys):
     )
     wait_until(lambda: with_eta(stub, "tight"), 30, "the tight batch's ETA")
     assert (
-        main(["status", "--target", gateway[2], "--token", "-", "--batch", "tight", "--batch", "loose"]) == 0
+        main(["status", "--target", gateway[2], "--token", "-", "--batch-id", "tight", "--batch-id", "loose"]) == 0
     )
     table = capsys.readouterr().out.splitlines()
     tight_row = next(line for line in table if line.startswith("tight"))

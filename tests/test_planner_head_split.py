@@ -65,8 +65,8 @@ def _plan(tmp_path, *flags: str) -> dict:
         json.dumps({"name": "2xCPU", "nodes": [{"name": "n", "devices": [{"type": "CPU", "count": 2}]}]})
     )
     out = tmp_path / "plan.json"
-    argv = ["plan", "--cluster", str(cluster), "--shape", "llama:small", "--bits", "16", "--stages", "2"]
-    argv += ["--tp-sizes", "1", "--prefill-chunks", "1", "--batch", "16", "--prompt-len", "64"]
+    argv = ["plan", "--cluster-spec", str(cluster), "--shape", "llama:small", "--bits", "16", "--stages", "2"]
+    argv += ["--tp-sizes", "1", "--prefill-chunks", "1", "--batch-size", "16", "--prompt-len", "64"]
     argv += ["--output-tokens", "32", "--time-limit", "2", "--out", str(out), *flags]
     assert main(argv) == 0
     load_plan(out)  # valid

@@ -69,7 +69,7 @@ def test_invalid_plans_are_rejected(tmp_path, mutate, message):
 def test_cli_plan_writes_valid_plan(tmp_path, capsys):
     out = tmp_path / "plan.json"
     rc = main(
-        ["plan", "--cluster", "V100+A100", "--shape", "opt-13b", "--output-tokens", "100", "--out", str(out)]
+        ["plan", "--cluster-spec", "V100+A100", "--shape", "opt-13b", "--output-tokens", "100", "--out", str(out)]
     )
     assert rc == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -83,7 +83,7 @@ def test_cli_bad_input_exits_nonzero_with_message(tmp_path, capsys):
         main(
             [
                 "plan",
-                "--cluster",
+                "--cluster-spec",
                 "2xZ80",
                 "--shape",
                 "opt-13b",
@@ -100,7 +100,7 @@ def test_cli_bad_input_exits_nonzero_with_message(tmp_path, capsys):
         main(
             [
                 "plan",
-                "--cluster",
+                "--cluster-spec",
                 "1xT4",
                 "--shape",
                 "opt-66b",
@@ -113,7 +113,7 @@ def test_cli_bad_input_exits_nonzero_with_message(tmp_path, capsys):
         == 1
     )
     assert "no plan fits" in capsys.readouterr().err
-    assert main(["plan", "--cluster", "1xT4", "--shape", "nope", "--output-tokens", "10"]) == 1
+    assert main(["plan", "--cluster-spec", "1xT4", "--shape", "nope", "--output-tokens", "10"]) == 1
     assert "unknown model" in capsys.readouterr().err
 
 
@@ -125,7 +125,7 @@ def test_cli_length_distribution(tmp_path, capsys):
         main(
             [
                 "plan",
-                "--cluster",
+                "--cluster-spec",
                 "4xA100",
                 "--shape",
                 "opt-13b",

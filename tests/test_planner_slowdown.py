@@ -151,11 +151,11 @@ def test_cli_plan_with_slowdown_spec(tmp_path, capsys):
     prof = tmp_path / "profile.json"
     _profile().save(prof)
     out = tmp_path / "plan.json"
-    argv = ["plan", "--cluster", str(spec), "--shape", "llama:small", "--profile", f"CPU={prof}"]
+    argv = ["plan", "--cluster-spec", str(spec), "--shape", "llama:small", "--profile", f"CPU={prof}"]
     argv += [
         "--bits",
         "16",
-        "--batch",
+        "--batch-size",
         "16",
         "--prompt-len",
         "64",

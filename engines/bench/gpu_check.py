@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-dry-run", action="store_true", help="run check A's code on the CPU, tiny model")
     p.add_argument("--size", choices=("tiny", "small", "base"), help="model size (default small; tiny dry)")
-    p.add_argument("--num-queries", type=int, help="queries per timed run (default 64; 4 dry)")
+    p.add_argument("-n", "--num-queries", type=int, help="queries per timed run (default 64; 4 dry)")
     p.add_argument("--native-timeout-s", type=float, default=120.0)
     p.add_argument("--vllm-timeout-s", type=float, default=150.0)
     p.add_argument("--budget-s", type=float, default=240.0, help="both checks together, at most")

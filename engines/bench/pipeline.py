@@ -105,7 +105,7 @@ def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
     plan = workdir / "plan.json"
     _planner(
         "plan",
-        "--cluster",
+        "--cluster-spec",
         str(cluster),
         "--shape",
         model,
@@ -119,7 +119,7 @@ def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
         "1",
         "--stages",
         str(len(slowdowns)),
-        "--batch",
+        "--batch-size",
         str(args.num_queries),
         "--prompt-len",
         str(args.prompt_len),

@@ -105,7 +105,7 @@ def plan_fleet(s: FleetSettings, run_dir: Path) -> dict:
     methods = "ilp," + ",".join(BASELINES) if s.method != "ilp" else "ilp"
     cmd = [sys.executable, "-m", "planner.cli", "-v", "fleet", s.fleet, "--shape", f"{s.arch}:{s.size}",
            "--profile", str(profile), "--methods", methods, "--out", str(run_dir / "plans"),
-           "--kv-tokens", str(s.kv_tokens), "--time-limit", str(s.time_limit_s),
+           "--kv-budget-tokens", str(s.kv_tokens), "--time-limit", str(s.time_limit_s),
            "--prompt-len", str(s.prompt_len), "--output-tokens", str(s.output_tokens)]  # fmt: skip
     log_file = log_dir / "planner.log"
     start = log_file.stat().st_size if log_file.exists() else 0

@@ -8,7 +8,7 @@ written without care; every row generates its question's recorded answer length 
 
 The fleet: ``fleetbatch loadgen study``'s three unlike clusters (cost-model devices at speeds 1, 1/2, 1/4 of
 ``--step-cost``; real engines, the small random model, embedded Redis, ``fleetbatch gateway up``), each engine
-with a modest KV cache (``--kv-budget``) so that rows of many groups mixed in one queue evict each
+with a modest KV cache (``--kv-budget-tokens``) so that rows of many groups mixed in one queue evict each
 other's prefixes. Setups (``--setups``), one ``fleetbatch gateway up`` each, the same batch:
 
 * ``token``: ``--policy token``, the engines' prefix cache on (a group's rows spread over every cluster);
@@ -61,7 +61,7 @@ def add_arguments(p) -> None:
         "what prefix-aware assignment and the cache cost where nothing is shared",
     )
     p.add_argument("--max-tokens", type=int, default=128, help="cap on the recorded answer lengths")
-    p.add_argument("--kv-budget", type=int, default=4096, help="each engine's KV cache, tokens")
+    p.add_argument("--kv-budget-tokens", type=int, default=4096, help="each engine's KV cache, tokens")
     p.add_argument("--setups", default="token,prefix", help=f"comma-separated, of {', '.join(SETUPS)}")
     p.add_argument("--no-offload", action="store_true", help="run the gateways without the offloader")
     add_fleet_arguments(
@@ -104,11 +104,11 @@ def workload(args) -> tuple[list[WorkItem], dict[str, list]]:
 
 
 def fleet(name: str, args) -> dict:
-    """``fleetbatch loadgen study``'s 1:2:4 cost-model fleet, each engine with ``--kv-budget`` (and no cache for ``*_nocache``)."""
+    """``fleetbatch loadgen study``'s 1:2:4 cost-model fleet, each engine with ``--kv-budget-tokens`` (and no cache for ``*_nocache``)."""
     policy = SETUPS[name][0]
     out = fleet_yaml(Setup(name, policy, "native", SPEEDS), args)
     for c in out["clusters"]:
-        c["engine_args"] += ["--kv-budget-tokens", str(args.kv_budget)]
+        c["engine_args"] += ["--kv-budget-tokens", str(args.kv_budget_tokens)]
         c["engine_args"] += [] if SETUPS[name][1] else ["--no-prefix-cache"]
     return out
 
@@ -168,7 +168,7 @@ def run(args) -> dict:
         unique_share=args.unique_share,
         prefix_words=args.prefix_words,
         max_tokens=args.max_tokens,
-        kv_budget_tokens=args.kv_budget,
+        kv_budget_tokens=args.kv_budget_tokens,
         batch=args.max_running,
         step_cost_ms=args.step_cost,
         offload=not args.no_offload,
