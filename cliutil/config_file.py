@@ -48,8 +48,10 @@ class _Unset:
         default: Any,
         options: tuple[argparse.Action, ...],
         exempt: frozenset[str],
+        required: bool,
     ) -> None:
         self.action, self.default, self.options, self.exempt = action, default, options, exempt
+        self.required = required
 
     def __str__(self) -> str:  # what --help shows as %(default)s
         return str(self.default)
@@ -113,7 +115,8 @@ def enable_config_file(parser: argparse.ArgumentParser, env_exempt: Iterable[str
     options = _options(parser)
     exempt = frozenset(env_exempt)
     for a in options:
-        a.default = _Unset(a, a.default, options, exempt)
+        a.default = _Unset(a, a.default, options, exempt, a.required)
+        a.required = False  # it may come from the environment or the file: resolve_config checks it
 
 
 def _converted(a: argparse.Action, default: Any) -> Any:
@@ -184,6 +187,11 @@ def resolve_config(args: argparse.Namespace, environ: Mapping[str, str] | None =
             setattr(args, dest, from_env[dest])
         elif dest in from_file:
             setattr(args, dest, from_file[dest])
+        elif value.required:
+            raise ConfigFileError(
+                f"{'/'.join(value.action.option_strings)} is required: give the flag, {env_name(dest)} "
+                f"or '{dest}' in the config file"
+            )
         else:
             setattr(args, dest, _converted(value.action, value.default))
     return args

@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-arg", action="append")
     p.add_argument("--pair", type=lambda s: tuple(int(x) for x in s.split(",")), default="1,2")
     p.add_argument("--client-tokens", default=None)
+    p.add_argument("--cluster", required=True)
     enable_config_file(p, env_exempt=("client_tokens",))
     return p
 
@@ -28,6 +29,7 @@ def _args(argv, environ, tmp_path=None, text=None) -> argparse.Namespace:
     if text is not None:
         (tmp_path / "c.yaml").write_text(text)
         argv = [*argv, "--config-file", str(tmp_path / "c.yaml")]
+    environ = {"FLEETBATCH_CLUSTER": "c", **environ}
     return resolve_config(_parser().parse_args(argv), environ)
 
 
@@ -82,13 +84,26 @@ def test_bad_keys_and_values_are_refused_by_name(tmp_path, text, env, named):
         _args([], env, tmp_path, text)
 
 
+def test_a_required_option_may_come_from_the_file_or_the_environment_but_must_come(tmp_path):
+    assert _args([], {}, tmp_path, "cluster: from-file\n").cluster == "c"  # the variable is over the file
+    a = resolve_config(_parser().parse_args(["--config-file", str(tmp_path / "c.yaml")]), {})
+    assert a.cluster == "from-file"
+    with pytest.raises(ConfigFileError, match="--cluster is required: give the flag, FLEETBATCH_CLUSTER"):
+        resolve_config(_parser().parse_args([]), {})
+
+
 def test_run_main_turns_a_bad_file_into_exit_1_with_the_key_named(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text("lisen: x\n")
     code = run_main(
         _parser(), ["--config-file", str(tmp_path / "c.yaml")], lambda a: 0, prog="t", log_format=None
     )
     assert code == 1 and "lisen: unknown option" in capsys.readouterr().err
-    assert run_main(_parser(), ["--config-file", str(tmp_path / "none.yaml")], lambda a: 0, prog="t") == 1
+    assert (
+        run_main(
+            _parser(), ["--config-file", str(tmp_path / "none.yaml"), "--cluster", "c"], lambda a: 0, prog="t"
+        )
+        == 1
+    )
     assert "not found" in capsys.readouterr().err
 
 
