@@ -99,12 +99,13 @@ def _k8s_env(container: dict, values: dict[str, str]) -> dict[str, str]:
 def test_the_gateway_manifest_renders_to_an_authenticated_gateway_with_reachable_metrics(tmp_path):
     """Finding 7 and 10: the gRPC API needs client tokens from a Secret, metrics bind every address
     (the scrape of :9100 comes from outside the pod), and Redis' URL carries a password from a Secret."""
+    from cliutil.config_file import resolve_config
     from gateway.cli import build_parser
     from gateway.config import GatewayConfig
 
     path = K8S / "base" / "gateway.yaml"
     container = _container(path)
-    args = build_parser().parse_args(container["args"])
+    args = resolve_config(build_parser().parse_args(container["args"]), {})
     config = GatewayConfig.from_args(args, redis_url="r", admin_token="t", clusters=[])
     assert (config.metrics_host, config.metrics_port) == ("0.0.0.0", 9100)
     assert not args.no_auth

@@ -115,7 +115,7 @@ def test_vllm_engine_generates_forced_lengths(tmp_path):
     model = build_model("llama", "tiny", tokenizer=tok)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    engine = VLLMEngine.from_args(SimpleNamespace(model=str(tmp_path), plan=None, max_batch=8))
+    engine = VLLMEngine.from_args(SimpleNamespace(served_model=str(tmp_path), plan=None, max_running=8))
     for i, n in enumerate([3, 9, 5]):
         engine.add_request(Request(f"r{i}", "hello world", SamplingParams(max_tokens=20, forced_length=n)))
     done = {}
@@ -130,7 +130,7 @@ def test_vllm_engine_arguments_turn_prefix_caching_on_unless_told_not_to():
 
     from engines.vllm_backend import engine_kwargs
 
-    args = argparse.Namespace(plan=None, model="/models/m", max_batch=32, prefix_cache=True)
+    args = argparse.Namespace(plan=None, served_model="/models/m", max_running=32, prefix_cache=True)
     assert engine_kwargs(args) == {"model": "/models/m", "max_num_seqs": 32, "enable_prefix_caching": True}
     args.prefix_cache = False
     assert engine_kwargs(args)["enable_prefix_caching"] is False

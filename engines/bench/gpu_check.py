@@ -139,7 +139,7 @@ def run_checks(info: dict[str, Any], args) -> dict[str, Any]:
     from engines.bench.gpu_check_setup import DRY_RUN, Workload, prepare
 
     w = DRY_RUN if args.cpu_dry_run else Workload()
-    w = replace(w, **{k: v for k, v in (("size", args.size), ("queries", args.queries)) if v})
+    w = replace(w, **{k: v for k, v in (("size", args.size), ("queries", args.num_queries)) if v})
     device = "cpu" if args.cpu_dry_run else "cuda"
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fleetbatch-gpu-check-") as tmp:
