@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from load.studies.study import sim_ratios
-from localmodels.paths import CACHE_ENV
+from localmodels.paths import CACHE_ENV, cache_dir
 from sim.costs import LinearCost
 from sim.validate import validate
 from tests.harness import REPO
@@ -55,9 +56,11 @@ def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path, capsys)
 
 
 def test_the_planned_study_runs_a_planned_fleet_through_the_gateway(tmp_path):
-    """`fleetbatch loadgen study --planned`: each setup is a real `fleetbatch gateway up --fleet` whose engines run their
-    plans' stages on emulated devices; the run directory keeps the plans and draws the layout. (One
-    setup here, for time: the baselines' plans are checked in tests/test_planner_fleet.py.)"""
+    """`fleetbatch loadgen study --planned`: each setup is a real `fleetbatch gateway up --clusters` whose engines run
+    their plans' stages on emulated devices; the run directory keeps the plans and draws the layout. (One
+    setup here, for time: the baselines' plans are checked in tests/test_planner_fleet.py.) The cache has no
+    profile of this CPU, so the run profiles it (the step a fresh machine once failed); the tokenizers are
+    copied in, for time (tests/test_demo.py starts from a wholly empty cache)."""
     out = tmp_path / "planned"
     fleet = tmp_path / "fleet.yaml"  # two clusters of unlike devices: fewer processes than the default's
     fleet.write_text(
@@ -67,7 +70,9 @@ def test_the_planned_study_runs_a_planned_fleet_through_the_gateway(tmp_path):
     cmd = [sys.executable, "-m", "load.cli", "study", "--planned", "--clusters", str(fleet), "-n", "16",
            "--max-tokens", "24", "--only", "planned", "--out", str(out), "--no-progress", "--no-scale",
            "--gateway-arg=--predictor", "--gateway-arg=heuristic"]  # fmt: skip
-    cache = tmp_path / "empty-cache"  # a fresh machine: this CPU is profiled during the run
+    cache = tmp_path / "cache-without-profiles"  # a fresh machine: this CPU is profiled during the run
+    for tokenizer in cache_dir().glob("tokenizer-*"):
+        shutil.copytree(tokenizer, cache / tokenizer.name)
     env = {**os.environ, CACHE_ENV: str(cache)}
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
