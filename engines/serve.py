@@ -99,10 +99,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="emulate a device by a cost model instead: each step lasts what its forward passes cost, "
         "OVERHEAD ms per pass + PREFILL ms per prompt token + DECODE ms per decoded query (e.g. 8,0.05,0.5), "
         "divided by --device-speed; the same charge for the static and native backends "
-        "(docs/study.md). 'plan' (native backend, with --plan): every stage of the plan makes each "
+        "(docs/design/study.md). 'plan' (native backend, with --plan): every stage of the plan makes each "
         "micro-batch last what its plan device's cost model charges for its layers at their bits, the "
         "micro-batch's prompt chunks and decode contexts and its share of the LM head; every device "
-        "of the plan must carry a 'cost' (docs/engine.md). Either way a step (micro-batch) whose "
+        "of the plan must carry a 'cost' (docs/design/engine.md). Either way a step (micro-batch) whose "
         "compute takes longer lasts its compute and is counted as an overrun",
     )
     p.add_argument(

@@ -48,7 +48,7 @@ class StageWatch:
     """A daemon thread polling the stage processes: the first that dies is named in ``failure`` and the
     others are killed (which unblocks the driver's pending receive). It holds the processes, never the
     runner: a runner freed by this thread while the interpreter exits aborted the process (the posted
-    receives' destructor takes the GIL in a thread that finalization ends; see docs/engine.md)."""
+    receives' destructor takes the GIL in a thread that finalization ends; see docs/design/engine.md)."""
 
     def __init__(self, names: list[str], procs: list, poll_s: float = 0.2) -> None:
         self.failure: str | None = None

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
+from fleetbatch import reference_schemas
 from fleetbatch.cli import PARTS, part_parser, top_parser
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -366,6 +367,9 @@ PAGES: dict[str, Callable[[], str]] = {
     "reference/grpc.md": grpc_page,
     "reference/metrics.md": metrics_page,
     "reference/http.md": http_page,
+    "reference/vocabulary.md": reference_schemas.vocabulary_page,
+    "reference/cluster-file.md": reference_schemas.cluster_file_page,
+    "reference/config-file.md": reference_schemas.config_file_page,
 }
 
 

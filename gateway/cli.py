@@ -44,7 +44,10 @@ def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
         help="Redis URL (default: $FLEETBATCH_REDIS_URL, else an embedded server)",
     )
     s.add_argument(
-        "--clusters", default=None, help="clusters.yaml: name, capacity_tps, plan, backend per cluster"
+        "--clusters",
+        default=None,
+        metavar="FILE",
+        help="the cluster file: each cluster's name, capacity or devices, backend, plan (docs/reference/cluster-file.md)",
     )
     s.add_argument(
         "--client-tokens", help=f"file of CLIENT:TOKEN lines, client tokens (default: ${TOKENS_ENV})"

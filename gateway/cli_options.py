@@ -36,7 +36,10 @@ def add_common(s: argparse.ArgumentParser) -> None:
         "with fleetbatch) or 'heuristic' (prompt-length heuristic)",
     )
     s.add_argument(
-        "--served-model", default=None, help="serving model directory whose tokenizer counts prompt tokens"
+        "--served-model",
+        metavar="DIR",
+        default=None,
+        help="the served model's directory (Hugging Face): its tokenizer counts prompt tokens",
     )
     s.add_argument("--predictor-threads", type=int, default=1, help="torch threads for length prediction")
     s.add_argument("--admin-token", default=None, help=f"admin API token (default: ${TOKEN_ENV})")
@@ -58,7 +61,7 @@ def add_common(s: argparse.ArgumentParser) -> None:
         choices=("edf", "fifo"),
         default="edf",
         help="order of work across batches in every queue: earliest deadline first (default) or first in, "
-        "first out (docs/deadlines.md)",
+        "first out (docs/design/deadlines.md)",
     )
     s.add_argument(
         "--priority-step-s",

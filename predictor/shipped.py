@@ -12,7 +12,7 @@ DistilBERT members keep only the position embeddings their prompt length reaches
 ``fleetbatch gateway up`` (and ``fleetbatch loadgen demo``, which starts it) use it unless ``--predictor`` says
 otherwise: :func:`choose` maps ``shipped`` to this directory and ``heuristic`` to no model.
 
-Rebuild it (the commands are in ``docs/predictor.md``)::
+Rebuild it (the commands are in ``docs/design/predictor.md``)::
 
     fleetbatch predictor train --threads 1 --max-minutes 20 --out /tmp/pred_ship/model
     python -m predictor.shipped export --from /tmp/pred_ship/model

@@ -1,5 +1,5 @@
 """Mixed-precision weight-only quantization, exact memory accounting, sensitivity indicator and
-KV-cache quantization for fleetbatch (see ``docs/quant.md``)."""
+KV-cache quantization for fleetbatch (see ``docs/design/quant.md``)."""
 
 from quant.accounting import (
     decoder_layer_weight_bytes,

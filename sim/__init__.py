@@ -20,5 +20,5 @@ Modules: :mod:`sim.costs` (step times), :mod:`sim.workload` (queries and arrival
 :mod:`sim.engines` (simulated engines around the real scheduler), :mod:`sim.pipelined` (a planned
 cluster: the plan's pipeline stages on their devices' cost models), :mod:`sim.core` (the event
 loop), :mod:`sim.study` (MICO's four combinations, the cluster sweep, the scale run) and
-:mod:`sim.cli` (the ``fleetsim`` command: ``fleetbatch sim study|scale``; ``python -m sim.cli`` too). See ``docs/sim.md``.
+:mod:`sim.cli` (the ``fleetsim`` command: ``fleetbatch sim study|scale``; ``python -m sim.cli`` too). See ``docs/design/sim.md``.
 """

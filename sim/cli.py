@@ -1,6 +1,6 @@
 """``fleetbatch sim study|scale|validate|deadlines`` (or ``python -m sim.cli``): MICO's study and the scale run in cost-model time.
 
-The last line of the output is one JSON object (see ``docs/sim.md``).
+The last line of the output is one JSON object (see ``docs/design/sim.md``).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ One engine step that computes ``p`` prefill tokens and decodes ``d`` sequences t
 
 seconds. ``speed`` is the cluster's speed factor (1:2:4 fleets). The model has no context-length
 term on purpose: a step's time then does not change while a batch decodes, so the simulator can
-advance many identical decode steps at once (``docs/sim.md``). :meth:`LinearCost.from_profile`
+advance many identical decode steps at once (``docs/design/sim.md``). :meth:`LinearCost.from_profile`
 linearises a fleetbatch planner profile (``fleetbatch planner profile`` / ``fleetbatch engine profile`` output, the LLM-PQ forms of
-``docs/planner.md``) at a reference prompt length and context.
+``docs/design/planner.md``) at a reference prompt length and context.
 """
 
 from __future__ import annotations

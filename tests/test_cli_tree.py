@@ -129,3 +129,15 @@ def test_a_negative_http_port_turns_the_http_front_off_for_serve_and_up_alike(co
     on = GatewayConfig.from_args(resolve_config(build_parser().parse_args([command, "--http-port", "0"]), {}), redis_url="redis://unused",
                                  admin_token="", clusters=[])  # fmt: skip
     assert on.http_port == 0
+
+
+def test_every_docs_page_the_code_names_exists():
+    """Help texts and docstrings point at docs pages; a page that moved leaves them pointing nowhere."""
+    missing = []
+    for path in sorted(REPO.glob("*/**/*.py")):
+        if ".venv" in path.parts or "site-packages" in path.parts:
+            continue
+        for page in set(re.findall(r"\bdocs/[\w/.-]+?\.(?:md|png)\b", path.read_text(errors="replace"))):
+            if not (REPO / page).exists():
+                missing.append(f"{path.relative_to(REPO)}: {page}")
+    assert not missing, missing

@@ -1,5 +1,5 @@
 """What an assignment costs each cluster: tokens per cluster, expected finish times, and the prefix-aware
-charge (a prefix group's shared prompt counted once per cluster that runs it, ``docs/assign.md``).
+charge (a prefix group's shared prompt counted once per cluster that runs it, ``docs/design/assign.md``).
 
 Pure module: no Redis, no gRPC, no torch.
 """

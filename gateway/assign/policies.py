@@ -19,7 +19,7 @@ Every policy is memory aware: a query goes only where it fits (``max_query_token
 ``kv_budget_tokens``). The token policies also prefer clusters whose KV budget can run at
 least ``min_concurrency`` queries of that length at once, so long queries are not piled on
 a cluster with little KV memory. Largest-deficit-first over a descending sort keeps every
-cluster within one query of its target (see ``docs/assign.md``). Cost: O(n log n + n log k).
+cluster within one query of its target (see ``docs/design/assign.md``). Cost: O(n log n + n log k).
 
 Pure module: no Redis, no gRPC, no torch.
 """
@@ -239,7 +239,7 @@ def queue_order(policy: AssignmentPolicy, queries: Sequence[QueryLoad]) -> list[
     Longest-first is the classic rule for an even finish on machines that take work as they free
     up (LPT): long queries start early, and what is left in a queue at the end is short. That short
     tail is also what the offloader moves from a busy cluster to an idle one: cheap moves that even
-    out the finish (``docs/assign.md``)."""
+    out the finish (``docs/design/assign.md``)."""
     own = getattr(policy, "queue_order", None)  # a policy with its own order (the prefix policy's groups)
     if own is not None:
         return own(queries)

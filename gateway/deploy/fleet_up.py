@@ -12,7 +12,7 @@ medium = V100-32G + T4, slow = 2 x T4):
    per-layer bits and micro-batch sizes, each stage lasting what its device takes; the cluster's
    capacity hint is the plan's predicted tokens/s (the gateway corrects it by measurement).
 
-The gateway does not import the planner (docs/layers.md): it runs the two commands and reads
+The gateway does not import the planner (docs/design/layers.md): it runs the two commands and reads
 their JSON. ``--fleet-method`` picks the plan each cluster runs: ``ilp`` (the planner), a
 baseline (``uniform``: even split, one bit width that fits; ``het``), or ``best-baseline`` (per
 cluster the baseline the planner's model rates faster).

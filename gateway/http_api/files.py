@@ -6,7 +6,7 @@ back), ``delete`` and ``files`` (every file object, for ``GET /v1/files``). :cla
 file object), written to a temporary name and renamed, so a reader never sees half a file and
 a gateway that dies mid-write leaves nothing under the id. Every gateway of a deployment must
 see the same store (one directory on shared storage, or an object store: see
-``docs/gateway.md``).
+``docs/design/gateway.md``).
 """
 
 from __future__ import annotations

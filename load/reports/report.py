@@ -232,7 +232,7 @@ def format_report(r: dict) -> str:
 def add_arguments(p) -> None:
     p.add_argument(
         "run",
-        help="run directory (written by `fleetbatch loadgen study`, or by `fleetbatch loadgen submit --run-dir`)",
+        help="run directory (written by `fleetbatch loadgen study`, `wan`, `deadlines` or `prefix`)",
     )
     p.add_argument("--no-plots", action="store_true", help="figures only, no PNGs")
 

@@ -26,7 +26,7 @@ finished within their window), ``missed_by_edf_met_by_fifo`` (should be empty), 
 of the batch's predicted tokens were done), ``expired_rows_correct`` (every row of the expired batch
 exactly once, in the output or the error file, the unfinished ones as ``batch_expired``), and the
 simulator's replay of each run: ``sim_deadlines_met_edf``/``_fifo`` and ``sim_finish_error`` (the mean
-|simulated - actual| / actual finish of the batches, from submission). See docs/deadlines.md.
+|simulated - actual| / actual finish of the batches, from submission). See docs/design/deadlines.md.
 """
 
 from __future__ import annotations

@@ -318,7 +318,7 @@ def add_arguments(p) -> None:
         default="cost",
         help="how engines emulate their devices: 'cost' (default): each step lasts what --step-cost "
         "charges for its forward passes, the same for both backends; 'cpu': (1 + --base-slowdown) x the "
-        "step's own CPU time (docs/study.md)",
+        "step's own CPU time (docs/design/study.md)",
     )
     p.add_argument(
         "--step-cost",

@@ -18,7 +18,7 @@ way, over the one at 0 ms), ``utilization_at_100ms`` (mean device-busy fraction 
 over the one at 0 ms) and ``redis_round_trips_per_step``; ratios need a 0 ms and a 50 ms run
 and are null otherwise. ``utilization_vs_rtt.png`` in ``--out`` plots each cluster's busy
 fraction and the makespan ratio against RTT; each run's directory (``--out/rttNms``) is one
-that ``fleetbatch loadgen report`` reads. See docs/wan.md.
+that ``fleetbatch loadgen report`` reads. See docs/design/wan.md.
 """
 
 from __future__ import annotations

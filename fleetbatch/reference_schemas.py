@@ -1,0 +1,144 @@
+"""The reference pages made from the schemas: the vocabulary, the cluster file, the config files.
+
+Each function returns one page's Markdown; :data:`fleetbatch.reference.PAGES` lists them. The cluster file's
+fields come from :mod:`clusterfile`'s pydantic models, the config files' keys from the model
+:func:`cliutil.options_model` builds from each command's own parser, so the pages say what the code accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+from cliutil import env_name, options_model
+from clusterfile import CLUSTER_FILE_VERSION, Cluster, ClusterFile, Emulation
+from fleetbatch.cli import part_parser
+from fleetbatch.vocabulary import RETIRED, SHORT, VOCABULARY
+
+#: the commands that take ``--config-file``
+CONFIG_COMMANDS = (("gateway", "serve"), ("engine", "serve"))
+
+CLUSTER_EXAMPLE = f"""```yaml
+version: {CLUSTER_FILE_VERSION}
+clusters:
+  - name: fast                     # planned and emulated by `fleetbatch gateway up`
+    devices: [A100-40G, A100-40G]
+  - name: aws-a100                 # engines you run, with a capacity hint and their plan
+    capacity_tps: 3082
+    backend: vllm
+    plan: plans/aws-a100.json
+emulation:                         # optional: how `gateway up` emulates devices on this CPU
+  time_scale: 32
+  reference: opt-30b
+```"""
+
+
+def _header(title: str, source: str, intro: str) -> str:
+    note = f"<!-- Generated from {source} by `python -m fleetbatch.reference`: do not edit by hand. -->"
+    return f"{note}\n\n# {title}\n\n{intro}\n\n"
+
+
+def _cell(text: Any) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _type(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "").replace("NoneType", "None")
+    for noise in ("Annotated[", "<class '", "'>", "clusterfile.schema."):
+        text = text.replace(noise, "")
+    return text.split(", FieldInfo")[0].split(", Strict")[0].split(", Ge")[0].split(", Gt")[0]
+
+
+def _fields(model: type[BaseModel]) -> str:
+    rows = []
+    for name, f in model.model_fields.items():
+        required = f.is_required()
+        value = None if required else f.get_default(call_default_factory=True)
+        default = "required" if required else "(below)" if isinstance(value, BaseModel) else repr(value)
+        rows.append((f"`{name}`", f"`{_type(f.annotation)}`", default, f.description or ""))
+    return _table(("field", "type", "default", "meaning"), rows)
+
+
+def vocabulary_page() -> str:
+    out = _header(
+        "Vocabulary",
+        "fleetbatch/vocabulary.py",
+        "One flag per concept across every `fleetbatch` command: a flag means the same wherever it appears. "
+        "A test walks the whole `--help` tree against this table and every command the docs show.",
+    )
+    out += _table(
+        ("flag", "meaning"), ((f"`{flag}`", meaning) for flag, meaning in sorted(VOCABULARY.items()))
+    )
+    out += "\n## Short options\n\n"
+    out += _table(("short", "long"), ((f"`{s}`", f"`{long}`") for s, long in sorted(SHORT.items())))
+    out += "\n## Renamed flags\n\nThese names are gone; use the one on the right.\n\n"
+    out += _table(("old", "now"), ((f"`{old}`", new) for old, new in sorted(RETIRED.items())))
+    return out
+
+
+def cluster_file_page() -> str:
+    out = _header(
+        "Cluster file",
+        "clusterfile/schema.py",
+        "One file describes a fleet for every command that reads one: `fleetbatch gateway serve --clusters`, "
+        "`fleetbatch gateway up --clusters` (which plans the clusters that name devices and starts the others "
+        "as the file says) and `fleetbatch planner fleet`. YAML, or JSON by its suffix. A field the schema does "
+        "not know is refused by name, as is a bad value.",
+    )
+    out += CLUSTER_EXAMPLE + "\n\n"
+    out += f"## The file (version {CLUSTER_FILE_VERSION})\n\n" + _fields(ClusterFile)
+    out += "\n## A cluster\n\n" + _fields(Cluster)
+    out += (
+        "\nThe fields marked *reserved* are declared and validated now, for work that reads them later; "
+        "the gateway logs a warning that they are not used yet.\n"
+    )
+    out += "\n## Emulation\n\n" + _fields(Emulation)
+    return out
+
+
+def _config_rows(parser: argparse.ArgumentParser) -> Iterable[tuple[str, ...]]:
+    model = options_model(parser, "Options")
+    flags = {a.dest: a for a in parser._actions if a.option_strings}
+    for name, f in model.model_fields.items():
+        a = flags[name]
+        env = env_name(name) if name != "client_tokens" else "(none: the variable is the token table itself)"
+        yield (
+            f"`{name}`",
+            f"`{a.option_strings[-1]}`",
+            f"`{env}`",
+            f"`{_type(f.annotation)}`",
+            f.description or "",
+        )
+
+
+def config_file_page() -> str:
+    out = _header(
+        "Config files",
+        "each command's parser, through cliutil.config_file",
+        "`fleetbatch gateway serve` and `fleetbatch engine serve` read every option from a YAML file "
+        "(`--config-file FILE`, or `$FLEETBATCH_CONFIG_FILE`) and from `FLEETBATCH_<OPTION>` environment "
+        "variables. Each option resolves from its flag first, then its variable, then the file, then its "
+        "default. A key the command does not know, or a value of the wrong type, is refused by name.",
+    )
+    out += "```yaml\n# gateway.yaml: fleetbatch gateway serve --config-file gateway.yaml\n"
+    out += "listen: 0.0.0.0:50051\nredis_url: redis://redis:6379/0\nclusters: clusters.yaml\nmetrics_port: 9100\n```\n"
+    for part, command in CONFIG_COMMANDS:
+        parser = next(
+            sub
+            for a in part_parser(part)._actions
+            if isinstance(a, argparse._SubParsersAction)
+            for name, sub in a.choices.items()
+            if name == command
+        )
+        out += f"\n## `fleetbatch {part} {command}`\n\n"
+        out += _table(("key", "flag", "variable", "type", "meaning"), _config_rows(parser))
+    return out
