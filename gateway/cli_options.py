@@ -39,7 +39,8 @@ def add_common(s: argparse.ArgumentParser) -> None:
         "--served-model",
         metavar="DIR",
         default=None,
-        help="the served model's directory (Hugging Face): its tokenizer counts prompt tokens",
+        help="the served model's directory (Hugging Face): its tokenizer counts prompt tokens (and with "
+        "`gateway up --num-clusters`, the engines load it)",
     )
     s.add_argument("--predictor-threads", type=int, default=1, help="torch threads for length prediction")
     s.add_argument("--admin-token", default=None, help=f"admin API token (default: ${TOKEN_ENV})")

@@ -87,3 +87,14 @@ def test_a_bad_fleet_file_stops_gateway_up_before_anything_starts(tmp_path):
     assert out.returncode != 0
     assert "unknown device type 'H9000'" in out.stderr and "fleetbatch planner fleet" in out.stderr
     assert not (run / "redis").exists() and not (run / "gateway.json").exists()  # nothing was started
+
+
+def test_the_quick_fleet_serves_the_served_model_when_one_is_given():
+    from gateway.deploy.up import default_clusters
+
+    random = default_clusters(2, "native", "nano")
+    assert [c.engine_args[:2] for c in random] == [["--size", "nano"]] * 2
+    served = default_clusters(2, "native", "nano", "/models/m")
+    assert all(
+        c.engine_args[:2] == ["--served-model", "/models/m"] and "--size" not in c.engine_args for c in served
+    )

@@ -42,7 +42,10 @@ log = logging.getLogger(__name__)
 DEFAULT_FLEET = (("fast", 0.0, 400.0), ("medium", 1.0, 200.0), ("slow", 3.0, 100.0))
 
 
-def default_clusters(n: int, backend: str, size: str) -> list[ClusterSpec]:
+def default_clusters(n: int, backend: str, size: str, served_model: str | None = None) -> list[ClusterSpec]:
+    """The quick unplanned fleet: ``n`` one-process engines of a random model of ``size``, or of
+    ``served_model`` (a local Hugging Face directory) when it is given."""
+    model = ["--served-model", served_model] if served_model else ["--size", size]
     specs = []
     for i in range(n):
         name, slowdown, hint = DEFAULT_FLEET[i % len(DEFAULT_FLEET)]
@@ -53,7 +56,7 @@ def default_clusters(n: int, backend: str, size: str) -> list[ClusterSpec]:
                 name=name,
                 capacity_tps=hint,
                 backend=backend,
-                engine_args=["--size", size, "--slowdown", str(slowdown)],
+                engine_args=[*model, "--slowdown", str(slowdown)],
             )
         )
     return specs
@@ -68,7 +71,7 @@ def cluster_specs(args, run_dir: Path) -> tuple[list[ClusterSpec], dict[str, dic
             raise ValueError("--num-clusters starts the quick unplanned fleet; leave out --clusters")
         if args.num_clusters < 1:
             raise ValueError(f"--num-clusters must be >= 1, not {args.num_clusters}")
-        return default_clusters(args.num_clusters, args.backend, args.size or "nano"), {}
+        return default_clusters(args.num_clusters, args.backend, args.size or "nano", args.served_model), {}
     if args.clusters != "default":
         doc = load_cluster_file(args.clusters)
         if not doc.planned:
