@@ -58,6 +58,11 @@ class _Unset:
 
     __repr__ = __str__
 
+    def __copy__(self) -> list:
+        """A repeatable option's flags start a new list: argparse's append action copies the default
+        before adding to it, and flags replace the environment's and the file's list, whole."""
+        return []
+
 
 def env_name(dest: str) -> str:
     """The environment variable of an option: ``FLEETBATCH_`` + its name in capitals."""

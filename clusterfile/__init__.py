@@ -3,13 +3,14 @@
 One file describes a fleet for every command that reads one: ``fleetbatch gateway serve --clusters``,
 ``fleetbatch gateway up --clusters`` (which plans the clusters that name devices) and
 ``fleetbatch planner fleet``. :mod:`clusterfile.schema` holds the schema (pydantic), with room declared
-for what later work adds (``served_model``, ``endpoints``, ``price_per_hour``, ``market``);
+for what later work adds (``price_per_hour``, ``market``);
 :func:`load_cluster_file` reads and validates a file, :func:`dump_cluster_file` writes one. This package
 imports nothing of the project.
 """
 
 from clusterfile.schema import (
     CLUSTER_FILE_VERSION,
+    ENDPOINT_BACKEND,
     NAME_PATTERN,
     BackendName,
     Cluster,
@@ -17,12 +18,14 @@ from clusterfile.schema import (
     ClusterFileError,
     Emulation,
     dump_cluster_file,
+    endpoint_base,
     load_cluster_file,
     parse_cluster_file,
 )
 
 __all__ = [
     "CLUSTER_FILE_VERSION",
+    "ENDPOINT_BACKEND",
     "NAME_PATTERN",
     "BackendName",
     "Cluster",
@@ -30,6 +33,7 @@ __all__ = [
     "ClusterFileError",
     "Emulation",
     "dump_cluster_file",
+    "endpoint_base",
     "load_cluster_file",
     "parse_cluster_file",
 ]

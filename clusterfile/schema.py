@@ -10,6 +10,10 @@ A cluster file::
         capacity_tps: 3082              # or a capacity hint, corrected by the engines' heartbeats
         backend: vllm
         plan: plans/aws-a100.json
+      - name: ours
+        backend: endpoint               # inference servers the user already runs (OpenAI-compatible)
+        endpoints: [http://gpu-a:8000/v1, http://gpu-b:8000/v1]
+        served_model: meta-llama/Llama-3.1-8B-Instruct
     emulation:                          # optional: how `gateway up` emulates devices on this CPU
       time_scale: 32
       reference: opt-30b
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -30,7 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 CLUSTER_FILE_VERSION = 1
 #: cluster names (and every other id that becomes part of a Redis key): 1-128 of these characters
 NAME_PATTERN = r"[A-Za-z0-9_.\-]{1,128}"
-BackendName = Literal["native", "static", "vllm"]
+BackendName = Literal["native", "static", "vllm", "endpoint"]
+#: the backend that sends queries to the cluster's ``endpoints`` (servers it does not run itself)
+ENDPOINT_BACKEND = "endpoint"
 
 Count = Annotated[int, Field(ge=0, strict=True)]
 Amount = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
@@ -74,13 +81,17 @@ class Cluster(_Strict):
     engine_args: list[str] = Field(
         default_factory=list, description="extra `fleetbatch engine serve` flags (for `gateway up`)"
     )
-    # declared now; read by later work
     served_model: str | None = Field(
-        None, description="reserved: the model this cluster serves (a local Hugging Face directory)"
+        None,
+        description="the model this cluster serves: a local Hugging Face directory, or with the endpoint "
+        "backend the model's name at its endpoints (default: the one their /v1/models lists)",
     )
     endpoints: list[str] = Field(
-        default_factory=list, description="reserved: the inference servers (URLs) this cluster runs"
+        default_factory=list,
+        description="the endpoint backend's OpenAI-compatible inference servers, as base URLs "
+        "(http://host:port/v1; /v1 is added when missing)",
     )
+    # declared now; read by later work
     price_per_hour: Amount | None = Field(None, description="reserved: what the cluster costs per hour")
     market: Literal["on-demand", "spot"] = Field(
         "on-demand", description="reserved: on-demand or spot (may be taken away)"
@@ -93,13 +104,31 @@ class Cluster(_Strict):
             raise ValueError("entries must not be empty")
         return value
 
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        return [endpoint_base(url) for url in value]
+
+    @model_validator(mode="after")
+    def _endpoints_need_their_backend(self) -> Cluster:
+        if self.backend == ENDPOINT_BACKEND:
+            if not self.endpoints:
+                raise ValueError("the endpoint backend needs 'endpoints' (the servers' URLs)")
+            if self.devices or self.plan:
+                raise ValueError(
+                    "the endpoint backend's servers are not planned: leave out 'devices' and 'plan'"
+                )
+        elif self.endpoints:
+            raise ValueError(f"'endpoints' are for 'backend: {ENDPOINT_BACKEND}', not {self.backend}")
+        return self
+
     def __init__(self, name: str | None = None, /, **fields: Any) -> None:
         """``Cluster("a", capacity_tps=100)``: the name may come first, unnamed."""
         super().__init__(**({"name": name} if name is not None else {}), **fields)
 
     def reserved_set(self) -> list[str]:
         """The reserved fields this cluster sets (accepted, not used yet)."""
-        defaults = {"served_model": None, "endpoints": [], "price_per_hour": None, "market": "on-demand"}
+        defaults = {"price_per_hour": None, "market": "on-demand"}
         return [k for k, v in defaults.items() if getattr(self, k) != v]
 
 
@@ -123,6 +152,23 @@ class ClusterFile(_Strict):
     def planned(self) -> bool:
         """Whether the clusters name devices (a fleet `gateway up` plans) rather than engines as given."""
         return any(c.devices for c in self.clusters)
+
+
+def endpoint_base(url: str) -> str:
+    """An inference server's OpenAI base URL, ``http(s)://host[:port][/path]/v1`` (``/v1`` added when the
+    URL does not end with it; a trailing ``/`` dropped); a ValueError says what is wrong with ``url``."""
+    text = url.strip()
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - a port that is not a number raises here
+    except ValueError as e:
+        raise ValueError(f"endpoint {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"endpoint {url!r}: expected http://HOST[:PORT][/PATH] or https://...")
+    if parts.query or parts.fragment:
+        raise ValueError(f"endpoint {url!r}: a base URL has no query or fragment")
+    base = text.split("#", 1)[0].split("?", 1)[0].rstrip("/")
+    return base if base.endswith("/v1") else base + "/v1"
 
 
 def _where(loc: tuple[Any, ...], data: object) -> str:

@@ -4,6 +4,7 @@
 each result once; behind it an engine implements :class:`engines.interface.Engine`: the
 native iteration-level engine (:mod:`engines.engine`: scheduler, paged KV cache, model
 runner; a plan with several stages runs as processes, :mod:`engines.pipeline`), static
-batching (:mod:`engines.static_engine`) or vLLM on a GPU (:mod:`engines.vllm_backend`).
+batching (:mod:`engines.static_engine`), vLLM on a GPU (:mod:`engines.vllm_backend`) or inference
+servers the user already runs (:mod:`engines.endpoint_backend`).
 Engines know the gateway only through :mod:`workqueue` and :mod:`protos`.
 """

@@ -56,10 +56,12 @@ class RequestOutput:
     first_token_time: float = 0.0
     finish_time: float = 0.0
     error: str = ""
+    # completion tokens as a server counted them (the endpoint backend: it gets text and usage, no ids)
+    counted_tokens: int | None = None
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) if self.counted_tokens is None else self.counted_tokens
 
 
 @dataclass
@@ -90,6 +92,11 @@ class EngineStats:
     @property
     def kv_free_tokens(self) -> int:
         return max(0, self.kv_total_tokens - self.kv_used_tokens)
+
+
+class EngineFailure(RuntimeError):
+    """The engine cannot go on (a pipeline stage died, no endpoint answers): ``step`` raises it, and the
+    worker gives every query it holds back to the queue; the message says why."""
 
 
 @runtime_checkable

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engines.emulation import Hold
+from engines.interface import EngineFailure
 from engines.model_runner import ModelRunner
 from engines.stage_model import cut_stage, head_rows, hidden_size, model_dtype, module_bytes, vocab_size
 from engines.stage_procs import StageWatch, kill_stages, stage_context, stop_stages
@@ -65,7 +66,7 @@ def greedy_of_parts(first: torch.Tensor, rest_best: torch.Tensor, rest_tokens: t
     return torch.where(wins, rest_tokens, mine.indices)
 
 
-class StageFailure(RuntimeError):
+class StageFailure(EngineFailure):
     """A pipeline stage process died or could not start; the message names the stage."""
 
 

@@ -9,8 +9,11 @@ import signal
 
 import torch
 
+from clusterfile import ENDPOINT_BACKEND
 from engines.config import EngineConfig
 from engines.device import StepCost
+from engines.endpoint_backend import EndpointEngine
+from engines.endpoint_settings import API_KEY_ENV
 from engines.engine import LLMEngine
 from engines.interface import Engine
 from engines.metrics import serve_metrics
@@ -51,9 +54,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help=f"Redis URL (default: ${URL_ENV})")
     p.add_argument(
         "--backend",
-        choices=("native", "static", "vllm"),
+        choices=("native", "static", "vllm", ENDPOINT_BACKEND),
         default="native",
-        help="native: iteration-level engine; static: HF generate on padded batches; vllm: GPU only",
+        help="native: iteration-level engine; static: HF generate on padded batches; vllm: GPU only; "
+        "endpoint: send the queries to OpenAI-compatible servers already running (--endpoint-url)",
     )
     p.add_argument(
         "--served-model", default=None, help="local Hugging Face model directory (default: a random model)"
@@ -124,10 +128,53 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "measured and plan-predicted decode latency)",
     )
     p.add_argument("--max-queries", type=int, default=None, help="exit after this many queries (tests)")
+    add_endpoint_arguments(p)
+
+
+def add_endpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """The endpoint backend's options (``--backend endpoint``)."""
+    g = p.add_argument_group(
+        "the endpoint backend (--backend endpoint)",
+        "Queries go to OpenAI-compatible inference servers already running (vLLM, TGI, SGLang, "
+        "`transformers serve`...) as streamed /v1/completions of their rendered prompts. Each server gets "
+        "at most --max-running queries in flight, fewer while it answers 429/503 or slows down (AIMD); "
+        "one overloaded, restarting or unreachable is asked again with exponential backoff and its "
+        "queries are not failed; the cluster's capacity is the completion tokens/s measured.",
+    )
+    g.add_argument(
+        "--endpoint-url",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="a server's OpenAI base URL, http://HOST:PORT/v1 (/v1 is added when missing); repeat it for "
+        "several servers, which share the queries, the least loaded first",
+    )
+    g.add_argument(
+        "--endpoint-key-file",
+        default=None,
+        metavar="FILE",
+        help=f"file whose first line is the servers' API key, sent as 'Authorization: Bearer KEY' "
+        f"(default: ${API_KEY_ENV}; none)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model's name at the servers (default: the one their /v1/models lists)",
+    )
+    g.add_argument(
+        "--endpoint-timeout-s",
+        type=float,
+        default=60.0,
+        help="seconds to connect, and the longest silence of a stream, before a server counts as "
+        "overloaded (the query is sent again, not failed)",
+    )
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
     """The engine for ``args.backend``, with its model."""
+    if args.backend == ENDPOINT_BACKEND:
+        return EndpointEngine.from_args(args)
     if args.backend == "vllm":
         return VLLMEngine.from_args(args)
     if args.backend == "native":
@@ -166,8 +213,8 @@ def parse_device_cost(args: argparse.Namespace) -> StepCost | None:
             stage.emulated(len(stages), 0.0)  # a device without a cost, or without its layers' bits
         log.info("emulated devices: each plan stage's by its device's cost model")
         return None
-    if args.backend == "vllm":
-        raise ValueError("it emulates one-process native or static engines, not vllm")
+    if args.backend in ("vllm", ENDPOINT_BACKEND):
+        raise ValueError(f"it emulates one-process native or static engines, not {args.backend}")
     if args.plan:
         raise ValueError(
             "a numeric cost emulates one process; with --plan pass '--device-cost plan' to emulate each "
@@ -188,6 +235,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     if args.max_running < 1:
         log.error("--max-running must be >= 1")
+        return 1
+    if args.backend == ENDPOINT_BACKEND and (args.slowdown or args.plan):
+        log.error("the endpoint backend's servers are real: --slowdown and --plan do not apply to them")
         return 1
     if args.backend != "vllm":
         try:

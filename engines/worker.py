@@ -22,8 +22,7 @@ import uuid
 
 from engines.device import DeviceClock
 from engines.emulation import stamped
-from engines.interface import Engine, EngineStats, Request, RequestOutput, SamplingParams
-from engines.pipeline import StageFailure
+from engines.interface import Engine, EngineFailure, EngineStats, Request, RequestOutput, SamplingParams
 from engines.queue_agent import QueueAgent
 from engines.worker_config import WorkerConfig
 from workqueue import WorkQueue
@@ -107,7 +106,7 @@ class Worker:
                     continue
                 try:
                     self.step()
-                except StageFailure as e:
+                except EngineFailure as e:  # a stage died, no endpoint answers
                     self._give_back(str(e))
                     break
         finally:

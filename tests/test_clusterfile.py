@@ -59,10 +59,10 @@ def test_a_bad_file_is_refused_naming_the_field(data, named):
 def test_the_reserved_fields_of_later_work_are_validated_and_reported(tmp_path):
     doc = parse_cluster_file(
         {"version": 1, "clusters": [{"name": "spot", "price_per_hour": 1.2, "market": "spot",
-                                     "served_model": "/models/m", "endpoints": ["http://h:8000/v1"]},
+                                     "served_model": "/models/m"},
                                     {"name": "plain"}]}
     )  # fmt: skip
-    assert doc.clusters[0].reserved_set() == ["served_model", "endpoints", "price_per_hour", "market"]
+    assert doc.clusters[0].reserved_set() == ["price_per_hour", "market"]
     assert doc.clusters[1].reserved_set() == []
     assert "price_per_hour" in _refused({"version": 1, "clusters": [{"name": "a", "price_per_hour": -2}]})
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clusterfile import ENDPOINT_BACKEND
 from gateway.config import ClusterSpec
 from gateway.deploy.forked import EngineProcess
 from workqueue.embedded import PARENT_ENV, URL_ENV
@@ -39,9 +40,19 @@ def engine_command(spec: ClusterSpec, threads: int, extra: Sequence[str]) -> lis
         "--threads", str(threads),
         "--capacity", str(spec.capacity_tps),
         *(["--plan", spec.plan] if spec.plan else []),
+        *model_arguments(spec),
         *spec.engine_args,
         *extra,
     ]  # fmt: skip
+
+
+def model_arguments(spec: ClusterSpec) -> list[str]:
+    """The cluster file's ``served_model`` and ``endpoints`` as ``fleetbatch engine serve`` flags: the
+    endpoint backend's servers and the model's name there, or the model directory another backend loads."""
+    if spec.backend == ENDPOINT_BACKEND:
+        urls = [flag for url in spec.endpoints for flag in ("--endpoint-url", url)]
+        return urls + (["--served-model-name", spec.served_model] if spec.served_model else [])
+    return ["--served-model", spec.served_model] if spec.served_model else []
 
 
 def engine_env(redis_url: str) -> dict[str, str]:

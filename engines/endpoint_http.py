@@ -1,0 +1,170 @@
+"""One streamed completion from an OpenAI-compatible inference server, and what its failure means.
+
+:func:`stream_completion` POSTs ``/v1/completions`` with ``"stream": true`` and reads the server-sent
+events: the text, when the first piece came, the ``finish_reason`` and the server's ``usage``
+(asked for with ``stream_options.include_usage``; a server that refuses that field is asked without
+it, :class:`UsageOptionRefused`). A failure is one of two kinds:
+
+* :class:`Overloaded`: the server is overloaded, restarting or unreachable (429, 503, 502, 504, 408,
+  a refused or dropped connection, a timeout, a stream cut short): the request is retried later,
+  and it is never the row's failure;
+* :class:`Rejected`: the server refused this request (another 4xx: the row fails with its message),
+  or failed on it (500, an error in the stream: tried again a few times, then the row fails).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from engines.interface import Request
+
+#: statuses that say "later", not "never"
+OVERLOAD_STATUSES = frozenset({408, 429, 502, 503, 504})
+USAGE_OPTION = "stream_options"
+
+
+class Overloaded(Exception):
+    """The endpoint cannot answer now; ``retry_after_s``: what its ``Retry-After`` asked for."""
+
+    def __init__(self, why: str, retry_after_s: float | None = None) -> None:
+        super().__init__(why)
+        self.retry_after_s = retry_after_s
+
+
+class Rejected(Exception):
+    """The endpoint answered this request with an error; ``retryable``: a server error (5xx), not a refusal."""
+
+    def __init__(self, why: str, retryable: bool) -> None:
+        super().__init__(why)
+        self.retryable = retryable
+
+
+class UsageOptionRefused(Exception):
+    """The endpoint refused ``stream_options``: ask it again without (its usage may then be missing)."""
+
+
+@dataclass
+class Completion:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    first_token_time: float  # epoch seconds of the first piece of text (0: none came)
+    usage_reported: bool  # False: the server sent no usage; the counts are the stream's pieces, prompt 0
+
+
+def completion_body(model: str, request: Request, usage_option: bool) -> dict:
+    """The ``/v1/completions`` body of ``request``: its prompt as the server's model takes it, its sampling."""
+    s = request.sampling
+    body: dict = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": s.target_tokens,  # a forced length is a bound here: the API has no "ignore EOS"
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "stream": True,
+    }
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if usage_option:
+        body[USAGE_OPTION] = {"include_usage": True}
+    return body
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None  # absent, or an HTTP date: the backoff decides
+
+
+def _message(raw: bytes) -> str:
+    """The error text of an error body (OpenAI's ``error.message``, FastAPI's ``detail``, else the text)."""
+    text = raw.decode("utf-8", "replace").strip()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text[:500]
+    if isinstance(data, dict):
+        err = data.get("error", data.get("detail", data))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)[:500]
+    return text[:500]
+
+
+async def _check_status(response: httpx.Response, url: str) -> None:
+    if response.status_code == 200:
+        return
+    message = _message(await response.aread())
+    where = f"{url}: HTTP {response.status_code}"
+    if response.status_code in OVERLOAD_STATUSES:
+        raise Overloaded(f"{where}: {message}", _retry_after(response))
+    if response.status_code in (400, 422) and USAGE_OPTION in message:
+        raise UsageOptionRefused(f"{where}: {message}")
+    raise Rejected(f"{where}: {message}", retryable=response.status_code >= 500)
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, base_url: str, body: dict, headers: dict[str, str]
+) -> Completion:
+    """Run one streamed completion (module docstring); raises :class:`Overloaded`, :class:`Rejected`
+    or :class:`UsageOptionRefused`."""
+    url = base_url + "/completions"
+    pieces: list[str] = []
+    first, finish, usage = 0.0, "", None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            await _check_status(response, url)
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, event names
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    raise Rejected(f"{url}: not JSON in the stream: {data[:200]!r}", retryable=True) from None
+                if not isinstance(event, dict):
+                    raise Rejected(f"{url}: unexpected event in the stream: {data[:200]!r}", retryable=True)
+                if "error" in event:
+                    raise Rejected(f"{url}: error in the stream: {_message(data.encode())}", retryable=True)
+                for choice in event.get("choices") or []:
+                    text = choice.get("text") or ""
+                    if text:
+                        pieces.append(text)
+                        first = first or time.time()
+                    finish = choice.get("finish_reason") or finish
+                if isinstance(event.get("usage"), dict):
+                    usage = event["usage"]
+    except httpx.TransportError as e:  # refused, reset, timed out, cut short
+        raise Overloaded(f"{url}: {type(e).__name__}: {e}") from None
+    if not finish:
+        raise Overloaded(f"{url}: the stream ended before the completion did")
+    if usage is None:
+        return Completion("".join(pieces), 0, len(pieces), finish, first, usage_reported=False)
+    try:
+        prompt, completion = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+    except (KeyError, TypeError, ValueError):
+        raise Rejected(f"{url}: usage without token counts: {usage}", retryable=True) from None
+    return Completion("".join(pieces), prompt, completion, finish, first, usage_reported=True)
+
+
+async def served_models(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> list[str]:
+    """The model names ``GET /v1/models`` lists; raises :class:`Overloaded` or :class:`Rejected`."""
+    url = base_url + "/models"
+    try:
+        response = await client.get(url, headers=headers)
+    except httpx.TransportError as e:
+        raise Overloaded(f"{url}: {type(e).__name__}: {e}") from None
+    await _check_status(response, url)
+    try:
+        data = response.json()["data"]
+        return [str(m["id"]) for m in data]
+    except (ValueError, KeyError, TypeError):
+        raise Rejected(f"{url}: not an OpenAI model list: {response.text[:200]!r}", retryable=False) from None

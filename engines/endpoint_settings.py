@@ -1,0 +1,63 @@
+"""The endpoint backend's settings, from ``fleetbatch engine serve --backend endpoint``'s flags, checked."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clusterfile import endpoint_base
+from engines.endpoint_flow import FlowSettings
+
+#: the endpoints' API key, when no key file is named
+API_KEY_ENV = "FLEETBATCH_ENDPOINT_API_KEY"
+
+
+@dataclass(frozen=True)
+class EndpointSettings:
+    urls: tuple[str, ...]  # OpenAI base URLs (clusterfile.endpoint_base)
+    model: str | None = None  # the model's name at the endpoints (None: what their /v1/models lists)
+    api_key: str | None = None
+    timeout_s: float = 60.0  # connecting, and the longest silence of a stream
+    give_up_s: float = 300.0  # no endpoint answered this long while queries waited: the engine fails
+    flow: FlowSettings = field(default_factory=FlowSettings)
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError(
+                "the endpoint backend needs --endpoint-url URL (repeatable): the OpenAI-compatible "
+                "servers to send queries to"
+            )
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"an endpoint is named twice: {', '.join(self.urls)}")
+        if not self.timeout_s > 0 or not self.give_up_s > 0:
+            raise ValueError("the endpoint timeout and give-up time must be > 0")
+
+    @classmethod
+    def from_args(cls, args) -> EndpointSettings:
+        """The settings of ``fleetbatch engine serve --backend endpoint``; a ValueError says what is wrong."""
+        if args.served_model:
+            raise ValueError(
+                "the endpoint backend loads no model: name the one its endpoints serve with "
+                "--served-model-name (default: the one their /v1/models lists)"
+            )
+        return cls(
+            urls=tuple(endpoint_base(u) for u in args.endpoint_url or ()),
+            model=args.served_model_name or None,
+            api_key=api_key(args.endpoint_key_file),
+            timeout_s=args.endpoint_timeout_s,
+            flow=FlowSettings(initial_limit=min(2.0, args.max_running), max_limit=args.max_running),
+        )
+
+
+def api_key(key_file: str | None) -> str | None:
+    """The endpoints' API key: the first line of ``key_file``, else ``$FLEETBATCH_ENDPOINT_API_KEY``, else none."""
+    if key_file:
+        try:
+            lines = Path(key_file).read_text().strip().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--endpoint-key-file {key_file}: cannot read it: {e}") from None
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--endpoint-key-file {key_file} is empty")
+        return lines[0].strip()
+    return os.environ.get(API_KEY_ENV) or None
