@@ -85,6 +85,12 @@ def start_engine(cluster: str, redis_url: str, log_dir: Path, *extra: str) -> su
     )
 
 
+def examples(ci: int) -> int:
+    """Hypothesis examples of a property test: ``ci`` in the suite, ten times as many with
+    ``FLEETBATCH_NIGHTLY=1`` (the long run that looks further than the suite's time allows)."""
+    return ci * 10 if os.environ.get("FLEETBATCH_NIGHTLY") == "1" else ci
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while True:

@@ -13,7 +13,6 @@ answered with a status that names the problem (``INVALID_ARGUMENT``, ``NOT_FOUND
 from __future__ import annotations
 
 import math
-import os
 
 import grpc
 import pytest
@@ -23,10 +22,10 @@ from hypothesis import strategies as st
 from gateway.config import ClusterSpec, GatewayConfig
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from tests.harness import GatewayThread
+from tests.harness import GatewayThread, examples
 
 TOKEN = "fuzz-admin-token"
-EXAMPLES = 10_000 if os.environ.get("FLEETBATCH_NIGHTLY") == "1" else 1_000
+EXAMPLES = examples(500)
 REQUEST_LIMIT = 256 * 1024
 ALLOWED = {
     grpc.StatusCode.INVALID_ARGUMENT,

@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from gateway.checks.validation import Checked
 from gateway.intake.background import Intake, IntakeSettings, encode_rows
 from protos import fleetbatch_pb2 as pb
+from tests.harness import examples
 from workqueue import QueuedQuery, WorkQueue, connect, keys
 from workqueue.batches import INTAKE, intake_key, intake_lease_key
 from workqueue.invariants import check
@@ -141,7 +142,7 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
 def test_intake_interleavings_keep_the_invariants(redis_server):
     run_state_machine_as_test(
         make_machine(redis_server.url),
-        settings=settings(max_examples=150, stateful_step_count=40, deadline=None, print_blob=True),
+        settings=settings(max_examples=examples(75), stateful_step_count=40, deadline=None, print_blob=True),
     )
 
 

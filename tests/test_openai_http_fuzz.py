@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import secrets
 import socket
 import urllib.parse
@@ -27,11 +26,11 @@ from hypothesis import strategies as st
 
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.http_api.format import CHAT, COMPLETIONS
-from tests.harness import GatewayThread
+from tests.harness import GatewayThread, examples
 from tests.openai_http_helpers import KEY
 from workqueue import WorkQueue, connect
 
-EXAMPLES = 10_000 if os.environ.get("FLEETBATCH_NIGHTLY") == "1" else 1_000
+EXAMPLES = examples(500)
 CLUSTER = "idle"  # no engine: what is enqueued stays in its queue
 
 

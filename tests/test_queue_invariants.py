@@ -27,6 +27,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests.harness import examples
 from workqueue import QueryResult, QueuedQuery, WorkQueue, connect
 from workqueue.invariants import check
 
@@ -151,5 +152,5 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
 def test_random_interleavings_keep_the_invariants(redis_server):
     run_state_machine_as_test(
         make_machine(redis_server.url),
-        settings=settings(max_examples=170, stateful_step_count=40, deadline=None, print_blob=True),
+        settings=settings(max_examples=examples(85), stateful_step_count=40, deadline=None, print_blob=True),
     )
