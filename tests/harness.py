@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -89,6 +90,15 @@ def examples(ci: int) -> int:
     """Hypothesis examples of a property test: ``ci`` in the suite, ten times as many with
     ``FLEETBATCH_NIGHTLY=1`` (the long run that looks further than the suite's time allows)."""
     return ci * 10 if os.environ.get("FLEETBATCH_NIGHTLY") == "1" else ci
+
+
+def serving_address(proc: subprocess.Popen) -> str:
+    """The address a ``fleetbatch gateway serve`` process (stderr piped, as text) says it listens on."""
+    for line in proc.stderr:
+        m = re.search(r"gateway listening on (\S+)", line)
+        if m:
+            return m.group(1)
+    raise AssertionError("fleetbatch gateway serve never said where it listens")
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):

@@ -4,7 +4,6 @@ variables: real processes, a real Redis."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import yaml
 
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from tests.harness import REPO, wait_until
+from tests.harness import REPO, serving_address, wait_until
 from workqueue import WorkQueue, connect
 
 
@@ -55,13 +54,7 @@ def test_gateway_serve_runs_from_a_config_file_and_refuses_a_misspelt_key(tmp_pa
         cwd=REPO, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        address = None
-        for line in proc.stderr:
-            m = re.search(r"gateway listening on (\S+)", line)
-            if m:
-                address = m.group(1)
-                break
-        assert address, "fleetbatch gateway serve never said where it listens"
+        address = serving_address(proc)
         with grpc.insecure_channel(address) as ch:  # no_auth: true came from the file
             listed = pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=10)
         assert [c.name for c in listed.clusters] == ["east"]

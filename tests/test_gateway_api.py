@@ -228,14 +228,13 @@ def test_a_restarted_gateway_loses_nothing(redis_url):
 
 def test_gateway_serve_cli_starts_and_stops_cleanly(redis_url, capsys):
     import os
-    import re
     import signal
     import subprocess
     import sys
 
     from gateway.cli import main
     from gateway.grpc_api.tls import channel
-    from tests.harness import REPO
+    from tests.harness import REPO, serving_address
 
     token = "ci-token-0123456789abcdef"  # the client tokens and the Redis URL come by environment
     env = dict(os.environ, FLEETBATCH_CLIENT_TOKENS=f"ci:{token}", FLEETBATCH_REDIS_URL=redis_url)
@@ -247,13 +246,7 @@ def test_gateway_serve_cli_starts_and_stops_cleanly(redis_url, capsys):
         env=env,
     )
     try:
-        address = None
-        for line in proc.stderr:
-            m = re.search(r"gateway listening on (\S+)", line)
-            if m:
-                address = m.group(1)
-                break
-        assert address, "fleetbatch gateway serve never said where it listens"
+        address = serving_address(proc)
         with channel(address, token=token) as ch:
             assert pb_grpc.BatchServiceStub(ch).ListClusters(pb.ListClustersRequest(), timeout=10) is not None
         with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as e:
