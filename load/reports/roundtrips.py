@@ -23,6 +23,7 @@ from pathlib import Path
 
 from gateway.assign.listing import read_clusters
 from gateway.batches import quota
+from gateway.batches.errors import Caller
 from gateway.batches.service import BatchService
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.grpc_api.auth import HTTP_CLIENT
@@ -31,22 +32,10 @@ from gateway.offload.offloader import Offloader
 from protos import fleetbatch_pb2 as pb
 from workqueue import QueuedQuery, WorkQueue, connect
 from workqueue.embedded import EmbeddedRedis
+from workqueue.records import BatchState
 from workqueue.roundtrips import count_round_trips
 
 LIVE = ("fast", "medium", "slow")
-
-
-class _Context:
-    """What the servicer asks of a gRPC context, for a call made here."""
-
-    def invocation_metadata(self) -> list[tuple[str, str]]:
-        return []
-
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:1"
-
-    async def abort(self, code, details: str) -> None:
-        raise RuntimeError(f"{code}: {details}")
 
 
 def _fresh(url: str) -> WorkQueue:
@@ -155,7 +144,9 @@ async def _submit_and_intake(url: str, n: int) -> dict:
     from gateway.server import build_deps
 
     _fresh(url)
-    config = GatewayConfig(redis_url=url, offload=False, clusters=[ClusterSpec(c, 100) for c in LIVE])
+    config = GatewayConfig(
+        redis_url=url, offload=False, clusters=[ClusterSpec(c, capacity_tps=100) for c in LIVE]
+    )
     deps = await asyncio.to_thread(build_deps, config)
     _alive(deps.queue, LIVE)
     service = BatchService(deps)
@@ -174,16 +165,16 @@ async def _submit_and_intake(url: str, n: int) -> dict:
         for i in range(m):
             req.queries.add(id=f"q{i}", prompt=f"Explain item {i} " + "word " * (i % 7), max_tokens=16)
         before = trips.value
-        batch = await service.SubmitBatch(req, _Context())
+        batch = (await service.submit(req, Caller(owner=None))).info
         out[label] = _since(trips, before)
-        if batch.status != pb.VALIDATING:
+        if batch.status != BatchState.VALIDATING:
             raise RuntimeError(f"{label}: a {m}-query batch was not accepted for background intake")
         before, chunks[0] = trips.value, 0
         while await asyncio.to_thread(service.intake.tick):
             pass
         out[f"{label}_intake"], out[f"{label}_chunks"] = _since(trips, before), chunks[0]
     before = trips.value
-    await service.GetBatch(pb.GetBatchRequest(batch_id="submit"), _Context())
+    await service.get("submit", Caller(owner=None))
     out["get_batch"] = _since(trips, before)
     return {
         "get_batch": out["get_batch"],
