@@ -196,7 +196,7 @@ class QueueAgent:
         n = 0
         for gids, started in ((waiting, False), (running, True)):  # never started: no attempt used
             try:
-                n += self.queue.release(self.config.cluster, gids, started=started)
+                n += self.queue.release(self.config.cluster, gids, worker=self.worker_id, started=started)
             except REDIS_ERRORS as e:  # their leases lapse instead
                 log.error("could not give queries back (%s); their leases will lapse", e)
         return n

@@ -139,7 +139,7 @@ def test_lease_of_zero_lapses_at_once_and_release_requeues(redis_url):
     q.claim("a", 1, "w", lease_s=0)
     assert q.requeue_expired("a") == 1
     held = q.claim("a", 2, "w", lease_s=30)
-    assert q.release("a", [held[1].query.gid]) == 1
+    assert q.release("a", [held[1].query.gid], worker="w") == 1
     assert q.queued_ids("a") == [held[1].query.gid, "b1:q2"]
     assert q.inflight_ids("a") == [held[0].query.gid]
 
@@ -287,7 +287,7 @@ def test_max_attempts_is_configurable_and_counts_released_queries(redis_url):
     assert q.max_attempts == 1
     assert q.create_batch("b1", [(x, "a") for x in queries("b1", 1)])
     (c,) = q.claim("a", 1, "w", 30)
-    assert q.release("a", [c.query.gid]) == 1  # given back by a failing engine: queued again
+    assert q.release("a", [c.query.gid], worker="w") == 1  # given back by a failing engine: queued again
     assert q.claim("a", 1, "w2", 30) == []  # no attempt left: it fails at its next claim
     info = q.batch("b1")
     assert (info.status, info.failed) == ("failed", 1)

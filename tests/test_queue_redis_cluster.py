@@ -127,7 +127,7 @@ def test_the_queue_works_on_a_redis_cluster(cluster_url):
     assert len(claimed) == 4 and q.renew("a", [c.query.gid for c in claimed], 30) == 4
     for c in claimed[:3]:
         assert q.complete(c.query.gid, {"query_id": c.query.query_id}, "completed", 3) >= 0
-    assert q.release("a", [claimed[3].query.gid]) == 1
+    assert q.release("a", [claimed[3].query.gid], worker="w1") == 1
     with q.mover_lease("test") as held:
         assert held
     assert q.cancel_batch("x") == 17

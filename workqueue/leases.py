@@ -58,6 +58,7 @@ class Leases:
         self._claim = core.script(scripts.CLAIM)
         self._renew = core.script(scripts.RENEW)
         self._requeue = core.script(scripts.REQUEUE_EXPIRED)
+        self._release = core.script(scripts.RELEASE)
 
     @property
     def max_attempts(self) -> int:
@@ -129,21 +130,18 @@ class Leases:
             for i in range(0, len(gids), RENEW_CHUNK)
         ]
 
-    def release(self, cluster: str, gids: Iterable[str], started: bool = True) -> int:
+    def release(self, cluster: str, gids: Iterable[str], *, worker: str, started: bool = True) -> int:
         """Give claimed queries back now (their worker cannot finish them): their leases end and they
         return to the queue at their place, as a lapsed lease would make them (one that used its last
-        attempt fails at its next claim). ``started=False``: the worker never ran them (it claimed
-        them ahead), so their claim's attempt is taken back. Returns how many were requeued."""
+        attempt fails at its next claim). Only the queries ``worker`` still runs go back: one another
+        worker took over after this one's lease lapsed, or one already finished, is left alone.
+        ``started=False``: the worker never ran them (it claimed them ahead), so their claim's attempt is
+        taken back. Returns how many were requeued."""
         gids = list(gids)
         if not gids:
             return 0
-        pipe = self.r.pipeline(transaction=False)
-        pipe.zadd(keys.inflight(cluster), dict.fromkeys(gids, 0), xx=True)
-        if not started:
-            for g in gids:
-                pipe.hincrby(keys.query(g), "attempts", -1)
-        pipe.execute()
-        return self.requeue_expired(cluster)
+        keys_ = [keys.inflight(cluster), keys.queue(cluster), keys.pending(cluster)]
+        return int(self._release(keys=keys_, args=[cluster, worker, "1" if started else "0", *gids]))
 
     def requeue_expired(self, cluster: str) -> int:
         """Put queries whose lease lapsed (in Redis time) back in the queue at their rank (those that used

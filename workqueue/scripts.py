@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from workqueue.lua_queue import EXPIRED_ERROR, LIBRARY
 
-__all__ = ["CLAIM", "COMPLETE", "EXPIRED_ERROR", "RENEW", "REQUEUE_EXPIRED"]
+__all__ = ["CLAIM", "COMPLETE", "EXPIRED_ERROR", "RELEASE", "RENEW", "REQUEUE_EXPIRED"]
 
 # KEYS: the query's hash, its batch's hash. ARGV: gid, result JSON, kind (completed|failed|cancelled), actual
 # (completion) tokens, now, prompt tokens
@@ -115,5 +115,25 @@ return n
 REQUEUE_EXPIRED = LIBRARY.script(
     r"""
 return requeue_lapsed(ARGV[1], KEYS[1], KEYS[2], KEYS[3], server_now())
+"""
+)
+
+# KEYS: inflight, queue, pending of the cluster. ARGV: cluster, worker id, started (1|0), gid... A worker gives
+# back the queries it still runs (state running, its worker id, this cluster, in flight): each lease ends now and
+# the query goes back to the queue at its rank; one never started (0) gets its claim's attempt back. Another
+# worker's query, a finished one, or one whose hash is gone is left alone (nothing is recreated). Returns how
+# many queries went back to the queue (those whose lease had lapsed meanwhile too).
+RELEASE = LIBRARY.script(
+    r"""
+local c, worker, started = ARGV[1], ARGV[2], ARGV[3] == '1'
+for i = 4, #ARGV do
+  local g = ARGV[i]
+  local q = k_query(g)
+  local h = redis.call('HMGET', q, 'state', 'worker', 'cluster')
+  if h[1] == 'running' and h[2] == worker and h[3] == c and redis.call('ZADD', KEYS[1], 'XX', 'CH', 0, g) > 0 then
+    if not started then redis.call('HINCRBY', q, 'attempts', -1) end
+  end
+end
+return requeue_lapsed(c, KEYS[1], KEYS[2], KEYS[3], server_now())
 """
 )
