@@ -24,6 +24,8 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+import redis
+
 from workqueue import batch_scripts, keys
 from workqueue.batches import (
     INTAKE,
@@ -43,6 +45,20 @@ from workqueue.wake import announce
 
 WAITING = "intake_waiting_since"  # batch hash field: when intake began to wait for a cluster
 LOST = "intake_lost"  # batch hash field: rows counted finished because the intake list was lost
+
+# KEYS: a staging list. ARGV: the rows it holds before this append, seconds to live, the rows. Appends once: a
+# resent call (its first run's reply lost) finds the rows there and only renews the list's time; a list that
+# does not hold the rows before (it expired between two parts) is an error. Returns the list's new length.
+STAGE_APPEND = """
+local before, n = tonumber(ARGV[1]), #ARGV - 2
+local have = redis.call('LLEN', KEYS[1])
+if have ~= before + n then
+  if have ~= before then return redis.error_reply('STAGED ' .. have .. ' rows where ' .. before .. ' were') end
+  redis.call('RPUSH', KEYS[1], unpack(ARGV, 3))
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return before + n
+"""
 
 # KEYS: batch hash. ARGV: now, the field. Since when the batch waits (now if it did not); nil: no batch.
 WAIT = """
@@ -109,6 +125,7 @@ class Intake:
         self.core, self.batches = core, batches
         self.r = core.r
         self._wait = core.script(WAIT)
+        self._stage_append = core.script(STAGE_APPEND)
         self._lost_intake = core.script(LOST_INTAKE)
         self._enqueue_chunk = core.script(batch_scripts.ENQUEUE_CHUNK)
 
@@ -160,14 +177,21 @@ class Intake:
             raise ValueError(f"bad batch id {batch_id!r}")
         return staging_key(batch_id, uuid.uuid4().hex)
 
-    def stage_rows(self, stage: str, rows: Sequence[str], chunk: int = STAGE_CHUNK) -> None:
-        """Append ``rows`` to the staging list ``stage`` in transactions of ``chunk`` rows; the list
-        expires ``STAGE_TTL_S`` after its last write unless :meth:`accept_staged` takes it."""
+    def stage_rows(self, stage: str, rows: Sequence[str], chunk: int = STAGE_CHUNK, start: int = 0) -> int:
+        """Append ``rows`` to the staging list ``stage``, which holds ``start`` rows before, in calls of
+        ``chunk`` rows; returns the rows it holds after. Each call appends once: one resent after its reply
+        was lost finds its rows there. The list expires ``STAGE_TTL_S`` after its last write unless
+        :meth:`accept_staged` takes it; :class:`StagedRowsMissing` when it no longer holds ``start`` rows."""
+        held = start
         for i in range(0, len(rows), chunk):
-            pipe = self.r.pipeline(transaction=True)
-            pipe.rpush(stage, *rows[i : i + chunk])
-            pipe.expire(stage, STAGE_TTL_S)
-            pipe.execute()
+            part = rows[i : i + chunk]
+            try:
+                held = int(self._stage_append(keys=[stage], args=[held, STAGE_TTL_S, *part]))
+            except redis.ResponseError as e:
+                if not str(e).startswith("STAGED"):
+                    raise
+                raise StagedRowsMissing(f"staging list {stage}: {e}; send the batch again") from None
+        return held
 
     def drop_stage(self, stage: str) -> None:
         """Delete a staging list that will not become a batch."""

@@ -25,6 +25,7 @@ from gateway.checks.windows import WindowError, check_priority, parse_window
 from gateway.intake.rows import encode_rows
 from protos import fleetbatch_pb2 as pb
 from workqueue import WorkQueue
+from workqueue.batches import STAGE_CHUNK
 
 
 class StreamBrokenOff(Exception):
@@ -40,6 +41,7 @@ class Staging:
 
     def __init__(self, queue: WorkQueue, key: str) -> None:
         self.queue, self.key = queue, key
+        self.staged = 0  # rows the list holds: each append says where it starts, so a resent one appends once
         self._busy: asyncio.Future | None = None
 
     async def _run(self, fn: Callable, *args):
@@ -47,7 +49,7 @@ class Staging:
         return await asyncio.shield(self._busy)
 
     async def append(self, rows) -> None:
-        await self._run(self.queue.stage_rows, self.key, rows)
+        self.staged = await self._run(self.queue.stage_rows, self.key, rows, STAGE_CHUNK, self.staged)
 
     async def accept(self, create: Callable[[str], bool]) -> bool:
         """``create(key)``: the batch made from the list (True), run to its end even if the call is cancelled."""

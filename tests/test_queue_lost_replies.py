@@ -1,0 +1,31 @@
+"""A reply lost after Redis ran the command (issue [4/7], finding 2): the call redis-py sends again must not
+change what the first one did. A real Redis; the reply is lost in the client's connection after the server
+answered, so redis-py resends the call, as it does when a reset or a stall eats a reply on a network."""
+
+from __future__ import annotations
+
+from gateway.checks.validation import Checked
+from gateway.intake.background import encode_rows
+from protos import fleetbatch_pb2 as pb
+from tests.lost_reply import losing_client
+from workqueue import WorkQueue, keys
+from workqueue.invariants import check
+
+
+def _rows(batch_id: str, n: int) -> list[str]:
+    req = pb.SubmitBatchRequest(batch_id=batch_id)
+    for i in range(n):
+        req.queries.add(id=f"q{i}", prompt=f"{batch_id} {i}", max_tokens=8)
+    return encode_rows(req, Checked(prompt_tokens=[5] * n, max_tokens=[8] * n))
+
+
+def test_a_resent_staging_write_stages_its_rows_once_and_the_batch_is_accepted(redis_server):
+    r, lossy = losing_client(redis_server.socket_file, marker=b'"prompt":"b1 15"')  # the second chunk's write
+    r.flushall()
+    q = WorkQueue(r)
+    assert q.accept_batch("b1", _rows("b1", 30), chunk=10, fingerprint="")
+    assert lossy.lost == 1  # the fault bit: one staging write ran and its reply never came
+    info = q.batch("b1")
+    assert info.status == "validating" and info.total == 30
+    assert r.llen(keys.intake("b1")) == 30  # each row once, none doubled
+    assert check(r) == []
