@@ -8,6 +8,7 @@ from gateway.checks.validation import Checked
 from gateway.intake.background import encode_rows
 from protos import fleetbatch_pb2 as pb
 from tests.lost_reply import losing_client
+from tests.test_queue_faults import queries
 from workqueue import WorkQueue, keys
 from workqueue.invariants import check
 
@@ -28,4 +29,19 @@ def test_a_resent_staging_write_stages_its_rows_once_and_the_batch_is_accepted(r
     info = q.batch("b1")
     assert info.status == "validating" and info.total == 30
     assert r.llen(keys.intake("b1")) == 30  # each row once, none doubled
+    assert check(r) == []
+
+
+def test_a_claim_resent_after_its_reply_was_lost_hands_out_the_same_queries_once(redis_server):
+    """Finding 1: the worker saw only the resent CLAIM's reply, so the first run's queries ran nowhere, were
+    requeued when their lease lapsed, and lost an attempt each."""
+    r, lossy = losing_client(redis_server.socket_file, marker=b"worker-with-a-lossy-link")
+    r.flushall()
+    q = WorkQueue(r, max_attempts=3)
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 6)])
+    claimed = q.claim("a", 2, "worker-with-a-lossy-link", 60)
+    assert lossy.lost == 1  # the fault bit: the claim ran and its reply never came
+    gids = sorted(c.query.gid for c in claimed)
+    assert gids == sorted(q.inflight_ids("a"))  # it runs exactly what is in flight for it
+    assert len(q.queued_ids("a")) == 4 and all(c.attempts == 1 for c in claimed)
     assert check(r) == []

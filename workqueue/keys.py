@@ -136,6 +136,11 @@ def intake_lease(batch_id: str) -> str:
     return batch(batch_id) + ":intake-lease"
 
 
+def claim_reply(cluster: str, call: str) -> str:
+    """A CLAIM's reply, kept a short while under its call's id: the same call resent answers it again."""
+    return cluster_info(cluster) + ":claim:" + call
+
+
 def staging(batch_id: str, token: str) -> str:
     return batch(batch_id) + ":staging:" + token
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Iterable, Mapping
 
 from workqueue import keys, scripts
@@ -43,6 +44,8 @@ from workqueue.script_call import ScriptCall
 log = logging.getLogger(__name__)
 
 RENEW_CHUNK = 1000  # gids per RENEW call (one script call stays short)
+#: how long a CLAIM's reply is kept for the same call sent again (a resend comes within the clients' retries)
+CLAIM_REPLY_S = 120
 
 
 class Leases:
@@ -84,11 +87,13 @@ class Leases:
     def claim_call(
         self, cluster: str, n: int, worker_id: str, lease_s: float, now: float, renew: Iterable[str] = ()
     ) -> ScriptCall:
-        """The CLAIM script's call (:meth:`claim`), to run alone or in a pipeline (the worker's tick)."""
+        """The CLAIM script's call (:meth:`claim`), to run alone or in a pipeline (the worker's tick). The call
+        has an id of its own: sent again after its reply was lost, it answers the first run's reply."""
+        reply = keys.claim_reply(cluster, uuid.uuid4().hex)
         return ScriptCall(
             self._claim,
-            [keys.queue(cluster), keys.inflight(cluster), keys.pending(cluster)],
-            [cluster, max(0, n), float(lease_s), worker_id, now, self.max_attempts, *renew],
+            [keys.queue(cluster), keys.inflight(cluster), keys.pending(cluster), reply],
+            [cluster, max(0, n), float(lease_s), worker_id, now, self.max_attempts, CLAIM_REPLY_S, *renew],
         )
 
     def parse_claim(self, cluster: str, reply: list, now: float) -> list[ClaimedQuery]:

@@ -46,15 +46,19 @@ return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(AR
 """
 )
 
-# KEYS: queue, inflight, pending of the cluster. ARGV: cluster, n, lease seconds, worker id, now (caller's clock: timestamps only),
-# max attempts (0: no limit), then the gids the worker runs, renewed first (``reassert``). Leases end at Redis time +
-# lease seconds. A popped query that already had max attempts claims is finished as failed (it gave up), not handed out.
-# Returns a flat list: how many gave up, then gid, payload, attempts, enqueued_at, ... for each newly claimed query.
+# KEYS: queue, inflight, pending of the cluster, the call's reply key (``keys.claim_reply``). ARGV: cluster, n, lease
+# seconds, worker id, now (caller's clock: timestamps only), max attempts (0: no limit), seconds the reply is kept,
+# then the gids the worker runs, renewed first (``reassert``). Leases end at Redis time + lease seconds. A popped query
+# that already had max attempts claims is finished as failed (it gave up), not handed out. Returns a flat list: how
+# many gave up, then gid, payload, attempts, enqueued_at, ... for each newly claimed query. The reply is kept under
+# the call's id: the same call sent again (its reply was lost) answers it again and claims nothing more.
 CLAIM = LIBRARY.script(
     r"""
+local kept = redis.call('HGET', KEYS[4], 'reply')
+if kept then return cjson.decode(kept) end
 local c, n, worker, now, max_attempts = ARGV[1], tonumber(ARGV[2]), ARGV[4], ARGV[5], tonumber(ARGV[6])
 local deadline = server_now() + tonumber(ARGV[3])
-reassert(c, worker, deadline, KEYS[2], KEYS[1], KEYS[3], 7)
+reassert(c, worker, deadline, KEYS[2], KEYS[1], KEYS[3], 8)
 local out = {0}
 local taken, gave_up = 0, 0
 if redis.call('HGET', k_cluster_info(c), 'state') == 'removed' then n = 0 end  -- a removed cluster takes nothing new
@@ -90,6 +94,8 @@ while taken < n do
   end
 end
 out[1] = gave_up
+redis.call('HSET', KEYS[4], 'reply', cjson.encode(out))
+redis.call('EXPIRE', KEYS[4], ARGV[7])
 return out
 """
 )
