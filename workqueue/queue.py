@@ -171,6 +171,7 @@ class WorkQueue:
     batch_statuses = _via("batch_ops", Batches.batch_statuses)
     cancel_batch = _via("batch_ops", Batches.cancel_batch)
     expire_due = _via("batch_ops", Batches.expire_due)
+    expire_due_call = _via("batch_ops", Batches.expire_due_call)
     sweep_cancelled = _via("batch_ops", Batches.sweep_cancelled)
     results = _via("batch_ops", Batches.results)
     query_results = _via("batch_ops", Batches.query_results)

@@ -36,7 +36,11 @@ from __future__ import annotations
 
 from workqueue.lua_queue import EXPIRED_ERROR, LIBRARY
 
-__all__ = ["CLAIM", "COMPLETE", "EXPIRED_ERROR", "RELEASE", "RENEW", "REQUEUE_EXPIRED"]
+__all__ = ["CLAIM", "CLAIM_STOPPED_MAX", "COMPLETE", "EXPIRED_ERROR", "RELEASE", "RENEW", "REQUEUE_EXPIRED"]
+
+#: rows of stopped batches (cancelled, expiring) or out of attempts one CLAIM finishes at most: the rest are left to
+#: the bounded sweep and the next claims, so one call never blocks Redis long whatever a stopped batch holds
+CLAIM_STOPPED_MAX = 256
 
 # KEYS: the query's hash, its batch's hash. ARGV: gid, result JSON, kind (completed|failed|cancelled), actual
 # (completion) tokens, now, prompt tokens
@@ -49,20 +53,22 @@ return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(AR
 # KEYS: queue, inflight, pending of the cluster, the call's reply key (``keys.claim_reply``). ARGV: cluster, n, lease
 # seconds, worker id, now (caller's clock: timestamps only), max attempts (0: no limit), seconds the reply is kept,
 # then the gids the worker runs, renewed first (``reassert``). Leases end at Redis time + lease seconds. A popped query
-# that already had max attempts claims is finished as failed (it gave up), not handed out. Returns a flat list: how
+# that already had max attempts claims is finished as failed (it gave up), not handed out; such rows and those of
+# stopped batches count to at most STOPPED_MAX per call (CLAIM_STOPPED_MAX). Returns a flat list: how
 # many gave up, then gid, payload, attempts, enqueued_at, ... for each newly claimed query. The reply is kept under
 # the call's id: the same call sent again (its reply was lost) answers it again and claims nothing more.
 CLAIM = LIBRARY.script(
-    r"""
+    f"local STOPPED_MAX = {CLAIM_STOPPED_MAX}\n"
+    + r"""
 local kept = redis.call('HGET', KEYS[4], 'reply')
 if kept then return cjson.decode(kept) end
 local c, n, worker, now, max_attempts = ARGV[1], tonumber(ARGV[2]), ARGV[4], ARGV[5], tonumber(ARGV[6])
 local deadline = server_now() + tonumber(ARGV[3])
 reassert(c, worker, deadline, KEYS[2], KEYS[1], KEYS[3], 8)
 local out = {0}
-local taken, gave_up = 0, 0
+local taken, gave_up, finished = 0, 0, 0
 if redis.call('HGET', k_cluster_info(c), 'state') == 'removed' then n = 0 end  -- a removed cluster takes nothing new
-while taken < n do
+while taken < n and finished < STOPPED_MAX do
   local popped = redis.call('ZPOPMIN', KEYS[1])
   local g = popped[1]
   if not g then break end
@@ -77,10 +83,12 @@ while taken < n do
     if why then
       redis.call('HSET', q, 'state', 'cancelling')  -- already popped: finish() must not scan the queue for it
       finish(g, stopped_result(g, c, why), 'cancelled', 0, now)
+      finished = finished + 1
     elseif max_attempts > 0 and used >= max_attempts then
       redis.call('HSET', q, 'state', 'failing')  -- already popped: finish() must not scan the queue for it
       finish(g, gave_up_result(g, c, used, max_attempts), 'failed', 0, now)
       gave_up = gave_up + 1
+      finished = finished + 1
     else
       local attempts = redis.call('HINCRBY', q, 'attempts', 1)
       redis.call('HSET', q, 'state', 'running', 'worker', worker, 'started_at', now, 'cluster', c)
