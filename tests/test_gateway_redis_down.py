@@ -58,3 +58,50 @@ def test_redis_down_is_unavailable_and_recovers(tmp_path):
         channel.close()
         g.stop()
         server.close()
+
+
+def test_redis_busy_running_a_script_is_unavailable_too(tmp_path):
+    """Issue [4/7]: a Lua script past Redis' time limit makes Redis answer BUSY to everyone; the gateway
+    said UNKNOWN. BUSY (and LOADING, MASTERDOWN, TRYAGAIN, ...) is a state that passes: UNAVAILABLE."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    import redis
+
+    server = EmbeddedRedis(tmp_path / "redis", persist=False)
+    config = GatewayConfig(
+        redis_url=server.url, offload=False, clusters=[ClusterSpec("a", capacity_tps=100)], http_port=0,
+        http_api_key="busy-test-key", files_dir=str(tmp_path / "files"),
+    )  # fmt: skip
+    g = GatewayThread(config)
+    channel = grpc.insecure_channel(g.start())
+    stub = pb_grpc.BatchServiceStub(channel)
+    admin = redis.Redis(unix_socket_path=server.socket_file, decode_responses=True)
+    admin.config_set("busy-reply-threshold", 50)  # ms (lua-time-limit): BUSY replies start sooner
+    spin = redis.Redis(unix_socket_path=server.socket_file, socket_timeout=60)
+    busy = threading.Thread(target=lambda: _swallow(spin.eval, "while true do end", 0), daemon=True)
+    try:
+        busy.start()
+        code, details = _code(lambda: stub.GetBatch(pb.GetBatchRequest(batch_id="any"), timeout=30))
+        assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+        assert "BUSY" in details
+        req = urllib.request.Request(
+            config.http_url + "/batches/any", headers={"Authorization": "Bearer busy-test-key"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as http:
+            urllib.request.urlopen(req, timeout=30)
+        assert http.value.code == 503
+    finally:
+        _swallow(admin.script_kill)
+        busy.join(timeout=30)
+        channel.close()
+        g.stop()
+        server.close()
+
+
+def _swallow(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # the script ends killed; a kill finds no script once it has
+        pass

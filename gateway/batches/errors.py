@@ -9,6 +9,7 @@ authentication.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import redis
@@ -20,6 +21,16 @@ ADMIN_CLIENT = "admin"
 HTTP_CLIENT = "http:front"
 #: the queue store (Redis) is down or slow: every front answers "unavailable, retry later"
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+#: Redis' answers for a state that passes (a script past its time limit, loading, a failover): retry later too
+_PASSING = re.compile(r"(?:^|error: )(BUSY|LOADING|MASTERDOWN|TRYAGAIN|CLUSTERDOWN|READONLY|NOREPLICAS)\b")
+
+
+def redis_down(e: BaseException) -> bool:
+    """Whether ``e`` says the queue store cannot answer now but will (the one rule both fronts answer by:
+    gRPC ``UNAVAILABLE``, HTTP 503): a connection error or timeout, or a reply like ``BUSY``."""
+    if isinstance(e, REDIS_DOWN):
+        return True
+    return isinstance(e, redis.exceptions.ResponseError) and bool(_PASSING.search(str(e)))
 
 
 class BatchError(Exception):

@@ -1,7 +1,8 @@
 """Interceptors: Redis trouble becomes ``UNAVAILABLE`` and undecodable requests ``INVALID_ARGUMENT``.
 
-Never ``UNKNOWN``. One interceptor wraps every handler of the gateway: a Redis connection error, timeout or "still
-loading its data" error (``BusyLoadingError`` is a ``ConnectionError``) raised while a call is
+Never ``UNKNOWN``. One interceptor wraps every handler of the gateway: a Redis connection error, timeout, "still
+loading its data" error (``BusyLoadingError`` is a ``ConnectionError``) or a reply for a state that passes (``BUSY``
+running a script, a failover: :func:`gateway.batches.errors.redis_down`) raised while a call is
 served aborts the call with ``UNAVAILABLE`` and a message that says Redis is the cause, so client
 retry policies (which retry ``UNAVAILABLE``) work through a Redis restart.
 
@@ -18,8 +19,12 @@ from collections.abc import Awaitable, Callable
 import grpc
 from google.protobuf.descriptor import FileDescriptor
 from google.protobuf.message import DecodeError
+from redis.exceptions import ResponseError
 
-from gateway.batches.errors import REDIS_DOWN
+from gateway.batches.errors import REDIS_DOWN, redis_down
+
+#: what a Redis call raises that may say Redis is down, slow or busy (redis_down decides)
+REDIS_TROUBLE = (*REDIS_DOWN, ResponseError)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +37,9 @@ def _unary(behavior):
     async def wrapped(request, context):
         try:
             return await behavior(request, context)
-        except REDIS_DOWN as e:
+        except REDIS_TROUBLE as e:
+            if not redis_down(e):
+                raise
             log.warning("call failed on Redis: %s", e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, _message(e))
 
@@ -44,7 +51,9 @@ def _stream(behavior):
         try:
             async for item in behavior(request, context):
                 yield item
-        except REDIS_DOWN as e:
+        except REDIS_TROUBLE as e:
+            if not redis_down(e):
+                raise
             log.warning("stream failed on Redis: %s", e)
             await context.abort(grpc.StatusCode.UNAVAILABLE, _message(e))
 

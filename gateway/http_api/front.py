@@ -23,6 +23,7 @@ import time
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
+from redis.exceptions import ResponseError
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
@@ -30,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.batches.errors import HTTP_CLIENT, REDIS_DOWN, BatchError, Caller, InvalidRequest
+from gateway.batches.errors import HTTP_CLIENT, REDIS_DOWN, BatchError, Caller, InvalidRequest, redis_down
 from gateway.batches.service import BatchService
 from gateway.checks.validation import Limits, id_problem, problems_by_query
 from gateway.config import GatewayConfig
@@ -75,7 +76,7 @@ class OpenAIFront:
             *self.status_page.routes(),
         ]
         handlers = {ApiError: self._api_error, HTTPException: self._http_error, Exception: self._crash}
-        handlers.update(dict.fromkeys(REDIS_DOWN, self._redis_down))
+        handlers.update(dict.fromkeys((*REDIS_DOWN, ResponseError), self._redis_down))
         app = Starlette(routes=routes, exception_handlers=handlers)
         app.add_middleware(Auth, key=self.key, public=(PAGE_PATH,))
         return app
@@ -89,6 +90,8 @@ class OpenAIFront:
         return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
 
     async def _redis_down(self, request: Request, e: Exception) -> Response:
+        if not redis_down(e):  # a Redis error that will not pass by retrying
+            return await self._crash(request, e)
         log.warning("HTTP call failed on Redis: %s", e)
         return error_response(503, f"the queue store (Redis) is unavailable, retry later: {e}")
 
