@@ -83,6 +83,7 @@ class EndpointEngine:
         self._waiting: deque[_Job] = deque()
         self._running: dict[str, _Job] = {}
         self._models: dict[str, str] = {}  # url -> the model's name there (asked when not configured)
+        self._asking = asyncio.Lock()  # one /v1/models question at a time
         self._usage_option = {url: True for url in settings.urls}  # send stream_options.include_usage
         self._meter = RateMeter()
         self._stalled_since: float | None = None  # no endpoint has answered since
@@ -97,6 +98,8 @@ class EndpointEngine:
 
     @classmethod
     def from_args(cls, args) -> EndpointEngine:
+        """The engine of ``fleetbatch engine serve --backend endpoint`` (httpx's line per request left out of its log)."""
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         return cls(EndpointSettings.from_args(args))
 
     def _call(self, coro):
@@ -260,16 +263,21 @@ class EndpointEngine:
     async def _model_at(self, lane: Lane) -> str:
         if self.settings.model:
             return self.settings.model
-        if lane.url not in self._models:
-            names = await served_models(self._client, lane.url, self._headers)
-            if len(names) != 1:
-                raise _Misconfigured(
-                    f"{lane.url}/models lists {len(names)} models ({', '.join(names) or 'none'}): "
-                    "name the one to use with --served-model-name"
-                )
-            self._models[lane.url] = names[0]
-            log.info("endpoint %s serves %s", lane.url, names[0])
+        async with self._asking:  # one question at a time: the first answer serves the requests waiting
+            if lane.url not in self._models:
+                self._models[lane.url] = await self._model_listed(lane)
         return self._models[lane.url]
+
+    async def _model_listed(self, lane: Lane) -> str:
+        """The one model ``lane``'s ``/v1/models`` lists (several or none: the engine is misconfigured)."""
+        names = await served_models(self._client, lane.url, self._headers)
+        if len(names) != 1:
+            raise _Misconfigured(
+                f"{lane.url}/models lists {len(names)} models ({', '.join(names) or 'none'}): "
+                "name the one to use with --served-model-name"
+            )
+        log.info("endpoint %s serves %s", lane.url, names[0])
+        return names[0]
 
     def _succeeded(self, job: _Job, lane: Lane, done: Completion, took_s: float) -> None:
         lane.backoff.succeeded()

@@ -1,0 +1,108 @@
+"""An HTTP fault proxy for tests: a real asyncio server on a loopback port in front of a real server.
+
+Each new connection takes the next fault of its list, then passes: ``"503"`` reads the request and
+answers 503 (and closes), ``"hang"`` reads it and never answers (until the client gives up and
+closes), ``"pass"`` (when the list is used up) relays the connection's bytes both ways untouched.
+:attr:`FaultProxy.seen` counts the connections of each kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import Counter, deque
+from collections.abc import Iterable
+
+BODY_503 = b'{"error": {"message": "overloaded (fault proxy)"}}'
+
+
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    """One HTTP request: its head, and its body by ``Content-Length``."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    if length:
+        await reader.readexactly(length)
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
+class FaultProxy:
+    """See the module's docstring; :meth:`start` returns its port, :meth:`stop` ends it."""
+
+    def __init__(self, upstream_port: int, faults: Iterable[str]) -> None:
+        self.upstream_port = upstream_port
+        self._faults = deque(faults)
+        self.seen: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self) -> int:
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._handle, "127.0.0.1", 0), self._loop
+        ).result(timeout=10)
+        return self._server.sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        async def close() -> None:
+            if self._server is not None:
+                self._server.close()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def counts(self) -> Counter[str]:
+        with self._lock:
+            return Counter(self.seen)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        with self._lock:
+            fault = self._faults.popleft() if self._faults else "pass"
+            self.seen[fault] += 1
+        try:
+            if fault == "503":
+                await _read_request(reader)
+                writer.write(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(BODY_503)}\r\nConnection: close\r\n\r\n".encode()
+                    + BODY_503
+                )
+                await writer.drain()
+            elif fault == "hang":
+                await _read_request(reader)
+                while await reader.read(65536):  # until the client gives up
+                    pass
+            else:
+                up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+                await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                writer.close()
+            self._tasks.discard(task)

@@ -1,0 +1,200 @@
+"""The endpoint backend against a real ``transformers serve`` (one per module, tests/endpoint_server.py):
+real ``fleetbatch engine serve --backend endpoint`` processes fed through the real Redis queue, the
+server killed by its pid mid-batch and started again, a real fault proxy answering 503 or hanging in
+front of it; every row comes back exactly once, none failed, with the server's usage."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections import Counter
+from collections.abc import Mapping
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from engines.endpoint_backend import EndpointEngine
+from engines.endpoint_settings import EndpointSettings
+from engines.interface import EngineFailure, Request, SamplingParams
+from gateway.http_api.format import DEFAULT_TEMPLATE
+from tests.endpoint_server import chat_model_dir, endpoint_server, free_port
+from tests.fault_proxy import FaultProxy
+from tests.harness import start_engine, wait_until
+from workqueue import QueuedQuery, WorkQueue, connect
+
+pytestmark = pytest.mark.fault
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return chat_model_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    with endpoint_server(model_dir, tmp_path_factory.mktemp("serve")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _ids(encoded) -> list[int]:
+    return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
+
+
+def _queries(batch: str, n: int, max_tokens: int) -> list[QueuedQuery]:
+    return [
+        QueuedQuery(batch, f"q{i}", f"Tell me about the river number {i}.", max_tokens, 10, float(max_tokens))
+        for i in range(n)
+    ]
+
+
+def _engine(cluster: str, redis_url: str, log_dir, *extra: str) -> subprocess.Popen:
+    return start_engine(
+        cluster,
+        redis_url,
+        log_dir,
+        "--backend",
+        "endpoint",
+        "--heartbeat-s",
+        "0.3",
+        "--max-running",
+        "4",
+        *extra,
+    )
+
+
+def _stop(engine: subprocess.Popen) -> None:
+    if engine.poll() is None:
+        os.kill(engine.pid, signal.SIGTERM)
+    try:
+        engine.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.kill(engine.pid, signal.SIGKILL)
+        engine.wait()
+
+
+def _each_once_none_failed(queue: WorkQueue, batch: str, queries: list[QueuedQuery]) -> list[dict]:
+    results = queue.results(batch)
+    counts = Counter(r["query_id"] for r in results)
+    assert sorted(counts) == sorted(q.query_id for q in queries) and set(counts.values()) == {1}
+    for r in results:
+        assert not r.get("error") and r["finish_reason"] in ("stop", "length"), r
+        assert r["completion_tokens"] >= 1 and r["prompt_tokens"] >= 1, r
+    return results
+
+
+def test_a_chat_completion_counts_the_prompt_as_the_saved_chat_template_renders_it(server, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered.startswith(tokenizer.bos_token) and rendered.endswith("<|im_start|>assistant\n")
+    assert DEFAULT_TEMPLATE.format(role="user", content="Name a river.") not in rendered
+    ids = _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    assert (
+        ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
+    )
+    body = {"model": server.model, "messages": messages, "max_tokens": 4, "temperature": 0}
+    reply = httpx.post(server.url + "/chat/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    usage = reply.json()["usage"]
+    assert usage["prompt_tokens"] == len(ids)
+    assert 1 <= usage["completion_tokens"] <= 4
+
+
+def test_every_query_comes_back_once_with_the_servers_usage(server, tokenizer, redis_url, tmp_path):
+    queue = WorkQueue(connect(redis_url))
+    queries = _queries("b1", 8, 8)
+    assert queue.create_batch("b1", [(q, "ep") for q in queries])
+    # the base URL without /v1 (added), the model's name asked from /v1/models
+    engine = _engine("ep", redis_url, tmp_path, "--endpoint-url", server.url.removesuffix("/v1"))
+    try:
+        wait_until(lambda: queue.result_count("b1") >= len(queries), 240, "every result")
+        info = wait_until(lambda: [i for i in queue.clusters(["ep"]) if i.measured_tps > 0], 30, "a rate")
+        assert info[0].backend == "endpoint"
+    finally:
+        _stop(engine)
+    assert engine.returncode == 0
+    prompts = {q.query_id: q.prompt for q in queries}
+    for r in _each_once_none_failed(queue, "b1", queries):
+        assert r["prompt_tokens"] == len(_ids(tokenizer(prompts[r["query_id"]])))  # the server's count
+        assert r["completion_tokens"] <= 8
+        assert r["finish_reason"] == "stop" or r["completion_tokens"] == 8
+    assert f"serves {server.model}" in (tmp_path / "engine-ep.log").read_text()
+
+
+def test_a_server_killed_mid_batch_and_started_again_fails_no_row(server, redis_url, tmp_path):
+    queue = WorkQueue(connect(redis_url))
+    queries = _queries("b2", 12, 24)
+    assert queue.create_batch("b2", [(q, "ep2") for q in queries])
+    engine = _engine("ep2", redis_url, tmp_path, "--endpoint-url", server.url)
+    try:
+        wait_until(lambda: queue.result_count("b2") >= 1, 240, "a first result")
+        server.kill()
+        done_at_kill = queue.result_count("b2")
+        server.start()  # the same port; the engine backs off meanwhile
+        wait_until(lambda: queue.result_count("b2") >= len(queries), 240, "every result")
+    finally:
+        _stop(engine)
+    _each_once_none_failed(queue, "b2", queries)
+    if done_at_kill < len(queries):  # the engine saw the server gone (it almost always does)
+        assert "it is not failed" in (tmp_path / "engine-ep2.log").read_text()
+
+
+def test_503s_and_hangs_are_backed_off_and_fail_no_row(server, redis_url, tmp_path):
+    proxy = FaultProxy(server.port, ["503"] * 3 + ["hang"] * 2)
+    port = proxy.start()
+    queue = WorkQueue(connect(redis_url))
+    queries = _queries("b3", 6, 8)
+    assert queue.create_batch("b3", [(q, "ep3") for q in queries])
+    engine = _engine(
+        "ep3", redis_url, tmp_path, "--endpoint-url", f"http://127.0.0.1:{port}/v1",
+        "--served-model-name", server.model, "--endpoint-timeout-s", "2",
+    )  # fmt: skip
+    try:
+        wait_until(lambda: queue.result_count("b3") >= len(queries), 240, "every result")
+    finally:
+        _stop(engine)
+        proxy.stop()
+    _each_once_none_failed(queue, "b3", queries)
+    seen = proxy.counts()
+    assert seen["503"] == 3 and seen["hang"] == 2 and seen["pass"] >= 1
+    log = (tmp_path / "engine-ep3.log").read_text()
+    assert "HTTP 503" in log and "ReadTimeout" in log
+
+
+def test_an_aborted_request_closes_its_stream_and_answers_abort(server):
+    proxy = FaultProxy(server.port, ["hang"])
+    port = proxy.start()
+    engine = EndpointEngine(EndpointSettings(urls=(f"http://127.0.0.1:{port}/v1",), model=server.model))
+    try:
+        engine.add_request(Request("r1", "Tell me about rivers.", SamplingParams(max_tokens=4)))
+        wait_until(
+            lambda: proxy.counts()["hang"] == 1 and engine.stats().running == 1, 60, "the request sent"
+        )
+        engine.abort_request("r1")
+        outs = wait_until(engine.step, 60, "the abort")
+        assert [(o.request_id, o.finish_reason) for o in outs] == [("r1", "abort")]
+        assert not engine.has_unfinished() and engine.free_slots() == 2
+    finally:
+        engine.close()
+        proxy.stop()
+
+
+def test_no_endpoint_answering_for_the_give_up_time_fails_the_engine_and_keeps_the_rows():
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    engine = EndpointEngine(EndpointSettings(urls=(url,), model="m", give_up_s=1.0))
+    try:
+        engine.add_request(Request("r1", "Tell me about rivers.", SamplingParams(max_tokens=4)))
+        with pytest.raises(EngineFailure, match=r"no endpoint answered for 1 s \(last: http://127\.0\.0\.1"):
+            wait_until(engine.step, 60, "the failure")
+        assert engine.has_unfinished() and engine.free_slots() == 0  # the worker gives it back to the queue
+        engine.add_request(Request("r2", "more", SamplingParams(max_tokens=4)))  # held, not sent, not failed
+        with pytest.raises(EngineFailure):
+            engine.step()
+    finally:
+        engine.close()
