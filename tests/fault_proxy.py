@@ -3,7 +3,8 @@
 Each new connection takes the next fault of its list, then passes: ``"503"`` reads the request and
 answers 503 (and closes), ``"hang"`` reads it and never answers (until the client gives up and
 closes), ``"pass"`` (when the list is used up) relays the connection's bytes both ways untouched.
-:attr:`FaultProxy.seen` counts the connections of each kind.
+:meth:`FaultProxy.counts` counts the connections of each kind; :attr:`FaultProxy.heads` keeps the
+heads of the requests it answered with a fault.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from collections.abc import Iterable
 BODY_503 = b'{"error": {"message": "overloaded (fault proxy)"}}'
 
 
-async def _read_request(reader: asyncio.StreamReader) -> None:
-    """One HTTP request: its head, and its body by ``Content-Length``."""
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    """One HTTP request: its head (returned), and its body by ``Content-Length``."""
     head = await reader.readuntil(b"\r\n\r\n")
     length = 0
     for line in head.split(b"\r\n"):
@@ -27,6 +28,7 @@ async def _read_request(reader: asyncio.StreamReader) -> None:
             length = int(value.strip())
     if length:
         await reader.readexactly(length)
+    return head
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -47,6 +49,7 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self._faults = deque(faults)
         self.seen: Counter[str] = Counter()
+        self.heads: list[bytes] = []
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
@@ -77,6 +80,10 @@ class FaultProxy:
         with self._lock:
             return Counter(self.seen)
 
+    def _keep(self, head: bytes) -> None:
+        with self._lock:
+            self.heads.append(head)
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
@@ -86,7 +93,7 @@ class FaultProxy:
             self.seen[fault] += 1
         try:
             if fault == "503":
-                await _read_request(reader)
+                self._keep(await _read_request(reader))
                 writer.write(
                     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                     + f"Content-Length: {len(BODY_503)}\r\nConnection: close\r\n\r\n".encode()
@@ -94,7 +101,7 @@ class FaultProxy:
                 )
                 await writer.drain()
             elif fault == "hang":
-                await _read_request(reader)
+                self._keep(await _read_request(reader))
                 while await reader.read(65536):  # until the client gives up
                     pass
             else:

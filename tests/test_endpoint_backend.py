@@ -151,9 +151,11 @@ def test_503s_and_hangs_are_backed_off_and_fail_no_row(server, redis_url, tmp_pa
     queue = WorkQueue(connect(redis_url))
     queries = _queries("b3", 6, 8)
     assert queue.create_batch("b3", [(q, "ep3") for q in queries])
+    key = tmp_path / "endpoint-key"
+    key.write_text("sk-test-key\n")
     engine = _engine(
         "ep3", redis_url, tmp_path, "--endpoint-url", f"http://127.0.0.1:{port}/v1",
-        "--served-model-name", server.model, "--endpoint-timeout-s", "2",
+        "--served-model-name", server.model, "--endpoint-timeout-s", "2", "--endpoint-key-file", str(key),
     )  # fmt: skip
     try:
         wait_until(lambda: queue.result_count("b3") >= len(queries), 240, "every result")
@@ -163,8 +165,33 @@ def test_503s_and_hangs_are_backed_off_and_fail_no_row(server, redis_url, tmp_pa
     _each_once_none_failed(queue, "b3", queries)
     seen = proxy.counts()
     assert seen["503"] == 3 and seen["hang"] == 2 and seen["pass"] >= 1
+    assert len(proxy.heads) == 5 and all(b"Bearer sk-test-key\r\n" in head for head in proxy.heads)
     log = (tmp_path / "engine-ep3.log").read_text()
     assert "HTTP 503" in log and "ReadTimeout" in log
+
+
+def test_two_endpoints_share_the_requests(server, tokenizer):
+    proxy = FaultProxy(server.port, [])  # a second address of the same server: it only relays
+    port = proxy.start()
+    urls = (server.url, f"http://127.0.0.1:{port}/v1")
+    engine = EndpointEngine(EndpointSettings(urls=urls, model=server.model))
+    try:
+        prompts = {f"r{i}": f"Tell me about the city number {i}." for i in range(4)}
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            engine.add_request(Request(rid, prompt, SamplingParams(max_tokens=4, seed=i)))
+        outs = []
+        wait_until(lambda: outs.extend(engine.step()) or len(outs) == len(prompts), 120, "every output")
+        assert sorted(o.request_id for o in outs) == sorted(prompts)
+        for o in outs:
+            assert o.finish_reason in ("stop", "length") and 1 <= o.completion_tokens <= 4 and not o.error
+            assert o.prompt_tokens == len(_ids(tokenizer(prompts[o.request_id])))
+        assert (
+            proxy.counts()["pass"] >= 1
+        )  # the second endpoint took some (two at once each, the least loaded)
+        assert engine.stats().generated_tokens == sum(o.completion_tokens for o in outs)
+    finally:
+        engine.close()
+        proxy.stop()
 
 
 def test_an_aborted_request_closes_its_stream_and_answers_abort(server):
