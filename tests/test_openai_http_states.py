@@ -125,3 +125,39 @@ def test_cancelling_a_batch_that_is_over_is_409_and_changes_nothing(idle):
     assert first.cancelling_at and wait_final(client, running.id, 30).status == "cancelled"
     again = client.batches.cancel(running.id)  # cancelled already: the object, unchanged
     assert again.status == "cancelled" and again.cancelling_at == first.cancelling_at
+
+
+def test_a_cancel_while_the_batch_is_created_is_kept_and_applied(idle, monkeypatch):
+    """Issue [4/7], finding 6: while the input file was read, the record said ``validating`` and a cancel
+    answered 404 and was lost; the batch then ran in full. Now the cancel is recorded, answered
+    ``cancelling``, and applied as soon as the gateway batch exists."""
+    import threading
+
+    client, queue, _ = idle
+    f = client.files.create(file=("slow.jsonl", _rows(3, "s")), purpose="batch")
+    reading, go_on = threading.Event(), threading.Event()
+    build = ob.build_request
+
+    def slow_read(*args, **kw):  # a large file: the creation is still reading it
+        reading.set()
+        assert go_on.wait(60)
+        return build(*args, **kw)
+
+    monkeypatch.setattr(ob, "build_request", slow_read)
+    created: list = []
+    creator = threading.Thread(
+        target=lambda: created.append(
+            client.batches.create(input_file_id=f.id, endpoint=COMPLETIONS, completion_window="24h")
+        )
+    )
+    creator.start()
+    assert reading.wait(30)
+    (being,) = client.batches.list()
+    assert being.status == "validating"
+    assert client.batches.cancel(being.id).status == "cancelling"  # was a 404
+    go_on.set()
+    creator.join(60)
+    assert created and created[0].id == being.id
+    done = wait_final(client, being.id, 30)
+    assert done.status == "cancelled" and done.request_counts.completed == 0
+    assert queue.claim("idle", 10, "w", 30) == []  # nothing of it runs

@@ -31,7 +31,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.batches.errors import HTTP_CLIENT, REDIS_DOWN, BatchError, Caller, InvalidRequest, redis_down
+from gateway.batches.errors import (
+    HTTP_CLIENT,
+    REDIS_DOWN,
+    BatchError,
+    Caller,
+    InvalidRequest,
+    NotFound,
+    redis_down,
+)
 from gateway.batches.service import BatchService
 from gateway.checks.validation import Limits, id_problem, problems_by_query
 from gateway.config import GatewayConfig
@@ -240,6 +248,7 @@ class OpenAIFront:
         except BaseException:  # cancelled (the drain gave up): keep a batch that exists
             await self._forget_unless_created(batch_id)
             raise
+        await self._cancel_if_asked(batch_id, caller)  # a cancel that came while the file was read
         return await asyncio.to_thread(self._object, batch_id)
 
     def _fail(self, batch_id: str, file_id: str, errors: list[ob.LineError]) -> dict:
@@ -329,12 +338,22 @@ class OpenAIFront:
     async def _cancel(self, batch_id: str, caller: Caller) -> dict:
         try:
             done = (await self.service.cancel(batch_id, caller)).info
+        except NotFound:  # its creation is still reading the file: recorded, applied once the batch exists
+            await asyncio.to_thread(ob.set_record_once, self.queue.r, batch_id, "cancelling_at", time.time())
+            await self._cancel_if_asked(batch_id, caller)  # it may have been created meanwhile
+            return await asyncio.to_thread(self._object, batch_id)
         except BatchError as e:
             raise api_error(e) from None
         if done.status in (BatchState.COMPLETED, BatchState.FAILED):  # it finished meanwhile
             await asyncio.to_thread(self._over, batch_id)
         await asyncio.to_thread(ob.set_record_once, self.queue.r, batch_id, "cancelling_at", time.time())
         return await asyncio.to_thread(self._object, batch_id)
+
+    async def _cancel_if_asked(self, batch_id: str, caller: Caller) -> None:
+        """Cancel the gateway batch if it exists and a cancel came while it was being created."""
+        rec = await asyncio.to_thread(self.queue.r.hget, ob.record_key(batch_id), "cancelling_at")
+        if rec and await asyncio.to_thread(self.queue.batch, batch_id) is not None:
+            await self.service.cancel(batch_id, caller)
 
     async def listing(self, request: Request) -> Response:
         """Batches created over HTTP only (``{fb}:oai:batches``), newest first."""

@@ -41,14 +41,17 @@ def _ts(value) -> int | None:
 def openai_status(info: BatchInfo | None, rec: dict) -> str:
     """OpenAI's status. With no gateway batch: ``expired`` once the record says so (or once it
     was finalized: the gateway batch expired first), ``validating`` while ``SubmitBatch`` is still
-    creating it (the record is written first), ``failed`` with no record either. ``failed`` too when
+    creating it (the record is written first; ``cancelling`` once a cancel came meanwhile), ``failed`` with
+    no record either. ``failed`` too when
     the input file was invalid (``invalid``: no gateway batch) or the finalizer gave up (``finalize_error``)."""
     if rec.get("finalize_error") or rec.get("invalid"):
         return "failed"
     if info is None:
         if not rec:
             return "failed"
-        return "expired" if rec.get("expired_at") or rec.get("finalized_at") else "validating"
+        if rec.get("expired_at") or rec.get("finalized_at"):
+            return "expired"
+        return "cancelling" if rec.get("cancelling_at") else "validating"  # a cancel waits for its creation
     if not info.final:
         return (
             "finalizing" if info.status == BatchState.EXPIRING else info.status
