@@ -11,6 +11,7 @@ from cliutil.config_file import resolve_config
 from clusterfile import ClusterFileError, endpoint_base, parse_cluster_file
 from engines.cli import build_parser
 from engines.endpoint_settings import API_KEY_ENV, EndpointSettings, api_key
+from engines.serve import parse_device_cost, run_serve
 from gateway.deploy.supervisor import engine_command
 
 
@@ -105,3 +106,11 @@ def test_the_serve_flags_make_the_settings_and_bad_ones_are_named(tmp_path, monk
     assert api_key(None) == "sk-env"
     monkeypatch.delenv(API_KEY_ENV)
     assert api_key(None) is None
+
+
+def test_device_emulation_does_not_apply_to_the_endpoint_backend(caplog):
+    endpoint = ("--backend", "endpoint", "--endpoint-url", "http://h:1", "--redis-url", "redis://127.0.0.1:1")
+    with pytest.raises(ValueError, match="not endpoint"):
+        parse_device_cost(_args(*endpoint, "--device-cost", "8,0.05,0.5"))
+    assert run_serve(_args(*endpoint, "--slowdown", "1")) == 1  # refused before Redis is asked
+    assert "--slowdown and --plan do not apply" in caplog.text
