@@ -1,8 +1,10 @@
 """An HTTP fault proxy for tests: a real asyncio server on a loopback port in front of a real server.
 
-Each new connection takes the next fault of its list, then passes: ``"503"`` reads the request and
-answers 503 (and closes), ``"hang"`` reads it and never answers (until the client gives up and
-closes), ``"pass"`` (when the list is used up) relays the connection's bytes both ways untouched.
+Each new connection takes the next fault of its list, then passes: a status (``"503"``, ``"400"``...)
+reads the request and answers it with that status and an error body (and closes; ``"422"`` refuses
+``stream_options`` as a strict server does), ``"hang"`` reads it and never answers (until the client
+gives up and closes), ``"pass"`` (when the list is used up) relays the connection's bytes both ways
+untouched.
 :meth:`FaultProxy.counts` counts the connections of each kind; :attr:`FaultProxy.heads` keeps the
 heads of the requests it answered with a fault.
 """
@@ -15,7 +17,11 @@ import threading
 from collections import Counter, deque
 from collections.abc import Iterable
 
-BODY_503 = b'{"error": {"message": "overloaded (fault proxy)"}}'
+#: the error bodies of the statuses it answers (others: a generic one)
+BODIES = {
+    "422": b'{"detail": "Unexpected fields in the request: {\'stream_options\'}"}',
+    "503": b'{"error": {"message": "overloaded (fault proxy)"}}',
+}
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
@@ -92,12 +98,13 @@ class FaultProxy:
             fault = self._faults.popleft() if self._faults else "pass"
             self.seen[fault] += 1
         try:
-            if fault == "503":
+            if fault.isdigit():
                 self._keep(await _read_request(reader))
+                body = BODIES.get(fault, f'{{"error": {{"message": "fault proxy: {fault}"}}}}'.encode())
                 writer.write(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                    + f"Content-Length: {len(BODY_503)}\r\nConnection: close\r\n\r\n".encode()
-                    + BODY_503
+                    f"HTTP/1.1 {fault} Fault\r\nContent-Type: application/json\r\n".encode()
+                    + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                    + body
                 )
                 await writer.drain()
             elif fault == "hang":

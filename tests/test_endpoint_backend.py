@@ -194,6 +194,33 @@ def test_two_endpoints_share_the_requests(server, tokenizer):
         proxy.stop()
 
 
+@pytest.mark.parametrize(
+    ("faults", "outcome", "logged"),
+    [
+        (["422"], "answered", "asking it without stream_options"),  # a strict server: asked again without
+        (["500", "500"], "answered", "HTTP 500"),  # a server error: tried again (three tries in all)
+        (["500", "500", "500"], "HTTP 500: fault proxy: 500", ""),  # the third: the row fails, saying why
+        (["400"], "HTTP 400: fault proxy: 400", ""),  # a refusal: the row fails at once with its message
+    ],
+)
+def test_refusals_and_server_errors(server, faults, outcome, logged, caplog):
+    proxy = FaultProxy(server.port, faults)
+    port = proxy.start()
+    engine = EndpointEngine(EndpointSettings(urls=(f"http://127.0.0.1:{port}/v1",), model=server.model))
+    try:
+        engine.add_request(Request("r1", "Tell me about rivers.", SamplingParams(max_tokens=4)))
+        (out,) = wait_until(engine.step, 120, "the output")
+    finally:
+        engine.close()
+        proxy.stop()
+    if outcome == "answered":
+        assert out.finish_reason in ("stop", "length") and out.completion_tokens >= 1 and not out.error
+    else:
+        assert out.finish_reason == "error" and outcome in out.error and out.completion_tokens == 0
+    assert logged in caplog.text
+    assert sum(proxy.counts()[f] for f in set(faults)) == len(faults)
+
+
 def test_an_aborted_request_closes_its_stream_and_answers_abort(server):
     proxy = FaultProxy(server.port, ["hang"])
     port = proxy.start()
