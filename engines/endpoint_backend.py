@@ -85,6 +85,7 @@ class EndpointEngine:
         self._models: dict[str, str] = {}  # url -> the model's name there (asked when not configured)
         self._asking = asyncio.Lock()  # one /v1/models question at a time
         self._usage_option = {url: True for url in settings.urls}  # send stream_options.include_usage
+        self._no_usage: set[str] = set()  # endpoints that sent no usage (said once)
         self._meter = RateMeter()
         self._stalled_since: float | None = None  # no endpoint has answered since
         self._last_problem = ""
@@ -285,10 +286,9 @@ class EndpointEngine:
         lane.limit.succeeded(per_token, saturated=lane.inflight >= lane.limit.slots)
         self._answered(lane)
         self._meter.add(time.monotonic(), done.completion_tokens)
-        if not done.usage_reported:
-            log.warning(
-                "%s sent no usage: request %s counts its stream's pieces", lane.url, job.request.request_id
-            )
+        if not done.usage_reported and lane.url not in self._no_usage:
+            self._no_usage.add(lane.url)
+            log.warning("%s sends no usage: its completions count the stream's pieces, prompts 0", lane.url)
         self._finish(
             job,
             RequestOutput(

@@ -3,8 +3,9 @@
 Each new connection takes the next fault of its list, then passes: a status (``"503"``, ``"400"``...)
 reads the request and answers it with that status and an error body (and closes; ``"422"`` refuses
 ``stream_options`` as a strict server does), ``"hang"`` reads it and never answers (until the client
-gives up and closes), ``"pass"`` (when the list is used up) relays the connection's bytes both ways
-untouched.
+gives up and closes), ``"no-usage"`` answers a whole stream of two pieces without ``usage``, ``"cut"``
+a stream that ends before its completion does, and ``"pass"`` (when the list is used up) relays the
+connection's bytes both ways untouched.
 :meth:`FaultProxy.counts` counts the connections of each kind; :attr:`FaultProxy.heads` keeps the
 heads of the requests it answered with a fault.
 """
@@ -17,6 +18,12 @@ import threading
 from collections import Counter, deque
 from collections.abc import Iterable
 
+#: the streams it answers itself
+STREAMS = {
+    "no-usage": b'data: {"choices": [{"index": 0, "text": "Hi"}]}\n\n'
+    b'data: {"choices": [{"index": 0, "text": " there", "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n',
+    "cut": b'data: {"choices": [{"index": 0, "text": "Hi"}]}\n\n',
+}
 #: the error bodies of the statuses it answers (others: a generic one)
 BODIES = {
     "422": b'{"detail": "Unexpected fields in the request: {\'stream_options\'}"}',
@@ -103,6 +110,15 @@ class FaultProxy:
                 body = BODIES.get(fault, f'{{"error": {{"message": "fault proxy: {fault}"}}}}'.encode())
                 writer.write(
                     f"HTTP/1.1 {fault} Fault\r\nContent-Type: application/json\r\n".encode()
+                    + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                    + body
+                )
+                await writer.drain()
+            elif fault in STREAMS:
+                self._keep(await _read_request(reader))
+                body = STREAMS[fault]
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                     + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                     + body
                 )

@@ -201,6 +201,8 @@ def test_two_endpoints_share_the_requests(server, tokenizer):
         (["500", "500"], "answered", "HTTP 500"),  # a server error: tried again (three tries in all)
         (["500", "500", "500"], "HTTP 500: fault proxy: 500", ""),  # the third: the row fails, saying why
         (["400"], "HTTP 400: fault proxy: 400", ""),  # a refusal: the row fails at once with its message
+        (["cut"], "answered", "the stream ended before the completion did"),  # sent again
+        (["no-usage"], "no usage", "sends no usage"),  # counted from the stream: 2 pieces, prompt 0
     ],
 )
 def test_refusals_and_server_errors(server, faults, outcome, logged, caplog):
@@ -215,6 +217,13 @@ def test_refusals_and_server_errors(server, faults, outcome, logged, caplog):
         proxy.stop()
     if outcome == "answered":
         assert out.finish_reason in ("stop", "length") and out.completion_tokens >= 1 and not out.error
+    elif outcome == "no usage":
+        assert (out.text, out.finish_reason, out.completion_tokens, out.prompt_tokens) == (
+            "Hi there",
+            "stop",
+            2,
+            0,
+        )
     else:
         assert out.finish_reason == "error" and outcome in out.error and out.completion_tokens == 0
     assert logged in caplog.text
