@@ -43,8 +43,8 @@ def redis_url(redis_server) -> str:
 
 # -- the order of the run: the longest modules first ---------------------------------------------------
 #
-# Under pytest-xdist (scripts/test.sh: ``--dist load --maxschedchunk 1``) each worker takes the next
-# test when it is free, so a run ends soonest when the long tests start first and the short ones
+# Under pytest-xdist (scripts/test.sh: ``--dist loadgroup --no-loadscope-reorder``) each worker takes the next
+# test (or the next group of tests marked ``xdist_group``, which share a costly fixture) when it is free, so a run ends soonest when the long tests start first and the short ones
 # fill in at the end. ``tests/durations.json`` holds each test's seconds (set-up, call and tear-down;
 # those of 1 s or more) from an earlier run: modules run in order of their summed seconds, longest
 # first; the tests inside a module keep their order (module fixtures stay shared); a test the file

@@ -24,7 +24,8 @@ from tests.fault_proxy import FaultProxy
 from tests.harness import start_engine, wait_until
 from workqueue import QueuedQuery, WorkQueue, connect
 
-pytestmark = pytest.mark.fault
+# one worker runs the module, so one transformers serve starts (each costs a model load)
+pytestmark = [pytest.mark.fault, pytest.mark.xdist_group("endpoint-server")]
 
 
 @pytest.fixture(scope="module")
