@@ -177,3 +177,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_image_copies_every_package_the_project_installs():
+    """A package missing from the Dockerfile's COPY lines installs nowhere in the image (clusterfile once)."""
+    import re
+    import tomllib
+
+    include = tomllib.loads((K8S.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"][
+        "find"
+    ]
+    packages = {p.rstrip("*") for p in include["include"]}
+    copied = set(re.findall(r"^COPY (\w+) \1$", (K8S / "Dockerfile").read_text(), re.M))
+    assert packages <= copied, sorted(packages - copied)
