@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import html
 import importlib.resources
 import os
 import re
@@ -26,6 +25,7 @@ from unittest import mock
 
 from fleetbatch import reference_schemas
 from fleetbatch.cli import PARTS, part_parser, top_parser
+from fleetbatch.reference_markdown import code, header, link, table, text
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 MACHINE = "(depends on the machine)"
@@ -47,41 +47,6 @@ HTTP_INTRO = (
     "(`--http-port -1`: off), `fleetbatch gateway serve` with `--http-port PORT --http-api-key KEY`. Errors "
     'have OpenAI\'s body, `{"error": {"message", "type", "param", "code"}}`; no or a wrong key is a 401.'
 )
-
-
-def _header(title: str, source: str, intro: str) -> str:
-    note = f"<!-- Generated from {source} by `python -m fleetbatch.reference`: do not edit by hand. -->"
-    return f"{note}\n\n# {title}\n\n{intro}\n\n"
-
-
-def _text(text: str) -> str:
-    """Plain text for a Markdown paragraph or table cell: one line; ``code`` spans kept, the rest escaped."""
-    parts = " ".join(text.split()).split("`")
-    if len(parts) % 2 == 0:  # an unpaired backquote: no code spans
-        parts = ["`".join(parts)]
-    escape = re.compile(r"[\\*\[|`]|(?<!\w)_|_(?!\w)")  # what would start emphasis, a link, code or a cell
-    return "".join(
-        _code(p) if i % 2 else html.escape(escape.sub(lambda m: "\\" + m.group(0), p), quote=False)
-        for i, p in enumerate(parts)
-    )
-
-
-def _code(text: str) -> str:
-    """A code span that survives a table cell (a ``|`` in a code span ends the cell on some renderers)."""
-    if "|" in text or "`" in text:
-        return "<code>" + html.escape(text, quote=False).replace("|", "&#124;") + "</code>"
-    return f"`{text}`"
-
-
-def _table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(cell or " " for cell in row) + " |" for row in rows]) + "\n\n"
-
-
-def _link(name: str) -> str:
-    """A link to this page's heading ``name``, by the anchor MkDocs gives it (the ``toc`` extension's rule)."""
-    anchor = re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", name).strip().lower())
-    return f"[`{name}`](#{anchor})"
 
 
 # ---------------------------------------------------------------------------------------------- cli.md
@@ -137,7 +102,7 @@ def _default(action: argparse.Action, machine: bool) -> str:
         return ""
     if machine:
         return MACHINE
-    return _code(",".join(map(str, value)) if isinstance(value, list | tuple) else str(value))
+    return code(",".join(map(str, value)) if isinstance(value, list | tuple) else str(value))
 
 
 def _help(action: argparse.Action, prog: str, machine: bool) -> str:
@@ -146,7 +111,7 @@ def _help(action: argparse.Action, prog: str, machine: bool) -> str:
     params.update(prog=prog, default=MACHINE if machine else _resolved(action)[0])
     if action.choices is not None:
         params["choices"] = ", ".join(map(str, action.choices))
-    return _text((action.help or "") % params)  # as argparse does: a help it cannot fill fails --help too
+    return text((action.help or "") % params)  # as argparse does: a help it cannot fill fails --help too
 
 
 def _options(parser: argparse.ArgumentParser, path: tuple, machine: set, positionals: bool = True) -> str:
@@ -159,17 +124,17 @@ def _options(parser: argparse.ArgumentParser, path: tuple, machine: set, positio
             continue
         dep = (*path, action.dest) in machine
         invocation = formatter._format_action_invocation(action)
-        rows.append((_code(invocation), _default(action, dep), _help(action, parser.prog, dep)))
-    return _table(("option", "default", "what it does"), rows) if rows else "No options.\n\n"
+        rows.append((code(invocation), _default(action, dep), _help(action, parser.prog, dep)))
+    return table(("option", "default", "what it does"), rows) if rows else "No options.\n\n"
 
 
 def _description(parser: argparse.ArgumentParser, fallback: str) -> str:
-    text = parser.description or fallback
-    if not text.strip():
+    about = parser.description or fallback
+    if not about.strip():
         return ""
     if issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter):
-        return "```text\n" + textwrap.dedent(text).strip("\n") + "\n```\n\n"
-    return _text(text) + "\n\n"
+        return "```text\n" + textwrap.dedent(about).strip("\n") + "\n```\n\n"
+    return text(about) + "\n\n"
 
 
 def cli_page() -> str:
@@ -177,7 +142,7 @@ def cli_page() -> str:
     elsewhere = _defaults(_parsers(cpus=(os.cpu_count() or 1) + 3))  # as built on another machine
     machine = {k for k, v in _defaults(parsers).items() if v != elsewhere.get(k)}
     out = [
-        _header("Command line", "the argparse tree of `fleetbatch`", CLI_INTRO),
+        header("Command line", "the argparse tree of `fleetbatch`", CLI_INTRO),
         "## Global options\n\n`fleetbatch [options] PART COMMAND ...`: the global options go before the part "
         "and reach every process the command starts.\n\n",
         _options(parsers[""], ("",), machine, positionals=False),
@@ -185,11 +150,9 @@ def cli_page() -> str:
     for name in PARTS:
         commands = list(_commands(parsers[name], (name,)))
         out.append(f"## fleetbatch {name}\n\n" + _description(parsers[name], ""))
-        out.append(
-            _table(("command", "what it does"), [(_link(sub.prog), _text(t)) for _, sub, t in commands])
-        )
-        for path, sub, text in commands:
-            out.append(f"{'#' * min(1 + len(path), 6)} {sub.prog}\n\n" + _description(sub, text))
+        out.append(table(("command", "what it does"), [(link(sub.prog), text(t)) for _, sub, t in commands]))
+        for path, sub, what in commands:
+            out.append(f"{'#' * min(1 + len(path), 6)} {sub.prog}\n\n" + _description(sub, what))
             if not any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
                 out.append(_options(sub, path, machine))
     out.append("## fleetbatch completion\n\n`fleetbatch completion bash|zsh|tcsh` prints a shell completion script "
@@ -200,7 +163,7 @@ def cli_page() -> str:
 # --------------------------------------------------------------------------------------------- grpc.md
 
 
-def proto_comments(text: str) -> dict[str, str]:
+def proto_comments(source: str) -> dict[str, str]:
     """The comments of a ``.proto`` file by element (``Service.Rpc``, ``Message.field``, ``Enum.VALUE``...):
     the ``//`` lines above it (but lines of dashes) and the one that ends its line."""
     out: dict[str, str] = {}
@@ -211,7 +174,7 @@ def proto_comments(text: str) -> dict[str, str]:
         if words := " ".join([*pending, trailing.strip()]).strip():
             out[".".join([*(n for kind, n in scope if kind != "oneof"), name])] = words
 
-    for raw in text.splitlines():
+    for raw in source.splitlines():
         line = raw.strip()
         if line.startswith("//"):
             if not line[2:].strip().startswith("---"):
@@ -244,11 +207,11 @@ def _type(field) -> str:
         return linked.name if linked is not None else FieldDescriptorProto.Type.Name(f.type)[5:].lower()
 
     if field.message_type is not None and field.message_type.GetOptions().map_entry:
-        return _code("map<{}, {}>".format(*map(name, field.message_type.fields)))
-    text = _link(name(field)) if field.message_type or field.enum_type else _code(name(field))
+        return code("map<{}, {}>".format(*map(name, field.message_type.fields)))
+    shown = link(name(field)) if field.message_type or field.enum_type else code(name(field))
     oneof = field.containing_oneof  # proto3's `optional` is a oneof of one, named after the field
     optional = oneof is not None and oneof.name == "_" + field.name
-    return ("repeated " if field.is_repeated else "optional " if optional else "") + text
+    return ("repeated " if field.is_repeated else "optional " if optional else "") + shown
 
 
 def grpc_page() -> str:
@@ -258,26 +221,26 @@ def grpc_page() -> str:
     notes = proto_comments(importlib.resources.files("protos").joinpath("fleetbatch.proto").read_text())
 
     def section(name: str) -> str:
-        return f"### {name}\n\n" + (_text(notes[name]) + "\n\n" if name in notes else "")
+        return f"### {name}\n\n" + (text(notes[name]) + "\n\n" if name in notes else "")
 
     def arg(t, streaming: bool) -> str:
-        return ("stream " if streaming else "") + _link(t.name)
+        return ("stream " if streaming else "") + link(t.name)
 
-    out = [_header("gRPC API", "`protos/fleetbatch.proto`", GRPC_INTRO.format(package=file.package))]
+    out = [header("gRPC API", "`protos/fleetbatch.proto`", GRPC_INTRO.format(package=file.package))]
     out.append("## Services\n\n")
     for s in file.services_by_name.values():
         rows = [(f"`{m.name}`", arg(m.input_type, m.client_streaming), arg(m.output_type, m.server_streaming),
-                 _text(notes.get(f"{s.name}.{m.name}", ""))) for m in s.methods]  # fmt: skip
-        out += [section(s.name), _table(("RPC", "request", "response", "what it does"), rows)]
+                 text(notes.get(f"{s.name}.{m.name}", ""))) for m in s.methods]  # fmt: skip
+        out += [section(s.name), table(("RPC", "request", "response", "what it does"), rows)]
     out.append("## Messages\n\n")
     for m in file.message_types_by_name.values():
-        rows = [(f"`{f.name}`", str(f.number), _type(f), _text(notes.get(f"{m.name}.{f.name}", "")))
+        rows = [(f"`{f.name}`", str(f.number), _type(f), text(notes.get(f"{m.name}.{f.name}", "")))
                 for f in m.fields]  # fmt: skip
-        out += [section(m.name), _table(("field", "number", "type", "meaning"), rows)]
+        out += [section(m.name), table(("field", "number", "type", "meaning"), rows)]
     out.append("## Enums\n\n")
     for e in file.enum_types_by_name.values():
-        rows = [(f"`{v.name}`", str(v.number), _text(notes.get(f"{e.name}.{v.name}", ""))) for v in e.values]
-        out += [section(e.name), _table(("value", "number", "meaning"), rows)]
+        rows = [(f"`{v.name}`", str(v.number), text(notes.get(f"{e.name}.{v.name}", ""))) for v in e.values]
+        out += [section(e.name), table(("value", "number", "meaning"), rows)]
     return "".join(out)
 
 
@@ -298,7 +261,7 @@ def _families(families: Iterable) -> list[tuple[str, ...]]:
     rows = []
     for f in families:
         labels = ", ".join(dict.fromkeys(k for s in f.samples for k in s.labels if k != "le"))
-        rows.append((_code(f.name + suffix.get(f.type, "")), f.type, labels, _text(f.documentation)))
+        rows.append((code(f.name + suffix.get(f.type, "")), f.type, labels, text(f.documentation)))
     return rows
 
 
@@ -315,13 +278,13 @@ def metrics_page() -> str:
     engine = [*StageCollector(_Stub()).collect(), *WorkerCollector(_Stub()).collect()]
     head = ("metric", "type", "labels", "what it counts")
     return "".join([
-        _header("Prometheus metrics", "`gateway/status/metrics.py` and `engines/metrics.py`", METRICS_INTRO),
+        header("Prometheus metrics", "`gateway/status/metrics.py` and `engines/metrics.py`", METRICS_INTRO),
         "## Gateway\n\n`fleetbatch gateway serve --metrics-port PORT` (also `gateway up`), on `--metrics-host` "
         "(loopback by default), refreshed at every offloader tick (0.5 s).\n\n",
-        _table(head, _families(gateway.registry.collect())),
+        table(head, _families(gateway.registry.collect())),
         "## Engine\n\n`fleetbatch engine serve --metrics-port PORT`, on every address. `fleetbatch_stage_*`: one "
         "series per pipeline stage of a plan with several; `fleetbatch_worker_*`: the worker and its queue agent.\n\n",
-        _table(head, _families(engine)),
+        table(head, _families(engine)),
     ])  # fmt: skip
 
 
@@ -353,10 +316,10 @@ def http_page() -> str:
     routes = [(method, r.path) for r in app.routes for method in sorted(set(r.methods) - {"HEAD"})]
     if differ := {f"{m} {p}" for m, p in routes} ^ set(ROUTES):
         raise ValueError(f"fleetbatch.reference.ROUTES and the app's routes differ: {sorted(differ)}")
-    rows = [(f"`{m}`", _code(p), "none" if p in public else "Bearer key", _text(ROUTES[f"{m} {p}"]))
+    rows = [(f"`{m}`", code(p), "none" if p in public else "Bearer key", text(ROUTES[f"{m} {p}"]))
             for m, p in routes]  # fmt: skip
     head = ("method", "path", "auth", "what it does")
-    return _header("HTTP API", "the routes of `gateway/http_api/front.py`", HTTP_INTRO) + _table(head, rows)
+    return header("HTTP API", "the routes of `gateway/http_api/front.py`", HTTP_INTRO) + table(head, rows)
 
 
 # ------------------------------------------------------------------------------------------- the pages
@@ -380,7 +343,7 @@ def render() -> dict[str, str]:
 
 def stale(pages: dict[str, str], docs: Path = DOCS) -> list[str]:
     """The pages whose file under ``docs`` is missing or differs from ``pages``."""
-    return [p for p, text in pages.items() if not (docs / p).is_file() or (docs / p).read_text() != text]
+    return [p for p, page in pages.items() if not (docs / p).is_file() or (docs / p).read_text() != page]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ fields come from :mod:`clusterfile`'s pydantic models, the config files' keys fr
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel
@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from cliutil import env_name, options_model
 from clusterfile import CLUSTER_FILE_VERSION, Cluster, ClusterFile, Emulation
 from fleetbatch.cli import part_parser
+from fleetbatch.reference_markdown import code, header, table, text
 from fleetbatch.vocabulary import RETIRED, SHORT, VOCABULARY
 
 #: the commands that take ``--config-file``
@@ -36,26 +37,11 @@ emulation:                         # optional: how `gateway up` emulates devices
 ```"""
 
 
-def _header(title: str, source: str, intro: str) -> str:
-    note = f"<!-- Generated from {source} by `python -m fleetbatch.reference`: do not edit by hand. -->"
-    return f"{note}\n\n# {title}\n\n{intro}\n\n"
-
-
-def _cell(text: Any) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
-
-
-def _table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def _type(annotation: Any) -> str:
-    text = str(annotation).replace("typing.", "").replace("NoneType", "None")
+    shown = str(annotation).replace("typing.", "").replace("NoneType", "None")
     for noise in ("Annotated[", "<class '", "'>", "clusterfile.schema."):
-        text = text.replace(noise, "")
-    return text.split(", FieldInfo")[0].split(", Strict")[0].split(", Ge")[0].split(", Gt")[0]
+        shown = shown.replace(noise, "")
+    return shown.split(", FieldInfo")[0].split(", Strict")[0].split(", Ge")[0].split(", Gt")[0]
 
 
 def _fields(model: type[BaseModel]) -> str:
@@ -64,29 +50,29 @@ def _fields(model: type[BaseModel]) -> str:
         required = f.is_required()
         value = None if required else f.get_default(call_default_factory=True)
         default = "required" if required else "(below)" if isinstance(value, BaseModel) else repr(value)
-        rows.append((f"`{name}`", f"`{_type(f.annotation)}`", default, f.description or ""))
-    return _table(("field", "type", "default", "meaning"), rows)
+        rows.append((code(name), code(_type(f.annotation)), text(default), text(f.description or "")))
+    return table(("field", "type", "default", "meaning"), rows)
 
 
 def vocabulary_page() -> str:
-    out = _header(
+    out = header(
         "Vocabulary",
         "fleetbatch/vocabulary.py",
         "One flag per concept across every `fleetbatch` command: a flag means the same wherever it appears. "
         "A test walks the whole `--help` tree against this table and every command the docs show.",
     )
-    out += _table(
-        ("flag", "meaning"), ((f"`{flag}`", meaning) for flag, meaning in sorted(VOCABULARY.items()))
+    out += table(
+        ("flag", "meaning"), ((code(flag), text(meaning)) for flag, meaning in sorted(VOCABULARY.items()))
     )
     out += "\n## Short options\n\n"
-    out += _table(("short", "long"), ((f"`{s}`", f"`{long}`") for s, long in sorted(SHORT.items())))
+    out += table(("short", "long"), ((code(s), code(long)) for s, long in sorted(SHORT.items())))
     out += "\n## Renamed flags\n\nThese names are gone; use the one on the right.\n\n"
-    out += _table(("old", "now"), ((f"`{old}`", new) for old, new in sorted(RETIRED.items())))
+    out += table(("old", "now"), ((code(old), text(new)) for old, new in sorted(RETIRED.items())))
     return out
 
 
 def cluster_file_page() -> str:
-    out = _header(
+    out = header(
         "Cluster file",
         "clusterfile/schema.py",
         "One file describes a fleet for every command that reads one: `fleetbatch gateway serve --clusters`, "
@@ -110,18 +96,22 @@ def _config_rows(parser: argparse.ArgumentParser) -> Iterable[tuple[str, ...]]:
     flags = {a.dest: a for a in parser._actions if a.option_strings}
     for name, f in model.model_fields.items():
         a = flags[name]
-        env = env_name(name) if name != "client_tokens" else "(none: the variable is the token table itself)"
+        env = (
+            code(env_name(name))
+            if name != "client_tokens"
+            else text("(none: the variable is the token table)")
+        )
         yield (
-            f"`{name}`",
-            f"`{a.option_strings[-1]}`",
-            f"`{env}`",
-            f"`{_type(f.annotation)}`",
-            f.description or "",
+            code(name),
+            code(a.option_strings[-1]),
+            env,
+            code(_type(f.annotation)),
+            text(f.description or ""),
         )
 
 
 def config_file_page() -> str:
-    out = _header(
+    out = header(
         "Config files",
         "each command's parser, through cliutil.config_file",
         "`fleetbatch gateway serve` and `fleetbatch engine serve` read every option from a YAML file "
@@ -140,5 +130,5 @@ def config_file_page() -> str:
             if name == command
         )
         out += f"\n## `fleetbatch {part} {command}`\n\n"
-        out += _table(("key", "flag", "variable", "type", "meaning"), _config_rows(parser))
+        out += table(("key", "flag", "variable", "type", "meaning"), _config_rows(parser))
     return out
