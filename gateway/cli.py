@@ -13,6 +13,7 @@ from pathlib import Path
 
 from cliutil import enable_config_file, run_main
 from gateway.cli_options import add_common, add_http
+from gateway.cli_tables import batch_table, cluster_table
 from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
 from gateway.deploy import prepare
 from gateway.deploy.fleet_up import FLEET_METHODS
@@ -235,44 +236,6 @@ def _token(args) -> str:
     )
 
 
-def batch_table(batches, now: float) -> str:
-    """Batches' progress: rows done, tokens done of predicted, ETA and deadline in seconds from ``now``."""
-    lines = [
-        f"{'batch':<34} {'status':<12} {'rows':>11} {'tokens':>7} {'ETA s':>8} {'deadline s':>10} at risk"
-    ]
-    for b in batches:
-        c = b.request_counts
-        rows = f"{c.completed + c.failed + c.cancelled}/{c.total}"
-        tokens = f"{100 * b.done_predicted_tokens / b.predicted_tokens:.0f}%" if b.predicted_tokens else "-"
-        eta = f"{b.predicted_finish_at - now:.0f}" if b.predicted_finish_at else "-"
-        deadline = f"{b.deadline - now:.0f}" if b.deadline else "-"
-        status = pb_status_name(b.status)
-        lines.append(
-            f"{b.id:<34} {status:<12} {rows:>11} {tokens:>7} {eta:>8} {deadline:>10} {'yes' if b.at_risk else 'no'}"
-        )
-    return "\n".join(lines)
-
-
-def pb_status_name(status: int) -> str:
-    from protos import fleetbatch_pb2 as pb
-
-    return pb.BatchStatus.Name(status).lower()
-
-
-def _table(clusters) -> str:
-    lines = [
-        f"{'cluster':<12} {'alive':<5} {'state':<9} {'cap tok/s':>9} {'queue':>6} {'running':>7} "
-        f"{'pending tok':>11} {'finish s':>8} {'done':>6} {'tokens':>8}"
-    ]
-    for c in clusters:
-        lines.append(
-            f"{c.name:<12} {'yes' if c.alive else 'no':<5} {c.state:<9} {c.capacity_tokens_per_s:>9.1f} "
-            f"{c.queue_length:>6} {c.running:>7} {c.pending_predicted_tokens:>11.0f} {c.expected_finish_s:>8.1f} "
-            f"{c.finished_queries:>6} {c.finished_actual_tokens:>8}"
-        )
-    return "\n".join(lines)
-
-
 def _rebalance(args) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
@@ -306,7 +269,7 @@ def _rebalance(args) -> int:
     if args.json:
         print(json.dumps(MessageToDict(resp, preserving_proto_field_name=True)))
         return 0
-    print(_table(resp.before))
+    print(cluster_table(resp.before))
     print()
     print(resp.message)
     if resp.applied:
@@ -374,7 +337,7 @@ def _status(args) -> int:
         out["batches"] = [MessageToDict(b, preserving_proto_field_name=True) for b in batches]
         print(json.dumps(out))
     else:
-        print(_table(resp.clusters) + ("\n\n" + batch_table(batches, time.time()) if batches else ""))
+        print(cluster_table(resp.clusters) + ("\n\n" + batch_table(batches, time.time()) if batches else ""))
     return 0
 
 
