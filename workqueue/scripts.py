@@ -55,8 +55,9 @@ return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(AR
 # then the gids the worker runs, renewed first (``reassert``). Leases end at Redis time + lease seconds. A popped query
 # that already had max attempts claims is finished as failed (it gave up), not handed out; such rows and those of
 # stopped batches count to at most STOPPED_MAX per call (CLAIM_STOPPED_MAX). Returns a flat list: how
-# many gave up, then gid, payload, attempts, enqueued_at, ... for each newly claimed query. The reply is kept under
-# the call's id: the same call sent again (its reply was lost) answers it again and claims nothing more.
+# many gave up, then gid, payload, attempts, enqueued_at, ... for each newly claimed query. A reply that hands out
+# queries is kept under the call's id: the same call sent again (its reply was lost) answers it again and claims
+# nothing more (an idle worker's empty ticks write nothing).
 CLAIM = LIBRARY.script(
     f"local STOPPED_MAX = {CLAIM_STOPPED_MAX}\n"
     + r"""
@@ -102,8 +103,10 @@ while taken < n and finished < STOPPED_MAX do
   end
 end
 out[1] = gave_up
-redis.call('HSET', KEYS[4], 'reply', cjson.encode(out))
-redis.call('EXPIRE', KEYS[4], ARGV[7])
+if taken > 0 then  -- an empty reply is not kept: sent again, the call claims what there is then
+  redis.call('HSET', KEYS[4], 'reply', cjson.encode(out))
+  redis.call('EXPIRE', KEYS[4], ARGV[7])
+end
 return out
 """
 )
