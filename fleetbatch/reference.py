@@ -280,7 +280,10 @@ def metrics_page() -> str:
     return "".join([
         header("Prometheus metrics", "`gateway/status/metrics.py` and `engines/metrics.py`", METRICS_INTRO),
         "## Gateway\n\n`fleetbatch gateway serve --metrics-port PORT` (also `gateway up`), on `--metrics-host` "
-        "(loopback by default), refreshed at every offloader tick (0.5 s).\n\n",
+        "(loopback by default), refreshed at every offloader tick (0.5 s). A scrape sends the admin token "
+        "(`$FLEETBATCH_ADMIN_TOKEN`) as `Authorization: Bearer <token>`, else 401; the endpoint does not "
+        "start without one. The `batch` series cover at most `--metrics-batches` (100) unfinished batches, "
+        "those at risk first, then the earliest finish; a finished batch's series go at the next refresh.\n\n",
         table(head, _families(gateway.registry.collect())),
         "## Engine\n\n`fleetbatch engine serve --metrics-port PORT`, on every address. `fleetbatch_stage_*`: one "
         "series per pipeline stage of a plan with several; `fleetbatch_worker_*`: the worker and its queue agent.\n\n",

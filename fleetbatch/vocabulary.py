@@ -127,6 +127,7 @@ VOCABULARY: dict[str, str] = {
     "--memory-model": "model built to check the memory model",
     "--method": "ilp",
     "--methods": "comma-separated subset to run",
+    "--metrics-batches": "most unfinished batches with metrics series of their own",
     "--metrics-host": "address of the metrics endpoint",
     "--metrics-port": "serve Prometheus metrics on this port (0: off)",
     "--min-time": "seconds of calls per point and round",

@@ -53,6 +53,14 @@ def add_common(s: argparse.ArgumentParser) -> None:
         help="address of the metrics endpoint (default: loopback; 0.0.0.0 to be scraped from outside)",
     )
     s.add_argument(
+        "--metrics-batches",
+        type=int,
+        default=100,
+        metavar="N",
+        help="most unfinished batches with metrics series of their own (at risk first, then the earliest "
+        "finish); finished batches have none",
+    )
+    s.add_argument(
         "--no-offload",
         action="store_true",
         help="no offloading between live clusters (lease recovery and evacuation still run)",

@@ -60,6 +60,7 @@ class GatewayConfig:
     intake_wait_s: float = INTAKE_WAIT_S  # intake waits this long for a cluster that can take a query
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_host: str = "127.0.0.1"  # the Prometheus endpoint's address (0.0.0.0 in a pod)
+    metrics_batches: int = 100  # most unfinished batches with series of their own (gateway.status.metrics)
     clusters: list[ClusterSpec] = field(default_factory=list)
     bound_address: str = ""  # set by the server once it listens (port 0 picks a free one)
     http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port; None: off)
@@ -89,6 +90,7 @@ class GatewayConfig:
             tokenizer_dir=args.served_model,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
+            metrics_batches=getattr(args, "metrics_batches", 100),
             offload=not args.no_offload,
             queue_order=args.queue_order,
             priority_step_s=args.priority_step_s,

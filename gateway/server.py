@@ -122,7 +122,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
         count_tokens=count_tokens,
         predict_tokens=predict_tokens,
         policy=policy,
-        metrics=GatewayMetrics(),
+        metrics=GatewayMetrics(config.metrics_batches),
         predictor=predictor,
         token_bound=token_bound(tokenizer),
         tokenizer=tokenizer,
@@ -180,7 +180,7 @@ async def serve(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     if config.metrics_port:
-        deps.metrics.serve(config.metrics_port, config.metrics_host)
+        deps.metrics.serve(config.metrics_port, config.metrics_host, config.token())
         log.info("Prometheus metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
     host = config.listen.rsplit(":", 1)[0]
     config.bound_address = f"{host}:{port}"

@@ -1,18 +1,60 @@
-"""Prometheus metrics of the gateway (one registry per gateway instance, no globals)."""
+"""Prometheus metrics of the gateway (one registry per gateway instance, no globals).
+
+The endpoint (:meth:`GatewayMetrics.serve`) answers only a scrape that sends the admin token as
+``Authorization: Bearer <token>`` (as the admin API checks it): 401 otherwise, since the series name
+every client's batches. The per-batch series (``batch`` label) cover the unfinished batches only, at most
+``max_batches`` of them (``--metrics-batches``, :data:`METRICS_BATCHES`): those at risk first, then the
+earliest predicted finish; a finished batch's series go at the next refresh, so the label's values are
+bounded however many batches come and go.
+"""
 
 from __future__ import annotations
 
+import hmac
+import socket
+import threading
 from collections.abc import Mapping, Sequence
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from gateway.assign.policies import ClusterView, expected_finish_s
 from gateway.status.eta import Eta
 from workqueue import ClusterInfo
 
+#: the most batches with series of their own (``batch`` label) at once, by default
+METRICS_BATCHES = 100
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+def bearer_only(app, token: str):
+    """``app`` (WSGI) behind ``Authorization: Bearer <token>``: 401 without it (compared in constant time)."""
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ, start_response):
+        given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if hmac.compare_digest(given, expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"missing or wrong token: send 'Authorization: Bearer <admin token>'\n"]
+
+    return guarded
+
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, max_batches: int = METRICS_BATCHES) -> None:
+        if max_batches < 0:
+            raise ValueError(f"max_batches must be >= 0, got {max_batches}")
+        self.max_batches = max_batches
         self.registry = CollectorRegistry()
         r = self.registry
         self.batches = Counter("fleetbatch_batches_submitted", "Batches accepted", registry=r)
@@ -90,13 +132,29 @@ class GatewayMetrics:
             self.alive.labels(n).set(1 if info.alive else 0)
 
     def observe_etas(self, etas: Mapping[str, Eta], now: float) -> None:
-        """Each unfinished batch's ETA and token progress (finished batches' series are dropped)."""
+        """The ETA and token progress of at most ``max_batches`` unfinished batches, those at risk first,
+        then the earliest finish (the others', and finished batches', series are dropped)."""
         self.eta.clear()
         self.token_progress.clear()
-        for batch_id, e in etas.items():
+        shown = sorted(etas.items(), key=lambda kv: (not kv[1].at_risk, kv[1].finish_at, kv[0]))
+        for batch_id, e in shown[: self.max_batches]:
             self.eta.labels(batch_id).set(max(0.0, e.finish_at - now))
             self.token_progress.labels(batch_id).set(e.progress)
         self.at_risk.set(sum(1 for e in etas.values() if e.at_risk))
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "127.0.0.1", token: str = "") -> WSGIServer:
+        """Serve ``/metrics`` on ``addr:port`` (0: a free port; the server's ``server_port``) in a daemon
+        thread, to scrapes that send ``token`` (the admin token) as a Bearer token; no token: refused."""
+        if not token:
+            raise ValueError(
+                "the metrics endpoint needs the admin token ($FLEETBATCH_ADMIN_TOKEN or --admin-token): "
+                "Prometheus sends it as 'Authorization: Bearer <token>'"
+            )
+        host = addr.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_class = type("MetricsServer", (_Server,), {"address_family": family})
+        server = make_server(
+            host, port, bearer_only(make_wsgi_app(self.registry), token), server_class, _Quiet
+        )
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+        return server
