@@ -50,7 +50,9 @@ local function stop_reason(status)
   return nil
 end
 
--- A batch whose every query is counted finished takes its final status (and starts its retention).
+-- A batch whose every query is counted finished takes its final status (and starts its retention). An expiring
+-- batch ends expired only when its expiry stopped a row: one whose rows all finished anyway (its last ones ran
+-- past the deadline) ends as if it had not expired.
 local function settle(bid, now)
   local b = k_batch(bid)
   local h = redis.call('HMGET', b, 'total', 'completed', 'failed', 'cancelled', 'status')
@@ -60,7 +62,7 @@ local function settle(bid, now)
     local why = stop_reason(h[5])
     if why == 'cancelled' then
       status = 'cancelled'
-    elseif why == 'batch_expired' then
+    elseif why == 'batch_expired' and tonumber(h[4] or '0') > 0 then
       status = 'expired'
     elseif tonumber(h[2] or '0') == 0 and tonumber(h[3] or '0') > 0 then
       status = 'failed'
