@@ -38,7 +38,7 @@ from engines.result_record import finished_record
 from engines.worker_config import REDIS_ERRORS, WorkerConfig
 from workqueue import ClaimedQuery, Observation, WorkQueue, outcome
 from workqueue.records import STOPPING_BATCH_STATES
-from workqueue.worker_tick import TickReply, TickRequest, run_tick
+from workqueue.worker_tick import PendingObservations, TickReply, TickRequest, run_tick
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class QueueAgent:
         self.inflight: dict[str, ClaimedQuery] = {}  # claimed and not written: inbox, running, finished
         self.inbox: deque[ClaimedQuery] = deque()  # claimed, not yet given to the engine
         self._outbox: list[tuple[ClaimedQuery, RequestOutput]] = []  # finished, result not written
-        self._observed: list[Observation] = []  # written, to record with the next tick
+        self._observed = PendingObservations()  # written, to record with the next tick (once: its call id)
         self._aborts: set[str] = set()  # running queries of cancelled batches, for the step loop
         self._aborted: set[str] = set()
         self.work_ready = threading.Event()  # the inbox has queries
@@ -227,9 +227,11 @@ class QueueAgent:
     def _results(self) -> dict:
         with self._lock:
             outbox = list(self._outbox)
+        observed, call = self._observed.for_tick()
         return {
             "results": [finished_record(self.config.cluster, cq, out) for cq, out in outbox],
-            "observed": list(self._observed),
+            "observed": observed,
+            "observed_call": call,
         }
 
     def claim_count(self) -> int:
@@ -277,7 +279,7 @@ class QueueAgent:
 
     def _apply(self, req: TickRequest, reply: TickReply, started: float, wakes: int) -> None:
         self._register = None
-        self._observed = self._observed[len(req.observed) :]
+        self._observed.written(len(req.observed))
         written = {f.gid: idx for f, idx in zip(req.results, reply.written, strict=True)}
         with self._lock:
             outbox = [(cq, out) for cq, out in self._outbox if cq.query.gid not in written]

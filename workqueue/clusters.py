@@ -17,10 +17,23 @@ from collections.abc import Iterable, Mapping, Sequence
 from workqueue import keys
 from workqueue.core import QueueCore
 from workqueue.records import ClusterInfo, Observation, as_float, as_int, as_opt_int
-from workqueue.script_call import Command, execute
+from workqueue.script_call import Command, Op, ScriptCall, execute
 from workqueue.wake import WakeListener
 
 __all__ = ["Clusters"]
+
+
+#: how long a write of observed lengths is remembered under its call's id (a resend comes within seconds)
+OBSERVED_CALL_KEEP_S = 120
+
+# KEYS: the observed list, the call's mark (keys.observed_call). ARGV: cap, seconds the mark is kept, then the rows.
+# Appends the rows and keeps the newest `cap`, once per call: the same call sent again (its reply lost) adds nothing.
+OBSERVE = """
+if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', tonumber(ARGV[2])) then return 0 end
+for i = 3, #ARGV, 1000 do redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV))) end
+redis.call('LTRIM', KEYS[1], -tonumber(ARGV[1]), -1)
+return #ARGV - 2
+"""
 
 
 class Clusters:
@@ -29,6 +42,7 @@ class Clusters:
     def __init__(self, core: QueueCore) -> None:
         self.core = core
         self.r = core.r
+        self._observe = core.script(OBSERVE)
 
     def register_cluster(
         self,
@@ -154,16 +168,21 @@ class Clusters:
         if rows:
             execute(self.r, self.observed_commands(rows, cap))
 
-    def observed_commands(self, rows: Sequence[Observation | Mapping], cap: int = 1_000_000) -> list[Command]:
-        """The commands of :meth:`record_observed` (``rows`` not empty)."""
-        return [
-            Command(
-                "rpush",
-                keys.OBSERVED,
-                *[r.to_json() if isinstance(r, Observation) else json.dumps(dict(r)) for r in rows],
-            ),
-            Command("ltrim", keys.OBSERVED, -cap, -1),
-        ]
+    def observed_commands(
+        self, rows: Sequence[Observation | Mapping], cap: int = 1_000_000, call: str = ""
+    ) -> list[Op]:
+        """The commands of :meth:`record_observed` (``rows`` not empty); with a ``call`` id, one OBSERVE call
+        that appends them once however often it is sent (a worker's tick: :mod:`workqueue.worker_tick`)."""
+        rows_json = [r.to_json() if isinstance(r, Observation) else json.dumps(dict(r)) for r in rows]
+        if call:
+            return [
+                ScriptCall(
+                    self._observe,
+                    [keys.OBSERVED, keys.observed_call(call)],
+                    [cap, OBSERVED_CALL_KEEP_S, *rows_json],
+                )
+            ]
+        return [Command("rpush", keys.OBSERVED, *rows_json), Command("ltrim", keys.OBSERVED, -cap, -1)]
 
     def wake_listener(self, cluster: str) -> WakeListener:
         """A subscription that ends an idle worker's wait when queries land in ``cluster``'s queue."""

@@ -136,6 +136,11 @@ def intake_lease(batch_id: str) -> str:
     return batch(batch_id) + ":intake-lease"
 
 
+def observed_call(call: str) -> str:
+    """A write of observed lengths, marked a short while under its call's id: the same call resent adds nothing."""
+    return OBSERVED + ":call:" + call
+
+
 def claim_reply(cluster: str, call: str) -> str:
     """A CLAIM's reply, kept a short while under its call's id: the same call resent answers it again."""
     return cluster_info(cluster) + ":claim:" + call

@@ -20,6 +20,7 @@ were sent again. Renewals fall due once every ``renew_every_s``, so most claims 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -48,6 +49,9 @@ class TickRequest:
     register: Mapping[str, float | int | str | None] | None = None  # fields of the cluster's registration
     results: list[Finished] = field(default_factory=list)
     observed: list[Observation] = field(default_factory=list)
+    # the id its observed lengths are written once under (a new one when empty): the agent keeps one until they are
+    # written, so a tick sent again, by redis-py after a lost reply or by the agent after a failed tick, adds none twice
+    observed_call: str = ""
     renew: list[str] | None = None  # gids whose leases to renew (None: none this tick)
     requeue: bool = False  # requeue the cluster's lapsed leases
     claim: int = 0  # queries to claim
@@ -55,6 +59,29 @@ class TickRequest:
     read_state: bool = True  # read the cluster's state (active, draining, removed)
     heartbeat: Mapping[str, float | int | str] | None = None
     heartbeat_ttl_s: float = 5.0
+
+
+class PendingObservations:
+    """A worker's observed lengths waiting for a tick. Those a tick sent go out again, with the same call id and
+    nothing added, until a tick writes them (:meth:`written`): so they are recorded once however often sent."""
+
+    def __init__(self) -> None:
+        self.rows: list[Observation] = []
+        self._call, self._sent = "", 0
+
+    def append(self, row: Observation) -> None:
+        self.rows.append(row)
+
+    def for_tick(self) -> tuple[list[Observation], str]:
+        """The rows to send, and their call id (:attr:`TickRequest.observed_call`)."""
+        if not self._sent:
+            self._call, self._sent = uuid.uuid4().hex, len(self.rows)
+        return self.rows[: self._sent], self._call
+
+    def written(self, n: int) -> None:
+        """A tick wrote the first ``n`` rows."""
+        del self.rows[:n]
+        self._sent = 0
 
 
 @dataclass
@@ -80,7 +107,7 @@ def build(queue: WorkQueue, req: TickRequest, now: float) -> tuple[list[Op], dic
         part("register", queue.register_commands(req.cluster, **req.register))
     part("results", [queue.complete_call(f.gid, f.result, f.kind, f.actual_tokens) for f in req.results])
     if req.observed:
-        part("observed", queue.observed_commands(req.observed))
+        part("observed", queue.observed_commands(req.observed, call=req.observed_call or uuid.uuid4().hex))
     if req.renew:
         part("renew", list(queue.renew_calls(req.cluster, req.renew, req.lease_s, req.worker_id)))
     if req.requeue:

@@ -46,10 +46,13 @@ ORPHAN_S = 600.0  # a record whose gateway batch never appeared within this long
 RESULT_CHUNK = 1000
 RETRY_FIRST_S = 0.5  # wait after a batch's first failed pass; doubles with each failure
 RETRY_MAX_S = 300.0  # the longest wait between two tries
-# KEYS: a record. ARGV: when the next try may come. Counts a failure and keeps the time of the next
-# try, unless the record is gone (never recreates it); returns the count.
+# KEYS: a record. ARGV: when the next try may come, the count the pass read before it failed. Counts a failure
+# and keeps the time of the next try, unless the record is gone (never recreates it); returns the count. Only
+# the count read moves on: the same call resent (its reply lost) finds it counted and counts nothing more.
 COUNT_FAILURE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local seen = tonumber(redis.call('HGET', KEYS[1], 'finalize_failures') or '0')
+if seen ~= tonumber(ARGV[2]) then return seen end
 redis.call('HSET', KEYS[1], 'finalize_retry_at', ARGV[1])
 return redis.call('HINCRBY', KEYS[1], 'finalize_failures', 1)
 """
@@ -112,7 +115,7 @@ class Finalizer:
             delay = retry_delay(failures)
             left_ms = int(r.pttl(keys.batch(batch_id)))  # -1: kept forever, -2: expired already
             if left_ms == -1 or left_ms > delay * 1000:
-                if int(r.eval(COUNT_FAILURE, 1, key, self.clock() + delay)):
+                if int(r.eval(COUNT_FAILURE, 1, key, self.clock() + delay, failures - 1)):
                     log.warning(
                         "batch %s: cannot write its output files (failed pass %d): %r; retrying in %.1f s",
                         batch_id,
@@ -121,7 +124,7 @@ class Finalizer:
                         delay,
                     )
                 return
-            r.eval(COUNT_FAILURE, 1, key, 0)
+            r.eval(COUNT_FAILURE, 1, key, 0, failures - 1)
             message = f"the output files could not be written: {type(error).__name__}: {error}"
             if set_record_once(r, batch_id, "finalize_error", message) is None:
                 return  # the record expired meanwhile
