@@ -21,6 +21,7 @@ from engines.model_runner import resolve_device
 from engines.pipeline import StageFailure
 from engines.plan import plan_stages
 from engines.static_engine import StaticBatchEngine
+from engines.vllm_args import DefaultCount, add_vllm_arguments
 from engines.vllm_backend import VLLMEngine
 from engines.worker import Worker, WorkerConfig
 from localmodels import load_or_build
@@ -78,7 +79,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="torch.distributed rendezvous of a multi-stage plan's stage processes, tcp://HOST:PORT "
         "(default: a free port on 127.0.0.1)",
     )
-    p.add_argument("--max-running", type=int, default=8, help="most queries running at once")
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=DefaultCount(8),
+        help="most queries running at once (the vllm backend: vLLM's own max_num_seqs unless given, or "
+        "the plan's batch size)",
+    )
     p.add_argument(
         "--kv-budget-tokens",
         type=int,
@@ -129,6 +136,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-queries", type=int, default=None, help="exit after this many queries (tests)")
     add_endpoint_arguments(p)
+    add_vllm_arguments(p)
 
 
 def add_endpoint_arguments(p: argparse.ArgumentParser) -> None:
@@ -235,6 +243,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     if args.max_running < 1:
         log.error("--max-running must be >= 1")
+        return 1
+    if args.vllm_arg and args.backend != "vllm":
+        log.error("--vllm-arg sets engine arguments of vLLM: it needs --backend vllm")
         return 1
     if args.backend == ENDPOINT_BACKEND and (args.slowdown or args.plan):
         log.error("the endpoint backend's servers are real: --slowdown and --plan do not apply to them")

@@ -6,19 +6,33 @@
 ``max_num_seqs`` / ``max_num_batched_tokens``; KV bits pick ``kv_cache_dtype``. vLLM has
 no per-layer mixed weight precision, so a mixed bit map is served at the *widest* bit
 width in the plan (never below the plan's quality), and the translation says so in its
-``notes``. :class:`VLLMEngine` implements :class:`engines.interface.Engine` on
-``vllm.LLMEngine``; it is imported only when the vLLM backend is chosen.
+``notes``, as it says what else of the plan vLLM cannot honour (bits below 8, KV below 8 bits, a
+head split, unlike devices per stage). :func:`vllm_engine_args` adds the user's ``--vllm-arg``
+(:mod:`engines.vllm_args`) over the plan's values, logs each note as a warning and each override;
+nothing else is set, so vLLM's own defaults hold (``dtype``, ``gpu_memory_utilization``, and
+``max_num_seqs`` unless a plan or ``--max-running`` gives it). :class:`VLLMEngine` implements
+:class:`engines.interface.Engine` on ``vllm.LLMEngine``; it is imported only when the vLLM backend is
+chosen, after the arguments are checked.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from engines.interface import EngineStats, Request, RequestOutput
+from engines.vllm_args import FLAG, given, override, parse_vllm_args
 from planfile import load_plan
+
+log = logging.getLogger(__name__)
+
+#: the environment variable of vLLM's uneven pipeline layer split
+PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+#: the queries the engine claims at once when vLLM picks max_num_seqs itself (its default for offline use)
+VLLM_DEFAULT_RUNNING = 256
 
 
 @dataclass
@@ -29,9 +43,16 @@ class VLLMArgs:
 
 
 def plan_to_vllm(
-    plan, model_dir: str, gpu_memory_utilization: float = 0.90, max_model_len: int | None = None
+    plan, model_dir: str, gpu_memory_utilization: float | None = None, max_model_len: int | None = None
 ) -> VLLMArgs:
-    """Engine arguments and environment for serving ``plan`` (a :class:`planfile.Plan`) with vLLM."""
+    """Engine arguments and environment for serving ``plan`` (a :class:`planfile.Plan`) with vLLM.
+
+    Only what vLLM supports is translated; ``notes`` says what of the plan is not honoured: per-layer
+    bits (a mixed map runs at its widest width; below 8 bits needs a pre-quantized checkpoint), KV bits
+    below 8, the LM head split, and which GPU runs which stage (vLLM places pipeline ranks in CUDA order).
+    ``gpu_memory_utilization`` and ``max_model_len`` are set only when given (else vLLM's defaults);
+    ``dtype`` never (vLLM's ``auto``: the checkpoint's).
+    """
     if not model_dir:
         raise ValueError("the vLLM backend needs --served-model DIR (a local Hugging Face model directory)")
     stages = sorted(plan.stages, key=lambda s: s.layer_start)
@@ -54,16 +75,15 @@ def plan_to_vllm(
         "tokenizer": model_dir,
         "pipeline_parallel_size": len(stages),
         "tensor_parallel_size": tp_sizes[0],
-        "gpu_memory_utilization": gpu_memory_utilization,
         "max_num_seqs": max(1, plan.batch_size),
         "max_num_batched_tokens": max(
             plan.prompt_len * max(1, plan.prefill_micro_batch), plan.prompt_len + 1
         ),
         "enable_chunked_prefill": True,
-        "dtype": "float16",
         "kv_cache_dtype": "fp8" if plan.kv_bits <= 8 else "auto",
-        "seed": 0,
     }
+    if gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = gpu_memory_utilization
     if max_model_len:
         args["max_model_len"] = max_model_len
     if widest >= 16:
@@ -87,8 +107,78 @@ def plan_to_vllm(
             f"the plan gives the first stage {plan.head_split:.0%} of the LM head's rows; vLLM keeps the whole "
             "head on the last stage, so its last stage runs slower than the plan predicts"
         )
-    env = {"VLLM_PP_LAYER_PARTITION": ",".join(str(n) for n in layers)} if len(stages) > 1 else {}
+    types = [str(plan.devices[s.device_index].get("type", "?")) for s in stages]
+    if len(set(types)) > 1:
+        notes.append(
+            f"the plan puts its stages on {', '.join(types)} in that order; vLLM gives pipeline rank k the "
+            "k-th GPU of CUDA_VISIBLE_DEVICES, so list the GPUs in the plan's stage order"
+        )
+    env = {PARTITION_ENV: ",".join(str(n) for n in layers)} if len(stages) > 1 else {}
     return VLLMArgs(args, env, notes)
+
+
+def _ignored_by_user(plan_args: dict[str, Any], env: dict[str, str], user: dict[str, Any]) -> list[str]:
+    """What of the plan the user's arguments stop vLLM from honouring."""
+    notes = []
+    pp = user.get("pipeline_parallel_size", plan_args["pipeline_parallel_size"])
+    if PARTITION_ENV in env and pp != plan_args["pipeline_parallel_size"]:
+        notes.append(
+            f"the plan's stage split {env[PARTITION_ENV]} is ignored: {FLAG} pipeline_parallel_size={pp} "
+            f"(vLLM splits the layers evenly)"
+        )
+        env.pop(PARTITION_ENV)
+    if "quantization" in user and user["quantization"] != plan_args.get("quantization"):
+        notes.append(f"the plan's weight bits are ignored: {FLAG} quantization={user['quantization']}")
+    if "kv_cache_dtype" in user and user["kv_cache_dtype"] != plan_args.get("kv_cache_dtype"):
+        notes.append(f"the plan's KV bits are ignored: {FLAG} kv_cache_dtype={user['kv_cache_dtype']}")
+    return notes
+
+
+def vllm_engine_args(
+    served_model: str | None,
+    plan=None,
+    *,
+    max_running: int | None = None,
+    prefix_cache: bool = True,
+    vllm_args: list[str] | None = None,
+) -> VLLMArgs:
+    """``vllm.EngineArgs`` keyword arguments and environment of ``fleetbatch engine serve --backend vllm``.
+
+    From, lowest first: the plan's translation (:func:`plan_to_vllm`) or, without a plan, the model and
+    ``max_num_seqs`` = ``max_running`` when given (else vLLM's default); ``enable_prefix_caching`` =
+    ``prefix_cache``; the user's ``--vllm-arg`` (checked before vLLM is imported: a misspelt key is a
+    ValueError naming the closest ones). Each override of the plan or the flags is logged, and each note
+    on what of the plan vLLM cannot honour is logged as a warning. ``None`` values are left out.
+    """
+    user = parse_vllm_args(vllm_args)
+    model_dir = served_model or user.get("model")
+    if not model_dir:
+        raise ValueError("the vLLM backend needs --served-model DIR (a local Hugging Face model directory)")
+    if plan is not None:
+        t = plan_to_vllm(
+            plan,
+            model_dir,
+            gpu_memory_utilization=user.get("gpu_memory_utilization"),
+            max_model_len=user.get("max_model_len"),
+        )
+        base, env, notes, source = dict(t.engine_args), dict(t.env), list(t.notes), "the plan"
+        notes += _ignored_by_user(base, env, user)
+        if max_running is not None and max_running != base["max_num_seqs"]:
+            log.info(
+                "--max-running %d is not used: the plan's batch size sets max_num_seqs=%d (%s max_num_seqs=N "
+                "overrides it)", max_running, base["max_num_seqs"], FLAG,
+            )  # fmt: skip
+    else:
+        base, env, notes, source = {"model": model_dir}, {}, [], "the flags"
+        if max_running is not None:
+            base["max_num_seqs"] = max_running
+    base["enable_prefix_caching"] = prefix_cache
+    merged, said = override(base, user, source)
+    for line in said:
+        log.info("%s", line)
+    for note in notes:
+        log.warning("vLLM cannot honour the plan here: %s", note)
+    return VLLMArgs({k: v for k, v in merged.items() if v is not None}, env, notes)
 
 
 def sampling_kwargs(request: Request) -> dict[str, Any]:
@@ -106,27 +196,23 @@ def sampling_kwargs(request: Request) -> dict[str, Any]:
 
 
 def engine_kwargs(args) -> dict[str, Any]:
-    """``vllm.EngineArgs`` keyword arguments of ``fleetbatch engine serve --backend vllm``: the plan's translation
-    (its environment goes into ``os.environ``) or the model and batch size; prefix caching on unless
-    ``--no-prefix-cache``."""
-    if args.plan:
-        translated = plan_to_vllm(load_plan(args.plan), args.served_model)
-        os.environ.update(translated.env)
-        kwargs = {k: v for k, v in translated.engine_args.items() if v is not None}
-    else:
-        if not args.served_model:
-            raise ValueError(
-                "the vLLM backend needs --served-model DIR (a local Hugging Face model directory)"
-            )
-        kwargs = {"model": args.served_model, "max_num_seqs": args.max_running}
-    kwargs["enable_prefix_caching"] = getattr(args, "prefix_cache", True)
-    return kwargs
+    """``vllm.EngineArgs`` keyword arguments of ``fleetbatch engine serve --backend vllm``
+    (:func:`vllm_engine_args` of its flags); the plan's environment goes into ``os.environ``."""
+    t = vllm_engine_args(
+        args.served_model,
+        load_plan(args.plan) if args.plan else None,
+        max_running=given(getattr(args, "max_running", None)),
+        prefix_cache=getattr(args, "prefix_cache", True),
+        vllm_args=getattr(args, "vllm_arg", None),
+    )
+    os.environ.update(t.env)
+    return t.engine_args
 
 
 class VLLMEngine:
     """:class:`engines.interface.Engine` over ``vllm.LLMEngine`` (iteration-level batching is vLLM's own)."""
 
-    def __init__(self, llm_engine, max_running: int = 256):
+    def __init__(self, llm_engine, max_running: int = VLLM_DEFAULT_RUNNING):
         self.llm = llm_engine
         self.max_running = max_running
         self._unfinished: set[str] = set()
@@ -138,12 +224,13 @@ class VLLMEngine:
 
     @classmethod
     def from_args(cls, args) -> VLLMEngine:
+        kwargs = engine_kwargs(args)  # checked first: a bad --vllm-arg never imports vLLM
         from vllm import EngineArgs, LLMEngine
 
-        kwargs = engine_kwargs(args)
-        return cls(
-            LLMEngine.from_engine_args(EngineArgs(**kwargs)), max_running=kwargs.get("max_num_seqs", 256)
-        )
+        llm = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+        scheduler = getattr(getattr(llm, "vllm_config", None), "scheduler_config", None)
+        running = kwargs.get("max_num_seqs") or getattr(scheduler, "max_num_seqs", None)
+        return cls(llm, max_running=running or VLLM_DEFAULT_RUNNING)
 
     def add_request(self, request: Request) -> None:
         from vllm import SamplingParams
@@ -153,7 +240,7 @@ class VLLMEngine:
         self._unfinished.add(request.request_id)
 
     def abort_request(self, request_id: str) -> None:
-        self.llm.abort_request(request_id)
+        self.llm.abort_request([request_id])  # vLLM 0.11 takes a list
         if request_id in self._unfinished:
             self._unfinished.discard(request_id)
             self._aborted.append(request_id)

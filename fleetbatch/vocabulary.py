@@ -252,6 +252,7 @@ VOCABULARY: dict[str, str] = {
     "--unique-share": "share of rows with no shared prefix (0 to <1)",
     "--update": "with --add: change an existing cluster",
     "--verbose": "debug logging",
+    "--vllm-arg": "a vLLM engine argument of the vllm backend, KEY=VALUE (a vllm.EngineArgs field; repeatable)",
     "--vocab": "WordPiece vocabulary size",
     "--wan-delay-ms": "one-way delay (ms, each direction) between every engine and Redis",
     "--wan-jitter-ms": "plus a uniform 0..this ms per chunk (order kept)",
