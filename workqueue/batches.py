@@ -158,13 +158,14 @@ class Batches:
             per_cluster[c] = per_cluster.get(c, 0) + 1
             per_cluster_tokens[c] = per_cluster_tokens.get(c, 0.0) + q.charged_tokens
         rows = [(q.gid, json.dumps(asdict(q)), q.charged_tokens, c) for q, c in assignments]
+        sizes = [q.total_tokens for q, _ in assignments]
         bkey = keys.batch(batch_id)
         when = Schedule(now, deadline, priority, self.core.order.key(now, deadline, priority))
         seq = int(self.r.incrby(keys.SEQ, len(rows))) - len(rows) if rows else 0
 
         def write(pipe) -> None:
             self.write_batch(
-                pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, when, seq
+                pipe, batch_id, rows, per_cluster, per_cluster_tokens, policy, metadata, when, seq, sizes
             )
             if fingerprint:
                 pipe.hset(bkey, "fingerprint", fingerprint)
@@ -213,10 +214,13 @@ class Batches:
         metadata: Mapping[str, str] | None,
         when: Schedule,
         seq: int,
+        sizes: Sequence[float] = (),
     ) -> None:
         """Queue the batch's writes on ``pipe`` (in the creating transaction): its hash, its place in the
         batch list, and each row ``(gid, payload, predicted tokens, cluster)`` in its cluster's queue
-        from sequence number ``seq`` on, with the clusters' counters."""
+        from sequence number ``seq`` on, with the clusters' counters. A row's predicted tokens are its
+        charge on its cluster (less its prefix discount); ``sizes``: each row's full size (prompt +
+        predicted response, :data:`workqueue.keys.FULL_TOKENS`), by position (missing: its charge)."""
         bkey, now = keys.batch(batch_id), when.created_at
         pipe.delete(bkey)  # a hash without status is a creation cut short: start afresh
         pipe.hset(
@@ -247,6 +251,7 @@ class Batches:
                 mapping={
                     "payload": payload,
                     "tokens": tokens,
+                    keys.FULL_TOKENS: max(tokens, sizes[i]) if i < len(sizes) else tokens,
                     "cluster": c,
                     "state": QueryState.QUEUED,
                     "attempts": 0,

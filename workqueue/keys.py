@@ -10,7 +10,11 @@ Keys (prefix ``{fb}:``)::
     {fb}:c:{cluster}:pending      STR   predicted tokens (prompt + response) of the queued queries
     {fb}:c:{cluster}:stats        HASH  assigned/finished counters (predicted and actual tokens)
     {fb}:c:{cluster}:wake         CHANNEL pub/sub: published when queries land in the queue (wakes idle engines)
-    {fb}:q:{gid}                  HASH  one query: payload JSON, cluster, state, attempts, rank, times
+    {fb}:q:{gid}                  HASH  one query: payload JSON, cluster, state, attempts, rank, times,
+                                        tokens (its charge on its cluster: prompt + predicted response less
+                                        the prompt tokens that cluster's prefix cache is expected to hold),
+                                        full_tokens (:data:`FULL_TOKENS`: prompt + predicted response, no
+                                        discount: what fit checks and a move's recipient use)
     {fb}:batches                  ZSET  batch ids by creation time
     {fb}:deadlines                ZSET  unfinished batches with a deadline, by deadline (gateway clock)
     {fb}:seq                      STR   the enqueue sequence: each query's place in the order (its rank's tail)
@@ -77,6 +81,10 @@ INTAKE = PREFIX + "intake"
 OAI_BATCHES = PREFIX + "oai:batches"
 OAI_FINALIZE = PREFIX + "oai:finalize"
 OAI_EXPIRE = PREFIX + "oai:expire"
+
+#: the field of a query's hash that holds its full size (prompt + predicted response, no prefix discount) beside
+#: its charged ``tokens``; a row written before it existed has none and counts its ``tokens`` (Lua: ``F_FULL_TOKENS``)
+FULL_TOKENS = "full_tokens"
 
 
 def _key(name: str, part: str) -> str:
@@ -177,10 +185,14 @@ def split_gid(g: str) -> tuple[str, str]:
 
 def lua_functions() -> str:
     """``local function k_<name>(x) ... end`` for every template, and ``K_DEADLINES``, ``K_SEQ``: the scripts'
-    key builders and the fixed keys they meet on the way."""
+    key builders and the fixed keys they meet on the way; ``F_FULL_TOKENS``: the field :data:`FULL_TOKENS`."""
     lines = []
     for name, template in TEMPLATES.items():
         head, tail = (PREFIX + template).split("%s")
         lines.append(f"local function k_{name}(x) return '{head}' .. x .. '{tail}' end")
-    lines += [f"local K_DEADLINES = '{DEADLINES}'", f"local K_SEQ = '{SEQ}'"]
+    lines += [
+        f"local K_DEADLINES = '{DEADLINES}'",
+        f"local K_SEQ = '{SEQ}'",
+        f"local F_FULL_TOKENS = '{FULL_TOKENS}'",
+    ]
     return "\n".join(lines) + "\n"

@@ -7,7 +7,9 @@ rules :mod:`workqueue.scripts` lists, plus
 ``take``: how planned ids are found (among the last ``window`` entries: O(log n) an id) and removed, and
 ``land``: how moved ids arrive on the destination (each at its own rank: a moved query keeps its place
 in the order, :mod:`workqueue.ordering`; the ``pending`` counters, the batch's tokens left by cluster and
-the clusters' move statistics), the same for every kind of move.
+the clusters' move statistics: a row leaves its source at its charge there and is charged its full size,
+:data:`workqueue.keys.FULL_TOKENS`, on the destination, whose prefix cache does not hold its prompt), the same
+for every kind of move.
 """
 
 from __future__ import annotations
@@ -15,30 +17,34 @@ from __future__ import annotations
 from workqueue.lua_queue import LIBRARY
 
 MOVE_FUNCTIONS = r"""
--- Put ids (listed back of src first) in dst's queue KEYS[2], each at its own rank (its place in the order);
--- their tokens go from KEYS[3] to KEYS[4], and from the batch's count of tokens left on src to dst's.
+-- Put ids (listed back of src first) in dst's queue KEYS[2], each at its own rank (its place in the order).
+-- Each leaves src at its charge there (`tokens`: less the prefix src's cache held) and is charged its full size
+-- on dst (F_FULL_TOKENS, which becomes its `tokens`: dst's cache does not hold its prefix; a row without the
+-- field keeps its `tokens`): in KEYS[3] and KEYS[4], the batch's tokens left by cluster and the clusters'
+-- assigned tokens. Returns the tokens charged on dst.
 local function land(moved, src, dst)
-  local tokens = 0
+  local out, into = 0, 0
   for i = #moved, 1, -1 do
     local g = moved[i]
-    local h = redis.call('HMGET', k_query(g), 'tokens', 'rank')
+    local h = redis.call('HMGET', k_query(g), 'tokens', 'rank', F_FULL_TOKENS)
     local t = tonumber(h[1] or '0')
-    tokens = tokens + t
-    redis.call('HSET', k_query(g), 'cluster', dst)
+    local full = math.max(t, tonumber(h[3] or '') or t)
+    out, into = out + t, into + full
+    redis.call('HSET', k_query(g), 'cluster', dst, 'tokens', full)
     redis.call('ZADD', KEYS[2], tonumber(h[2] or '0'), g)
     local b = k_batch(split_gid(g))
     if redis.call('EXISTS', b) == 1 then
       redis.call('HINCRBYFLOAT', b, 'left:' .. src, -t)
-      redis.call('HINCRBYFLOAT', b, 'left:' .. dst, t)
+      redis.call('HINCRBYFLOAT', b, 'left:' .. dst, full)
     end
     redis.call('HINCRBYFLOAT', k_cluster_stats(src), 'assigned_predicted_tokens', -t)
-    redis.call('HINCRBYFLOAT', k_cluster_stats(dst), 'assigned_predicted_tokens', t)
+    redis.call('HINCRBYFLOAT', k_cluster_stats(dst), 'assigned_predicted_tokens', full)
     redis.call('HINCRBY', k_cluster_stats(src), 'moved_out', 1)
     redis.call('HINCRBY', k_cluster_stats(dst), 'moved_in', 1)
   end
-  redis.call('INCRBYFLOAT', KEYS[3], -tokens)
-  redis.call('INCRBYFLOAT', KEYS[4], tokens)
-  return tokens
+  redis.call('INCRBYFLOAT', KEYS[3], -out)
+  redis.call('INCRBYFLOAT', KEYS[4], into)
+  return into
 end
 
 -- Take the ids of the set `want` out of `queue` that stand among its last `window` entries (a mover plans from a
@@ -63,7 +69,7 @@ MOVES = LIBRARY.extended(MOVE_FUNCTIONS)
 
 # KEYS: queue of src, queue of dst, pending of src, pending of dst. ARGV: src, dst, n. Moves up to n queries from the back of src's
 # queue (those that would run last) to dst's, each at its rank; ids without a query hash are dropped on the way.
-# Returns {moved, predicted tokens moved}.
+# Returns {moved, tokens charged on dst}.
 MOVE_TAIL = MOVES.script(
     r"""
 local n, moved = tonumber(ARGV[3]), {}

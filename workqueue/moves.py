@@ -5,9 +5,12 @@ Movers (the offloader of every gateway replica, admin rebalance) read a queue's 
 later, under the mover lease (:meth:`Moves.mover_lease`, :mod:`workqueue.mover`). Each move is
 one atomic script call that moves exactly the planned queries still queued
 (:meth:`Moves.move_ids`; :meth:`Moves.move_many` sends many in one pipeline), with their
-predicted tokens in the clusters' ``pending`` counters; the clusters that got work are
-announced on their wake channels. :meth:`Moves.fail_queued` fails queued queries where they
-stand (those that fit no cluster).
+predicted tokens in the clusters' ``pending`` counters: a row leaves its source at its charge
+there (``tokens``, less the prefix its cache holds) and is charged its full size on the
+destination (:data:`workqueue.keys.FULL_TOKENS`); the clusters that got work are announced on
+their wake channels. The tails movers read carry each row's full size, the size every fit check
+needs (a row written before the field existed counts its ``tokens``). :meth:`Moves.fail_queued`
+fails queued queries where they stand (those that fit no cluster).
 """
 
 from __future__ import annotations
@@ -21,11 +24,19 @@ from workqueue.records import QueryResult, QueryState, as_float
 from workqueue.script_call import ScriptCall, execute
 from workqueue.wake import announce
 
-__all__ = ["MOVE_WINDOW_SLACK", "Moves"]
+__all__ = ["MOVE_WINDOW_SLACK", "Moves", "full_size"]
 
 #: entries beyond a move's own ids that :meth:`Moves.move_ids` looks at from the back of the
 #: source queue: room for queries appended, and ids a plan skipped, between the plan and the move
 MOVE_WINDOW_SLACK = 20_000
+
+
+def full_size(tokens: str | None, full: str | None) -> float:
+    """A queued row's full size (prompt + predicted response, no prefix discount) from its hash's ``tokens``
+    (its charge) and :data:`workqueue.keys.FULL_TOKENS`: what it needs on any cluster it moves to. A row
+    written before the field existed has none: its ``tokens``."""
+    charged = as_float(tokens)
+    return max(charged, as_float(full, charged))
 
 
 class Moves:
@@ -45,7 +56,8 @@ class Moves:
         return MoverLease(self.r, owner, ttl_s, wait_s)
 
     def move_tail(self, src: str, dst: str, n: int) -> tuple[int, float]:
-        """Atomically move up to ``n`` not-yet-started queries from the back of ``src``'s queue to ``dst``'s."""
+        """Atomically move up to ``n`` not-yet-started queries from the back of ``src``'s queue to ``dst``'s;
+        returns (moved, tokens charged on ``dst``: their full sizes)."""
         if src == dst or n <= 0:
             return 0, 0.0
         moved, tokens = self._move_tail(
@@ -59,7 +71,8 @@ class Moves:
         self, src: str, dst: str, gids: Sequence[str], window: int | None = None
     ) -> tuple[int, float]:
         """Atomically move exactly those of ``gids`` still queued on ``src`` to the back of ``dst``'s
-        queue, in their order on ``src``; returns (moved, predicted tokens moved).
+        queue, in their order on ``src``; returns (moved, tokens charged on ``dst``: their full sizes,
+        :data:`workqueue.keys.FULL_TOKENS`, as ``dst``'s prefix cache holds none of their prompts).
 
         Movers plan from a read of a queue's tail (:meth:`tail`) and move later: queries may
         have been claimed or appended meanwhile, and only the planned ones move. The script
@@ -96,14 +109,14 @@ class Moves:
 
     def tail(self, cluster: str, n: int, skip: int = 0) -> list[tuple[str, float]]:
         """The last ``n`` queued query ids of a cluster before its last ``skip`` (back of the queue
-        last) with their predicted tokens."""
+        last) with their full sizes (:func:`full_size`)."""
         gids = self.r.zrange(keys.queue(cluster), -(skip + n), -(skip + 1)) if n > 0 else []
         if not gids:
             return []
         pipe = self.r.pipeline(transaction=False)
         for g in gids:
-            pipe.hget(keys.query(g), "tokens")
-        return [(g, as_float(t)) for g, t in zip(gids, pipe.execute(), strict=True)]
+            pipe.hmget(keys.query(g), "tokens", keys.FULL_TOKENS)
+        return [(g, full_size(*h)) for g, h in zip(gids, pipe.execute(), strict=True)]
 
     def queued_ids(self, cluster: str) -> list[str]:
         return self.r.zrange(keys.queue(cluster), 0, -1)
@@ -113,7 +126,7 @@ class Moves:
 
     def tails(self, reads: Mapping[str, tuple[int, int]]) -> dict[str, list[tuple[str, float]]]:
         """:meth:`tail` of many clusters (``cluster -> (n, skip)``) in two round trips: each cluster's
-        last ``n`` queued ids before its last ``skip``, with their predicted tokens."""
+        last ``n`` queued ids before its last ``skip``, with their full sizes (:func:`full_size`)."""
         names = [c for c, (n, _) in reads.items() if n > 0]
         out: dict[str, list[tuple[str, float]]] = {c: [] for c in reads}
         if not names:
@@ -126,16 +139,16 @@ class Moves:
         pipe = self.r.pipeline(transaction=False)
         for c in names:
             for g in ids[c]:
-                pipe.hget(keys.query(g), "tokens")
-        tokens = iter(pipe.execute())
+                pipe.hmget(keys.query(g), "tokens", keys.FULL_TOKENS)
+        sizes = iter(pipe.execute())
         for c in names:
-            out[c] = [(g, as_float(next(tokens))) for g in ids[c]]
+            out[c] = [(g, full_size(*next(sizes))) for g in ids[c]]
         return out
 
     def move_many(self, moves: Sequence[tuple[str, str, Sequence[str], int]]) -> list[tuple[int, float]]:
         """:meth:`move_ids` of many moves ``(src, dst, gids, window)``, in order, in one pipeline (each
         move stays one atomic script call), then one announcement of the clusters that got work;
-        returns each move's ``(moved, predicted tokens moved)``."""
+        returns each move's ``(moved, tokens charged on its destination)``."""
         calls = [
             ScriptCall(
                 self._move_ids,

@@ -81,11 +81,17 @@ def queued_loads(
 ) -> list[QueryLoad]:
     """The last ``limit`` queued queries of a cluster (before its last ``skip``) as assigner loads
     (front first), read from Redis. Reads are bounded: a plan made from them moves at most
-    ``limit`` queries per queue, and the rest move on a later round."""
+    ``limit`` queries per queue, and the rest move on a later round.
+
+    A load's ``total_tokens`` is the row's full size (prompt + predicted response, without the
+    prefix discount its ``tokens`` charge has: :func:`workqueue.moves.full_size`): what every fit
+    check of a move needs (``max_query_tokens``, the KV budget) and what the row is charged on the
+    cluster it moves to."""
     return [QueryLoad(g, 0, t) for g, t in queue.tail(cluster, min(limit, MAX_TAIL_READ), skip)]
 
 
 def queued_tails(queue: WorkQueue, reads: dict[str, tuple[int, int]]) -> dict[str, list[QueryLoad]]:
-    """:func:`queued_loads` of many clusters (``cluster -> (limit, skip)``) in two round trips."""
+    """:func:`queued_loads` of many clusters (``cluster -> (limit, skip)``) in two round trips, at their
+    full sizes."""
     tails = queue.tails({c: (min(n, MAX_TAIL_READ), skip) for c, (n, skip) in reads.items()})
     return {c: [QueryLoad(g, 0, t) for g, t in tail] for c, tail in tails.items()}

@@ -14,7 +14,10 @@ Pure decision logic; the gateway carries a :class:`Move` out atomically with a L
 * :class:`Backoff` -- an idle cluster that got nothing waits ``base * factor**(n-1)`` seconds
   (capped) after its ``n``-th fruitless ask; a successful ask resets it.
 
-Finish times are ``pending_tokens / capacity_tps`` (tokens are prompt + predicted response).
+Finish times are ``pending_tokens / capacity_tps`` (tokens are prompt + predicted response). A
+tail's queries come at their full size (:func:`gateway.assign.views.queued_loads`: no prefix
+discount), the size :meth:`~gateway.assign.policies.ClusterView.fits` checks and the recipient is
+charged.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ draining cluster that fits on no accepting cluster stays in its queue (logged wh
 of such queries changes); the rest of the queue moves past it: each tick reads a chunk of
 the queue from the back, past the queries already known to stay there (up to
 :data:`MAX_EVACUATE_DEPTH` deep, then again from the back), so any number of them never
-blocks the rest. A removed cluster runs nothing: its queued query that fits on no active
+blocks the rest. Every fit check (a cluster's ``max_query_tokens``, its KV budget) is of a query's
+full size, prompt + predicted response without the prefix discount its cluster charges it
+(:func:`gateway.assign.views.queued_tails`), and a moved query is charged that size where it
+lands. A removed cluster runs nothing: its queued query that fits on no active
 cluster at all (alive or not) can never run, and is failed alone, once, with an error that
 names the cluster and why (it got there past ``RemoveCluster``'s check: deeper in the queue
 than the check reads, or assigned just before the cluster was marked).

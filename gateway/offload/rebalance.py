@@ -6,9 +6,10 @@
    (not started) queries. They go, back of the queue first, to the accepting clusters in
    proportion to each one's water-filling share (the capacity-aware target of
    :func:`gateway.assign.policies.water_fill_targets`), in runs so there are few moves, and only
-   where they fit (per-query KV limit). A query that fits on no accepting cluster is
-   *kept*: it stays where it is, the plan lists it (:attr:`RebalancePlan.kept`), and the
-   rest of the queue moves past it. With no accepting cluster at all there is nowhere to
+   where they fit (per-query limit and KV budget, against a query's full size: the loads of
+   :func:`gateway.assign.views.queued_loads` carry no prefix discount). A query that fits on no
+   accepting cluster is *kept*: it stays where it is, the plan lists it
+   (:attr:`RebalancePlan.kept`), and the rest of the queue moves past it. With no accepting cluster at all there is nowhere to
    drain to: :class:`~gateway.assign.policies.NoClusterError`.
 2. **Balance.** :func:`balance_targets` gives each accepting cluster the final load that
    equalises finish times when only queued work can move (running work stays). Clusters
