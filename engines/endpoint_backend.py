@@ -10,9 +10,11 @@ restarting or unreachable (the request waits and goes again, to it or another en
 failed for it), the least loaded endpoint first. The result carries the server's ``usage`` and
 ``finish_reason``; the cluster's capacity is the completion tokens per second it measures.
 
-Queries reach it as rendered prompts (the queue carries no chat messages), so it sends them to
-``/v1/completions``; the server tokenizes the text as it is (with its BOS, where its tokenizer adds
-one). A forced length is sent as ``max_tokens``: the API has no way to ignore the end of text.
+A chat row goes to ``/v1/chat/completions`` with its own messages (the server applies its own chat
+template), any other row to ``/v1/completions`` with its prompt (the server tokenizes it as it is,
+with its BOS where its tokenizer adds one); the OpenAI fields the row carries go as given, and the
+log-probabilities and tool calls that come back are kept in the result (:mod:`engines.endpoint_stream`).
+A forced length is sent as ``max_tokens``: the API has no way to ignore the end of text.
 When no endpoint has answered for ``give_up_s`` while queries wait, :meth:`EndpointEngine.step`
 raises :class:`~engines.interface.EngineFailure`: the worker gives the queries back to the queue.
 """
@@ -34,11 +36,11 @@ from engines.endpoint_http import (
     Overloaded,
     Rejected,
     UsageOptionRefused,
-    completion_body,
     served_models,
     stream_completion,
 )
 from engines.endpoint_settings import EndpointSettings
+from engines.endpoint_stream import request_body
 from engines.interface import EngineFailure, EngineStats, Request, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -227,8 +229,8 @@ class EndpointEngine:
         window, sent_at = lane.limit.window, time.monotonic()
         try:
             model = await self._model_at(lane)
-            body = completion_body(model, job.request, self._usage_option[lane.url])
-            done = await stream_completion(self._client, lane.url, body, self._headers)
+            sent = request_body(model, job.request, self._usage_option[lane.url])
+            done = await stream_completion(self._client, lane.url, sent, self._headers)
         except asyncio.CancelledError:  # aborted; or the engine failed or closes: the worker gives it back
             if job.aborted:
                 self._finish(job, self._output(job, "abort"))
@@ -300,6 +302,7 @@ class EndpointEngine:
                 first_token_time=done.first_token_time or time.time(),
                 finish_time=time.time(),
                 counted_tokens=done.completion_tokens,
+                openai_extra=done.extra or None,
             ),
         )
 

@@ -1,7 +1,8 @@
 """One streamed completion from an OpenAI-compatible inference server, and what its failure means.
 
-:func:`stream_completion` POSTs ``/v1/completions`` with ``"stream": true`` and reads the server-sent
-events: the text, when the first piece came, the ``finish_reason`` and the server's ``usage``
+:func:`stream_completion` POSTs a chat row to ``/v1/chat/completions``, any other to ``/v1/completions``
+(:mod:`engines.endpoint_stream` builds the body and reads the events), with ``"stream": true``: the text,
+when the first piece came, the ``finish_reason``, log-probabilities and tool calls, and the server's ``usage``
 (asked for with ``stream_options.include_usage``; a server that refuses that field is asked without
 it, :class:`UsageOptionRefused`). A failure is one of two kinds:
 
@@ -15,12 +16,11 @@ it, :class:`UsageOptionRefused`). A failure is one of two kinds:
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
-from engines.interface import Request
+from engines.endpoint_stream import Answer
 
 #: statuses that say "later", not "never"
 OVERLOAD_STATUSES = frozenset({408, 429, 502, 503, 504})
@@ -55,24 +55,7 @@ class Completion:
     finish_reason: str
     first_token_time: float  # epoch seconds of the first piece of text (0: none came)
     usage_reported: bool  # False: the server sent no usage; the counts are the stream's pieces, prompt 0
-
-
-def completion_body(model: str, request: Request, usage_option: bool) -> dict:
-    """The ``/v1/completions`` body of ``request``: its prompt as the server's model takes it, its sampling."""
-    s = request.sampling
-    body: dict = {
-        "model": model,
-        "prompt": request.prompt,
-        "max_tokens": s.target_tokens,  # a forced length is a bound here: the API has no "ignore EOS"
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "stream": True,
-    }
-    if s.seed is not None:
-        body["seed"] = s.seed
-    if usage_option:
-        body[USAGE_OPTION] = {"include_usage": True}
-    return body
+    extra: dict = field(default_factory=dict)  # logprobs, tool_calls (engines.endpoint_stream.Answer.extra)
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -110,13 +93,13 @@ async def _check_status(response: httpx.Response, url: str) -> None:
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, base_url: str, body: dict, headers: dict[str, str]
+    client: httpx.AsyncClient, base_url: str, request: tuple[str, dict], headers: dict[str, str]
 ) -> Completion:
-    """Run one streamed completion (module docstring); raises :class:`Overloaded`, :class:`Rejected`
-    or :class:`UsageOptionRefused`."""
-    url = base_url + "/completions"
-    pieces: list[str] = []
-    first, finish, usage = 0.0, "", None
+    """Run one streamed request, ``(path, body)`` of :func:`engines.endpoint_stream.request_body` (module
+    docstring); raises :class:`Overloaded`, :class:`Rejected` or :class:`UsageOptionRefused`."""
+    path, body = request
+    url = base_url + path
+    answer = Answer()
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
             await _check_status(response, url)
@@ -134,25 +117,22 @@ async def stream_completion(
                     raise Rejected(f"{url}: unexpected event in the stream: {data[:200]!r}", retryable=True)
                 if "error" in event:
                     raise Rejected(f"{url}: error in the stream: {_message(data.encode())}", retryable=True)
-                for choice in event.get("choices") or []:
-                    text = choice.get("text") or ""
-                    if text:
-                        pieces.append(text)
-                        first = first or time.time()
-                    finish = choice.get("finish_reason") or finish
-                if isinstance(event.get("usage"), dict):
-                    usage = event["usage"]
+                answer.add(event)
     except httpx.TransportError as e:  # refused, reset, timed out, cut short
         raise Overloaded(f"{url}: {type(e).__name__}: {e}") from None
-    if not finish:
+    if not answer.finish_reason:
         raise Overloaded(f"{url}: the stream ended before the completion did")
-    if usage is None:
-        return Completion("".join(pieces), 0, len(pieces), finish, first, usage_reported=False)
+    done = Completion(answer.text, 0, len(answer.pieces), answer.finish_reason, answer.first_token_time,
+                      usage_reported=False, extra=answer.extra())  # fmt: skip
+    if answer.usage is None:
+        return done
     try:
-        prompt, completion = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+        done.prompt_tokens = int(answer.usage["prompt_tokens"])
+        done.completion_tokens = int(answer.usage["completion_tokens"])
     except (KeyError, TypeError, ValueError):
-        raise Rejected(f"{url}: usage without token counts: {usage}", retryable=True) from None
-    return Completion("".join(pieces), prompt, completion, finish, first, usage_reported=True)
+        raise Rejected(f"{url}: usage without token counts: {answer.usage}", retryable=True) from None
+    done.usage_reported = True
+    return done
 
 
 async def served_models(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> list[str]:

@@ -30,6 +30,7 @@ from engines.sequence import Sequence, SequenceStatus
 from engines.stage_spec import StageSpec
 from engines.step_batch import StepBatch
 from localmodels import load_or_build
+from localmodels.prompt_ids import prompt_ids
 from quant.apply import keep_dequantized
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class LLMEngine:
         request.sampling.validate()
         ids = request.prompt_token_ids
         if ids is None:
-            ids = self.tokenizer(request.prompt)["input_ids"]
+            ids = prompt_ids(self.tokenizer, request.prompt)
         seq = Sequence.from_request(request, ids)
         if not seq.arrival_time:
             seq.arrival_time = time.time()

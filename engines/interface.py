@@ -44,6 +44,8 @@ class Request:
     prompt_token_ids: list[int] | None = None  # filled by the engine when None
     predicted_tokens: int | None = None  # predicted response length (for KV admission)
     arrival_time: float = 0.0
+    # the OpenAI request it came from (workqueue.openai_body): a chat's messages, fields passed through
+    openai_body: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class RequestOutput:
     error: str = ""
     # completion tokens as a server counted them (the endpoint backend: it gets text and usage, no ids)
     counted_tokens: int | None = None
+    # what a server answered beyond the text (workqueue.openai_body.EXTRA_ANSWERS): logprobs, tool_calls
+    openai_extra: dict | None = None
 
     @property
     def completion_tokens(self) -> int:

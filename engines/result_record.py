@@ -30,5 +30,6 @@ def finished_record(cluster: str, cq: ClaimedQuery, out: RequestOutput) -> Finis
         error=out.error,
         predicted_tokens=q.predicted_tokens,
         attempts=cq.attempts,
+        openai_extra=out.openai_extra or None,
     )
     return Finished(q.gid, result, how.state, out.completion_tokens)

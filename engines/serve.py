@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,7 @@ from engines.worker import Worker, WorkerConfig
 from localmodels import load_or_build
 from workqueue import WorkQueue, connect
 from workqueue.embedded import URL_ENV
+from workqueue.openai_body import PASS_THROUGH
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +173,45 @@ def add_endpoint_arguments(p: argparse.ArgumentParser) -> None:
         help="the model's name at the servers (default: the one their /v1/models lists)",
     )
     g.add_argument(
+        "--endpoint-fields",
+        default="all",
+        metavar="LIST",
+        help="the OpenAI request fields the servers honour, passed through from each row (comma-separated "
+        f"from {', '.join(sorted(PASS_THROUGH))}; 'all' (default) or 'none'); the gateway refuses at "
+        "submission a row carrying a field a cluster that could run it does not honour",
+    )
+    g.add_argument(
         "--endpoint-timeout-s",
         type=float,
         default=60.0,
         help="seconds to connect, and the longest silence of a stream, before a server counts as "
         "overloaded (the query is sent again, not failed)",
     )
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The name rows may give the cluster's model: the endpoints' (``--served-model-name``), a local
+    directory's own name, or "" (a random model, or endpoints not named: any name is taken)."""
+    if args.backend == ENDPOINT_BACKEND:
+        return args.served_model_name or ""
+    return Path(args.served_model).name if args.served_model else ""
+
+
+def openai_fields(args: argparse.Namespace) -> frozenset[str]:
+    """The OpenAI fields the cluster passes through (``--endpoint-fields``; only endpoints honour any)."""
+    if args.backend != ENDPOINT_BACKEND:
+        return frozenset()
+    raw = (args.endpoint_fields or "all").strip()
+    if raw == "all":
+        return PASS_THROUGH
+    named = frozenset(f.strip() for f in raw.split(",") if f.strip() and f.strip() != "none")
+    unknown = sorted(named - PASS_THROUGH)
+    if unknown:
+        raise ValueError(
+            f"--endpoint-fields: {', '.join(unknown)} cannot be passed through "
+            f"(known: {', '.join(sorted(PASS_THROUGH))})"
+        )
+    return named
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
@@ -250,12 +285,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.backend == ENDPOINT_BACKEND and (args.slowdown or args.plan):
         log.error("the endpoint backend's servers are real: --slowdown and --plan do not apply to them")
         return 1
-    if args.backend != "vllm":
-        try:
+    try:
+        fields = openai_fields(args)
+        if args.backend != "vllm":
             resolve_device(args.device)
-        except ValueError as e:
-            log.error("%s", e)
-            return 1
+    except ValueError as e:
+        log.error("%s", e)
+        return 1
     device_cost = None
     if args.device_cost is not None:
         try:
@@ -283,6 +319,8 @@ def run_serve(args: argparse.Namespace) -> int:
         lease_s=args.lease_s,
         heartbeat_s=args.heartbeat_s,
         backend=args.backend,
+        served_model=served_model_name(args),
+        openai_fields=fields,
         capacity_hint_tps=args.capacity,
         slowdown=args.slowdown,
         device_cost=device_cost,

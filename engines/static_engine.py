@@ -14,6 +14,7 @@ from collections import deque
 import torch
 
 from engines.interface import EngineStats, Request, RequestOutput
+from localmodels.prompt_ids import prompt_ids
 
 
 def batch_forwards(rows: int, longest_prompt: int, new_tokens: int) -> tuple[tuple[int, int, int], ...]:
@@ -43,7 +44,7 @@ class StaticBatchEngine:
     def add_request(self, request: Request) -> None:
         request.sampling.validate()
         if request.prompt_token_ids is None:
-            ids = self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
+            ids = prompt_ids(self.tokenizer, request.prompt)
             request.prompt_token_ids = ids[-self.max_prompt_tokens :]
         self.waiting.append(request)
 

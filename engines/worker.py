@@ -26,6 +26,7 @@ from engines.interface import Engine, EngineFailure, EngineStats, Request, Reque
 from engines.queue_agent import QueueAgent
 from engines.worker_config import WorkerConfig
 from workqueue import WorkQueue
+from workqueue.openai_body import encode_fields, unhonoured
 from workqueue.roundtrips import count_round_trips
 
 __all__ = ["Worker", "WorkerConfig"]
@@ -61,6 +62,8 @@ class Worker:
                 "capacity_hint_tps": config.capacity_hint_tps or None,
                 "plan_tps": config.plan_tps or None,
                 "max_query_tokens": config.max_query_tokens or None,
+                "served_model": config.served_model,
+                "openai_fields": encode_fields(config.openai_fields),
             },
             rate_tps=lambda: self._stats.tokens_per_s,
             heartbeat_fields=self._heartbeat_fields,
@@ -133,9 +136,21 @@ class Worker:
             q = cq.query
             sampling = SamplingParams(q.temperature, q.top_p or 1.0, q.seed, q.max_tokens, q.forced_length)
             predicted = int(q.predicted_tokens) or None
+            body = q.openai_body or {}
             try:
+                # the gateway refuses these at submission; a row may come before this cluster registered
+                missing = unhonoured(body, self.config.openai_fields)
+                if missing:
+                    raise ValueError(f"the {self.config.backend} backend cannot honour {', '.join(missing)}")
                 self.engine.add_request(
-                    Request(q.gid, q.prompt, sampling, predicted_tokens=predicted, arrival_time=cq.claimed_at)
+                    Request(
+                        q.gid,
+                        q.prompt,
+                        sampling,
+                        predicted_tokens=predicted,
+                        arrival_time=cq.claimed_at,
+                        openai_body=body,
+                    )  # fmt: skip
                 )
             except (ValueError, RuntimeError) as e:  # a query the engine cannot run fails alone
                 log.error("query %s rejected by the engine: %s", q.gid, e)

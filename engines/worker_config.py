@@ -29,6 +29,10 @@ class WorkerConfig:
     max_ahead: int = 64
     min_tick_s: float = 0.005  # the agent's ticks come at most this often (finished results go together)
     backend: str = "static"
+    # the model's name rows may ask for ("": any), and the OpenAI fields its backend passes through
+    # (workqueue.openai_body): both registered, so the gateway refuses at submission what it cannot run
+    served_model: str = ""
+    openai_fields: frozenset[str] = frozenset()
     capacity_hint_tps: float = 0.0
     plan_tps: float = 0.0
     max_query_tokens: int = 0

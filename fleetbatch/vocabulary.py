@@ -53,6 +53,7 @@ VOCABULARY: dict[str, str] = {
     "--ema": "evaluate and keep an exponential moving average of the weights with this decay per step",
     "--emulation": "how engines emulate their devices: 'cost'",
     "--endpoint": "the batch's endpoint",
+    "--endpoint-fields": "the OpenAI request fields the endpoint backend's servers honour, passed through from each row",
     "--endpoint-key-file": "file whose first line is the endpoint backend's API key for its servers",
     "--endpoint-timeout-s": "seconds to connect to a server, and its longest silence, before it counts as overloaded",
     "--endpoint-url": "an OpenAI-compatible inference server of the endpoint backend, as its base URL (repeatable)",

@@ -28,6 +28,7 @@ from gateway.grpc_api.tls import server_credentials
 from gateway.http_api.server import HttpServer  # starlette + uvicorn: ~70 ms of ~400 (python -X importtime)
 from gateway.offload.offloader import OffloadConfig, Offloader
 from gateway.status.metrics import GatewayMetrics
+from localmodels.prompt_ids import split_by_rule
 from planfile import load_plan
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -52,28 +53,39 @@ def load_tokenizer(tokenizer_dir: str | None):
 
 
 def token_counter(tokenizer) -> Callable[[list[str]], list[int]]:
-    """Prompt tokens as the engine counts them (the start token included), as ``tokenizer(prompts)``
-    counts them. A fast tokenizer whose backend neither truncates nor pads is asked for counts
-    directly (``encode_batch_fast``: no offsets, no Python id lists), several times faster on
-    a large batch, ``COUNT_SLICE`` prompts at a time; the counts are the same."""
+    """Prompt tokens as the engine counts them (the start token included, unless the prompt begins with
+    it already: :mod:`localmodels.prompt_ids`), as ``tokenizer(prompts)`` counts them. A fast tokenizer
+    whose backend neither truncates nor pads is asked for counts directly (``encode_batch_fast``: no
+    offsets, no Python id lists), several times faster on a large batch, ``COUNT_SLICE`` prompts at a
+    time; the counts are the same."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     encode = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
     if encode is not None and backend.truncation is None and backend.padding is None:
 
-        def count(prompts: list[str]) -> list[int]:
+        def count_part(prompts: list[str], special: bool) -> list[int]:
             out: list[int] = []
             for i in range(0, len(prompts), COUNT_SLICE):  # bounded memory: encodings are large
-                out += [len(e) for e in encode(prompts[i : i + COUNT_SLICE], add_special_tokens=True)]
+                out += [len(e) for e in encode(prompts[i : i + COUNT_SLICE], add_special_tokens=special)]
             return out
 
-        return count
+    else:
 
-    def count_slow(prompts: list[str]) -> list[int]:
-        if not prompts:
-            return []
-        return [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+        def count_part(prompts: list[str], special: bool) -> list[int]:
+            if not prompts:
+                return []
+            return [len(ids) for ids in tokenizer(prompts, add_special_tokens=special)["input_ids"]]
 
-    return count_slow
+    def count(prompts: list[str]) -> list[int]:
+        with_, without = split_by_rule(tokenizer, prompts)
+        if not without:  # the common case: no prompt begins with the start token
+            return count_part(prompts, True)
+        out = [0] * len(prompts)
+        for part, special in ((with_, True), (without, False)):
+            for i, n in zip(part, count_part([prompts[i] for i in part], special), strict=True):
+                out[i] = n
+        return out
+
+    return count
 
 
 def build_deps(config: GatewayConfig) -> GatewayDeps:

@@ -45,6 +45,7 @@ def to_request(
     )
     for it in items:
         q = req.queries.add(id=it.id, prompt=it.prompt, max_tokens=it.max_tokens, metadata=it.metadata)
+        q.openai_body = it.openai_body
         q.sampling.temperature = it.temperature
         q.sampling.top_p = it.top_p
         if it.seed is not None:

@@ -41,6 +41,7 @@ class WorkItem:
     seed: int | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     true_length: int | None = None  # the recorded response length, when known
+    openai_body: str = ""  # an OpenAI row's request (JSON: its messages, model, fields passed through)
 
 
 def generated(n: int, seed: int = 0, max_tokens: int = 256, forced: bool = True) -> list[WorkItem]:
@@ -178,6 +179,7 @@ def _openai_item(row: dict, default_max_tokens: int, tokenizer) -> WorkItem:
         top_p=r.top_p,
         seed=r.seed,
         metadata={"source": "jsonl"},
+        openai_body=r.openai_body,
     )
 
 

@@ -48,7 +48,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Query(_message.Message):
-    __slots__ = ("id", "prompt", "max_tokens", "sampling", "forced_length", "metadata")
+    __slots__ = ("id", "prompt", "max_tokens", "sampling", "forced_length", "metadata", "openai_body")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,13 +62,15 @@ class Query(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FORCED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_BODY_FIELD_NUMBER: _ClassVar[int]
     id: str
     prompt: str
     max_tokens: int
     sampling: SamplingParams
     forced_length: int
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., forced_length: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    openai_body: str
+    def __init__(self, id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., forced_length: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., openai_body: _Optional[str] = ...) -> None: ...
 
 class SubmitBatchRequest(_message.Message):
     __slots__ = ("queries", "metadata", "batch_id", "on_bad_query", "completion_window", "priority", "end_of_batch")
@@ -203,7 +205,7 @@ class Timings(_message.Message):
     def __init__(self, enqueued_at: _Optional[float] = ..., started_at: _Optional[float] = ..., first_token_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
 
 class QueryResult(_message.Message):
-    __slots__ = ("batch_id", "query_id", "text", "prompt_tokens", "completion_tokens", "cluster", "timings", "finish_reason", "error", "predicted_tokens", "index", "attempts")
+    __slots__ = ("batch_id", "query_id", "text", "prompt_tokens", "completion_tokens", "cluster", "timings", "finish_reason", "error", "predicted_tokens", "index", "attempts", "openai_extra")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +218,7 @@ class QueryResult(_message.Message):
     PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_EXTRA_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     query_id: str
     text: str
@@ -228,7 +231,8 @@ class QueryResult(_message.Message):
     predicted_tokens: float
     index: int
     attempts: int
-    def __init__(self, batch_id: _Optional[str] = ..., query_id: _Optional[str] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cluster: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., predicted_tokens: _Optional[float] = ..., index: _Optional[int] = ..., attempts: _Optional[int] = ...) -> None: ...
+    openai_extra: str
+    def __init__(self, batch_id: _Optional[str] = ..., query_id: _Optional[str] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cluster: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., predicted_tokens: _Optional[float] = ..., index: _Optional[int] = ..., attempts: _Optional[int] = ..., openai_extra: _Optional[str] = ...) -> None: ...
 
 class ListClustersRequest(_message.Message):
     __slots__ = ()

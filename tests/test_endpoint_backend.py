@@ -5,6 +5,7 @@ front of it; every row comes back exactly once, none failed, with the server's u
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,15 +14,18 @@ from collections.abc import Mapping
 
 import httpx
 import pytest
+from openai import OpenAI
 from transformers import AutoTokenizer
 
 from engines.endpoint_backend import EndpointEngine
 from engines.endpoint_settings import EndpointSettings
 from engines.interface import EngineFailure, Request, SamplingParams
-from gateway.http_api.format import DEFAULT_TEMPLATE
+from gateway.http_api.format import CHAT, DEFAULT_TEMPLATE, render_chat
+from gateway.server import token_counter
 from tests.endpoint_server import chat_model_dir, endpoint_server, free_port
 from tests.fault_proxy import FaultProxy
 from tests.harness import start_engine, wait_until
+from tests.openai_http_helpers import KEY, http_gateway, jsonl, wait_final
 from workqueue import QueuedQuery, WorkQueue, connect
 
 # one worker runs the module, so one transformers serve starts (each costs a model load)
@@ -107,24 +111,71 @@ def test_a_chat_completion_counts_the_prompt_as_the_saved_chat_template_renders_
     assert 1 <= usage["completion_tokens"] <= 4
 
 
-def test_every_query_comes_back_once_with_the_servers_usage(server, tokenizer, redis_url, tmp_path):
-    queue = WorkQueue(connect(redis_url))
-    queries = _queries("b1", 8, 8)
-    assert queue.create_batch("b1", [(q, "ep") for q in queries])
+def test_the_gateway_counts_a_chat_as_the_server_does_one_start_token(tokenizer):
+    """A template that writes the BOS itself: the gateway's count is the server's, not one more (it was)."""
+    messages = [{"role": "user", "content": "Name a river."}]
+    ids = _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    assert token_counter(tokenizer)([render_chat(messages, tokenizer), "plain text"]) == [
+        len(ids),
+        len(_ids(tokenizer("plain text"))),
+    ]
+
+
+def test_chat_rows_go_to_the_server_as_messages_counted_as_it_counts_them(
+    server, tokenizer, model_dir, redis_url, tmp_path
+):
+    """An OpenAI batch of chat rows through the gateway (counting in the served model's tokenizer) and a
+    real engine process: each row reaches /v1/chat/completions with its own messages, and for every row
+    the prompt tokens the gateway counted equal the server's usage.prompt_tokens."""
+    gateway = http_gateway(redis_url, tmp_path / "files", cluster="ep", tokenizer_dir=str(model_dir))
+    gateway.start()
     # the base URL without /v1 (added), the model's name asked from /v1/models
     engine = _engine("ep", redis_url, tmp_path, "--endpoint-url", server.url.removesuffix("/v1"))
     try:
-        wait_until(lambda: queue.result_count("b1") >= len(queries), 240, "every result")
-        info = wait_until(lambda: [i for i in queue.clusters(["ep"]) if i.measured_tps > 0], 30, "a rate")
-        assert info[0].backend == "endpoint"
+        client = OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
+        chats = {
+            f"c{i}": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": f"Name river {i}."},
+            ]
+            for i in range(8)
+        }
+        rows = [
+            {"custom_id": c, "body": {"model": server.model, "messages": m, "max_tokens": 8}}
+            for c, m in chats.items()
+        ]
+        f = client.files.create(file=("chat.jsonl", jsonl(rows)), purpose="batch")
+        batch = wait_final(
+            client, client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h").id, 240
+        )
+        assert batch.status == "completed" and batch.request_counts.completed == len(rows), batch
+        lines = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+        info = wait_until(
+            lambda: [i for i in WorkQueue(connect(redis_url)).clusters(["ep"]) if i.measured_tps > 0],
+            30,
+            "a rate",
+        )
+        assert info[0].backend == "endpoint" and info[0].openai_fields
     finally:
         _stop(engine)
+        gateway.stop()
     assert engine.returncode == 0
-    prompts = {q.query_id: q.prompt for q in queries}
-    for r in _each_once_none_failed(queue, "b1", queries):
-        assert r["prompt_tokens"] == len(_ids(tokenizer(prompts[r["query_id"]])))  # the server's count
-        assert r["completion_tokens"] <= 8
-        assert r["finish_reason"] == "stop" or r["completion_tokens"] == 8
+    count = token_counter(tokenizer)
+    mismatches = []
+    for line in lines:
+        usage = line["response"]["body"]["usage"]
+        counted = count([render_chat(chats[line["custom_id"]], tokenizer)])[0]
+        served = len(
+            _ids(
+                tokenizer.apply_chat_template(
+                    chats[line["custom_id"]], add_generation_prompt=True, tokenize=True
+                )
+            )
+        )
+        if not usage["prompt_tokens"] == counted == served:
+            mismatches.append((line["custom_id"], usage["prompt_tokens"], counted, served))
+        assert 1 <= usage["completion_tokens"] <= 8
+    assert sorted(x["custom_id"] for x in lines) == sorted(chats) and mismatches == []
     assert f"serves {server.model}" in (tmp_path / "engine-ep.log").read_text()
 
 

@@ -102,9 +102,9 @@ def test_chat_messages_use_the_tokenizers_template_or_the_documented_default():
 @pytest.mark.parametrize(
     "body, named",
     [
-        ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions"),
         ({"prompt": "x", "n": 2}, "n=2"),
-        ({"prompt": "x", "stop": ["\n"]}, "stop"),
+        ({"prompt": "x", "stream": True}, "stream"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "image_url"),
     ],
 )

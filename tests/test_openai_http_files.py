@@ -16,11 +16,14 @@ import urllib.parse
 
 import openai
 import pytest
+import redis
 from openai import OpenAI
 
 from gateway.deploy.up import http_settings, write_private
 from gateway.http_api.format import CHAT, COMPLETIONS
 from tests.openai_http_helpers import KEY, http_gateway, jsonl, raw_call, wait_final
+from workqueue import keys
+from workqueue.openai_body import PASS_THROUGH
 
 
 @pytest.fixture
@@ -76,11 +79,13 @@ def test_bad_input_is_400_naming_the_field(bare):
     assert (
         _bad(client, input_file_id=good.id, completion_window="tomorrow").body["param"] == "completion_window"
     )
-    tools = [{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}], "tools": []}}]
-    f = client.files.create(file=("t.jsonl", jsonl(tools)), purpose="batch")
+    functions = [
+        {"custom_id": "a", "body": {"messages": [{"role": "user", "content": "x"}], "functions": []}}
+    ]
+    f = client.files.create(file=("t.jsonl", jsonl(functions)), purpose="batch")
     failed = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
     assert failed.status == "failed" and failed.errors.data[0].line == 1
-    assert "tools" in failed.errors.data[0].message
+    assert "functions" in failed.errors.data[0].message
     with pytest.raises(openai.BadRequestError) as e:
         client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
     assert e.value.body["param"] == "purpose"
@@ -213,3 +218,37 @@ def test_secrets_are_written_owner_only_from_creation(tmp_path):
         assert wide.read_text() == "t\n" and stat.S_IMODE(wide.stat().st_mode) == 0o600
     finally:
         os.umask(old)
+
+
+def test_fields_and_models_the_clusters_cannot_serve_are_refused_naming_them(bare, redis_url):
+    """Rows passing OpenAI fields through (tools, logprobs) to clusters whose workers registered that they
+    run prompts themselves (no field honoured), and rows naming a model no cluster serves, fail the batch
+    with their lines; the same fields on clusters that honour them are accepted."""
+    _, client = bare
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    names = sorted(r.smembers(keys.CLUSTERS))
+    assert names
+    for name in names:  # as a native engine's worker registers: a named model, no field passed through
+        r.hset(
+            keys.cluster_info(name),
+            mapping={"backend": "native", "served_model": "tiny", "openai_fields": ""},
+        )
+    chat = [{"role": "user", "content": "x"}]
+    rows = [
+        {"custom_id": "ok", "body": {"model": "tiny", "messages": chat}},
+        {"custom_id": "tools", "body": {"model": "tiny", "messages": chat, "tools": [], "logprobs": True}},
+        {"custom_id": "model", "body": {"model": "gpt-x", "messages": chat}},
+    ]
+    f = client.files.create(file=("t.jsonl", jsonl(rows)), purpose="batch")
+    failed = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    errors = {e.line: e.message for e in failed.errors.data}
+    assert failed.status == "failed" and sorted(errors) == [2, 3], errors
+    assert "logprobs, tools cannot be honoured by cluster" in errors[2] and "(native)" in errors[2]
+    assert "model 'gpt-x' is served by no cluster (served: tiny)" in errors[3]
+    for name in names:  # endpoints that pass every field through
+        r.hset(
+            keys.cluster_info(name), mapping={"backend": "endpoint", "openai_fields": ",".join(PASS_THROUGH)}
+        )
+    f = client.files.create(file=("t.jsonl", jsonl(rows[:2])), purpose="batch")
+    accepted = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    assert accepted.status != "failed", accepted.errors

@@ -109,7 +109,7 @@ def test_an_invalid_input_file_makes_a_failed_batch_with_its_lines(front):
             json.dumps({"custom_id": "a", "body": {"prompt": "again"}}).encode(),
             json.dumps({"custom_id": "c", "body": {"prompt": "   "}}).encode(),
             json.dumps({"custom_id": "d", "body": {"prompt": "word " * 40}}).encode(),
-            json.dumps({"custom_id": "e", "body": {"prompt": "x", "tools": []}}).encode(),
+            json.dumps({"custom_id": "e", "body": {"prompt": "x", "functions": []}}).encode(),
             json.dumps(
                 {
                     "custom_id": "f",
@@ -123,7 +123,7 @@ def test_an_invalid_input_file_makes_a_failed_batch_with_its_lines(front):
     errors = {e.line: e for e in batch.errors.data}
     assert sorted(errors) == [2, 3, 4, 6, 7]
     assert errors[2].code == "invalid_json_line" and errors[3].code == "duplicate_custom_id"
-    assert "empty prompt" in errors[4].message and "tools" in errors[6].message
+    assert "empty prompt" in errors[4].message and "functions" in errors[6].message
     _nothing_enqueued(queue, batch.id)
     assert [b.id for b in client.batches.list()] == [batch.id]
     with pytest.raises(openai.ConflictError):

@@ -157,6 +157,8 @@ class Clusters:
                     finished_actual_tokens=as_int(stats.get("finished_actual_tokens")),
                     finished_total_tokens=as_int(stats.get("finished_total_tokens")),
                     finished_queries=as_int(stats.get("finished_queries")),
+                    served_model=info.get("served_model"),
+                    openai_fields=info.get("openai_fields"),
                 )
             )
         return out

@@ -109,6 +109,8 @@ class QueuedQuery:
     cached_tokens: int = (
         0  # prompt tokens its cluster's prefix cache is expected to hold (gateway.assign.prefix_policy)
     )
+    # the OpenAI request it came from (workqueue.openai_body): a chat's messages, fields passed through
+    openai_body: dict[str, Any] | None = None
 
     @property
     def gid(self) -> str:
@@ -206,6 +208,10 @@ class ClusterInfo:
     finished_actual_tokens: int = 0
     finished_total_tokens: int = 0  # prompt + completion tokens of its answered queries
     finished_queries: int = 0
+    # what its worker registered (None: no worker has yet): the model's name rows may ask for ("": any)
+    # and the OpenAI fields it passes through (comma-separated, workqueue.openai_body)
+    served_model: str | None = None
+    openai_fields: str | None = None
 
     @property
     def accepting(self) -> bool:
@@ -257,6 +263,8 @@ class QueryResult:
     predicted_tokens: float | None = None
     attempts: int | None = None
     index: int | None = None
+    # what an endpoint answered beyond the text: "logprobs", "tool_calls" (workqueue.openai_body)
+    openai_extra: dict[str, Any] | None = None
 
     @property
     def outcome(self) -> Outcome:

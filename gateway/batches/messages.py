@@ -4,6 +4,7 @@ fingerprint, and the rows of a fail-row batch that fail alone."""
 from __future__ import annotations
 
 import hashlib
+import json
 
 from gateway.checks.windows import format_window
 from gateway.status.eta import Eta
@@ -94,6 +95,7 @@ def result_proto(r: QueryResult) -> pb.QueryResult:
         predicted_tokens=float(r.predicted_tokens or 0),
         index=int(r.index or 0),
         attempts=int(r.attempts or 0),
+        openai_extra=json.dumps(r.openai_extra, ensure_ascii=False) if r.openai_extra else "",
     )
 
 

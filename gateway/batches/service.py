@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -37,9 +37,11 @@ from gateway.batches.errors import Caller, InvalidRequest, NotFound, Unavailable
 from gateway.batches.messages import fail_rows, fingerprint
 from gateway.batches.parts import Staging, StreamBrokenOff, stage_parts
 from gateway.batches.resubmit import check_resubmission
+from gateway.checks.serving import Serving
 from gateway.checks.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.checks.windows import WindowError, check_priority, parse_window
 from gateway.intake.background import Intake, encode_rows
+from gateway.intake.rows import queued_query
 from gateway.status.eta import Eta
 from protos import fleetbatch_pb2 as pb
 from workqueue import BatchInfo, ClusterInfo, QueryResult, QueuedQuery, StagedRowsMissing
@@ -86,12 +88,13 @@ class BatchService:
         t0 = time.perf_counter()
         mode = request.on_bad_query or ON_BAD_QUERY[cfg.on_bad_query]
         large = len(request.queries) >= d.intake.sync_max_queries  # enqueued by the background intake
+        limits = await self._limits_now()
         try:  # sizes first, then tokenizing: off the event loop
             checked = await asyncio.to_thread(
                 check_batch,
                 request,
                 d.count_tokens,
-                self._limits,
+                limits,
                 fail_row=mode == pb.ON_BAD_QUERY_FAIL_ROW,
                 bound=d.token_bound if large else None,
             )
@@ -141,7 +144,7 @@ class BatchService:
             try:
                 sent = await stage_parts(
                     first, parts, count_tokens=d.count_tokens, bound=d.token_bound,
-                    limits=self._limits, default_mode=d.config.on_bad_query, stage=stage,
+                    limits=await self._limits_now(), default_mode=d.config.on_bad_query, stage=stage,
                 )  # fmt: skip
             except StreamBrokenOff as e:
                 if broken():  # the client is gone: nobody to answer
@@ -173,6 +176,10 @@ class BatchService:
         finally:
             if stage is not None and not created:  # not awaited: a cancelled call (the client broke
                 stage.drop()  # off, the gateway stops) must still drop it
+
+    async def _limits_now(self) -> Limits:
+        """The gateway's limits, with what the clusters serve now (models, OpenAI fields)."""
+        return replace(self._limits, serving=Serving.of(await asyncio.to_thread(read_clusters, self.d.queue)))
 
     async def _within_quota(
         self, caller: Caller, batch_id: str, count: int, create: Callable[[Any], Awaitable[BatchStatus]]
@@ -307,20 +314,10 @@ class BatchService:
         charges = charged_tokens([loads[j] for j in order], names)  # a group's prefix once per cluster
         for charge, i, load in ((c, good[j], loads[j]) for c, j in zip(charges, order, strict=True)):
             q = request.queries[i]
+            cached = round(load.total_tokens - charge)
             queued.append(
-                QueuedQuery(
-                    batch_id=batch_id,
-                    query_id=q.id,
-                    prompt=q.prompt,
-                    max_tokens=checked.max_tokens[i],
-                    prompt_tokens=load.prompt_tokens,
-                    predicted_tokens=load.predicted_tokens,
-                    temperature=q.sampling.temperature,
-                    top_p=q.sampling.top_p or 1.0,
-                    seed=q.sampling.seed if q.sampling.HasField("seed") else None,
-                    forced_length=q.forced_length if q.HasField("forced_length") else None,
-                    metadata=dict(q.metadata),
-                    cached_tokens=round(load.total_tokens - charge),
+                queued_query(
+                    batch_id, q, checked.max_tokens[i], load.prompt_tokens, load.predicted_tokens, cached
                 )
             )
         for i in sorted(checked.bad):  # inert: an engine that claimed one first would refuse max_tokens 0

@@ -20,8 +20,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gateway.checks.serving import Serving
 from gateway.config import NAME_RE, GatewayConfig
 from protos import fleetbatch_pb2 as pb
+from workqueue.openai_body import parse_body
 
 ID_RE = NAME_RE
 ALPHABET = "1-128 characters of [A-Za-z0-9_.-]"
@@ -76,6 +78,7 @@ class Limits:
     max_prompt_bytes: int = 256 * 1024
     max_metadata_bytes: int = 16 * 1024
     max_positions: int = 2048
+    serving: Serving = Serving()  # what the clusters serve, read at each submission (gateway.checks.serving)
 
     @classmethod
     def of(cls, config: GatewayConfig) -> Limits:
@@ -253,6 +256,12 @@ def query_problems(q: pb.Query, limits: Limits) -> list[str]:
     md = metadata_problem(q.metadata, limits.max_metadata_bytes)
     if md:
         out.append(md)
+    if q.openai_body:
+        try:
+            parse_body(q.openai_body)
+        except ValueError as e:
+            out.append(str(e))
+        out.extend(limits.serving.problems(q.openai_body))
     if q.max_tokens < 0 or q.max_tokens > limits.max_max_tokens:
         out.append(f"max_tokens {q.max_tokens} outside [0, {limits.max_max_tokens}]")
     s = q.sampling

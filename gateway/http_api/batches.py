@@ -164,7 +164,7 @@ def build_request(
     for qid, r, n in zip(ids, reqs, numbers, strict=True):
         q = req.queries.add(id=qid)
         try:  # parse_row checked every value; protobuf is the judge of last resort
-            q.prompt, q.max_tokens = r.prompt, r.max_tokens
+            q.prompt, q.max_tokens, q.openai_body = r.prompt, r.max_tokens, r.openai_body
             q.sampling.temperature, q.sampling.top_p = r.temperature, r.top_p
             if r.seed is not None:
                 q.sampling.seed = r.seed

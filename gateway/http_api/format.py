@@ -7,8 +7,11 @@ Shared by the gateway's HTTP front (:mod:`gateway.http_api.front`) and ``fleetba
 (``/v1/chat/completions`` or ``/v1/completions``) and ``body`` with ``messages`` or ``prompt``.
 Chat messages are rendered with the serving tokenizer's chat template when it has one, else
 with the documented default (:data:`DEFAULT_TEMPLATE`). ``max_tokens`` /
-``max_completion_tokens``, ``temperature``, ``top_p`` and ``seed`` are honoured; ``stop``,
-``n`` > 1, streaming and any other field are errors that name them (:func:`check_body`).
+``max_completion_tokens``, ``temperature``, ``top_p`` and ``seed`` are honoured. The OpenAI fields
+an endpoint backend passes through (:data:`workqueue.openai_body.PASS_THROUGH`: ``response_format``,
+``logprobs``, ``tools``, ``stop``, ...) travel with the row in its ``openai_body``, with a chat row's
+messages; the gateway refuses them at submission where a cluster cannot honour them. ``n`` > 1,
+streaming and any other field are errors that name them (:func:`check_body`).
 
 **Output.** One line per request. A request that succeeded has ``response`` (``status_code``
 200, ``request_id`` and a ``body``: a ``chat.completion`` for ``/v1/chat/completions``, a
@@ -21,11 +24,13 @@ Which it is comes from :func:`workqueue.outcome`, the rule the worker's counts f
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.checks.validation import number_problem
 from workqueue import Outcome, outcome
+from workqueue.openai_body import EXTRA_ANSWERS, PASS_THROUGH, fields_used
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -33,7 +38,7 @@ ENDPOINTS = (CHAT, COMPLETIONS)
 
 #: body fields that are honoured or change nothing about the answer
 ACCEPTED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-            "seed", "user", "metadata", "store", "stream", "n", "stop"}  # fmt: skip
+            "seed", "user", "metadata", "store", "stream", "n"} | PASS_THROUGH  # fmt: skip
 
 #: the documented default chat template, for serving tokenizers without one
 DEFAULT_TEMPLATE = "<|{role}|>\n{content}\n"
@@ -52,17 +57,16 @@ class OpenAIRequest:
     top_p: float = 1.0
     seed: int | None = None
     model: str = ""
+    openai_body: str = ""  # JSON: the chat's messages, the model and the fields passed through ("": none)
 
 
 def check_body(body: dict) -> None:
-    """Refuse what the engines cannot honour, naming it: other fields, ``n`` > 1, ``stop``, streaming."""
+    """Refuse what no backend can honour, naming it: other fields, ``n`` > 1, streaming."""
     unknown = sorted(set(body) - ACCEPTED)
     if unknown:
         raise ValueError(f"body fields not supported: {', '.join(unknown)}")
     if body.get("n", 1) != 1:
         raise ValueError(f"n={body['n']} is not supported (one choice per request)")
-    if body.get("stop"):
-        raise ValueError("stop sequences are not supported; remove 'stop'")
     if body.get("stream"):
         raise ValueError("stream=true has no meaning in a batch")
 
@@ -152,6 +156,7 @@ def parse_row(row, default_max_tokens: int = 0, tokenizer=None, endpoint: str | 
         raise ValueError("body needs 'messages' or 'prompt'")
     max_tokens = _number(body, "max_tokens", 0) or _number(body, "max_completion_tokens", 0, "max_tokens")
     seed = body.get("seed")
+    kept = {k: body[k] for k in ("messages", "model", *fields_used(body)) if body.get(k) is not None}
     return OpenAIRequest(
         custom_id=_utf8(str(row["custom_id"]), "custom_id"),
         url=url,
@@ -161,6 +166,7 @@ def parse_row(row, default_max_tokens: int = 0, tokenizer=None, endpoint: str | 
         top_p=float(_number(body, "top_p", 1.0)),
         seed=None if seed is None else int(_number(body, "seed", 0)),
         model=_utf8(str(body.get("model") or ""), "model"),
+        openai_body=json.dumps(kept, ensure_ascii=False) if set(kept) - {"model"} else "",
     )
 
 
@@ -193,18 +199,27 @@ def output_line(result: Mapping, endpoint: str, model: str, custom_id: str | Non
     prompt, completion = int(result.get("prompt_tokens") or 0), int(result.get("completion_tokens") or 0)
     created = int(float((result.get("timings") or {}).get("finished_at") or 0))
     finish = "length" if how is Outcome.TRUNCATED else "stop"
+    # what an endpoint answered beyond the text (workqueue.openai_body.EXTRA_ANSWERS; JSON on the gRPC wire)
+    raw = result.get("openai_extra") or {}
+    extra = {
+        k: v for k, v in (json.loads(raw) if isinstance(raw, str) else raw).items() if k in EXTRA_ANSWERS
+    }
+    logprobs = extra.get("logprobs")
     if endpoint == COMPLETIONS:
         body = {
             "object": "text_completion",
             "choices": [
-                {"index": 0, "text": result.get("text", ""), "logprobs": None, "finish_reason": finish}
+                {"index": 0, "text": result.get("text", ""), "logprobs": logprobs, "finish_reason": finish}
             ],
         }
     else:
         message = {"role": "assistant", "content": result.get("text", "")}
+        if extra.get("tool_calls"):
+            message["tool_calls"] = extra["tool_calls"]
+            finish = "tool_calls" if finish == "stop" else finish
         body = {
             "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
         }
     body = {
         "id": _id("cmpl-" if endpoint == COMPLETIONS else "chatcmpl-", batch_id, custom_id),

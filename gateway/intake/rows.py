@@ -1,6 +1,6 @@
 """The rows of a batch in background intake: how a validated query is stored in its intake list
 (:class:`EncodedRows`, JSON per row), and what a row becomes when it lands: a queued query's
-payload (:func:`payload`) or the result of a query failed at intake (:func:`failed_result`).
+payload (:func:`payload`; :func:`queued_query` for a batch assigned at submission) or the result of a query failed at intake (:func:`failed_result`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from gateway.checks.validation import Checked
 from protos import fleetbatch_pb2 as pb
-from workqueue import QueryResult
+from workqueue import QueryResult, QueuedQuery
 
 #: ``json.dumps(row, separators=(",", ":"))`` without building an encoder for every row
 _compact = json.JSONEncoder(separators=(",", ":")).encode
@@ -50,6 +50,8 @@ class EncodedRows(Sequence[str]):
                 row["forced_length"] = q.forced_length
             if q.metadata:
                 row["metadata"] = dict(q.metadata)
+            if q.openai_body:  # checked by validation (workqueue.openai_body.parse_body)
+                row["openai_body"] = json.loads(q.openai_body)
         return _compact(row)
 
 
@@ -75,7 +77,30 @@ def payload(batch_id: str, row: dict, predicted: float, cached: int = 0) -> str:
             "forced_length": row.get("forced_length"),
             "metadata": row.get("metadata", {}),
             "cached_tokens": cached,
+            "openai_body": row.get("openai_body"),
         }
+    )
+
+
+def queued_query(
+    batch_id: str, q: pb.Query, max_tokens: int, prompt_tokens: int, predicted: float, cached: int
+) -> QueuedQuery:
+    """The queued record of a validated query assigned at submission (the same fields as :func:`payload`)."""
+    sampling = q.sampling
+    return QueuedQuery(
+        batch_id=batch_id,
+        query_id=q.id,
+        prompt=q.prompt,
+        max_tokens=max_tokens,
+        prompt_tokens=prompt_tokens,
+        predicted_tokens=predicted,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p or 1.0,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        forced_length=q.forced_length if q.HasField("forced_length") else None,
+        metadata=dict(q.metadata),
+        cached_tokens=cached,
+        openai_body=json.loads(q.openai_body) if q.openai_body else None,
     )
 
 
