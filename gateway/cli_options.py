@@ -42,6 +42,14 @@ def add_common(s: argparse.ArgumentParser) -> None:
         help="the served model's directory (Hugging Face): its tokenizer counts prompt tokens (and with "
         "`gateway up --num-clusters`, the engines load it)",
     )
+    s.add_argument(
+        "--chat-template",
+        choices=["default"],
+        default=None,
+        help="'default': chat rows are rendered with the documented <|role|> headers where no served model "
+        "gives its own template (the project's own random models; `gateway up` asks for it when it runs "
+        "them); without it or --served-model, chat rows are refused",
+    )
     s.add_argument("--predictor-threads", type=int, default=1, help="torch threads for length prediction")
     s.add_argument("--admin-token", default=None, help=f"admin API token (default: ${TOKEN_ENV})")
     s.add_argument(
@@ -135,4 +143,10 @@ def add_common(s: argparse.ArgumentParser) -> None:
         default=INTAKE_WAIT_S,
         help="how long background intake waits for a cluster that can take a query (one restarting or "
         "loading its model) before it fails the query",
+    )
+    s.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="one prefix cache for every client: no per-tenant salt in the engines' prefix-cache keys "
+        "(by default each batch owner's rows hit only their own cached prefixes)",
     )

@@ -37,6 +37,7 @@ class GatewayConfig:
     predictor_dir: str | None = None
     predictor_threads: int = 1  # torch threads for length prediction (more threads slowed it on busy hosts)
     tokenizer_dir: str | None = None  # serving model directory whose tokenizer counts prompt tokens
+    chat_template: str = ""  # "default": chat rows without a served model take the documented template
     max_prompt_tokens: int = 2048
     default_max_tokens: int = 256
     max_max_tokens: int = 4096
@@ -58,6 +59,7 @@ class GatewayConfig:
     queue_order: str = "edf"  # edf | fifo: how batches are ordered in every queue (workqueue.ordering)
     priority_step_s: float = 3600.0
     intake_wait_s: float = INTAKE_WAIT_S  # intake waits this long for a cluster that can take a query
+    shared_prefix_cache: bool = False  # no per-tenant salt in the engines' prefix-cache keys
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_host: str = "127.0.0.1"  # the Prometheus endpoint's address (0.0.0.0 in a pod)
     metrics_batches: int = 100  # most unfinished batches with series of their own (gateway.status.metrics)
@@ -88,6 +90,7 @@ class GatewayConfig:
             predictor_dir=args.predictor or "shipped",  # the learned model shipped with us; 'heuristic' too
             predictor_threads=args.predictor_threads,
             tokenizer_dir=args.served_model,
+            chat_template=getattr(args, "chat_template", None) or "",
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             metrics_batches=getattr(args, "metrics_batches", 100),
@@ -107,6 +110,7 @@ class GatewayConfig:
             tls_key=args.tls_key,
             retention_s=args.retention_hours * 3600,
             intake_wait_s=args.intake_wait_s,
+            shared_prefix_cache=getattr(args, "shared_prefix_cache", False),
             clusters=clusters,
             http_port=None
             if port is None or port < 0

@@ -12,6 +12,7 @@ import grpc
 from cliutil import run_main
 from fleetdata.datasets import data_dir
 from gateway.grpc_api.auth import CLIENT_TOKEN_ENV, client_token, deployment_token
+from gateway.http_api.format import ChatTemplate
 from load.chaos import run as chaos
 from load.client import PART_ROWS, Tally, format_summary, run_batch
 from load.deployment import LocalDeployment
@@ -49,7 +50,14 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="with --jsonl: the served model's directory (Hugging Face): chat rows are rendered with its "
-        "tokenizer's chat template (default: the project's own template, with a warning)",
+        "tokenizer's chat template, as the gateway renders and counts them",
+    )
+    p.add_argument(
+        "--chat-template",
+        choices=["default"],
+        default=None,
+        help="with --jsonl and no --served-model: 'default' renders chat rows with the documented <|role|> "
+        "headers (the project's own random models); with neither, a chat row is refused",
     )
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each query")
     p.add_argument("--no-forced", action="store_true", help="do not force the recorded response length")
@@ -213,13 +221,15 @@ def _workload(args):
 
 
 def _openai_file(args, limit: int | None) -> OpenAIFile:
-    """``--jsonl`` read row by row, chat rows rendered with ``--served-model``'s template."""
+    """``--jsonl`` read row by row, chat rows rendered with ``--served-model``'s template (or the documented
+    default, ``--chat-template default``; neither: a chat row is an error naming both)."""
     tokenizer = None
     if args.served_model:
         from transformers import AutoTokenizer  # lazy: loadgen starts without transformers
 
         tokenizer = AutoTokenizer.from_pretrained(args.served_model)
-    return OpenAIFile(args.jsonl, args.max_tokens, tokenizer, limit)
+    template = ChatTemplate.of(tokenizer, args.chat_template, args.served_model)
+    return OpenAIFile(args.jsonl, args.max_tokens, template, limit)
 
 
 def _jsonl_source(args) -> OpenAIFile:
@@ -275,9 +285,6 @@ def _submit(
     finally:
         if writer is not None:
             writer.close()
-    if source is not None and source.chat_rows and not args.served_model:
-        print(f"fleetbatch loadgen submit: {source.chat_rows} chat rows were rendered with the project's default template "
-              "(<|role|> headers); give --served-model DIR to use the served model's own", file=sys.stderr)  # fmt: skip
     if args.out:
         print(f"results written to {args.out}")
     if writer is not None:

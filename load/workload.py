@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetdata.datasets import load_dataset, response_lengths
-from gateway.http_api.format import CHAT, parse_row
+from gateway.http_api.format import CHAT, DEFAULT_CHAT, ChatTemplate, parse_row
 
 _TOPICS = (
     "rivers", "tax forms", "sorting algorithms", "the moon", "coffee", "bridges", "solar panels", "chess",
@@ -97,8 +97,8 @@ class OpenAIFile:
     by row, never whole: iterating yields its :class:`WorkItem` objects (each pass reads the file anew, so a
     retried submission can send it again); ``limit`` stops after that many rows.
 
-    Chat messages are rendered with ``tokenizer``'s chat template when it has one, else with the
-    default template of :func:`gateway.http_api.format.render_chat`. ``max_tokens`` (or
+    Chat messages are rendered by ``template`` (:class:`gateway.http_api.format.ChatTemplate`: the
+    served model's own, or the documented default asked for by name; neither: a chat row is an error). ``max_tokens`` (or
     ``max_completion_tokens``), ``temperature``, ``top_p`` and ``seed`` are honoured; any other
     body field that would change the answer is an error naming it and its line
     (:func:`gateway.http_api.format.check_body`). :meth:`endpoint` is a row's ``url`` after a pass:
@@ -106,20 +106,23 @@ class OpenAIFile:
     """
 
     def __init__(
-        self, path: str | Path, default_max_tokens: int = 256, tokenizer=None, limit: int | None = None
+        self,
+        path: str | Path,
+        default_max_tokens: int = 256,
+        template: ChatTemplate = DEFAULT_CHAT,
+        limit: int | None = None,
     ):
-        self.path, self.default_max_tokens, self.tokenizer, self.limit = (
+        self.path, self.default_max_tokens, self.template, self.limit = (
             Path(path),
             default_max_tokens,
-            tokenizer,
+            template,
             limit,
         )
         self._first_url: str | None = None
         self._other_urls: dict[str, str] = {}
-        self.chat_rows = 0  # rows of the last pass rendered from chat messages
 
     def __iter__(self) -> Iterator[WorkItem]:
-        self.chat_rows, sent = 0, 0
+        sent = 0
         with open(self.path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
@@ -128,13 +131,12 @@ class OpenAIFile:
                     return
                 try:
                     row = json.loads(line)
-                    item = _openai_item(row, self.default_max_tokens, self.tokenizer)
+                    item = _openai_item(row, self.default_max_tokens, self.template)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{self.path}:{lineno}: not valid JSON ({e.msg})") from None
                 except ValueError as e:
                     raise ValueError(f"{self.path}:{lineno}: {e}") from None
                 self._remember(item.id, row.get("url") or CHAT)
-                self.chat_rows += isinstance(row.get("body"), dict) and "messages" in row["body"]
                 sent += 1
                 yield item
 
@@ -164,13 +166,15 @@ class OpenAIFile:
             return max(0, sum(1 for line in f if line.strip()) - n)
 
 
-def from_openai_jsonl(path: str | Path, default_max_tokens: int = 256, tokenizer=None) -> list[WorkItem]:
+def from_openai_jsonl(
+    path: str | Path, default_max_tokens: int = 256, template: ChatTemplate = DEFAULT_CHAT
+) -> list[WorkItem]:
     """Every row of an OpenAI Batch input file, as a list (:class:`OpenAIFile` reads it row by row)."""
-    return list(OpenAIFile(path, default_max_tokens, tokenizer))
+    return list(OpenAIFile(path, default_max_tokens, template))
 
 
-def _openai_item(row: dict, default_max_tokens: int, tokenizer) -> WorkItem:
-    r = parse_row(row, default_max_tokens, tokenizer)
+def _openai_item(row: dict, default_max_tokens: int, template: ChatTemplate) -> WorkItem:
+    r = parse_row(row, default_max_tokens, template)
     return WorkItem(
         id=r.custom_id,
         prompt=r.prompt,

@@ -62,6 +62,9 @@ def wait_final(client: OpenAI, batch_id: str, timeout: float = 180):
 
 
 def http_gateway(redis_url: str, files_dir, cluster: str = "a", **kw) -> GatewayThread:
+    """A gateway with its HTTP front; chat rows take the documented template unless ``tokenizer_dir``
+    names a served model (the engines of these tests run the project's own random models)."""
+    kw.setdefault("chat_template", "" if kw.get("tokenizer_dir") else "default")
     config = GatewayConfig(
         redis_url=redis_url,
         offload=False,

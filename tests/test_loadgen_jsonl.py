@@ -53,7 +53,18 @@ def _run(redis_url, argv: list[str], check=lambda: None) -> int:
 def test_the_whole_file_is_sent_in_parts_and_every_row_comes_back_once(redis_url, tmp_path, capsys):
     src, out, oai = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "batch_output.jsonl"
     _file(src, 450)
-    argv = ["--jsonl", str(src), "--part-rows", "100", "--out", str(out), "--openai-out", str(oai)]
+    argv = [
+        "--jsonl",
+        str(src),
+        "--chat-template",
+        "default",
+        "--part-rows",
+        "100",
+        "--out",
+        str(out),
+        "--openai-out",
+        str(oai),
+    ]
     assert _run(redis_url, argv) == 0
     printed = capsys.readouterr()
     summary = json.loads(printed.out.strip().splitlines()[-1])
@@ -63,13 +74,15 @@ def test_the_whole_file_is_sent_in_parts_and_every_row_comes_back_once(redis_url
     ids = [json.loads(line)["query_id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == sorted(f"r{i}" for i in range(450))
     assert len(oai.read_text().splitlines()) == 450
-    assert "450 chat rows were rendered with the project's default template" in printed.err
 
 
 def test_num_is_a_cap_that_names_the_rows_it_leaves_out(redis_url, tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     _file(src, 300)
-    assert _run(redis_url, ["--jsonl", str(src), "-n", "120"]) == 0
+    # chat rows with neither the served model nor the default template asked for by name: refused, nothing sent
+    assert main(["submit", "--target", "127.0.0.1:1", "--no-progress", "--jsonl", str(src)]) == 1
+    assert "a chat row needs the served model's chat template" in capsys.readouterr().err
+    assert _run(redis_url, ["--jsonl", str(src), "--chat-template", "default", "-n", "120"]) == 0
     printed = capsys.readouterr()
     assert "sends the first 120 rows" in printed.err and "180 rows are left out" in printed.err
     assert json.loads(printed.out.strip().splitlines()[-1])["results"] == 120
@@ -87,7 +100,10 @@ def test_a_bad_line_ends_the_submission_with_its_number_and_creates_nothing(
             lambda: not [k for k in queue.r.scan_iter("*") if "staging" in k], 30, "the staged parts dropped"
         )
 
-    assert _run(redis_url, ["--jsonl", str(src), "--part-rows", "100"], dropped) == 1
+    assert (
+        _run(redis_url, ["--jsonl", str(src), "--chat-template", "default", "--part-rows", "100"], dropped)
+        == 1
+    )
     assert "in.jsonl:430: not valid JSON" in capsys.readouterr().err
     assert not [r for r in caplog.records if r.name.startswith("grpc")]  # no traceback of gRPC's before it
     assert queue.batch_ids() == []

@@ -44,6 +44,7 @@ def front(redis_server, tmp_path_factory):
         http_port=0,
         http_api_key=KEY,
         files_dir=str(tmp_path_factory.mktemp("fuzz-files")),
+        chat_template="default",
         max_request_bytes=64 * 1024,
         max_prompt_tokens=64,
         max_queued_per_client=0,

@@ -25,12 +25,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from clusterfile import load_cluster_file
+from clusterfile import ENDPOINT_BACKEND, load_cluster_file
 from gateway.config import HTTP_KEY_ENV, ClusterSpec, GatewayConfig
 from gateway.deploy.fleet_up import FleetSettings, describe_layout, fleet_specs, plan_fleet
 from gateway.deploy.forked import EngineProcess
 from gateway.deploy.supervisor import EngineSupervisor
 from gateway.grpc_api.auth import CLIENT_TOKEN_ENV
+from gateway.http_api.format import DEFAULT_TEMPLATE_NAME
 from gateway.server import serve
 from workqueue import WorkQueue, connect
 from workqueue.embedded import URL_ENV, EmbeddedRedis, redact_url
@@ -119,8 +120,23 @@ def gateway_config(
     unless ``--predictor`` names a model directory or ``heuristic``. ``client_token`` is the token
     of the client ``local`` (none: the batch API needs no token)."""
     tokens = {client_token: "local"} if client_token else {}
-    return GatewayConfig.from_args(
+    config = GatewayConfig.from_args(
         args, redis_url=redis_url, admin_token=admin_token, clusters=specs, client_tokens=tokens
+    )
+    if not config.tokenizer_dir and not config.chat_template and all(own_model(s) for s in specs):
+        config.chat_template = (
+            DEFAULT_TEMPLATE_NAME  # their tokenizer is the gateway's default, their template too
+        )
+        log.info("the engines run the project's own random models: chat rows take the documented template")
+    return config
+
+
+def own_model(spec: ClusterSpec) -> bool:
+    """Whether ``spec``'s engine runs one of the project's random models (no served model, no endpoints)."""
+    return (
+        spec.backend != ENDPOINT_BACKEND
+        and not spec.served_model
+        and "--served-model" not in spec.engine_args
     )
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from gateway.batches.quota import OWNER_FIELD, owner_allows
 from gateway.checks.validation import ID_RE, Limits, query_problems
-from gateway.http_api.format import parse_row
+from gateway.http_api.format import ChatTemplate, parse_row
 from gateway.http_api.objects import batch_object
 from gateway.status.eta import Eta
 from protos import fleetbatch_pb2 as pb
@@ -127,7 +127,7 @@ class _Errors:
 def build_request(
     lines: Iterable[bytes],
     endpoint: str,
-    tokenizer,
+    template: ChatTemplate,
     batch_id: str,
     metadata: dict[str, str],
     limits: Limits | None = None,
@@ -146,7 +146,7 @@ def build_request(
             errors.add(n, f"not valid JSON ({e})", "invalid_json_line")
             continue
         try:
-            r = parse_row(row, 0, tokenizer, endpoint)
+            r = parse_row(row, 0, template, endpoint)
         except (ValueError, RecursionError) as e:
             errors.add(n, str(e))
             continue

@@ -5,8 +5,9 @@ Shared by the gateway's HTTP front (:mod:`gateway.http_api.front`) and ``fleetba
 
 **Input.** One JSON object a line: ``custom_id``, ``method`` (``POST``), ``url``
 (``/v1/chat/completions`` or ``/v1/completions``) and ``body`` with ``messages`` or ``prompt``.
-Chat messages are rendered with the serving tokenizer's chat template when it has one, else
-with the documented default (:data:`DEFAULT_TEMPLATE`). ``max_tokens`` /
+Chat messages are rendered with the served model's chat template, or the documented default
+(:data:`DEFAULT_TEMPLATE`) when it is asked for by name; with neither, a chat row is an error
+(:class:`ChatTemplate`). ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p`` and ``seed`` are honoured. The OpenAI fields
 an endpoint backend passes through (:data:`workqueue.openai_body.PASS_THROUGH`: ``response_format``,
 ``logprobs``, ``tools``, ``stop``, ...) travel with the row in its ``openai_body``, with a chat row's
@@ -106,6 +107,53 @@ def render_chat(messages: list, tokenizer=None) -> str:
     return "".join(DEFAULT_TEMPLATE.format(**t) for t in turns) + GENERATION_PROMPT
 
 
+#: the name that asks for :data:`DEFAULT_TEMPLATE` where no served model gives its own
+DEFAULT_TEMPLATE_NAME = "default"
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How chat rows become the prompt the gateway counts and predicts on: the served model's own
+    template (its tokenizer's), or the documented default when asked for by name
+    (``--chat-template default``: the project's own random models, which know no other). Neither:
+    chat rows are refused, naming what to give (a real model must not get a template it was never
+    trained on, nor be counted in another tokenizer)."""
+
+    tokenizer: object = None  # the served model's tokenizer (None: no served model given)
+    default: bool = False
+    served: str = ""  # the served model's directory, for the message
+
+    @classmethod
+    def of(cls, tokenizer, name: str | None, served: str | None) -> ChatTemplate:
+        """The template of a gateway or loadgen given ``--served-model`` (``served``, whose loaded
+        ``tokenizer``) and ``--chat-template`` (``name``)."""
+        if name not in (None, "", DEFAULT_TEMPLATE_NAME):
+            raise ValueError(
+                f"--chat-template {name!r}: the only template asked for by name is {DEFAULT_TEMPLATE_NAME!r}"
+            )
+        return cls(tokenizer if served else None, name == DEFAULT_TEMPLATE_NAME, served or "")
+
+    def render(self, messages: list) -> str:
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            return render_chat(messages, self.tokenizer)
+        if self.default:
+            return render_chat(messages)
+        where = (
+            f"the served model {self.served} has no chat template"
+            if self.served
+            else "no served model was given"
+        )
+        raise ValueError(
+            f"a chat row needs the served model's chat template, and {where}: give the served model's "
+            f"directory (--served-model DIR, with its chat template) or ask for the documented default "
+            f"by name (--chat-template {DEFAULT_TEMPLATE_NAME}: <|role|> headers)"
+        )
+
+
+#: the documented default, for callers that run the project's own models
+DEFAULT_CHAT = ChatTemplate(default=True)
+
+
 def _number(body: Mapping, key: str, default: float, field: str | None = None) -> float:
     """``body[key]`` checked against the range of the query's number ``field`` (default ``key``)."""
     value = body.get(key)
@@ -126,8 +174,11 @@ def _utf8(text: str, what: str) -> str:
     return text
 
 
-def parse_row(row, default_max_tokens: int = 0, tokenizer=None, endpoint: str | None = None) -> OpenAIRequest:
-    """One input line (parsed JSON) as a request; ``ValueError`` naming the field otherwise.
+def parse_row(
+    row, default_max_tokens: int = 0, template: ChatTemplate = DEFAULT_CHAT, endpoint: str | None = None
+) -> OpenAIRequest:
+    """One input line (parsed JSON) as a request; ``ValueError`` naming the field otherwise. A chat
+    row's prompt is its messages rendered by ``template``.
 
     ``endpoint``: the batch's endpoint, which every line's ``url`` must match (absent: ``CHAT``)."""
     if not isinstance(row, dict):
@@ -146,7 +197,7 @@ def parse_row(row, default_max_tokens: int = 0, tokenizer=None, endpoint: str | 
         raise ValueError("body must be a JSON object")
     check_body(body)
     if "messages" in body:
-        prompt = render_chat(body["messages"], tokenizer)
+        prompt = template.render(body["messages"])
     elif "prompt" in body:
         raw = body["prompt"]
         if not (isinstance(raw, str) or (isinstance(raw, list) and all(isinstance(p, str) for p in raw))):

@@ -46,6 +46,7 @@ from gateway.config import GatewayConfig
 from gateway.http_api import batches as ob
 from gateway.http_api.create import CreateBatch, check_create
 from gateway.http_api.files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines
+from gateway.http_api.format import ChatTemplate
 from gateway.http_api.retention import InUse, delete_file, deleting, retire
 from gateway.http_api.shared import ApiError, Auth, api_error, caller_of, error_response, json_body
 from gateway.http_api.status_page import PAGE_PATH, StatusPage
@@ -64,7 +65,7 @@ class OpenAIFront:
         self, service: BatchService, queue: WorkQueue, config: GatewayConfig, store: FileStore, tokenizer
     ):
         self.service, self.queue, self.config, self.store = service, queue, config, store
-        self.tokenizer = tokenizer
+        self.template = ChatTemplate.of(tokenizer, config.chat_template, config.tokenizer_dir)
         self.key = config.http_api_key
         self.limits = Limits.of(config)
         self._inflight: set[asyncio.Task] = set()  # creations and cancels (:meth:`durable`)
@@ -222,7 +223,7 @@ class OpenAIFront:
                 ob.build_request,
                 read_lines(self.store, file_id),
                 c.endpoint,
-                self.tokenizer,
+                self.template,
                 batch_id,
                 c.metadata,
                 self.limits,

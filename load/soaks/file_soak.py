@@ -121,7 +121,7 @@ def run(args) -> dict:
 def _client(address: str, token: str, src: Path, out: Path, work: Path, timeout: float):
     """Run ``fleetbatch loadgen submit --jsonl``: (exit status, seconds to acceptance, seconds in all, peak RSS in MB)."""
     cmd = [sys.executable, "-m", "load.cli", "submit", "--target", address, "--jsonl", str(src),
-           "--out", str(out), "--no-progress"]  # fmt: skip
+           "--chat-template", "default", "--out", str(out), "--no-progress"]  # fmt: skip
     env = {**os.environ, "FLEETBATCH_TOKEN": token}
     t0 = time.perf_counter()
     with open(work / "client.log", "w") as log:
