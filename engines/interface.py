@@ -46,6 +46,9 @@ class Request:
     arrival_time: float = 0.0
     # the OpenAI request it came from (workqueue.openai_body): a chat's messages, fields passed through
     openai_body: dict = field(default_factory=dict)
+    # its tenant's salt: starts the hash chain of its prefix-cache keys, so tenants share no cached
+    # prefix (vLLM's ``cache_salt``); "": the one shared cache
+    cache_salt: str = ""
 
 
 @dataclass

@@ -8,7 +8,11 @@ tensors live in :class:`engines.model_runner.ModelRunner`, one pool per layer sh
 full block a query has computed is keyed by a hash chained over the tokens: the block's key is
 a 128-bit BLAKE2 digest of its parent block's key and its own token ids, so a key names the
 whole prefix up to the block's end (a collision-resistant digest, so one tenant's prompt cannot
-be made to read another's KV). Blocks are reference-counted. When no query holds a keyed block
+be made to read another's KV). **Tenants apart**: the chain of a query with a ``cache_salt`` (its
+tenant's, set by the gateway: :attr:`engines.interface.Request.cache_salt`) starts from a digest of
+the salt (:func:`root_key`) instead of the empty key, so the same prompt of two tenants has two sets
+of keys and one tenant never hits (nor times) another's cached prefix; queries without a salt share
+one cache, as before. Blocks are reference-counted. When no query holds a keyed block
 any more it is not freed but kept, least recently used first, and handed out again only when
 the plain free list is empty (then its key is forgotten). A new query takes the longest run of
 cached blocks that matches its tokens (:meth:`KVCacheManager.lookup`; at most its first
@@ -28,7 +32,7 @@ from hashlib import blake2b
 
 from engines.sequence import BlockKey, Sequence
 
-_ROOT = b""  # the parent key of a query's first block
+_ROOT = b""  # the parent key of a query's first block (a query without a salt)
 
 
 def slot_ids(table, block_size: int, start: int, end: int) -> list[int]:
@@ -45,13 +49,21 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
     return blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+def root_key(cache_salt: str) -> bytes:
+    """The parent key of the first block of a query with ``cache_salt``: the empty key without one, else
+    a digest of the salt (as long as a block's key, kept apart from every block's by its own prefix)."""
+    if not cache_salt:
+        return _ROOT
+    return blake2b(b"fleetbatch-cache-salt\0" + cache_salt.encode(), digest_size=16).digest()
+
+
 def block_keys(seq: Sequence, block_size: int, num_blocks: int) -> list[BlockKey]:
     """The keys of ``seq``'s first ``num_blocks`` full blocks (computed once, kept on the sequence:
     a block's tokens never change, so neither does its key)."""
     keys = seq.block_keys
     if len(keys) < num_blocks:
         tokens = seq.token_ids(len(keys) * block_size, num_blocks * block_size)
-        parent = keys[-1] if keys else _ROOT
+        parent = keys[-1] if keys else root_key(seq.cache_salt)
         for j in range(num_blocks - len(keys)):
             parent = block_key(parent, tokens[j * block_size : (j + 1) * block_size])
             keys.append(parent)

@@ -35,6 +35,7 @@ class Sequence:
     predicted_tokens: int | None = None
     prompt: str = ""
     arrival_time: float = 0.0
+    cache_salt: str = ""  # its tenant's: the parent key of its first block (engines.kv_cache.root_key)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
@@ -60,6 +61,7 @@ class Sequence:
             predicted_tokens=req.predicted_tokens,
             prompt=req.prompt,
             arrival_time=req.arrival_time,
+            cache_salt=req.cache_salt,
         )
         if req.sampling.temperature > 0:
             seq.generator = torch.Generator()

@@ -17,6 +17,7 @@ chosen, after the arguments are checked.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -195,6 +196,28 @@ def sampling_kwargs(request: Request) -> dict[str, Any]:
     return kw
 
 
+#: the first vLLM whose prompts take ``cache_salt`` (a tenant's salt of its prefix-cache keys)
+CACHE_SALT_SINCE = (0, 9)
+
+
+def takes_cache_salt(version: str) -> bool:
+    """Whether a vLLM of ``version`` (``vllm.__version__``) takes ``cache_salt`` in a prompt."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts) >= CACHE_SALT_SINCE
+
+
+def vllm_prompt(request: Request, salts: bool = True) -> str | dict[str, str]:
+    """What ``LLMEngine.add_request`` gets as the prompt: the text, or with the request's tenant salt
+    (``salts``: the vLLM takes one) ``{"prompt": text, "cache_salt": salt}``, so tenants share no cached
+    prefix in vLLM's cache either."""
+    if request.cache_salt and salts:
+        return {"prompt": request.prompt, "cache_salt": request.cache_salt}
+    return request.prompt
+
+
 def engine_kwargs(args) -> dict[str, Any]:
     """``vllm.EngineArgs`` keyword arguments of ``fleetbatch engine serve --backend vllm``
     (:func:`vllm_engine_args` of its flags); the plan's environment goes into ``os.environ``."""
@@ -212,9 +235,10 @@ def engine_kwargs(args) -> dict[str, Any]:
 class VLLMEngine:
     """:class:`engines.interface.Engine` over ``vllm.LLMEngine`` (iteration-level batching is vLLM's own)."""
 
-    def __init__(self, llm_engine, max_running: int = VLLM_DEFAULT_RUNNING):
+    def __init__(self, llm_engine, max_running: int = VLLM_DEFAULT_RUNNING, salts: bool = True):
         self.llm = llm_engine
         self.max_running = max_running
+        self.salts = salts  # the vLLM takes a request's cache_salt (vllm_prompt)
         self._unfinished: set[str] = set()
         self._first_token: dict[str, float] = {}
         self._seen_tokens: dict[str, int] = {}
@@ -225,18 +249,24 @@ class VLLMEngine:
     @classmethod
     def from_args(cls, args) -> VLLMEngine:
         kwargs = engine_kwargs(args)  # checked first: a bad --vllm-arg never imports vLLM
+        import vllm
         from vllm import EngineArgs, LLMEngine
 
         llm = LLMEngine.from_engine_args(EngineArgs(**kwargs))
         scheduler = getattr(getattr(llm, "vllm_config", None), "scheduler_config", None)
         running = kwargs.get("max_num_seqs") or getattr(scheduler, "max_num_seqs", None)
-        return cls(llm, max_running=running or VLLM_DEFAULT_RUNNING)
+        version = getattr(vllm, "__version__", "0")
+        salts = takes_cache_salt(version)
+        if not salts:
+            log.warning("vLLM %s takes no cache_salt: its prefix cache is shared by every tenant", version)
+        return cls(llm, max_running=running or VLLM_DEFAULT_RUNNING, salts=salts)
 
     def add_request(self, request: Request) -> None:
         from vllm import SamplingParams
 
         request.sampling.validate()
-        self.llm.add_request(request.request_id, request.prompt, SamplingParams(**sampling_kwargs(request)))
+        prompt = vllm_prompt(request, self.salts)
+        self.llm.add_request(request.request_id, prompt, SamplingParams(**sampling_kwargs(request)))
         self._unfinished.add(request.request_id)
 
     def abort_request(self, request_id: str) -> None:

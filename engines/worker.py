@@ -150,6 +150,7 @@ class Worker:
                         predicted_tokens=predicted,
                         arrival_time=cq.claimed_at,
                         openai_body=body,
+                        cache_salt=q.cache_salt,
                     )  # fmt: skip
                 )
             except (ValueError, RuntimeError) as e:  # a query the engine cannot run fails alone

@@ -111,6 +111,8 @@ class QueuedQuery:
     )
     # the OpenAI request it came from (workqueue.openai_body): a chat's messages, fields passed through
     openai_body: dict[str, Any] | None = None
+    # its tenant's salt of the engine's prefix-cache keys (gateway.intake.rows.tenant_salt; "": one shared cache)
+    cache_salt: str = ""
 
     @property
     def gid(self) -> str:

@@ -41,7 +41,7 @@ from gateway.checks.serving import Serving
 from gateway.checks.validation import ON_BAD_QUERY, Checked, InvalidBatch, Limits, check_batch, id_problem
 from gateway.checks.windows import WindowError, check_priority, parse_window
 from gateway.intake.background import Intake, encode_rows
-from gateway.intake.rows import queued_query
+from gateway.intake.rows import queued_query, tenant_salt
 from gateway.status.eta import Eta
 from protos import fleetbatch_pb2 as pb
 from workqueue import BatchInfo, ClusterInfo, QueryResult, QueuedQuery, StagedRowsMissing
@@ -76,6 +76,7 @@ class BatchService:
             wait_s=deps.config.intake_wait_s,
             order=lambda loads: queue_order(deps.policy, loads),
             find_prefixes=deps.find_prefixes,
+            shared_cache=deps.config.shared_prefix_cache,
         )
 
     def _count_assigned(self, names: list[str]) -> None:
@@ -201,7 +202,8 @@ class BatchService:
         d = self.d
         if checked.uncounted or len(request.queries) >= d.intake.sync_max_queries:
             return await self._accept(request, checked, batch_id, caller, t0, writes)
-        queued, names = await self._assign_all(request, checked, batch_id)
+        salt = tenant_salt(caller.owner, d.config.shared_prefix_cache)  # the owner creation_writes names
+        queued, names = await self._assign_all(request, checked, batch_id, salt)
         digest = await asyncio.to_thread(fingerprint, request)  # hashes every query: off the loop
         created = await asyncio.to_thread(
             d.queue.create_batch,
@@ -288,7 +290,7 @@ class BatchService:
         return BatchStatus(info)
 
     async def _assign_all(
-        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str
+        self, request: pb.SubmitBatchRequest, checked: Checked, batch_id: str, salt: str = ""
     ) -> tuple[list[QueuedQuery], list[str]]:
         """Predict and assign the good queries; bad ones (fail-row) go last, inert, on the last cluster used."""
         d = self.d
@@ -315,11 +317,8 @@ class BatchService:
         for charge, i, load in ((c, good[j], loads[j]) for c, j in zip(charges, order, strict=True)):
             q = request.queries[i]
             cached = round(load.total_tokens - charge)
-            queued.append(
-                queued_query(
-                    batch_id, q, checked.max_tokens[i], load.prompt_tokens, load.predicted_tokens, cached
-                )
-            )
+            sizes = (checked.max_tokens[i], load.prompt_tokens, load.predicted_tokens, cached)
+            queued.append(queued_query(batch_id, q, *sizes, salt))
         for i in sorted(checked.bad):  # inert: an engine that claimed one first would refuse max_tokens 0
             q = request.queries[i]
             queued.append(QueuedQuery(batch_id, q.id, "", 0, 0, 0.0))

@@ -48,8 +48,8 @@ from gateway.assign.policies import QueryLoad
 from gateway.assign.prefixes import Prefix
 from gateway.config import INTAKE_WAIT_S
 from gateway.intake.chunks import Chunk, Landing, Waiting, cancelled, charges_of, landing, predict_chunk
-from gateway.intake.rows import EncodedRows, encode_rows, payload
-from workqueue import WorkQueue
+from gateway.intake.rows import BATCH_OWNER_FIELD, EncodedRows, encode_rows, payload, tenant_salt
+from workqueue import WorkQueue, keys
 from workqueue.records import STOPPING_BATCH_STATES
 
 log = logging.getLogger(__name__)
@@ -107,9 +107,12 @@ class Intake:
         wait_s: float = INTAKE_WAIT_S,
         order: Callable[[Sequence[QueryLoad]], list[int]] | None = None,
         find_prefixes: Callable[[list[str], list[int]], list[Prefix]] | None = None,
+        shared_cache: bool = False,
     ) -> None:
         """``wait_s``: how long a batch waits for a cluster that can take its rows (``--intake-wait-s``);
-        ``order``: the order a chunk's rows enter their queues (indices into its loads; None: the rows')."""
+        ``order``: the order a chunk's rows enter their queues (indices into its loads; None: the rows');
+        ``shared_cache``: no tenant salt in the payloads (``--shared-prefix-cache``)."""
+        self.shared_cache = shared_cache
         self.order = order
         self.find_prefixes = (
             find_prefixes  # each row's prefix group (gateway.assign.prefixes), for the policy
@@ -199,7 +202,9 @@ class Intake:
         self.waiting.drop(batch_id)
         order = self.order(chunk.loads) if self.order else None
         charges = charges_of(chunk.loads, placed, order)
-        return landing(batch_id, chunk, placed, order, part=self.settings.land, charges=charges)
+        owner = None if self.shared_cache else self.queue.r.hget(keys.batch(batch_id), BATCH_OWNER_FIELD)
+        salt = tenant_salt(owner)  # the batch owner's: its hash names it from the transaction creating it
+        return landing(batch_id, chunk, placed, order, part=self.settings.land, charges=charges, salt=salt)
 
     def _land(self, batch_id: str, token: str, cursor: int, out: Landing) -> int:
         """Land ``out`` at ``cursor``, ``land`` rows per script call; the rows landed, or negative

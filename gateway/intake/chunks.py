@@ -87,6 +87,7 @@ def landing(
     order: Sequence[int] | None = None,
     part: int = 0,
     charges: dict[str, float] | None = None,
+    salt: str = "",
 ) -> Landing:
     """What the chunk lands, given each good row's ``(cluster, "")`` or ``(None, why it fails)``.
 
@@ -95,7 +96,7 @@ def landing(
     first: a call lands exactly the rows of its slice of the intake list, which it then trims by
     count, so a chunk landed in part resumes at the right row. ``charges``: what a row adds to its
     cluster's ``pending`` (by key; default its prompt + predicted tokens): a prefix group's shared
-    prompt once per cluster."""
+    prompt once per cluster. ``salt``: the batch's prefix-cache salt (:func:`gateway.intake.rows.tenant_salt`)."""
     out: list[tuple[tuple[int, int], tuple]] = []  # ((part, rank in the queue order), what lands)
     rank = {chunk.loads[j].key: r for r, j in enumerate(order)} if order is not None else {}
     loads = iter(chunk.loads)
@@ -114,7 +115,7 @@ def landing(
         else:
             charge = load.total_tokens if charges is None else charges[load.key]
             cached = round(load.total_tokens - charge)
-            land = (g, payload(batch_id, r, load.predicted_tokens, cached), charge, cluster)
+            land = (g, payload(batch_id, r, load.predicted_tokens, cached, salt), charge, cluster)
             out.append(((window, rank.get(load.key, pos)), land))
     if order is not None:
         out.sort(key=lambda x: x[0])  # stable

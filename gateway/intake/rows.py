@@ -1,16 +1,27 @@
 """The rows of a batch in background intake: how a validated query is stored in its intake list
 (:class:`EncodedRows`, JSON per row), and what a row becomes when it lands: a queued query's
 payload (:func:`payload`; :func:`queued_query` for a batch assigned at submission) or the result of a query failed at intake (:func:`failed_result`).
+
+**Tenants apart.** Every payload carries its batch's ``cache_salt`` (:func:`tenant_salt`): a short hash
+of the batch's owner (the client its token names; the HTTP front's own identity), which starts the
+hash chain of the engine's prefix-cache keys, so two clients' identical prompts share no cached
+prefix (and time to first token tells no client what another's prompts begin with). A batch without
+an owner (a gateway without client tokens) and every batch of a gateway with ``--shared-prefix-cache``
+get none: one shared cache. With one client the salt is one constant: the cache is shared as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 
 from gateway.checks.validation import Checked
 from protos import fleetbatch_pb2 as pb
 from workqueue import QueryResult, QueuedQuery
+
+#: the field of a batch's hash that names its owner (gateway.batches.quota.OWNER_FIELD, read by the intake)
+BATCH_OWNER_FIELD = "owner"
 
 #: ``json.dumps(row, separators=(",", ":"))`` without building an encoder for every row
 _compact = json.JSONEncoder(separators=(",", ":")).encode
@@ -60,7 +71,16 @@ def encode_rows(request: pb.SubmitBatchRequest, checked: Checked) -> EncodedRows
     return EncodedRows(request, checked)
 
 
-def payload(batch_id: str, row: dict, predicted: float, cached: int = 0) -> str:
+def tenant_salt(owner: str | None, shared: bool = False) -> str:
+    """The prefix-cache salt of a batch owned by ``owner`` (see the module docstring): 16 hex digits of a
+    digest of the owner's name (the engine never sees the name, nor any token), "" without an owner or
+    with ``shared`` (``--shared-prefix-cache``)."""
+    if not owner or shared:
+        return ""
+    return hashlib.blake2b(owner.encode(), digest_size=8, person=b"fb-tenant").hexdigest()
+
+
+def payload(batch_id: str, row: dict, predicted: float, cached: int = 0, salt: str = "") -> str:
     """The query's payload JSON, field for field ``asdict(QueuedQuery(...))`` (built directly: asdict's
     deep copies cost more than the rest of a chunk's bookkeeping)."""
     return json.dumps(
@@ -78,12 +98,19 @@ def payload(batch_id: str, row: dict, predicted: float, cached: int = 0) -> str:
             "metadata": row.get("metadata", {}),
             "cached_tokens": cached,
             "openai_body": row.get("openai_body"),
+            "cache_salt": salt,
         }
     )
 
 
 def queued_query(
-    batch_id: str, q: pb.Query, max_tokens: int, prompt_tokens: int, predicted: float, cached: int
+    batch_id: str,
+    q: pb.Query,
+    max_tokens: int,
+    prompt_tokens: int,
+    predicted: float,
+    cached: int,
+    salt: str = "",
 ) -> QueuedQuery:
     """The queued record of a validated query assigned at submission (the same fields as :func:`payload`)."""
     sampling = q.sampling
@@ -101,6 +128,7 @@ def queued_query(
         metadata=dict(q.metadata),
         cached_tokens=cached,
         openai_body=json.loads(q.openai_body) if q.openai_body else None,
+        cache_salt=salt,
     )
 
 
