@@ -19,7 +19,7 @@ from load.deployment import LocalDeployment
 from load.openai_batch import OpenAIOutput, error_path
 from load.reports import report
 from load.reports.layout import format_layouts, mean_lengths, plan_rows
-from load.soaks import file_soak, openai_check, soak
+from load.soaks import endpoints, file_soak, openai_check, soak
 from load.studies import bench_offload, compare_policies, deadlines, prefix, study, wan
 from load.workload import OpenAIFile, from_dataset, generated
 
@@ -189,6 +189,12 @@ def build_parser(prog: str = "fleetbatch loadgen") -> argparse.ArgumentParser:
             "every row once",
         ),
         (
+            "endpoints",
+            endpoints,
+            "the endpoint backend against a plain client at each fixed concurrency, on one transformers serve "
+            "(server on one core, the rest on another): efficiency, prompt counts, a server killed",
+        ),
+        (
             "openai-check",
             openai_check,
             "the OpenAI batch flow (files, batches, output) with the openai client against fleetbatch gateway up",
@@ -351,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
     modules["wan"] = wan
     modules["deadlines"] = deadlines
     modules["prefix"] = prefix
+    modules["endpoints"] = endpoints
     result = modules[args.command].run(args)
     print(json.dumps(result))
     return (
