@@ -38,6 +38,7 @@ from engines.result_record import finished_record
 from engines.worker_config import REDIS_ERRORS, WorkerConfig
 from workqueue import ClaimedQuery, Observation, WorkQueue, outcome
 from workqueue.records import STOPPING_BATCH_STATES
+from workqueue.scripts import RESENT
 from workqueue.worker_tick import PendingObservations, TickReply, TickRequest, run_tick
 
 log = logging.getLogger(__name__)
@@ -314,21 +315,19 @@ class QueueAgent:
 
     def _observe(self, cq: ClaimedQuery, out: RequestOutput, idx: int) -> None:
         q = cq.query
-        if idx < 0:
+        if idx == RESENT:  # recorded by this run's first send, whose reply was lost: observed as any other
+            log.info("query %s: write resent (its reply was lost), recorded once", q.gid)
+        elif idx < 0:
             log.info("query %s already had a result (it ran twice); kept the first", q.gid)
-        elif (
+            return
+        if (
             outcome(out.finish_reason, out.error).answered
             and self.config.record_observed
             and q.forced_length is None
         ):
+            source = q.metadata.get("source", "")
             self._observed.append(
-                Observation(
-                    q.prompt,
-                    out.completion_tokens,
-                    q.metadata.get("source", ""),
-                    self.config.cluster,
-                    q.predicted_tokens,
-                )
+                Observation(q.prompt, out.completion_tokens, source, self.config.cluster, q.predicted_tokens)
             )
 
     def _claimed(self, claimed: list[ClaimedQuery], asked: int, wakes: int) -> None:

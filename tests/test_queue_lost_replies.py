@@ -11,6 +11,8 @@ from tests.lost_reply import losing_client
 from tests.test_queue_faults import queries
 from workqueue import WorkQueue, keys
 from workqueue.invariants import check
+from workqueue.records import QueryResult
+from workqueue.scripts import RESENT
 
 
 def _rows(batch_id: str, n: int) -> list[str]:
@@ -44,4 +46,21 @@ def test_a_claim_resent_after_its_reply_was_lost_hands_out_the_same_queries_once
     gids = sorted(c.query.gid for c in claimed)
     assert gids == sorted(q.inflight_ids("a"))  # it runs exactly what is in flight for it
     assert len(q.queued_ids("a")) == 4 and all(c.attempts == 1 for c in claimed)
+    assert check(r) == []
+
+
+def test_a_result_write_resent_after_its_reply_was_lost_is_told_from_a_second_run(redis_server):
+    """The worker logged a resent write as "already had a result (it ran twice)": the resent call now answers
+    RESENT (-2), a second run's result (another write) still answers -1, and the result is kept once."""
+    r, lossy = losing_client(redis_server.socket_file, marker=b"the-answer-text")
+    r.flushall()
+    q = WorkQueue(r)
+    assert q.create_batch("b1", [(x, "a") for x in queries("b1", 2)])
+    (first, second) = q.claim("a", 2, "w", 60)
+    result = QueryResult("b1", first.query.query_id, text="the-answer-text", finish_reason="stop")
+    assert q.complete(first.query.gid, result) == RESENT
+    assert lossy.lost == 1  # the fault bit: the write ran and its reply never came
+    again = QueryResult("b1", first.query.query_id, text="another run", finish_reason="stop")
+    assert q.complete(first.query.gid, again) == -1  # a second run: the first result stays
+    assert [x["text"] for x in q.results("b1")] == ["the-answer-text"]
     assert check(r) == []

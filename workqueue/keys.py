@@ -15,6 +15,7 @@ Keys (prefix ``{fb}:``)::
                                         the prompt tokens that cluster's prefix cache is expected to hold),
                                         full_tokens (:data:`FULL_TOKENS`: prompt + predicted response, no
                                         discount: what fit checks and a move's recipient use)
+    {fb}:w:{gid}                  STR   the id of the write that recorded the query's result (expires: a resend is told apart)
     {fb}:batches                  ZSET  batch ids by creation time
     {fb}:deadlines                ZSET  unfinished batches with a deadline, by deadline (gateway clock)
     {fb}:seq                      STR   the enqueue sequence: each query's place in the order (its rank's tail)
@@ -147,6 +148,12 @@ def intake_lease(batch_id: str) -> str:
 def observed_call(call: str) -> str:
     """A write of observed lengths, marked a short while under its call's id: the same call resent adds nothing."""
     return OBSERVED + ":call:" + call
+
+
+def result_write(gid: str) -> str:
+    """The id of the write that recorded a query's result, kept a short while: the same write resent is told
+    from a second run's (``workqueue.scripts.RESENT``)."""
+    return f"{PREFIX}w:{gid}"
 
 
 def claim_reply(cluster: str, call: str) -> str:

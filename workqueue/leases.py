@@ -31,6 +31,7 @@ query is queued like any other (in its queue, its cluster's ``pending`` counter,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import uuid
@@ -166,7 +167,8 @@ class Leases:
         kind: QueryState | str = QueryState.COMPLETED,
         actual_tokens: int = 0,
     ) -> int:
-        """Write a query's result once. Returns its index in the batch's results, or -1 if it already had one.
+        """Write a query's result once. Returns its index in the batch's results, -1 if it already had one, or
+        :data:`~workqueue.scripts.RESENT` if this very write recorded it (sent again after its reply was lost).
 
         ``result`` is a :class:`QueryResult` (or a mapping, written as it is); ``kind`` one of
         :data:`FINAL_QUERY_STATES`. A completion that comes after the query's lease lapsed and it
@@ -187,8 +189,11 @@ class Leases:
             row, prompt = result.to_json(), result.prompt_tokens
         else:
             row, prompt = json.dumps(dict(result)), result.get("prompt_tokens") or 0
+        write_id = hashlib.sha1(f"{gid}\0{kind}\0{row}".encode()).hexdigest()[
+            :16
+        ]  # the same write resent: the same id
         return ScriptCall(
             self._complete,
-            [keys.query(gid), keys.batch(keys.split_gid(gid)[0])],
-            [gid, row, str(kind), int(actual_tokens), self.core.clock(), int(prompt or 0)],
+            [keys.query(gid), keys.batch(keys.split_gid(gid)[0]), keys.result_write(gid)],
+            [gid, row, str(kind), int(actual_tokens), self.core.clock(), int(prompt or 0), write_id],
         )

@@ -36,17 +36,41 @@ from __future__ import annotations
 
 from workqueue.lua_queue import EXPIRED_ERROR, LIBRARY
 
-__all__ = ["CLAIM", "CLAIM_STOPPED_MAX", "COMPLETE", "EXPIRED_ERROR", "RELEASE", "RENEW", "REQUEUE_EXPIRED"]
+__all__ = [
+    "CLAIM",
+    "CLAIM_STOPPED_MAX",
+    "COMPLETE",
+    "EXPIRED_ERROR",
+    "RELEASE",
+    "RENEW",
+    "REQUEUE_EXPIRED",
+    "RESENT",
+    "WRITE_ID_TTL_S",
+]
 
 #: rows of stopped batches (cancelled, expiring) or out of attempts one CLAIM finishes at most: the rest are left to
 #: the bounded sweep and the next claims, so one call never blocks Redis long whatever a stopped batch holds
 CLAIM_STOPPED_MAX = 256
 
-# KEYS: the query's hash, its batch's hash. ARGV: gid, result JSON, kind (completed|failed|cancelled), actual
-# (completion) tokens, now, prompt tokens
+#: what COMPLETE answers when the same write already recorded the result (it was resent: its reply was lost);
+#: -1 is a result there before, from another write (the query ran twice)
+RESENT = -2
+#: seconds a write's id is kept after it recorded a result (longer than a call's retries take)
+WRITE_ID_TTL_S = 120
+
+# KEYS: the query's hash, its batch's hash, the query's write-id key (``keys.result_write``). ARGV: gid, result JSON,
+# kind (completed|failed|cancelled), actual (completion) tokens, now, prompt tokens, the write's id. Returns the
+# result's index, -1 (a result was there) or RESENT (this write put it there: it was sent again).
 COMPLETE = LIBRARY.script(
-    r"""
-return finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6] or '0'))
+    f"local RESENT, WRITE_ID_TTL_S = {RESENT}, {WRITE_ID_TTL_S}\n"
+    + r"""
+local idx = finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6] or '0'))
+if idx >= 0 then
+  redis.call('SET', KEYS[3], ARGV[7], 'EX', WRITE_ID_TTL_S)
+elseif redis.call('GET', KEYS[3]) == ARGV[7] then
+  return RESENT
+end
+return idx
 """
 )
 

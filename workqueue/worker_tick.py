@@ -86,7 +86,8 @@ class PendingObservations:
 
 @dataclass
 class TickReply:
-    written: list[int] = field(default_factory=list)  # per result: its index, or -1 if it already had one
+    # per result: its index, -1 if it already had one, RESENT if this write recorded it (workqueue.scripts)
+    written: list[int] = field(default_factory=list)
     renewed: int = 0
     requeued: int = 0
     claimed: list[ClaimedQuery] = field(default_factory=list)
