@@ -1,10 +1,12 @@
-"""`fleetbatch loadgen chaos` in CI: all eleven fault kinds injected into one real deployment while batches run.
+"""`fleetbatch loadgen chaos` in CI: all fifteen fault kinds injected into one real deployment while batches run.
 
 SIGKILL and SIGSTOP of busy engines, SIGKILL of Redis and a Redis outage of more than twice the
 lease, a partition between an engine and Redis (a TCP proxy blackhole), racing admin rebalances,
 rows that exhaust the KV cache, an unwritable file store while an OpenAI batch finalizes, an
 engine restart during background intake, a SIGKILL of a gateway replica, and the removal of
-a cluster holding a row only it can take. Faults follow the load's progress (waves), so each
+a cluster holding a row only it can take; and (issue 48) replies lost after Redis ran the call, on an engine's
+link (a claim, a result write) and on the gateways' (an intake chunk, a cancel), a Redis kept busy by a script
+past the clients' reply timeout, and the cancel of a 20,000-row batch at the head of the queues. Faults follow the load's progress (waves), so each
 fires on any machine; the lease (3 s), outage and partition are short here, the CLI's defaults
 are the realistic ones. Every fault must bite (its evidence in ``evidence``): a fault that
 fired without effect does not count.
@@ -36,7 +38,7 @@ def test_a_run_whose_faults_did_not_all_bite_or_that_lost_a_restart_or_a_client_
     assert verdict(report, FAULTS) == [
         "engines_not_restarted = 1",
         "partition did not bite: no connection was frozen, held, dropped or refused",
-        "faults that did not bite: partition (10 of 11 kinds)",
+        "faults that did not bite: partition (14 of 15 kinds)",
         "client: w3: SubmitBatch on 127.0.0.1:1: INVALID_ARGUMENT bad",
     ]
 
@@ -51,10 +53,13 @@ def test_every_fault_kind_in_one_run_loses_doubles_and_strands_nothing(tmp_path)
         partition_s=8.0,
         settle_s=60.0,
         restart_timeout_s=180.0,
+        large_cancel_rows=20_000,
     )
     report = run_chaos(config)
     print(json.dumps(report))
     assert report["faults"] == dict.fromkeys(FAULTS, 1), report["fault_misses"]
+    assert report["attempts_used_by_lost_replies"] == 0, report["evidence"]["reply_lost_engine"]
+    assert report["redis_max_blocked_ms"] <= 50, report["evidence"]["large_cancel"]
     assert report["client_failures"] == [], report
     assert report["engine_restarts"] >= 2 and report["engines_not_restarted"] == 0, report
     assert {k: report[k] for k in CHECKED} == dict.fromkeys(CHECKED, 0), report

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from load.chaos.client import ResilientClient
+from load.chaos.faults_wide import cancellable
 from load.chaos.waves import legit_failure
 from workqueue import QueryState, WorkQueue, outcome
 
@@ -49,7 +50,7 @@ class GrpcBatch:
     name: str
     batch_id: str
     ids: list[str]
-    client: ResilientClient
+    client: ResilientClient | None  # None: a batch the run wrote straight to Redis (``large_cancel``)
 
 
 def row_state(row: dict) -> QueryState:
@@ -68,7 +69,7 @@ def grpc_books(q: WorkQueue, batches: list[GrpcBatch]) -> dict:
         for r in rows:
             first.setdefault(r["query_id"], r)
         have = set(first)
-        if b.client.final:
+        if b.client is not None and b.client.final:
             have &= set(b.client.results)
         lost += len(set(b.ids) - have)
         duplicated += len(rows) - len(first)
@@ -88,6 +89,7 @@ def grpc_books(q: WorkQueue, batches: list[GrpcBatch]) -> dict:
             for r in first.values()
             if not outcome(r.get("finish_reason"), r.get("error")).answered
             and not legit_failure(r["query_id"], r.get("error"))
+            and not (cancellable(r["query_id"]) and row_state(r) == QueryState.CANCELLED)
         ]
         wrongly += len(bad)
         if bad:

@@ -25,6 +25,10 @@ FAULTS = (
     "unwritable_store",
     "restart_in_intake",
     "kill_gateway",
+    "reply_lost_engine",
+    "reply_lost_gateway",
+    "large_cancel",
+    "redis_slow",
     "remove_sole_cluster",
 )
 
@@ -46,6 +50,7 @@ class ChaosConfig:
     settle_s: float = 120.0  # bound of every wait for batches to finish
     restart_timeout_s: float = 300.0  # bound of the wait for a killed engine to be back
     intake_rows: int = 200  # the batch in background intake (and the intake threshold)
+    large_cancel_rows: int = 100_000  # the batch large_cancel writes to the queues' head and cancels
     fire_at: float = 0.3  # fault k fires once this share of wave k has results
     progress_timeout_s: float = 600.0  # a wave without that progress this long ends the run
     seed: int = 0
@@ -114,6 +119,12 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--intake-rows", type=int, default=200, help="rows of the batch in background intake")
     p.add_argument(
+        "--large-cancel-rows",
+        type=int,
+        default=100_000,
+        help="rows of the batch large_cancel queues at the head of the queues, then cancels",
+    )
+    p.add_argument(
         "--fire-at", type=float, default=0.3, help="fault k fires once this share of wave k is done"
     )
     p.add_argument(
@@ -148,6 +159,7 @@ def config_from_args(args) -> ChaosConfig:
         wan_jitter_ms=args.wan_jitter_ms,
         store_s=args.store_s,
         intake_rows=args.intake_rows,
+        large_cancel_rows=args.large_cancel_rows,
         fire_at=args.fire_at,
         slowdown=args.slowdown,
         settle_s=args.settle_s,

@@ -54,11 +54,13 @@ from load.chaos.books import GrpcBatch, format_report, grpc_books, merged_counts
 from load.chaos.client import ResilientClient
 from load.chaos.config import FAULTS, ChaosConfig, add_arguments, config_from_args  # noqa: F401  (add_arguments: the CLI reads it here)
 from load.chaos.faults import CLIENT_TOKEN, TOKEN, ProcessFaults
+from load.chaos.faults_wide import BLOCKED_GOAL_MS, WideFaults
 from load.chaos.faults_work import WorkFaults
 from load.chaos.openai_view import OpenAIBatches, OpenAIRun, user_view
 from load.chaos.procs import GatewayProcess, RestartableRedis
 from load.chaos.waves import KV_BUDGET, SMALL_LIMIT, waves
 from load.client import to_request
+from load.reply_cut import ReplyCutProxy
 from load.tcp_proxy import Link, TcpProxy
 from load.workload import WorkItem
 from workqueue import WorkQueue, connect
@@ -70,7 +72,7 @@ T = TypeVar("T")
 RECOVERY_WAIT_S = 120.0  # how long after a heal the run watches for the next result
 
 
-class Chaos(ProcessFaults, WorkFaults):
+class Chaos(ProcessFaults, WorkFaults, WideFaults):
     def __init__(self, config: ChaosConfig):
         self.c = config
         self.stop = threading.Event()
@@ -94,6 +96,11 @@ class Chaos(ProcessFaults, WorkFaults):
         self.clients: list[ResilientClient] = []
         self.openai: OpenAIBatches | None = None
         self.openai_runs: list[OpenAIRun] = []
+        self.engine_cut: ReplyCutProxy | None = None  # the second engine's link: loses replies (faults_wide)
+        self.gateway_cut: ReplyCutProxy | None = None  # the gateways' link: loses replies
+        self.lost_claims: dict[str, int] = {}  # gid -> its attempts when a claim's reply was lost
+        self.lost_reply_batches: list[str] = []  # batches whose only fault was lost replies
+        self.redis_max_blocked_ms: float | None = None  # the longest SLOWLOG entry of large_cancel
         self.tag = secrets.token_hex(3)  # batch ids unique to this run (the Redis data dir may be reused)
 
     # ------------------------------------------------------------------ set-up
@@ -106,11 +113,17 @@ class Chaos(ProcessFaults, WorkFaults):
         specs = default_clusters(2, "native", c.size)
         self.names = [s.name for s in specs]
         link = Link(delay_s=c.wan_delay_ms / 1000, jitter_s=c.wan_jitter_ms / 1000)
+        sock = self.redis.url.removeprefix("unix://")
+        self.engine_cut, self.gateway_cut = ReplyCutProxy(sock).start(), ReplyCutProxy(sock).start()
         for i, s in enumerate(specs):
             s.engine_args += ["--lease-s", str(c.lease_s), "--slowdown", str(c.slowdown)]
             s.engine_args += ["--kv-budget-tokens", str(KV_BUDGET), *c.engine_args]
+            cut = i == 1 and "reply_lost_engine" in c.faults  # the second: through the reply-cut proxy
+            upstream = ("127.0.0.1", self.engine_cut.port) if cut else sock
+            if cut:
+                s.redis_url = self.engine_cut.url
             if i == 0 or c.wan:  # the first: the partition cuts it; with a WAN, every engine
-                proxy = self.proxies[s.name] = TcpProxy(self.redis.url.removeprefix("unix://")).start()
+                proxy = self.proxies[s.name] = TcpProxy(upstream).start()
                 proxy.set_links(up=link, down=link)
                 s.redis_url = f"redis://{proxy.address}/0"
         self.proxy = self.proxies[specs[0].name]  # the partition cuts this one
@@ -128,7 +141,7 @@ class Chaos(ProcessFaults, WorkFaults):
         self.gateways = [
             GatewayProcess(
                 n,
-                self.redis.url,
+                self.gateway_cut.url if "reply_lost_gateway" in c.faults else self.redis.url,
                 clusters_file,
                 TOKEN,
                 logs,
@@ -159,8 +172,9 @@ class Chaos(ProcessFaults, WorkFaults):
             self.engines.stop()
         for g in self.gateways:
             g.stop()
-        for proxy in self.proxies.values():
-            proxy.close()
+        for proxy in [*self.proxies.values(), self.engine_cut, self.gateway_cut]:
+            if proxy is not None:
+                proxy.close()
         if self.redis is not None:
             self.redis.close()
 
@@ -176,6 +190,10 @@ class Chaos(ProcessFaults, WorkFaults):
         self.batches.append(GrpcBatch(name, batch_id, [it.id for it in items], client))
         client.start()
         return batch_id
+
+    def add_direct_batch(self, name: str, batch_id: str, ids: list[str]) -> None:
+        """A batch written straight to Redis (no client streams it): the books count it as the others."""
+        self.batches.append(GrpcBatch(name, batch_id, ids, None))
 
     def openai_batch(self, name: str, items: list[WorkItem]) -> OpenAIRun:
         run = self.openai.create(name, items)
@@ -193,7 +211,9 @@ class Chaos(ProcessFaults, WorkFaults):
         if cluster is None:
             return sum(max(0, self._results(b.batch_id)) for b in self.batches)
         q = self.queue()
-        return sum(1 for b in self.batches for r in q.results(b.batch_id) if r.get("cluster") == cluster)
+        return sum(
+            1 for b in self.batches if b.client for r in q.results(b.batch_id) if r.get("cluster") == cluster
+        )
 
     def _wait(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -276,7 +296,10 @@ class Chaos(ProcessFaults, WorkFaults):
             max(0.0, last_heal + c.settle_s - time.monotonic()),
         )
         # every client reads its batch to the end (bounded), so the books hold the rows they received too
-        self._wait(lambda: all(b.client.final is not None or b.client.fatal for b in self.batches), 30)
+        self._wait(
+            lambda: all(not b.client or b.client.final is not None or b.client.fatal for b in self.batches),
+            30,
+        )
         for run in self.openai_runs:
             self.openai.read(run, max(30.0, last_heal + c.settle_s - time.monotonic()))
         seen_by = time.monotonic() + 5.0  # all settled: a watcher still waiting has no result to see
@@ -304,7 +327,7 @@ class Chaos(ProcessFaults, WorkFaults):
             "stuck": g["stuck"],
             "overcounted": g["overcounted"],
             "count_mismatches": g["count_mismatches"],
-            "invariant_violations": len(check(q.r)),
+            "invariant_violations": len(violations := check(q.r)),
             "output_lines_missing": u["output_lines_missing"],
             "output_lines_duplicated": u["output_lines_duplicated"],
             "wrongly_failed": g["wrongly_failed_rows"] + u["wrongly_failed_lines"],
@@ -313,11 +336,16 @@ class Chaos(ProcessFaults, WorkFaults):
             "engine_restarts": self.restarts_observed,
             "recovery_s": self.recovery_s,
             "evidence": {f: b.evidence for f, b in self.bites.items()},
-            "client_failures": [f"{b.name}: {b.client.fatal}" for b in self.batches if b.client.fatal],
+            "client_failures": [
+                f"{b.name}: {b.client.fatal}" for b in self.batches if b.client and b.client.fatal
+            ],
+            "attempts_used_by_lost_replies": self.lost_reply_attempts(),
+            "redis_max_blocked_ms": self.redis_max_blocked_ms,
             "count_problems": g["count_problems"],
             "wrongly_failed_examples": g["wrongly_failed_examples"],
             "openai_problems": u["openai_problems"],
             "notes": self.notes,
+            "invariant_examples": violations[:5],
             "client_received": sum(len(cl.results) for cl in self.clients),
             "client_errors": merged_counts(cl.errors for cl in self.clients),
             "engines_alive": sum(i.alive for i in infos),
@@ -330,6 +358,12 @@ class Chaos(ProcessFaults, WorkFaults):
             "wall_s": round(wall_s, 1),
         }
         report["problems"] = verdict(report, self.c.faults)
+        if report["attempts_used_by_lost_replies"]:
+            report["problems"].append(
+                f"attempts_used_by_lost_replies = {report['attempts_used_by_lost_replies']}"
+            )
+        if (self.redis_max_blocked_ms or 0) > BLOCKED_GOAL_MS:
+            report["problems"].append(f"redis_max_blocked_ms = {self.redis_max_blocked_ms} (goal <= 50)")
         report["ok"] = not report["problems"]
         return report
 
