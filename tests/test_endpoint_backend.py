@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from collections import Counter
@@ -24,7 +25,7 @@ from gateway.http_api.format import CHAT, DEFAULT_TEMPLATE, render_chat
 from gateway.server import token_counter
 from tests.endpoint_server import chat_model_dir, endpoint_server, free_port
 from tests.fault_proxy import FaultProxy
-from tests.harness import start_engine, wait_until
+from tests.harness import REPO, start_engine, wait_until
 from tests.openai_http_helpers import KEY, http_gateway, jsonl, wait_final
 from workqueue import QueuedQuery, WorkQueue, connect
 
@@ -313,3 +314,42 @@ def test_no_endpoint_answering_for_the_give_up_time_fails_the_engine_and_keeps_t
             engine.step()
     finally:
         engine.close()
+
+
+HOW_TO = REPO / "docs" / "how-to" / "own-gpus.md"
+
+
+def test_every_command_of_the_how_to_runs_against_transformers_serve(server, model_dir, tmp_path):
+    """docs/how-to/own-gpus.md, run as written: its bash blocks in order in one shell, with this machine's
+    server for both clouds (the second through a relay: another address), its model for the names, a free
+    port for 50051; the batch comes back whole, each cloud's engine served, and everything stops."""
+    blocks = re.findall(r"```bash\n(.*?)```", HOW_TO.read_text(), re.S)
+    assert blocks[0].startswith("# on each GPU machine") and "vllm serve" in blocks[0]  # the servers: ours
+    assert blocks[1].startswith("export GPU_A=")  # the names of your servers and model: this machine's
+    relay = FaultProxy(server.port, [])
+    relay_port = relay.start()
+    names = (
+        f"export GPU_A={server.url.removesuffix('/v1')} GPU_B=http://127.0.0.1:{relay_port}"
+        f" MODEL_NAME={server.model} MODEL_DIR={model_dir}\n"
+    )
+    script = "\n".join([names, *blocks[2:]]).replace("50051", str(free_port()))
+    (tmp_path / "endpoint-key").write_text("sk-how-to\n")
+    env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    try:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    finally:
+        relay.stop()
+        info = tmp_path / "runs" / "gpus" / "gateway.json"
+        if info.exists():  # the script stopped before its last block
+            os.kill(json.loads(info.read_text())["pid"], signal.SIGINT)
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("runs/gpus/logs/*.log")))
+    up = (tmp_path / "gateway-up.log").read_text() if (tmp_path / "gateway-up.log").exists() else ""
+    assert done.returncode == 0, done.stdout + done.stderr + up + logs
+    out = done.stdout
+    assert out.count(" answers\n") == 2 and "completed" in out and out.count("serving cluster") == 2, out
+    assert "cloud-a" in out and "cloud-b" in out  # gateway status
+    lines = [json.loads(x) for x in (tmp_path / "batch_output.jsonl").read_text().splitlines()]
+    assert sorted(x["custom_id"] for x in lines) == ["q1", "q2", "q3"]
+    assert all(x["response"]["body"]["usage"]["prompt_tokens"] > 0 for x in lines)
+    wait_until(lambda: not info.exists(), 60, "gateway up to stop")  # it removes its gateway.json last
