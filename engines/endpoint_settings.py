@@ -46,6 +46,7 @@ class EndpointSettings:
             model=args.served_model_name or None,
             api_key=api_key(args.endpoint_key_file),
             timeout_s=args.endpoint_timeout_s,
+            give_up_s=args.endpoint_give_up_s,
             flow=FlowSettings(initial_limit=min(2.0, args.max_running), max_limit=args.max_running),
         )
 

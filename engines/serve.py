@@ -173,6 +173,13 @@ def add_endpoint_arguments(p: argparse.ArgumentParser) -> None:
         help="the model's name at the servers (default: the one their /v1/models lists)",
     )
     g.add_argument(
+        "--endpoint-give-up-s",
+        type=float,
+        default=300.0,
+        help="seconds no server may answer while queries wait before the engine stops and gives its "
+        "queries back to the queue, for the gateway to move to other clusters (default 300)",
+    )
+    g.add_argument(
         "--endpoint-fields",
         default="all",
         metavar="LIST",

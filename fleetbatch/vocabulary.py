@@ -55,6 +55,7 @@ VOCABULARY: dict[str, str] = {
     "--emulation": "how engines emulate their devices: 'cost'",
     "--endpoint": "the batch's endpoint",
     "--endpoint-fields": "the OpenAI request fields the endpoint backend's servers honour, passed through from each row",
+    "--endpoint-give-up-s": "seconds no server of the endpoint backend may answer while queries wait before they go back",
     "--endpoint-key-file": "file whose first line is the endpoint backend's API key for its servers",
     "--endpoint-timeout-s": "seconds to connect to a server, and its longest silence, before it counts as overloaded",
     "--endpoint-url": "an OpenAI-compatible inference server of the endpoint backend, as its base URL (repeatable)",
