@@ -4,10 +4,10 @@ SIGKILL and SIGSTOP of busy engines, SIGKILL of Redis and a Redis outage of more
 lease, a partition between an engine and Redis (a TCP proxy blackhole), racing admin rebalances,
 rows that exhaust the KV cache, an unwritable file store while an OpenAI batch finalizes, an
 engine restart during background intake, a SIGKILL of a gateway replica, and the removal of
-a cluster holding a row only it can take; and (issue 48) replies lost after Redis ran the call, on an engine's
-link (a claim, a result write) and on the gateways' (an intake chunk, a cancel), a Redis kept busy by a script
-past the clients' reply timeout, and the cancel of a 20,000-row batch at the head of the queues. Faults follow the load's progress (waves), so each
-fires on any machine; the lease (3 s), outage and partition are short here, the CLI's defaults
+a cluster holding a row only it can take; and (issue 48) replies lost after Redis ran the call, on an
+engine's link (a claim, a result write) and on the gateways' (an intake chunk, a cancel), a Redis kept
+busy by a script past the clients' reply timeout, and the cancel of a 20,000-row batch at the head of
+the queues. Faults follow the load's progress (waves), so each fires on any machine; the lease (3 s), outage and partition are short here, the CLI's defaults
 are the realistic ones. Every fault must bite (its evidence in ``evidence``): a fault that
 fired without effect does not count.
 

@@ -1,4 +1,4 @@
-"""``fleetbatch loadgen chaos``: one real deployment, eleven fault kinds injected while batches run, then the books.
+"""``fleetbatch loadgen chaos``: one real deployment, fifteen fault kinds injected while batches run, then the books.
 
 The deployment: an embedded Redis (AOF, ``appendfsync everysec``), two gateway replicas
 (both run offloaders, background intake and the OpenAI-compatible HTTP front on one shared
@@ -17,9 +17,12 @@ only after fault ``k`` healed, so every kind fires on a fast machine and on a sl
 order of :data:`FAULTS`: SIGKILL and SIGSTOP of a busy engine, SIGKILL of Redis, a Redis outage
 of ``--outage-s``, a partition of ``--partition-s`` between the first engine and Redis (a
 blackhole by default: ``--partition-mode``), racing admin rebalances, KV-exhausting rows, an
-unwritable file store, an engine restart during intake, a SIGKILL of a gateway replica, and the
-removal of a cluster holding a row only it can take (:mod:`load.chaos.faults`,
-:mod:`load.chaos.faults_work`).
+unwritable file store, an engine restart during intake, a SIGKILL of a gateway replica, replies lost
+after Redis ran the call on the second engine's link and on the gateways' (both through a
+:class:`load.reply_cut.ReplyCutProxy`), the cancel of a ``--large-cancel-rows`` batch at the head of
+the queues, a Redis kept busy by a script past the clients' reply timeout, and the removal of a
+cluster holding a row only it can take (:mod:`load.chaos.faults`, :mod:`load.chaos.faults_work`,
+:mod:`load.chaos.faults_wide`).
 
 **A fault counts only when it bit.** Each returns evidence (:class:`load.chaos.bite.Bite`):
 leases held by the engine it hit, pings that failed, connections the partition froze and a
@@ -28,7 +31,9 @@ pass, a batch still in intake, a refusal naming the row... ``faults`` counts the
 bit, ``fault_misses`` says why the others did not, ``evidence`` holds what each did.
 
 Then the books (:mod:`load.chaos.books`); the run fails (exit code 1) when a count there is
-above 0, a fault did not bite, or a client met a permanent error. ``recovery_s``: per fault,
+above 0, a fault did not bite, a client met a permanent error, a row whose only fault was a lost
+reply used another attempt (``attempts_used_by_lost_replies``), or the longest SLOWLOG entry of the
+large cancel passed 50 ms (``redis_max_blocked_ms``). ``recovery_s``: per fault,
 seconds from the moment it healed (Redis started, proxy healed, SIGCONT sent, process
 restarted...) to the next result written (by the cluster it hit, for a fault on one engine).
 """
