@@ -152,7 +152,7 @@ def test_a_batch_counting_too_many_cannot_hide_a_stuck_one_and_counts_must_match
 
 def test_the_load_comes_in_one_wave_per_fault_plus_one_and_the_outage_outlasts_two_leases(tmp_path):
     w = waves(100, len(FAULTS) + 1, seed=0, max_tokens=8)
-    assert len(w) == 12 and sum(map(len, w)) == 100 and min(map(len, w)) == 8
+    assert len(w) == 16 and sum(map(len, w)) == 100 and min(map(len, w)) == 6
     assert len({it.id for wave in w for it in wave}) == 100
     c = ChaosConfig(run_dir=tmp_path, lease_s=3.0)
     assert c.outage_s == c.stop_s == 8.0
