@@ -2,18 +2,23 @@
 
 The GPU runs themselves need a GPU machine (see docs/design/engine.md); here the dry run drives check
 A's code on the CPU (a real 2-stage pipeline over gloo, compared token for token with one
-process) and check B's plan translation, and the script's JSON is read back.
+process), check B's plan translation and check C (the endpoint backend against a real
+``transformers serve`` on the CPU, 4 requests of 4 tokens), and the script's JSON is read back.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from engines.bench.gpu_check import REPO, run_check, version
+import pytest
+
+from engines.bench.gpu_check import CHECKS, REPO, check_names, run_check, version
+from engines.bench.gpu_check_endpoint import SITE_ENV, missing
 from engines.bench.gpu_check_native import first_mismatch
 from engines.bench.gpu_check_setup import Workload, uneven_cuts, write_plan
 from engines.bench.gpu_check_vllm import PARTITION_ENV, translate
@@ -47,6 +52,12 @@ def test_cpu_dry_run_runs_check_a_and_translates_for_check_b():
     assert vllm["status"] == "skipped" and vllm["reason"] == "CPU dry run"
     assert vllm["translated"]["pipeline_parallel_size"] == 2
     assert vllm["translated"][PARTITION_ENV] == "1,3"
+    endpoint = out["checks"]["endpoint"]  # the endpoint backend against a real transformers serve
+    assert endpoint["status"] == "ran" and endpoint["device"] == "cpu", endpoint
+    assert endpoint["requests"] == 4 and endpoint["errors"] == []
+    assert 0 < endpoint["completion_tokens"] <= 4 * 4 and endpoint["tokens_per_s"] > 0
+    assert endpoint["prompt_count_mismatches"] == 0 and endpoint["prompt_tokens"] > 4 * 10
+    assert out["endpoint_missing"] == []
 
 
 def test_script_without_cuda_says_so_and_exits_0():
@@ -59,6 +70,7 @@ def test_script_without_cuda_says_so_and_exits_0():
     assert out["cuda"] is False and out["ok"] is True
     assert out["checks"]["native"] == {"status": "skipped", "reason": "no CUDA"}
     assert out["checks"]["vllm"] == {"status": "skipped", "reason": "no CUDA"}
+    assert out["checks"]["endpoint"] == {"status": "skipped", "reason": "no CUDA"}
     assert out["torch"] != "not installed" and "vllm" in out
 
 
@@ -88,3 +100,25 @@ def test_a_check_that_hangs_or_prints_no_json_is_a_failure_not_a_crash():
     noisy = run_check("timeit", ["-n", "1", "-r", "1", "pass"], timeout_s=60)
     assert noisy["status"] == "failed" and "without a JSON line" in noisy["error"]
     assert version("no_such_package_for_gpu_check") is None
+
+
+def test_checks_are_chosen_by_name_and_missing_serving_packages_are_named():
+    assert check_names("endpoint") == ["endpoint"] and check_names("native, vllm") == ["native", "vllm"]
+    assert CHECKS == ("native", "vllm", "endpoint")
+    with pytest.raises(argparse.ArgumentTypeError, match="checks are native, vllm, endpoint"):
+        check_names("native,sglang")
+    assert missing() == []  # this machine has transformers' serving extra
+
+
+def test_a_carried_site_fills_gaps_at_the_end_of_sys_path(tmp_path: Path, monkeypatch):
+    site = tmp_path / "gpu-check-site"
+    site.mkdir()
+    (site / "carried_probe_for_gpu_check.py").write_text(
+        "import json, sys\n"
+        "here = [i for i, p in enumerate(sys.path) if p.endswith('gpu-check-site')]\n"
+        "print(json.dumps({'status': 'ran', 'index': here, 'after_site_packages': here[0] > max("
+        "i for i, p in enumerate(sys.path) if p.endswith('site-packages'))}))\n"
+    )
+    monkeypatch.setenv(SITE_ENV, str(site))
+    out = run_check("carried_probe_for_gpu_check", [], timeout_s=60)
+    assert out["status"] == "ran" and len(out["index"]) == 1 and out["after_site_packages"] is True

@@ -13,10 +13,19 @@
    check A, :mod:`engines.bench.gpu_check_native` (the native engine on the device, one process and
    2 stages, tokens/s and greedy equality with the CPU), and check B,
    :mod:`engines.bench.gpu_check_vllm` (vLLM with the plan's ``pipeline_parallel_size`` and
-   ``VLLM_PP_LAYER_PARTITION``; only the translation where vLLM or CUDA is missing).
+   ``VLLM_PP_LAYER_PARTITION``; only the translation where vLLM or CUDA is missing), and check C,
+   :mod:`engines.bench.gpu_check_endpoint` (the endpoint backend in front of ``transformers serve``
+   on the device: tokens/s, and the server's prompt-token counts against the gateway's rule;
+   ``skipped`` with the missing packages where the ``serving`` extra is not here).
+   ``--checks`` chooses among ``native``, ``vllm`` and ``endpoint`` (default: all three).
+
+Packages the GPU machine lacks may be carried in the working tree (``build/gpu-check-site``, made by
+``pip install --target``; or ``$FLEETBATCH_GPU_CHECK_SITE``): every check's process appends it to its
+``sys.path`` (:func:`engines.bench.gpu_check_endpoint.launch`), so it fills gaps and shadows nothing.
 
 ``--cpu-dry-run`` runs check A's code on the CPU with the tiny model and a few tokens, and of
-check B only the translation (the test suite runs it). Each check says ``ran``, ``skipped`` (with a reason) or ``failed`` (with the
+check B only the translation, and check C with a tiny model, 4 requests of 4 tokens, on the CPU (the
+test suite runs it). Each check says ``ran``, ``skipped`` (with a reason) or ``failed`` (with the
 error); the exit status is 1 when one failed, else 0. Progress goes to stderr.
 """
 
@@ -30,6 +39,7 @@ import logging
 import os
 import platform
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -38,11 +48,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from engines.bench.gpu_check_endpoint import SITE_ENV, carried_site, launch
+from engines.bench.gpu_check_endpoint import missing as endpoint_missing
+
 log = logging.getLogger("gpu-check")
 
 REPO = Path(__file__).resolve().parents[2]
 #: what the checks import (the engine, the model code); vllm is optional (check B only)
 REQUIRED = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "tqdm")
+CHECKS = ("native", "vllm", "endpoint")
 
 
 def version(package: str) -> str | None:
@@ -63,6 +77,8 @@ def probe() -> dict[str, Any]:
         "transformers": version("transformers") or "not installed",
         "vllm": version("vllm") or "not installed",
         "missing": [p for p in REQUIRED if version(p) is None],
+        "endpoint_missing": endpoint_missing(),  # transformers serve's `serving` extra, the backend's httpx
+        "carried_site": os.environ.get(SITE_ENV),
         "cuda": False,
         "gpu_count": 0,
     }
@@ -84,12 +100,12 @@ def run_check(module: str, argv: list[str], timeout_s: float) -> dict[str, Any]:
     )
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, *argv],
+        launch(module, *argv),  # python -m module, with the carried site appended to sys.path
         stdout=subprocess.PIPE,
         text=True,
         env=env,
         cwd=REPO,
-        process_group=0,  # its own group (same session): its stage / vLLM processes go with os.killpg
+        process_group=0,  # its own group (same session): its stage / vLLM / server processes go with os.killpg
     )
     try:
         out, _ = proc.communicate(timeout=max(1.0, timeout_s))
@@ -135,26 +151,58 @@ def vllm_check(
     return run_check("engines.bench.gpu_check_vllm", argv, timeout_s)
 
 
+def endpoint_check(info: dict[str, Any], tmp: Path, w, device: str, timeout_s: float, args) -> dict[str, Any]:
+    if info["endpoint_missing"]:
+        return skipped("missing: " + ", ".join(info["endpoint_missing"]), device=device)
+    if timeout_s < 30:
+        return skipped(f"no time left ({timeout_s:.0f} s of the budget)")
+    workload = {"size": w.size, "queries": w.queries, "gen_len": w.gen_len}
+    argv = ["--workdir", str(tmp), "--device", device, "--workload", json.dumps(workload)]
+    argv += [f"--serve-arg={a}" for a in args.endpoint_serve_arg]
+    argv += ["--start-timeout-s", str(max(10.0, timeout_s - 10))]
+    return run_check("engines.bench.gpu_check_endpoint", argv, timeout_s)
+
+
 def run_checks(info: dict[str, Any], args) -> dict[str, Any]:
+    """The chosen checks one after the other, each in its own process under its time limit, in the budget."""
     from engines.bench.gpu_check_setup import DRY_RUN, Workload, prepare
 
     w = DRY_RUN if args.cpu_dry_run else Workload()
     w = replace(w, **{k: v for k, v in (("size", args.size), ("queries", args.num_queries)) if v})
     device = "cpu" if args.cpu_dry_run else "cuda"
+    chosen = set(args.checks)
+    out = {k: skipped("not chosen (--checks)") for k in CHECKS if k not in chosen}
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="fleetbatch-gpu-check-") as tmp:
-        log.info("building llama:%s (random weights) and an uneven 2-stage plan in %s", w.size, tmp)
-        model_dir, plan = prepare(Path(tmp), w)
-        argv = ["--served-model", str(model_dir), "--plan", str(plan), "--device", device]
-        argv += ["--workload", json.dumps(w.to_dict())]
-        log.info("check A: the native engine on %s", device)
-        native = run_check("engines.bench.gpu_check_native", argv, args.native_timeout_s)
-        log.info("check A: %s", native["status"])
-        log.info("check B: vLLM with the translated plan")
-        left = args.budget_s - (time.monotonic() - t0)
-        vllm = vllm_check(info, model_dir, plan, w, min(args.vllm_timeout_s, left), args.cpu_dry_run)
-        log.info("check B: %s", vllm["status"])
-    return {"native": native, "vllm": vllm}
+    with tempfile.TemporaryDirectory(prefix="fleetbatch-gpu-check-") as name:
+        tmp = Path(name)
+        if chosen & {"native", "vllm"}:
+            log.info("building llama:%s (random weights) and an uneven 2-stage plan in %s", w.size, tmp)
+            model_dir, plan = prepare(tmp, w)
+        if "native" in chosen:
+            argv = ["--served-model", str(model_dir), "--plan", str(plan), "--device", device]
+            argv += ["--workload", json.dumps(w.to_dict())]
+            log.info("check A: the native engine on %s", device)
+            out["native"] = run_check("engines.bench.gpu_check_native", argv, args.native_timeout_s)
+            log.info("check A: %s", out["native"]["status"])
+        if "vllm" in chosen:
+            log.info("check B: vLLM with the translated plan")
+            timeout = min(args.vllm_timeout_s, args.budget_s - (time.monotonic() - t0))
+            out["vllm"] = vllm_check(info, model_dir, plan, w, timeout, args.cpu_dry_run)
+            log.info("check B: %s", out["vllm"]["status"])
+        if "endpoint" in chosen:
+            log.info("check C: the endpoint backend against transformers serve on %s", device)
+            timeout = min(args.endpoint_timeout_s, args.budget_s - (time.monotonic() - t0))
+            out["endpoint"] = endpoint_check(info, tmp, w, device, timeout, args)
+            log.info("check C: %s", out["endpoint"]["status"])
+    return {k: out[k] for k in CHECKS}
+
+
+def check_names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"checks are {', '.join(CHECKS)}; got {text!r}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,18 +212,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--num-queries", type=int, help="queries per timed run (default 64; 4 dry)")
     p.add_argument("--native-timeout-s", type=float, default=120.0)
     p.add_argument("--vllm-timeout-s", type=float, default=150.0)
-    p.add_argument("--budget-s", type=float, default=240.0, help="both checks together, at most")
+    p.add_argument("--endpoint-timeout-s", type=float, default=150.0)
+    p.add_argument(
+        "--endpoint-serve-arg",
+        action="append",
+        default=[],
+        help="an argument for check C's transformers serve (repeatable), e.g. --continuous-batching",
+    )
+    p.add_argument("--checks", type=check_names, default=list(CHECKS), help="comma-separated (default: all)")
+    p.add_argument("--budget-s", type=float, default=400.0, help="the checks together, at most")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gpu-check: %(message)s", stream=sys.stderr)
     t0 = time.monotonic()
+    site_dir = carried_site()
+    if site_dir is not None:  # fills gaps only: appended to sys.path here and in every check's process
+        os.environ[SITE_ENV] = str(site_dir)
+        site.addsitedir(str(site_dir))
     info = probe()
     log.info("probe: %s", info)
     out: dict[str, Any] = {"gpu_check": "issue 32", "dry_run": args.cpu_dry_run, **info}
     if info["missing"]:
         reason = "missing: " + ", ".join(info["missing"])
-        out["checks"] = {"native": skipped(reason), "vllm": skipped(reason)}
+        out["checks"] = {k: skipped(reason) for k in CHECKS}
     elif not info["cuda"] and not args.cpu_dry_run:
-        out["checks"] = {"native": skipped("no CUDA"), "vllm": skipped("no CUDA")}
+        out["checks"] = {k: skipped("no CUDA") for k in CHECKS}
     else:
         out["checks"] = run_checks(info, args)
     out["elapsed_s"] = round(time.monotonic() - t0, 1)
