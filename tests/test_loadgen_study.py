@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from load.studies.study import sim_ratios
-from localmodels.paths import CACHE_ENV, cache_dir
 from sim.costs import LinearCost
 from sim.validate import validate
 from tests.harness import REPO
@@ -58,9 +55,9 @@ def test_a_tiny_study_writes_reports_with_plots_from_real_runs(tmp_path, capsys)
 def test_the_planned_study_runs_a_planned_fleet_through_the_gateway(tmp_path):
     """`fleetbatch loadgen study --planned`: each setup is a real `fleetbatch gateway up --clusters` whose engines run
     their plans' stages on emulated devices; the run directory keeps the plans and draws the layout. (One
-    setup here, for time: the baselines' plans are checked in tests/test_planner_fleet.py.) The cache has no
-    profile of this CPU, so the run profiles it (the step a fresh machine once failed); the tokenizers are
-    copied in, for time (tests/test_demo.py starts from a wholly empty cache)."""
+    setup here, for time: the baselines' plans are checked in tests/test_planner_fleet.py.) The run reads
+    this CPU's profile from the cache `gateway prepare` filled; tests/test_demo.py starts `gateway up` from a
+    wholly empty cache, where the run profiles this CPU (the step a fresh machine once failed)."""
     out = tmp_path / "planned"
     fleet = tmp_path / "fleet.yaml"  # two clusters of unlike devices: fewer processes than the default's
     fleet.write_text(
@@ -70,13 +67,8 @@ def test_the_planned_study_runs_a_planned_fleet_through_the_gateway(tmp_path):
     cmd = [sys.executable, "-m", "load.cli", "study", "--planned", "--clusters", str(fleet), "-n", "16",
            "--max-tokens", "24", "--only", "planned", "--out", str(out), "--no-progress", "--no-scale",
            "--gateway-arg=--predictor", "--gateway-arg=heuristic"]  # fmt: skip
-    cache = tmp_path / "cache-without-profiles"  # a fresh machine: this CPU is profiled during the run
-    for tokenizer in cache_dir().glob("tokenizer-*"):
-        shutil.copytree(tokenizer, cache / tokenizer.name)
-    env = {**os.environ, CACHE_ENV: str(cache)}
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert list((cache / "profiles").glob("*.json"))
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert "planned_over_even" not in summary  # its baseline did not run
     assert summary["capacity_error"] is not None and summary["capacity_error"] >= 0
