@@ -6,8 +6,8 @@ kept busy past the clients' reply timeout, and the cancel of a large batch at th
   after Redis ran it; redis-py sends the tick again. Evidence: the calls hit, the rows the lost claims handed
   out (each must end with the attempt it had then: ``attempts_used_by_lost_replies``), the engine's log.
 * ``reply_lost_gateway``: both gateways reach Redis through another such proxy; it loses the reply to the
-  first intake chunk (ENQUEUE_CHUNK) of a batch in background intake, then to the CANCEL of that batch sent
-  through the gateway. Evidence: both calls hit, the cancel answered OK, the batch ended cancelled with every
+  first staging append (STAGE_APPEND) of a batch sent by ``SubmitBatchStream``, to its first intake chunk
+  (ENQUEUE_CHUNK) in background intake, then to the CANCEL of that batch sent through the gateway. Evidence: both calls hit, the cancel answered OK, the batch ended cancelled with every
   row once (the ``cut-`` rows may end cancelled: :data:`CANCELLABLE`).
 * ``redis_slow``: one EVAL busy for the clients' reply timeout + 2 s (``DEBUG SLEEP`` is off in the Redis the
   project runs): Redis answers nobody, then ``BUSY``. Evidence: the script's length, failed pings, every
@@ -35,12 +35,14 @@ from gateway.grpc_api.tls import channel
 from load.chaos.bite import Bite, DownProbe
 from load.chaos.faults import CLIENT_TOKEN
 from load.chaos.waves import big_row
+from load.client import to_request
 from load.reply_cut import ReplyCutProxy, decode
 from load.workload import generated
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from workqueue import batch_scripts, keys, scripts
 from workqueue.embedded import client_options
+from workqueue.intake_ops import STAGE_APPEND
 from workqueue.records import QueuedQuery
 
 log = logging.getLogger(__name__)
@@ -159,13 +161,38 @@ class WideFaults:
             return bite.miss(f"not every kind of tick call lost its reply: {hits}")
         return bite if rows else bite.miss("the lost claim handed out no query")
 
+    def _submit_stream(self, request: pb.SubmitBatchRequest, part_rows: int = 64) -> str:
+        """SubmitBatchStream through the first gateway (its rows staged in Redis part by part); the status code."""
+        queries = list(request.queries)
+
+        def parts():
+            for i in range(0, len(queries), part_rows):
+                m = pb.SubmitBatchRequest(queries=queries[i : i + part_rows])
+                if i == 0:
+                    m.CopyFrom(request)
+                    del m.queries[part_rows:]
+                m.end_of_batch = i + part_rows >= len(queries)
+                yield m
+
+        with channel(self.gateways[0].address, token=CLIENT_TOKEN) as ch:
+            try:
+                pb_grpc.BatchServiceStub(ch).SubmitBatchStream(parts(), timeout=120)
+                return "OK"
+            except grpc.RpcError as e:
+                log.warning("chaos: SubmitBatchStream: %s %s", e.code().name, e.details())
+                return e.code().name
+
     def reply_lost_gateway(self) -> Bite:
+        """The batch goes in by SubmitBatchStream (staged, then background intake); its client then submits
+        it again (idempotent by batch id) and streams its results."""
         p = self.gateway_cut
+        p.arm("staging", b"EVALSHA", sha(STAGE_APPEND))
         p.arm("intake_chunk", b"EVALSHA", sha(batch_scripts.ENQUEUE_CHUNK))
         items = [
             dataclasses.replace(it, id=f"cut-{i:05d}")
             for i, it in enumerate(generated(self.c.intake_rows, seed=self.c.seed + 11, max_tokens=2))
         ]
+        streamed = self._submit_stream(to_request(items, f"chaos-{self.c.seed}-{self.tag}-cut"))
         batch_id = self.submit("cut", items)
         self.lost_reply_batches.append(batch_id)
         log.warning(
@@ -180,9 +207,9 @@ class WideFaults:
         self._healed(bite)
         final = self._wait(lambda: self._batch_final(batch_id), self.c.settle_s)
         info = self._read(lambda: self.queue().batch(batch_id), None)
-        hits = {k: p.hit_count(k) for k in ("intake_chunk", "cancel")}
+        hits = {k: p.hit_count(k) for k in ("staging", "intake_chunk", "cancel")}
         bite.evidence.update(
-            calls_hit=hits, cancel=code, batch=batch_id, final=final,
+            calls_hit=hits, submit_stream=streamed, cancel=code, batch=batch_id, final=final,
             status=getattr(info, "status", None),
             counts=[getattr(info, k, None) for k in ("completed", "failed", "cancelled")],
         )  # fmt: skip
