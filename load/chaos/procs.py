@@ -84,7 +84,10 @@ class GatewayProcess:
             str(self.http_port),
             "--files",
             str(files_dir),
-        ]  # fmt: skip  (restarts fast; the predictor is not under test; secrets from the environment)
+            "--chat-template",
+            "default",
+        ]  # fmt: skip  (restarts fast; the predictor is not under test; secrets from the environment; the
+        # engines run the project's own random models, whose chat template is the documented default)
         self.log_path = log_dir / f"gateway-{name}.log"
         self.proc: subprocess.Popen | None = None
 
