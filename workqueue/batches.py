@@ -33,7 +33,7 @@ from workqueue.script_call import ScriptCall
 from workqueue.wake import announce
 
 PRUNE_CHUNK = 1000  # batch ids one prune call looks at
-SWEEP_CHUNK = 1000  # queued ids one cancel-sweep call looks at (keeps each script call short)
+SWEEP_CHUNK = 400  # queued ids one cancel-sweep call looks at: each call stays far under 50 ms (a 1,000-id call took 53)
 CREATE_RETRIES = 20  # optimistic-transaction retries of create_batch (each lost race re-reads)
 STAGE_CHUNK = 5000  # rows one staging transaction of accept_batch writes
 STAGE_TTL_S = 3600  # a staging list left by a gateway that died while accepting expires after this
