@@ -21,18 +21,18 @@ from __future__ import annotations
 import collections
 import logging
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from load.tcp_proxy import Address, connect_upstream, reset_socket
 
 log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
 KEEP_ARG_BYTES = 256  # a command's argument longer than this is not kept (a SHA is 40)
 HELD_MAX = 4 << 20  # a marked reply longer than this is forwarded as it comes (and not cut)
-Address = tuple[str, int] | str  # (host, port) or a unix socket path
 PUBSUB = {b"SUBSCRIBE", b"PSUBSCRIBE", b"SSUBSCRIBE", b"MONITOR"}
 
 
@@ -145,29 +145,6 @@ class Hit:
     at: float = field(default_factory=time.monotonic)
 
 
-def _connect(upstream: Address) -> socket.socket:
-    family = socket.AF_UNIX if isinstance(upstream, str) else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.settimeout(5.0)
-    try:
-        s.connect(upstream)
-    except OSError:
-        s.close()
-        raise
-    s.settimeout(None)
-    return s
-
-
-def _reset(s: socket.socket) -> None:
-    """Close ``s`` with a RST; the shutdown first wakes a thread blocked reading it (a bare close would not)."""
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    s.close()
-
-
 class _Conn:
     def __init__(self, client: socket.socket, upstream: socket.socket, proxy: ReplyCutProxy):
         self.client, self.upstream, self.proxy = client, upstream, proxy
@@ -254,8 +231,8 @@ class _Conn:
 
     def cut(self) -> None:
         self.dead = True
-        _reset(self.client)
-        _reset(self.upstream)
+        reset_socket(self.client, wake_reader=True)
+        reset_socket(self.upstream, wake_reader=True)
         self.proxy.forget(self)
 
     def close(self) -> None:
@@ -310,7 +287,7 @@ class ReplyCutProxy:
                 return
             self.accepted += 1
             try:
-                upstream = _connect(self.upstream)
+                upstream = connect_upstream(self.upstream)
             except OSError:
                 client.close()  # Redis down: the client sees a closed connection, as without the proxy
                 continue

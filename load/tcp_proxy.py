@@ -67,11 +67,10 @@ class Link:
         return self.delay_s + (rng.uniform(0.0, self.jitter_s) if self.jitter_s else 0.0)
 
 
-def _connect(upstream: Address, timeout_s: float) -> socket.socket:
-    if isinstance(upstream, str):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    else:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def connect_upstream(upstream: Address, timeout_s: float = 5.0) -> socket.socket:
+    """A connection to ``upstream`` (a Unix socket's path, or host and port), within ``timeout_s``."""
+    family = socket.AF_UNIX if isinstance(upstream, str) else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
     s.settimeout(timeout_s)
     try:
         s.connect(upstream)
@@ -82,10 +81,13 @@ def _connect(upstream: Address, timeout_s: float) -> socket.socket:
     return s
 
 
-def _reset(s: socket.socket) -> None:
-    """Close ``s`` with a RST (SO_LINGER 0), not a FIN."""
+def reset_socket(s: socket.socket, wake_reader: bool = False) -> None:
+    """Close ``s`` with a RST (SO_LINGER 0), not a FIN; ``wake_reader``: shut it down first, which wakes a
+    thread blocked reading it (a bare close would not)."""
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        if wake_reader:
+            s.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
     s.close()
@@ -187,7 +189,7 @@ class _Connection:
         self.dead = True
         for s in self.sockets:
             if rst:
-                _reset(s)
+                reset_socket(s)
                 continue
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -290,7 +292,7 @@ class TcpProxy:
             self.accepted += 1
             if self._mode == RESET:
                 self.refused += 1
-                _reset(client)
+                reset_socket(client)
             elif self._mode == BLACKHOLE:  # accepted, and it hangs until healed
                 self.held_connects += 1
                 threading.Thread(
@@ -302,10 +304,10 @@ class TcpProxy:
     def _open(self, client: socket.socket) -> None:
         """Connect ``client`` to the upstream (once traffic flows) and start forwarding."""
         if not self.wait_flowing() or self._mode == RESET:
-            _reset(client)
+            reset_socket(client)
             return
         try:
-            upstream = _connect(self.upstream, self.connect_timeout_s)
+            upstream = connect_upstream(self.upstream, self.connect_timeout_s)
         except OSError as e:
             self.refused_upstream += 1
             log.debug("proxy %s: upstream %s unreachable: %s", self.address, self.upstream, e)
@@ -314,7 +316,7 @@ class TcpProxy:
         conn = _Connection(client, upstream, self)
         with self._lock:
             if self._closed or self._mode == RESET:  # cut or closed while it connected
-                _reset(client)
+                reset_socket(client)
                 upstream.close()
                 return
             self._live.add(conn)
