@@ -4,7 +4,10 @@
   succeed with the limit in use and their seconds per generated token do not rise (within
   ``tolerance`` of the best recent figure), the limit grows by one per window (``1 / limit`` a
   success); an overload (429, 503, a refused connection, a timeout) halves it, once per window:
-  requests sent before the last halving do not halve it again.
+  requests sent before the last halving do not halve it again. With ``slow_start`` the limit first grows
+  by one a success (doubling a window) until the first rise or overload, as TCP's slow start does: at
+  one a window, going from 2 to 8 took 27 requests, an eighth of a 200-row batch at a quarter less
+  concurrency.
 * :class:`Backoff`: an endpoint that is overloaded, restarting or unreachable gets nothing for a
   while, doubling from ``base_s`` to ``max_s`` (at least its ``Retry-After``); one success resets it.
 * :func:`least_loaded`: several endpoints share the load, the least in flight first.
@@ -28,6 +31,7 @@ class FlowSettings:
     drift: float = 0.02  # the best figure is let rise this much a success, so a slower server is relearnt
     backoff_base_s: float = 0.25
     backoff_max_s: float = 8.0
+    slow_start: bool = False  # grow by one a success until the first rise or overload (module docstring)
 
     def __post_init__(self) -> None:
         if self.max_limit < 1:
@@ -47,6 +51,7 @@ class InflightLimit:
         self.window = 0  # bumped by each halving; a request remembers the window it was sent in
         self.recent: float | None = None  # seconds per token, moving average
         self.best: float | None = None  # the lowest moving average, let drift up slowly
+        self.slow_start = settings.slow_start  # until the first rise or overload
 
     @property
     def slots(self) -> int:
@@ -68,12 +73,15 @@ class InflightLimit:
         risen = (
             self.recent is not None and self.best is not None and self.recent > self.best * (1 + s.tolerance)
         )
-        if saturated and not risen:
-            self.limit = min(float(s.max_limit), self.limit + 1.0 / self.limit)
+        if risen:
+            self.slow_start = False
+        elif saturated:
+            self.limit = min(float(s.max_limit), self.limit + (1.0 if self.slow_start else 1.0 / self.limit))
 
     def overloaded(self, sent_in_window: int) -> bool:
         """The endpoint answered a request sent in window ``sent_in_window`` with an overload: halve
         the limit unless it was halved since that request was sent; True when it was halved now."""
+        self.slow_start = False
         if sent_in_window < self.window:
             return False
         self.limit = max(1.0, self.limit / 2)

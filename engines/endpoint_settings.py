@@ -47,7 +47,9 @@ class EndpointSettings:
             api_key=api_key(args.endpoint_key_file),
             timeout_s=args.endpoint_timeout_s,
             give_up_s=args.endpoint_give_up_s,
-            flow=FlowSettings(initial_limit=min(2.0, args.max_running), max_limit=args.max_running),
+            flow=FlowSettings(
+                initial_limit=min(2.0, args.max_running), max_limit=args.max_running, slow_start=True
+            ),
         )
 
 

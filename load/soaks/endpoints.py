@@ -221,6 +221,7 @@ def gateway_run(args, server: EndpointServer, model: Path, work: list, run_dir: 
             if killer.error is not None:
                 raise RuntimeError(f"the server did not start again: {killer.error}")
         written = dep.results(batch.id)
+        inflight = list(dep.inflight)
     sent = {w.id for w in work}
     counts = Counter(r["query_id"] for r in written)
     seen = Counter(r["query_id"] for r in results)
@@ -234,6 +235,7 @@ def gateway_run(args, server: EndpointServer, model: Path, work: list, run_dir: 
             1 for r in results if r.get("error") or r.get("finish_reason") not in ("stop", "length")
         ),
         "kills": killer.kills if killer else 0,
+        "inflight": inflight,
     }
 
 
@@ -270,9 +272,7 @@ def run(args) -> dict:
     try:
         print(f"server {server.url} (pid {server.proc.pid}, cores {sorted(server_cpus) if pin else 'any'}) "
               f"up in {time.perf_counter() - t0:.1f} s; {len(rows)} rows", file=sys.stderr, flush=True)  # fmt: skip
-        warm = warm_up(server.url, rows, 1, 2) + warm_up(
-            server.url, rows, max(concurrencies), 2 * max(concurrencies)
-        )
+        warm = warm_up(server.url, rows, 1, 2) + warm_up(server.url, rows, 8, 16)
         print(f"server warmed up in {warm:.1f} s", file=sys.stderr, flush=True)
         fixed = fixed_runs(server.url, rows, concurrencies, not args.no_progress)
         b = gateway_run(args, server, model, work, run_dir, client_cpus if pin else None)
@@ -301,6 +301,8 @@ def summary(args, rows, work, tokenizer, fixed: dict, b: dict, pinned: bool) -> 
         "endpoint_tokens_per_s": round(tps, 1),
         "endpoint_wall_s": round(b["wall_s"], 1),
         "endpoint_tokens": b["tokens"],
+        "endpoint_inflight_mean": round(sum(b["inflight"]) / len(b["inflight"]), 1) if b["inflight"] else 0.0,
+        "endpoint_inflight_max": max(b["inflight"], default=0),
         "best_fixed_concurrency": best,
         "best_fixed_tokens_per_s": round(best_tps, 1),
         "fixed": {str(c): round(f["tokens_per_s"], 1) for c, f in fixed.items()},

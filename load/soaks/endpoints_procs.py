@@ -51,6 +51,10 @@ class Deployment:
         self.redis: EmbeddedRedis | None = None
         self.procs: list[subprocess.Popen] = []
         self.address = ""
+        self.inflight: list[
+            int
+        ] = []  # the engine's requests in flight, from its heartbeats while it had some
+        self._sampling = threading.Event()
 
     def __enter__(self) -> Deployment:
         try:
@@ -96,6 +100,17 @@ class Deployment:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the engine did not register in 120 s; see {self.run_dir}/engine.log")
             time.sleep(0.1)
+        threading.Thread(target=self._sample, args=(queue,), daemon=True).start()
+
+    def _sample(self, queue: WorkQueue) -> None:
+        """The engine's requests in flight, as its heartbeat says, twice a second."""
+        while not self._sampling.wait(0.5):
+            try:
+                running = sum(i.running for i in queue.clusters([CLUSTER]))
+            except Exception:  # Redis stopping: the run is over
+                return
+            if running:
+                self.inflight.append(running)
 
     def _listening(self, proc: subprocess.Popen) -> str:
         """The gateway's address, from its log line; the rest of its log goes on to gateway.log."""
@@ -115,6 +130,7 @@ class Deployment:
         return WorkQueue(connect(self.redis.url)).results(batch_id)
 
     def close(self) -> None:
+        self._sampling.set()
         for proc in reversed(self.procs):
             _stop(proc)
         self.procs = []
