@@ -5,7 +5,7 @@ runs (``fleetbatch engine serve --backend endpoint --endpoint-url URL ...``, or 
 :class:`EndpointEngine` is an :class:`~engines.interface.Engine`: the worker's step loop hands it
 requests and takes finished outputs, while an event loop on its own thread streams each request to
 an endpoint (:mod:`engines.endpoint_http`) under the flow control of :mod:`engines.endpoint_flow`:
-an AIMD in-flight limit per endpoint, exponential backoff of an endpoint that is overloaded,
+an in-flight limit per endpoint climbed to its best throughput (:mod:`engines.endpoint_limit`), exponential backoff of an endpoint that is overloaded,
 restarting or unreachable (the request waits and goes again, to it or another endpoint, and is never
 failed for it), the least loaded endpoint first. The result carries the server's ``usage`` and
 ``finish_reason``; the cluster's capacity is the completion tokens per second it measures.
@@ -257,7 +257,7 @@ class EndpointEngine:
             log.exception("request %s failed in the endpoint backend", job.request.request_id)
             self._finish(job, self._output(job, "error", error=f"endpoint backend: {type(e).__name__}: {e}"))
         else:
-            self._succeeded(job, lane, done, time.monotonic() - sent_at)
+            self._succeeded(job, lane, done)
         finally:
             lane.inflight -= 1
             self._running.pop(job.request.request_id, None)
@@ -282,10 +282,11 @@ class EndpointEngine:
         log.info("endpoint %s serves %s", lane.url, names[0])
         return names[0]
 
-    def _succeeded(self, job: _Job, lane: Lane, done: Completion, took_s: float) -> None:
+    def _succeeded(self, job: _Job, lane: Lane, done: Completion) -> None:
         lane.backoff.succeeded()
-        per_token = took_s / done.completion_tokens if done.completion_tokens else None
-        lane.limit.succeeded(per_token, saturated=lane.inflight >= lane.limit.slots)
+        lane.limit.succeeded(
+            done.completion_tokens, time.monotonic(), saturated=lane.inflight >= lane.limit.slots
+        )
         self._answered(lane)
         self._meter.add(time.monotonic(), done.completion_tokens)
         if not done.usage_reported and lane.url not in self._no_usage:

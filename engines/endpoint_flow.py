@@ -1,13 +1,8 @@
 """The endpoint backend's flow control, found from the endpoints' answers alone (no settings to tune).
 
-* :class:`InflightLimit`: an AIMD limit on the requests in flight to one endpoint. While requests
-  succeed with the limit in use and their seconds per generated token do not rise (within
-  ``tolerance`` of the best recent figure), the limit grows by one per window (``1 / limit`` a
-  success); an overload (429, 503, a refused connection, a timeout) halves it, once per window:
-  requests sent before the last halving do not halve it again. With ``slow_start`` the limit first grows
-  by one a success (doubling a window) until the first rise or overload, as TCP's slow start does: at
-  one a window, going from 2 to 8 took 27 requests, an eighth of a 200-row batch at a quarter less
-  concurrency.
+* :class:`~engines.endpoint_limit.ThroughputLimit`: the requests in flight to one endpoint, climbed to
+  the level of its best completion tokens per second and halved on an overload (429, 503, a refused
+  connection, a timeout).
 * :class:`Backoff`: an endpoint that is overloaded, restarting or unreachable gets nothing for a
   while, doubling from ``base_s`` to ``max_s`` (at least its ``Retry-After``); one success resets it.
 * :func:`least_loaded`: several endpoints share the load, the least in flight first.
@@ -21,17 +16,15 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engines.endpoint_limit import ThroughputLimit
+
 
 @dataclass(frozen=True)
 class FlowSettings:
-    initial_limit: float = 2.0
-    max_limit: int = 8  # most requests in flight to one endpoint (`fleetbatch engine serve --max-running`)
-    tolerance: float = 0.5  # seconds per token this much above the best recent figure count as a rise
-    smoothing: float = 0.3  # weight of a new seconds-per-token figure in the moving average
-    drift: float = 0.02  # the best figure is let rise this much a success, so a slower server is relearnt
+    initial_limit: float = 4.0
+    max_limit: int = 256  # most requests in flight to one endpoint (`fleetbatch engine serve --max-running`)
     backoff_base_s: float = 0.25
     backoff_max_s: float = 8.0
-    slow_start: bool = False  # grow by one a success until the first rise or overload (module docstring)
 
     def __post_init__(self) -> None:
         if self.max_limit < 1:
@@ -40,53 +33,6 @@ class FlowSettings:
             raise ValueError(f"the initial limit must be in [1, {self.max_limit}], got {self.initial_limit}")
         if self.backoff_base_s <= 0 or self.backoff_max_s < self.backoff_base_s:
             raise ValueError("backoff: need 0 < base_s <= max_s")
-
-
-class InflightLimit:
-    """AIMD limit of one endpoint's requests in flight (see the module's docstring)."""
-
-    def __init__(self, settings: FlowSettings) -> None:
-        self.settings = settings
-        self.limit = float(settings.initial_limit)
-        self.window = 0  # bumped by each halving; a request remembers the window it was sent in
-        self.recent: float | None = None  # seconds per token, moving average
-        self.best: float | None = None  # the lowest moving average, let drift up slowly
-        self.slow_start = settings.slow_start  # until the first rise or overload
-
-    @property
-    def slots(self) -> int:
-        """Requests that may be in flight now."""
-        return max(1, math.floor(self.limit + 1e-9))
-
-    def succeeded(self, seconds_per_token: float | None, saturated: bool) -> None:
-        """A request came back whole: ``seconds_per_token`` its time per generated token (None: it
-        generated none), ``saturated`` whether the limit was in use. Grows the limit when it was and
-        the time per token has not risen."""
-        s = self.settings
-        if seconds_per_token is not None and seconds_per_token >= 0:
-            self.recent = (
-                seconds_per_token
-                if self.recent is None
-                else (1 - s.smoothing) * self.recent + s.smoothing * seconds_per_token
-            )
-            self.best = self.recent if self.best is None else min(self.recent, self.best * (1 + s.drift))
-        risen = (
-            self.recent is not None and self.best is not None and self.recent > self.best * (1 + s.tolerance)
-        )
-        if risen:
-            self.slow_start = False
-        elif saturated:
-            self.limit = min(float(s.max_limit), self.limit + (1.0 if self.slow_start else 1.0 / self.limit))
-
-    def overloaded(self, sent_in_window: int) -> bool:
-        """The endpoint answered a request sent in window ``sent_in_window`` with an overload: halve
-        the limit unless it was halved since that request was sent; True when it was halved now."""
-        self.slow_start = False
-        if sent_in_window < self.window:
-            return False
-        self.limit = max(1.0, self.limit / 2)
-        self.window += 1
-        return True
 
 
 class Backoff:
@@ -124,13 +70,13 @@ class Lane:
     """One endpoint as the flow control sees it: its limit, its backoff and its requests in flight."""
 
     url: str
-    limit: InflightLimit
+    limit: ThroughputLimit
     backoff: Backoff
     inflight: int = 0
 
     @classmethod
     def of(cls, url: str, settings: FlowSettings) -> Lane:
-        return cls(url, InflightLimit(settings), Backoff(settings))
+        return cls(url, ThroughputLimit(settings.initial_limit, settings.max_limit), Backoff(settings))
 
     def open(self, now: float) -> bool:
         """Whether it may take one more request now."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from clusterfile import endpoint_base
 from engines.endpoint_flow import FlowSettings
+from engines.vllm_args import given
 
 #: the endpoints' API key, when no key file is named
 API_KEY_ENV = "FLEETBATCH_ENDPOINT_API_KEY"
@@ -47,10 +48,16 @@ class EndpointSettings:
             api_key=api_key(args.endpoint_key_file),
             timeout_s=args.endpoint_timeout_s,
             give_up_s=args.endpoint_give_up_s,
-            flow=FlowSettings(
-                initial_limit=min(2.0, args.max_running), max_limit=args.max_running, slow_start=True
-            ),
+            flow=flow_settings(given(args.max_running)),
         )
+
+
+def flow_settings(max_running: int | None) -> FlowSettings:
+    """The flow control of ``engine serve``: the limit climbs from 4 in flight by itself, up to ``--max-running``
+    only where that is given (its default is the native engine's batch, not a server's)."""
+    if max_running is None:
+        return FlowSettings()
+    return FlowSettings(initial_limit=min(FlowSettings.initial_limit, max_running), max_limit=max_running)
 
 
 def api_key(key_file: str | None) -> str | None:

@@ -146,10 +146,11 @@ def add_endpoint_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "the endpoint backend (--backend endpoint)",
         "Queries go to OpenAI-compatible inference servers already running (vLLM, TGI, SGLang, "
-        "`transformers serve`...) as streamed /v1/completions of their rendered prompts. Each server gets "
-        "at most --max-running queries in flight, fewer while it answers 429/503 or slows down (AIMD); "
-        "one overloaded, restarting or unreachable is asked again with exponential backoff and its "
-        "queries are not failed; the cluster's capacity is the completion tokens/s measured.",
+        "`transformers serve`...), streamed: chat rows to /v1/chat/completions as their messages, text rows "
+        "to /v1/completions. Each server gets as many queries at once as give it its best completion "
+        "tokens/s, found by climbing (at most --max-running where given), half as many after a 429/503 or "
+        "a timeout; one overloaded, restarting or unreachable is asked again with exponential backoff and "
+        "its queries are not failed; the cluster's capacity is the completion tokens/s measured.",
     )
     g.add_argument(
         "--endpoint-url",

@@ -19,6 +19,7 @@ from openai import OpenAI
 from transformers import AutoTokenizer
 
 from engines.endpoint_backend import EndpointEngine
+from engines.endpoint_flow import FlowSettings
 from engines.endpoint_settings import EndpointSettings
 from engines.interface import EngineFailure, Request, SamplingParams
 from gateway.http_api.format import CHAT, DEFAULT_TEMPLATE, render_chat
@@ -295,7 +296,7 @@ def test_an_aborted_request_closes_its_stream_and_answers_abort(server):
         engine.abort_request("r1")
         outs = wait_until(engine.step, 60, "the abort")
         assert [(o.request_id, o.finish_reason) for o in outs] == [("r1", "abort")]
-        assert not engine.has_unfinished() and engine.free_slots() == 2
+        assert not engine.has_unfinished() and engine.free_slots() == int(FlowSettings.initial_limit)
     finally:
         engine.close()
         proxy.stop()

@@ -82,7 +82,7 @@ def test_the_serve_flags_make_the_settings_and_bad_ones_are_named(tmp_path, monk
               "--endpoint-timeout-s", "5")
     )  # fmt: skip
     assert s.urls == ("http://h:1/v1", "http://g:2/v1") and s.api_key == "sk-test" and s.model == "m"
-    assert s.timeout_s == 5.0 and s.flow.max_limit == 16 and s.flow.initial_limit == 2.0
+    assert s.timeout_s == 5.0 and s.flow.max_limit == 16 and s.flow.initial_limit == 4.0
     from_env = resolve_config(
         build_parser().parse_args(["serve", "--cluster", "c", "--backend", "endpoint"]),
         environ={"FLEETBATCH_ENDPOINT_URL": "http://a:1 http://b:2", "FLEETBATCH_SERVED_MODEL_NAME": "m"},

@@ -1,5 +1,5 @@
-"""The endpoint backend's flow control, fed outcomes by hand: the AIMD limit, the backoff, the choice of
-endpoint and the measured rate (no server, no clock: every time is given)."""
+"""The endpoint backend's flow control, fed outcomes by hand: the backoff, the choice of endpoint and the
+measured rate (no server, no clock: every time is given; the limit: tests/test_endpoint_limit.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 from engines.endpoint_flow import (
     Backoff,
     FlowSettings,
-    InflightLimit,
     Lane,
     RateMeter,
     least_loaded,
@@ -16,52 +15,6 @@ from engines.endpoint_flow import (
 )
 
 FLOW = FlowSettings(initial_limit=2.0, max_limit=8, backoff_base_s=0.25, backoff_max_s=8.0)
-
-
-def test_the_limit_grows_by_one_a_window_while_saturated_requests_keep_their_speed():
-    limit = InflightLimit(FLOW)
-    for _ in range(2):  # a window of 2 successes: 2 -> 2.5 -> 2.9
-        limit.succeeded(0.01, saturated=True)
-    assert limit.slots == 2 and limit.limit == pytest.approx(2.9)
-    limit.succeeded(0.01, saturated=True)
-    assert limit.slots == 3
-    for _ in range(200):
-        limit.succeeded(0.01, saturated=True)
-    assert limit.limit == 8.0 and limit.slots == 8  # never above the maximum
-
-
-def test_the_limit_does_not_grow_when_unused_or_when_the_time_per_token_rises():
-    limit = InflightLimit(FLOW)
-    for _ in range(10):
-        limit.succeeded(0.01, saturated=False)  # fewer in flight than allowed: no evidence it could take more
-    assert limit.limit == 2.0
-    for _ in range(10):
-        limit.succeeded(0.05, saturated=True)  # 5x slower per token: the server is queueing
-    assert limit.limit == 2.0
-    assert limit.recent is not None and limit.best is not None and limit.recent > 1.5 * limit.best
-
-
-def test_a_slower_server_is_relearnt_and_the_limit_grows_again():
-    limit = InflightLimit(FLOW)
-    limit.succeeded(0.01, saturated=True)
-    grown = limit.limit
-    for _ in range(200):  # the server stays at 0.03 s/token: the best figure drifts up to it
-        limit.succeeded(0.03, saturated=True)
-    assert limit.limit > grown + 1
-
-
-def test_an_overload_halves_the_limit_once_a_window():
-    limit = InflightLimit(FLOW)
-    for _ in range(60):
-        limit.succeeded(0.01, saturated=True)
-    assert limit.slots == 8
-    sent = limit.window
-    assert limit.overloaded(sent)  # 8 -> 4
-    assert not limit.overloaded(sent)  # sent before the halving: the same overload, seen again
-    assert limit.limit == 4.0
-    assert limit.overloaded(limit.window)  # a request sent after it: halve again, 4 -> 2
-    assert limit.overloaded(limit.window) and limit.overloaded(limit.window)
-    assert limit.limit == 1.0 and limit.slots == 1  # never below one
 
 
 def test_backoff_doubles_per_failure_but_once_for_requests_that_failed_together():
