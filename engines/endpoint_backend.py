@@ -284,9 +284,7 @@ class EndpointEngine:
 
     def _succeeded(self, job: _Job, lane: Lane, done: Completion) -> None:
         lane.backoff.succeeded()
-        lane.limit.succeeded(
-            done.completion_tokens, time.monotonic(), saturated=lane.inflight >= lane.limit.slots
-        )
+        lane.limit.succeeded(done.completion_tokens, time.monotonic(), lane.inflight)
         self._answered(lane)
         self._meter.add(time.monotonic(), done.completion_tokens)
         if not done.usage_reported and lane.url not in self._no_usage:

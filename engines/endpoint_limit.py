@@ -9,10 +9,12 @@ limit follows the endpoint's total completion tokens per second, measured over w
 
 * a window starts when the limit changes, leaves out the first half-limit of answers (requests sent
   under the old limit) and measures the next ``max(MIN_WINDOW, limit // 2)``: their tokens over the
-  time they took to come; a window in which the limit was not in use (too few requests to send)
-  measures nothing;
+  time they took to come; a window in which the limit was not in use (on average fewer than
+  ``IN_USE`` of it in flight at its answers: too few requests to send) measures nothing;
 * **climbing**: from ``initial_limit`` the limit doubles each window while the rate rises by more
-  than ``gain`` (16 -> 32 costs a window at 32); the first window that does not, the climb ends;
+  than five times ``gain``, and grows by half while it rises by more than ``gain`` (a window past the
+  best, 16 -> 24 on that server, costs less than 16 -> 32); the first window that does not, the climb
+  ends;
 * **holding**: the limit is the level of the best rate measured (each level's rate a moving average
   of its windows). A level more than ``gain`` below the best is left for the best, and it and every
   level above it stop being tried (the ceiling). After ``hold_windows`` windows at the best, the limit
@@ -31,6 +33,9 @@ from dataclasses import dataclass
 
 #: fewest answers a window measures
 MIN_WINDOW = 4
+#: the share of the limit that must be in flight, on average over a window's answers, for it to count: the
+#: worker refills a slot a few tens of milliseconds after its answer, so "all of it at every answer" is rare
+IN_USE = 0.75
 
 
 @dataclass
@@ -41,14 +46,14 @@ class _Window:
     started: float | None = None  # when the last left-out answer came (the measured span starts)
     tokens: int = 0
     answers: int = 0
-    in_use: bool = True  # the limit was in use at every measured answer
+    inflight: int = 0  # the requests in flight at each measured answer, summed
 
 
 class ThroughputLimit:
     """The in-flight limit of one endpoint (see the module's docstring)."""
 
     def __init__(
-        self, initial_limit: float, max_limit: int, gain: float = 0.05, hold_windows: int = 6
+        self, initial_limit: float, max_limit: int, gain: float = 0.05, hold_windows: int = 10
     ) -> None:
         self.max_limit = max_limit
         self.gain = gain
@@ -74,9 +79,9 @@ class ThroughputLimit:
         self.limit = float(max(1, min(self.max_limit, level)))
         self._measure = self._new_window()
 
-    def succeeded(self, tokens: int, now: float, saturated: bool) -> None:
-        """A request came back whole at ``now`` with ``tokens`` completion tokens; ``saturated``: the limit
-        was in use when it came (as many in flight as allowed)."""
+    def succeeded(self, tokens: int, now: float, inflight: int) -> None:
+        """A request came back whole at ``now`` with ``tokens`` completion tokens, ``inflight`` requests (it
+        among them) in flight to the endpoint when it came."""
         w = self._measure
         if w.skip > 0:
             w.skip -= 1
@@ -87,10 +92,10 @@ class ThroughputLimit:
             return
         w.tokens += tokens
         w.answers += 1
-        w.in_use = w.in_use and saturated
+        w.inflight += inflight
         if w.answers < w.size:
             return
-        if not w.in_use or now <= w.started:  # nothing learnt about this level: measure it again
+        if w.inflight < IN_USE * w.level * w.answers or now <= w.started:  # nothing learnt: measure again
             self._measure = self._new_window()
             return
         self._decide(w.level, w.tokens / (now - w.started))
@@ -102,7 +107,9 @@ class ThroughputLimit:
         best = max(self.rates, key=self.rates.__getitem__)
         if self.climbing:
             if below is None or rate > self.rates[below] * (1 + self.gain):
-                return self._set(min(2 * level, self.ceiling - 1))  # doubled (no further: the same again)
+                steep = below is None or rate > self.rates[below] * (1 + 5 * self.gain)
+                up = 2 * level if steep else math.ceil(1.5 * level)  # a flattening climb takes shorter steps
+                return self._set(min(up, self.ceiling - 1))
             self.climbing = False
         if self.rates[level] < self.rates[best] * (1 - self.gain):
             if level > best:
