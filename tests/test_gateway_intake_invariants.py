@@ -142,7 +142,7 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
 def test_intake_interleavings_keep_the_invariants(redis_server):
     run_state_machine_as_test(
         make_machine(redis_server.url),
-        settings=settings(max_examples=examples(75), stateful_step_count=40, deadline=None, print_blob=True),
+        settings=settings(max_examples=examples(50), stateful_step_count=40, deadline=None, print_blob=True),
     )
 
 

@@ -30,7 +30,9 @@ def last_json(stdout: str) -> dict:
 
 def test_cpu_dry_run_runs_check_a_and_translates_for_check_b():
     r = subprocess.run(
-        [sys.executable, "-m", "engines.bench.gpu_check", "--cpu-dry-run"],
+        # check C (the endpoint backend against transformers serve) is left out for the suite's time: its
+        # engine and server are tested in tests/test_endpoint_backend.py; by hand, `--cpu-dry-run` runs it too
+        [sys.executable, "-m", "engines.bench.gpu_check", "--cpu-dry-run", "--checks", "native,vllm"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -52,11 +54,7 @@ def test_cpu_dry_run_runs_check_a_and_translates_for_check_b():
     assert vllm["status"] == "skipped" and vllm["reason"] == "CPU dry run"
     assert vllm["translated"]["pipeline_parallel_size"] == 2
     assert vllm["translated"][PARTITION_ENV] == "1,3"
-    endpoint = out["checks"]["endpoint"]  # the endpoint backend against a real transformers serve
-    assert endpoint["status"] == "ran" and endpoint["device"] == "cpu", endpoint
-    assert endpoint["requests"] == 4 and endpoint["errors"] == []
-    assert 0 < endpoint["completion_tokens"] <= 4 * 4 and endpoint["tokens_per_s"] > 0
-    assert endpoint["prompt_count_mismatches"] == 0 and endpoint["prompt_tokens"] > 4 * 10
+    assert out["checks"]["endpoint"] == {"status": "skipped", "reason": "not chosen (--checks)"}
     assert out["endpoint_missing"] == []
 
 

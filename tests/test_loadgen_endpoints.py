@@ -30,7 +30,7 @@ def test_loadgen_endpoints_survives_a_killed_server_and_counts_prompts_as_the_se
     model = chat_model_dir(tmp_path_factory)
     cmd = [
         sys.executable, "-m", "load.cli", "endpoints", "-n", "8", "--concurrency", "1,2", "--max-tokens", "8",
-        "--model-dir", str(model), "--kill-server", "--kill-at", "0.25", "--run-dir", str(tmp_path / "run"),
+        "--served-model", str(model), "--kill-server", "--kill-at", "0.25", "--run-dir", str(tmp_path / "run"),
         "--no-progress",
     ]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ))

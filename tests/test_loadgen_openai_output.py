@@ -44,6 +44,8 @@ def test_openai_batch_output_and_errors(redis_url, tmp_path):
         "--no-progress",
         "--model-name",
         "m",
+        "--chat-template",  # no served model here: the project's own template, asked for by name
+        "default",
     ]
     t = threading.Thread(target=lambda: code.append(main(argv)))
     try:

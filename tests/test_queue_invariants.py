@@ -152,5 +152,5 @@ def make_machine(url: str) -> type[RuleBasedStateMachine]:
 def test_random_interleavings_keep_the_invariants(redis_server):
     run_state_machine_as_test(
         make_machine(redis_server.url),
-        settings=settings(max_examples=examples(85), stateful_step_count=40, deadline=None, print_blob=True),
+        settings=settings(max_examples=examples(60), stateful_step_count=40, deadline=None, print_blob=True),
     )

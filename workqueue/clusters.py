@@ -29,7 +29,8 @@ OBSERVED_CALL_KEEP_S = 120
 # KEYS: the observed list, the call's mark (keys.observed_call). ARGV: cap, seconds the mark is kept, then the rows.
 # Appends the rows and keeps the newest `cap`, once per call: the same call sent again (its reply lost) adds nothing.
 OBSERVE = """
-if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', tonumber(ARGV[2])) then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end  -- a mark, not a lease: one script sets and reads it
+redis.call('SET', KEYS[2], '1', 'EX', tonumber(ARGV[2]))
 for i = 3, #ARGV, 1000 do redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV))) end
 redis.call('LTRIM', KEYS[1], -tonumber(ARGV[1]), -1)
 return #ARGV - 2

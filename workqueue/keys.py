@@ -15,7 +15,7 @@ Keys (prefix ``{fb}:``)::
                                         the prompt tokens that cluster's prefix cache is expected to hold),
                                         full_tokens (:data:`FULL_TOKENS`: prompt + predicted response, no
                                         discount: what fit checks and a move's recipient use)
-    {fb}:w:{gid}                  STR   the id of the write that recorded the query's result (expires: a resend is told apart)
+    {fb}:w:{gid}                  HASH  id: the write that recorded the query's result (expires: a resend is told apart)
     {fb}:batches                  ZSET  batch ids by creation time
     {fb}:deadlines                ZSET  unfinished batches with a deadline, by deadline (gateway clock)
     {fb}:seq                      STR   the enqueue sequence: each query's place in the order (its rank's tail)

@@ -65,9 +65,10 @@ COMPLETE = LIBRARY.script(
     f"local RESENT, WRITE_ID_TTL_S = {RESENT}, {WRITE_ID_TTL_S}\n"
     + r"""
 local idx = finish(ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6] or '0'))
-if idx >= 0 then
-  redis.call('SET', KEYS[3], ARGV[7], 'EX', WRITE_ID_TTL_S)
-elseif redis.call('GET', KEYS[3]) == ARGV[7] then
+if idx >= 0 then  -- a mark, not a lease: the write's id in a hash of its own, set and read by this script
+  redis.call('HSET', KEYS[3], 'id', ARGV[7])
+  redis.call('EXPIRE', KEYS[3], WRITE_ID_TTL_S)
+elseif redis.call('HGET', KEYS[3], 'id') == ARGV[7] then
   return RESENT
 end
 return idx

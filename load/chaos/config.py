@@ -51,6 +51,8 @@ class ChaosConfig:
     restart_timeout_s: float = 300.0  # bound of the wait for a killed engine to be back
     intake_rows: int = 200  # the batch in background intake (and the intake threshold)
     large_cancel_rows: int = 100_000  # the batch large_cancel writes to the queues' head and cancels
+    # the goal on redis_max_blocked_ms (None: reported, not judged: a time, which a loaded machine stretches)
+    blocked_goal_ms: float | None = 50.0
     fire_at: float = 0.3  # fault k fires once this share of wave k has results
     progress_timeout_s: float = 600.0  # a wave without that progress this long ends the run
     seed: int = 0

@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 #: rows that may end cancelled: the batches this module cancels on purpose
 CANCELLABLE = ("cut-", "large-")
-BLOCKED_GOAL_MS = 50.0
 SLOWLOG_US = 1000  # SLOWLOG keeps every command of 1 ms or more during large_cancel
 BUSY = """
 local t0 = redis.call('TIME')

@@ -1,6 +1,6 @@
 """`fleetbatch loadgen endpoints`: the endpoint backend's scheduling against the best fixed concurrency.
 
-One ``transformers serve --continuous-batching`` (a random-weights Llama, ``--model-size small`` by
+One ``transformers serve --continuous-batching`` (a random-weights Llama, ``--size small`` by
 default, saved with a chat tokenizer whose template has turn tokens and a BOS:
 :mod:`localmodels.chat_model`) gets the same batch twice: ``-n`` chat rows (200) of the mixed workload's
 real prompts (``../shared/data``), each a user message whose ``max_tokens`` is its recorded response
@@ -69,13 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"run (a)'s fixed concurrencies (default {CONCURRENCIES})",
     )
     p.add_argument(
-        "--model-dir",
+        "--served-model",
+        metavar="DIR",
         default=None,
-        help="a chat model directory to serve (default: a random llama of --model-size, built once in the cache)",
+        help="the chat model directory the server serves (default: a random llama of --size, built once "
+        "in the cache)",
     )
-    p.add_argument(
-        "--model-size", default="small", help="size of the built model: nano, micro, tiny, small, base"
-    )
+    p.add_argument("--size", default="small", help="size of the built model: nano, micro, tiny, small, base")
     p.add_argument("--server-cpus", default="1", help="cores of the server (comma-separated)")
     p.add_argument(
         "--client-cpus", default="0", help="cores of everything else: this command, Redis, gateway, engine"
@@ -113,9 +113,9 @@ def _cpus(text: str) -> set[int]:
 
 
 def model_dir(args) -> Path:
-    """``--model-dir``, else the built chat model of ``--model-size`` (built once, cached)."""
-    if args.model_dir:
-        path = Path(args.model_dir)
+    """``--served-model``, else the built chat model of ``--size`` (built once, cached)."""
+    if args.served_model:
+        path = Path(args.served_model)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
         return path.resolve()
@@ -123,12 +123,12 @@ def model_dir(args) -> Path:
     from localmodels.chat_model import build_chat_model
     from localmodels.paths import cache_dir
 
-    if args.model_size not in SIZES:
-        raise ValueError(f"unknown --model-size {args.model_size!r}; choose one of {', '.join(SIZES)}")
-    path = cache_dir() / f"endpoints-chat-llama-{args.model_size}-v{MODEL_VERSION}"
+    if args.size not in SIZES:
+        raise ValueError(f"unknown --size {args.size!r}; choose one of {', '.join(SIZES)}")
+    path = cache_dir() / f"endpoints-chat-llama-{args.size}-v{MODEL_VERSION}"
     if not (path / "config.json").exists():
-        log.info("building the chat model llama:%s -> %s", args.model_size, path)
-        build_chat_model(path, args.model_size, vocab_size=8192, corpus=default_corpus(), max_positions=4096)
+        log.info("building the chat model llama:%s -> %s", args.size, path)
+        build_chat_model(path, args.size, vocab_size=8192, corpus=default_corpus(), max_positions=4096)
     return path
 
 
