@@ -59,7 +59,7 @@ def test_the_planned_study_runs_a_planned_fleet_through_the_gateway(tmp_path):
     this CPU's profile from the cache `gateway prepare` filled; tests/test_demo.py starts `gateway up` from a
     wholly empty cache, where the run profiles this CPU (the step a fresh machine once failed)."""
     out = tmp_path / "planned"
-    fleet = tmp_path / "fleet.yaml"  # one cluster of unlike devices: two stages (the demo runs three clusters)
+    fleet = tmp_path / "fleet.yaml"  # one cluster of unlike devices, two stages (the demo runs three)
     fleet.write_text("version: 1\nclusters:\n  - {name: pair, devices: [V100-32G, T4]}\n")
     # the predictor is not under test: the heuristic starts faster
     cmd = [sys.executable, "-m", "load.cli", "study", "--planned", "--clusters", str(fleet), "-n", "16",

@@ -369,7 +369,9 @@ class Chaos(ProcessFaults, WorkFaults, WideFaults):
             )
         goal = self.c.blocked_goal_ms
         if goal is not None and (self.redis_max_blocked_ms or 0) > goal:
-            report["problems"].append(f"redis_max_blocked_ms = {self.redis_max_blocked_ms} (goal <= {goal:g})")
+            report["problems"].append(
+                f"redis_max_blocked_ms = {self.redis_max_blocked_ms} (goal <= {goal:g})"
+            )
         report["ok"] = not report["problems"]
         return report
 
