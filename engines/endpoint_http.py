@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from engines.endpoint_stream import Answer
+from engines.endpoint_stream import USAGE_OPTION, Answer
 
 #: statuses that say "later", not "never"
 OVERLOAD_STATUSES = frozenset({408, 429, 502, 503, 504})
-USAGE_OPTION = "stream_options"
 
 
 class Overloaded(Exception):

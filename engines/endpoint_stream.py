@@ -21,6 +21,8 @@ from workqueue.openai_body import fields_used
 
 CHAT_PATH = "/chat/completions"
 COMPLETIONS_PATH = "/completions"
+#: the field that asks a streamed answer for its ``usage`` (a server may refuse it: engines.endpoint_http)
+USAGE_OPTION = "stream_options"
 
 
 def request_body(model: str, request: Request, usage_option: bool) -> tuple[str, dict]:
@@ -42,7 +44,7 @@ def request_body(model: str, request: Request, usage_option: bool) -> tuple[str,
     for name in fields_used(given):
         body[name] = given[name]
     if usage_option:
-        body["stream_options"] = {"include_usage": True}
+        body[USAGE_OPTION] = {"include_usage": True}
     return path, body
 
 
@@ -109,4 +111,4 @@ class Answer:
         return out
 
 
-__all__ = ["CHAT_PATH", "COMPLETIONS_PATH", "Answer", "request_body"]
+__all__ = ["CHAT_PATH", "COMPLETIONS_PATH", "USAGE_OPTION", "Answer", "request_body"]
