@@ -233,6 +233,7 @@ class QueueAgent:
             "results": [finished_record(self.config.cluster, cq, out) for cq, out in outbox],
             "observed": observed,
             "observed_call": call,
+            "length_model": self.config.length_model,
         }
 
     def claim_count(self) -> int:
@@ -320,14 +321,12 @@ class QueueAgent:
         elif idx < 0:
             log.info("query %s already had a result (it ran twice); kept the first", q.gid)
             return
-        if (
-            outcome(out.finish_reason, out.error).answered
-            and self.config.record_observed
-            and q.forced_length is None
-        ):
+        retrain = self.config.record_observed and q.forced_length is None
+        if outcome(out.finish_reason, out.error).answered and (retrain or self.config.length_model):
+            raw = q.predicted_tokens if q.raw_predicted_tokens is None else q.raw_predicted_tokens
             source = q.metadata.get("source", "")
             self._observed.append(
-                Observation(q.prompt, out.completion_tokens, source, self.config.cluster, q.predicted_tokens)
+                Observation(q.prompt, out.completion_tokens, source, self.config.cluster, raw, retrain)
             )
 
     def _claimed(self, claimed: list[ClaimedQuery], asked: int, wakes: int) -> None:

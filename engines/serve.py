@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -28,6 +29,7 @@ from engines.worker import Worker, WorkerConfig
 from localmodels import load_or_build
 from workqueue import WorkQueue, connect
 from workqueue.embedded import URL_ENV
+from workqueue.length_stats import directory_key, length_model_key
 from workqueue.openai_body import PASS_THROUGH
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--arch", default="llama", choices=("llama", "gpt2", "opt"), help="architecture of the random model"
     )
     p.add_argument("--size", default="tiny", help="size of the random model: nano, micro, tiny, small, base")
+    p.add_argument(
+        "--length-model",
+        default=None,
+        help="the name the gateway keeps this cluster's answer lengths under, to calibrate the length predictor "
+        "to its model (default: the --served-model directory's name and a digest of its config and tokenizer; "
+        "for endpoints --served-model-name or their URL's host; for a random model random-ARCH-SIZE). Clusters "
+        "serving one model should give one name; 'none' keeps nothing",
+    )
     p.add_argument("--device", default="cpu", help=DEVICE_HELP)
     p.add_argument(
         "--plan",
@@ -205,6 +215,18 @@ def served_model_name(args: argparse.Namespace) -> str:
     return Path(args.served_model).name if args.served_model else ""
 
 
+def length_model(args: argparse.Namespace) -> str:
+    """The key this cluster's answer lengths are kept under (``--length-model``; :mod:`workqueue.length_stats`)."""
+    if args.length_model:
+        return "" if args.length_model == "none" else length_model_key(args.length_model)
+    if args.backend == ENDPOINT_BACKEND:
+        named = args.served_model_name or urlsplit((args.endpoint_url or [""])[0]).hostname or "endpoint"
+        return length_model_key(named.replace(":", "-"))
+    if args.served_model:
+        return directory_key(args.served_model)
+    return f"random-{args.arch}-{args.size}"
+
+
 def openai_fields(args: argparse.Namespace) -> frozenset[str]:
     """The OpenAI fields the cluster passes through (``--endpoint-fields``; only endpoints honour any)."""
     if args.backend != ENDPOINT_BACKEND:
@@ -328,6 +350,7 @@ def run_serve(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat_s,
         backend=args.backend,
         served_model=served_model_name(args),
+        length_model=length_model(args),
         openai_fields=fields,
         capacity_hint_tps=args.capacity,
         slowdown=args.slowdown,

@@ -33,6 +33,8 @@ class WorkerConfig:
     # (workqueue.openai_body): both registered, so the gateway refuses at submission what it cannot run
     served_model: str = ""
     openai_fields: frozenset[str] = frozenset()
+    # the key its answers' lengths are kept under (workqueue.length_stats.length_model_key; "": not kept)
+    length_model: str = ""
     capacity_hint_tps: float = 0.0
     plan_tps: float = 0.0
     max_query_tokens: int = 0

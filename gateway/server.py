@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.assign.calibrated import LengthCalibrator, LengthEstimates
 from gateway.assign.prefixes import prefix_finder
 from gateway.assign.registry import make_policy
 from gateway.assign.tokens import token_bound
@@ -124,8 +125,12 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
 
     count_tokens = token_counter(tokenizer)
 
-    def predict_tokens(prompts: list[str]) -> list[float]:
-        return [p.expected_tokens for p in predictor.predict(prompts)] if prompts else []
+    calibrator = LengthCalibrator(queue)
+
+    def predict_tokens(prompts: list[str]) -> LengthEstimates:
+        return calibrator.estimates(
+            [p.expected_tokens for p in predictor.predict(prompts)] if prompts else []
+        )
 
     policy = make_policy(config.policy)
     deps = GatewayDeps(
@@ -133,6 +138,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
         queue=queue,
         count_tokens=count_tokens,
         predict_tokens=predict_tokens,
+        calibrator=calibrator,
         policy=policy,
         metrics=GatewayMetrics(config.metrics_batches),
         predictor=predictor,

@@ -12,10 +12,12 @@ methods return the commands instead of running them, for the worker's one-round-
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 
 from workqueue import keys
 from workqueue.core import QueueCore
+from workqueue.length_stats import increments
 from workqueue.records import ClusterInfo, Observation, as_float, as_int, as_opt_int
 from workqueue.script_call import Command, Op, ScriptCall, execute
 from workqueue.wake import WakeListener
@@ -26,14 +28,18 @@ __all__ = ["Clusters"]
 #: how long a write of observed lengths is remembered under its call's id (a resend comes within seconds)
 OBSERVED_CALL_KEEP_S = 120
 
-# KEYS: the observed list, the call's mark (keys.observed_call). ARGV: cap, seconds the mark is kept, then the rows.
-# Appends the rows and keeps the newest `cap`, once per call: the same call sent again (its reply lost) adds nothing.
+# KEYS: the observed list, the call's mark (keys.observed_call), the length model's statistics (keys.length_stats).
+# ARGV: cap, seconds the mark is kept, the number of rows, the rows, then (field, increment) pairs of the statistics.
+# Appends the rows (keeping the newest `cap`) and adds the increments, once per call: the same call sent again
+# (its reply lost) adds nothing.
 OBSERVE = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end  -- a mark, not a lease: one script sets and reads it
 redis.call('SET', KEYS[2], '1', 'EX', tonumber(ARGV[2]))
-for i = 3, #ARGV, 1000 do redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV))) end
-redis.call('LTRIM', KEYS[1], -tonumber(ARGV[1]), -1)
-return #ARGV - 2
+local last = 3 + tonumber(ARGV[3])
+for i = 4, last, 1000 do redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, last))) end
+if last > 3 then redis.call('LTRIM', KEYS[1], -tonumber(ARGV[1]), -1) end
+for i = last + 1, #ARGV, 2 do redis.call('HINCRBYFLOAT', KEYS[3], ARGV[i], ARGV[i + 1]) end
+return last - 3
 """
 
 
@@ -160,32 +166,50 @@ class Clusters:
                     finished_queries=as_int(stats.get("finished_queries")),
                     served_model=info.get("served_model"),
                     openai_fields=info.get("openai_fields"),
+                    length_model=info.get("length_model"),
                 )
             )
         return out
 
-    def record_observed(self, rows: Sequence[Observation | Mapping], cap: int = 1_000_000) -> None:
+    def record_observed(
+        self, rows: Sequence[Observation | Mapping], cap: int = 1_000_000, length_model: str = ""
+    ) -> None:
         """Append observed (prompt, length) records for predictor retraining; keeps the newest ``cap``.
 
-        Each row is an :class:`Observation` (or a mapping, written as it is)."""
+        Each row is an :class:`Observation` (or a mapping, written as it is). With ``length_model``, the
+        rows' (predicted, length) pairs are added to that model's statistics (:mod:`workqueue.length_stats`)."""
         if rows:
-            execute(self.r, self.observed_commands(rows, cap))
+            execute(self.r, self.observed_commands(rows, cap, uuid.uuid4().hex, length_model))
 
     def observed_commands(
-        self, rows: Sequence[Observation | Mapping], cap: int = 1_000_000, call: str = ""
+        self,
+        rows: Sequence[Observation | Mapping],
+        cap: int = 1_000_000,
+        call: str = "",
+        length_model: str = "",
     ) -> list[Op]:
-        """The commands of :meth:`record_observed` (``rows`` not empty); with a ``call`` id, one OBSERVE call
-        that appends them once however often it is sent (a worker's tick: :mod:`workqueue.worker_tick`)."""
-        rows_json = [r.to_json() if isinstance(r, Observation) else json.dumps(dict(r)) for r in rows]
-        if call:
-            return [
-                ScriptCall(
-                    self._observe,
-                    [keys.OBSERVED, keys.observed_call(call)],
-                    [cap, OBSERVED_CALL_KEEP_S, *rows_json],
-                )
-            ]
-        return [Command("rpush", keys.OBSERVED, *rows_json), Command("ltrim", keys.OBSERVED, -cap, -1)]
+        """The commands of :meth:`record_observed` (``rows`` not empty): one OBSERVE call that appends them once
+        however often it is sent under the same ``call`` id (a worker's tick: :mod:`workqueue.worker_tick`).
+        Rows with ``retrain`` false only add to ``length_model``'s statistics."""
+        obs = [r if isinstance(r, Observation) else None for r in rows]
+        kept = [
+            r.to_json() if o is not None else json.dumps(dict(r))
+            for r, o in zip(rows, obs, strict=True)
+            if o is None or o.retrain
+        ]
+        pairs = [(o.predicted or 0.0, o.length) for o in obs if o is not None] if length_model else []
+        stats = [x for kv in increments(pairs).items() for x in kv]
+        return [
+            ScriptCall(
+                self._observe,
+                [
+                    keys.OBSERVED,
+                    keys.observed_call(call or uuid.uuid4().hex),
+                    keys.length_stats(length_model),
+                ],
+                [cap, OBSERVED_CALL_KEEP_S, len(kept), *kept, *stats],
+            )
+        ]
 
     def wake_listener(self, cluster: str) -> WakeListener:
         """A subscription that ends an idle worker's wait when queries land in ``cluster``'s queue."""

@@ -23,6 +23,8 @@ Keys (prefix ``{fb}:``)::
     {fb}:b:{batch}:results        LIST  finished-query result JSON, in completion order
     {fb}:b:{batch}:done           SET   query ids with a result (makes results write-once)
     {fb}:observed                 LIST  observed (prompt, length) records for predictor retraining
+    {fb}:lengths:{model}          HASH  a length model's observed vs predicted answer lengths, by range
+                                        (workqueue.length_stats: n:<i>, p:<i>, o:<i>)
     {fb}:mover                    STR   the mover lease: who may move queued work now (expires)
     {fb}:intake                   ZSET  batch ids whose background intake is unfinished, by acceptance time
     {fb}:b:{batch}:intake         LIST  the batch's accepted rows not yet enqueued (JSON, in submission order)
@@ -148,6 +150,11 @@ def intake_lease(batch_id: str) -> str:
 def observed_call(call: str) -> str:
     """A write of observed lengths, marked a short while under its call's id: the same call resent adds nothing."""
     return OBSERVED + ":call:" + call
+
+
+def length_stats(model: str) -> str:
+    """A length model's (a served model's) observed vs predicted answer lengths (:mod:`workqueue.length_stats`)."""
+    return f"{PREFIX}lengths:{model}"
 
 
 def result_write(gid: str) -> str:

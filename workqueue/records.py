@@ -113,6 +113,9 @@ class QueuedQuery:
     openai_body: dict[str, Any] | None = None
     # its tenant's salt of the engine's prefix-cache keys (gateway.intake.rows.tenant_salt; "": one shared cache)
     cache_salt: str = ""
+    # the predictor's own estimate of its answer before calibration (None: the same as predicted_tokens); what its
+    # observed length is compared with (workqueue.length_stats)
+    raw_predicted_tokens: float | None = None
 
     @property
     def gid(self) -> str:
@@ -214,6 +217,8 @@ class ClusterInfo:
     # and the OpenAI fields it passes through (comma-separated, workqueue.openai_body)
     served_model: str | None = None
     openai_fields: str | None = None
+    # the key of its model's answer lengths (workqueue.length_stats; None: no worker registered one)
+    length_model: str | None = None
 
     @property
     def accepting(self) -> bool:
@@ -302,8 +307,10 @@ class QueryResult:
 class Observation:
     """A completed query's (prompt, length) for predictor retraining (one element of ``fb:observed``).
 
-    ``length`` is its completion tokens in the serving tokenizer, ``predicted`` what the
-    gateway predicted for it (None when unknown).
+    ``length`` is its completion tokens in the serving tokenizer, ``predicted`` the predictor's own estimate
+    for it, before calibration (None when unknown). ``retrain`` false: its pair only counts in its length
+    model's statistics (:mod:`workqueue.length_stats`), it is not kept for retraining (a recorded length
+    forced on the engine, or a worker told not to record prompts); it is not part of the record.
     """
 
     prompt: str
@@ -311,9 +318,12 @@ class Observation:
     source: str = ""
     cluster: str = ""
     predicted: float | None = None
+    retrain: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        del d["retrain"]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

@@ -52,6 +52,9 @@ class TickRequest:
     # the id its observed lengths are written once under (a new one when empty): the agent keeps one until they are
     # written, so a tick sent again, by redis-py after a lost reply or by the agent after a failed tick, adds none twice
     observed_call: str = ""
+    length_model: str = (
+        ""  # the key the observed rows' (predicted, length) pairs add to (workqueue.length_stats)
+    )
     renew: list[str] | None = None  # gids whose leases to renew (None: none this tick)
     requeue: bool = False  # requeue the cluster's lapsed leases
     claim: int = 0  # queries to claim
@@ -108,7 +111,12 @@ def build(queue: WorkQueue, req: TickRequest, now: float) -> tuple[list[Op], dic
         part("register", queue.register_commands(req.cluster, **req.register))
     part("results", [queue.complete_call(f.gid, f.result, f.kind, f.actual_tokens) for f in req.results])
     if req.observed:
-        part("observed", queue.observed_commands(req.observed, call=req.observed_call or uuid.uuid4().hex))
+        part(
+            "observed",
+            queue.observed_commands(
+                req.observed, call=req.observed_call or uuid.uuid4().hex, length_model=req.length_model
+            ),
+        )
     if req.renew:
         part("renew", list(queue.renew_calls(req.cluster, req.renew, req.lease_s, req.worker_id)))
     if req.requeue:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.assign.calibrated import LengthCalibrator, LengthEstimates
 from gateway.assign.policies import AssignmentPolicy
 from gateway.assign.prefixes import Prefix
 from gateway.batches.limits import InflightBytes
@@ -23,7 +24,8 @@ class GatewayDeps:
     config: GatewayConfig
     queue: WorkQueue
     count_tokens: Callable[[list[str]], list[int]]
-    predict_tokens: Callable[[list[str]], list[float]]
+    # raw and calibrated (gateway.assign.calibrated; a plain list: uncalibrated)
+    predict_tokens: Callable[[list[str]], LengthEstimates | list[float]]
     policy: AssignmentPolicy
     metrics: GatewayMetrics
     links: LinkCost = LinkCost()
@@ -36,4 +38,6 @@ class GatewayDeps:
     #: every unfinished batch's ETA, refreshed by the offloader
     eta: EtaBoard = field(default_factory=EtaBoard)
     #: each prompt's prefix group (gateway.assign.prefixes; None: none looked for, as a policy that ignores them)
+    #: the length calibration (None: the raw estimates are used as they are)
+    calibrator: LengthCalibrator | None = None
     find_prefixes: Callable[[list[str], list[int]], list[Prefix]] | None = None

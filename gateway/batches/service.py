@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from gateway.assign.calibrated import LengthEstimates
 from gateway.assign.estimates import charged_tokens
 from gateway.assign.listing import read_clusters
 from gateway.assign.placement import configured_views, first_misfit
@@ -296,7 +297,8 @@ class BatchService:
         d = self.d
         good = [i for i in range(len(request.queries)) if i not in checked.bad]
         prompts = [request.queries[i].prompt for i in good]
-        predicted = await asyncio.to_thread(d.predict_tokens, prompts)
+        estimates = LengthEstimates.of(await asyncio.to_thread(d.predict_tokens, prompts))
+        predicted, raw_of = estimates.tokens, dict(zip(good, estimates.raw, strict=True))
         counts = [checked.prompt_tokens[i] for i in good]
         shared = await asyncio.to_thread(prefixes_of, d.find_prefixes, prompts, counts)
         loads = [
@@ -318,7 +320,7 @@ class BatchService:
             q = request.queries[i]
             cached = round(load.total_tokens - charge)
             sizes = (checked.max_tokens[i], load.prompt_tokens, load.predicted_tokens, cached)
-            queued.append(queued_query(batch_id, q, *sizes, salt))
+            queued.append(queued_query(batch_id, q, *sizes, salt, raw_of[i]))
         for i in sorted(checked.bad):  # inert: an engine that claimed one first would refuse max_tokens 0
             q = request.queries[i]
             queued.append(QueuedQuery(batch_id, q.id, "", 0, 0, 0.0))

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from gateway.assign.calibrated import LengthEstimates
 from gateway.assign.placement import IntakeWaits, place_or_wait
 from gateway.assign.policies import QueryLoad
 from gateway.assign.prefixes import Prefix
@@ -99,7 +100,7 @@ class Intake:
     def __init__(
         self,
         queue: WorkQueue,
-        predict_tokens: Callable[[list[str]], list[float]],
+        predict_tokens: Callable[[list[str]], LengthEstimates | list[float]],
         assign: Callable[[Sequence[QueryLoad], list], list[str]],
         settings: IntakeSettings,
         on_assigned: Callable[[list[str]], None] = lambda names: None,

@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from gateway.assign.calibrated import LengthEstimates
 from gateway.assign.estimates import charged_tokens
 from gateway.assign.policies import QueryLoad
 from gateway.assign.prefixes import Prefix, prefixes_of
@@ -55,7 +56,7 @@ def count_rows(rows: list[dict], count_tokens: Callable[[list[str]], list[int]] 
 def predict_chunk(
     cursor: int,
     rows: list[dict],
-    predict_tokens: Callable[[list[str]], list[float]],
+    predict_tokens: Callable[[list[str]], LengthEstimates | list[float]],
     count_tokens: Callable[[list[str]], list[int]] | None,
     counter: ThreadPoolExecutor | None = None,
     find_prefixes: Callable[[list[str], list[int]], list[Prefix]] | None = None,
@@ -66,7 +67,10 @@ def predict_chunk(
     counting = counter.submit(count_rows, rows, count_tokens) if counter else None
     if counting is None:
         count_rows(rows, count_tokens)
-    predicted = predict_tokens([r["prompt"] for r in fresh]) if fresh else []
+    estimates = LengthEstimates.of(predict_tokens([r["prompt"] for r in fresh]) if fresh else [])
+    for r, raw in zip(fresh, estimates.raw, strict=True):
+        r["raw_predicted"] = raw  # the payload's raw_predicted_tokens (gateway.assign.calibrated)
+    predicted = estimates.tokens
     if counting is not None:
         counting.result()
     good = [r for r in rows if "bad" not in r]

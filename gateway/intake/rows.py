@@ -99,6 +99,7 @@ def payload(batch_id: str, row: dict, predicted: float, cached: int = 0, salt: s
             "cached_tokens": cached,
             "openai_body": row.get("openai_body"),
             "cache_salt": salt,
+            "raw_predicted_tokens": row.get("raw_predicted"),
         }
     )
 
@@ -111,6 +112,7 @@ def queued_query(
     predicted: float,
     cached: int,
     salt: str = "",
+    raw_predicted: float | None = None,
 ) -> QueuedQuery:
     """The queued record of a validated query assigned at submission (the same fields as :func:`payload`)."""
     sampling = q.sampling
@@ -129,6 +131,7 @@ def queued_query(
         cached_tokens=cached,
         openai_body=json.loads(q.openai_body) if q.openai_body else None,
         cache_salt=salt,
+        raw_predicted_tokens=raw_predicted,
     )
 
 
