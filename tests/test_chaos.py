@@ -46,11 +46,12 @@ def test_a_run_whose_faults_did_not_all_bite_or_that_lost_a_restart_or_a_client_
 def test_every_fault_kind_in_one_run_loses_doubles_and_strands_nothing(tmp_path):
     config = ChaosConfig(
         run_dir=tmp_path / "chaos",
-        queries=240,  # 12 waves of 20
+        queries=96,  # 16 waves of 6: each fault still fires while its wave's rows hold leases
         lease_s=3.0,
-        stop_s=8.0,
-        outage_s=8.0,
-        partition_s=8.0,
+        stop_s=7.0,  # past twice the lease: the stopped engine's leases lapse
+        outage_s=7.0,  # at least twice the lease (ChaosConfig refuses less)
+        partition_s=7.0,
+        store_s=2.0,  # the finalizer's failed pass is seen before this hold; the batch must complete after
         settle_s=60.0,
         restart_timeout_s=180.0,
         large_cancel_rows=20_000,
