@@ -1,0 +1,87 @@
+"""The length calibration end to end: a real engine serving a model whose answers run 3x the predictor's
+estimates records them, and two gateway replicas on one Redis calibrate alike from what it recorded."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from gateway.config import ClusterSpec, GatewayConfig
+from predictor.baselines import prompt_length_heuristic
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+from tests.harness import GatewayThread, start_engine, wait_until
+from workqueue import WorkQueue, connect, keys
+from workqueue.length_stats import read_stats
+
+ENGINE_ARGS = ("--backend", "static", "--size", "nano", "--max-running", "8", "--length-model", "served-3x")
+
+
+def prompts(n: int) -> list[str]:
+    return [" ".join(["word"] * (1 + 3 * i)) for i in range(n)]
+
+
+def raw_estimate(prompt: str) -> float:
+    """The gateway's raw estimate with ``--predictor heuristic``."""
+    return float(prompt_length_heuristic([len(prompt.split())])[0])
+
+
+def submit(address: str, batch: list[str], forced: bool) -> str:
+    queries = [
+        pb.Query(
+            id=f"q{i}",
+            prompt=p,
+            max_tokens=2048,
+            forced_length=round(3 * raw_estimate(p)) if forced else None,
+        )
+        for i, p in enumerate(batch)
+    ]
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.BatchServiceStub(ch).SubmitBatch(pb.SubmitBatchRequest(queries=queries)).id
+
+
+def estimates(queue: WorkQueue, batch_id: str, n: int) -> list[tuple[float, float]]:
+    """(raw, calibrated) estimate of each of the batch's rows, as its payload in Redis holds them."""
+    out = []
+    for i in range(n):
+        p = json.loads(queue.r.hget(keys.query(keys.gid(batch_id, f"q{i}")), "payload"))
+        out.append((p["raw_predicted_tokens"], p["predicted_tokens"]))
+    return out
+
+
+def test_two_replicas_calibrate_alike_from_what_the_engine_observed(redis_url, tmp_path):
+    def config() -> GatewayConfig:
+        return GatewayConfig(redis_url=redis_url, predictor_dir="heuristic", clusters=[ClusterSpec("c")])
+
+    a, b = GatewayThread(config()), GatewayThread(config())
+    addr_a, addr_b = a.start(), b.start()
+    queue = WorkQueue(connect(redis_url))
+    engine = start_engine("c", redis_url, tmp_path, *ENGINE_ARGS)
+    try:
+        wait_until(lambda: all(c.alive for c in queue.clusters(["c"])), 240, "the engine's heartbeat")
+        # before any answer: no calibration, the estimates are the predictor's own
+        first = submit(addr_a, prompts(40), forced=True)
+        assert all(raw == cal for raw, cal in estimates(queue, first, 40))
+        wait_until(lambda: queue.batch(first).status == "completed", 300, "the first batch")
+        wait_until(lambda: read_stats(queue.r, "served-3x").count >= 40, 30, "the observed lengths")
+        stats = read_stats(queue.r, "served-3x")
+        assert stats.count == 40  # each answer once
+        assert abs(sum(stats.observed) / sum(stats.raw) - 3.0) < 0.01
+        engine.terminate()
+        engine.wait(timeout=30)
+        # replica B never saw the first batch: it calibrates from what the engine recorded
+        ask = prompts(40)[::4]
+        second = submit(addr_b, ask, forced=False)
+        ratios_b = [cal / raw for raw, cal in estimates(queue, second, len(ask))]
+        third = submit(addr_a, ask, forced=False)
+        ratios_a = [cal / raw for raw, cal in estimates(queue, third, len(ask))]
+    finally:
+        a.stop()
+        b.stop()
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(timeout=30)
+    assert ratios_a == ratios_b  # one calibration, shared through Redis
+    # 40 answers of 3x, shrunk toward 1 by the prior's ten: moved most of the way, never past 3x
+    assert all(2.4 < r <= 3.0 for r in ratios_b), ratios_b
