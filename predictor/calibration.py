@@ -40,9 +40,9 @@ from workqueue.length_stats import N_RANGES, LengthStats
 #: pairs of evidence that the identity counts as (the whole correction is scaled by N / (N + this))
 PRIOR_QUERIES = 10.0
 #: pairs of evidence that the power law counts as in one range's correction
-RANGE_PRIOR_QUERIES = 40.0
+RANGE_PRIOR_QUERIES = 20.0
 #: ridge prior on the power law's slope, in pairs per unit of variance of log raw estimate
-SLOPE_PRIOR = 20.0
+SLOPE_PRIOR = 5.0
 #: the calibrated map's least slope in log-log (strictly increasing) and the power law's largest
 MIN_SLOPE = 0.1
 MAX_SLOPE = 3.0
@@ -83,9 +83,7 @@ class Calibration:
         range_prior: float = RANGE_PRIOR_QUERIES,
         slope_prior: float = SLOPE_PRIOR,
     ) -> Calibration:
-        idx = [
-            i for i in range(N_RANGES) if stats.n[i] > 0 and stats.raw[i] > 0 and stats.observed[i] > 0
-        ]
+        idx = [i for i in range(N_RANGES) if stats.n[i] > 0 and stats.raw[i] > 0 and stats.observed[i] > 0]
         if not idx:
             return cls.identity()
         n = np.array([stats.n[i] for i in idx], dtype=np.float64)

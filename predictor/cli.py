@@ -33,7 +33,10 @@ SUBCOMMANDS = {
         "Accuracy, within-one, majority guess, Kendall tau and MAE of every point estimate "
         "(expected, median, midpoint; the headline kendall_tau/mae_tokens are those of the estimate the "
         "model declares, chosen on validation data at training time), per-source figures, a confusion-matrix "
-        "PNG, and TF-IDF baselines on the same split.",
+        "PNG, and TF-IDF baselines on the same split. With --leave-one-model-out: how the online length "
+        "calibration (and `predictor adapt`) learn each alpaca_eval model the predictor never saw, fed K of its "
+        "answers on prompts never evaluated (held-out prompts of other folds first, then training-split ones) "
+        "and scored on the held-out (val+test) prompts.",
         True,
     ),
     "bench": (

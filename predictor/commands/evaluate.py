@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from predictor import ensemble, store
+from predictor import ensemble, leave_one_out, store
 from predictor.baselines import prompt_length_heuristic, tfidf_logreg, tfidf_ridge
 from predictor.commands.common import comma_list, model_arg, rounded, splits
 from predictor.evaluation import (
@@ -47,9 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--report", default=None, help="also write the full report JSON here")
     p.add_argument("--no-baselines", action="store_true", help="skip the TF-IDF baselines")
+    leave_one_out.add_arguments(p)
 
 
 def run(args) -> dict:
+    if args.leave_one_model_out:
+        return leave_one_out.run(args)
     loaded = store.load(args.predictor, args.device)
     data, sp = splits(args)
     test = data if args.split == "all" else sp[args.split]
