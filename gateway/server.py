@@ -225,7 +225,11 @@ async def serve(
     tasks = []
     # lease recovery and evacuation always run; --no-offload turns off only moves between live clusters
     offloader = Offloader(
-        deps.queue, OffloadConfig(balance=config.offload), metrics=deps.metrics, eta=deps.eta
+        deps.queue,
+        OffloadConfig(balance=config.offload),
+        metrics=deps.metrics,
+        eta=deps.eta,
+        calibrator=deps.calibrator,
     )
     tasks.append(asyncio.create_task(_offload_loop(offloader, config, stop)))
     tasks.append(asyncio.create_task(_reload_loop(deps, stop)))

@@ -6,14 +6,20 @@ from __future__ import annotations
 import json
 
 import grpc
+import pytest
 
+from gateway.assign.calibrated import LengthCalibrator
 from gateway.config import ClusterSpec, GatewayConfig
+from gateway.offload.offloader import Offloader
+from gateway.status.metrics import GatewayMetrics
 from predictor.baselines import prompt_length_heuristic
+from predictor.calibration import Calibration
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, start_engine, wait_until
-from workqueue import WorkQueue, connect, keys
+from workqueue import Observation, WorkQueue, connect, keys
 from workqueue.length_stats import read_stats
+from workqueue.script_call import execute
 
 ENGINE_ARGS = ("--backend", "static", "--size", "nano", "--max-running", "8", "--length-model", "served-3x")
 
@@ -83,5 +89,25 @@ def test_two_replicas_calibrate_alike_from_what_the_engine_observed(redis_url, t
             engine.kill()
             engine.wait(timeout=30)
     assert ratios_a == ratios_b  # one calibration, shared through Redis
-    # 40 answers of 3x, shrunk toward 1 by the prior's ten: moved most of the way, never past 3x
-    assert all(2.4 < r <= 3.0 for r in ratios_b), ratios_b
+    # 40 answers of 3x, shrunk toward 1 while they are few: moved most of the way, never past 3x
+    assert all(2.0 < r <= 3.0 for r in ratios_b), ratios_b
+
+
+def test_a_resent_observation_call_counts_once_and_the_metrics_show_the_calibration(redis_url):
+    queue = WorkQueue(connect(redis_url))
+    queue.register_cluster("once")
+    queue.r.hset(keys.cluster_info("once"), "length_model", "m-once")  # as its worker registers it
+    rows = [Observation(f"p{i}", 3 * (50 + i), predicted=50.0 + i, retrain=i % 2 == 0) for i in range(20)]
+    listed = queue.r.llen(keys.OBSERVED)
+    ops = queue.observed_commands(rows, call="call-1", length_model="m-once")
+    for _ in range(2):  # the same call sent twice: its reply was lost
+        execute(queue.r, ops)
+    stats = read_stats(queue.r, "m-once")
+    assert stats.count == 20 and sum(stats.observed) == 3 * sum(stats.raw)
+    assert queue.r.llen(keys.OBSERVED) == listed + 10  # only the rows kept for retraining are listed
+    metrics = GatewayMetrics()
+    offloader = Offloader(queue, metrics=metrics, calibrator=LengthCalibrator(queue))
+    offloader.tick()
+    ratio = metrics.registry.get_sample_value("fleetbatch_length_calibration_ratio")
+    assert ratio == pytest.approx(Calibration.from_stats(stats).ratio) and 1.5 < ratio < 3.0
+    assert metrics.registry.get_sample_value("fleetbatch_length_calibration_observations") == 20

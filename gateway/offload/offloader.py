@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from gateway.assign.calibrated import LengthCalibrator
 from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.assign.views import cluster_views, queued_tails
 from gateway.offload.moves import Backoff, LinkCost, Move, plan_offload
@@ -62,11 +63,13 @@ class Offloader:
         config: OffloadConfig | None = None,
         metrics: GatewayMetrics | None = None,
         eta: EtaBoard | None = None,
+        calibrator: LengthCalibrator | None = None,
     ):
         self.queue = queue
         self.config = config or OffloadConfig()
         self.metrics = metrics
         self.eta = eta
+        self.calibrator = calibrator  # its current calibration is a metric (gateway.assign.calibrated)
         self.backoffs: dict[str, Backoff] = {}
         self.moved_total = 0
         self.kept: dict[str, list[str]] = {}  # per stuck cluster: queued ids at its back that fit nowhere now
@@ -113,6 +116,8 @@ class Offloader:
         for batch_id in start.expired:
             log.warning("batch %s expired: its completion window ended; finished rows are kept", batch_id)
         infos = q.clusters(sorted(start.requeued))  # every registered cluster, as the script found them
+        if self.metrics is not None and self.calibrator is not None:
+            self.metrics.observe_calibration(self.calibrator.current())
         if self.eta is not None:
             try:
                 self._estimate(start.unfinished, infos)

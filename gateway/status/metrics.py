@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 from gateway.assign.policies import ClusterView, expected_finish_s
 from gateway.status.eta import Eta
+from predictor.calibration import Calibration
 from workqueue import ClusterInfo
 
 #: the most batches with series of their own (``batch`` label) at once, by default
@@ -105,6 +106,16 @@ class GatewayMetrics:
             "Unfinished batches predicted to finish past their deadline",
             registry=r,
         )
+        self.calibration_ratio = Gauge(
+            "fleetbatch_length_calibration_ratio",
+            "Observed over predicted answer tokens of the served models, shrunk toward 1 (1: not calibrated)",
+            registry=r,
+        )
+        self.calibration_observations = Gauge(
+            "fleetbatch_length_calibration_observations",
+            "Answers the length calibration of the served models was learned from",
+            registry=r,
+        )
         self.finalize_failures = Counter(
             "fleetbatch_finalize_failed_passes",
             "Passes that could not write a batch's output files",
@@ -130,6 +141,10 @@ class GatewayMetrics:
             self.finished_pred.labels(n).set(info.finished_predicted_tokens)
             self.finished_actual.labels(n).set(info.finished_actual_tokens)
             self.alive.labels(n).set(1 if info.alive else 0)
+
+    def observe_calibration(self, calibration: Calibration) -> None:
+        self.calibration_ratio.set(calibration.ratio)
+        self.calibration_observations.set(calibration.observations)
 
     def observe_etas(self, etas: Mapping[str, Eta], now: float) -> None:
         """The ETA and token progress of at most ``max_batches`` unfinished batches, those at risk first,
