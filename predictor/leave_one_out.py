@@ -168,7 +168,9 @@ class AdaptRunner:
     def predict(self, model: str, obs: LabeledSet, raw_obs: np.ndarray, prompts: list[str]) -> np.ndarray:
         a = self.ctx.args
         self.runs += 1
-        served = LabeledSet(self.ctx.prompts, np.zeros(len(self.ctx.prompts), dtype=np.int64))
+        served = LabeledSet(
+            self.ctx.prompts, np.zeros(len(self.ctx.prompts), dtype=np.int64), [""] * len(self.ctx.prompts)
+        )
         data = adapt.relabeled(
             self.ctx.original, served, obs, self.dir / f"relabeled{self.runs}.jsonl", a.adapt_original, 0
         )
@@ -219,7 +221,9 @@ def evaluate_model(
             if seed == 0 and f < a.adapt_folds:
                 for k in adapt_ks:
                     start = time.perf_counter()
-                    obs = LabeledSet([ctx.prompts[j] for j in pool[:k]], true[pool[:k]].astype(np.int64))
+                    obs = LabeledSet(
+                        [ctx.prompts[j] for j in pool[:k]], true[pool[:k]].astype(np.int64), ["observed"] * k
+                    )
                     p = runner.predict(model, obs, raw[pool[:k]], [ctx.prompts[j] for j in fold])
                     ada[k].seconds += time.perf_counter() - start
                     ada[k].taus.append(tau(p, true[fold]))
