@@ -15,7 +15,7 @@ from cliutil import enable_config_file, run_main
 from gateway.cli_options import add_common, add_http
 from gateway.cli_tables import batch_table, cluster_table
 from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
-from gateway.deploy import prepare
+from gateway.deploy import calibrate, prepare
 from gateway.deploy.fleet_up import FLEET_METHODS
 from gateway.grpc_api.auth import CLIENT_TOKEN_ENV, TOKENS_ENV, client_token, load_tokens
 from workqueue.embedded import die_with_parent_from_env
@@ -172,6 +172,14 @@ def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
     st.add_argument("--token", help=f"client token (default: ${CLIENT_TOKEN_ENV}, else --token-file)")
     st.add_argument("--token-file", default="runs/local/client-token", help="file of the client token")
 
+    calibrate.add_arguments(
+        sub.add_parser(
+            "calibrate",
+            help="show each served model's length calibration, or teach it from a file of the model's answers",
+            description=calibrate.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     prepare.add_arguments(
         sub.add_parser(
             "prepare",
@@ -341,12 +349,24 @@ def _status(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    print(json.dumps(calibrate.run(args)))
+    return 0
+
+
 def _prepare(args) -> int:
     print(json.dumps(prepare.run(args)))
     return 0
 
 
-COMMANDS = {"serve": _serve, "up": _up, "rebalance": _rebalance, "status": _status, "prepare": _prepare}
+COMMANDS = {
+    "serve": _serve,
+    "up": _up,
+    "rebalance": _rebalance,
+    "status": _status,
+    "calibrate": _calibrate,
+    "prepare": _prepare,
+}
 ERRORS = (FileNotFoundError, ValueError, ConnectionError, OSError, TimeoutError, RuntimeError)
 
 

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from gateway.assign.calibrated import LengthCalibrator
+from gateway.cli import main as gateway_cli
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.offload.offloader import Offloader
 from gateway.status.metrics import GatewayMetrics
@@ -111,3 +112,21 @@ def test_a_resent_observation_call_counts_once_and_the_metrics_show_the_calibrat
     ratio = metrics.registry.get_sample_value("fleetbatch_length_calibration_ratio")
     assert ratio == pytest.approx(Calibration.from_stats(stats).ratio) and 1.5 < ratio < 3.0
     assert metrics.registry.get_sample_value("fleetbatch_length_calibration_observations") == 20
+
+
+def test_gateway_calibrate_teaches_a_model_from_a_file_of_its_answers(redis_url, tmp_path, capsys):
+    answers = tmp_path / "answers.jsonl"
+    rows = [{"prompt": " ".join(["w"] * (i + 1)), "length": 2 * (65 + i)} for i in range(30)]
+    answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["calibrate", "--redis-url", redis_url, "--predictor", "heuristic"]
+    assert gateway_cli([*base, "--answers", str(answers)]) == 1  # no model registered yet: which one?
+    assert "name one length model" in capsys.readouterr().err
+    assert gateway_cli([*base, "--length-model", "m2x", "--answers", str(answers)]) == 0
+    shown = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["models"][0]
+    assert shown["length_model"] == "m2x" and shown["observations"] == 30
+    assert 1.5 < shown["ratio"] <= 2.0  # the heuristic's estimates are 64 + words: the answers run 2x them
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    assert gateway_cli([*base, "--length-model", "m2x", "--answers", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "line 1" in err and "length" in err

@@ -47,6 +47,7 @@ from load.deployment import LocalDeployment
 from load.reports.runrecord import Sampler, write_run
 from load.studies.deadlines_stats import Plan, expired_rows_problems, scenario_plan, summarise
 from load.studies.study import Setup, add_fleet_arguments, fleet_yaml, workload
+from load.studies.warmup import Warmup
 from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -69,6 +70,15 @@ def add_arguments(p) -> None:
     p.add_argument("--orders", default="edf,fifo", help="queue orders to compare, one run each")
     p.add_argument("--no-expiry", action="store_true", help="skip the expired-batch run")
     p.add_argument("--predictor", default="shipped", help="the gateway's length predictor")
+    p.add_argument(
+        "--calibrate-first",
+        type=int,
+        default=0,
+        metavar="N",
+        help="teach each deployment's length calibration N recorded answers of the dataset's model to prompts "
+        "outside the workload before the first batch (a deployment that served the model before; "
+        "load/studies/warmup.py); 0: a fresh deployment, calibrated only by what the run observes",
+    )
     add_fleet_arguments(p, "runs/deadlines", "one run directory per order, and the expiry run")
     p.set_defaults(emulation="cost", policy="token")  # what load.studies.study.fleet_yaml reads
 
@@ -123,7 +133,13 @@ def _poll(stub, ids: dict[str, str], n: int, etas: list[dict], limit_s: float) -
 
 
 def run_order(
-    order: str, items: list[WorkItem], plan: Plan, out: Path, args, after: Callable[[dict], T] | None = None
+    order: str,
+    items: list[WorkItem],
+    plan: Plan,
+    out: Path,
+    args,
+    after: Callable[[dict], T] | None = None,
+    warmup: Warmup | None = None,
 ) -> tuple[dict, T | None]:
     """One ``fleetbatch gateway up`` with this queue order: the batches submitted on the plan, read until final; then
     ``after(info)`` on the same deployment, outside the run's record (what it returns comes back too)."""
@@ -131,6 +147,7 @@ def run_order(
     up = _up_args(run_dir, args, order)
     etas: list[dict] = []
     with LocalDeployment(run_dir / "deploy", up) as info:
+        taught = warmup.teach(info["redis_url"], len(SPEEDS)) if warmup is not None else None
         with (
             channel(info["address"], token=deployment_token(info)) as ch,
             Sampler(info["redis_url"], run_dir, interval_s=0.5),
@@ -152,7 +169,7 @@ def run_order(
     (run_dir / "etas.jsonl").write_text("".join(json.dumps(e) + "\n" for e in etas))
     meta = {
         "order": order, "policy": "token", "backend": "native", "fleet": list(SPEEDS), "offload": True,
-        "emulation": "cost", "device_cost_ms": args.step_cost, "batch_ids": ids,
+        "emulation": "cost", "device_cost_ms": args.step_cost, "batch_ids": ids, "calibration_warmup": taught,
         "batches": {
             b.name: {"submitted_at": final[b.name].created_at, "window_s": b.window_s,
                      "deadline": final[b.name].deadline,
@@ -218,6 +235,13 @@ def run(args) -> dict:
     out = Path(args.out)
     items = workload(args)
     plan = scenario_plan(items, SPEEDS, args, out)
+    warmup = None
+    if args.calibrate_first > 0:
+        if not args.dataset:
+            raise ValueError("--calibrate-first needs --dataset: the recorded answers of its model")
+        warmup = Warmup.of(
+            args.dataset, items, args.calibrate_first, args.seed, args.max_tokens, args.predictor
+        )
     print(f"the simulator's makespan of the whole workload: T = {plan.makespan_s:.1f} s; windows "
           + ", ".join(f"{b.name} {b.window_s:.0f} s at +{b.at_s:.0f} s" for b in plan.batches))  # fmt: skip
     # the expiry batch runs on the edf run's deployment once its batches are final (one start-up fewer)
@@ -226,7 +250,7 @@ def run(args) -> dict:
     expiry: Expiry | None = None
     for order in orders:
         after = (lambda info: run_expiry(items, plan, out, args, info)) if order == host else None
-        metas[order], got = run_order(order, items, plan, out, args, after)
+        metas[order], got = run_order(order, items, plan, out, args, after, warmup)
         expiry = got or expiry
         print(f"{order}: " + ", ".join(f"{n} {m['status']}" for n, m in metas[order]["batches"].items()))
     if not args.no_expiry and host is None:
@@ -235,5 +259,6 @@ def run(args) -> dict:
     result = summarise(out, orders, plan, args, problems)
     if rows is not None:
         result["expiry_rows"] = rows
+    result["calibration_warmup"] = metas[orders[0]]["calibration_warmup"]
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     return result

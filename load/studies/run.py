@@ -7,6 +7,7 @@ setups differ in their ``fleetbatch gateway up`` arguments and in what their ``m
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gateway.grpc_api.auth import deployment_token
@@ -38,15 +39,18 @@ def run_deployed(
     name: str,
     times: list[float] | None = None,
     tick_s: float = 0.25,
+    before: Callable[[dict], object] | None = None,
 ) -> tuple[dict, list[str], list[dict]]:
     """``fleetbatch gateway up`` with ``up_args`` under ``run_dir/deploy``, the workload submitted and every result
     streamed back while the engines' heartbeats are sampled into ``run_dir``; ``(gateway.json's info,
-    batch ids, result rows)``."""
+    batch ids, result rows)``. ``before(info)`` runs once the deployment is up, before the first submission."""
     with (
         LocalDeployment(run_dir / "deploy", up_args) as info,
         channel(info["address"], token=deployment_token(info)) as ch,
     ):
         stub = pb_grpc.BatchServiceStub(ch)
+        if before is not None:
+            before(info)
         with Sampler(info["redis_url"], run_dir, interval_s=0.5):
             batch_ids = submit(stub, items, name, times, tick_s)
             rows = [

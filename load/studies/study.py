@@ -41,6 +41,8 @@ from load.reports.report import build_report
 from load.reports.runrecord import write_run
 from load.studies.planned import run_planned
 from load.studies.run import run_deployed
+from load.studies.unlike import add_arguments as add_unlike_arguments
+from load.studies.unlike import run_unlike
 from load.workload import WorkItem, from_dataset, generated
 
 log = logging.getLogger(__name__)
@@ -148,6 +150,8 @@ def ratios(r: dict[str, dict]) -> dict[str, float]:
 
 
 def run(args) -> dict:
+    if args.unlike:
+        return run_unlike(args, fleet_yaml, Setup)
     if args.planned:
         out = run_planned(args, workload(args), sim_cli)
         out["sim_seconds_100x1m"] = (
@@ -365,6 +369,7 @@ def add_arguments(p) -> None:
         metavar="FILE",
         help="with --planned: the cluster file of devices per cluster, or 'default'",
     )
+    add_unlike_arguments(p)
     add_arrival_arguments(p)
     p.add_argument(
         "--tick",
