@@ -39,6 +39,7 @@ VOCABULARY: dict[str, str] = {
     "--cluster-spec": "one cluster's devices: a spec file (YAML/JSON) or a shorthand like 3xT4+V100",
     "--cluster-specs": "comma-separated cluster specs (as --cluster-spec)",
     "--clusters": "the cluster file (version 1, docs/reference/cluster-file.md)",
+    "--compare": "predictor bench: the torch members and the fast path (ONNX Runtime) in turns on the same prompts, both scored on test and validation",
     "--concurrency": "the fixed numbers of requests in flight a plain client is measured at (comma-separated)",
     "--concurrent": "run N profilers at once and keep each point's mean",
     "--config-file": "a YAML file of the command's options (FLEETBATCH_<OPTION> variables and flags override it)",
