@@ -9,6 +9,11 @@ from __future__ import annotations
 
 #: every long option of the tree -> what it means, the same in every command that takes it
 VOCABULARY: dict[str, str] = {
+    "--adapt-epochs": "--leave-one-model-out: epochs of predictor adapt's retrain",
+    "--adapt-folds": "--leave-one-model-out: folds of the first seed predictor adapt retrains for",
+    "--adapt-ks": "--leave-one-model-out: the Ks at which predictor adapt retrains too ('none' to skip)",
+    "--adapt-models": "--leave-one-model-out: the models predictor adapt retrains for",
+    "--adapt-original": "--leave-one-model-out: original examples in predictor adapt's retrain",
     "--add": "register a new cluster (its engine may start later; needs --apply)",
     "--admin-token": "admin API token",
     "--apply": "carry out the moves",
@@ -104,6 +109,7 @@ VOCABULARY: dict[str, str] = {
     "--large-cancel-rows": "rows of the large batch queued at the head of the queues and then cancelled",
     "--layers": "transformer layers",
     "--lease-s": "lease of a claimed query; renewed while it runs",
+    "--leave-one-model-out": "instead of scoring a split: the online length calibration (and adapt) fed K answers of each alpaca_eval model the predictor never saw, scored on held-out prompts",
     "--length-distribution": "JSON file with the predictor's length distribution; its mean is n",
     "--lengths": "prompt lengths and decode contexts",
     "--limit": "subsample the training split to this many examples",
@@ -111,6 +117,10 @@ VOCABULARY: dict[str, str] = {
     "--log-dir": "logs of the build steps",
     "--log-format": "log lines as text or JSON",
     "--log-weight": "weight of the log-error term on expected tokens (0: cross-entropy only)",
+    "--lomo-folds": "--leave-one-model-out: folds of the held-out prompts",
+    "--lomo-ks": "--leave-one-model-out: the observation counts K",
+    "--lomo-models": "--leave-one-model-out: the alpaca_eval models evaluated",
+    "--lomo-seeds": "--leave-one-model-out: seeds, each a new fold cut and observation order",
     "--low": "low bit width of mixed maps",
     "--lr": "peak learning rate",
     "--markdown": "also write the table to this file",
@@ -159,6 +169,7 @@ VOCABULARY: dict[str, str] = {
     "--no-scale": "skip the simulator's 100 clusters x 1M queries timing (~1 min)",
     "--num-clusters": "how many clusters (of equal or preset ones, where no cluster file is read)",
     "--num-queries": "how many queries (rows) the command makes, sends or times",
+    "--observe-order": "--leave-one-model-out: held-out prompts of other folds first, or training-split ones first",
     "--observed-fraction": "share of the served prompts whose lengths are observed",
     "--observed-limit": "use only the newest N observations",
     "--offload": "let the offloader move work (off by default)",
