@@ -1,7 +1,8 @@
 """In-process batched length predictor for the gateway.
 
 One forward pass per :meth:`LengthPredictor.predict` call (chunked above ``max_batch``
-prompts; one per member for an ensemble version), safe to call from several threads at once (the gateway uses
+prompts; one per member for an ensemble version; on ONNX Runtime where the version has a fast path,
+:mod:`predictor.fastpath`, e.g. the shipped model), safe to call from several threads at once (the gateway uses
 ``asyncio.to_thread``), hot reload of a new model version without a restart, and a
 logged prompt-length heuristic when no model is configured.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from predictor import shipped, store
+from predictor import fastpath, shipped, store
 from predictor.baselines import prompt_length_heuristic
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,18 @@ class LengthPredictor:
     one per member for an ensemble)."""
 
     def __init__(
-        self, loaded: store.LoadedModel | None, source: Path | None = None, max_batch: int = 512
+        self,
+        loaded: store.LoadedModel | None,
+        source: Path | None = None,
+        max_batch: int = 512,
+        fast: bool = True,
     ) -> None:
+        """``fast``: serve through the version's fast path (:mod:`predictor.fastpath`) where it has one;
+        False: always the torch members."""
         self._source = source
         self._loaded = loaded
+        self._use_fast = fast
+        self._fast = fastpath.load(loaded) if fast and loaded is not None else None
         self._max_batch = max_batch
         self._state_lock = threading.Lock()  # guards _loaded / _source swaps
         self._run_lock = threading.Lock()  # one forward pass at a time: torch already uses all cores
@@ -77,8 +86,9 @@ class LengthPredictor:
                 raise
             log.error("the shipped length predictor %s failed to load (%s); using the heuristic", source, e)
             return cls(None, None)
-        log.info("length predictor: %s", shipped.describe(loaded))
-        return cls(loaded, source)
+        predictor = cls(loaded, source)
+        log.info("length predictor: %s, served by %s", shipped.describe(loaded), predictor.backend)
+        return predictor
 
     def _warn_fallback(self) -> None:
         if not self._warned:
@@ -92,6 +102,21 @@ class LengthPredictor:
     def version(self) -> str:
         loaded = self._loaded
         return FALLBACK_VERSION if loaded is None else loaded.version
+
+    @property
+    def backend(self) -> str:
+        """``onnxruntime:<recipe>`` (the fast path), ``torch``, or ``heuristic``."""
+        with self._state_lock:
+            loaded, fast = self._loaded, self._fast
+        if loaded is None:
+            return "heuristic"
+        return "torch" if fast is None else f"onnxruntime:{fast.name}"
+
+    @property
+    def fast_model(self) -> fastpath.FastModel | None:
+        """The ONNX Runtime members serving now (None: torch or the heuristic serves)."""
+        with self._state_lock:
+            return self._fast
 
     @property
     def is_fallback(self) -> bool:
@@ -112,13 +137,14 @@ class LengthPredictor:
         if not prompts:
             return []
         with self._state_lock:
-            loaded = self._loaded
+            loaded, fast = self._loaded, self._fast
         if loaded is None:
             words = np.array([len(p.split()) for p in prompts])
             est = prompt_length_heuristic(words)
             return [LengthPrediction(float(e), float(e), -1, float(e)) for e in est]
         with self._run_lock, torch.inference_mode():
-            probs = loaded.predict_proba(prompts, self._max_batch)
+            runner = loaded if fast is None else fast
+            probs = runner.predict_proba(prompts, self._max_batch)
         expected = loaded.buckets.expected(probs)
         buckets = probs.argmax(1)
         midpoint = loaded.buckets.midpoint(buckets)
@@ -140,9 +166,10 @@ class LengthPredictor:
             self._warn_fallback()
             return self.version
         loaded = store.load(source)
+        fast = fastpath.load(loaded) if self._use_fast else None
         with self._state_lock:
             old = self.version
-            self._loaded, self._source = loaded, source
+            self._loaded, self._fast, self._source = loaded, fast, source
         if loaded.version != old:
             log.info("predictor reloaded: %s -> %s (%s)", old, loaded.version, loaded.path)
         return loaded.version

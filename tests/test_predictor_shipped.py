@@ -47,7 +47,7 @@ def tiny_shipped(tiny_source, tmp_path_factory) -> Path:
     return shipped.export(tiny_source, dest, serving_tokenizer=info, prompts=prompts)
 
 
-def test_shipped_model_is_package_data_under_5_mb():
+def test_shipped_model_is_package_data_under_the_size_limit():
     d = shipped.SHIPPED_DIR
     assert (d / "buckets.json").is_file() and (d / "predictor.json").is_file()
     for part in store.member_names(d) or ["."]:  # one model, or each member of an ensemble
@@ -65,10 +65,11 @@ def test_shipped_model_is_package_data_under_5_mb():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["predictor"]
     assert {"shipped_model/*", "shipped_model/*/*"} <= set(patterns)  # an ensemble's members too
+    fast = json.loads((d / "fast.json").read_text())["file"]  # the fast path's ONNX members
     for part in store.member_names(d) or ["."]:
-        weights = d / part / "model.safetensors"
-        ignored = subprocess.run(["git", "check-ignore", "-q", str(weights)], cwd=REPO)
-        assert ignored.returncode == 1, "the shipped model must not be git-ignored"
+        for name in ("model.safetensors", fast):
+            ignored = subprocess.run(["git", "check-ignore", "-q", str(d / part / name)], cwd=REPO)
+            assert ignored.returncode == 1, "the shipped model must not be git-ignored"
 
 
 def test_shipped_model_predicts_like_the_fp32_model_it_was_saved_from():
@@ -79,9 +80,13 @@ def test_shipped_model_predicts_like_the_fp32_model_it_was_saved_from():
     assert all(next(m.model.parameters()).dtype == torch.float32 for m in loaded.parts)
     probs = loaded.predict_proba(ref["prompts"])
     assert np.abs(probs - np.asarray(ref["probs"])).max() < 1e-3  # fp16 weights: measured 4e-5
-    out = pred.predict(ref["prompts"])
+    torch_members = LengthPredictor(loaded, shipped.SHIPPED_DIR, fast=False)
+    out = torch_members.predict(ref["prompts"])
     assert [p.bucket for p in out] == ref["bucket"]
     np.testing.assert_allclose([p.expected_tokens for p in out], ref["expected_tokens"], rtol=1e-3)
+    out = pred.predict(ref["prompts"])  # the fast path (int8, tests/test_predictor_fastpath.py)
+    assert [p.bucket for p in out] == ref["bucket"]
+    np.testing.assert_allclose([p.expected_tokens for p in out], ref["expected_tokens"], rtol=0.02)  # 0.0062
     # the reference is not flat: the prompts get clearly different lengths
     assert max(ref["expected_tokens"]) > 3 * min(ref["expected_tokens"])
 
