@@ -58,6 +58,7 @@ VOCABULARY: dict[str, str] = {
     "--device-cost": "emulate a device by a cost model instead",
     "--device-speed": "with --device-cost: the device's speed (0.5: every pass takes twice as long)",
     "--dim": "hidden width",
+    "--distribution": "write a length model's observed answer lengths as the planner's --length-distribution file",
     "--drain": "stop assigning to CLUSTER and move its queue away",
     "--drainers": "threads standing in for engines",
     "--dropout": "dropout of a model built from scratch",

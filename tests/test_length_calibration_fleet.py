@@ -13,6 +13,7 @@ from gateway.cli import main as gateway_cli
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.offload.offloader import Offloader
 from gateway.status.metrics import GatewayMetrics
+from planner.cli import expected_tokens_from_file
 from predictor.baselines import prompt_length_heuristic
 from predictor.calibration import Calibration
 from protos import fleetbatch_pb2 as pb
@@ -121,10 +122,16 @@ def test_gateway_calibrate_teaches_a_model_from_a_file_of_its_answers(redis_url,
     base = ["calibrate", "--redis-url", redis_url, "--predictor", "heuristic"]
     assert gateway_cli([*base, "--answers", str(answers)]) == 1  # no model registered yet: which one?
     assert "name one length model" in capsys.readouterr().err
-    assert gateway_cli([*base, "--length-model", "m2x", "--answers", str(answers)]) == 0
+    dist = tmp_path / "lengths.json"
+    taught = [*base, "--length-model", "m2x", "--answers", str(answers), "--distribution", str(dist)]
+    assert gateway_cli(taught) == 0
     shown = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["models"][0]
     assert shown["length_model"] == "m2x" and shown["observations"] == 30
     assert 1.5 < shown["ratio"] <= 2.0  # the heuristic's estimates are 64 + words: the answers run 2x them
+    # the planner reads the observed lengths: their mean
+    assert expected_tokens_from_file(str(dist)) == pytest.approx(
+        sum(r["length"] for r in rows) / 30, rel=1e-3
+    )
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n')
     assert gateway_cli([*base, "--length-model", "m2x", "--answers", str(bad)]) == 1

@@ -8,6 +8,10 @@ reads JSONL rows with a ``prompt`` and its answer's length in the served model's
 each prompt with the gateway's predictor and adds the pairs to the model's statistics, as a worker adds the
 pairs it observes. ``--reset`` forgets a model's statistics.
 
+``--distribution FILE`` writes the model's observed answer lengths (per range of the estimate: the mean
+observed length and the share of answers) as ``{"buckets": [[lo, hi, p], ...]}``, the file
+``fleetbatch planner plan --length-distribution`` reads: the planner's workload in the served model's lengths.
+
 Without ``--answers`` it prints, for each length model the clusters registered (or ``--length-model``), its
 observations, overall ratio and, per range of the raw estimate, the answers seen and the calibrated value.
 """
@@ -48,6 +52,12 @@ def add_arguments(p) -> None:
         help="the gateway's length predictor, whose raw estimates the answers are compared with (default shipped)",
     )
     p.add_argument("--reset", action="store_true", help="forget the model's statistics first")
+    p.add_argument(
+        "--distribution",
+        default=None,
+        metavar="FILE",
+        help="write the model's observed answer lengths, by range, as the planner's --length-distribution file",
+    )
 
 
 def registered_models(queue: WorkQueue, cluster: str | None = None) -> list[str]:
@@ -120,6 +130,15 @@ def table(model: str, queue: WorkQueue) -> dict:
     }
 
 
+def write_distribution(path: str | Path, shown: dict) -> None:
+    """The observed lengths of :func:`table`'s ranges as the planner's length distribution."""
+    total = sum(r["answers"] for r in shown["ranges"])
+    if not total:
+        raise ValueError(f"length model {shown['length_model']} has no observed answers yet")
+    buckets = [[r["mean_observed"], r["mean_observed"], r["answers"] / total] for r in shown["ranges"]]
+    Path(path).write_text(json.dumps({"length_model": shown["length_model"], "buckets": buckets}) + "\n")
+
+
 def run(args) -> dict:
     queue = WorkQueue(connect(args.redis_url))
     models = args.length_model or registered_models(queue, args.cluster)
@@ -138,6 +157,10 @@ def run(args) -> dict:
             predictor = LengthPredictor.from_dir(args.predictor)
             teach(queue, models[0], prompts, lengths, [p.expected_tokens for p in predictor.predict(prompts)])
     out = {"models": [table(m, queue) for m in models]}
+    if args.distribution:
+        if len(models) != 1:
+            raise ValueError("--distribution: name one length model (--length-model or --cluster)")
+        write_distribution(args.distribution, out["models"][0])
     for t in out["models"]:
         print(f"{t['length_model']}: x{t['ratio']:.3f} from {t['observations']} answers")
         for r in t["ranges"]:
