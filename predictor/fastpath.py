@@ -60,6 +60,7 @@ def session(file: str | os.PathLike, threads: int):
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no busy-waiting on shared cores
     return ort.InferenceSession(str(file), so, providers=["CPUExecutionProvider"])
 
 
