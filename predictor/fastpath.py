@@ -18,11 +18,15 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from predictor import store
 from predictor.inference import encode
+
+if TYPE_CHECKING:
+    import onnxruntime
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ def read_recipe(path: str | os.PathLike) -> dict | None:
     return recipe
 
 
-def session(file: str | os.PathLike, threads: int):
+def session(file: str | os.PathLike, threads: int) -> onnxruntime.InferenceSession:
     """An ONNX Runtime CPU session on ``file`` with all graph optimisations and ``threads`` intra-op threads."""
     import onnxruntime as ort
 

@@ -39,7 +39,10 @@ class ClsGraph(nn.Module):
         self.model = model
         self.heads = int(model.config.n_heads)
 
-    def _attention(self, layer: nn.Module, h: torch.Tensor, q_in: torch.Tensor, bias: torch.Tensor):
+    def _attention(
+        self, layer: nn.Module, h: torch.Tensor, q_in: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """One transformer block whose queries (and output rows) are ``q_in``'s, keys and values ``h``'s."""
         att = layer.attention
         b, s, d = h.shape
         hd = d // self.heads
