@@ -44,10 +44,14 @@ log = logging.getLogger("predictor")
 TOLERANCE = 0.001
 #: candidate -> the file each member's directory gets
 CANDIDATES = {"ort-fp32": "model.onnx", "ort-int8": "model.int8.onnx"}
-RULE = (
-    "the fastest candidate (ms per query at batch 64, timed on validation prompts) whose validation "
-    f"Kendall tau >= the torch model's validation tau - {TOLERANCE}"
-)
+
+
+def rule_text(tolerance: float = TOLERANCE) -> str:
+    """The rule of :func:`choose` in words, as ``fast.json`` and ``bench --compare`` record it."""
+    return (
+        "the fastest candidate (ms per query at batch 64, timed on validation prompts) whose validation "
+        f"Kendall tau >= the torch model's validation tau - {tolerance}"
+    )
 
 
 def choose(torch_val_tau: float, candidates: dict[str, dict], tolerance: float = TOLERANCE) -> str | None:
@@ -152,7 +156,7 @@ def build(
         "recipe": chosen,
         "file": CANDIDATES.get(chosen or "", None),
         "chunk": fastpath.DEFAULT_CHUNK,
-        "rule": RULE,
+        "rule": rule_text(tolerance),
         "tolerance": tolerance,
         "val_tau_torch": round(torch_tau, 4),
         "torch_ms_per_query": round(ms["torch"], 4),
