@@ -35,6 +35,7 @@ import numpy as np
 from scipy.stats import kendalltau
 from tqdm import tqdm
 
+from fleetdata.datasets import alpaca_eval_models
 from predictor import adapt, store
 from predictor.calibration import Calibration
 from predictor.commands import retrain
@@ -235,7 +236,8 @@ def evaluate_model(
         for k in ks:
             cal[k].add_seed(pred[k][heldout], true[heldout])
         for k in adapt_ks:
-            ada[k].add_seed(np.concatenate(adapted[k][0]), np.concatenate(adapted[k][1]))
+            if adapted[k][0]:  # adapt retrains for the first seed's first folds only
+                ada[k].add_seed(np.concatenate(adapted[k][0]), np.concatenate(adapted[k][1]))
     return {"calibration": cal, "adapt": ada}
 
 
@@ -257,8 +259,6 @@ def run(args: argparse.Namespace) -> dict:
     if not trained:
         raise ValueError(f"{loaded.path} was trained on no alpaca_eval answers: no reference prompt set")
     reference = sorted(trained)[0]
-    from fleetdata.datasets import alpaca_eval_models
-
     present = alpaca_eval_models(Path(args.data_dir) if args.data_dir else None)
     models = comma_list(args.lomo_models) if args.lomo_models else [m for m in present if m not in trained]
     bad = [m for m in models if m in trained or m not in present]
