@@ -13,6 +13,8 @@ from gateway.cli import main as gateway_cli
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.offload.offloader import Offloader
 from gateway.status.metrics import GatewayMetrics
+from load.studies.warmup import Warmup
+from load.workload import from_dataset
 from planner.cli import expected_tokens_from_file
 from predictor.baselines import prompt_length_heuristic
 from predictor.calibration import Calibration
@@ -137,3 +139,17 @@ def test_gateway_calibrate_teaches_a_model_from_a_file_of_its_answers(redis_url,
     assert gateway_cli([*base, "--length-model", "m2x", "--answers", str(bad)]) == 1
     err = capsys.readouterr().err
     assert "line 1" in err and "length" in err
+
+
+def test_a_warm_up_teaches_answers_to_prompts_outside_the_workload(redis_url, data_root):
+    items = from_dataset("alpaca_eval:alpaca-7b", 780, seed=0, max_tokens=64, forced=True)
+    warm = Warmup.of("alpaca_eval:alpaca-7b", items, 40, seed=0, max_tokens=64, predictor="heuristic")
+    used = {it.prompt for it in items}
+    assert 0 < len(warm.prompts) <= 40 and not used & set(warm.prompts)  # never a workload prompt
+    assert all(1 <= n <= 64 for n in warm.lengths)  # capped as the workload's lengths are
+    queue = WorkQueue(connect(redis_url))
+    queue.register_cluster("w")
+    queue.r.hset(keys.cluster_info("w"), "length_model", "m-warm")  # as its worker registers it
+    taught = warm.teach(redis_url, clusters=1, timeout_s=5)
+    assert taught["length_models"] == ["m-warm"] and taught["answers"] == len(warm.prompts)
+    assert read_stats(queue.r, "m-warm").count == len(warm.prompts)
