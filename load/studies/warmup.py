@@ -14,6 +14,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from gateway.assign.calibrated import REFRESH_S
 from gateway.deploy.calibrate import registered_models, teach
 from load.workload import WorkItem
 from predictor.calibration import Calibration
@@ -68,4 +69,5 @@ class Warmup:
         for m in models:
             teach(queue, m, self.prompts, self.lengths, self.raw)
         ratio = Calibration.from_stats(read_stats(queue.r, models[0])).ratio
+        time.sleep(REFRESH_S + 0.5)  # every gateway has re-read the calibration: the first batch is split on it
         return {"length_models": models, "answers": len(self.prompts), "ratio": round(ratio, 4)}
