@@ -10,10 +10,19 @@ The rule, in one place (:func:`estimate`):
    finished rows) by :data:`PRIOR_TOKENS` tokens of evidence, which is itself shrunk toward 1.
    A served model whose answers run twice as long as the predictor thinks doubles the remaining
    work as soon as its first rows come back, whatever the predictor was trained on.
-2. **Work ahead**: batches run in queue order (:mod:`workqueue.ordering`), and the offloader keeps
-   the clusters busy on the earliest work, so the fleet is one pool. A batch's finish is now plus the
-   remaining work of every batch at or before its order key, its own included, over the fleet's
-   throughput.
+2. **Work ahead**: batches run in queue order (:mod:`workqueue.ordering`). As one pool, a batch's finish is now plus
+   the remaining work of every batch at or before its order key, its own included, over the fleet's throughput.
+   But a row runs where it is queued: the offloader moves work only to a nearly idle cluster, so while later work
+   keeps the other clusters busy, nothing rescues a batch's rows queued on a slow cluster. So each live cluster is
+   a **lane** (:class:`Lane`): the work ahead of a batch there is the remaining work of every batch at or before
+   its order key queued there, over the lane's rate (its capacity's share of the fleet's throughput, at the
+   prompt share of its own answered rows), but never past the pool's **drain** (all remaining work over the
+   fleet's throughput: by then the fast clusters have run out of later work and take its queued rows); then
+   half a last wave of its rows (a cluster running ``slots`` queries at once ends with a partial wave, the last
+   rows at one query's speed; running rows are not moved). A batch's finish is the latest of its lanes (those
+   holding its rows), never before its pool estimate. So the last batch in order, which the offloader balances,
+   gets the pool estimate plus its slowest lane's half wave; rows on a cluster that is not live (evacuated)
+   count in the pool only.
 3. **Throughput** (:class:`Throughput`): work done per second over the last :data:`RATE_WINDOW_S`,
    counted from the first completion seen in that window (so the time before the first rows finish
    does not read as slowness). Work is counted in *generated-token equivalents*: a prompt token
@@ -33,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from workqueue import BatchInfo
@@ -97,33 +106,69 @@ def work_units(prompt_share: float) -> float:
     return 1.0 - prompt_share * (1.0 - PROMPT_WEIGHT)
 
 
+@dataclass(frozen=True)
+class Lane:
+    """One live cluster as the ETA sees it: its rate in actual tokens per second (of the mix it answers) and how
+    many queries it runs at once (its last heartbeat's ``running``; at least 1)."""
+
+    rate: float
+    slots: int = 1
+
+
 def estimate(
     batches: Iterable[BatchInfo],
     now: float,
     rate: float,
     fleet_ratio: float = 1.0,
     prompt_share: float = PROMPT_SHARE,
+    lanes: Mapping[str, Lane] | None = None,
 ) -> dict[str, Eta]:
     """The ETA of every unfinished batch (the rule in the module docstring); ``rate`` in generated-token
-    equivalents per second."""
+    equivalents per second; ``lanes``: the live clusters (None or empty: the fleet as one pool only)."""
     rate = max(rate, 1e-9) / work_units(prompt_share)  # in actual tokens per second of this mix
-    out: dict[str, Eta] = {}
-    ahead = 0.0
+    lanes = {c: lane for c, lane in (lanes or {}).items() if lane.rate > 0}
+    # each batch, its correction, its remaining (corrected) tokens and its corrected tokens per row
+    todo: list[tuple[BatchInfo, float, float, float]] = []
     for b in sorted((b for b in batches if not b.final), key=lambda b: (b.order_key, b.created_at)):
         k = correction(b.done_actual_tokens, b.done_predicted_tokens, fleet_ratio)
         left = sum(b.left_tokens_per_cluster.values())
+        landed = b.total - b.intake_left
         if b.intake_left:  # rows not enqueued yet: at the mean of those that were; none yet: no ETA yet
-            landed = b.total - b.intake_left
             if landed <= 0 or b.predicted_tokens <= 0:
                 continue
             left += b.intake_left * b.predicted_tokens / landed
-        remaining = left * k
+        todo.append((b, k, left * k, k * b.predicted_tokens / max(landed, 1)))
+    drain = now + sum(t[2] for t in todo) / rate  # every batch done: the pool, balanced by the offloader
+    out: dict[str, Eta] = {}
+    ahead = 0.0
+    ahead_on: dict[str, float] = dict.fromkeys(lanes, 0.0)
+    for b, k, remaining, row in todo:
         ahead += remaining
         finish = now + ahead / rate
+        slowest = finish
+        for c, tokens in b.left_tokens_per_cluster.items():
+            if c in lanes:
+                ahead_on[c] += tokens * k
+                if tokens > 0:  # its rows there: the work ahead there (at most the drain), then half a wave
+                    lane = lanes[c]
+                    wave = row * max(lane.slots, 1) / 2 / lane.rate
+                    slowest = max(slowest, min(now + ahead_on[c] / lane.rate, drain) + wave)
+        finish = max(finish, slowest)
         predicted = b.predicted_tokens
         progress = min(1.0, b.done_predicted_tokens / predicted) if predicted > 0 else 0.0
         out[b.batch_id] = Eta(finish, remaining, k, progress, b.deadline > 0 and finish > b.deadline)
     return out
+
+
+@dataclass(frozen=True)
+class ClusterLoad:
+    """What the offloader's tick read of one live cluster: its running totals of answered rows' actual tokens (prompt
+    + completion) and completion tokens, its capacity (generated tokens/s) and its running queries."""
+
+    finished_total: float
+    finished_completion: float
+    capacity_tps: float
+    running: int = 0
 
 
 class EtaBoard:
@@ -142,12 +187,12 @@ class EtaBoard:
 
     def update(
         self, now: float, batches: Sequence[BatchInfo], finished_actual: float, finished_predicted: float,
-        capacity_tps: float, finished_completion: float | None = None,
+        capacity_tps: float, finished_completion: float | None = None, clusters: Mapping[str, ClusterLoad] | None = None,
     ) -> dict[str, Eta]:  # fmt: skip
         """Refresh from the unfinished ``batches``, the clusters' running totals of answered rows' actual tokens
         (prompt + completion), predicted tokens and completion tokens (None: the prompt share is not known), and
         their capacity (generated tokens/s, as heartbeats and plans measure it; used until the throughput is
-        measured)."""
+        measured). ``clusters``: the live clusters (:meth:`lanes`); None: the fleet as one pool."""
         with self._lock:
             if not any(not b.final for b in batches):
                 self._throughput.reset()
@@ -163,7 +208,9 @@ class EtaBoard:
             self.rate_tps = rate / units
             self.fleet_ratio = correction(finished_actual, finished_predicted, 1.0)
             self._batches = list(batches)
-            before, self._etas = self._etas, estimate(batches, now, rate, self.fleet_ratio, self.prompt_share)
+            lanes = self._lanes(rate, clusters or {})
+            etas = estimate(batches, now, rate, self.fleet_ratio, self.prompt_share, lanes)
+            before, self._etas = self._etas, etas
             self.updated_at = now
             etas = dict(self._etas)
         for batch_id, e in etas.items():  # never a silent miss: each batch that turns at risk is logged once
@@ -172,6 +219,19 @@ class EtaBoard:
                 log.warning("batch %s is at risk: predicted to finish %.0f s after its deadline (ETA %.0f s from now)",
                             batch_id, e.finish_at - deadline, e.finish_at - now)  # fmt: skip
         return etas
+
+    def _lanes(self, rate: float, clusters: Mapping[str, ClusterLoad]) -> dict[str, Lane]:
+        """Each live cluster's rate in actual tokens per second: its capacity's share of the fleet's ``rate`` (work
+        units), converted at the prompt share of its own answered rows (the fleet's until it has some)."""
+        capacity = sum(c.capacity_tps for c in clusters.values())
+        lanes = {}
+        for name, c in clusters.items():
+            share = rate * c.capacity_tps / capacity if capacity > 0 else 0.0
+            prompt_share = (
+                1.0 - c.finished_completion / c.finished_total if c.finished_total > 0 else self.prompt_share
+            )
+            lanes[name] = Lane(share / work_units(prompt_share), max(1, c.running))
+        return lanes
 
     def throughput(self, bucket_s: float = 5.0) -> list[tuple[float, float]]:
         """The fleet's throughput over the kept history: (end of each ``bucket_s`` span, actual tokens/s in it)."""
