@@ -32,7 +32,7 @@ from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.assign.views import cluster_views, queued_tails
 from gateway.offload.moves import Backoff, LinkCost, Move, plan_offload
 from gateway.offload.rebalance import RebalancePlan, plan_moves
-from gateway.status.eta import EtaBoard
+from gateway.status.eta import ClusterLoad, EtaBoard
 from gateway.status.metrics import GatewayMetrics
 from workqueue import BatchInfo, ClusterInfo, QueryResult, WorkQueue, keys
 from workqueue.queue import MOVE_WINDOW_SLACK
@@ -131,9 +131,18 @@ class Offloader:
             return self._offload(infos)
 
     def _estimate(self, batches: list[BatchInfo], infos: list[ClusterInfo]) -> None:
-        """Refresh every unfinished batch's ETA (:mod:`gateway.status.eta`) from what this tick read."""
-        capacity = sum(v.capacity_tps for v in cluster_views(infos) if v.accepting)
+        """Refresh every unfinished batch's ETA (:mod:`gateway.status.eta`) from what this tick read: the fleet's
+        running totals and capacity, and each accepting cluster's (its lane: rows queued there wait for it)."""
+        views = {v.name: v for v in cluster_views(infos)}
+        live = [i for i in infos if views[i.name].accepting]
+        capacity = sum(views[i.name].capacity_tps for i in live)
         now = self.queue.clock()
+        lanes = {
+            i.name: ClusterLoad(
+                i.finished_total_tokens, i.finished_actual_tokens, views[i.name].capacity_tps, i.running
+            )
+            for i in live
+        }
         etas = self.eta.update(
             now,
             batches,
@@ -141,6 +150,7 @@ class Offloader:
             sum(i.finished_predicted_tokens for i in infos),
             capacity,
             sum(i.finished_actual_tokens for i in infos),  # their completion tokens: the prompt share
+            lanes,
         )
         if self.metrics is not None:
             self.metrics.observe_etas(etas, now)
