@@ -52,9 +52,8 @@ class TickRequest:
     # the id its observed lengths are written once under (a new one when empty): the agent keeps one until they are
     # written, so a tick sent again, by redis-py after a lost reply or by the agent after a failed tick, adds none twice
     observed_call: str = ""
-    length_model: str = (
-        ""  # the key the observed rows' (predicted, length) pairs add to (workqueue.length_stats)
-    )
+    # the key the observed rows' (predicted, length) pairs add to (workqueue.length_stats)
+    length_model: str = ""
     renew: list[str] | None = None  # gids whose leases to renew (None: none this tick)
     requeue: bool = False  # requeue the cluster's lapsed leases
     claim: int = 0  # queries to claim
