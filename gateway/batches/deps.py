@@ -37,7 +37,7 @@ class GatewayDeps:
     inflight: InflightBytes | None = None  # --max-inflight-mb, shared by gRPC calls and the HTTP front
     #: every unfinished batch's ETA, refreshed by the offloader
     eta: EtaBoard = field(default_factory=EtaBoard)
-    #: each prompt's prefix group (gateway.assign.prefixes; None: none looked for, as a policy that ignores them)
     #: the length calibration (None: the raw estimates are used as they are)
     calibrator: LengthCalibrator | None = None
+    #: each prompt's prefix group (gateway.assign.prefixes; None: none looked for, as a policy that ignores them)
     find_prefixes: Callable[[list[str], list[int]], list[Prefix]] | None = None
