@@ -80,6 +80,9 @@ def test_two_replicas_calibrate_alike_from_what_the_engine_observed(redis_url, t
         assert abs(sum(stats.observed) / sum(stats.raw) - 3.0) < 0.01
         engine.terminate()
         engine.wait(timeout=30)
+        # no engine answers the next batches (the statistics stay put): they wait on c while its heartbeat lasts,
+        # then on a cluster whose engine has not started yet
+        queue.register_cluster("later", capacity_hint_tps=100.0)
         # replica B never saw the first batch: it calibrates from what the engine recorded
         ask = prompts(40)[::4]
         second = submit(addr_b, ask, forced=False)
