@@ -25,7 +25,7 @@ from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, examples
 
 TOKEN = "fuzz-admin-token"
-EXAMPLES = examples(300)
+EXAMPLES = examples(150)
 REQUEST_LIMIT = 256 * 1024
 ALLOWED = {
     grpc.StatusCode.INVALID_ARGUMENT,

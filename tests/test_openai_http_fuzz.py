@@ -30,7 +30,7 @@ from tests.harness import GatewayThread, examples
 from tests.openai_http_helpers import KEY
 from workqueue import WorkQueue, connect
 
-EXAMPLES = examples(300)
+EXAMPLES = examples(150)
 CLUSTER = "idle"  # no engine: what is enqueued stays in its queue
 
 
