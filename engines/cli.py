@@ -295,6 +295,11 @@ def build_parser(prog: str = "fleetbatch engine") -> argparse.ArgumentParser:
         help="with --stages: `fleetbatch engine profile --reps` (rounds per point)",
     )
     pb.add_argument(
+        "--profile-batches",
+        default="1,8,16,32,64",
+        help="with --stages: the batch sizes the profile measures for the plan (--num-queries is added)",
+    )
+    pb.add_argument(
         "--profile-min-time",
         type=float,
         default=0.05,

@@ -207,6 +207,7 @@ VOCABULARY: dict[str, str] = {
     "--pretrained": "fine-tune a local Hugging Face encoder checkpoint",
     "--priority-step-s": "a batch's priority moves it ahead as if its deadline were this many seconds earlier per level",
     "--profile": "DEVICE_TYPE=profile.json measured profile (repeatable)",
+    "--profile-batches": "the batch sizes the profile measures for the plan",
     "--profile-min-time": "with --stages: `fleetbatch engine profile --min-time` (s)",
     "--profile-reps": "with --stages: `fleetbatch engine profile --reps` (rounds per point)",
     "--prompt-len": "every prompt cut or cycled to this many tokens",

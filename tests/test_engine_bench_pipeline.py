@@ -54,7 +54,14 @@ def test_bench_stages_prints_the_figures(data_root):
         "nano",
     ]
     cmd += ["--num-queries", "8", "--prompt-len", "16", "--gen-len", "8", "--repeats", "1"]
-    cmd += ["--profile-reps", "1", "--profile-min-time", "0.001"]  # the plan's figures are not under test
+    cmd += [
+        "--profile-reps",
+        "1",
+        "--profile-min-time",
+        "0.001",
+        "--profile-batches",
+        "1,4",
+    ]  # not under test
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -125,7 +132,18 @@ def test_engine_profile_writes_a_profile_the_planner_plans_from(tmp_path):
         "--bits",
         "16",
     ]
-    argv += ["--tp-sizes", "1", "--stages", "2", "--batch-size", "8", "--prompt-len", "16", "--output-tokens", "8"]
+    argv += [
+        "--tp-sizes",
+        "1",
+        "--stages",
+        "2",
+        "--batch-size",
+        "8",
+        "--prompt-len",
+        "16",
+        "--output-tokens",
+        "8",
+    ]
     assert planner_main([*argv, "--out", str(plan), "--time-limit", "2"]) == 0
     assert len(load_plan(plan).stages) == 2  # exactly the stages asked for, though 1 or 3 could be planned
 

@@ -82,7 +82,15 @@ def make_plan(args, slowdowns: list[float], workdir: Path) -> Path:
     cluster.write_text(yaml.safe_dump(spec))
     profile = workdir / "profile.json"
     p, g = args.prompt_len, args.gen_len
-    batches = ",".join(str(v) for v in sorted({1, 8, 16, 32, 64, args.num_queries}))
+    try:
+        grid = {int(v) for v in args.profile_batches.split(",") if v.strip()}
+    except ValueError:
+        raise ValueError(
+            f"--profile-batches: comma-separated batch sizes, not {args.profile_batches!r}"
+        ) from None
+    if not grid or min(grid) < 1:
+        raise ValueError(f"--profile-batches: positive batch sizes, not {args.profile_batches!r}")
+    batches = ",".join(str(v) for v in sorted(grid | {args.num_queries}))
     lengths = ",".join(str(c) for c in sorted({p, p + g // 2, p + g}))
     cmd = [sys.executable, "-m", "engines.cli", "profile", "--arch", args.arch, "--size", args.size]
     cmd += [
