@@ -9,7 +9,7 @@ import pytest
 from gateway.config import ClusterSpec, GatewayConfig
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
-from tests.harness import GatewayThread
+from tests.harness import GatewayThread, wait_until
 from workqueue.embedded import EmbeddedRedis
 
 
@@ -83,6 +83,7 @@ def test_redis_busy_running_a_script_is_unavailable_too(tmp_path):
     busy = threading.Thread(target=lambda: _swallow(spin.eval, "while true do end", 0), daemon=True)
     try:
         busy.start()
+        wait_until(lambda: _is_busy(admin), 30, "Redis busy running the script")  # not before it: no race
         code, details = _code(lambda: stub.GetBatch(pb.GetBatchRequest(batch_id="any"), timeout=30))
         assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
         assert "BUSY" in details
@@ -98,6 +99,17 @@ def test_redis_busy_running_a_script_is_unavailable_too(tmp_path):
         channel.close()
         g.stop()
         server.close()
+
+
+def _is_busy(client) -> bool:
+    """Whether Redis answers BUSY (a script running past the threshold) instead of a PING's PONG."""
+    import redis
+
+    try:
+        client.ping()
+    except redis.exceptions.RedisError as e:
+        return "BUSY" in str(e)
+    return False
 
 
 def _swallow(fn, *args) -> None:
