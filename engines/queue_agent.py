@@ -324,6 +324,7 @@ class QueueAgent:
         retrain = self.config.record_observed and q.forced_length is None
         if outcome(out.finish_reason, out.error).answered and (retrain or self.config.length_model):
             raw = q.predicted_tokens if q.raw_predicted_tokens is None else q.raw_predicted_tokens
+            raw = min(raw, q.max_tokens)  # capped as its answer is: a short cap says nothing of the model
             source = q.metadata.get("source", "")
             self._observed.append(
                 Observation(q.prompt, out.completion_tokens, source, self.config.cluster, raw, retrain)

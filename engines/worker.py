@@ -63,7 +63,7 @@ class Worker:
                 "plan_tps": config.plan_tps or None,
                 "max_query_tokens": config.max_query_tokens or None,
                 "served_model": config.served_model,
-                "length_model": config.length_model or None,
+                "length_model": config.length_model,  # "" clears a key an earlier run registered
                 "openai_fields": encode_fields(config.openai_fields),
             },
             rate_tps=lambda: self._stats.tokens_per_s,

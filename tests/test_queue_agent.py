@@ -19,7 +19,7 @@ from engines.worker import Worker, WorkerConfig
 from load.tcp_proxy import Link, TcpProxy
 from localmodels import build_model, default_tokenizer
 from tests.harness import wait_until
-from workqueue import QueuedQuery, WorkQueue, connect, keys
+from workqueue import ClaimedQuery, QueuedQuery, WorkQueue, connect, keys
 
 
 def agent(queue: WorkQueue, rate: float = 0.0, **config) -> QueueAgent:
@@ -197,3 +197,15 @@ def test_queries_claimed_ahead_go_back_on_stop_without_using_an_attempt(redis_ur
     assert a.close() == 2
     assert queue.queued_ids("w") == gids[1:] and queue.inflight_ids("w") == gids[:1]
     assert [queue.r.hget(keys.query(g), "attempts") for g in gids] == ["1", "0", "0"]
+
+
+def test_an_answer_cut_at_max_tokens_is_compared_with_the_estimate_capped_alike(redis_url):
+    """Review of [5/7]: the worker compared the raw estimate, uncapped, with an answer cut at max_tokens, so a batch
+    with a short cap taught the calibration that the model answers far shorter than it does (old: raw 500.0)."""
+    queue = WorkQueue(connect(redis_url))
+    a = agent(queue, length_model="m")
+    q = QueuedQuery("b", "q0", "a question", 32, 3, 30.0, raw_predicted_tokens=500.0)
+    out = RequestOutput("b:q0", "x" * 32, list(range(32)), 3, "length")
+    a._observe(ClaimedQuery(q, 1, 0.0, 0.0), out, 0)
+    rows, _ = a._observed.for_tick()
+    assert [(r.predicted, r.length, r.retrain) for r in rows] == [(32.0, 32, False)]

@@ -48,7 +48,10 @@ class Warmup:
             raise ValueError(f"{dataset} has no prompt outside the workload to teach the calibration with")
         lengths = [max(1, min(max_tokens, x)) for x in response_lengths(picked, default_tokenizer())]
         prompts = [r.prompt for r in picked]
-        raw = [p.expected_tokens for p in LengthPredictor.from_dir(predictor).predict(prompts)]
+        # capped as a worker caps the estimate it records beside an answer cut at max_tokens
+        raw = [
+            min(max_tokens, p.expected_tokens) for p in LengthPredictor.from_dir(predictor).predict(prompts)
+        ]
         log.info("calibration warm-up: %d answers of %s outside the workload", len(prompts), dataset)
         return cls(prompts, lengths, raw)
 
@@ -69,5 +72,7 @@ class Warmup:
         for m in models:
             teach(queue, m, self.prompts, self.lengths, self.raw)
         ratio = Calibration.from_stats(read_stats(queue.r, models[0])).ratio
-        time.sleep(REFRESH_S + 0.5)  # every gateway has re-read the calibration: the first batch is split on it
+        time.sleep(
+            REFRESH_S + 0.5
+        )  # every gateway has re-read the calibration: the first batch is split on it
         return {"length_models": models, "answers": len(self.prompts), "ratio": round(ratio, 4)}
