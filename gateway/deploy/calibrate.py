@@ -60,13 +60,19 @@ def add_arguments(p) -> None:
     )
 
 
+def cluster_models(queue: WorkQueue, names: list[str] | None = None) -> dict[str, str]:
+    """Each cluster (of ``names``, or every one) that registered a length model, and that model."""
+    names = queue.cluster_names() if names is None else names
+    models = {n: queue.r.hget(keys.cluster_info(n), "length_model") for n in names}
+    return {n: m for n, m in models.items() if m}
+
+
 def registered_models(queue: WorkQueue, cluster: str | None = None) -> list[str]:
     """The length models the clusters (or ``cluster``) registered."""
-    names = [cluster] if cluster else queue.cluster_names()
-    models = {queue.r.hget(keys.cluster_info(n), "length_model") for n in names}
-    if cluster and not models - {None, ""}:
+    models = cluster_models(queue, [cluster] if cluster else None)
+    if cluster and not models:
         raise ValueError(f"cluster {cluster!r} has registered no length model (is its engine running?)")
-    return sorted(m for m in models if m)
+    return sorted(set(models.values()))
 
 
 def read_answers(path: str | Path) -> tuple[list[str], list[int]]:

@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass
 
 from gateway.assign.calibrated import REFRESH_S
-from gateway.deploy.calibrate import registered_models, teach
+from gateway.deploy.calibrate import cluster_models, registered_models, teach
 from load.workload import WorkItem
 from predictor.calibration import Calibration
-from workqueue import WorkQueue, connect, keys
+from workqueue import WorkQueue, connect
 from workqueue.length_stats import read_stats
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,7 @@ class Warmup:
         queue = WorkQueue(connect(redis_url))
         give_up = time.monotonic() + timeout_s
         while True:
-            registered = [queue.r.hget(keys.cluster_info(n), "length_model") for n in queue.cluster_names()]
-            if len([m for m in registered if m]) >= clusters:
+            if len(cluster_models(queue)) >= clusters:
                 break
             if time.monotonic() > give_up:
                 raise TimeoutError(
