@@ -18,8 +18,9 @@ A cluster file::
       time_scale: 32
       reference: opt-30b
 
-Unknown fields are refused by name, so a misspelt key never passes silently. The fields of
-later work are declared and validated now and reported as not used yet (:meth:`Cluster.reserved_set`).
+Unknown fields are refused by name, so a misspelt key never passes silently. A cluster's price
+(``price_per_hour``, or its devices' catalog prices in its ``market``: :mod:`clusterfile.prices`) is
+:meth:`Cluster.hourly_price`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from clusterfile.prices import Market, cluster_price_per_hour, market_name
 
 CLUSTER_FILE_VERSION = 1
 #: cluster names (and every other id that becomes part of a Redis key): 1-128 of these characters
@@ -91,11 +94,20 @@ class Cluster(_Strict):
         description="the endpoint backend's OpenAI-compatible inference servers, as base URLs "
         "(http://host:port/v1; /v1 is added when missing)",
     )
-    # declared now; read by later work
-    price_per_hour: Amount | None = Field(None, description="reserved: what the cluster costs per hour")
-    market: Literal["on-demand", "spot"] = Field(
-        "on-demand", description="reserved: on-demand or spot (may be taken away)"
+    price_per_hour: Amount | None = Field(
+        None,
+        description="what the whole cluster costs, US dollars per hour (default: its devices' catalog "
+        "prices in its market; clusterfile.prices)",
     )
+    market: Market = Field(
+        "on-demand",
+        description="on-demand or spot (cheaper, may be taken away); on_demand is read as on-demand",
+    )
+
+    @field_validator("market", mode="before")
+    @classmethod
+    def _market(cls, value: object) -> object:
+        return market_name(value)
 
     @field_validator("devices", "engine_args", "endpoints")
     @classmethod
@@ -127,9 +139,14 @@ class Cluster(_Strict):
         super().__init__(**({"name": name} if name is not None else {}), **fields)
 
     def reserved_set(self) -> list[str]:
-        """The reserved fields this cluster sets (accepted, not used yet)."""
-        defaults = {"price_per_hour": None, "market": "on-demand"}
-        return [k for k, v in defaults.items() if getattr(self, k) != v]
+        """The reserved fields this cluster sets (accepted, not used yet): none are left (prices and markets are
+        read by the cost policy and the status, gateway.assign.cost)."""
+        return []
+
+    def hourly_price(self) -> float | None:
+        """What the cluster costs, US dollars per hour: its ``price_per_hour``, else its devices' catalog price in
+        its market, else None (not known; :func:`clusterfile.prices.cluster_price_per_hour`)."""
+        return cluster_price_per_hour(self.price_per_hour, self.devices, self.market)
 
 
 class ClusterFile(_Strict):

@@ -56,14 +56,16 @@ def test_a_bad_file_is_refused_naming_the_field(data, named):
     assert named in _refused(data)
 
 
-def test_the_reserved_fields_of_later_work_are_validated_and_reported(tmp_path):
+def test_the_price_fields_are_validated_and_priced(tmp_path):
     doc = parse_cluster_file(
         {"version": 1, "clusters": [{"name": "spot", "price_per_hour": 1.2, "market": "spot",
                                      "served_model": "/models/m"},
                                     {"name": "plain"}]}
     )  # fmt: skip
-    assert doc.clusters[0].reserved_set() == ["price_per_hour", "market"]
-    assert doc.clusters[1].reserved_set() == []
+    assert (
+        doc.clusters[0].reserved_set() == [] and doc.clusters[0].hourly_price() == 1.2
+    )  # its own: no discount
+    assert doc.clusters[1].hourly_price() is None  # no price, no devices: not known
     assert "price_per_hour" in _refused({"version": 1, "clusters": [{"name": "a", "price_per_hour": -2}]})
 
 
