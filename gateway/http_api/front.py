@@ -47,6 +47,7 @@ from gateway.http_api import batches as ob
 from gateway.http_api.create import CreateBatch, check_create
 from gateway.http_api.files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines
 from gateway.http_api.format import ChatTemplate
+from gateway.http_api.health import HEALTH_PATH, health_route
 from gateway.http_api.retention import InUse, delete_file, deleting, retire
 from gateway.http_api.shared import ApiError, Auth, api_error, caller_of, error_response, json_body
 from gateway.http_api.status_page import PAGE_PATH, StatusPage
@@ -83,11 +84,12 @@ class OpenAIFront:
             Route("/v1/batches/{batch_id}", self.get, methods=["GET"]),
             Route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"]),
             *self.status_page.routes(),
+            health_route(self.queue),  # GET /healthz: Kubernetes' readiness probe
         ]
         handlers = {ApiError: self._api_error, HTTPException: self._http_error, Exception: self._crash}
         handlers.update(dict.fromkeys((*REDIS_DOWN, ResponseError), self._redis_down))
         app = Starlette(routes=routes, exception_handlers=handlers)
-        app.add_middleware(Auth, key=self.key, public=(PAGE_PATH,))
+        app.add_middleware(Auth, key=self.key, public=(PAGE_PATH, HEALTH_PATH))
         return app
 
     async def _api_error(self, request: Request, e: Exception) -> Response:
