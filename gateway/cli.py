@@ -15,7 +15,7 @@ from cliutil import enable_config_file, run_main
 from gateway.cli_options import add_common, add_http
 from gateway.cli_tables import batch_table, cluster_table
 from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
-from gateway.deploy import calibrate, prepare
+from gateway.deploy import calibrate, prepare, redis_acl
 from gateway.deploy.fleet_up import FLEET_METHODS
 from gateway.grpc_api.auth import CLIENT_TOKEN_ENV, TOKENS_ENV, client_token, load_tokens
 from workqueue.embedded import die_with_parent_from_env
@@ -185,6 +185,14 @@ def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
             "prepare",
             help="build the caches a fresh machine lacks (tokenizers, CPU profile, fonts); run by scripts/setup.sh",
             description=prepare.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    redis_acl.add_arguments(
+        sub.add_parser(
+            "redis-acl",
+            help="print the Redis ACL file's line for a user of a role (a cloud's engines, a gateway)",
+            description=redis_acl.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
@@ -366,6 +374,7 @@ COMMANDS = {
     "status": _status,
     "calibrate": _calibrate,
     "prepare": _prepare,
+    "redis-acl": lambda args: print(redis_acl.run(args)) or 0,
 }
 ERRORS = (FileNotFoundError, ValueError, ConnectionError, OSError, TimeoutError, RuntimeError)
 

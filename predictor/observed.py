@@ -13,6 +13,7 @@ import logging
 import redis
 
 from fleetdata.datasets import Record
+from workqueue.embedded import connect, redact_url
 from workqueue.keys import OBSERVED
 from workqueue.records import Observation
 
@@ -46,11 +47,11 @@ def read_observed(redis_url: str, limit: int | None = None) -> list[Record]:
     """The observations (the newest ``limit`` when given) as records with ``length`` set; bad entries are skipped."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be positive, not {limit}")
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_url)  # its timeouts, TLS and clear errors, as every client's
     try:
         raw = client.lrange(OBSERVED_KEY, -limit if limit else 0, -1)
     except redis.exceptions.ConnectionError as e:
-        raise ConnectionError(f"cannot read {OBSERVED_KEY} from Redis at {redis_url}: {e}") from e
+        raise ConnectionError(f"cannot read {OBSERVED_KEY} from Redis at {redact_url(redis_url)}: {e}") from e
     finally:
         client.close()
     out: list[Record] = []

@@ -34,6 +34,8 @@ import redis.cluster
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
+from workqueue.redis_tls import explain, tls_options
+
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -285,8 +287,9 @@ DEFAULT_TIMEOUT_S = 5.0
 RETRIES = 2  # the library's own retries of a failed call (callers back off on their own after that)
 
 
-def client_options() -> dict:
-    """Keyword arguments of every client :func:`connect` makes, over TCP or a unix socket (timeouts, retries)."""
+def client_options(url: str = "") -> dict:
+    """Keyword arguments of every client :func:`connect` makes, over TCP or a unix socket (timeouts, retries),
+    and for a ``rediss://`` ``url`` its TLS settings (:func:`workqueue.redis_tls.tls_options`)."""
     raw = os.environ.get(TIMEOUT_ENV) or str(DEFAULT_TIMEOUT_S)
     try:
         timeout = float(raw)
@@ -299,6 +302,7 @@ def client_options() -> dict:
         "socket_connect_timeout": min(5.0, timeout),
         "socket_timeout": timeout,
         "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), RETRIES),
+        **tls_options(url),
     }
 
 
@@ -313,15 +317,26 @@ def connect(url: str) -> redis.Redis:
     ``redis+cluster://host:port`` (or ``rediss+cluster://``) connects to a Redis Cluster through
     any of its nodes; every key carries the ``{fb}`` hash tag, so scripts and transactions work
     there as on a single server (:mod:`workqueue.keys`).
+
+    ``rediss://`` is TLS (:mod:`workqueue.redis_tls`: the CA and client certificate from the
+    environment, the server's name checked). Every failure, a missing certificate file, a wrong CA,
+    a wrong password, is a ``ConnectionError`` whose message names the URL (its password hidden)
+    and the cause.
     """
     scheme, sep, rest = url.partition("://")
-    options = client_options()
     try:
+        options = client_options(url)
         if sep and scheme in CLUSTER_SCHEMES:
             client = redis.cluster.RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}", **options)
         else:
             client = redis.Redis.from_url(url, **options)
         client.ping()
-    except (redis.exceptions.ConnectionError, redis.exceptions.RedisClusterException, FileNotFoundError) as e:
-        raise ConnectionError(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+    except (
+        redis.exceptions.ConnectionError,
+        redis.exceptions.ResponseError,  # NOPERM: the ACL user may not PING
+        redis.exceptions.RedisClusterException,
+        OSError,  # a certificate file missing or unreadable
+        ValueError,  # a bad URL, $FLEETBATCH_REDIS_TIMEOUT_S, half a client certificate
+    ) as e:
+        raise ConnectionError(f"cannot reach Redis at {redact_url(url)}: {explain(e, url)}") from e
     return client

@@ -49,6 +49,7 @@ import redis
 from workqueue.batches import Batches
 from workqueue.clusters import Clusters
 from workqueue.core import DEFAULT_MAX_ATTEMPTS, DEFAULT_RETENTION_S, QueueCore
+from workqueue.embedded import connect
 from workqueue.intake_ops import Intake
 from workqueue.leases import Leases
 from workqueue.moves import MOVE_WINDOW_SLACK, Moves
@@ -107,7 +108,8 @@ class WorkQueue:
 
     @classmethod
     def from_url(cls, url: str, **kw: Any) -> WorkQueue:
-        return cls(redis.Redis.from_url(url, decode_responses=True), **kw)
+        """A queue on a client :func:`workqueue.embedded.connect` makes (its timeouts, TLS, clear errors)."""
+        return cls(connect(url), **kw)
 
     # ------------------------------------------------------------------ the shared settings (QueueCore)
 
