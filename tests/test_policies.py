@@ -47,7 +47,7 @@ def test_cluster_view_validation_and_limits():
 
 
 def test_make_policy_names_choices():
-    assert set(POLICIES) == {"round_robin", "least_loaded", "token", "token_equal", "prefix"}
+    assert set(POLICIES) == {"round_robin", "least_loaded", "token", "token_equal", "prefix", "cost"}
     for name in POLICIES:
         assert make_policy(name).name == name
     with pytest.raises(ValueError, match="round_robin, least_loaded, token, token_equal, prefix"):

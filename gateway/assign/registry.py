@@ -4,25 +4,28 @@ is imported like any other (no import of a module that imports this one back).""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+from gateway.assign.cost import CostPolicy
 from gateway.assign.loads import AssignmentPolicy
 from gateway.assign.policies import LeastLoaded, RoundRobin, TokenPolicy
 from gateway.assign.prefix_policy import PrefixPolicy
 
-POLICIES: dict[str, Callable[[], AssignmentPolicy]] = {
+POLICIES: dict[str, Callable[..., AssignmentPolicy]] = {
     "round_robin": RoundRobin,
     "least_loaded": LeastLoaded,
     "token": lambda: TokenPolicy(capacity_aware=True),
     "token_equal": lambda: TokenPolicy(capacity_aware=False),
     "prefix": PrefixPolicy,
+    "cost": CostPolicy,  # the cheapest split that meets the batch's window (gateway.assign.cost)
 }
 
 
-def make_policy(name: str) -> AssignmentPolicy:
-    """A fresh policy by name; ``ValueError`` naming the choices when unknown."""
+def make_policy(name: str, prices: Mapping[str, float] | None = None) -> AssignmentPolicy:
+    """A fresh policy by name; ``ValueError`` naming the choices when unknown. ``prices``: each cluster's
+    dollars per hour (:func:`gateway.assign.cost.fleet_prices`), for a policy that reads them (``cost``)."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown assignment policy {name!r}; choose one of {', '.join(POLICIES)}") from None
-    return factory()
+    return factory(prices) if getattr(factory, "priced", False) else factory()

@@ -1,0 +1,246 @@
+"""What the fleet costs, in one place: the billing model, the cost-aware split of a batch (``--policy cost``), and
+the rule the offloader's moves follow under it.
+
+**The billing model.** A cluster is billed at its price (:meth:`clusterfile.Cluster.hourly_price`: its
+``price_per_hour``, else its devices' catalog prices in its market) from the batch's start until it is released,
+and it is released (scaled to zero) as soon as it has no work left; a cluster given no work costs nothing. A
+cluster with no known price is billed at nothing. So a cluster of price ``p`` (dollars per second), capacity
+``c`` (tokens per second) and ``q`` tokens of work costs ``p * q / c``: ``p / c`` a token (:func:`dollars_per_token`).
+
+**The split** (:func:`cost_targets`). For a batch of ``X`` predicted tokens (prompt + response) and the time left
+in its completion window ``W``, cluster ``i`` gets ``x_i`` tokens: minimise ``sum p_i (q_i + x_i) / c_i`` subject to
+``sum x_i = X`` and every cluster finishing within ``MARGIN x W``, ``(q_i + x_i) / c_i <= MARGIN * W``, where
+``q_i`` is the work it already holds (queued and running). Cost and finish times are linear in ``x``, so this is a
+linear program (GLOP, OR-Tools): the clusters cheapest per token fill first, each up to what it finishes within the
+window. A second LP spreads the batch over clusters of equal price per token so that the fleet finishes earliest
+at that least cost. When no split meets the window, the batch takes the fastest finish (the ``token`` policy's
+water filling) and is at risk. :class:`CostPolicy` turns the shares into queries as the ``token`` policy does
+(longest first, to the largest remaining deficit).
+
+**Moves** (:func:`move_allowed`). Under the cost policy the offloader moves queued work to a cluster only when it
+is no dearer per token (the batch gets cheaper, or costs the same, and finishes earlier: every move already pays
+in finish time), or when the donor would finish past the nearest deadline (the move saves it).
+
+Pure module (OR-Tools, no Redis).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from clusterfile import Cluster
+from gateway.assign.loads import ClusterView, NoClusterError, QueryLoad, usable_clusters
+from gateway.assign.policies import deficit_fill, water_fill_targets
+
+log = logging.getLogger(__name__)
+
+#: every cluster must finish within this share of the time left in the batch's window (the safety margin)
+MARGIN = 0.8
+#: the window of a batch without a deadline (the queue order keys such a batch as if its window were 24 h)
+DEFAULT_WINDOW_S = 24 * 3600.0
+_TIE = 1e-9  # the second LP keeps the cost within this share of the least cost (the LP's tolerance)
+_SNAP = 1e-6  # a share below this is the solver's rounding: 0
+
+#: dollars per hour of each cluster whose price is known, by name
+Prices = Mapping[str, float]
+
+
+def fleet_prices(clusters: Sequence[Cluster]) -> dict[str, float]:
+    """The known prices (dollars per hour) of the clusters of a cluster file, by name."""
+    return {c.name: p for c in clusters if (p := c.hourly_price()) is not None}
+
+
+def dollars_per_token(view: ClusterView, prices: Prices) -> float:
+    """What one token costs on ``view`` under the billing model: its price per second over its capacity (0 for
+    a cluster with no known price; ``inf`` for one with no capacity)."""
+    price = prices.get(view.name, 0.0) / 3600.0
+    if price <= 0:
+        return 0.0
+    return price / view.capacity_tps if view.capacity_tps > 0 else math.inf
+
+
+def fleet_cost(views: Sequence[ClusterView], prices: Prices, extra: Sequence[float] | None = None) -> float:
+    """Dollars the fleet costs to run what each cluster holds (``pending_tokens``, plus ``extra`` tokens each)
+    until it is released, under the billing model; a cluster with nothing costs nothing."""
+    extra = extra if extra is not None else [0.0] * len(views)
+    return math.fsum(
+        (v.pending_tokens + x) * dollars_per_token(v, prices)
+        for v, x in zip(views, extra, strict=True)
+        if v.pending_tokens + x > 0
+    )
+
+
+@dataclass(frozen=True)
+class CostPlan:
+    """A batch's split: tokens per cluster (in the order given), whether no split met the window (the fastest
+    finish instead: at risk), the fleet's cost with it (dollars, :func:`fleet_cost`: what the clusters held too)
+    and the batch's finish (s from now: the latest of the clusters it uses, after what they held)."""
+
+    targets: list[float]
+    at_risk: bool
+    cost: float
+    finish_s: float
+
+
+def _plan(clusters: Sequence[ClusterView], prices: Prices, targets: list[float], at_risk: bool) -> CostPlan:
+    finish = max(
+        ((c.pending_tokens + x) / c.capacity_tps for c, x in zip(clusters, targets, strict=True) if x > 0),
+        default=0.0,
+    )  # fmt: skip
+    return CostPlan(targets, at_risk, fleet_cost(clusters, prices, targets), finish)
+
+
+def cost_targets(
+    clusters: Sequence[ClusterView],
+    prices: Prices,
+    new_tokens: float,
+    window_s: float,
+    margin: float = MARGIN,
+) -> CostPlan:
+    """The cheapest split of ``new_tokens`` over ``clusters`` (usable, capacity > 0) that has every cluster done
+    within ``margin * window_s``, counting what each holds (the LP of the module docstring); when there is none,
+    the fastest finish (:func:`gateway.assign.policies.water_fill_targets`), at risk."""
+    if new_tokens < 0 or not math.isfinite(new_tokens):
+        raise ValueError(f"new_tokens must be a finite number >= 0, not {new_tokens}")
+    if not 0 < margin <= 1:
+        raise ValueError(f"margin must be in (0, 1], not {margin}")
+    if any(c.capacity_tps <= 0 for c in clusters):
+        raise ValueError("the cost split needs clusters with capacity > 0")
+    if not clusters:
+        raise ValueError("no clusters given")
+    if new_tokens == 0:
+        return _plan(clusters, prices, [0.0] * len(clusters), False)
+    horizon = margin * max(window_s, 0.0)
+    room = [max(0.0, c.capacity_tps * horizon - c.pending_tokens) for c in clusters]
+    if math.fsum(room) < new_tokens * (1 - 1e-12):
+        return _plan(clusters, prices, water_fill_targets(clusters, new_tokens), True)
+    shares = _solve([dollars_per_token(c, prices) for c in clusters], clusters, room, new_tokens, horizon)
+    targets = [s * new_tokens for s in shares]
+    return _plan(clusters, prices, targets, False)
+
+
+def _solve(
+    per_token: list[float], clusters: Sequence[ClusterView], room: list[float], total: float, horizon: float
+) -> list[float]:
+    """The LP in shares of ``total`` (well scaled): least cost, then, at that cost, the earliest finish."""
+    from ortools.linear_solver import pywraplp  # heavy: only the cost policy needs it
+
+    top = max(per_token) or 1.0
+    cost = [p / top for p in per_token]  # in [0, 1]
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    s = [solver.NumVar(0.0, min(1.0, r / total), f"s{i}") for i, r in enumerate(room)]
+    solver.Add(solver.Sum(s) == 1.0)
+    solver.Minimize(solver.Sum([k * v for k, v in zip(cost, s, strict=True)]))
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        raise RuntimeError("the cost LP found no optimum where one exists")
+    least = solver.Objective().Value()
+    # the second LP: the same least cost, then the earliest finish (times in units of the horizon)
+    solver.Add(solver.Sum([k * v for k, v in zip(cost, s, strict=True)]) <= least + _TIE * max(least, 1.0))
+    finish = solver.NumVar(0.0, solver.infinity(), "finish")
+    scale = horizon if horizon > 0 else 1.0
+    for v, c in zip(s, clusters, strict=True):
+        solver.Add(
+            v * (total / (c.capacity_tps * scale)) + c.pending_tokens / (c.capacity_tps * scale) <= finish
+        )
+    solver.Minimize(finish)
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        raise RuntimeError("the cost LP's second stage found no optimum")
+    shares = [v.solution_value() for v in s]
+    shares = [
+        x if x > _SNAP else 0.0 for x in shares
+    ]  # the solver's crumbs: a cluster left out stays released
+    norm = math.fsum(shares)
+    return [x / norm for x in shares]
+
+
+class CostPolicy:
+    """``--policy cost``: each batch split by :func:`cost_targets` over its window, then query by query as the
+    ``token`` policy does (longest first, largest remaining deficit)."""
+
+    name = "cost"
+    longest_first = True
+    priced = True  # made with the fleet's prices (gateway.assign.registry.make_policy)
+
+    def __init__(
+        self, prices: Prices | None = None, margin: float = MARGIN, min_concurrency: int = 1
+    ) -> None:
+        if not 0 < margin <= 1:
+            raise ValueError(f"margin must be in (0, 1], not {margin}")
+        self.prices = dict(prices or {})
+        self.margin = margin
+        self.min_concurrency = min_concurrency
+
+    def plan(
+        self, queries: Sequence[QueryLoad], clusters: Sequence[ClusterView], window_s: float | None = None
+    ) -> CostPlan:
+        """The split of ``queries`` over the usable ``clusters`` (in their order) for ``window_s`` seconds left."""
+        new = math.fsum(q.total_tokens for q in queries)
+        window = DEFAULT_WINDOW_S if window_s is None else window_s
+        return cost_targets(usable_clusters(clusters), self.prices, new, window, self.margin)
+
+    def assign_within(
+        self, queries: Sequence[QueryLoad], clusters: Sequence[ClusterView], window_s: float | None
+    ) -> tuple[list[str], CostPlan]:
+        """Each query's cluster, and the split it follows."""
+        usable = usable_clusters(clusters)
+        plan = self.plan(queries, usable, window_s)
+        if not queries:
+            return [], plan
+        chosen = [i for i, t in enumerate(plan.targets) if t > 0] or list(range(len(usable)))
+        try:  # the clusters the split uses; a cluster it leaves out stays released (costs nothing)
+            idx = deficit_fill(
+                queries, [usable[i] for i in chosen], [plan.targets[i] for i in chosen], self.min_concurrency
+            )
+            return [usable[chosen[i]].name for i in idx], plan
+        except NoClusterError:  # a query that fits none of them: every usable cluster, by the same targets
+            idx = deficit_fill(queries, usable, plan.targets, self.min_concurrency)
+            return [usable[i].name for i in idx], plan
+
+    def assign(self, queries: Sequence[QueryLoad], clusters: Sequence[ClusterView]) -> list[str]:
+        """:meth:`assign_within` a window of :data:`DEFAULT_WINDOW_S` (a batch without a deadline)."""
+        return self.assign_within(queries, clusters, None)[0]
+
+
+def assign_batch(
+    policy: object,
+    queries: Sequence[QueryLoad],
+    clusters: Sequence[ClusterView],
+    window_s: float | None,
+    batch_id: str = "",
+) -> list[str]:
+    """Assign a batch's queries with ``policy``, giving its window (seconds left; None: none) to a policy that
+    reads it (the cost policy); a batch no split of which meets its window is logged at risk, as the ETA logs one."""
+    within: Callable | None = getattr(policy, "assign_within", None)
+    if within is None:
+        return policy.assign(queries, clusters)  # type: ignore[attr-defined]
+    names, plan = within(queries, clusters, window_s)
+    if plan.at_risk:
+        log.warning(
+            "batch %s is at risk: no split finishes within %.0f%% of its window (%.0f s left); the fastest "
+            "finish instead, predicted in %.0f s",
+            batch_id or "(new)",
+            100 * getattr(policy, "margin", MARGIN),
+            DEFAULT_WINDOW_S if window_s is None else window_s,
+            plan.finish_s,
+        )
+    return names
+
+
+def move_allowed(
+    donor: ClusterView,
+    recipient: ClusterView,
+    prices: Prices,
+    deadline_in_s: float | None,
+    margin: float = MARGIN,
+) -> bool:
+    """Whether the offloader may move queued work from ``donor`` to ``recipient`` under the cost policy: the
+    recipient is no dearer per token (cheaper, still on time), or the donor would finish past ``margin`` of the
+    time to the nearest deadline (``deadline_in_s``; None: no deadline) and the move saves it."""
+    if dollars_per_token(recipient, prices) <= dollars_per_token(donor, prices):
+        return True
+    if deadline_in_s is None or donor.capacity_tps <= 0:
+        return False
+    return donor.pending_tokens / donor.capacity_tps > margin * max(deadline_in_s, 0.0)
