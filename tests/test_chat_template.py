@@ -10,7 +10,7 @@ import pytest
 
 from clusterfile import Cluster
 from gateway.deploy.up import gateway_config
-from gateway.http_api.batches import InvalidFile, build_request
+from gateway.http_api.batches import InvalidFile, scan_input
 from gateway.http_api.format import CHAT, DEFAULT_CHAT, ChatTemplate, parse_row
 from localmodels import default_tokenizer
 
@@ -42,7 +42,7 @@ def test_a_chat_row_without_a_template_is_refused_naming_what_to_give():
 def test_the_http_front_names_the_line_of_a_chat_row_it_cannot_render():
     lines = [json.dumps(TEXT_ROW).encode(), json.dumps(CHAT_ROW).encode()]
     with pytest.raises(InvalidFile) as e:
-        build_request(lines, CHAT, ChatTemplate.of(None, None, None), "b", {})
+        scan_input(lines, CHAT, ChatTemplate.of(None, None, None))
     assert [
         (x.line, "a chat row needs the served model's chat template" in x.message) for x in e.value.errors
     ] == [(2, True)]

@@ -136,14 +136,14 @@ def test_a_cancel_while_the_batch_is_created_is_kept_and_applied(idle, monkeypat
     client, queue, _ = idle
     f = client.files.create(file=("slow.jsonl", _rows(3, "s")), purpose="batch")
     reading, go_on = threading.Event(), threading.Event()
-    build = ob.build_request
+    scan = ob.scan_input
 
     def slow_read(*args, **kw):  # a large file: the creation is still reading it
         reading.set()
         assert go_on.wait(60)
-        return build(*args, **kw)
+        return scan(*args, **kw)
 
-    monkeypatch.setattr(ob, "build_request", slow_read)
+    monkeypatch.setattr(ob, "scan_input", slow_read)
     created: list = []
     creator = threading.Thread(
         target=lambda: created.append(

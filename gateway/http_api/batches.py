@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from gateway.batches.quota import OWNER_FIELD, owner_allows
 from gateway.checks.validation import ID_RE, Limits, query_problems
-from gateway.http_api.format import ChatTemplate, parse_row
+from gateway.http_api.format import ChatTemplate, OpenAIRequest, parse_row
 from gateway.http_api.objects import batch_object
 from gateway.status.eta import Eta
 from protos import fleetbatch_pb2 as pb
@@ -42,6 +42,8 @@ from workqueue.set_once import set_once
 LIST = keys.OAI_BATCHES  # ZSET: ids of batches created over HTTP, by creation time
 PENDING = keys.OAI_FINALIZE  # SET: ids whose output files are not written yet
 MAX_ERRORS = 100  # lines an invalid input file's ``errors`` list (the rest are counted)
+PART_BYTES = 4 << 20  # input bytes of one message of a streamed submission (:func:`request_parts`)
+HELD_BYTES = 4 * PART_BYTES  # what a streamed creation holds at most, counted in --max-inflight-mb
 
 
 def record_key(batch_id: str) -> str:
@@ -124,62 +126,115 @@ class _Errors:
             raise InvalidFile(self.listed)
 
 
-def build_request(
-    lines: Iterable[bytes],
-    endpoint: str,
-    template: ChatTemplate,
-    batch_id: str,
-    metadata: dict[str, str],
-    limits: Limits | None = None,
-) -> tuple[pb.SubmitBatchRequest, list[int]]:
-    """The gateway submission of an input file and each query's line; :class:`InvalidFile`
-    naming every bad line (the first ``MAX_ERRORS``) otherwise. With ``limits``, each query is
-    also checked as the gateway will (:func:`gateway.checks.validation.query_problems`, no tokenizing),
-    so those problems name their line too."""
-    reqs, numbers, seen, errors = [], [], {}, _Errors()
+@dataclass(frozen=True)
+class Scanned:
+    """What :func:`scan_input` found in a valid input file: each request's line, and whether the
+    queries are named ``line-<n>`` (some ``custom_id`` is not a query id)."""
+
+    lines: list[int]
+    as_lines: bool
+
+
+def _requests(
+    lines: Iterable[bytes], endpoint: str, template: ChatTemplate, errors: _Errors | None
+) -> Iterator[tuple[int, OpenAIRequest]]:
+    """``(line number, request)`` of each non-empty line; a bad line goes to ``errors`` (None: raises)."""
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         try:
             row = json.loads(raw)
         except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
+            if errors is None:
+                raise
             errors.add(n, f"not valid JSON ({e})", "invalid_json_line")
             continue
         try:
-            r = parse_row(row, 0, template, endpoint)
+            yield n, parse_row(row, 0, template, endpoint)
         except (ValueError, RecursionError) as e:
+            if errors is None:
+                raise
             errors.add(n, str(e))
-            continue
+
+
+def _query(q: pb.Query, r: OpenAIRequest) -> None:
+    """Fill ``q`` with the request ``r``; ``ValueError`` when protobuf refuses a value."""
+    q.prompt, q.max_tokens, q.openai_body = r.prompt, r.max_tokens, r.openai_body
+    q.sampling.temperature, q.sampling.top_p = r.temperature, r.top_p
+    if r.seed is not None:
+        q.sampling.seed = r.seed
+
+
+def scan_input(
+    lines: Iterable[bytes], endpoint: str, template: ChatTemplate, limits: Limits | None = None
+) -> Scanned:
+    """Check an input file line by line, holding only each line's ``custom_id``: :class:`InvalidFile`
+    naming every bad line (the first ``MAX_ERRORS``). With ``limits``, each query is also checked as the
+    gateway will (:func:`gateway.checks.validation.query_problems`, no tokenizing), so those problems
+    name their line too."""
+    numbers: list[int] = []
+    seen: dict[str, int] = {}
+    errors, ids = _Errors(), True
+    for n, r in _requests(lines, endpoint, template, errors):
         if r.custom_id in seen:
             errors.add(n, f"custom_id {r.custom_id!r} appears twice (also line {seen[r.custom_id]})",
                        "duplicate_custom_id")  # fmt: skip
             continue
         seen[r.custom_id] = n
-        reqs.append(r)
-        numbers.append(n)
-    if not reqs and not errors.listed:
-        errors.add(None, "the input file holds no requests", "empty_file")
-    ids, _ = query_ids([r.custom_id for r in reqs], numbers)
-    req = pb.SubmitBatchRequest(batch_id=batch_id, metadata=metadata, on_bad_query=pb.ON_BAD_QUERY_REJECT)
-    for qid, r, n in zip(ids, reqs, numbers, strict=True):
-        q = req.queries.add(id=qid)
+        q = pb.Query(id=r.custom_id if ID_RE.match(r.custom_id) else f"line-{n}")
         try:  # parse_row checked every value; protobuf is the judge of last resort
-            q.prompt, q.max_tokens, q.openai_body = r.prompt, r.max_tokens, r.openai_body
-            q.sampling.temperature, q.sampling.top_p = r.temperature, r.top_p
-            if r.seed is not None:
-                q.sampling.seed = r.seed
+            _query(q, r)
         except ValueError as e:
             errors.add(n, f"cannot be sent: {e}")
             continue
         for problem in query_problems(q, limits) if limits else ():
             errors.add(n, problem)
+        numbers.append(n)
+        ids = ids and bool(ID_RE.match(r.custom_id))
+    if not numbers and not errors.listed:
+        errors.add(None, "the input file holds no requests", "empty_file")
     errors.raise_any()
-    return req, numbers
+    return Scanned(numbers, not ids)
+
+
+def request_parts(
+    lines: Iterable[bytes],
+    endpoint: str,
+    template: ChatTemplate,
+    scanned: Scanned,
+    first: pb.SubmitBatchRequest,
+    part_bytes: int = PART_BYTES,
+) -> Iterator[pb.SubmitBatchRequest]:
+    """The submission of an input file :func:`scan_input` found valid, in messages of about
+    ``part_bytes`` of input each (``first`` carries the batch's settings; the last sets
+    ``end_of_batch``): one message at a time is held, never the file."""
+    msg, size = first, 0
+    for n, r in _requests(lines, endpoint, template, None):
+        _query(msg.queries.add(id=f"line-{n}" if scanned.as_lines else r.custom_id), r)
+        size += len(r.prompt) + len(r.openai_body) + 64
+        if size >= part_bytes:
+            yield msg
+            msg, size = pb.SubmitBatchRequest(), 0
+    msg.end_of_batch = True
+    yield msg
+
+
+def whole_request(
+    lines: Iterable[bytes],
+    endpoint: str,
+    template: ChatTemplate,
+    scanned: Scanned,
+    first: pb.SubmitBatchRequest,
+) -> pb.SubmitBatchRequest:
+    """The submission of a small valid input file as one message (``first``, filled)."""
+    (req,) = request_parts(lines, endpoint, template, scanned, first, part_bytes=1 << 62)
+    req.end_of_batch = False
+    return req
 
 
 def errors_of(problems: list[tuple[int | None, str]], lines: list[int]) -> list[LineError]:
     """The gateway's problems (by query position, :func:`gateway.checks.validation.problems_by_query`)
-    of the submission :func:`build_request` made, by input file line (``lines``: each query's)."""
+    of the submission :func:`request_parts` made, by input file line (``lines``: each query's)."""
     errors = _Errors()
     for i, message in problems:
         errors.add(lines[i] if i is not None and 0 <= i < len(lines) else None, message)
@@ -200,7 +255,7 @@ def fail_invalid(pipe, batch_id: str, errors: list[LineError]) -> None:
 
 
 def names_of(lines: Iterable[bytes]) -> dict[str, tuple[str, str]]:
-    """``query id -> (custom_id, model)`` of an input file (as :func:`build_request` named them)."""
+    """``query id -> (custom_id, model)`` of an input file (as :func:`request_parts` named them)."""
     custom, models, numbers = [], [], []
     for n, row in _rows(lines):
         body = row.get("body") if isinstance(row.get("body"), dict) else {}

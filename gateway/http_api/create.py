@@ -5,16 +5,30 @@ any duration of :mod:`gateway.checks.windows`: this gateway's extension), ``meta
 strings, within the gateway's byte limit), ``output_expires_after`` (accepted, as OpenAI's), and
 ``priority`` (this gateway's extension: an integer from -100 to 100; OpenAI's clients send it with
 ``extra_body={"priority": 2}``).
+
+:func:`submit_file` then submits the batch of the input file, read as a stream twice: every line
+checked first (:func:`gateway.http_api.batches.scan_input`, holding only the ``custom_id`` s), then
+sent: a file of fewer than the intake's ``sync_max_queries`` requests as one ``SubmitBatchRequest``
+(assigned at once, as over gRPC), a larger one message by message (about ``PART_BYTES`` of input
+each) as ``SubmitBatchStream`` sends it, each staged in Redis for the background intake as it comes:
+the gateway never holds the file whole.
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from gateway.checks.validation import Limits, metadata_problem
+from gateway.batches.errors import Caller, InvalidRequest
+from gateway.batches.service import BatchService
+from gateway.checks.validation import Limits, metadata_problem, problems_by_query
 from gateway.checks.windows import WindowError, check_priority, parse_window
-from gateway.http_api.format import ENDPOINTS
+from gateway.http_api import batches as ob
+from gateway.http_api.format import ENDPOINTS, ChatTemplate
 from gateway.http_api.shared import ApiError, utf8_problem
+from protos import fleetbatch_pb2 as pb
 
 FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after", "priority"}
 
@@ -63,3 +77,41 @@ def check_create(body, limits: Limits) -> CreateBatch:
     if problem:
         raise ApiError(400, problem, "metadata")
     return CreateBatch(file_id, endpoint, window, priority, metadata)
+
+
+async def submit_file(
+    service: BatchService,
+    lines: Callable[[], Iterable[bytes]],
+    template: ChatTemplate,
+    limits: Limits,
+    c: CreateBatch,
+    batch_id: str,
+    caller: Caller,
+) -> list[ob.LineError]:
+    """Submit the batch of the input file ``lines()`` reads (twice); the errors of an invalid file,
+    each naming its line (nothing submitted), else ``[]``. The service's other refusals are raised."""
+    try:
+        scanned = await asyncio.to_thread(ob.scan_input, lines(), c.endpoint, template, limits)
+    except ob.InvalidFile as e:
+        return e.errors
+    first = pb.SubmitBatchRequest(
+        batch_id=batch_id, metadata=c.metadata, on_bad_query=pb.ON_BAD_QUERY_REJECT,
+        completion_window=c.window, priority=c.priority,
+    )  # fmt: skip
+    try:
+        if len(scanned.lines) < service.d.intake.sync_max_queries:
+            whole = ob.whole_request, lines(), c.endpoint, template, scanned, first
+            await service.submit(await asyncio.to_thread(*whole), caller)
+        else:
+            parts = ob.request_parts(lines(), c.endpoint, template, scanned, first)
+            await service.submit_parts(_each(parts), caller)
+    except InvalidRequest as e:  # the request's own fields were checked: these are the file's problems
+        problems = problems_by_query(re.sub(r"^message \d+ of the stream: ", "", str(e)))
+        return ob.errors_of(problems, scanned.lines)
+    return []
+
+
+async def _each(parts: Iterator[pb.SubmitBatchRequest]) -> AsyncIterator[pb.SubmitBatchRequest]:
+    """The messages of ``parts``, each made (its lines read) in a worker thread."""
+    while (msg := await asyncio.to_thread(next, parts, None)) is not None:
+        yield msg

@@ -5,8 +5,8 @@ id, with a filename and a purpose), ``info`` (the file object or None), ``chunks
 back), ``delete`` and ``files`` (every file object, for ``GET /v1/files``). :class:`LocalFileStore` keeps each file as ``<dir>/<id>`` plus ``<dir>/<id>.json`` (its
 file object), written to a temporary name and renamed, so a reader never sees half a file and
 a gateway that dies mid-write leaves nothing under the id. Every gateway of a deployment must
-see the same store (one directory on shared storage, or an object store: see
-``docs/design/gateway.md``).
+see the same store: one directory on shared storage, or S3-compatible object storage
+(:class:`gateway.http_api.s3_files.S3FileStore`); :func:`open_store` makes the one ``--files`` names.
 """
 
 from __future__ import annotations
@@ -85,6 +85,9 @@ class LocalFileStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
+    def __str__(self) -> str:
+        return str(self.root)
+
     def _path(self, file_id: str) -> Path:
         """The file's path; ``FileNotFoundError`` for an id the store never issues (such as
         ``file-<id>.json``, the name of another file's object)."""
@@ -149,6 +152,17 @@ class LocalFileStore:
             info = self.info(meta.name[: -len(".json")])
             if info is not None:
                 yield info
+
+
+def open_store(where: str) -> FileStore:
+    """The store ``--files`` names: ``s3://bucket/prefix`` (object storage), else a directory."""
+    if where.startswith("s3://"):
+        from gateway.http_api.s3_files import S3FileStore  # boto3 is imported only when used
+
+        store = S3FileStore(where)
+        store.check()
+        return store
+    return LocalFileStore(where)
 
 
 def list_files(

@@ -1,9 +1,10 @@
 """The gateway's OpenAI-compatible HTTP front: ``/v1/files`` and ``/v1/batches`` (Starlette on uvicorn).
 
 It runs in the gateway's process and event loop, beside the gRPC server, and goes through the
-same batch service: a batch is created by building a ``SubmitBatchRequest`` from the input file
-and calling :class:`gateway.batches.service.BatchService`, so validation, size limits, the per-client
-cap, assignment and background intake are the gRPC API's; the service's refusals become HTTP
+same batch service: a batch is created from its input file, read twice as a stream (checked line
+by line, then sent: as one ``SubmitBatchRequest`` when small, else message by message as
+``SubmitBatchStream`` sends it, never held whole) through :class:`gateway.batches.service.BatchService`,
+so validation, size limits, the per-client cap, assignment and background intake are the gRPC API's; the service's refusals become HTTP
 statuses (:data:`gateway.http_api.shared.HTTP_STATUS`: 400, 404, 409, 429, 503) with OpenAI's error
 body (``{"error": {"message", "type", "param", "code"}}``). Every request needs
 ``Authorization: Bearer <key>`` (401 otherwise). The front is a client of its own
@@ -21,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine, Iterator
+from functools import partial
 from typing import Any, TypeVar
 
 from redis.exceptions import ResponseError
@@ -36,15 +38,14 @@ from gateway.batches.errors import (
     REDIS_DOWN,
     BatchError,
     Caller,
-    InvalidRequest,
     NotFound,
     redis_down,
 )
 from gateway.batches.service import BatchService
-from gateway.checks.validation import Limits, id_problem, problems_by_query
+from gateway.checks.validation import Limits, id_problem
 from gateway.config import GatewayConfig
 from gateway.http_api import batches as ob
-from gateway.http_api.create import CreateBatch, check_create
+from gateway.http_api.create import CreateBatch, check_create, submit_file
 from gateway.http_api.files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines
 from gateway.http_api.format import ChatTemplate
 from gateway.http_api.health import HEALTH_PATH, health_route
@@ -197,11 +198,12 @@ class OpenAIFront:
             raise ApiError(
                 400, f"file {c.file_id} has purpose {info.purpose!r}, not 'batch'", "input_file_id"
             )
-        work = self._counted(info.bytes, self._create(ob.new_batch_id(), c, caller))
+        held = min(info.bytes, ob.HELD_BYTES)  # a larger file is streamed
+        work = self._counted(held, self._create(ob.new_batch_id(), c, caller))
         return JSONResponse(await self.durable(work))
 
     async def _counted(self, size: int, work: Coroutine[Any, Any, T]) -> T:
-        """``work`` (a creation) with its input file's ``size`` counted in the gateway's in-flight
+        """``work`` (a creation) with the bytes of its input file it holds (``size``) counted in the gateway's in-flight
         bytes (``--max-inflight-mb``), as a gRPC request's are: 429 (retry later) before anything is
         written, when it does not fit."""
         budget = self.service.d.inflight
@@ -220,26 +222,11 @@ class OpenAIFront:
         if await asyncio.to_thread(deleting, self.queue, self.store, file_id):
             await asyncio.to_thread(ob.drop_record, self.queue, batch_id)
             raise ApiError(404, f"file {file_id} was deleted", "input_file_id")
+        lines = partial(read_lines, self.store, file_id)  # read twice: checked, then sent
         try:
-            submission, lines = await asyncio.to_thread(
-                ob.build_request,
-                read_lines(self.store, file_id),
-                c.endpoint,
-                self.template,
-                batch_id,
-                c.metadata,
-                self.limits,
-            )
-        except ob.InvalidFile as e:
-            return await asyncio.to_thread(self._fail, batch_id, file_id, e.errors)
-        submission.completion_window, submission.priority = c.window, c.priority
-        try:
-            await self.service.submit(submission, caller)
-        except (
-            InvalidRequest
-        ) as e:  # the request's own fields were checked above: these are the file's problems
-            errors = ob.errors_of(problems_by_query(str(e)), lines)
-            return await asyncio.to_thread(self._fail, batch_id, file_id, errors)
+            errors = await submit_file(self.service, lines, self.template, self.limits, c, batch_id, caller)
+            if errors:  # nothing was submitted
+                return await asyncio.to_thread(self._fail, batch_id, file_id, errors)
         except BatchError as e:  # 409, 429, 503: retry later
             if not await self._forget_unless_created(batch_id):
                 raise api_error(e) from None

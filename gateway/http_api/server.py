@@ -15,13 +15,12 @@ import contextlib
 import logging
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import uvicorn
 
 from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig
-from gateway.http_api.files import LocalFileStore
+from gateway.http_api.files import open_store
 from gateway.http_api.finalizer import Finalizer
 from gateway.http_api.front import OpenAIFront
 
@@ -69,7 +68,7 @@ class HttpServer:
         cfg = self.config
         if not cfg.http_api_key:
             raise ValueError("the HTTP front needs an API key: --http-api-key or $FLEETBATCH_HTTP_API_KEY")
-        store = LocalFileStore(Path(cfg.files_dir or "runs/openai-files"))  # uploads bounded by the front
+        store = await asyncio.to_thread(open_store, cfg.files_dir or "runs/openai-files")  # a dir or s3://
         self._front = OpenAIFront(self.service, self.queue, cfg, store, self.service.d.tokenizer)
         app = self._front.app()
         host = cfg.listen.rsplit(":", 1)[0]
@@ -91,7 +90,7 @@ class HttpServer:
         port = sock.getsockname()[1]
         shown = f"[{host.strip('[]')}]" if ":" in host.strip("[]") else host
         url = f"{'https' if cfg.tls_cert else 'http'}://{shown}:{port}/v1"
-        log.info("OpenAI-compatible HTTP front on %s (files in %s)", url, store.root)
+        log.info("OpenAI-compatible HTTP front on %s (files in %s)", url, store)
         return url
 
     async def _finalize_loop(self, finalizer: Finalizer) -> None:
