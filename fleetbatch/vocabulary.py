@@ -81,7 +81,7 @@ VOCABULARY: dict[str, str] = {
     "--extra-train": "comma-separated datasets added to the training split only, e.g. 'gsm8k_test,alpaca_eval:llama-2-13b-chat-hf'",
     "--faults": "comma-separated subset of kill_engine, stop_engine, kill_redis, redis_outage, partition, racing_movers, ...",
     "--feature-weight": "with --teacher: weight of feature distillation, the student's pooled vector mapped onto the teacher's",
-    "--files": "the store of the batch API's files (a directory)",
+    "--files": "the store of the batch API's files (a directory, or s3://bucket/prefix)",
     "--fire-at": "fault k fires once this share of wave k is done",
     "--fleet-lengths": "mean prompt and response tokens the fleet is planned for",
     "--fleet-method": "the plan each cluster runs: ilp",

@@ -23,7 +23,9 @@ def add_http(s: argparse.ArgumentParser, port: int | None, shown: str, files_dir
     s.add_argument(
         "--files",
         default=files_dir,
-        help=f"directory of the HTTP front's files (default: {files_dir or 'RUN_DIR/files'})",
+        help="where the HTTP front keeps its files: a directory, or s3://BUCKET/PREFIX for S3-compatible "
+        "object storage (endpoint, region and credentials as the AWS SDK reads them: AWS_ENDPOINT_URL, "
+        f"AWS_REGION, AWS_ACCESS_KEY_ID, ...; default: {files_dir or 'RUN_DIR/files'})",
     )
 
 

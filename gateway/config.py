@@ -67,7 +67,7 @@ class GatewayConfig:
     bound_address: str = ""  # set by the server once it listens (port 0 picks a free one)
     http_port: int | None = None  # the OpenAI-compatible HTTP front (0: any free port; None: off)
     http_api_key: str = ""  # its Bearer key
-    files_dir: str = ""  # where it keeps /v1/files (a local directory)
+    files_dir: str = ""  # where it keeps /v1/files: a directory, or s3://bucket/prefix (object storage)
     http_url: str = ""  # set once the HTTP front listens: http://host:port/v1
 
     @classmethod
@@ -116,7 +116,7 @@ class GatewayConfig:
             if port is None or port < 0
             else port,  # negative: no HTTP front (serve and up alike)
             http_api_key=getattr(args, "http_api_key", None) or os.environ.get(HTTP_KEY_ENV, ""),
-            files_dir=getattr(args, "files_dir", None) or "",
+            files_dir=getattr(args, "files", None) or "",  # --files
         )
 
     def token(self) -> str:

@@ -158,7 +158,7 @@ def http_settings(args, run_dir: Path) -> Path | None:
     if getattr(args, "http_port", None) is None or args.http_port < 0:
         args.http_port = None
         return None
-    args.files_dir = getattr(args, "files_dir", None) or str(run_dir / "files")
+    args.files = getattr(args, "files", None) or str(run_dir / "files")
     args.http_api_key = (
         getattr(args, "http_api_key", None) or os.environ.get(HTTP_KEY_ENV) or secrets.token_urlsafe(18)
     )

@@ -2,8 +2,10 @@
 
 Every gateway with the HTTP front runs :meth:`Finalizer.tick` every 0.5 s. It works from Redis
 (the set ``{fb}:oai:finalize`` of batches not yet finalized), so a restarted gateway finishes
-what a dead one left; a lease per batch keeps two gateways from writing the same files at once,
-and file ids are derived from the batch id, so writing again after a crash replaces the
+what a dead one left; a lease per batch keeps two gateways from writing the same files at once
+(``LEASE_S``, renewed as the writer goes, so a gateway killed mid-write holds the batch up that
+long at most; its token names the holder, ``host:pid:...``; a writer that finds its lease taken
+stops), and file ids are derived from the batch id, so writing again after a crash replaces the
 half-written file. On its pass it also records when a batch became ``in_progress``
 (:func:`gateway.http_api.batches.note_progress`), sums the batch's token ``usage`` while it writes
 the output file, and then applies the retention of :mod:`gateway.http_api.retention` (the record
@@ -27,10 +29,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import secrets
+import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.http_api.batches import PENDING, names_of, note_progress, record_key, set_record_once
 from gateway.http_api.files import FileStore, read_lines
@@ -43,6 +47,8 @@ from workqueue.lease import Lease
 log = logging.getLogger(__name__)
 
 ORPHAN_S = 600.0  # a record whose gateway batch never appeared within this long is dropped
+#: the finalizer's lease on a batch (renewed every ``RESULT_CHUNK`` rows written); env FLEETBATCH_FINALIZE_LEASE_S
+LEASE_S = 30.0
 RESULT_CHUNK = 1000
 RETRY_FIRST_S = 0.5  # wait after a batch's first failed pass; doubles with each failure
 RETRY_MAX_S = 300.0  # the longest wait between two tries
@@ -56,6 +62,15 @@ if seen ~= tonumber(ARGV[2]) then return seen end
 redis.call('HSET', KEYS[1], 'finalize_retry_at', ARGV[1])
 return redis.call('HINCRBY', KEYS[1], 'finalize_failures', 1)
 """
+
+
+class LeaseLost(RuntimeError):
+    """The finalizer's lease on a batch lapsed while it wrote the files (a stall past ``lease_s``)."""
+
+
+def holder_token() -> str:
+    """A finalizer lease's token: this gateway's host and process, then a random part."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(6)}"
 
 
 def retry_delay(failures: int) -> float:
@@ -78,7 +93,9 @@ class Finalizer:
     queue: WorkQueue
     store: FileStore
     retention_s: float = 0.0
-    lease_s: float = 300.0
+    lease_s: float = field(
+        default_factory=lambda: float(os.environ.get("FLEETBATCH_FINALIZE_LEASE_S") or LEASE_S)
+    )
     metrics: GatewayMetrics | None = None
     clock: Callable[[], float] = time.time  # when retries are due (tests inject one)
 
@@ -161,12 +178,14 @@ class Finalizer:
         note_progress(self.queue, batch_id, info, rec)
         if not info.final or self._waiting(rec.get("finalize_retry_at")):
             return False
-        lease = Lease(r, keys.oai_finalize_lease(batch_id), secrets.token_hex(8), self.lease_s)
+        lease = Lease(r, keys.oai_finalize_lease(batch_id), holder_token(), self.lease_s)
         if not lease.acquire():
             return False  # another gateway writes them
         try:
             r.hsetnx(key, "finalizing_at", time.time())
-            fields = self._write(batch_id, info, rec)
+            fields = self._write(batch_id, info, rec, lease)
+            if not lease.renew():
+                raise LeaseLost(f"batch {batch_id}: the finalizer's lease lapsed; another gateway writes it")
             fields["finalized_at"] = time.time()
             files = [str(fields["output_file_id"]), str(fields["error_file_id"]), rec["input_file_id"]]
             pipe = r.pipeline(transaction=True)
@@ -185,7 +204,7 @@ class Finalizer:
         finally:
             lease.release()
 
-    def _write(self, batch_id: str, info: BatchInfo, rec: dict) -> dict[str, str | int | float]:
+    def _write(self, batch_id: str, info: BatchInfo, rec: dict, lease: Lease) -> dict[str, str | int | float]:
         names = names_of(read_lines(self.store, rec["input_file_id"]))
         endpoint = rec.get("endpoint", CHAT)
         usage = [0, 0]
@@ -194,7 +213,7 @@ class Finalizer:
         for kind, want_error in (("output", False), ("errors", True)):
             file_id = file_id_of(batch_id, kind)
             counted = [0]
-            lines = self._lines(batch_id, endpoint, names, want_error, usage, counted, unrun)
+            lines = self._lines(batch_id, endpoint, names, want_error, usage, counted, unrun, lease)
             self.store.put(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", lines)
             if counted[0]:
                 fields["error_file_id" if want_error else "output_file_id"] = file_id
@@ -212,6 +231,7 @@ class Finalizer:
         usage: list[int],
         counted: list[int],
         unrun: str,
+        lease: Lease,
     ) -> Iterator[bytes]:
         """The file's lines in chunks; adds the output lines' prompt and completion tokens to ``usage``
         and the lines to ``counted``. Every request of the input has exactly one line in one of the
@@ -219,6 +239,8 @@ class Finalizer:
         ``unrun``) for each request that has no result at all (rows whose intake was lost)."""
         start, seen = 0, set()
         while True:
+            if not lease.renew():  # a pass that stalled past its lease: another gateway may write now
+                raise LeaseLost(f"batch {batch_id}: the finalizer's lease lapsed while writing; stopped")
             rows = self.queue.results(batch_id, start, start + RESULT_CHUNK - 1)
             if not rows:
                 break
