@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.assign.calibrated import LengthCalibrator, LengthEstimates
+from gateway.assign.cost import fleet_prices
 from gateway.assign.prefixes import prefix_finder
 from gateway.assign.registry import make_policy
 from gateway.assign.tokens import token_bound
@@ -132,7 +133,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
             [p.expected_tokens for p in predictor.predict(prompts)] if prompts else []
         )
 
-    policy = make_policy(config.policy)
+    policy = make_policy(config.policy, prices=fleet_prices(config.clusters))
     deps = GatewayDeps(
         config=config,
         queue=queue,

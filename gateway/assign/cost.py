@@ -30,6 +30,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from clusterfile import Cluster
 from gateway.assign.loads import ClusterView, NoClusterError, QueryLoad, usable_clusters
@@ -204,18 +205,33 @@ class CostPolicy:
         return self.assign_within(queries, clusters, None)[0]
 
 
+class Batches(Protocol):
+    """Where a batch's deadline is read (a :class:`workqueue.WorkQueue`)."""
+
+    def batch(self, batch_id: str) -> Any: ...
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+
 def assign_batch(
     policy: object,
     queries: Sequence[QueryLoad],
     clusters: Sequence[ClusterView],
     window_s: float | None,
     batch_id: str = "",
+    batches: Batches | None = None,
 ) -> list[str]:
-    """Assign a batch's queries with ``policy``, giving its window (seconds left; None: none) to a policy that
-    reads it (the cost policy); a batch no split of which meets its window is logged at risk, as the ETA logs one."""
+    """Assign a batch's queries with ``policy``, giving the seconds left in its window to a policy that reads it
+    (the cost policy): ``window_s``, else what is left to the deadline of batch ``batch_id`` as ``batches`` holds it
+    (None: no deadline). A batch no split of which meets its window is logged at risk, as the ETA logs one."""
     within: Callable | None = getattr(policy, "assign_within", None)
     if within is None:
         return policy.assign(queries, clusters)  # type: ignore[attr-defined]
+    if window_s is None and batch_id and batches is not None:
+        info = batches.batch(batch_id)
+        if info is not None and info.deadline > 0:
+            window_s = info.deadline - batches.clock()
     names, plan = within(queries, clusters, window_s)
     if plan.at_risk:
         log.warning(

@@ -1,11 +1,10 @@
 """The batch service: submit, get, cancel and read the results of batches; the fronts are adapters.
 
-It knows neither gRPC nor HTTP. A submission is the project's own message
-(``protos.SubmitBatchRequest``, used as data); a refusal is a typed
-:class:`gateway.batches.errors.BatchError`; the caller is a :class:`gateway.batches.errors.Caller`
-that the front established by its own authentication. The gRPC front
-(:mod:`gateway.grpc_api.servicer`) and the OpenAI HTTP front (:mod:`gateway.http_api.front`) call it and
-map its errors to their own codes. The admin API is :mod:`gateway.grpc_api.admin`.
+It knows neither gRPC nor HTTP. A submission is the project's own message (``protos.SubmitBatchRequest``, used
+as data); a refusal is a typed :class:`gateway.batches.errors.BatchError`; the caller is a
+:class:`gateway.batches.errors.Caller` that the front established by its own authentication. The gRPC front
+(:mod:`gateway.grpc_api.servicer`) and the OpenAI HTTP front (:mod:`gateway.http_api.front`) call it and map
+its errors to their own codes. The admin API is :mod:`gateway.grpc_api.admin`.
 
 Blocking work (tokenizing, predicting, Redis round trips) runs in worker threads via
 ``asyncio.to_thread`` so the event loop keeps serving streams while a large batch is
@@ -26,6 +25,7 @@ from functools import partial
 from typing import Any
 
 from gateway.assign.calibrated import LengthEstimates
+from gateway.assign.cost import assign_batch
 from gateway.assign.estimates import charged_tokens
 from gateway.assign.listing import read_clusters
 from gateway.assign.placement import configured_views, first_misfit
@@ -78,6 +78,7 @@ class BatchService:
             order=lambda loads: queue_order(deps.policy, loads),
             find_prefixes=deps.find_prefixes,
             shared_cache=deps.config.shared_prefix_cache,
+            assign_takes_batch=True,
         )
 
     def _count_assigned(self, names: list[str]) -> None:
@@ -307,7 +308,8 @@ class BatchService:
         ]
         infos = await asyncio.to_thread(read_clusters, d.queue)
         try:
-            names = await asyncio.to_thread(self._assign, loads, cluster_views(infos))
+            views = cluster_views(infos)
+            names = await asyncio.to_thread(self._assign, loads, views, batch_id, checked.window_s)
         except NoClusterError as e:
             never = first_misfit(loads, infos)  # permanent: no configured cluster can ever take it
             refusal = InvalidRequest if never else Unavailable
@@ -327,9 +329,9 @@ class BatchService:
             names.append(names[-1])
         return queued, names
 
-    def _assign(self, loads: Sequence[QueryLoad], views) -> list[str]:
-        with self._policy_lock:
-            return self.d.policy.assign(loads, views)
+    def _assign(self, loads: Sequence[QueryLoad], views, batch_id="", window_s=None) -> list[str]:
+        with self._policy_lock:  # the cost policy reads the batch's window: given, else its stored deadline's
+            return assign_batch(self.d.policy, loads, views, window_s, batch_id, self.d.queue)
 
     async def _resubmitted(self, existing: BatchInfo, request, caller: Caller) -> BatchStatus:
         """``request`` under an existing batch's id: :meth:`_resubmitted_as` with its count and fingerprint."""

@@ -42,6 +42,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 from gateway.assign.calibrated import LengthEstimates
 from gateway.assign.placement import IntakeWaits, place_or_wait
@@ -109,15 +110,14 @@ class Intake:
         order: Callable[[Sequence[QueryLoad]], list[int]] | None = None,
         find_prefixes: Callable[[list[str], list[int]], list[Prefix]] | None = None,
         shared_cache: bool = False,
+        assign_takes_batch: bool = False,
     ) -> None:
         """``wait_s``: how long a batch waits for a cluster that can take its rows (``--intake-wait-s``);
         ``order``: the order a chunk's rows enter their queues (indices into its loads; None: the rows');
-        ``shared_cache``: no tenant salt in the payloads (``--shared-prefix-cache``)."""
-        self.shared_cache = shared_cache
-        self.order = order
-        self.find_prefixes = (
-            find_prefixes  # each row's prefix group (gateway.assign.prefixes), for the policy
-        )
+        ``shared_cache``: no tenant salt in the payloads (``--shared-prefix-cache``); ``assign_takes_batch``: ``assign``
+        takes the batch's id as ``batch_id`` (the cost policy reads its window)."""
+        self.shared_cache, self.assign_takes_batch, self.order = shared_cache, assign_takes_batch, order
+        self.find_prefixes = find_prefixes  # each row's prefix group (gateway.assign.prefixes), for the policy
         self.wait_s = wait_s
         self.queue = queue
         self.count_tokens = count_tokens
@@ -188,14 +188,13 @@ class Intake:
         if status in STOPPING_BATCH_STATES:
             self.waiting.drop(batch_id)
             return cancelled(batch_id, rows)
-        chunk = predict_chunk(
-            cursor, rows, self.predict_tokens, self.count_tokens, counter, self.find_prefixes
-        )
+        chunk = predict_chunk(cursor, rows, self.predict_tokens, self.count_tokens, counter, self.find_prefixes)
         return self._placed(batch_id, chunk, ident)
 
     def _placed(self, batch_id: str, chunk: Chunk, ident: str | None) -> Landing:
         try:
-            placed = place_or_wait(self.queue, batch_id, chunk.loads, self.assign, self.wait_s)
+            assign = partial(self.assign, batch_id=batch_id) if self.assign_takes_batch else self.assign
+            placed = place_or_wait(self.queue, batch_id, chunk.loads, assign, self.wait_s)
         except IntakeWaits:
             if ident is not None:
                 self.waiting.keep(batch_id, ident, chunk)
