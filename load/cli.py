@@ -19,7 +19,7 @@ from load.deployment import LocalDeployment
 from load.openai_batch import OpenAIOutput, error_path
 from load.reports import report
 from load.reports.layout import format_layouts, mean_lengths, plan_rows
-from load.soaks import endpoints, file_soak, openai_check, soak
+from load.soaks import endpoints, file_create, file_soak, openai_check, soak
 from load.studies import bench_offload, compare_policies, deadlines, prefix, study, wan
 from load.workload import OpenAIFile, from_dataset, generated
 
@@ -189,6 +189,12 @@ def build_parser(prog: str = "fleetbatch loadgen") -> argparse.ArgumentParser:
             "every row once",
         ),
         (
+            "file-create",
+            file_create,
+            "a batch created over HTTP from a 200 MB input file (a directory or s3:// store): the gateway's "
+            "memory before and at its peak",
+        ),
+        (
             "endpoints",
             endpoints,
             "the endpoint backend against a plain client at each fixed concurrency, on one transformers serve "
@@ -353,6 +359,7 @@ def run(args: argparse.Namespace) -> int:
     modules = {"bench-offload": bench_offload, "compare-policies": compare_policies}
     modules.update(chaos=chaos, study=study, report=report, soak=soak)
     modules["file-soak"] = file_soak
+    modules["file-create"] = file_create
     modules["openai-check"] = openai_check
     modules["wan"] = wan
     modules["deadlines"] = deadlines

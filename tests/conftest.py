@@ -41,6 +41,30 @@ def redis_url(redis_server) -> str:
     return redis_server.url
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One real S3-compatible server (moto's standalone server, a process of its own) per test session,
+    started by the first test that asks for it (:mod:`tests.s3_server`)."""
+    from tests.s3_server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def s3_files(s3_server, monkeypatch, request) -> str:
+    """An ``s3://`` file store of its own (a new prefix) for one test, the ``AWS_*`` environment set to reach it."""
+    import re
+    import secrets
+
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return s3_server.files_url(
+        f"{re.sub(r'[^A-Za-z0-9_-]', '-', request.node.name)[:40]}-{secrets.token_hex(4)}"
+    )
+
+
 # -- the order of the run: the longest modules first ---------------------------------------------------
 #
 # Under pytest-xdist (scripts/test.sh: ``--dist loadgroup --no-loadscope-reorder``) each worker takes the next

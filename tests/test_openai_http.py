@@ -23,6 +23,7 @@ from gateway.http_api import batches as ob
 from gateway.http_api.format import CHAT, COMPLETIONS
 from gateway.http_api.objects import batch_object
 from gateway.http_api.retention import EXPIRE
+from gateway.http_api.s3_files import S3FileStore
 from load.soaks.openai_check import batch_problems
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -31,9 +32,15 @@ from tests.openai_http_helpers import ENGINE_ARGS, KEY, check_output_line, http_
 from workqueue import QueuedQuery, WorkQueue, connect, keys
 
 
-def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
+@pytest.fixture(params=["directory", "s3"])
+def files_at(request, tmp_path) -> str:
+    """Where the test's gateways keep their files: a directory, or a prefix of the session's S3 server."""
+    return str(tmp_path / "files") if request.param == "directory" else request.getfixturevalue("s3_files")
+
+
+def test_output_files_are_written_after_a_gateway_restart(redis_url, files_at):
     """The batch finishes while no gateway runs; the next gateway finalizes it from Redis."""
-    first = http_gateway(redis_url, tmp_path / "files", cluster="idle")
+    first = http_gateway(redis_url, files_at, cluster="idle")
     first.start()
     client = OpenAI(base_url=first.config.http_url, api_key=KEY, max_retries=0)
     rows = [
@@ -48,7 +55,7 @@ def test_output_files_are_written_after_a_gateway_restart(redis_url, tmp_path):
         result = {"batch_id": c.query.batch_id, "query_id": c.query.query_id, "text": "ok",
                   "prompt_tokens": 3, "completion_tokens": 1, "finish_reason": "stop"}  # fmt: skip
         queue.complete(c.query.gid, result, "completed", 1)
-    second = http_gateway(redis_url, tmp_path / "files", cluster="idle")
+    second = http_gateway(redis_url, files_at, cluster="idle")
     second.start()
     try:
         client = OpenAI(base_url=second.config.http_url, api_key=KEY, max_retries=0)
@@ -110,10 +117,10 @@ def test_in_progress_at_is_when_the_batch_left_validating(redis_url):
     assert obj("batch_small")["in_progress_at"] == int(queue.batch("batch_small").created_at)
 
 
-def test_records_and_files_follow_the_batch_retention(redis_url, tmp_path):
+def test_records_and_files_follow_the_batch_retention(redis_url, files_at):
     """With a retention of 3 s, a finished HTTP batch's record, list entry and files go when its
-    gateway batch does; a file no batch used stays."""
-    gateway = http_gateway(redis_url, tmp_path / "files", cluster="idle", retention_s=3)
+    gateway batch does (in object storage too: their objects are gone); a file no batch used stays."""
+    gateway = http_gateway(redis_url, files_at, cluster="idle", retention_s=3)
     gateway.start()
     queue = WorkQueue(connect(redis_url))
     try:
@@ -152,6 +159,11 @@ def test_records_and_files_follow_the_batch_retention(redis_url, tmp_path):
             with pytest.raises(openai.NotFoundError):
                 client.files.retrieve(x)
         assert client.files.retrieve(unused.id).id == unused.id
+        assert [x.id for x in client.files.list()] == [unused.id]
+        if files_at.startswith("s3://"):
+            store = S3FileStore(files_at)
+            listed = store.s3.list_objects_v2(Bucket=store.bucket, Prefix=store.prefix + "/")["Contents"]
+            assert sorted(o["Key"].rsplit("/", 1)[1] for o in listed) == [unused.id, unused.id + ".json"]
         assert batch.id not in [b.id for b in client.batches.list()]
         assert queue.r.zscore(ob.LIST, batch.id) is None and not queue.r.sismember(ob.PENDING, batch.id)
         assert not queue.r.exists(key) and queue.batch(batch.id) is None

@@ -1,7 +1,8 @@
 """`fleetbatch loadgen openai-check`: the OpenAI batch flow with the official ``openai`` client against ``fleetbatch gateway up``.
 
 Starts ``fleetbatch gateway up`` (embedded Redis, its default fleet of engines, the gateway with its
-OpenAI-compatible HTTP front on a free port), writes ``-n`` queries of a workload (by default
+OpenAI-compatible HTTP front on a free port, its files in ``--files``: a directory, or S3-compatible
+object storage), writes ``-n`` queries of a workload (by default
 the mixed workload of ``../shared/data``) as an OpenAI batch input file (``/v1/chat/completions``:
 each prompt a user message, ``max_tokens`` its recorded response length; or
 ``/v1/completions``), then with ``OpenAI(base_url=..., api_key=...)``: uploads it, creates the
@@ -42,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gateway-arg", action="append", help="extra argument for `fleetbatch gateway up` (repeatable)"
     )
     p.add_argument("--predictor", default="shipped", help="length predictor of the gateway")
+    p.add_argument(
+        "--files",
+        default=None,
+        help="the gateway's file store: a directory or s3://BUCKET/PREFIX (AWS_* from the environment; "
+        "default: RUN_DIR/files)",
+    )
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed for the deployment and batch")
 
 
@@ -155,7 +162,12 @@ def run(args) -> dict:
     items = _workload(args)
     rows = input_rows(items, args.endpoint)
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
-    up_args = ["--predictor", args.predictor, *(args.gateway_arg or [])]
+    up_args = [
+        "--predictor",
+        args.predictor,
+        *(["--files", args.files] if args.files else []),
+        *(args.gateway_arg or []),
+    ]
     with LocalDeployment(args.run_dir, up_args, args.timeout) as info:
         if "http_url" not in info:
             raise ValueError("`fleetbatch gateway up` started no HTTP front (was --http-port negative?)")
@@ -176,6 +188,7 @@ def run(args) -> dict:
         "batch_id": batch.id,
         "endpoint": args.endpoint,
         "dataset": args.dataset,
+        "files": args.files or "RUN_DIR/files",
         "requests": len(rows),
         "status": batch.status,
         "grpc_status": pb.BatchStatus.Name(same.status).lower(),
