@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cliutil import enable_config_file, run_main
 from gateway.cli_options import add_common, add_http
-from gateway.cli_tables import batch_table, cluster_table
+from gateway.cli_tables import batch_table, cluster_table, cost_line
 from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
 from gateway.deploy import calibrate, prepare, redis_acl
 from gateway.deploy.fleet_up import FLEET_METHODS
@@ -353,7 +353,8 @@ def _status(args) -> int:
         out["batches"] = [MessageToDict(b, preserving_proto_field_name=True) for b in batches]
         print(json.dumps(out))
     else:
-        print(cluster_table(resp.clusters) + ("\n\n" + batch_table(batches, time.time()) if batches else ""))
+        tables = cluster_table(resp.clusters) + "\n" + cost_line(resp)
+        print(tables + ("\n\n" + batch_table(batches, time.time()) if batches else ""))
     return 0
 
 

@@ -29,6 +29,8 @@ from gateway.grpc_api.servicer import BatchServicer
 from gateway.grpc_api.tls import server_credentials
 from gateway.http_api.server import HttpServer  # starlette + uvicorn: ~70 ms of ~400 (python -X importtime)
 from gateway.offload.offloader import OffloadConfig, Offloader
+from gateway.status.cost import CostMeter
+from gateway.status.eta import EtaBoard
 from gateway.status.metrics import GatewayMetrics
 from localmodels.prompt_ids import split_by_rule
 from planfile import load_plan
@@ -142,6 +144,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
         calibrator=calibrator,
         policy=policy,
         metrics=GatewayMetrics(config.metrics_batches),
+        eta=EtaBoard(cost=CostMeter(fleet_prices(config.clusters))),  # the billing model, metered
         predictor=predictor,
         token_bound=token_bound(tokenizer),
         tokenizer=tokenizer,
@@ -227,7 +230,7 @@ async def serve(
     # lease recovery and evacuation always run; --no-offload turns off only moves between live clusters
     offloader = Offloader(
         deps.queue,
-        OffloadConfig(balance=config.offload),
+        OffloadConfig(balance=config.offload, prices=getattr(deps.policy, "prices", None)),  # cost policy's
         metrics=deps.metrics,
         eta=deps.eta,
         calibrator=deps.calibrator,

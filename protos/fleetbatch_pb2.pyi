@@ -110,7 +110,7 @@ class RequestCounts(_message.Message):
     def __init__(self, total: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("id", "status", "request_counts", "created_at", "completed_at", "metadata", "queries_per_cluster", "predicted_tokens_per_cluster", "policy", "deadline", "completion_window", "priority", "predicted_finish_at", "at_risk", "predicted_tokens", "done_predicted_tokens", "done_actual_tokens", "remaining_tokens")
+    __slots__ = ("id", "status", "request_counts", "created_at", "completed_at", "metadata", "queries_per_cluster", "predicted_tokens_per_cluster", "policy", "deadline", "completion_window", "priority", "predicted_finish_at", "at_risk", "predicted_tokens", "done_predicted_tokens", "done_actual_tokens", "remaining_tokens", "cost_dollars")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class Batch(_message.Message):
     DONE_PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DONE_ACTUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REMAINING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_DOLLARS_FIELD_NUMBER: _ClassVar[int]
     id: str
     status: BatchStatus
     request_counts: RequestCounts
@@ -168,7 +169,8 @@ class Batch(_message.Message):
     done_predicted_tokens: float
     done_actual_tokens: int
     remaining_tokens: float
-    def __init__(self, id: _Optional[str] = ..., status: _Optional[_Union[BatchStatus, str]] = ..., request_counts: _Optional[_Union[RequestCounts, _Mapping]] = ..., created_at: _Optional[float] = ..., completed_at: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ..., queries_per_cluster: _Optional[_Mapping[str, int]] = ..., predicted_tokens_per_cluster: _Optional[_Mapping[str, float]] = ..., policy: _Optional[str] = ..., deadline: _Optional[float] = ..., completion_window: _Optional[str] = ..., priority: _Optional[int] = ..., predicted_finish_at: _Optional[float] = ..., at_risk: _Optional[bool] = ..., predicted_tokens: _Optional[float] = ..., done_predicted_tokens: _Optional[float] = ..., done_actual_tokens: _Optional[int] = ..., remaining_tokens: _Optional[float] = ...) -> None: ...
+    cost_dollars: float
+    def __init__(self, id: _Optional[str] = ..., status: _Optional[_Union[BatchStatus, str]] = ..., request_counts: _Optional[_Union[RequestCounts, _Mapping]] = ..., created_at: _Optional[float] = ..., completed_at: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ..., queries_per_cluster: _Optional[_Mapping[str, int]] = ..., predicted_tokens_per_cluster: _Optional[_Mapping[str, float]] = ..., policy: _Optional[str] = ..., deadline: _Optional[float] = ..., completion_window: _Optional[str] = ..., priority: _Optional[int] = ..., predicted_finish_at: _Optional[float] = ..., at_risk: _Optional[bool] = ..., predicted_tokens: _Optional[float] = ..., done_predicted_tokens: _Optional[float] = ..., done_actual_tokens: _Optional[int] = ..., remaining_tokens: _Optional[float] = ..., cost_dollars: _Optional[float] = ...) -> None: ...
 
 class GetBatchRequest(_message.Message):
     __slots__ = ("batch_id",)
@@ -239,7 +241,7 @@ class ListClustersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("name", "alive", "state", "capacity_tokens_per_s", "plan_tokens_per_s", "measured_tokens_per_s", "queue_length", "running", "waiting", "kv_used_tokens", "kv_free_tokens", "pending_predicted_tokens", "expected_finish_s", "last_heartbeat", "backend", "inflight", "assigned_predicted_tokens", "finished_predicted_tokens", "finished_actual_tokens", "finished_queries")
+    __slots__ = ("name", "alive", "state", "capacity_tokens_per_s", "plan_tokens_per_s", "measured_tokens_per_s", "queue_length", "running", "waiting", "kv_used_tokens", "kv_free_tokens", "pending_predicted_tokens", "expected_finish_s", "last_heartbeat", "backend", "inflight", "assigned_predicted_tokens", "finished_predicted_tokens", "finished_actual_tokens", "finished_queries", "price_per_hour", "billed", "cost_dollars")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +262,9 @@ class ClusterStatus(_message.Message):
     FINISHED_PREDICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_ACTUAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    BILLED_FIELD_NUMBER: _ClassVar[int]
+    COST_DOLLARS_FIELD_NUMBER: _ClassVar[int]
     name: str
     alive: bool
     state: str
@@ -280,13 +285,20 @@ class ClusterStatus(_message.Message):
     finished_predicted_tokens: float
     finished_actual_tokens: int
     finished_queries: int
-    def __init__(self, name: _Optional[str] = ..., alive: _Optional[bool] = ..., state: _Optional[str] = ..., capacity_tokens_per_s: _Optional[float] = ..., plan_tokens_per_s: _Optional[float] = ..., measured_tokens_per_s: _Optional[float] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., pending_predicted_tokens: _Optional[float] = ..., expected_finish_s: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., backend: _Optional[str] = ..., inflight: _Optional[int] = ..., assigned_predicted_tokens: _Optional[float] = ..., finished_predicted_tokens: _Optional[float] = ..., finished_actual_tokens: _Optional[int] = ..., finished_queries: _Optional[int] = ...) -> None: ...
+    price_per_hour: float
+    billed: bool
+    cost_dollars: float
+    def __init__(self, name: _Optional[str] = ..., alive: _Optional[bool] = ..., state: _Optional[str] = ..., capacity_tokens_per_s: _Optional[float] = ..., plan_tokens_per_s: _Optional[float] = ..., measured_tokens_per_s: _Optional[float] = ..., queue_length: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., pending_predicted_tokens: _Optional[float] = ..., expected_finish_s: _Optional[float] = ..., last_heartbeat: _Optional[float] = ..., backend: _Optional[str] = ..., inflight: _Optional[int] = ..., assigned_predicted_tokens: _Optional[float] = ..., finished_predicted_tokens: _Optional[float] = ..., finished_actual_tokens: _Optional[int] = ..., finished_queries: _Optional[int] = ..., price_per_hour: _Optional[float] = ..., billed: _Optional[bool] = ..., cost_dollars: _Optional[float] = ...) -> None: ...
 
 class ListClustersResponse(_message.Message):
-    __slots__ = ("clusters",)
+    __slots__ = ("clusters", "cost_per_hour", "cost_dollars")
     CLUSTERS_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    COST_DOLLARS_FIELD_NUMBER: _ClassVar[int]
     clusters: _containers.RepeatedCompositeFieldContainer[ClusterStatus]
-    def __init__(self, clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ...) -> None: ...
+    cost_per_hour: float
+    cost_dollars: float
+    def __init__(self, clusters: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., cost_per_hour: _Optional[float] = ..., cost_dollars: _Optional[float] = ...) -> None: ...
 
 class Move(_message.Message):
     __slots__ = ("src", "dst", "count", "predicted_tokens", "moved")

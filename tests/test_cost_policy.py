@@ -9,8 +9,12 @@ spot, 400 tokens/s, 0.849 $/h (0.00059); ``slow`` 2 x T4 spot, 200 tokens/s, 0.2
 
 from __future__ import annotations
 
+import json
 import math
+import socket
+import urllib.request
 
+import grpc
 import pytest
 
 from clusterfile import Cluster
@@ -27,6 +31,14 @@ from gateway.assign.cost import (
 from gateway.assign.loads import ClusterView, QueryLoad
 from gateway.assign.policies import water_fill_targets
 from gateway.assign.registry import make_policy
+from gateway.cli_tables import cluster_table, cost_line
+from gateway.config import ClusterSpec, GatewayConfig
+from gateway.offload.offloader import OffloadConfig, Offloader
+from gateway.status.cost import ClusterCost, CostMeter
+from protos import fleetbatch_pb2 as pb
+from protos import fleetbatch_pb2_grpc as pb_grpc
+from tests.harness import GatewayThread, batch_of, wait_until
+from workqueue import BatchInfo, ClusterInfo, QueuedQuery, WorkQueue, connect
 
 SPECS = [
     Cluster("fast", devices=["A100-40G", "A100-40G"]),
@@ -136,3 +148,121 @@ def test_moves_under_the_cost_policy():
     assert not move_allowed(busy_slow, fast, PRICES, 1000.0)  # dearer, on time (500 s <= 800 s)
     assert move_allowed(busy_slow, fast, PRICES, 600.0)  # 500 s > 0.8 x 600 s: it saves the deadline
     assert MARGIN == 0.8 and not math.isnan(dollars_per_token(fast, PRICES))
+
+
+# ---------------------------------------------------------------- the meter (the billing model, tick by tick)
+
+
+def info(name: str, queued: int = 0, inflight: int = 0) -> ClusterInfo:
+    return ClusterInfo(name=name, queue_length=queued, inflight=inflight)
+
+
+def batch(batch_id: str, left: dict[str, float]) -> BatchInfo:
+    return BatchInfo(batch_id, "in_progress", 1, 0, 0, 0, 0.0, 0.0, left_tokens_per_cluster=left)
+
+
+def test_the_meter_bills_clusters_while_they_hold_work_and_splits_by_tokens_left():
+    meter = CostMeter({"fast": 3600.0, "slow": 360.0})  # 1 $/s and 0.1 $/s
+    both = [batch("a", {"slow": 300.0}), batch("b", {"slow": 100.0})]
+    meter.update(0.0, [info("fast"), info("slow", queued=4)], both)
+    assert meter.rate_per_hour() == 360.0 and meter.spent == 0.0
+    assert meter.batch_rates() == pytest.approx({"a": 270.0, "b": 90.0})
+    meter.update(10.0, [info("fast"), info("slow", inflight=1)], [batch("a", {"slow": 50.0})])
+    assert meter.spent == pytest.approx(1.0)  # 10 s of slow; fast held nothing: nothing
+    assert meter.batch("a") == pytest.approx(0.75) and meter.batch("b") == pytest.approx(0.25)
+    assert meter.cluster("fast") == ClusterCost(3600.0, False, 0.0)
+    meter.update(20.0, [info("fast"), info("slow")], [])  # released: no work left
+    assert meter.spent == pytest.approx(2.0) and meter.batch("a") == pytest.approx(1.75)
+    assert meter.rate_per_hour() == 0.0 and not meter.cluster("slow").billed
+    meter.update(1000.0, [info("fast"), info("slow")], [])
+    assert meter.spent == pytest.approx(2.0)  # a released fleet costs nothing
+    assert CostMeter().batch("never") is None
+
+
+# ---------------------------------------------------------------- the offloader under the cost policy
+
+
+def test_the_offloader_moves_work_to_a_dearer_cluster_only_to_save_a_deadline(redis_url):
+    queue = WorkQueue(connect(redis_url))
+    for name, tps in (("fast", 1000.0), ("slow", 200.0)):
+        queue.register_cluster(name, capacity_hint_tps=tps)
+        queue.heartbeat(name, ttl_s=600, tokens_per_s=tps)
+    rows = [(QueuedQuery("loose", f"q{i}", "p", 8, 4, 96.0), "slow") for i in range(50)]  # 25 s of slow
+    queue.create_batch("loose", rows, window_s=3600.0)
+    cost = OffloadConfig(prices=PRICES)
+    assert (
+        Offloader(queue, cost).tick() == 0
+    )  # fast is dearer per token and slow is on time: it stays released
+    assert queue.clusters(["fast"])[0].queue_length == 0
+    rows = [(QueuedQuery("tight", f"q{i}", "p", 8, 4, 96.0), "slow") for i in range(10)]
+    queue.create_batch("tight", rows, window_s=20.0)  # slow now holds 30 s of work: past 0.8 x 20 s
+    assert Offloader(queue, cost).tick() > 0  # the move saves the deadline
+    assert queue.clusters(["fast"])[0].queue_length > 0
+
+
+# ---------------------------------------------------------------- end to end: a real gateway, Redis, status, metrics
+
+TOKEN = "cost-admin-token-0123456789"
+KEY = "cost-http-key-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, token: str) -> bytes:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.read()
+
+
+def test_end_to_end_a_loose_batch_runs_on_the_cheap_cluster_and_its_cost_is_shown(redis_url, tmp_path):
+    specs = [
+        ClusterSpec("fast", devices=["A100-40G", "A100-40G"], capacity_tps=1000.0),
+        ClusterSpec("medium", devices=["V100-32G", "T4"], market="spot", capacity_tps=400.0),
+        ClusterSpec("slow", devices=["T4", "T4"], market="spot", capacity_tps=200.0),
+    ]
+    metrics_port = free_port()
+    config = GatewayConfig(
+        redis_url=redis_url,
+        policy="cost",
+        admin_token=TOKEN,
+        metrics_port=metrics_port,
+        clusters=specs,
+        http_port=0,
+        http_api_key=KEY,
+        files_dir=str(tmp_path / "files"),
+    )
+    g = GatewayThread(config)
+    channel = grpc.insecure_channel(g.start())
+    try:
+        stub = pb_grpc.BatchServiceStub(channel)
+        stub.SubmitBatch(batch_of(20, batch_id="cheap", completion_window="1h"))
+        queue = WorkQueue(connect(redis_url))
+        assert [c.queue_length for c in queue.clusters(["fast", "medium", "slow"])] == [0, 0, 20]
+        wait_until(lambda: stub.GetBatch(pb.GetBatchRequest(batch_id="cheap")).cost_dollars > 0, 30, "a cost")
+        listed = stub.ListClusters(pb.ListClustersRequest())
+        rows = {c.name: c for c in listed.clusters}
+        assert listed.cost_per_hour == pytest.approx(0.21) and listed.cost_dollars > 0
+        assert rows["slow"].billed and rows["slow"].cost_dollars > 0 and rows["slow"].price_per_hour == 0.21
+        assert (
+            not rows["fast"].billed
+            and rows["fast"].cost_dollars == 0.0
+            and rows["fast"].price_per_hour == 5.86
+        )
+        assert [c.queue_length for c in queue.clusters(["fast", "medium", "slow"])] == [0, 0, 20]  # no move
+        page = json.loads(get(config.http_url + "/fleet/status", KEY))
+        assert page["cost_per_hour"] == pytest.approx(0.21) and page["cost_dollars"] > 0
+        assert {b["id"]: b["cost_dollars"] for b in page["batches"]}["cheap"] > 0
+        assert {c["name"]: c["price_per_hour"] for c in page["clusters"]}["medium"] == pytest.approx(0.849)
+        scraped = get(f"http://127.0.0.1:{metrics_port}/metrics", TOKEN).decode()
+        assert "fleetbatch_fleet_cost_dollars_per_hour 0.21" in scraped
+        assert 'fleetbatch_batch_cost_dollars{batch="cheap"}' in scraped
+        assert 'fleetbatch_cluster_price_dollars_per_hour{cluster="fast"} 5.86' in scraped
+        table = cluster_table(listed.clusters) + "\n" + cost_line(listed)
+        assert "fleet cost: 0.21 $/h now" in table and "5.86*" in table  # fast: released
+    finally:
+        channel.close()
+        g.stop()

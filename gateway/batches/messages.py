@@ -71,6 +71,7 @@ def batch_proto(b: BatchInfo, eta: Eta | None = None) -> pb.Batch:
         done_predicted_tokens=b.done_predicted_tokens,
         done_actual_tokens=b.done_actual_tokens,
         remaining_tokens=eta.remaining_tokens if live else 0.0,
+        cost_dollars=eta.cost_dollars if live else 0.0,
     )
 
 

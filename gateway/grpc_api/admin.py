@@ -31,6 +31,7 @@ from gateway.assign.views import cluster_proto, cluster_views, queued_loads, vie
 from gateway.checks.validation import cluster_problems, id_problem
 from gateway.grpc_api.auth import admin_refusal
 from gateway.offload.rebalance import RebalancePlan, format_plan, plan_moves, simulate_moves
+from gateway.status.cost import priced
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 
@@ -72,9 +73,8 @@ class AdminService(pb_grpc.AdminServiceServicer):
         await self._authorize(context)
         infos = await asyncio.to_thread(read_clusters, self.d.queue, listed=True)
         views = cluster_views(infos)
-        return pb.ListClustersResponse(
-            clusters=[cluster_proto(i, v) for i, v in zip(infos, views, strict=True)]
-        )
+        rows = [cluster_proto(i, v) for i, v in zip(infos, views, strict=True)]
+        return priced(pb.ListClustersResponse(clusters=rows), self.d.eta.cost)  # the billing model's figures
 
     def _rebalance(self, drain: Sequence[str], dry_run: bool, remove: str = "") -> pb.RebalanceResponse:
         """Plan (and unless ``dry_run``, apply) under the mover lease: one mover at a time, across

@@ -27,6 +27,7 @@ from gateway.batches.errors import (
 from gateway.batches.messages import batch_proto, result_proto
 from gateway.batches.service import BatchService, BatchStatus
 from gateway.grpc_api.auth import Authenticator
+from gateway.status.cost import priced
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 
@@ -96,4 +97,6 @@ class BatchServicer(pb_grpc.BatchServiceServicer):
 
     async def ListClusters(self, request, context: grpc.aio.ServicerContext) -> pb.ListClustersResponse:
         rows = await self.service.clusters()
-        return pb.ListClustersResponse(clusters=[cluster_proto(i, v) for i, v in rows])
+        return priced(
+            pb.ListClustersResponse(clusters=[cluster_proto(i, v) for i, v in rows]), self.service.d.eta.cost
+        )

@@ -133,19 +133,23 @@ def plan_offload(
     links: Links,
     bytes_per_query: Callable[[QueryLoad], int] | None = None,
     idle_threshold_tokens: float = 0.0,
+    allowed: Callable[[ClusterView, ClusterView], bool] | None = None,
 ) -> Move | None:
     """What ``idle`` should take, if anything.
 
     Nothing when ``idle`` does not accept work or holds more than ``idle_threshold_tokens``.
     Otherwise donors are tried busiest first (expected finish time, ties by name); the first
     that yields a paying :func:`tail_move` is the answer. ``tails[c]`` holds the last queued
-    queries of ``c``, back of the queue last.
+    queries of ``c``, back of the queue last. ``allowed(donor, idle)``: whether a move between them may be
+    made at all (the cost policy's rule, :func:`gateway.assign.cost.move_allowed`; None: every one).
     """
     if idle_threshold_tokens < 0:
         raise ValueError(f"idle_threshold_tokens must be >= 0, not {idle_threshold_tokens}")
     if not idle.usable or idle.pending_tokens > idle_threshold_tokens:
         return None
-    donors = [c for c in others if c.name != idle.name and tails.get(c.name)]
+    donors = [
+        c for c in others if c.name != idle.name and tails.get(c.name) and (not allowed or allowed(c, idle))
+    ]
     donors.sort(key=lambda c: (-_finish(c.pending_tokens, c.capacity_tps), c.name))
     for donor in donors:
         move = tail_move(

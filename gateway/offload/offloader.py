@@ -25,9 +25,11 @@ than the check reads, or assigned just before the cluster was marked).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.assign.calibrated import LengthCalibrator
+from gateway.assign.cost import move_allowed
 from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.assign.views import cluster_views, queued_tails
 from gateway.offload.moves import Backoff, LinkCost, Move, plan_offload
@@ -54,6 +56,9 @@ class OffloadConfig:
     balance: bool = (
         True  # step (3): moves between live clusters (off: `fleetbatch gateway serve --no-offload`)
     )
+    #: the cost policy's prices (dollars per hour by cluster): step (3) makes only the moves its rule allows
+    #: (gateway.assign.cost.move_allowed); None: every paying move
+    prices: Mapping[str, float] | None = None
 
 
 class Offloader:
@@ -74,6 +79,9 @@ class Offloader:
         self.moved_total = 0
         self.kept: dict[str, list[str]] = {}  # per stuck cluster: queued ids at its back that fit nowhere now
         self.skip: dict[str, int] = {}  # per stuck cluster: entries at the back of its queue known to stay
+        self.deadline_in_s: float | None = (
+            None  # seconds to the nearest deadline of an unfinished batch (None: none)
+        )
 
     def _backoff(self, name: str) -> Backoff:
         if name not in self.backoffs:
@@ -116,6 +124,8 @@ class Offloader:
         for batch_id in start.expired:
             log.warning("batch %s expired: its completion window ended; finished rows are kept", batch_id)
         infos = q.clusters(sorted(start.requeued))  # every registered cluster, as the script found them
+        deadlines = [b.deadline for b in start.unfinished if b.deadline > 0]
+        self.deadline_in_s = min(deadlines) - q.clock() if deadlines else None
         if self.metrics is not None and self.calibrator is not None:
             self.metrics.observe_calibration(self.calibrator.current())
         if self.eta is not None:
@@ -143,6 +153,7 @@ class Offloader:
             )
             for i in live
         }
+        self.eta.cost.update(now, infos, batches)  # the billing model, metered (gateway.status.cost)
         etas = self.eta.update(
             now,
             batches,
@@ -154,6 +165,7 @@ class Offloader:
         )
         if self.metrics is not None:
             self.metrics.observe_etas(etas, now)
+            self.metrics.observe_cost(self.eta.cost, [i.name for i in infos])
 
     def _offload(self, infos) -> int:
         q = self.queue
@@ -181,6 +193,7 @@ class Offloader:
                 others,
                 self.config.links,
                 idle_threshold_tokens=v.capacity_tps * self.config.lookahead_s,
+                allowed=self._allowed(),
             )
             if move is None:
                 backoff.failed()
@@ -196,6 +209,13 @@ class Offloader:
             else:
                 self._backoff(move.dst).failed()
         return n_moved
+
+    def _allowed(self) -> Callable[[ClusterView, ClusterView], bool] | None:
+        """The cost policy's rule for this tick's moves (None: not the cost policy)."""
+        prices = self.config.prices
+        if prices is None:
+            return None
+        return lambda donor, idle: move_allowed(donor, idle, prices, self.deadline_in_s)
 
     def _asks(self, v: ClusterView) -> bool:
         """Whether ``v`` asks for work now: usable, nothing queued, what it holds done within

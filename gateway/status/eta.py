@@ -43,8 +43,9 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from gateway.status.cost import CostMeter
 from workqueue import BatchInfo
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Eta:
     correction: float  # actual / predicted tokens applied to its remaining predicted tokens
     progress: float  # predicted tokens of its answered rows over its predicted tokens
     at_risk: bool  # a deadline, and the predicted finish is past it
+    cost_dollars: float = 0.0  # billed to it so far (gateway.status.cost)
 
 
 def correction(actual: float, predicted: float, prior: float, mass: float = PRIOR_TOKENS) -> float:
@@ -174,7 +176,10 @@ class ClusterLoad:
 class EtaBoard:
     """The latest ETA of every unfinished batch, refreshed by the offloader's tick (thread-safe)."""
 
-    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+    def __init__(self, window_s: float = RATE_WINDOW_S, cost: CostMeter | None = None) -> None:
+        self.cost = (
+            cost or CostMeter()
+        )  # what the fleet and each batch cost so far (the offloader's tick updates it)
         self._lock = threading.Lock()
         self._throughput = Throughput(window_s)
         self._etas: dict[str, Eta] = {}
@@ -210,6 +215,7 @@ class EtaBoard:
             self._batches = list(batches)
             lanes = self._lanes(rate, clusters or {})
             etas = estimate(batches, now, rate, self.fleet_ratio, self.prompt_share, lanes)
+            etas = {b: replace(e, cost_dollars=self.cost.batch(b) or 0.0) for b, e in etas.items()}
             before, self._etas = self._etas, etas
             self.updated_at = now
             etas = dict(self._etas)

@@ -20,6 +20,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from gateway.assign.policies import ClusterView, expected_finish_s
+from gateway.status.cost import CostMeter
 from gateway.status.eta import Eta
 from predictor.calibration import Calibration
 from workqueue import ClusterInfo
@@ -106,6 +107,34 @@ class GatewayMetrics:
             "Unfinished batches predicted to finish past their deadline",
             registry=r,
         )
+        self.batch_cost = Gauge(
+            "fleetbatch_batch_cost_dollars",
+            "Dollars billed to an unfinished batch so far (the billing model: gateway.status.cost)",
+            ["batch"],
+            registry=r,
+        )
+        self.cost_rate = Gauge(
+            "fleetbatch_fleet_cost_dollars_per_hour",
+            "What the fleet costs now: the prices of the clusters that hold work",
+            registry=r,
+        )
+        self.cost_spent = Gauge(
+            "fleetbatch_fleet_cost_dollars",
+            "Dollars the fleet has cost since the gateway started",
+            registry=r,
+        )
+        self.price = Gauge(
+            "fleetbatch_cluster_price_dollars_per_hour",
+            "A cluster's price (while it holds work)",
+            labels,
+            registry=r,
+        )
+        self.cluster_cost = Gauge(
+            "fleetbatch_cluster_cost_dollars",
+            "Dollars a cluster has cost since the gateway started",
+            labels,
+            registry=r,
+        )
         self.calibration_ratio = Gauge(
             "fleetbatch_length_calibration_ratio",
             "Observed over predicted answer tokens of the served models, shrunk toward 1 (1: not calibrated)",
@@ -151,11 +180,22 @@ class GatewayMetrics:
         then the earliest finish (the others', and finished batches', series are dropped)."""
         self.eta.clear()
         self.token_progress.clear()
+        self.batch_cost.clear()
         shown = sorted(etas.items(), key=lambda kv: (not kv[1].at_risk, kv[1].finish_at, kv[0]))
         for batch_id, e in shown[: self.max_batches]:
             self.eta.labels(batch_id).set(max(0.0, e.finish_at - now))
             self.token_progress.labels(batch_id).set(e.progress)
+            self.batch_cost.labels(batch_id).set(e.cost_dollars)
         self.at_risk.set(sum(1 for e in etas.values() if e.at_risk))
+
+    def observe_cost(self, meter: CostMeter, clusters: Sequence[str]) -> None:
+        """The fleet's cost rate and cost so far, and each cluster's price and cost so far (:mod:`gateway.status.cost`)."""
+        self.cost_rate.set(meter.rate_per_hour())
+        self.cost_spent.set(meter.spent)
+        for name in clusters:
+            c = meter.cluster(name)
+            self.price.labels(name).set(c.price_per_hour or 0.0)
+            self.cluster_cost.labels(name).set(c.dollars)
 
     def serve(self, port: int, addr: str = "127.0.0.1", token: str = "") -> WSGIServer:
         """Serve ``/metrics`` on ``addr:port`` (0: a free port; the server's ``server_port``) in a daemon
