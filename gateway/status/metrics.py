@@ -125,7 +125,7 @@ class GatewayMetrics:
         )
         self.price = Gauge(
             "fleetbatch_cluster_price_dollars_per_hour",
-            "A cluster's price (while it holds work)",
+            "A cluster's price, US dollars per hour (billed while it holds work)",
             labels,
             registry=r,
         )
