@@ -306,6 +306,7 @@ ROUTES = {
     "POST /v1/batches/{batch_id}/cancel": "Cancel a batch; 409 for one that is already over.",
     "GET /status": "The status page (HTML; it asks for the key and reads `/v1/fleet/status`).",
     "GET /v1/fleet/status": "The status page's data as JSON: clusters, newest batches, the fleet's throughput.",
+    "GET /healthz": "`{\"status\": \"ok\"}` while this replica reaches Redis, else 503 (Kubernetes' readiness probe).",
 }
 
 
