@@ -14,7 +14,14 @@ from typing import Any
 from pydantic import BaseModel
 
 from cliutil import env_name, options_model
-from clusterfile import CLUSTER_FILE_VERSION, Cluster, ClusterFile, Emulation
+from clusterfile import (
+    CLUSTER_FILE_VERSION,
+    DEVICE_PRICES_PER_HOUR,
+    SPOT_FRACTION,
+    Cluster,
+    ClusterFile,
+    Emulation,
+)
 from fleetbatch.cli import part_parser
 from fleetbatch.reference_markdown import code, header, table, text
 from fleetbatch.vocabulary import RETIRED, SHORT, VOCABULARY
@@ -83,12 +90,27 @@ def cluster_file_page() -> str:
     out += CLUSTER_EXAMPLE + "\n\n"
     out += f"## The file (version {CLUSTER_FILE_VERSION})\n\n" + _fields(ClusterFile)
     out += "\n## A cluster\n\n" + _fields(Cluster)
-    out += (
-        "\nThe fields marked *reserved* are declared and validated now, for work that reads them later; "
-        "the gateway logs a warning that they are not used yet.\n"
-    )
+    out += "\n## Prices\n\n" + _prices()
     out += "\n## Emulation\n\n" + _fields(Emulation)
     return out
+
+
+def _prices() -> str:
+    """The price rule and the catalog's default prices (clusterfile.prices)."""
+    out = (
+        "A cluster's price, in US dollars per hour, is its `price_per_hour` when set (what the whole cluster costs "
+        "in its market, taken as it is), else the sum of its devices' catalog prices below, times "
+        f"{SPOT_FRACTION:g} on the `spot` market. A cluster with neither (no price, a device the table does not "
+        "price, or no devices) has no known price: it is billed at nothing, and the cost policy takes it as free. "
+        "The defaults are inputs, not claims: about GCP's published on-demand prices in us-central1; set "
+        "`price_per_hour` to use your own. The billing model and `--policy cost`: "
+        "[Spot GPUs and cost](../how-to/spot-and-cost.md).\n\n"
+    )
+    rows = sorted(DEVICE_PRICES_PER_HOUR.items(), key=lambda kv: (-kv[1], kv[0]))
+    return out + table(
+        ("device", "on demand, $/GPU-hour", "spot, $/GPU-hour"),
+        ((code(d), f"{p:.2f}", f"{p * SPOT_FRACTION:.3f}") for d, p in rows),
+    )
 
 
 def _config_rows(parser: argparse.ArgumentParser) -> Iterable[tuple[str, ...]]:

@@ -33,6 +33,7 @@ from gateway.assign.policies import water_fill_targets
 from gateway.assign.registry import make_policy
 from gateway.cli_tables import cluster_table, cost_line
 from gateway.config import ClusterSpec, GatewayConfig
+from gateway.deploy.up import priced
 from gateway.offload.offloader import OffloadConfig, Offloader
 from gateway.status.cost import ClusterCost, CostMeter
 from protos import fleetbatch_pb2 as pb
@@ -266,3 +267,16 @@ def test_end_to_end_a_loose_batch_runs_on_the_cheap_cluster_and_its_cost_is_show
     finally:
         channel.close()
         g.stop()
+
+
+def test_a_planned_fleet_keeps_its_clusters_prices_and_markets():
+    planned = ClusterSpec("fast", capacity_tps=1000.0, plan="plans/fast.json")  # as gateway up plans it
+    assert priced(planned, None, ["A100-40G", "A100-40G"]).hourly_price() == pytest.approx(
+        5.86
+    )  # the default fleet
+    spot = priced(planned, Cluster("fast", devices=["T4", "T4"], market="spot"), ["T4", "T4"])
+    assert (
+        spot.market == "spot"
+        and spot.hourly_price() == pytest.approx(0.21)
+        and spot.plan == "plans/fast.json"
+    )

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from clusterfile import ENDPOINT_BACKEND, load_cluster_file
+from clusterfile import ENDPOINT_BACKEND, Cluster, load_cluster_file
 from gateway.config import HTTP_KEY_ENV, ClusterSpec, GatewayConfig
 from gateway.deploy.fleet_up import FleetSettings, describe_layout, fleet_specs, plan_fleet
 from gateway.deploy.forked import EngineProcess
@@ -73,10 +73,12 @@ def cluster_specs(args, run_dir: Path) -> tuple[list[ClusterSpec], dict[str, dic
         if args.num_clusters < 1:
             raise ValueError(f"--num-clusters must be >= 1, not {args.num_clusters}")
         return default_clusters(args.num_clusters, args.backend, args.size or "nano", args.served_model), {}
+    given: dict[str, ClusterSpec] = {}  # the file's clusters, whose prices and markets the planned specs keep
     if args.clusters != "default":
         doc = load_cluster_file(args.clusters)
         if not doc.planned:
             return list(doc.clusters), {}
+        given = {c.name: c for c in doc.clusters}
         unplanned = [c.name for c in doc.clusters if not c.devices]
         if unplanned:
             raise ValueError(
@@ -93,7 +95,15 @@ def cluster_specs(args, run_dir: Path) -> tuple[list[ClusterSpec], dict[str, dic
     for name, row in layouts.items():
         row["fleet_devices"] = devices[name]
         log.info("plan of %s", describe_layout(name, row, devices[name]))
-    return specs, layouts
+    return [priced(s, given.get(s.name), devices.get(s.name, [])) for s in specs], layouts
+
+
+def priced(spec: ClusterSpec, given: ClusterSpec | None, devices: list[str]) -> ClusterSpec:
+    """A planned cluster's spec with the price and market of the cluster it plans (its devices' catalog price on
+    demand for the default fleet), so that the cost policy and the status see them (gateway.assign.cost)."""
+    market = given.market if given is not None else "on-demand"
+    price = given.hourly_price() if given is not None else Cluster("x", devices=devices).hourly_price()
+    return spec.model_copy(update={"price_per_hour": price, "market": market})
 
 
 async def wait_for_engines(
