@@ -93,6 +93,7 @@ GATEWAY_COMMANDS = (
     "ttl",
     "incr",
     "decr",
+    "decrby",  # redis-py's decr()
     "hdel",
     "srem",
     "scard",

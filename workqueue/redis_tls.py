@@ -89,6 +89,11 @@ _CAUSES = (
 )
 
 
+#: the server ended the handshake without saying why to this side: under TLS 1.3 a refused client certificate
+#: (or a missing one the server requires) reads so when the client writes before the server's alert arrives
+_CUT = ("EOF occurred in violation of protocol", "UNEXPECTED_EOF")
+
+
 def explain(error: BaseException, url: str) -> str:
     """``error`` (from connecting to ``url``) as one line: the cause in plain words, then the library's text."""
     text = str(error)
@@ -97,4 +102,11 @@ def explain(error: BaseException, url: str) -> str:
     for needle, meaning in _CAUSES:
         if needle.lower() in text.lower():
             return f"{meaning.format(**names)} [{text}]"
+    if uses_tls(url) and any(cut.lower() in text.lower() for cut in _CUT):
+        why = (
+            f"does it trust the client certificate in ${CERT_ENV}?"
+            if os.environ.get(CERT_ENV)
+            else f"does it ask for a client certificate? set ${CERT_ENV} and ${KEY_ENV}"
+        )
+        return f"the server ended the TLS handshake ({why}) [{text}]"
     return text
