@@ -47,8 +47,9 @@ def fingerprint(request: pb.SubmitBatchRequest) -> str:
     return f.hexdigest()
 
 
-def batch_proto(b: BatchInfo, eta: Eta | None = None) -> pb.Batch:
-    """The batch on the wire, with its ETA when it is unfinished and one is known (:mod:`gateway.status.eta`)."""
+def batch_proto(b: BatchInfo, eta: Eta | None = None, cost_dollars: float | None = None) -> pb.Batch:
+    """The batch on the wire, with its ETA when it is unfinished and one is known (:mod:`gateway.status.eta`), and
+    its cost so far (``cost_dollars``: the meter's, :mod:`gateway.status.cost`; None: its ETA's)."""
     live = eta is not None and not b.final
     return pb.Batch(
         id=b.batch_id,
@@ -71,7 +72,7 @@ def batch_proto(b: BatchInfo, eta: Eta | None = None) -> pb.Batch:
         done_predicted_tokens=b.done_predicted_tokens,
         done_actual_tokens=b.done_actual_tokens,
         remaining_tokens=eta.remaining_tokens if live else 0.0,
-        cost_dollars=eta.cost_dollars if live else 0.0,
+        cost_dollars=cost_dollars if cost_dollars is not None else eta.cost_dollars if live else 0.0,
     )
 
 

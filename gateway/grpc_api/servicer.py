@@ -60,7 +60,7 @@ class BatchServicer(pb_grpc.BatchServiceServicer):
             status: BatchStatus = await work
         except BatchError as e:
             await context.abort(STATUS[type(e)], str(e))
-        return batch_proto(status.info, status.eta)
+        return batch_proto(status.info, status.eta, self.service.d.eta.cost.batch(status.info.batch_id))
 
     async def SubmitBatch(
         self, request: pb.SubmitBatchRequest, context: grpc.aio.ServicerContext
