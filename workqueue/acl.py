@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 
-from workqueue.keys import PREFIX
+from workqueue.keys import EVERY_KEY
 
 #: what every client sends when it connects (redis-py: ``HELLO``; ``SELECT`` for a db other than 0), checks
 #: the link with, and runs scripts with (``EVALSHA``, loading them on ``NOSCRIPT``). Not ``CLIENT SETINFO``:
@@ -109,7 +109,7 @@ ROLES = {
 }
 
 #: the keys and the pub/sub channels of a deployment (every name starts with the ``{fb}`` hash tag)
-KEY_PATTERN = PREFIX + "*"
+KEY_PATTERN = EVERY_KEY
 
 
 def password_hash(password: str) -> str:

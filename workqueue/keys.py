@@ -84,6 +84,8 @@ INTAKE = PREFIX + "intake"
 OAI_BATCHES = PREFIX + "oai:batches"
 OAI_FINALIZE = PREFIX + "oai:finalize"
 OAI_EXPIRE = PREFIX + "oai:expire"
+#: the glob of every key and pub/sub channel of a deployment (a Redis ACL user's ``~`` and ``&`` patterns)
+EVERY_KEY = PREFIX + "*"
 
 #: the field of a query's hash that holds its full size (prompt + predicted response, no prefix discount) beside
 #: its charged ``tokens``; a row written before it existed has none and counts its ``tokens`` (Lua: ``F_FULL_TOKENS``)
