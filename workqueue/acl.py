@@ -33,6 +33,12 @@ CONNECTION_COMMANDS = (
     "eval",
     "script|load",
     "script|exists",
+    # a Redis Cluster client (``redis+cluster://``) also reads the slot map and the command table, and follows
+    # a slot being migrated (``ASK``)
+    "cluster|slots",
+    "cluster|shards",
+    "command",
+    "asking",
 )
 
 #: every command the queue's Lua scripts call (``redis.call``/``redis.pcall``)
