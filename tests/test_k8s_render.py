@@ -131,7 +131,7 @@ def test_the_overlays_render_as_kustomize_does(renders):
                  for d in docs if t.startswith("overlays/") and d["kind"] == "Deployment"}  # fmt: skip
     assert selectors == {  # each cloud's own labels
         "overlays/aws-a100": {"node.kubernetes.io/instance-type": "p4d.24xlarge"},
-        "overlays/azure-v100": {"node.kubernetes.io/instance-type": "Standard_NC12s_v3"},
+        "overlays/azure-v100": {"node.kubernetes.io/instance-type": "Standard_ND40rs_v2"},
         "overlays/gcp-t4": {"cloud.google.com/gke-accelerator": "nvidia-tesla-t4"},
     }
     base = renders["base"]
