@@ -144,7 +144,9 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
         calibrator=calibrator,
         policy=policy,
         metrics=GatewayMetrics(config.metrics_batches),
-        eta=EtaBoard(cost=CostMeter(fleet_prices(config.clusters))),  # the billing model, metered
+        eta=EtaBoard(
+            cost=CostMeter(fleet_prices(config.clusters)), balanced=not getattr(policy, "priced", False)
+        ),
         predictor=predictor,
         token_bound=token_bound(tokenizer),
         tokenizer=tokenizer,

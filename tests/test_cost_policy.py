@@ -36,6 +36,7 @@ from gateway.config import ClusterSpec, GatewayConfig
 from gateway.deploy.up import priced
 from gateway.offload.offloader import OffloadConfig, Offloader
 from gateway.status.cost import ClusterCost, CostMeter
+from gateway.status.eta import Lane, estimate
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
 from tests.harness import GatewayThread, batch_of, wait_until
@@ -280,3 +281,24 @@ def test_a_planned_fleet_keeps_its_clusters_prices_and_markets():
         and spot.hourly_price() == pytest.approx(0.21)
         and spot.plan == "plans/fast.json"
     )
+
+
+def test_under_the_cost_policy_the_eta_does_not_count_on_the_offloader_to_even_the_lanes_out():
+    b = BatchInfo(
+        "b",
+        "in_progress",
+        10,
+        0,
+        0,
+        0,
+        0.0,
+        0.0,
+        predicted_tokens_per_cluster={"slow": 1000.0},
+        left_tokens_per_cluster={"slow": 1000.0},
+    )
+    lanes = {"slow": Lane(10.0), "fast": Lane(90.0)}
+    balanced = estimate([b], 0.0, 100.0, prompt_share=0.0, lanes=lanes)["b"].finish_at
+    alone = estimate([b], 0.0, 100.0, prompt_share=0.0, lanes=lanes, balanced=False)["b"].finish_at
+    # 100 tokens a row, one at a time: half a wave is 5 s on slow. Balanced, slow's lane ends at the pool's drain
+    # (1,000 tokens at 100/s); under the cost policy nothing moves its rows to fast: 1,000 tokens at 10/s
+    assert balanced == pytest.approx(10.0 + 5.0) and alone == pytest.approx(100.0 + 5.0)

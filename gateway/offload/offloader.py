@@ -34,6 +34,7 @@ from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.assign.views import cluster_views, queued_tails
 from gateway.offload.moves import Backoff, LinkCost, Move, plan_offload
 from gateway.offload.rebalance import RebalancePlan, plan_moves
+from gateway.status.cost import holds_work
 from gateway.status.eta import ClusterLoad, EtaBoard
 from gateway.status.metrics import GatewayMetrics
 from workqueue import BatchInfo, ClusterInfo, QueryResult, WorkQueue, keys
@@ -145,6 +146,10 @@ class Offloader:
         running totals and capacity, and each accepting cluster's (its lane: rows queued there wait for it)."""
         views = {v.name: v for v in cluster_views(infos)}
         live = [i for i in infos if views[i.name].accepting]
+        if (
+            not self.eta.balanced
+        ):  # the cost policy: the clusters that hold work run it, and nothing evens them out
+            live = [i for i in live if holds_work(i)] or live
         capacity = sum(views[i.name].capacity_tps for i in live)
         now = self.queue.clock()
         lanes = {

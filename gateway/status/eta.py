@@ -40,6 +40,7 @@ offloader's tick refreshes it every half second.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -124,9 +125,11 @@ def estimate(
     fleet_ratio: float = 1.0,
     prompt_share: float = PROMPT_SHARE,
     lanes: Mapping[str, Lane] | None = None,
+    balanced: bool = True,
 ) -> dict[str, Eta]:
     """The ETA of every unfinished batch (the rule in the module docstring); ``rate`` in generated-token
-    equivalents per second; ``lanes``: the live clusters (None or empty: the fleet as one pool only)."""
+    equivalents per second; ``lanes``: the live clusters (None or empty: the fleet as one pool only); ``balanced``:
+    the offloader evens the lanes out (False under the cost policy, whose moves do not: no lane ends at the drain)."""
     rate = max(rate, 1e-9) / work_units(prompt_share)  # in actual tokens per second of this mix
     lanes = {c: lane for c, lane in (lanes or {}).items() if lane.rate > 0}
     # each batch, its correction, its remaining (corrected) tokens and its corrected tokens per row
@@ -140,7 +143,8 @@ def estimate(
                 continue
             left += b.intake_left * b.predicted_tokens / landed
         todo.append((b, k, left * k, k * b.predicted_tokens / max(landed, 1)))
-    drain = now + sum(t[2] for t in todo) / rate  # every batch done: the pool, balanced by the offloader
+    # every batch done: the pool, balanced by the offloader (never reached when nothing balances the lanes)
+    drain = now + sum(t[2] for t in todo) / rate if balanced else math.inf
     out: dict[str, Eta] = {}
     ahead = 0.0
     ahead_on: dict[str, float] = dict.fromkeys(lanes, 0.0)
@@ -176,10 +180,14 @@ class ClusterLoad:
 class EtaBoard:
     """The latest ETA of every unfinished batch, refreshed by the offloader's tick (thread-safe)."""
 
-    def __init__(self, window_s: float = RATE_WINDOW_S, cost: CostMeter | None = None) -> None:
-        self.cost = (
-            cost or CostMeter()
-        )  # what the fleet and each batch cost so far (the offloader's tick updates it)
+    def __init__(
+        self, window_s: float = RATE_WINDOW_S, cost: CostMeter | None = None, balanced: bool = True
+    ) -> None:
+        #: what the fleet and each batch cost so far (the offloader's tick updates it)
+        self.cost = cost or CostMeter()
+        #: the offloader evens the clusters' finish out (False under the cost policy: the lanes are the clusters that
+        #: hold work, and none ends at the pool's drain)
+        self.balanced = balanced
         self._lock = threading.Lock()
         self._throughput = Throughput(window_s)
         self._etas: dict[str, Eta] = {}
@@ -214,7 +222,7 @@ class EtaBoard:
             self.fleet_ratio = correction(finished_actual, finished_predicted, 1.0)
             self._batches = list(batches)
             lanes = self._lanes(rate, clusters or {})
-            etas = estimate(batches, now, rate, self.fleet_ratio, self.prompt_share, lanes)
+            etas = estimate(batches, now, rate, self.fleet_ratio, self.prompt_share, lanes, self.balanced)
             etas = {b: replace(e, cost_dollars=self.cost.batch(b) or 0.0) for b, e in etas.items()}
             before, self._etas = self._etas, etas
             self.updated_at = now
