@@ -19,9 +19,11 @@ water filling) and is at risk. :class:`CostPolicy` turns the shares into queries
 
 **Moves** (:func:`move_allowed`). Under the cost policy the offloader moves queued work to a cluster only when it
 is no dearer per token (the batch gets cheaper, or costs the same, and finishes earlier: every move already pays
-in finish time), or when the donor would finish past the nearest deadline (the move saves it).
+in finish time), or when the donor would finish past ``MARGIN`` of the time to the nearest deadline (the move
+saves it).
 
-Pure module (OR-Tools, no Redis).
+No Redis of its own (:func:`assign_batch` reads a batch's deadline through the queue it is given); OR-Tools is
+imported on the first split.
 """
 
 from __future__ import annotations
@@ -149,10 +151,8 @@ def _solve(
     solver.Minimize(finish)
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
         raise RuntimeError("the cost LP's second stage found no optimum")
-    shares = [v.solution_value() for v in s]
-    shares = [
-        x if x > _SNAP else 0.0 for x in shares
-    ]  # the solver's crumbs: a cluster left out stays released
+    # the solver's crumbs are 0: a cluster the split leaves out stays released
+    shares = [x if x > _SNAP else 0.0 for x in (v.solution_value() for v in s)]
     norm = math.fsum(shares)
     return [x / norm for x in shares]
 
