@@ -129,11 +129,13 @@ class _Errors:
 
 @dataclass(frozen=True)
 class Scanned:
-    """What :func:`scan_input` found in a valid input file: each request's line, and whether the
-    queries are named ``line-<n>`` (some ``custom_id`` is not a query id)."""
+    """What :func:`scan_input` found in a valid input file: each request's line, whether the
+    queries are named ``line-<n>`` (some ``custom_id`` is not a query id), and the requests' bytes
+    (prompt and body, as :func:`request_parts` counts them)."""
 
     lines: Sequence[int]
     as_lines: bool
+    size: int
 
 
 def _requests(
@@ -175,7 +177,7 @@ def scan_input(
     name their line too."""
     numbers = array("L")  # 8 bytes a request, not a list's 36
     seen: dict[str, int] = {}
-    errors, ids = _Errors(), True
+    errors, ids, size = _Errors(), True, 0
     for n, r in _requests(lines, endpoint, template, errors):
         if r.custom_id in seen:
             errors.add(n, f"custom_id {r.custom_id!r} appears twice (also line {seen[r.custom_id]})",
@@ -192,10 +194,15 @@ def scan_input(
             errors.add(n, problem)
         numbers.append(n)
         ids = ids and bool(ID_RE.match(r.custom_id))
+        size += _size(r)
     if not numbers and not errors.listed:
         errors.add(None, "the input file holds no requests", "empty_file")
     errors.raise_any()
-    return Scanned(numbers, not ids)
+    return Scanned(numbers, not ids, size)
+
+
+def _size(r: OpenAIRequest) -> int:
+    return len(r.prompt) + len(r.openai_body) + 64
 
 
 def request_parts(
@@ -212,7 +219,7 @@ def request_parts(
     msg, size, part_bytes = first, 0, part_bytes or PART_BYTES
     for n, r in _requests(lines, endpoint, template, None):
         _query(msg.queries.add(id=f"line-{n}" if scanned.as_lines else r.custom_id), r)
-        size += len(r.prompt) + len(r.openai_body) + 64
+        size += _size(r)
         if size >= part_bytes:
             yield msg
             msg, size = pb.SubmitBatchRequest(), 0

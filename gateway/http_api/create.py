@@ -8,10 +8,10 @@ strings, within the gateway's byte limit), ``output_expires_after`` (accepted, a
 
 :func:`submit_file` then submits the batch of the input file, read as a stream twice: every line
 checked first (:func:`gateway.http_api.batches.scan_input`, holding only the ``custom_id`` s), then
-sent: a file of fewer than the intake's ``sync_max_queries`` requests as one ``SubmitBatchRequest``
-(assigned at once, as over gRPC), a larger one message by message (about ``PART_BYTES`` of input
-each) as ``SubmitBatchStream`` sends it, each staged in Redis for the background intake as it comes:
-the gateway never holds the file whole.
+sent: a small file (fewer than the intake's ``sync_max_queries`` requests, at most ``PART_BYTES``)
+as one ``SubmitBatchRequest`` (assigned at once, as over gRPC), a larger one message by message
+(about ``PART_BYTES`` of input each) as ``SubmitBatchStream`` sends it, each staged in Redis for the
+background intake as it comes: the gateway never holds more than one message of the file.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ async def submit_file(
         completion_window=c.window, priority=c.priority,
     )  # fmt: skip
     try:
-        if len(scanned.lines) < service.d.intake.sync_max_queries:
+        if len(scanned.lines) < service.d.intake.sync_max_queries and scanned.size <= ob.PART_BYTES:
             whole = ob.whole_request, lines(), c.endpoint, template, scanned, first
             await service.submit(await asyncio.to_thread(*whole), caller)
         else:

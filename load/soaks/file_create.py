@@ -11,7 +11,8 @@ so that it is the creation's own, and ``psutil`` samples the resident size every
 
 The last line printed is one JSON object: ``rows``, ``file_mb``, ``store``, ``rss_before_create_mb``,
 ``rss_peak_create_mb``, ``create_growth_mb`` (the peak minus the memory before; the goal is at most 300 MB
-for a 200 MB file), ``upload_growth_mb``, ``create_s`` (until the answer), ``intake_s`` (until every row
+for a 200 MB file), ``growth_at_answer_mb`` (the same peak when the creation answered, before the intake
+had enqueued every row), ``upload_growth_mb``, ``create_s`` (until the answer), ``intake_s`` (until every row
 was enqueued), ``status``, ``ok``.
 """
 
@@ -155,6 +156,7 @@ def run(args) -> dict:
                     input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
                 )
                 create_s = time.perf_counter() - t0
+                at_answer = status(gateway.pid)
                 _wait_intake(queue, batch.id, args.timeout)
                 intake_s = time.perf_counter() - t0
                 sampler.stop.set()
@@ -174,6 +176,7 @@ def run(args) -> dict:
         "rss_before_create_mb": round(after_upload["VmRSS"], 1),
         "rss_peak_create_mb": round(peak, 1),
         "create_growth_mb": round(growth, 1),
+        "growth_at_answer_mb": round(at_answer["VmHWM"] - after_upload["VmRSS"], 1) if peak_reset else None,
         "upload_growth_mb": round(after_upload["VmHWM"] - base, 1),
         "peak_from": "VmHWM" if peak_reset else "psutil samples",
         "create_s": round(create_s, 2),
