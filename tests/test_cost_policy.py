@@ -103,6 +103,12 @@ def test_an_impossible_window_falls_back_to_the_fastest_finish_at_risk(caplog):
         names.count(c) for c in ("fast", "medium", "slow")
     ] == [63, 25, 12]
     assert "batch b1 is at risk" in caplog.text
+    policy = CostPolicy(PRICES)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gateway.assign.cost"):
+        for _ in range(3):  # a batch's intake chunks: said once
+            assign_batch(policy, queries, FLEET, 50.0, "b2")
+    assert caplog.text.count("batch b2 is at risk") == 1
     # a deadline already past: at risk too
     assert cost_targets(FLEET, PRICES, BATCH, window_s=-5.0).at_risk
 

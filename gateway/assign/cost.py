@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -46,6 +47,7 @@ MARGIN = 0.8
 DEFAULT_WINDOW_S = 24 * 3600.0
 _TIE = 1e-9  # the second LP keeps the cost within this share of the least cost (the LP's tolerance)
 _SNAP = 1e-6  # a share below this is the solver's rounding: 0
+KEEP_AT_RISK = 1000  # batches the policy remembers having logged at risk
 
 #: dollars per hour of each cluster whose price is known, by name
 Prices = Mapping[str, float]
@@ -173,6 +175,18 @@ class CostPolicy:
         self.prices = dict(prices or {})
         self.margin = margin
         self.min_concurrency = min_concurrency
+        self._at_risk: OrderedDict[str, None] = OrderedDict()  # batches logged at risk (the newest kept)
+
+    def first_at_risk(self, batch_id: str) -> bool:
+        """Whether ``batch_id`` turns at risk now (so that a batch's intake chunks log it once, not each)."""
+        if not batch_id:
+            return True
+        if batch_id in self._at_risk:
+            return False
+        self._at_risk[batch_id] = None
+        if len(self._at_risk) > KEEP_AT_RISK:
+            self._at_risk.popitem(last=False)
+        return True
 
     def plan(
         self, queries: Sequence[QueryLoad], clusters: Sequence[ClusterView], window_s: float | None = None
@@ -233,7 +247,8 @@ def assign_batch(
         if info is not None and info.deadline > 0:
             window_s = info.deadline - batches.clock()
     names, plan = within(queries, clusters, window_s)
-    if plan.at_risk:
+    first = getattr(policy, "first_at_risk", None)
+    if plan.at_risk and (first is None or first(batch_id)):
         log.warning(
             "batch %s is at risk: no split finishes within %.0f%% of its window (%.0f s left); the fastest "
             "finish instead, predicted in %.0f s",
