@@ -114,10 +114,10 @@ class Intake:
     ) -> None:
         """``wait_s``: how long a batch waits for a cluster that can take its rows (``--intake-wait-s``);
         ``order``: the order a chunk's rows enter their queues (indices into its loads; None: the rows');
-        ``shared_cache``: no tenant salt in the payloads (``--shared-prefix-cache``); ``assign_takes_batch``: ``assign``
-        takes the batch's id as ``batch_id`` (the cost policy reads its window)."""
+        ``shared_cache``: no tenant salt in the payloads (``--shared-prefix-cache``); ``assign_takes_batch``:
+        ``assign`` takes the batch's id as ``batch_id`` (the cost policy reads its window)."""
         self.shared_cache, self.assign_takes_batch, self.order = shared_cache, assign_takes_batch, order
-        self.find_prefixes = find_prefixes  # each row's prefix group (gateway.assign.prefixes), for the policy
+        self.find_prefixes = find_prefixes  # each row's prefix group (gateway.assign.prefixes): the policy's
         self.wait_s = wait_s
         self.queue = queue
         self.count_tokens = count_tokens
@@ -188,7 +188,8 @@ class Intake:
         if status in STOPPING_BATCH_STATES:
             self.waiting.drop(batch_id)
             return cancelled(batch_id, rows)
-        chunk = predict_chunk(cursor, rows, self.predict_tokens, self.count_tokens, counter, self.find_prefixes)
+        predict, find = self.predict_tokens, self.find_prefixes
+        chunk = predict_chunk(cursor, rows, predict, self.count_tokens, counter, find)
         return self._placed(batch_id, chunk, ident)
 
     def _placed(self, batch_id: str, chunk: Chunk, ident: str | None) -> Landing:
