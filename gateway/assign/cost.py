@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from clusterfile import Cluster
 from gateway.assign.loads import ClusterView, NoClusterError, QueryLoad, usable_clusters
 from gateway.assign.policies import deficit_fill, water_fill_targets
+from workqueue import ClusterInfo
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,20 @@ def fleet_prices(clusters: Sequence[Cluster]) -> dict[str, float]:
     return {c.name: p for c in clusters if (p := c.hourly_price()) is not None}
 
 
+def holds_work(info: ClusterInfo) -> bool:
+    """Whether the billing model bills a cluster now: it holds queued or leased (running) queries."""
+    return info.queue_length > 0 or info.inflight > 0
+
+
+def dollars_per_second(prices: Prices, name: str) -> float:
+    """What cluster ``name`` costs a second while it is billed (0: no known price)."""
+    return prices.get(name, 0.0) / 3600.0
+
+
 def dollars_per_token(view: ClusterView, prices: Prices) -> float:
     """What one token costs on ``view`` under the billing model: its price per second over its capacity (0 for
     a cluster with no known price; ``inf`` for one with no capacity)."""
-    price = prices.get(view.name, 0.0) / 3600.0
+    price = dollars_per_second(prices, view.name)
     if price <= 0:
         return 0.0
     return price / view.capacity_tps if view.capacity_tps > 0 else math.inf

@@ -29,12 +29,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.assign.calibrated import LengthCalibrator
-from gateway.assign.cost import move_allowed
+from gateway.assign.cost import holds_work, move_allowed
 from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.assign.views import cluster_views, queued_tails
 from gateway.offload.moves import Backoff, LinkCost, Move, plan_offload
 from gateway.offload.rebalance import RebalancePlan, plan_moves
-from gateway.status.cost import holds_work
 from gateway.status.eta import ClusterLoad, EtaBoard
 from gateway.status.metrics import GatewayMetrics
 from workqueue import BatchInfo, ClusterInfo, QueryResult, WorkQueue, keys

@@ -2,7 +2,8 @@
 
 :class:`CostMeter` keeps the running totals; the offloader's tick (every 0.5 s) calls :meth:`CostMeter.update` with
 what it read. A cluster is billed at its price (dollars per hour, from the cluster file:
-:func:`gateway.assign.cost.fleet_prices`) while it holds work (queued or leased queries: :func:`holds_work`), from
+:func:`gateway.assign.cost.fleet_prices`; by the second, :func:`gateway.assign.cost.dollars_per_second`) while it
+holds work (queued or leased queries: :func:`gateway.assign.cost.holds_work`), from
 the tick it was first seen holding some to the tick it is seen with none (then it is released: scaled to zero);
 a cluster that never holds work costs nothing. The interval between two ticks is billed as the first of them saw
 the fleet. Each interval's cost of a cluster goes to the unfinished batches with rows left there, in proportion
@@ -20,16 +21,12 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gateway.assign.cost import dollars_per_second, holds_work
 from protos import fleetbatch_pb2 as pb
 from workqueue import BatchInfo, ClusterInfo
 
 KEEP_BATCHES = 10_000  # batches whose cost so far is kept (the oldest go first)
 MAX_GAP_S = 60.0  # a longer gap between two ticks (the gateway paused) is billed as this long
-
-
-def holds_work(info: ClusterInfo) -> bool:
-    """Whether the billing model bills ``info`` now: it holds queued or leased (running) queries."""
-    return info.queue_length > 0 or info.inflight > 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +63,7 @@ class CostMeter:
                 for batch_id, share in self._shares.get(name, {}).items():
                     self._batches[batch_id] = self._batches.get(batch_id, 0.0) + cost * share
             self._last = now
-            self._billed = {i.name: self.prices.get(i.name, 0.0) / 3600.0 for i in infos if holds_work(i)}
+            self._billed = {i.name: dollars_per_second(self.prices, i.name) for i in infos if holds_work(i)}
             self._shares = _shares(self._billed, batches)
             for b in batches:  # each unfinished batch is listed (at 0 until billed), newest last
                 self._batches.setdefault(b.batch_id, 0.0)
