@@ -21,6 +21,7 @@ from clusterfile import Cluster
 from gateway.assign.cost import (
     MARGIN,
     CostPolicy,
+    _cheapest_first,
     assign_batch,
     cost_targets,
     dollars_per_token,
@@ -111,6 +112,13 @@ def test_an_impossible_window_falls_back_to_the_fastest_finish_at_risk(caplog):
     assert caplog.text.count("batch b2 is at risk") == 1
     # a deadline already past: at risk too
     assert cost_targets(FLEET, PRICES, BATCH, window_s=-5.0).at_risk
+
+
+def test_the_closed_form_agrees_with_the_lp():
+    per_token = [dollars_per_token(v, PRICES) for v in FLEET]
+    room = [v.capacity_tps * MARGIN * 150.0 for v in FLEET]
+    shares = _cheapest_first(per_token, room, BATCH)
+    assert close([x * BATCH for x in shares], cost_targets(FLEET, PRICES, BATCH, 150.0).targets)
 
 
 def test_queued_work_is_counted():

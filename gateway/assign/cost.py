@@ -133,7 +133,12 @@ def cost_targets(
     room = [max(0.0, c.capacity_tps * horizon - c.pending_tokens) for c in clusters]
     if math.fsum(room) < new_tokens * (1 - 1e-12):
         return _plan(clusters, prices, water_fill_targets(clusters, new_tokens), True)
-    shares = _solve([dollars_per_token(c, prices) for c in clusters], clusters, room, new_tokens, horizon)
+    per_token = [dollars_per_token(c, prices) for c in clusters]
+    try:
+        shares = _solve(per_token, clusters, room, new_tokens, horizon)
+    except RuntimeError as e:  # never seen; the first stage's optimum has a closed form, so take that
+        log.warning("%s; the cheapest-first fill instead", e)
+        shares = _cheapest_first(per_token, room, new_tokens)
     targets = [s * new_tokens for s in shares]
     return _plan(clusters, prices, targets, False)
 
@@ -168,6 +173,17 @@ def _solve(
     shares = [x if x > _SNAP else 0.0 for x in (v.solution_value() for v in s)]
     norm = math.fsum(shares)
     return [x / norm for x in shares]
+
+
+def _cheapest_first(per_token: list[float], room: list[float], total: float) -> list[float]:
+    """The first stage's optimum in closed form (a fractional knapsack): the clusters cheapest per token filled
+    first, each up to its room, as shares of ``total``."""
+    shares = [0.0] * len(room)
+    left = total
+    for i in sorted(range(len(room)), key=lambda i: (per_token[i], -room[i])):
+        take = min(room[i], left)
+        shares[i], left = take / total, left - take
+    return shares
 
 
 class CostPolicy:
