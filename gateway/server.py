@@ -94,12 +94,8 @@ def token_counter(tokenizer) -> Callable[[list[str]], list[int]]:
 
 def build_deps(config: GatewayConfig) -> GatewayDeps:
     """Connect to Redis, register configured clusters, load tokenizer, predictor and policy."""
-    import torch
-
     from predictor.serving import LengthPredictor
 
-    if config.predictor_threads > 0:
-        torch.set_num_threads(config.predictor_threads)
     if not config.redis_url:
         raise ValueError("no Redis URL configured")
     order = QueueOrder(config.queue_order, config.priority_step_s)
@@ -120,7 +116,7 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
             plan_tps=_plan_tps(c.plan),
         )
     tokenizer = load_tokenizer(config.tokenizer_dir)
-    predictor = LengthPredictor.from_dir(config.predictor_dir)
+    predictor = LengthPredictor.from_dir(config.predictor_dir, threads=config.predictor_threads)
     log.info(
         "length predictor: %s",
         "prompt-length heuristic (no model configured)" if predictor.is_fallback else predictor.version,

@@ -28,11 +28,14 @@ if TYPE_CHECKING:
 def __getattr__(name: str):
     """The builders are imported on first use (``localmodels.build`` imports torch and transformers,
     which a command that only reads ``localmodels.paths`` does without)."""
+    if name in _TOKENIZER:  # the tokenizer alone imports no torch
+        return getattr(importlib.import_module("localmodels.tokenizer"), name)
     if name in __all__:
         return getattr(importlib.import_module("localmodels.build"), name)
     raise AttributeError(f"module 'localmodels' has no attribute {name!r}")
 
 
+_TOKENIZER = ("default_corpus", "default_tokenizer", "generated_corpus", "train_tokenizer")
 __all__ = [
     "ARCHS",
     "SIZES",

@@ -8,6 +8,10 @@ import numpy as np
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression, Ridge
 
+from predictor.heuristic import prompt_length_heuristic
+
+__all__ = ["prompt_length_heuristic", "tfidf_logreg", "tfidf_ridge"]
+
 
 def _vectorizer() -> TfidfVectorizer:
     return TfidfVectorizer(ngram_range=(1, 2), min_df=2, max_features=200_000, sublinear_tf=True)
@@ -39,8 +43,3 @@ def tfidf_ridge(
     reg = Ridge(alpha=alpha)
     reg.fit(x, np.log1p(np.asarray(train_lengths, dtype=np.float64)))
     return np.expm1(reg.predict(vec.transform(test_prompts))).clip(min=0)
-
-
-def prompt_length_heuristic(prompt_words: np.ndarray) -> np.ndarray:
-    """The fallback without a model: ``clip(64 + prompt_words, 16, 512)`` tokens (see serving)."""
-    return np.clip(64.0 + np.asarray(prompt_words, dtype=np.float64), 16.0, 512.0)

@@ -14,12 +14,17 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from predictor import fastpath, shipped, store
-from predictor.baselines import prompt_length_heuristic
+from predictor import choice
+from predictor.heuristic import prompt_length_heuristic
+
+if (
+    TYPE_CHECKING
+):  # torch, transformers and the model code load only with a model: a heuristic gateway starts light
+    from predictor import fastpath, store
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +62,7 @@ class LengthPredictor:
         self._source = source
         self._loaded = loaded
         self._use_fast = fast
-        self._fast = fastpath.load(loaded) if fast and loaded is not None else None
+        self._fast = _fast_path(loaded) if fast and loaded is not None else None
         self._max_batch = max_batch
         self._state_lock = threading.Lock()  # guards _loaded / _source swaps
         self._run_lock = threading.Lock()  # one forward pass at a time: torch already uses all cores
@@ -66,18 +71,25 @@ class LengthPredictor:
             self._warn_fallback()
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike | None) -> LengthPredictor:
+    def from_dir(cls, model_dir: str | os.PathLike | None, threads: int = 0) -> LengthPredictor:
         """Load a version directory, or a parent's latest version; ``None`` gives the heuristic fallback.
+        ``threads`` (> 0): torch's (and the fast path's) threads for the model; the heuristic imports no torch.
 
         ``shipped`` names the model shipped with the project and ``heuristic`` the fallback
-        (:func:`predictor.shipped.choose`). If the shipped model fails to load, the heuristic
+        (:func:`predictor.choice.choose`). If the shipped model fails to load, the heuristic
         serves and an error is logged; any other directory that fails to load raises.
         """
         if model_dir is None or str(model_dir) == "":
             return cls(None, None)
-        path = shipped.choose(model_dir)
+        path = choice.choose(model_dir)
         if path is None:
             return cls(None, None)
+        if threads > 0:  # before the load: the fast path's sessions take torch's thread count
+            import torch
+
+            torch.set_num_threads(threads)
+        from predictor import shipped, store
+
         source = Path(path)
         try:
             loaded = store.load(source)
@@ -142,6 +154,8 @@ class LengthPredictor:
             words = np.array([len(p.split()) for p in prompts])
             est = prompt_length_heuristic(words)
             return [LengthPrediction(float(e), float(e), -1, float(e)) for e in est]
+        import torch
+
         with self._run_lock, torch.inference_mode():
             runner = loaded if fast is None else fast
             probs = runner.predict_proba(prompts, self._max_batch)
@@ -165,8 +179,10 @@ class LengthPredictor:
         if source is None:
             self._warn_fallback()
             return self.version
+        from predictor import store
+
         loaded = store.load(source)
-        fast = fastpath.load(loaded) if self._use_fast else None
+        fast = _fast_path(loaded) if self._use_fast else None
         with self._state_lock:
             old = self.version
             self._loaded, self._fast, self._source = loaded, fast, source
@@ -175,6 +191,13 @@ class LengthPredictor:
         return loaded.version
 
 
-def load_shipped(path: str | os.PathLike = shipped.SHIPPED_DIR) -> LengthPredictor:
-    """The model shipped with the project (:mod:`predictor.shipped`) as a :class:`LengthPredictor`."""
-    return LengthPredictor.from_dir(path)
+def _fast_path(loaded: store.LoadedModel) -> fastpath.FastModel | None:
+    from predictor import fastpath
+
+    return fastpath.load(loaded)
+
+
+def load_shipped(path: str | os.PathLike | None = None) -> LengthPredictor:
+    """The model shipped with the project (:mod:`predictor.shipped`; ``path``: another copy of it) as a
+    :class:`LengthPredictor`."""
+    return LengthPredictor.from_dir(choice.SHIPPED_DIR if path is None else path)

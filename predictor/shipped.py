@@ -41,12 +41,10 @@ from transformers import AutoTokenizer
 from cliutil import run_main
 from localmodels import default_tokenizer
 from predictor import store
+from predictor.choice import HEURISTIC, SHIPPED, SHIPPED_DIR, choose, is_shipped  # noqa: F401  (known from here too)
 
 log = logging.getLogger(__name__)
 
-SHIPPED_DIR = store.SHIPPED_DIR
-SHIPPED = store.SHIPPED_NAME
-HEURISTIC = "heuristic"
 REFERENCE_FILE = "reference.json"
 MAX_BYTES = 8 * 1024 * 1024  # 5 MiB until the fast path's ONNX members (2 x 1.2 MB) came
 #: What the serving engines of ``fleetbatch gateway up`` count tokens with (``fleetbatch engine serve`` without ``--served-model``).
@@ -86,20 +84,6 @@ REFERENCE_PROMPTS = (
     "Create a weekly meal plan for a vegetarian athlete, with a shopping list.",
     "Fix the bug: def add(a, b): return a - b",
 )
-
-
-def choose(spec: str | os.PathLike | None) -> str | None:
-    """The model directory a ``--predictor`` value names: ``None`` or ``shipped`` -> the shipped model,
-    ``heuristic`` (or ``none``) -> ``None`` (the prompt-length heuristic), anything else -> itself."""
-    if spec is None or str(spec) == SHIPPED:
-        return str(SHIPPED_DIR)
-    if str(spec).lower() in (HEURISTIC, "none", ""):
-        return None
-    return str(spec)
-
-
-def is_shipped(path: str | os.PathLike | None) -> bool:
-    return path is not None and Path(path).resolve() == SHIPPED_DIR
 
 
 def vocab_sha1(tokenizer) -> str:

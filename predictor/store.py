@@ -27,6 +27,8 @@ import torch
 from transformers import AutoTokenizer
 
 from predictor.buckets import Buckets
+from predictor.choice import SHIPPED as SHIPPED_NAME
+from predictor.choice import SHIPPED_DIR
 from predictor.inference import predict_proba
 from predictor.model import load_classifier
 
@@ -37,9 +39,6 @@ META_FILE = "predictor.json"
 METRICS_FILE = "metrics.json"
 LATEST_FILE = "latest"
 _VERSION_RE = re.compile(r"^v(\d+)$")
-#: The model shipped with the project (package data); ``shipped`` names it wherever a model directory is asked for.
-SHIPPED_DIR = Path(__file__).resolve().parent / "shipped_model"
-SHIPPED_NAME = "shipped"
 
 
 @dataclass

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from gateway.cli import build_parser as gateway_parser
 from gateway.deploy.up import gateway_config
-from predictor import shipped, store
+from predictor import choice, shipped, store
 from predictor.cli import main as predictor_main
 from predictor.labeled import split
 from predictor.pipeline import fit, save_version
@@ -140,7 +140,7 @@ def test_gateway_up_uses_the_shipped_predictor_by_default(caplog):
 
 
 def test_broken_shipped_model_falls_back_to_the_heuristic(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path)
+    monkeypatch.setattr(choice, "SHIPPED_DIR", tmp_path)  # where the choice of a predictor reads it
     with caplog.at_level(logging.WARNING, logger="predictor.serving"):
         pred = LengthPredictor.from_dir("shipped")
     assert pred.is_fallback
