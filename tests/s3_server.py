@@ -1,7 +1,7 @@
 """A real S3-compatible server for the tests: moto's standalone server in a process of its own, on loopback.
 
-:class:`S3Server` starts ``python -m tests.s3_server --port P`` (moto's WSGI app, threaded, as
-``moto_server`` serves it), waits for it to answer, and gives the environment a client needs
+:class:`S3Server` starts ``python -m tests.s3_server --port-file F`` (moto's WSGI app, threaded, as
+``moto_server`` serves it; it binds a free port and writes it to a file), waits for it, and gives the environment a client needs
 (``AWS_ENDPOINT_URL``, a region, test credentials): the gateway reads them as any AWS SDK user
 would. The server has one addition, a gate (``/_gate``): ``hold(n)`` makes it hold every multipart
 ``UploadPart`` numbered ``n`` or more (the request waits, unanswered) until ``release()``, and
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -41,28 +42,23 @@ class S3Server:
     """One moto server process; ``bucket`` made at start."""
 
     def __init__(self, log_dir: Path, bucket: str = "fleetbatch-test") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.bucket = bucket
-        self.env = {**CREDENTIALS, "AWS_ENDPOINT_URL": self.url}
+        port_file = log_dir / f"s3-server-{secrets.token_hex(4)}.port"
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        with open(log_dir / "s3-server.log", "ab") as log:
+        with open(log_dir / "s3-server.log", "ab") as log:  # the server binds a free port itself: no race
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.s3_server", "--port", str(self.port)],
+                [sys.executable, "-m", "tests.s3_server", "--port-file", str(port_file)],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                self._gate("")
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(
-                        f"the S3 server did not start; see {log_dir / 's3-server.log'}"
-                    ) from None
-                time.sleep(0.1)
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the S3 server did not start; see {log_dir / 's3-server.log'}")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**CREDENTIALS, "AWS_ENDPOINT_URL": self.url}
         self.client().create_bucket(Bucket=bucket)
 
     def client(self):
@@ -142,11 +138,16 @@ def main() -> None:
     from werkzeug.serving import make_server
 
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, default=0, help="the port (0: a free one)")
+    p.add_argument("--port-file", default=None, help="write the port here once listening")
     args = p.parse_args()
-    os.environ["MOTO_PORT"] = str(args.port)
     app = Gate(DomainDispatcherApplication(create_backend_app))
     server = make_server("127.0.0.1", args.port, app, threaded=True, request_handler=MotoRequestHandler)
+    os.environ["MOTO_PORT"] = str(server.server_port)
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(server.server_port))
+        tmp.replace(args.port_file)
     server.serve_forever()
 
 
