@@ -6,7 +6,8 @@
 would. The server has one addition, a gate (``/_gate``): ``hold(n)`` makes it hold every multipart
 ``UploadPart`` numbered ``n`` or more (the request waits, unanswered) until ``release()``, and
 ``held()`` says how many it holds: a test stops a gateway in the middle of writing a file, at a
-point it chooses, without timing.
+point it chooses, without timing. ``cut_next_read(n)`` breaks the connection of the next whole-object
+GET after ``n`` bytes of its body (a read cut short mid-stream).
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ class S3Server:
     def held(self) -> int:
         return int(self._gate("")["held"])
 
+    def cut_next_read(self, after: int) -> None:
+        """Break the connection of the next whole-object GET after ``after`` bytes of its body."""
+        self._gate(f"cut_after={after}")
+
+    def cuts(self) -> int:
+        return int(self._gate("")["cuts"])
+
     def release(self) -> None:
         self._gate("release=1")
 
@@ -100,6 +108,7 @@ class Gate:
 
     def __init__(self, app) -> None:
         self.app, self.hold_from, self.held = app, 0, 0
+        self.cut_after, self.cuts = 0, 0
         self.open = threading.Event()
         self.open.set()
 
@@ -112,7 +121,9 @@ class Gate:
             if "release" in query:
                 self.hold_from = 0
                 self.open.set()
-            body = json.dumps({"held": self.held}).encode()
+            if "cut_after" in query:
+                self.cut_after = int(query["cut_after"][0])
+            body = json.dumps({"held": self.held, "cuts": self.cuts}).encode()
             start_response(
                 "200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
             )
@@ -126,7 +137,21 @@ class Gate:
         ):
             self.held += 1
             self.open.wait(300)
+        if self.cut_after and environ.get("REQUEST_METHOD") == "GET" and "HTTP_RANGE" not in environ:
+            after, self.cut_after = self.cut_after, 0
+            return self._cut(self.app(environ, start_response), after)
         return self.app(environ, start_response)
+
+    def _cut(self, body, after: int):
+        """The response's first ``after`` bytes, then the connection broken (its Content-Length unmet)."""
+        sent = 0
+        for piece in body:
+            if sent + len(piece) >= after:
+                yield piece[: after - sent]
+                self.cuts += 1
+                raise ConnectionAbortedError("the gate cut this response")
+            sent += len(piece)
+            yield piece
 
 
 def main() -> None:

@@ -63,6 +63,17 @@ def test_files_go_up_whole_or_in_parts_and_come_back_streamed(s3_files):
     assert keys_under(store) == sorted([small, small + ".json"])
 
 
+def test_a_read_cut_short_resumes_where_it_was(s3_server, s3_files, caplog):
+    """The connection of a GET breaks after 1.5 MB of a 3 MB object: ``chunks`` goes on from that byte
+    (``Range``, ``If-Match`` on the ETag) and the reader sees every byte once."""
+    store = S3FileStore(s3_files)
+    file_id, data = new_file_id(), os.urandom(3 * MB)
+    store.put(file_id, "d.bin", "batch", pieces(data))
+    s3_server.cut_next_read(3 * MB // 2)
+    assert b"".join(store.chunks(file_id)) == data
+    assert s3_server.cuts() == 1 and f"broke at byte {3 * MB // 2}" in caplog.text
+
+
 def test_an_upload_over_the_limit_leaves_no_object_and_no_open_upload(s3_files):
     store = S3FileStore(s3_files, part_bytes=5 * MB)
     file_id = new_file_id()
