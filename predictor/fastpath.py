@@ -8,7 +8,8 @@ tokenizer, as :func:`predictor.inference.predict_proba` does, but length-sorted 
 ``chunk`` prompts (16: less padding than one batch of 64), and the bucket probabilities are the mean of
 the members', as for the torch ensemble. :class:`predictor.serving.LengthPredictor` serves through
 it when the files are there and ``onnxruntime`` imports; otherwise (and for training, ``adapt``,
-``eval``) the torch members serve.
+``eval``) the torch members serve. :func:`load_dir` reads a version for the fast path alone (its
+tokenizers, buckets and ONNX graphs: no torch, no model code), as a gateway starts.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from predictor import store
-from predictor.inference import encode
+from predictor import versions
+from predictor.buckets import Buckets
+from predictor.encoding import encode
 
 if TYPE_CHECKING:
     import onnxruntime
@@ -55,11 +57,12 @@ def read_recipe(path: str | os.PathLike) -> dict | None:
 
 
 def session(file: str | os.PathLike, threads: int) -> onnxruntime.InferenceSession:
-    """An ONNX Runtime CPU session on ``file`` with all graph optimisations and ``threads`` intra-op threads."""
+    """An ONNX Runtime CPU session on ``file`` with all graph optimisations and ``threads`` intra-op threads
+    (0: ONNX Runtime's default, one a physical core, as torch's default)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.intra_op_num_threads = max(1, threads)
+    so.intra_op_num_threads = max(0, threads)
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -79,7 +82,7 @@ class OrtMember:
     """One single model of a version as an ONNX Runtime session, with the torch member's tokenizer,
     ``max_len`` and truncation."""
 
-    def __init__(self, part: store.LoadedModel, file: str | os.PathLike, chunk: int, threads: int) -> None:
+    def __init__(self, part: versions.LoadedModel, file: str | os.PathLike, chunk: int, threads: int) -> None:
         if chunk < 1:
             raise ValueError("chunk must be at least 1")
         self.file = Path(file)
@@ -128,7 +131,7 @@ class FastModel:
     @classmethod
     def from_files(
         cls,
-        loaded: store.LoadedModel,
+        loaded: versions.LoadedModel,
         file: str,
         chunk: int = DEFAULT_CHUNK,
         threads: int | None = None,
@@ -149,7 +152,7 @@ class FastModel:
         return np.mean([m.predict_proba(prompts) for m in self.members], axis=0)
 
 
-def load(loaded: store.LoadedModel, threads: int | None = None) -> FastModel | None:
+def load(loaded: versions.LoadedModel, threads: int | None = None) -> FastModel | None:
     """The fast path of ``loaded``'s version directory: None where it has no ``fast.json``, or where
     ``onnxruntime`` is missing or the sessions fail to load (logged; the torch path then serves)."""
     try:
@@ -168,4 +171,55 @@ def load(loaded: store.LoadedModel, threads: int | None = None) -> FastModel | N
         )
     except Exception as e:  # a broken file must not take the predictor down: torch still serves
         log.error("the fast path of %s failed to load (%s); serving with torch", loaded.path, e)
+        return None
+
+
+#: Tokenizer classes read from ``tokenizer.json`` alone (what ``AutoTokenizer`` builds for them is this class).
+_PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _light_part(vdir: Path, meta: dict) -> versions.LoadedModel | None:
+    """One single model of a version without its weights (None: its tokenizer needs the model's code)."""
+    config = vdir / "tokenizer_config.json"
+    if not config.is_file() or not (vdir / "tokenizer.json").is_file():
+        return None
+    if json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class") not in _PLAIN_TOKENIZERS:
+        return None
+    from transformers import PreTrainedTokenizerFast  # the tokenizer's module alone: no model code
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(vdir), local_files_only=True)
+    buckets = Buckets.load(vdir / versions.BUCKETS_FILE)
+    labels = len(json.loads((vdir / "config.json").read_text(encoding="utf-8")).get("id2label") or {})
+    if labels != buckets.n:
+        raise ValueError(f"{vdir}: model has {labels} outputs but {buckets.n} buckets")
+    return versions.LoadedModel(None, tokenizer, buckets, meta, vdir)
+
+
+def load_dir(path: str | os.PathLike, threads: int = 0) -> tuple[versions.LoadedModel, FastModel] | None:
+    """The version at ``path`` read for the fast path alone: each member's tokenizer and buckets (no torch
+    weights: ``model`` is None) and its ONNX Runtime session on ``threads`` threads (0: the runtime's
+    default). None where the version has no fast path, ``onnxruntime`` is missing, a tokenizer needs its
+    model's code or anything fails to load: then :mod:`predictor.store` loads the torch members, and
+    :func:`load` their fast path (which says what failed)."""
+    try:
+        vdir = versions.resolve(path)
+        recipe = read_recipe(vdir)
+        if recipe is None or not runtime_available():
+            return None
+        meta = versions.read_meta(vdir)
+        if meta.get("members"):
+            names = versions.check_members(vdir)
+            parts = [_light_part(vdir / n, versions.read_meta(vdir / n)) for n in names]
+            if any(p is None for p in parts):
+                return None
+            loaded = versions.ensemble(vdir, meta, tuple(p for p in parts if p is not None))
+        else:
+            part = _light_part(vdir, meta)
+            if part is None:
+                return None
+            loaded = part
+        chunk = int(recipe.get("chunk", DEFAULT_CHUNK))
+        return loaded, FastModel.from_files(loaded, recipe["file"], chunk, threads, recipe)
+    except Exception as e:  # the torch load that follows raises or logs it as it always did
+        log.debug("%s: not read for the fast path alone (%s)", path, e)
         return None

@@ -8,25 +8,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-TRUNCATIONS = ("head", "head_tail")
-
-
-def encode(tokenizer, prompts: Sequence[str], max_len: int, truncation: str = "head_tail") -> list[list[int]]:
-    """Token ids of each prompt, at most ``max_len`` of them (special tokens included).
-
-    ``head`` keeps the start of a long prompt; ``head_tail`` keeps its first and last halves,
-    since the actual question often comes last (after a tool description or a story).
-    """
-    if truncation == "head":
-        return tokenizer(list(prompts), truncation=True, max_length=max_len)["input_ids"]
-    if truncation != "head_tail":
-        raise ValueError(f"unknown truncation {truncation!r}; choose one of {', '.join(TRUNCATIONS)}")
-    head = max_len // 2
-    tail = max_len - head
-    return [
-        x if len(x) <= max_len else x[:head] + x[-tail:]
-        for x in tokenizer(list(prompts), verbose=False)["input_ids"]
-    ]
+from predictor.encoding import TRUNCATIONS, encode  # noqa: F401  (known from here too)
 
 
 def collate(ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,10 +21,8 @@ import numpy as np
 from predictor import choice
 from predictor.heuristic import prompt_length_heuristic
 
-if (
-    TYPE_CHECKING
-):  # torch, transformers and the model code load only with a model: a heuristic gateway starts light
-    from predictor import fastpath, store
+if TYPE_CHECKING:  # torch and the model code load only for the torch path: a gateway starts light
+    from predictor import fastpath, versions
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +50,23 @@ class LengthPredictor:
 
     def __init__(
         self,
-        loaded: store.LoadedModel | None,
+        loaded: versions.LoadedModel | None,
         source: Path | None = None,
         max_batch: int = 512,
         fast: bool = True,
+        fast_model: fastpath.FastModel | None = None,
+        threads: int = 0,
     ) -> None:
         """``fast``: serve through the version's fast path (:mod:`predictor.fastpath`) where it has one;
-        False: always the torch members."""
+        False: always the torch members. ``fast_model``: that path, loaded already (with ``loaded`` read
+        for it alone, :func:`predictor.fastpath.load_dir`, on ``threads`` threads, 0: the runtime's default)."""
         self._source = source
         self._loaded = loaded
         self._use_fast = fast
-        self._fast = _fast_path(loaded) if fast and loaded is not None else None
+        self._threads = threads
+        if fast_model is None and fast and loaded is not None:
+            fast_model = _fast_path(loaded)
+        self._fast = fast_model if fast else None
         self._max_batch = max_batch
         self._state_lock = threading.Lock()  # guards _loaded / _source swaps
         self._run_lock = threading.Lock()  # one forward pass at a time: torch already uses all cores
@@ -84,23 +88,40 @@ class LengthPredictor:
         path = choice.choose(model_dir)
         if path is None:
             return cls(None, None)
+        source = Path(path)
+        from predictor import fastpath, versions
+
+        light = fastpath.load_dir(source, threads)  # the fast path alone: no torch weights, no model code
+        if light is not None:
+            predictor = cls(light[0], source, fast_model=light[1], threads=threads)
+        else:
+            predictor = cls._load_torch(source, threads)
+            if predictor is None:
+                return cls(None, None)
+        assert predictor._loaded is not None
+        log.info(
+            "length predictor: %s, served by %s", versions.describe(predictor._loaded), predictor.backend
+        )
+        return predictor
+
+    @classmethod
+    def _load_torch(cls, source: Path, threads: int) -> LengthPredictor | None:
+        """The torch members of ``source`` (and their fast path, where it loads); None: the shipped model
+        failed to load (logged; the heuristic serves). Any other directory that fails to load raises."""
         if threads > 0:  # before the load: the fast path's sessions take torch's thread count
             import torch
 
             torch.set_num_threads(threads)
-        from predictor import shipped, store
+        from predictor import store
 
-        source = Path(path)
         try:
             loaded = store.load(source)
         except Exception as e:
-            if not shipped.is_shipped(source):
+            if not choice.is_shipped(source):
                 raise
             log.error("the shipped length predictor %s failed to load (%s); using the heuristic", source, e)
-            return cls(None, None)
-        predictor = cls(loaded, source)
-        log.info("length predictor: %s, served by %s", shipped.describe(loaded), predictor.backend)
-        return predictor
+            return None
+        return cls(loaded, source, threads=threads)
 
     def _warn_fallback(self) -> None:
         if not self._warned:
@@ -154,11 +175,14 @@ class LengthPredictor:
             words = np.array([len(p.split()) for p in prompts])
             est = prompt_length_heuristic(words)
             return [LengthPrediction(float(e), float(e), -1, float(e)) for e in est]
-        import torch
+        with self._run_lock:
+            if fast is not None:
+                probs = fast.predict_proba(prompts, self._max_batch)
+            else:
+                import torch
 
-        with self._run_lock, torch.inference_mode():
-            runner = loaded if fast is None else fast
-            probs = runner.predict_proba(prompts, self._max_batch)
+                with torch.inference_mode():
+                    probs = loaded.predict_proba(prompts, self._max_batch)
         expected = loaded.buckets.expected(probs)
         buckets = probs.argmax(1)
         midpoint = loaded.buckets.midpoint(buckets)
@@ -179,10 +203,16 @@ class LengthPredictor:
         if source is None:
             self._warn_fallback()
             return self.version
-        from predictor import store
+        from predictor import fastpath
 
-        loaded = store.load(source)
-        fast = _fast_path(loaded) if self._use_fast else None
+        light = fastpath.load_dir(source, self._threads) if self._use_fast else None
+        if light is not None:
+            loaded, fast = light
+        else:
+            from predictor import store
+
+            loaded = store.load(source)
+            fast = _fast_path(loaded) if self._use_fast else None
         with self._state_lock:
             old = self.version
             self._loaded, self._fast, self._source = loaded, fast, source
@@ -191,7 +221,7 @@ class LengthPredictor:
         return loaded.version
 
 
-def _fast_path(loaded: store.LoadedModel) -> fastpath.FastModel | None:
+def _fast_path(loaded: versions.LoadedModel) -> fastpath.FastModel | None:
     from predictor import fastpath
 
     return fastpath.load(loaded)

@@ -42,6 +42,7 @@ from cliutil import run_main
 from localmodels import default_tokenizer
 from predictor import store
 from predictor.choice import HEURISTIC, SHIPPED, SHIPPED_DIR, choose, is_shipped  # noqa: F401  (known from here too)
+from predictor.versions import describe  # noqa: F401  (known from here too)
 
 log = logging.getLogger(__name__)
 
@@ -200,19 +201,6 @@ def record_eval(report: str | os.PathLike | dict, dest: str | os.PathLike = SHIP
     meta.setdefault("shipped", {})["test"] = figures
     meta_path.write_text(json.dumps(meta, indent=2), encoding="utf-8")
     return figures
-
-
-def describe(loaded: store.LoadedModel) -> str:
-    """One line for the gateway log: ``learned (shipped-v1-12af268c, test tau 0.71, MAE 25.1 tokens, ...)``."""
-    shipped = loaded.meta.get("shipped") or {}
-    test = shipped.get("test") or {}
-    parts = [loaded.version]
-    if "kendall_tau" in test:
-        parts.append(f"test tau {test['kendall_tau']:.3f}, MAE {test['mae_tokens']:.1f} tokens")
-    if shipped.get("serving_tokenizer"):
-        parts.append(f"lengths in {shipped['serving_tokenizer'].get('name')} tokens")
-    where = "shipped with the project" if is_shipped(loaded.path) else str(loaded.path)
-    return f"learned ({', '.join(parts)}; {where})"
 
 
 def _run(args: argparse.Namespace) -> dict:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -61,6 +63,21 @@ def test_the_shipped_predictor_serves_through_the_fast_path(caplog):
     assert [p.bucket for p in a] == [p.bucket for p in b] == ref["bucket"]
     np.testing.assert_allclose([p.expected_tokens for p in a], [p.expected_tokens for p in b], rtol=0.05)
     assert pred.reload() == pred.version and pred.backend.startswith("onnxruntime")
+    # read for the fast path alone (no torch weights): the same predictions as the fast path of the
+    # torch-loaded version, to the last bit
+    assert all(p.model is None for p in pred._loaded.parts)
+    prompts = ref["prompts"] + synthetic(48, seed=3).prompts + ["x " * 300]
+    assert pred.predict(prompts) == LengthPredictor(store.load(shipped.SHIPPED_DIR), None).predict(prompts)
+
+
+def test_a_gateway_serving_the_shipped_model_imports_neither_torch_nor_model_code():
+    code = (
+        "import sys; from predictor.serving import LengthPredictor;"
+        "p = LengthPredictor.from_dir('shipped', threads=1); p.predict(['What is 7 times 8?']);"
+        "print(p.backend, sorted(m for m in ('torch', 'transformers.models.distilbert') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["onnxruntime:ort-int8", "[]"]
 
 
 def test_torch_serves_without_onnxruntime_or_with_a_broken_file(monkeypatch, tmp_path, caplog):
