@@ -201,10 +201,23 @@ class LLMEngine:
             error = (
                 f"prompt of {seq.num_prompt_tokens} tokens exceeds the model's {self.max_positions} positions"
             )
-        if error:
-            self._done.append(self._output(seq, "error", error))
+        # done: it resumed a partial output that already ended (nothing is left to generate)
+        done = seq.output_token_ids and self.scheduler.stop_reason(seq, seq.output_token_ids[-1])
+        if error or done:
+            self._done.append(self._output(seq, "error" if error else done, error))
             return
         self.scheduler.add(seq)
+
+    def progress(self) -> dict[str, list[int]]:
+        """The tokens each query the engine holds generated so far (:class:`engines.interface.Resumable`)."""
+        return {rid: seq.output_token_ids for rid, seq in self.scheduler.requests.items()}
+
+    def suspend(self, request_id: str) -> list[int] | None:
+        """Take a query out without an output; its generated tokens (None: not here, or in flight)."""
+        if request_id in self._busy:
+            return None
+        seq = self.scheduler.remove(request_id)
+        return None if seq is None else list(seq.output_token_ids)
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self._busy:  # its KV is being written by a stage: finish it when it is back

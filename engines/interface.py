@@ -49,6 +49,9 @@ class Request:
     # its tenant's salt: starts the hash chain of its prefix-cache keys, so tenants share no cached
     # prefix (vLLM's ``cache_salt``); "": the one shared cache
     cache_salt: str = ""
+    # the tokens an earlier run generated (its partial output, workqueue.partial): a :class:`Resumable` engine
+    # prefills them after the prompt and generates only the rest of max_tokens; its output holds all of them
+    resume_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -120,4 +123,19 @@ class Engine(Protocol):
 
     def free_slots(self) -> int:
         """How many more requests the worker should hand over now (0 = engine is full)."""
+        ...
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """An engine that resumes a query from its partial output (:attr:`Request.resume_token_ids`) and can hand
+    out the tokens of the queries it runs (the native engine). The worker checkpoints them (engines.checkpoints)."""
+
+    def progress(self) -> dict[str, list[int]]:
+        """The tokens generated so far by each query the engine holds (the engine's own lists: read, do not keep)."""
+        ...
+
+    def suspend(self, request_id: str) -> list[int] | None:
+        """Take a query out without an output (it is checkpointed elsewhere); its generated tokens (None: it is
+        not here, or in a micro-batch still in flight: ask again after the next step)."""
         ...

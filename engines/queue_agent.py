@@ -17,7 +17,10 @@ ticks, each one round trip (:mod:`workqueue.worker_tick`), whenever something is
   offloader can move it to an idle cluster;
 * **cancels and removal**: each tick reads the statuses of the batches it holds and the
   cluster's state. Cancelled queries still in the inbox are answered ``cancelled`` at once,
-  running ones are aborted by the step loop; a removed cluster claims nothing more.
+  running ones are aborted by the step loop; a removed cluster claims nothing more;
+* **checkpoints and notices** (:mod:`engines.checkpoints`): the running queries' partial outputs
+  the step loop snapshotted, and the queries it gives back under a preemption notice, go in the
+  next tick; a notice the cluster's state carries stops the claims.
 
 A Redis outage never stops the engine: ticks back off exponentially while the engine runs what
 it holds, results waiting in memory, still leased. An idle agent waits on its wake channel.
@@ -33,12 +36,13 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
+from engines.agent_records import claim_ahead, heartbeat_record, observation
+from engines.checkpoints import Checkpoints
 from engines.interface import RequestOutput
 from engines.result_record import finished_record
 from engines.worker_config import REDIS_ERRORS, WorkerConfig
-from workqueue import ClaimedQuery, Observation, WorkQueue, outcome
+from workqueue import ClaimedQuery, WorkQueue
 from workqueue.records import STOPPING_BATCH_STATES
-from workqueue.scripts import RESENT
 from workqueue.worker_tick import PendingObservations, TickReply, TickRequest, run_tick
 
 log = logging.getLogger(__name__)
@@ -58,8 +62,10 @@ class QueueAgent:
         register: Mapping[str, float | int | str | None],
         rate_tps: Callable[[], float],
         heartbeat_fields: Callable[[], dict[str, float | int | str]],
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         self.queue, self.config, self.worker_id = queue, config, worker_id
+        self.checkpoints = checkpoints if checkpoints is not None else Checkpoints(0)
         self._register: Mapping | None = register
         self._rate_tps, self._heartbeat_fields = rate_tps, heartbeat_fields
         self._lock = threading.Lock()
@@ -119,6 +125,9 @@ class QueueAgent:
     def unwritten(self) -> int:
         with self._lock:
             return len(self._outbox)
+
+    def kick(self) -> None:  # something is due (a checkpoint to send): tick soon
+        self._kick.set()
 
     # ------------------------------------------------------------------ the agent's thread
 
@@ -182,7 +191,7 @@ class QueueAgent:
         if not self.stop():
             log.error("the queue agent is still in a tick; results not written stay leased until they lapse")
             return 0
-        if self.unwritten():
+        if self.unwritten() or self.checkpoints.pending():
             c = self.config
             self.tick(TickRequest(c.cluster, self.worker_id, c.lease_s, read_state=False, **self._results()))
         with self._lock:
@@ -207,23 +216,31 @@ class QueueAgent:
     def request(self) -> TickRequest | None:
         """What is due now, as one tick's request (None: nothing)."""
         c, now = self.config, time.monotonic()
+        releasing = self.checkpoints.releasing()  # not renewed: a renewal would take them back from the queue
         with self._lock:
-            held = list(self.inflight)
+            held = [g for g in self.inflight if g not in releasing]
             batches = sorted({cq.query.batch_id for cq in self.inflight.values()})
         req = TickRequest(c.cluster, self.worker_id, c.lease_s, register=self._register, **self._results())
         if held and now - self.renewed_at >= c.renew_every_s:
             req.renew = held
         req.requeue = now - self._last_requeue >= c.requeue_check_s
-        if not self.removed and now >= self._poll_at:
+        if not self.removed and not self.checkpoints.noticed and now >= self._poll_at:
             req.claim = self.claim_count()
         req.batches = batches
         req.read_state = now - self._last_read >= c.cancel_check_s
         if now - self._last_heartbeat >= c.renew_every_s:
             req.heartbeat, req.heartbeat_ttl_s = self._heartbeat(), c.heartbeat_ttl_s
-        due = req.register or req.results or req.observed or req.renew or req.requeue or req.claim
+        parts = (req.register, req.results, req.observed, req.renew, req.requeue, req.claim, req.checkpoints)
+        due = any(parts)
         if not (due or req.read_state or req.heartbeat is not None):
             return None
         return req
+
+    def _checkpoints(self) -> list:
+        """The checkpoints to send, but those of queries whose result is waiting (their hash goes with it)."""
+        with self._lock:
+            finished = [cq.query.gid for cq, _ in self._outbox]
+        return self.checkpoints.for_tick(skip=finished)
 
     def _results(self) -> dict:
         with self._lock:
@@ -234,22 +251,16 @@ class QueueAgent:
             "observed": observed,
             "observed_call": call,
             "length_model": self.config.length_model,
+            "checkpoints": self._checkpoints(),
         }
 
     def claim_count(self) -> int:
         """Queries to claim now: what the engine can take, plus the claim-ahead horizon's (module docstring)."""
-        c = self.config
-        mean = self._mean_predicted
         with self._lock:
-            waiting = len(self.inbox)
-            waiting_tokens = sum(max(float(cq.query.predicted_tokens or 0), mean) for cq in self.inbox)
-        now_n = max(0, self.free_slots - waiting)
-        ahead_room = c.max_ahead - max(0, waiting - self.free_slots)  # the inbox's ahead part is bounded
-        horizon_s = min(c.claim_ahead_s, c.lease_s / 3, 3 * self.tick_s)
-        need = self._rate_tps() * horizon_s - waiting_tokens
-        if need <= 1e-6 or mean <= 0 or ahead_room <= 0:
-            return now_n
-        return now_n + min(ahead_room, math.ceil(round(need / mean, 6)))
+            inbox = list(self.inbox)
+        return claim_ahead(
+            self.config, self.free_slots, inbox, self._mean_predicted, self._rate_tps(), self.tick_s
+        )
 
     def tick(self, req: TickRequest | None = None) -> bool:
         """Run one tick (``req``, or what is due); False when Redis did not answer (it backs off)."""
@@ -292,6 +303,11 @@ class QueueAgent:
             self._outbox = outbox
             self._aborted -= written.keys()
         self.finished += len(written)
+        if req.checkpoints:
+            released = self.checkpoints.applied(req.checkpoints)
+            with self._lock:
+                for g in released:  # given back: no longer this worker's
+                    self.inflight.pop(g, None)
         if req.renew is not None:
             self.renewed_at = started
         if req.requeue:
@@ -305,6 +321,9 @@ class QueueAgent:
         self._cancel({b for b, s in reply.statuses.items() if s in STOPPING_BATCH_STATES})
         if reply.state is not None:
             self._last_read = started
+            left = reply.notice_left_s
+            if left is not None and self.checkpoints.notice(started + left):
+                log.warning("cluster %s is preempted: %.1f s of notice", self.config.cluster, left)
             removed = reply.state == "removed"
             if removed != self.removed:
                 log.warning(
@@ -315,20 +334,9 @@ class QueueAgent:
             self.removed = removed
 
     def _observe(self, cq: ClaimedQuery, out: RequestOutput, idx: int) -> None:
-        q = cq.query
-        if idx == RESENT:  # recorded by this run's first send, whose reply was lost: observed as any other
-            log.info("query %s: write resent (its reply was lost), recorded once", q.gid)
-        elif idx < 0:
-            log.info("query %s already had a result (it ran twice); kept the first", q.gid)
-            return
-        retrain = self.config.record_observed and q.forced_length is None
-        if outcome(out.finish_reason, out.error).answered and (retrain or self.config.length_model):
-            raw = q.predicted_tokens if q.raw_predicted_tokens is None else q.raw_predicted_tokens
-            raw = min(raw, q.max_tokens)  # capped as its answer is: a short cap says nothing of the model
-            source = q.metadata.get("source", "")
-            self._observed.append(
-                Observation(q.prompt, out.completion_tokens, source, self.config.cluster, raw, retrain)
-            )
+        row = observation(self.config, cq, out, idx)
+        if row is not None:
+            self._observed.append(row)
 
     def _claimed(self, claimed: list[ClaimedQuery], asked: int, wakes: int) -> None:
         with self._lock:
@@ -375,16 +383,8 @@ class QueueAgent:
 
     def _heartbeat(self) -> dict[str, float | int | str]:
         with self._lock:
-            inflight = len(self.inflight)
-            remaining = sum((cq.query.predicted_tokens for cq in self.inflight.values()), 0.0)
-        return {
-            **self._heartbeat_fields(),
-            "worker": self.worker_id,
-            "inflight": inflight,
-            "running_remaining_tokens": remaining,
-            "claimed_ahead": len(self.inbox),
-            "tick_ms": round(1000 * self.tick_s, 3),
-        }
+            held = list(self.inflight.values())
+        return heartbeat_record(self._heartbeat_fields(), self.worker_id, held, len(self.inbox), self.tick_s)
 
     def _wait_s(self) -> float:
         """How long the idle agent may wait before something falls due."""

@@ -131,7 +131,7 @@ class Scheduler:
         done = []
         for seq, tok in zip(sampled, tokens, strict=True):
             seq.output_token_ids.append(tok)
-            if len(seq.output_token_ids) == 1:
+            if not seq.first_token_time:  # its first token (of this run, when it resumed a partial output)
                 seq.first_token_time = now
             reason = self.stop_reason(seq, tok)
             if reason:

@@ -63,6 +63,8 @@ class Sequence:
             arrival_time=req.arrival_time,
             cache_salt=req.cache_salt,
         )
+        if req.resume_token_ids:  # resumed: prefilled with the prompt, then decoded from here
+            seq.output_token_ids = list(req.resume_token_ids)
         if req.sampling.temperature > 0:
             seq.generator = torch.Generator()
             seq.generator.manual_seed(

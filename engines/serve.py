@@ -138,6 +138,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--lease-s", type=float, default=15.0, help="lease of a claimed query; renewed while it runs"
     )
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat period")
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=0.0,
+        help="SIGTERM is a preemption notice of this many seconds (Kubernetes' grace period): claim nothing more, "
+        "finish the queries that end within it, checkpoint and give back the others (default 0: SIGTERM stops now)",
+    )
+    p.add_argument(
+        "--checkpoint-tokens",
+        type=int,
+        default=64,
+        help="write each running query's partial output every this many tokens, so a hard kill loses at most "
+        "that many (native backend; 0: only under a notice)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument(
         "--metrics-port",
@@ -355,9 +369,13 @@ def run_serve(args: argparse.Namespace) -> int:
         capacity_hint_tps=args.capacity,
         slowdown=args.slowdown,
         device_cost=device_cost,
+        checkpoint_tokens=max(0, args.checkpoint_tokens),
     )
     worker = Worker(queue, engine, config)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    if args.grace_s > 0:
+        signal.signal(signal.SIGTERM, lambda *_: worker.notice(args.grace_s))
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     signal.signal(signal.SIGINT, lambda *_: worker.stop())
     try:
         if args.metrics_port is not None:

@@ -9,6 +9,13 @@ results wait in memory (still leased) while the agent retries with exponential b
 worker's leases lapse and its queries are requeued. A claim after an outage renews the worker's
 leases first, so its queries requeued meanwhile come back to it rather than being handed out as
 new work.
+
+An engine that can resume (:class:`~engines.interface.Resumable`: the native one) has its running
+queries checkpointed every ``checkpoint_tokens`` tokens, and a query claimed with a partial output
+resumes from it. Under a preemption notice (:meth:`Worker.notice`, or one the agent reads from the
+cluster's state) the worker claims nothing more, gives back what it claimed ahead, lets the queries
+that will finish within the notice finish, checkpoints and gives back the others (no attempt used),
+and stops once nothing is left (:mod:`engines.checkpoints`).
 """
 
 from __future__ import annotations
@@ -20,13 +27,23 @@ import threading
 import time
 import uuid
 
+from engines.checkpoints import Checkpoints, doomed
 from engines.device import DeviceClock
 from engines.emulation import stamped
-from engines.interface import Engine, EngineFailure, EngineStats, Request, RequestOutput, SamplingParams
+from engines.interface import (
+    Engine,
+    EngineFailure,
+    EngineStats,
+    Request,
+    RequestOutput,
+    Resumable,
+    SamplingParams,
+)
 from engines.queue_agent import QueueAgent
 from engines.worker_config import WorkerConfig
 from workqueue import WorkQueue
 from workqueue.openai_body import encode_fields, unhonoured
+from workqueue.partial import Partial
 from workqueue.roundtrips import count_round_trips
 
 __all__ = ["Worker", "WorkerConfig"]
@@ -53,6 +70,11 @@ class Worker:
         self.host_overlap_s = 0.0  # host time between steps hidden under the device's (_emulate_device)
         self._device_free_at: float | None = None  # when the emulated device finished its last step
         self.round_trips = count_round_trips(queue.r)
+        self.resumable = isinstance(engine, Resumable)
+        self.checkpoints = Checkpoints(config.checkpoint_tokens if self.resumable else 0)
+        self._notice_s: float | None = None  # a notice given by a signal, applied by the step loop
+        self._preempting: set[str] = set()  # aborted under a notice (an engine that cannot resume): give back
+        self._no_wait_until = 0.0  # a checkpoint was not written in time: step on without waiting until then
         self.agent = QueueAgent(
             queue,
             config,
@@ -68,6 +90,7 @@ class Worker:
             },
             rate_tps=lambda: self._stats.tokens_per_s,
             heartbeat_fields=self._heartbeat_fields,
+            checkpoints=self.checkpoints,
         )
 
     @property
@@ -104,11 +127,16 @@ class Worker:
                 if not self.agent.alive():  # it logged why: without it nothing is renewed or written
                     self._give_back("the queue agent stopped")
                     break
-                self.start_claimed()
+                if self._notice_s is None and not self.checkpoints.noticed:
+                    self.start_claimed()
+                elif self._under_notice():
+                    log.info("worker %s: preempted, nothing left to finish or give back", self.worker_id)
+                    break
                 if not self.engine.has_unfinished():
                     self.agent.work_ready.wait(c.idle_poll_s)
                     continue
                 try:
+                    self._hold_for_checkpoints()
                     self.step()
                 except EngineFailure as e:  # a stage died, no endpoint answers
                     self._give_back(str(e))
@@ -136,6 +164,8 @@ class Worker:
         for cq in self.agent.take(self.engine.free_slots()):
             q = cq.query
             sampling = SamplingParams(q.temperature, q.top_p or 1.0, q.seed, q.max_tokens, q.forced_length)
+            resume = list(cq.partial.token_ids) if cq.partial is not None and self.resumable else None
+            self.checkpoints.start(q.gid, len(resume or ()))
             predicted = int(q.predicted_tokens) or None
             body = q.openai_body or {}
             try:
@@ -152,6 +182,7 @@ class Worker:
                         arrival_time=cq.claimed_at,
                         openai_body=body,
                         cache_salt=q.cache_salt,
+                        resume_token_ids=resume,
                     )  # fmt: skip
                 )
             except (ValueError, RuntimeError) as e:  # a query the engine cannot run fails alone
@@ -171,7 +202,76 @@ class Worker:
         self.kv_token_seconds += self._stats.kv_step_tokens * took
         self.steps += 1
         self.agent.free_slots = self.engine.free_slots()
+        if self._preempting:  # aborted under a notice: given back, not answered
+            gone = [o.request_id for o in outputs if o.request_id in self._preempting]
+            for g in gone:
+                self._preempting.discard(g)
+                self.checkpoints.release(g, None)
+            outputs = [o for o in outputs if o.request_id not in gone]
+        self.checkpoints.forget(o.request_id for o in outputs)
+        if self.resumable and self.checkpoints.after_step(self.engine.progress()):
+            self.agent.kick()
         self.agent.done(outputs)
+
+    # ------------------------------------------------------------------ checkpoints and notices
+
+    def notice(self, seconds: float) -> None:
+        """A preemption notice of ``seconds`` (SIGTERM under ``--grace-s``): safe in a signal handler."""
+        self._notice_s = time.monotonic() + max(0.0, seconds)
+        self.agent.work_ready.set()  # an idle step loop looks at once
+
+    def _hold_for_checkpoints(self) -> None:
+        """Before a step: wait while a query is a checkpoint ahead of its partial output in Redis (a hard kill
+        then loses at most that), unless Redis lately did not write one in time (the engine carries on)."""
+        if not self.checkpoints.every or time.monotonic() < self._no_wait_until:
+            return
+        progress = self.engine.progress()
+        if not self.checkpoints.behind(progress):
+            return
+        self.agent.kick()
+        if not self.checkpoints.wait_written(progress, self.config.lease_s / 3):
+            log.warning(
+                "checkpoints not written for %.1f s: stepping on without them", self.config.lease_s / 3
+            )
+            self._no_wait_until = time.monotonic() + self.config.lease_s
+
+    def _under_notice(self) -> bool:
+        """One pass under a notice (the module's docstring); True once nothing is left to finish or give back."""
+        if self._notice_s is not None:
+            if self.checkpoints.notice(self._notice_s):
+                log.warning(
+                    "worker %s: preemption notice, %.1f s", self.worker_id, self._notice_s - time.monotonic()
+                )
+            self._notice_s = None
+        for gid in self.agent.aborts():
+            self.engine.abort_request(gid)
+        for cq in self.agent.take(len(self.agent.inbox)):  # claimed ahead, never started
+            self.checkpoints.release(cq.query.gid, None)
+        left = (self.checkpoints.notice_at or 0.0) - time.monotonic()
+        progress = self.engine.progress() if self.resumable else {}
+        skip = self._preempting | self.checkpoints.releasing()
+        held = {
+            g: cq for g, cq in dict(self.agent.inflight).items() if g not in skip
+        }  # a copy: the agent writes it
+        running = {  # generated, most it may generate (an engine that cannot resume: what it holds, none generated)
+            g: (len(progress.get(g, ())), cq.query.forced_length or cq.query.max_tokens)
+            for g, cq in held.items()
+            if g in progress or not self.resumable
+        }
+        per_query_tps = self._stats.tokens_per_s / max(1, self._stats.running)
+        for g in doomed(running, per_query_tps, left):
+            if not self.resumable:
+                self._preempting.add(g)
+                self.engine.abort_request(g)
+                continue
+            tokens = self.engine.suspend(g)
+            if tokens is not None:  # None: in a micro-batch in flight, next pass
+                self.checkpoints.release(g, Partial(tuple(tokens)) if tokens else None)
+        self.agent.free_slots = self.engine.free_slots()
+        self.agent.kick()
+        if self.engine.has_unfinished():
+            return False
+        return not self.agent.unwritten() and not self.checkpoints.pending()
 
     def _emulate_device(self, t0: float, cpu0: float, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Make the step last what the emulated device takes for it (``device_cost`` or ``slowdown``),

@@ -50,6 +50,9 @@ class WorkerConfig:
     # many seconds: the host's bookkeeping between steps overlaps the device's work (Worker._emulate_device)
     host_overlap_s: float = 0.002
     record_observed: bool = True
+    # a running query's partial output is written every this many tokens (engines.checkpoints; 0: never), so a hard
+    # kill loses at most that many of its tokens; engines that cannot resume (vllm, endpoint, static) write none
+    checkpoint_tokens: int = 64
 
     @property
     def renew_every_s(self) -> float:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from cliutil import enable_config_file, run_main
-from gateway.cli_options import add_common, add_http
+from gateway.cli_options import add_common, add_http, add_rebalance
 from gateway.cli_tables import batch_table, cluster_table, cost_line
 from gateway.config import NAME_RE, TOKEN_ENV, GatewayConfig, load_clusters
 from gateway.deploy import calibrate, prepare, redis_acl
@@ -126,34 +126,10 @@ def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
         description=(
             "Admin command. Prints each cluster's pending predicted tokens, capacity and expected finish "
             "time, and the moves (from the back of queues) that equalise expected finish times. Dry run "
-            "by default; --apply carries the moves out. Also drains, adds and removes clusters."
+            "by default; --apply carries the moves out. Also drains, adds, removes and preempts clusters."
         ),
     )
-    r.add_argument("--target", default=DEFAULT_TARGET, help="gateway address host:port")
-    r.add_argument("--token", default=None, help=f"admin token (default: ${TOKEN_ENV} or --token-file)")
-    r.add_argument(
-        "--token-file",
-        default=None,
-        help="file holding the admin token (fleetbatch gateway up: runs/local/admin-token)",
-    )
-    r.add_argument("--apply", action="store_true", help="carry out the moves (default: dry run)")
-    r.add_argument(
-        "--drain",
-        metavar="CLUSTER",
-        action="append",
-        help="stop assigning to CLUSTER and move its queue away",
-    )
-    r.add_argument(
-        "--add", metavar="CLUSTER", help="register a new cluster (its engine may start later; needs --apply)"
-    )
-    r.add_argument(
-        "--capacity", type=float, default=0.0, help="with --add: capacity hint in tokens/s (finite, >= 0)"
-    )
-    r.add_argument("--update", action="store_true", help="with --add: change an existing cluster")
-    r.add_argument("--remove", metavar="CLUSTER", help="drain and remove CLUSTER")
-    r.add_argument("--force", action="store_true", help="with --remove: even while it still runs queries")
-    r.add_argument("--json", action="store_true", help="print the response as JSON")
-    r.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect over TLS")
+    add_rebalance(r, DEFAULT_TARGET)
 
     st = sub.add_parser(
         "status",
@@ -267,7 +243,12 @@ def _rebalance(args) -> int:
         try:
             if args.add:
                 return _add(admin, args, md)
-            if args.remove:
+            if args.preempt:
+                request = pb.DrainClusterRequest(
+                    name=args.preempt, dry_run=not args.apply, preempt=True, notice_s=args.notice
+                )
+                resp = admin.DrainCluster(request, metadata=md)
+            elif args.remove:
                 resp = admin.RemoveCluster(
                     pb.RemoveClusterRequest(name=args.remove, force=args.force, dry_run=not args.apply),
                     metadata=md,

@@ -1,5 +1,6 @@
 """The options ``fleetbatch gateway serve`` and ``fleetbatch gateway up`` share: the HTTP front, and the gateway's
-policy, predictor, limits, intake and offloading settings (parsed into :class:`GatewayConfig`)."""
+policy, predictor, limits, intake and offloading settings (parsed into :class:`GatewayConfig`); and those of
+``fleetbatch gateway rebalance``."""
 
 from __future__ import annotations
 
@@ -152,3 +153,41 @@ def add_common(s: argparse.ArgumentParser) -> None:
         help="one prefix cache for every client: no per-tenant salt in the engines' prefix-cache keys "
         "(by default each batch owner's rows hit only their own cached prefixes)",
     )
+
+
+def add_rebalance(p: argparse.ArgumentParser, target: str) -> None:
+    """The options of ``fleetbatch gateway rebalance`` (``target``: the default gateway address)."""
+    p.add_argument("--target", default=target, help="gateway address host:port")
+    p.add_argument("--token", default=None, help=f"admin token (default: ${TOKEN_ENV} or --token-file)")
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding the admin token (fleetbatch gateway up: runs/local/admin-token)",
+    )
+    p.add_argument("--apply", action="store_true", help="carry out the moves (default: dry run)")
+    p.add_argument(
+        "--drain",
+        metavar="CLUSTER",
+        action="append",
+        help="stop assigning to CLUSTER and move its queue away",
+    )
+    p.add_argument(
+        "--add", metavar="CLUSTER", help="register a new cluster (its engine may start later; needs --apply)"
+    )
+    p.add_argument(
+        "--capacity", type=float, default=0.0, help="with --add: capacity hint in tokens/s (finite, >= 0)"
+    )
+    p.add_argument("--update", action="store_true", help="with --add: change an existing cluster")
+    p.add_argument("--remove", metavar="CLUSTER", help="drain and remove CLUSTER")
+    p.add_argument(
+        "--preempt",
+        metavar="CLUSTER",
+        help="give CLUSTER a preemption notice: it claims nothing more, finishes the queries that end within "
+        "--notice, checkpoints and gives back the others (no attempt used), and its queue moves away",
+    )
+    p.add_argument(
+        "--notice", type=float, default=0.0, help="seconds of the preemption notice (--preempt; default 0)"
+    )
+    p.add_argument("--force", action="store_true", help="with --remove: even while it still runs queries")
+    p.add_argument("--json", action="store_true", help="print the response as JSON")
+    p.add_argument("--tls-ca", default=None, help="CA certificate (PEM): connect over TLS")

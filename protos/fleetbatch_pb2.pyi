@@ -337,12 +337,16 @@ class RebalanceResponse(_message.Message):
     def __init__(self, moves: _Optional[_Iterable[_Union[Move, _Mapping]]] = ..., applied: _Optional[bool] = ..., before: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., after: _Optional[_Iterable[_Union[ClusterStatus, _Mapping]]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DrainClusterRequest(_message.Message):
-    __slots__ = ("name", "dry_run")
+    __slots__ = ("name", "dry_run", "preempt", "notice_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     dry_run: bool
-    def __init__(self, name: _Optional[str] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    preempt: bool
+    notice_s: float
+    def __init__(self, name: _Optional[str] = ..., dry_run: _Optional[bool] = ..., preempt: _Optional[bool] = ..., notice_s: _Optional[float] = ...) -> None: ...
 
 class AddClusterRequest(_message.Message):
     __slots__ = ("name", "capacity_tokens_per_s", "backend", "max_query_tokens", "kv_budget_tokens", "update")

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from workqueue import keys
 from workqueue.core import QueueCore
 from workqueue.length_stats import increments
+from workqueue.lua_queue import LIBRARY
 from workqueue.records import ClusterInfo, Observation, as_float, as_int, as_opt_int
 from workqueue.script_call import Command, Op, ScriptCall, execute
 from workqueue.wake import WakeListener
@@ -43,6 +44,37 @@ return last - 3
 """
 
 
+# KEYS: the cluster's hash. ARGV: the notice's seconds. The cluster is draining (the offloader moves its queue away)
+# under a preemption notice that ends at Redis time + seconds (keys.NOTICE_UNTIL: it claims nothing from now on);
+# returns how many seconds are left of it (an earlier notice that ends sooner is kept).
+NOTICE = LIBRARY.script(
+    r"""
+local until_ = server_now() + tonumber(ARGV[1])
+local before = tonumber(redis.call('HGET', KEYS[1], F_NOTICE_UNTIL) or '')
+if before and before < until_ then until_ = before end
+redis.call('HSET', KEYS[1], 'state', 'draining', F_NOTICE_UNTIL, tostring(until_))
+return tostring(until_ - server_now())
+"""
+)
+
+# KEYS: the cluster's hash. Returns {state ('' if none), seconds left of its preemption notice ('' if none)}.
+STATE = LIBRARY.script(
+    r"""
+local h = redis.call('HMGET', KEYS[1], 'state', F_NOTICE_UNTIL)
+local left = ''
+if h[2] then left = tostring(tonumber(h[2]) - server_now()) end
+return {h[1] or '', left}
+"""
+)
+
+
+def parse_state(reply: Sequence) -> tuple[str, float | None]:
+    """A :meth:`Clusters.state_call`'s reply: the cluster's state (``active`` when unset) and the seconds left of its
+    preemption notice (None: no notice; 0 or less: it ended)."""
+    state, left = reply
+    return state or "active", (float(left) if left else None)
+
+
 class Clusters:
     """The clusters and their workers' heartbeats on ``core``'s Redis (``core.clock`` stamps heartbeats)."""
 
@@ -50,6 +82,8 @@ class Clusters:
         self.core = core
         self.r = core.r
         self._observe = core.script(OBSERVE)
+        self._notice = core.script(NOTICE)
+        self._state = core.script(STATE)
 
     def register_cluster(
         self,
@@ -86,12 +120,31 @@ class Clusters:
         ]
         if mapping:
             ops.append(Command("hset", keys.cluster_info(name), mapping=mapping))
+        if mapping.get("state") == "active":  # active again: a preemption notice is over
+            ops.append(Command("hdel", keys.cluster_info(name), keys.NOTICE_UNTIL))
         return ops
 
     def set_cluster_state(self, name: str, state: str) -> None:
         if state not in ("active", "draining", "removed"):
             raise ValueError(f"unknown cluster state {state!r}")
-        self.r.hset(keys.cluster_info(name), "state", state)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(keys.cluster_info(name), "state", state)
+        if state == "active":  # active again: a preemption notice is over
+            pipe.hdel(keys.cluster_info(name), keys.NOTICE_UNTIL)
+        pipe.execute()
+
+    def give_notice(self, name: str, notice_s: float) -> float:
+        """Preempt cluster ``name`` with ``notice_s`` seconds of notice: it is draining (its queue is moved away)
+        and claims nothing more; its workers finish what ends within the notice and checkpoint the rest
+        (:mod:`workqueue.partial`). Returns the seconds left of the notice (an earlier, shorter one is kept)."""
+        if not notice_s >= 0:
+            raise ValueError(f"a notice must be >= 0 seconds, not {notice_s}")
+        return float(self._notice(keys=[keys.cluster_info(name)], args=[float(notice_s)]))
+
+    def state_call(self, name: str) -> ScriptCall:
+        """The read of a cluster's state and of what is left of its preemption notice, as one script call (the
+        worker's tick): its reply reads with :func:`parse_state`."""
+        return ScriptCall(self._state, [keys.cluster_info(name)], [])
 
     def cluster_state(self, name: str) -> str:
         """``active``, ``draining`` or ``removed`` (``active`` for a cluster never configured)."""

@@ -3,7 +3,8 @@
 Keys (prefix ``{fb}:``)::
 
     {fb}:clusters                 SET   names of registered clusters
-    {fb}:c:{cluster}:info         HASH  static config: capacity hint, plan tokens/s, backend, state, limits
+    {fb}:c:{cluster}:info         HASH  static config: capacity hint, plan tokens/s, backend, state, limits,
+                                        notice_until (:data:`NOTICE_UNTIL`: the end of a preemption notice)
     {fb}:c:{cluster}:hb           HASH  last heartbeat (expires: alive = exists)
     {fb}:c:{cluster}:queue        ZSET  query ids waiting, scored by their rank (workqueue.ordering): lowest runs next
     {fb}:c:{cluster}:inflight     ZSET  query ids taken by a worker, scored by lease deadline
@@ -14,7 +15,8 @@ Keys (prefix ``{fb}:``)::
                                         tokens (its charge on its cluster: prompt + predicted response less
                                         the prompt tokens that cluster's prefix cache is expected to hold),
                                         full_tokens (:data:`FULL_TOKENS`: prompt + predicted response, no
-                                        discount: what fit checks and a move's recipient use)
+                                        discount: what fit checks and a move's recipient use),
+                                        partial (:data:`PARTIAL`: the output a checkpoint saved, JSON)
     {fb}:w:{gid}                  HASH  id: the write that recorded the query's result (expires: a resend is told apart)
     {fb}:batches                  ZSET  batch ids by creation time
     {fb}:deadlines                ZSET  unfinished batches with a deadline, by deadline (gateway clock)
@@ -90,6 +92,14 @@ EVERY_KEY = PREFIX + "*"
 #: the field of a query's hash that holds its full size (prompt + predicted response, no prefix discount) beside
 #: its charged ``tokens``; a row written before it existed has none and counts its ``tokens`` (Lua: ``F_FULL_TOKENS``)
 FULL_TOKENS = "full_tokens"
+
+#: the field of a query's hash that holds its partial output (:class:`workqueue.partial.Partial`, JSON): the tokens a
+#: preempted or checkpointed run generated, resumed by the next claim; it goes with the hash when the result is
+#: written (Lua: ``F_PARTIAL``)
+PARTIAL = "partial"
+#: the field of a cluster's hash that holds the end of its preemption notice (Redis time, seconds): from the notice
+#: on the cluster claims nothing (Lua: ``F_NOTICE_UNTIL``); making it active again deletes the field
+NOTICE_UNTIL = "notice_until"
 
 
 def _key(name: str, part: str) -> str:
@@ -201,7 +211,8 @@ def split_gid(g: str) -> tuple[str, str]:
 
 def lua_functions() -> str:
     """``local function k_<name>(x) ... end`` for every template, and ``K_DEADLINES``, ``K_SEQ``: the scripts'
-    key builders and the fixed keys they meet on the way; ``F_FULL_TOKENS``: the field :data:`FULL_TOKENS`."""
+    key builders and the fixed keys they meet on the way; ``F_FULL_TOKENS``, ``F_PARTIAL``, ``F_NOTICE_UNTIL``: the
+    fields :data:`FULL_TOKENS`, :data:`PARTIAL`, :data:`NOTICE_UNTIL`."""
     lines = []
     for name, template in TEMPLATES.items():
         head, tail = (PREFIX + template).split("%s")
@@ -210,5 +221,7 @@ def lua_functions() -> str:
         f"local K_DEADLINES = '{DEADLINES}'",
         f"local K_SEQ = '{SEQ}'",
         f"local F_FULL_TOKENS = '{FULL_TOKENS}'",
+        f"local F_PARTIAL = '{PARTIAL}'",
+        f"local F_NOTICE_UNTIL = '{NOTICE_UNTIL}'",
     ]
     return "\n".join(lines) + "\n"

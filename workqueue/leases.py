@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping
 
 from workqueue import keys, scripts
 from workqueue.core import QueueCore
+from workqueue.partial import Partial
 from workqueue.records import FINAL_QUERY_STATES, ClaimedQuery, QueryResult, QueryState, QueuedQuery, as_float
 from workqueue.script_call import ScriptCall
 
@@ -63,6 +64,7 @@ class Leases:
         self._renew = core.script(scripts.RENEW)
         self._requeue = core.script(scripts.REQUEUE_EXPIRED)
         self._release = core.script(scripts.RELEASE)
+        self._checkpoint = core.script(scripts.CHECKPOINT)
 
     @property
     def max_attempts(self) -> int:
@@ -108,12 +110,35 @@ class Leases:
                 self.max_attempts,
             )
         out = []
-        for i in range(0, len(flat), 4):
-            _, payload, attempts, enqueued_at = flat[i : i + 4]
+        for i in range(0, len(flat), scripts.CLAIMED_FIELDS):
+            _, payload, attempts, enqueued_at, partial = flat[i : i + scripts.CLAIMED_FIELDS]
+            query = QueuedQuery(**json.loads(payload))
             out.append(
-                ClaimedQuery(QueuedQuery(**json.loads(payload)), int(attempts), as_float(enqueued_at), now)
+                ClaimedQuery(query, int(attempts), as_float(enqueued_at), now, Partial.decode(partial))
             )
         return out
+
+    def checkpoint_call(
+        self, cluster: str, worker_id: str, items: Iterable[tuple[str, Partial | None, bool]]
+    ) -> ScriptCall:
+        """The CHECKPOINT script's call: per ``(gid, partial, release)`` the partial output is written (None:
+        nothing to write) while ``worker_id`` holds the query, and with ``release`` the query goes back to the
+        queue without using an attempt (:mod:`workqueue.scripts`). Its reply: ``[requeued, written per item...]``."""
+        args: list = [cluster, worker_id]
+        for gid, partial, release in items:
+            args += [gid, "1" if release else "0", partial.encode() if partial else ""]
+        return ScriptCall(
+            self._checkpoint, [keys.inflight(cluster), keys.queue(cluster), keys.pending(cluster)], args
+        )
+
+    def checkpoint(
+        self, cluster: str, worker_id: str, items: Iterable[tuple[str, Partial | None, bool]]
+    ) -> list[bool]:
+        """Run :meth:`checkpoint_call` alone; per item whether it was written (the worker held the query)."""
+        items = list(items)
+        if not items:
+            return []
+        return [bool(int(x)) for x in self.checkpoint_call(cluster, worker_id, items).run()[1:]]
 
     def renew(self, cluster: str, gids: Iterable[str], lease_s: float, worker_id: str = "") -> int:
         """Extend the leases of those ``gids`` still in flight on ``cluster`` to Redis time +

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from workqueue import keys
+from workqueue.partial import Partial
 
 
 class QueryState(enum.StrEnum):
@@ -137,6 +138,7 @@ class ClaimedQuery:
     attempts: int
     enqueued_at: float
     claimed_at: float
+    partial: Partial | None = None  # what an earlier run generated (workqueue.partial): resume from it
 
 
 @dataclass

@@ -26,6 +26,12 @@ Rules the scripts keep:
 * **Finished batches expire.** When a batch reaches a final state, its hash, results and
   done set get a TTL of the batch's ``retention_s`` (set at creation; 0 keeps them forever).
   A late completion for a batch that already expired records nothing.
+* **A checkpoint is its worker's.** CHECKPOINT writes a query's partial output (:mod:`workqueue.partial`)
+  only while the worker that sends it holds the query (its worker id and cluster, running or requeued
+  after a lapse and not claimed since), so a late write never lands on another run's query; with
+  ``release`` it gives a running query back as RELEASE does for one never started: its claim's attempt
+  back (a preemption is not the query's failure). The partial output goes with the query's hash when
+  its result is written (``finish``). Sent again, it writes the same thing and releases nothing more.
 * **Poison queries fail at their next claim.** REQUEUE_EXPIRED puts every lapsed query back;
   CLAIM gives up on a popped query that already used its ``max_attempts`` claims: it is
   finished as ``failed`` (``finish_reason`` ``error``) and the rest of its batch goes on.
@@ -38,6 +44,7 @@ from workqueue.lua_queue import EXPIRED_ERROR, LIBRARY
 
 __all__ = [
     "CLAIM",
+    "CHECKPOINT",
     "CLAIM_STOPPED_MAX",
     "COMPLETE",
     "EXPIRED_ERROR",
@@ -51,6 +58,9 @@ __all__ = [
 #: rows of stopped batches (cancelled, expiring) or out of attempts one CLAIM finishes at most: the rest are left to
 #: the bounded sweep and the next claims, so one call never blocks Redis long whatever a stopped batch holds
 CLAIM_STOPPED_MAX = 256
+
+#: the fields CLAIM's reply has per query it hands out: gid, payload, attempts, enqueued_at, partial output
+CLAIMED_FIELDS = 5
 
 #: what COMPLETE answers when the same write already recorded the result (it was resent: its reply was lost);
 #: -1 is a result there before, from another write (the query ran twice)
@@ -80,7 +90,8 @@ return idx
 # then the gids the worker runs, renewed first (``reassert``). Leases end at Redis time + lease seconds. A popped query
 # that already had max attempts claims is finished as failed (it gave up), not handed out; such rows and those of
 # stopped batches count to at most STOPPED_MAX per call (CLAIM_STOPPED_MAX). Returns a flat list: how
-# many gave up, then gid, payload, attempts, enqueued_at, ... for each newly claimed query. A reply that hands out
+# many gave up, then gid, payload, attempts, enqueued_at, partial output ('' if none: workqueue.partial), ... for
+# each newly claimed query. A cluster under a preemption notice (keys.NOTICE_UNTIL) claims nothing, as a removed one. A reply that hands out
 # queries is kept under the call's id: the same call sent again (its reply was lost) answers it again and claims
 # nothing more (an idle worker's empty ticks write nothing).
 CLAIM = LIBRARY.script(
@@ -93,13 +104,14 @@ local deadline = server_now() + tonumber(ARGV[3])
 reassert(c, worker, deadline, KEYS[2], KEYS[1], KEYS[3], 8)
 local out = {0}
 local taken, gave_up, finished = 0, 0, 0
-if redis.call('HGET', k_cluster_info(c), 'state') == 'removed' then n = 0 end  -- a removed cluster takes nothing new
+local info = redis.call('HMGET', k_cluster_info(c), 'state', F_NOTICE_UNTIL)
+if info[1] == 'removed' or info[2] then n = 0 end  -- a removed or preempted cluster takes nothing new
 while taken < n and finished < STOPPED_MAX do
   local popped = redis.call('ZPOPMIN', KEYS[1])
   local g = popped[1]
   if not g then break end
   local q = k_query(g)
-  local fields = redis.call('HMGET', q, 'payload', 'tokens', 'enqueued_at', 'attempts')
+  local fields = redis.call('HMGET', q, 'payload', 'tokens', 'enqueued_at', 'attempts', F_PARTIAL)
   if fields[1] then
     redis.call('INCRBYFLOAT', KEYS[3], -tonumber(fields[2] or '0'))
     local bid = split_gid(g)
@@ -123,6 +135,7 @@ while taken < n and finished < STOPPED_MAX do
       out[#out + 1] = fields[1]
       out[#out + 1] = tostring(attempts)
       out[#out + 1] = fields[3] or '0'
+      out[#out + 1] = fields[5] or ''
       taken = taken + 1
     end
   end
@@ -177,5 +190,30 @@ for i = 4, #ARGV do
   end
 end
 return requeue_lapsed(c, KEYS[1], KEYS[2], KEYS[3], server_now())
+"""
+)
+
+# KEYS: inflight, queue, pending of the cluster. ARGV: cluster, worker id, then (gid, release 1|0, partial JSON or '')
+# triples. For each query this worker holds on this cluster (running, or requeued after a lapse and not claimed since)
+# the partial output is written to its hash (F_PARTIAL); with release a running one goes back to the queue now, its
+# claim's attempt taken back (it was preempted, it did not fail). Returns {requeued, written (1|0) per triple...}.
+CHECKPOINT = LIBRARY.script(
+    r"""
+local c, worker = ARGV[1], ARGV[2]
+local out, released = {0}, false
+for i = 3, #ARGV, 3 do
+  local g, release, partial = ARGV[i], ARGV[i + 1] == '1', ARGV[i + 2]
+  local q = k_query(g)
+  local h = redis.call('HMGET', q, 'state', 'worker', 'cluster')
+  local mine = h[2] == worker and h[3] == c and (h[1] == 'running' or h[1] == 'queued')
+  if mine and partial ~= '' then redis.call('HSET', q, F_PARTIAL, partial) end
+  out[#out + 1] = mine and 1 or 0
+  if mine and release and h[1] == 'running' and redis.call('ZADD', KEYS[1], 'XX', 'CH', 0, g) > 0 then
+    redis.call('HINCRBY', q, 'attempts', -1)
+    released = true
+  end
+end
+if released then out[1] = requeue_lapsed(c, KEYS[1], KEYS[2], KEYS[3], server_now()) end
+return out
 """
 )

@@ -3,8 +3,9 @@
 An engine in one cloud may reach the queue's Redis in another, 20-150 ms away, so its queue
 agent (:mod:`engines.queue_agent`) asks for everything a tick needs at once: register the
 cluster, write finished results, record observed lengths, renew its leases, requeue lapsed
-ones, claim new queries, read its batches' statuses (cancels) and its cluster's state
-(removal), and publish its heartbeat. :meth:`TickRequest` lists what to do; :func:`run_tick`
+ones, checkpoint the queries it runs (their partial outputs: :mod:`workqueue.partial`; a preempted
+worker gives them back with the same call), claim new queries, read its batches' statuses (cancels)
+and its cluster's state (removal, a preemption notice), and publish its heartbeat. :meth:`TickRequest` lists what to do; :func:`run_tick`
 sends it as one pipeline (:func:`workqueue.script_call.execute`: two round trips only when
 Redis lost its scripts) and reads the replies into a :class:`TickReply`.
 
@@ -25,7 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from workqueue import keys
+from workqueue.clusters import parse_state
 from workqueue.leases import RENEW_CHUNK
+from workqueue.partial import Partial
 from workqueue.queue import WorkQueue
 from workqueue.records import ClaimedQuery, Observation, QueryResult, QueryState
 from workqueue.script_call import Command, Op, execute
@@ -55,6 +58,8 @@ class TickRequest:
     # the key the observed rows' (predicted, length) pairs add to (workqueue.length_stats)
     length_model: str = ""
     renew: list[str] | None = None  # gids whose leases to renew (None: none this tick)
+    # (gid, partial output or None, release): checkpoints to write, and queries to give back without using an attempt
+    checkpoints: list[tuple[str, Partial | None, bool]] = field(default_factory=list)
     requeue: bool = False  # requeue the cluster's lapsed leases
     claim: int = 0  # queries to claim
     batches: list[str] = field(default_factory=list)  # batches whose status to read
@@ -95,6 +100,11 @@ class TickReply:
     claimed: list[ClaimedQuery] = field(default_factory=list)
     statuses: dict[str, str | None] = field(default_factory=dict)
     state: str | None = None
+    # seconds left of the cluster's preemption notice (None: none, or not read)
+    notice_left_s: float | None = None
+    # per checkpoint: written (the worker held the query)
+    checkpointed: list[bool] = field(default_factory=list)
+    released: int = 0  # queries the checkpoints gave back (and lapsed leases requeued with them)
 
 
 def build(queue: WorkQueue, req: TickRequest, now: float) -> tuple[list[Op], dict[str, slice]]:
@@ -118,6 +128,8 @@ def build(queue: WorkQueue, req: TickRequest, now: float) -> tuple[list[Op], dic
         )
     if req.renew:
         part("renew", list(queue.renew_calls(req.cluster, req.renew, req.lease_s, req.worker_id)))
+    if req.checkpoints:  # after the results: a query finished in this tick has no hash left to write to
+        part("checkpoint", [queue.checkpoint_call(req.cluster, req.worker_id, req.checkpoints)])
     if req.requeue:
         part("requeue", [queue.requeue_call(req.cluster)])
     if req.claim > 0:  # it carries the tick's renewals (one RENEW call's worth): see the module's docstring
@@ -125,7 +137,7 @@ def build(queue: WorkQueue, req: TickRequest, now: float) -> tuple[list[Op], dic
         part("claim", [queue.claim_call(req.cluster, req.claim, req.worker_id, req.lease_s, now, renew)])
     part("statuses", [Command("hget", keys.batch(b), "status") for b in req.batches])
     if req.read_state:
-        part("state", [Command("hget", keys.cluster_info(req.cluster), "state")])
+        part("state", [queue.state_call(req.cluster)])
     if req.heartbeat is not None:
         part("heartbeat", queue.heartbeat_commands(req.cluster, req.heartbeat_ttl_s, **req.heartbeat))
     return ops, parts
@@ -145,6 +157,9 @@ def run_tick(queue: WorkQueue, req: TickRequest) -> TickReply:
     if "claim" in parts:
         reply.claimed = queue.parse_claim(req.cluster, replies[parts["claim"]][0], now)
     reply.statuses = dict(zip(req.batches, replies[parts["statuses"]], strict=True))
+    if "checkpoint" in parts:
+        released, *written = replies[parts["checkpoint"]][0]
+        reply.released, reply.checkpointed = int(released), [bool(int(x)) for x in written]
     if "state" in parts:
-        reply.state = replies[parts["state"]][0] or "active"
+        reply.state, reply.notice_left_s = parse_state(replies[parts["state"]][0])
     return reply

@@ -154,7 +154,13 @@ class AdminService(pb_grpc.AdminServiceServicer):
         await self._check_name(request.name, context)
         if not await self._exists(request.name):  # a removed cluster stays removed
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown cluster(s): {request.name}")
-        if not request.dry_run:  # stop new assignments first, then move the queue away
+        notice = request.notice_s
+        if request.preempt and not notice >= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"notice_s must be >= 0, not {notice}")
+        if request.preempt and not request.dry_run:  # draining; its workers checkpoint what will not finish
+            left = await asyncio.to_thread(self.d.queue.give_notice, request.name, request.notice_s)
+            log.warning("cluster %s is preempted: %.1f s of notice", request.name, left)
+        elif not request.dry_run:  # stop new assignments first, then move the queue away
             await asyncio.to_thread(self.d.queue.set_cluster_state, request.name, "draining")
             log.info("cluster %s is draining", request.name)
         return await self._run_rebalance(context, [request.name], request.dry_run)

@@ -76,7 +76,8 @@ def hands_out(reply: bytes) -> bool:
 def claimed(reply: bytes) -> dict[str, int]:
     """The queries a CLAIM's lost reply handed out: gid -> its attempts then."""
     _, *flat = decode(reply)
-    return {flat[i].decode(): int(flat[i + 2]) for i in range(0, len(flat) - 3, 4)}
+    step = scripts.CLAIMED_FIELDS
+    return {flat[i].decode(): int(flat[i + 2]) for i in range(0, len(flat) - step + 1, step)}
 
 
 def cancellable(query_id: str) -> bool:
