@@ -20,6 +20,7 @@ from gateway.offload.offloader import Offloader
 from localmodels import load_or_build
 from tests.harness import start_engine, wait_until
 from workqueue import QueryResult, QueuedQuery, WorkQueue, connect, keys
+from workqueue.clusters import parse_state
 from workqueue.partial import Partial
 
 PROMPTS = [f"question {i}: how do rivers carve valleys over {i + 3} million years?" for i in range(10)]
@@ -267,3 +268,78 @@ def test_every_row_exactly_once_through_two_preemptions(redis_url, reference):
             reference(q.prompt, 50, True)[1],
         )
     assert queue.batch("b1").status == "completed"
+
+
+def test_a_checkpoint_sent_again_releases_nothing_more_and_a_stale_one_writes_nothing(redis_url):
+    """A CHECKPOINT whose reply was lost is sent again by the tick: it takes no second attempt back. One from a
+    worker that no longer holds the query (another claimed it since) leaves the newer run's partial output alone."""
+    queue = WorkQueue(connect(redis_url))
+    assert queue.create_batch("b1", [(query(0, 48), "a")])
+    [cq] = queue.claim("a", 1, "w1", 30.0)
+    mine = [(cq.query.gid, Partial((1, 2, 3)), True)]
+    assert queue.checkpoint("a", "w1", mine) == [True]
+    assert queue.checkpoint("a", "w1", mine) == [True]  # the resend: same partial output, nothing released
+    assert queue.r.hget(keys.query(cq.query.gid), "attempts") == "0"
+    [again] = queue.claim("a", 1, "w2", 30.0)
+    assert again.partial == Partial((1, 2, 3)) and again.attempts == 1
+    assert queue.checkpoint("a", "w1", [(cq.query.gid, Partial((9,)), True)]) == [False]  # w1's: too late
+    assert partial(queue, cq.query.gid) == Partial((1, 2, 3))
+    assert queue.r.hget(keys.query(cq.query.gid), "attempts") == "1"
+    assert queue.r.zscore(keys.inflight("a"), cq.query.gid) is not None  # still w2's
+
+
+def test_sigterm_under_grace_s_checkpoints_and_the_engine_exits(redis_url, tmp_path):
+    """A real engine process served with --grace-s: SIGTERM is a notice (here shorter than any query's time
+    left), so it checkpoints its running queries, gives them back without using an attempt and exits."""
+    queue = WorkQueue(connect(redis_url))
+    qs = [query(i, 400, forced=True) for i in range(2)]
+    assert queue.create_batch("b1", [(q, "k") for q in qs])
+    args = ("--arch", "llama", "--size", "nano", "--checkpoint-tokens", "8", "--grace-s", "0.2")
+    proc = start_engine("k", redis_url, tmp_path, *args)
+    try:
+        wait_until(lambda: all(len(partial(queue, q.gid) or ()) >= 8 for q in qs), 120, "decoding")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for q in qs:
+        h = queue.r.hgetall(keys.query(q.gid))
+        assert h["state"] == "queued" and h["attempts"] == "0"
+        assert 8 <= len(partial(queue, q.gid)) < 400
+    assert (
+        queue.cluster_state("k") == "active"
+    )  # the engine's own notice: the cluster's state is the gateway's
+
+
+def test_rebalance_preempt_gives_the_cluster_notice(redis_url, capsys):
+    from gateway.cli import main
+    from gateway.config import ClusterSpec, GatewayConfig
+    from tests.harness import GatewayThread
+
+    token = "preempt-token"
+    config = GatewayConfig(
+        redis_url=redis_url,
+        admin_token=token,
+        offload=False,
+        clusters=[ClusterSpec("a", capacity_tps=100), ClusterSpec("b", capacity_tps=100)],
+    )
+    g = GatewayThread(config)
+    target = g.start()
+    queue = WorkQueue(connect(redis_url))
+    try:
+        assert queue.create_batch("b1", [(query(i, 16), "a") for i in range(4)])
+        base = ["rebalance", "--target", target, "--token", token]
+        assert main([*base, "--preempt", "a", "--notice", "30"]) == 0  # a dry run: nothing changes
+        assert queue.cluster_state("a") == "active" and queue.r.zcard(keys.queue("a")) == 4
+        assert main([*base, "--preempt", "a", "--notice", "30", "--apply"]) == 0
+        assert "applied: moved 4 queries" in capsys.readouterr().out
+        assert queue.cluster_state("a") == "draining" and queue.r.zcard(keys.queue("b")) == 4
+        state, left = parse_state(queue.state_call("a").run())
+        assert state == "draining" and 0 < left <= 30
+        assert queue.claim("a", 1, "w", 10.0) == []
+        assert main([*base, "--add", "a", "--update", "--capacity", "100", "--apply"]) == 0  # back again
+        assert parse_state(queue.state_call("a").run()) == ("active", None)
+    finally:
+        g.stop()
