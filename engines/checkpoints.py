@@ -4,9 +4,10 @@ A worker's running queries lose nothing but their last few tokens when its clust
 
 * **Checkpoints.** After each step the step loop snapshots every running query that generated
   ``every / 2`` tokens (rounded up) since its last snapshot (:meth:`Checkpoints.after_step`); the
-  queue agent writes the snapshots in its next tick, in the same round trip as its renewals and
-  claims (:mod:`workqueue.worker_tick`: the CHECKPOINT script, which writes only while this worker
-  holds the query). The step loop does not step a query that is ``every`` tokens ahead of its last
+  queue agent writes the snapshots in its next tick, in the same round trip as its renewals,
+  results and claims (:mod:`workqueue.worker_tick`: the CHECKPOINT script, which writes only while
+  this worker holds the query). A tick is made for them alone only when a query gets three
+  quarters of a checkpoint ahead of Redis. The step loop does not step a query that is ``every`` tokens ahead of its last
   written snapshot (:meth:`Checkpoints.wait_written`, while Redis answers): so a hard kill loses at
   most ``every`` tokens of a query, however slow a tick was.
 * **Notices.** A preemption notice (``fleetbatch gateway rebalance --preempt CLUSTER --notice S``,
@@ -66,19 +67,21 @@ class Checkpoints:
                     del self._pending[g]
 
     def after_step(self, progress: Mapping[str, Sequence[int]]) -> bool:
-        """Snapshot the queries half a checkpoint ahead of their last snapshot; whether any was taken."""
+        """Snapshot the queries half a checkpoint ahead of their last snapshot. The snapshots go with the agent's
+        next tick, due anyway (renewals, results, claims); returns whether one is urgent: a query three quarters
+        of a checkpoint ahead of Redis (then the agent should tick now, before the step loop has to wait)."""
         if not self.every:
             return False
-        half = max(1, math.ceil(self.every / 2))
+        half, urgent = max(1, math.ceil(self.every / 2)), math.ceil(3 * self.every / 4)
         due = [(g, toks) for g, toks in progress.items() if len(toks) - self._taken.get(g, 0) >= half]
-        if not due:
-            return False
         with self._cond:
             for g, toks in due:
                 self._taken[g] = len(toks)
                 if not self._pending.get(g, (None, False))[1]:  # a release already carries the query's tokens
                     self._pending[g] = (Partial(tuple(toks)), False)
-        return True
+            return bool(self._pending) and any(
+                len(t) - self._written.get(g, 0) >= urgent for g, t in progress.items()
+            )
 
     def behind(self, progress: Mapping[str, Sequence[int]]) -> bool:
         """Whether a query would run more than a checkpoint ahead of its written partial output in the next step."""
