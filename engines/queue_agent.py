@@ -216,11 +216,12 @@ class QueueAgent:
     def request(self) -> TickRequest | None:
         """What is due now, as one tick's request (None: nothing)."""
         c, now = self.config, time.monotonic()
-        releasing = self.checkpoints.releasing()  # not renewed: a renewal would take them back from the queue
+        req = TickRequest(c.cluster, self.worker_id, c.lease_s, register=self._register, **self._results())
+        # not renewed: a renewal (or the claim's) would take them back; read after the tick's checkpoints
+        releasing = self.checkpoints.releasing()
         with self._lock:
             held = [g for g in self.inflight if g not in releasing]
             batches = sorted({cq.query.batch_id for cq in self.inflight.values()})
-        req = TickRequest(c.cluster, self.worker_id, c.lease_s, register=self._register, **self._results())
         if held and now - self.renewed_at >= c.renew_every_s:
             req.renew = held
         req.requeue = now - self._last_requeue >= c.requeue_check_s

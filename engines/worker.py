@@ -202,10 +202,14 @@ class Worker:
         self.kv_token_seconds += self._stats.kv_step_tokens * took
         self.steps += 1
         self.agent.free_slots = self.engine.free_slots()
-        if self._preempting:  # aborted under a notice: given back, not answered
-            gone = [o.request_id for o in outputs if o.request_id in self._preempting]
+        if self._preempting:  # aborted under a notice: given back, not answered (an answer first is kept)
+            gone = {
+                o.request_id
+                for o in outputs
+                if o.request_id in self._preempting and o.finish_reason == "abort"
+            }
+            self._preempting -= {o.request_id for o in outputs}
             for g in gone:
-                self._preempting.discard(g)
                 self.checkpoints.release(g, None)
             outputs = [o for o in outputs if o.request_id not in gone]
         self.checkpoints.forget(o.request_id for o in outputs)

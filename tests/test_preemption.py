@@ -343,3 +343,26 @@ def test_rebalance_preempt_gives_the_cluster_notice(redis_url, capsys):
         assert parse_state(queue.state_call("a").run()) == ("active", None)
     finally:
         g.stop()
+
+
+def test_an_engine_that_cannot_resume_gives_its_queries_back_under_a_notice(redis_url):
+    """The static backend writes no checkpoints; a notice aborts what will not finish and gives it back, no attempt
+    used and no partial output: the query runs again from the start elsewhere."""
+    from engines.static_engine import StaticBatchEngine
+
+    queue = WorkQueue(connect(redis_url))
+    qs = [query(i, 16) for i in range(3)]
+    assert queue.create_batch("b1", [(q, "a") for q in qs])
+    model, tok = load_or_build(None, arch="llama", size="nano")
+    config = WorkerConfig(cluster="a", backend="static", record_observed=False, cancel_check_s=0.0)
+    worker = Worker(queue, StaticBatchEngine(model, tok, max_batch=2), config)
+    assert not worker.resumable and worker.checkpoints.every == 0
+    claim_and_start(worker)
+    assert sorted(worker.inflight) == sorted(q.gid for q in qs)
+    queue.give_notice("a", 0)
+    assert worker.agent.tick() and worker.checkpoints.noticed
+    assert worker.run() == 0
+    for q in qs:
+        h = queue.r.hgetall(keys.query(q.gid))
+        assert (h["state"], h["attempts"], partial(queue, q.gid)) == ("queued", "0", None)
+    assert not queue.r.lrange(keys.results("b1"), 0, -1)
