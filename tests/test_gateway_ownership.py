@@ -264,6 +264,10 @@ def test_the_http_fronts_creations_count_in_the_in_flight_bytes(redis_url, tmp_p
         try:
             wait_until(refused, 60, "a gRPC request to be refused while the HTTP creation is in flight")
         finally:
+            # the creation reads its input twice (checked, then sent: it streams a large file), the second
+            # time from the file the path now names
+            fifo.unlink()
+            fifo.write_bytes(rows)
             os.write(fd, rows)  # lets the creation go on
             os.close(fd)
         creating.join(120)
