@@ -12,10 +12,11 @@ import pytest
 from openai import OpenAI
 
 from gateway.http_api import batches as ob
-from gateway.http_api.files import TooLarge, new_file_id, open_store, read_lines
+from gateway.http_api.files import TooLarge, new_file_id, read_lines
 from gateway.http_api.finalizer import Finalizer
 from gateway.http_api.format import COMPLETIONS
 from gateway.http_api.s3_files import S3FileStore, parse_url
+from gateway.http_api.stores import open_store
 from tests.openai_http_helpers import KEY, complete_claimed, http_gateway, jsonl, wait_final
 from tests.test_openai_finalizer import ROWS, finished_batch
 from workqueue import WorkQueue, connect, keys

@@ -6,7 +6,7 @@ back), ``delete`` and ``files`` (every file object, for ``GET /v1/files``). :cla
 file object), written to a temporary name and renamed, so a reader never sees half a file and
 a gateway that dies mid-write leaves nothing under the id. Every gateway of a deployment must
 see the same store: one directory on shared storage, or S3-compatible object storage
-(:class:`gateway.http_api.s3_files.S3FileStore`); :func:`open_store` makes the one ``--files`` names.
+(:class:`gateway.http_api.s3_files.S3FileStore`); :func:`gateway.http_api.stores.open_store` makes the one ``--files`` names.
 """
 
 from __future__ import annotations
@@ -152,17 +152,6 @@ class LocalFileStore:
             info = self.info(meta.name[: -len(".json")])
             if info is not None:
                 yield info
-
-
-def open_store(where: str) -> FileStore:
-    """The store ``--files`` names: ``s3://bucket/prefix`` (object storage), else a directory."""
-    if where.startswith("s3://"):
-        from gateway.http_api.s3_files import S3FileStore  # boto3 is imported only when used
-
-        store = S3FileStore(where)
-        store.check()
-        return store
-    return LocalFileStore(where)
 
 
 def list_files(

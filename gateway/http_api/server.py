@@ -20,9 +20,9 @@ import uvicorn
 
 from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig
-from gateway.http_api.files import open_store
 from gateway.http_api.finalizer import Finalizer
 from gateway.http_api.front import OpenAIFront
+from gateway.http_api.stores import open_store
 
 log = logging.getLogger(__name__)
 
