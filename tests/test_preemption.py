@@ -21,6 +21,7 @@ from localmodels import load_or_build
 from tests.harness import start_engine, wait_until
 from workqueue import QueryResult, QueuedQuery, WorkQueue, connect, keys
 from workqueue.clusters import parse_state
+from workqueue.invariants import check
 from workqueue.partial import Partial
 
 PROMPTS = [f"question {i}: how do rivers carve valleys over {i + 3} million years?" for i in range(10)]
@@ -118,6 +119,7 @@ def test_a_notice_checkpoints_and_releases_without_using_an_attempt(redis_url):
     claimed = {cq.query.gid: cq for cq in queue.claim("b", 5, "w-b", 10.0)}
     assert {g: list(cq.partial.token_ids) for g, cq in claimed.items()} == generated
     assert all(cq.attempts == 1 for cq in claimed.values())
+    assert check(queue.r) == []
 
 
 def test_a_long_notice_lets_the_running_queries_finish(redis_url, reference):
@@ -268,6 +270,7 @@ def test_every_row_exactly_once_through_two_preemptions(redis_url, reference):
             reference(q.prompt, 50, True)[1],
         )
     assert queue.batch("b1").status == "completed"
+    assert check(queue.r) == []
 
 
 def test_a_checkpoint_sent_again_releases_nothing_more_and_a_stale_one_writes_nothing(redis_url):
@@ -366,3 +369,4 @@ def test_an_engine_that_cannot_resume_gives_its_queries_back_under_a_notice(redi
         h = queue.r.hgetall(keys.query(q.gid))
         assert (h["state"], h["attempts"], partial(queue, q.gid)) == ("queued", "0", None)
     assert not queue.r.lrange(keys.results("b1"), 0, -1)
+    assert check(queue.r) == []
