@@ -342,6 +342,7 @@ def test_rebalance_preempt_gives_the_cluster_notice(redis_url, capsys):
         state, left = parse_state(queue.state_call("a").run())
         assert state == "draining" and 0 < left <= 30
         assert queue.claim("a", 1, "w", 10.0) == []
+        assert make_worker(queue, "a").run() == 0  # an engine started under the notice claims nothing, stops
         assert main([*base, "--add", "a", "--update", "--capacity", "100", "--apply"]) == 0  # back again
         assert parse_state(queue.state_call("a").run()) == ("active", None)
     finally:
