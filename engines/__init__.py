@@ -5,6 +5,8 @@ each result once; behind it an engine implements :class:`engines.interface.Engin
 native iteration-level engine (:mod:`engines.engine`: scheduler, paged KV cache, model
 runner; a plan with several stages runs as processes, :mod:`engines.pipeline`), static
 batching (:mod:`engines.static_engine`), vLLM on a GPU (:mod:`engines.vllm_backend`) or inference
-servers the user already runs (:mod:`engines.endpoint_backend`).
+servers the user already runs (:mod:`engines.endpoint_backend`). Its queue agent
+(:mod:`engines.queue_agent`) does the Redis work; :mod:`engines.checkpoints` keeps the running
+queries' partial outputs in Redis and handles a preemption notice.
 Engines know the gateway only through :mod:`workqueue` and :mod:`protos`.
 """

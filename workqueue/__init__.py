@@ -8,7 +8,7 @@ multi-key change atomic (:mod:`workqueue.scripts`; their shared functions from o
 and leases in :mod:`workqueue.leases`, batches in :mod:`workqueue.batches`, background intake in
 :mod:`workqueue.intake_ops`, queue reads and moves in :mod:`workqueue.moves`, many clusters or
 batches per round trip in :mod:`workqueue.ticks`; the mover lease in :mod:`workqueue.mover`, the
-records in :mod:`workqueue.records`), the embedded Redis server used when no URL is given and the
+records in :mod:`workqueue.records`, a query's partial output in :mod:`workqueue.partial`), the embedded Redis server used when no URL is given and the
 one place every client is made (:mod:`workqueue.embedded`; TLS in :mod:`workqueue.redis_tls`), and
 the ACL rules of each role, what a worker and a gateway may run (:mod:`workqueue.acl`). The gateway
 and the engines meet only here and in the protos.
