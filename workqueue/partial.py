@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Partial:
-    """The tokens a query generated so far (``token_ids``; ``text``: what they decode to)."""
+    """The tokens a query generated so far (``token_ids``), and ``text``: what they decode to, for a backend that
+    would continue from the text (none does yet; the native engine resumes from the ids and leaves it empty)."""
 
     token_ids: tuple[int, ...]
     text: str = ""
