@@ -11,6 +11,8 @@ and see each check fire.
   arguments that part's own parser accepts.
 * :func:`images`: every image is pinned (a tag other than ``latest``, or a digest), and an engine of
   the vllm backend runs the GPU image.
+* :func:`grace`: every engine turns Kubernetes' SIGTERM into a notice (``--grace-s``) that ends before the
+  pod's ``terminationGracePeriodSeconds``, when the kubelet kills it (a spot node's reclaim, a drain).
 * :func:`fleet`: every engine overlay's cluster is one of the gateway's cluster file, with its backend
   and its plan's throughput.
 """
@@ -254,6 +256,28 @@ def images(docs: list[dict]) -> list[str]:
             if image_name(image) == IMAGE and vllm and not tag.endswith("-gpu"):
                 out.append(
                     f"{where(doc)}, container {c['name']}: the vllm backend on {image!r}, not the GPU image"
+                )
+    return out
+
+
+def grace(docs: list[dict], entry: tuple[list[str], list[str]]) -> list[str]:
+    out = []
+    for doc in docs:
+        pod = pod_of(doc) or {}
+        period = pod.get("terminationGracePeriodSeconds", 30)  # Kubernetes' default
+        for c in containers(pod):
+            line = command_line(c, entry)
+            if line[:3] != ["fleetbatch", "engine", "serve"]:
+                continue
+            notice = _flag(line, "--grace-s")
+            if notice is None or float(notice) <= 0:
+                out.append(
+                    f"{where(doc)}, container {c['name']}: no --grace-s: SIGTERM stops its running queries at once"
+                )
+            elif float(notice) >= period:
+                out.append(
+                    f"{where(doc)}, container {c['name']}: --grace-s {notice} does not end before the pod's "
+                    f"terminationGracePeriodSeconds ({period}), when the kubelet kills it"
                 )
     return out
 

@@ -77,6 +77,7 @@ def problems(renders: dict[str, list[dict]]) -> list[str]:
             checks.paths(docs, entry),
             checks.commands(docs, entry),
             checks.images(docs),
+            checks.grace(docs, entry),
         ):
             out += [f"{target}: {p}" for p in found]
     return out + checks.fleet(renders)
@@ -211,6 +212,11 @@ MUTATIONS = {
     "vllm on the CPU image": (
         "overlays/gcp-t4", lambda r: _pod(r)["containers"][0].update(image="registry.example.com/fleetbatch:0.1.0"),
         "not the GPU image"),
+    "an engine without a notice": (
+        "overlays/aws-a100", lambda r: _set_arg(_pod(r)["containers"][0]["args"], "--grace-s", "--max-batch"),
+        "no --grace-s"),
+    "a notice past the pod's grace period": (
+        "engine", lambda r: _pod(r).update(terminationGracePeriodSeconds=20), "does not end before"),
     "a cluster the gateway does not know": (
         "overlays/azure-v100", lambda r: _set_arg(_pod(r)["containers"][0]["args"], "azure-v100", "azure-a100"),
         "cluster azure-a100 is not in the gateway's clusters.yaml"),
