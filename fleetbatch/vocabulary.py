@@ -24,6 +24,7 @@ VOCABULARY: dict[str, str] = {
     "--asymmetric": "asymmetric RTN with uint8 zero points",
     "--augment": "with --teacher: K noisy copies of each training prompt",
     "--augment-seed": "seed of the --augment copies",
+    "--back-after": "seconds from a preempted engine's stop until its cluster is back (active, its engine started again)",
     "--backend": "engine backend",
     "--base-slowdown": "--emulation cpu: emulated device time per step, x compute",
     "--batch-id": "a batch's id",
@@ -204,6 +205,7 @@ VOCABULARY: dict[str, str] = {
     "--predictor": "a response-length predictor: a model directory, 'shipped' or 'heuristic'",
     "--predictor-threads": "torch threads for length prediction",
     "--preempt": "give CLUSTER a preemption notice: it claims nothing more, checkpoints its running queries, its queue moves away",
+    "--preempt-at": "shares of the batch's rows done at which each spot cluster gets a preemption notice",
     "--prefill-batches": "prefill batch sizes",
     "--prefill-chunk": "longest prefill chunk of one query per step",
     "--prefill-chunks": "numbers of prefill chunks kappa to consider (SplitQuant's chunked prefill), e.g. 1,2,4,8",
@@ -297,6 +299,7 @@ VOCABULARY: dict[str, str] = {
     "--wan-delay-ms": "one-way delay (ms, each direction) between every engine and Redis",
     "--wan-jitter-ms": "plus a uniform 0..this ms per chunk (order kept)",
     "--warmup": "untimed warm-up batches",
+    "--windows": "completion windows to run, as multiples of the on-demand run's makespan (loose 2x, tight 1.2x)",
     "--workload": "query source",
 }
 

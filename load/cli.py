@@ -20,7 +20,7 @@ from load.openai_batch import OpenAIOutput, error_path
 from load.reports import report
 from load.reports.layout import format_layouts, mean_lengths, plan_rows
 from load.soaks import endpoints, file_create, file_soak, openai_check, soak
-from load.studies import bench_offload, compare_policies, deadlines, prefix, study, wan
+from load.studies import bench_offload, compare_policies, deadlines, prefix, spot, study, wan
 from load.workload import OpenAIFile, from_dataset, generated
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,7 @@ def build_parser(prog: str = "fleetbatch loadgen") -> argparse.ArgumentParser:
             prefix,
             "a batch with shared prefixes: token-only against prefix-aware assignment, prefix cache on (and off)",
         ),
+        ("spot", spot, "spot clusters preempted and killed: --policy cost against token and an on-demand fleet"),
         (
             "report",
             report,
@@ -364,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
     modules["wan"] = wan
     modules["deadlines"] = deadlines
     modules["prefix"] = prefix
+    modules["spot"] = spot
     modules["endpoints"] = endpoints
     result = modules[args.command].run(args)
     print(json.dumps(result))
