@@ -172,7 +172,11 @@ def build_parser(prog: str = "fleetbatch loadgen") -> argparse.ArgumentParser:
             prefix,
             "a batch with shared prefixes: token-only against prefix-aware assignment, prefix cache on (and off)",
         ),
-        ("spot", spot, "spot clusters preempted and killed: --policy cost against token and an on-demand fleet"),
+        (
+            "spot",
+            spot,
+            "spot clusters preempted and killed: --policy cost against token and an on-demand fleet",
+        ),
         (
             "report",
             report,
