@@ -11,6 +11,7 @@ import json
 from types import SimpleNamespace
 
 from cliutil.config_file import resolve_config
+from engines.checkpoints import Checkpoints
 from engines.config import EngineConfig
 from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
@@ -87,6 +88,8 @@ def test_the_worker_hands_the_queued_salt_to_the_engine():
         agent=SimpleNamespace(aborts=lambda: [], take=lambda n: [ClaimedQuery(q, 0, 0.0, 1.0)], free_slots=0),
         engine=SimpleNamespace(add_request=got.append, free_slots=lambda: 4),
         config=SimpleNamespace(openai_fields=(), backend="native"),
+        resumable=True,
+        checkpoints=Checkpoints(0),
     )
     Worker.start_claimed(stub)  # type: ignore[arg-type]
     assert [r.cache_salt for r in got] == ["5a1f00d"]
