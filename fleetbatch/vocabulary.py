@@ -237,6 +237,7 @@ VOCABULARY: dict[str, str] = {
     "--retention-hours": "keep a finished batch's status and results this long, then Redis drops them (0: forever)",
     "--retrain-data": "retrain's --dataset: 'original'",
     "--role": "redis-acl: what the ACL user runs, a cloud's engines (worker) or a gateway",
+    "--reuse-on-demand": "take the on-demand run from an earlier run's directory instead of running it again",
     "--run-dir": "the working directory of a local deployment",
     "--safety-margin": "admission reserves predicted*(1+margin)",
     "--save-profile": "also write the measured profile",
@@ -299,7 +300,7 @@ VOCABULARY: dict[str, str] = {
     "--wan-delay-ms": "one-way delay (ms, each direction) between every engine and Redis",
     "--wan-jitter-ms": "plus a uniform 0..this ms per chunk (order kept)",
     "--warmup": "untimed warm-up batches",
-    "--windows": "completion windows to run, as multiples of the on-demand run's makespan (loose 2x, tight 1.2x)",
+    "--windows": "completion windows to run, as multiples of the on-demand run's makespan (loose 2x, tight 1.2x, wide 4x)",
     "--workload": "query source",
 }
 

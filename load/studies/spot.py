@@ -8,7 +8,7 @@ runs its engine on cost-model devices): ``fast`` = 2 x A100-40G on demand, ``med
 one batch. Setups, one ``fleetbatch gateway up`` each:
 
 * ``on_demand`` (c): ``--policy token``, every cluster on demand, no event. Run first: its makespan
-  ``T`` sets the windows (``--windows``: ``loose`` = 2 T, ``tight`` = 1.2 T);
+  ``T`` sets the windows (``--windows``: ``loose`` = 2 T, ``tight`` = 1.2 T, ``wide`` = 4 T);
 * per window, ``cost`` (a): ``--policy cost`` on the spot fleet, and ``token`` (b): ``--policy token`` on the
   spot fleet, the batch submitted with that completion window and the same events fired by progress
   (:mod:`load.studies.spot_events`): a SIGKILL of ``slow``'s engine (``--kill-at``), and at each share of
@@ -36,7 +36,7 @@ from gateway.grpc_api.auth import deployment_token
 from gateway.grpc_api.tls import channel
 from load.client import result_row, to_request
 from load.deployment import LocalDeployment
-from load.reports.runrecord import write_run
+from load.reports.runrecord import META, RESULTS, read_jsonl, write_run
 from load.studies.spot_events import Event, HeartbeatLog, SpotEvents
 from load.studies.spot_stats import summarise
 from load.studies.study import workload
@@ -46,7 +46,7 @@ from protos import fleetbatch_pb2_grpc as pb_grpc
 
 FLEET = (("fast", ["A100-40G", "A100-40G"], "on-demand"), ("medium", ["V100-32G", "T4"], "spot"),
          ("slow", ["T4", "T4"], "spot"))  # fmt: skip
-WINDOWS = {"loose": 2.0, "tight": 1.2}  # multiples of the on-demand run's makespan
+WINDOWS = {"loose": 2.0, "tight": 1.2, "wide": 4.0}  # multiples of the on-demand run's makespan
 POLL_S = 0.3
 
 
@@ -74,6 +74,12 @@ def add_arguments(p) -> None:
         type=float,
         default=6.0,
         help="seconds from a preempted engine's stop until its cluster is back",
+    )
+    p.add_argument(
+        "--reuse-on-demand",
+        default=None,
+        metavar="DIR",
+        help="take run (c) from this on_demand run directory of an earlier run of the same workload (not run again)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/spot", help="one run directory per setup")
@@ -164,13 +170,23 @@ def run_setup(
     return {"name": name, "rows": rows, "meta": meta, "costs": costs, "total": len(items)}
 
 
+def load_setup(run_dir: Path, total: int) -> dict:
+    """A run written by :func:`run_setup` earlier, as it returned it."""
+    meta = json.loads((run_dir / META).read_text())
+    return {"name": run_dir.name, "rows": read_jsonl(run_dir / RESULTS), "meta": meta,
+            "costs": read_jsonl(run_dir / "costs.jsonl"), "total": total}  # fmt: skip
+
+
 def run(args) -> dict:
     windows = [w.strip() for w in args.windows.split(",") if w.strip()]
     if not windows or any(w not in WINDOWS for w in windows):
         raise ValueError(f"--windows: of {', '.join(WINDOWS)}, not {args.windows!r}")
     out = Path(args.out)
     items = workload(args)
-    runs = {"on_demand": run_setup("on_demand", "token", False, items, None, out, args)}
+    if args.reuse_on_demand:
+        runs = {"on_demand": load_setup(Path(args.reuse_on_demand), len(items))}
+    else:
+        runs = {"on_demand": run_setup("on_demand", "token", False, items, None, out, args)}
     makespan = runs["on_demand"]["meta"]["completed_at"] - runs["on_demand"]["meta"]["created_at"]
     print(f"on demand, token policy: makespan T = {makespan:.1f} s; windows "
           + ", ".join(f"{w} {WINDOWS[w] * makespan:.0f} s" for w in windows))  # fmt: skip

@@ -85,6 +85,7 @@ class SpotEvents:
         self._lock = threading.Lock()
         self._admin = None
         self._capacity: dict[str, float] = {}
+        self._dead: dict[str, dict[str, float]] = {}  # a killed engine's queries, by their lease then
 
     @staticmethod
     def _cmdline(pid: int) -> list[str]:
@@ -120,8 +121,15 @@ class SpotEvents:
             t.start()
             self._threads.append(t)
 
+    def _leases(self, cluster: str) -> dict[str, float]:
+        rows = self.r.zrange(keys.inflight(cluster), 0, -1, withscores=True)
+        return {g if isinstance(g, str) else g.decode(): float(s) for g, s in rows}
+
     def _inflight(self, cluster: str) -> list[str]:
-        return [g if isinstance(g, str) else g.decode() for g in self.r.zrange(keys.inflight(cluster), 0, -1)]
+        """The queries a live engine of the cluster holds: those a killed engine held stay in flight, their leases
+        unrenewed, until they lapse; they are left out."""
+        dead = self._dead.get(cluster, {})
+        return [g for g, s in self._leases(cluster).items() if dead.get(g) != s]
 
     def _partials(self, gids: list[str]) -> list[int | None]:
         pipe = self.r.pipeline(transaction=False)
@@ -136,7 +144,8 @@ class SpotEvents:
     def _kill(self, seen: Seen) -> None:
         c = seen.event.cluster
         pid = self._pid(c)
-        seen.running = self._inflight(c)
+        self._dead[c] = self._leases(c)
+        seen.running = list(self._dead[c])
         os.kill(pid, signal.SIGKILL)
         seen.stopped_t = time.time()
         seen.partial = dict(zip(seen.running, self._partials(seen.running), strict=True))

@@ -76,8 +76,10 @@ def recompute(run: dict) -> dict:
             cluster, t = finished_on.get(qid, (None, 0.0))
             if cluster == e["cluster"] and t <= e["stopped_t"] + 1.0:
                 continue  # it finished there within the notice: counted with the results
-            p["kept"] += n - _resumed_from(hand, qid, e["t"])
-            p["queries"] += 1
+            resumed = _resumed_from(hand, qid, e["t"])
+            p["kept"] += n - resumed
+            # a notice's query that had not started (claimed ahead) generated nothing: not a preempted running one
+            p["queries"] += 1 if e["kind"] == "kill" or n > resumed else 0
     out: dict[str, dict] = {}
     for p in procs:
         o = out.setdefault(p["ending"], {"processes": 0, "queries": 0, "generated": 0, "recomputed": 0})
