@@ -32,6 +32,7 @@ from pathlib import Path
 
 from clusterfile import dump_cluster_file
 from gateway.config import HTTP_KEY_ENV
+from load.soaks.soak import memory
 from load.workload import generated
 from workqueue import WorkQueue, connect, keys
 from workqueue.embedded import URL_ENV, EmbeddedRedis
@@ -71,15 +72,6 @@ def write_file(path: Path, mb: float, row_bytes: int, seed: int, step: int = 10_
                 if size >= limit:
                     break
     return n
-
-
-def status(pid: int) -> dict[str, float]:
-    """``VmRSS`` and ``VmHWM`` of a process, in MB."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
-            out[line.split(":")[0]] = int(line.split()[1]) / 1024
-    return out
 
 
 def reset_peak(pid: int) -> bool:
@@ -144,10 +136,10 @@ def run(args) -> dict:
             gateway, url = start_gateway(server.url, work, files, key)
             try:
                 client = OpenAI(base_url=url, api_key=key, max_retries=0, timeout=args.timeout)
-                base = status(gateway.pid)["VmRSS"]
+                base = memory(gateway.pid)["VmRSS"]
                 with open(src, "rb") as f:
                     uploaded = client.files.create(file=("input.jsonl", f), purpose="batch")
-                after_upload = status(gateway.pid)
+                after_upload = memory(gateway.pid)
                 peak_reset = reset_peak(gateway.pid)
                 sampler = Sampler(gateway.pid)
                 sampler.start()
@@ -156,12 +148,12 @@ def run(args) -> dict:
                     input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
                 )
                 create_s = time.perf_counter() - t0
-                at_answer = status(gateway.pid)
+                at_answer = memory(gateway.pid)
                 _wait_intake(queue, batch.id, args.timeout)
                 intake_s = time.perf_counter() - t0
                 sampler.stop.set()
                 sampler.join()
-                mem = status(gateway.pid)
+                mem = memory(gateway.pid)
                 batch = client.batches.retrieve(batch.id)
             finally:
                 gateway.terminate()

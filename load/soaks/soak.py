@@ -60,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def memory(pid: int) -> dict[str, float]:
+    """``VmRSS`` and ``VmHWM`` of a process, in MB."""
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(("VmRSS:", "VmHWM:")):
