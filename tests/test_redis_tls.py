@@ -177,7 +177,13 @@ def test_the_worker_user_is_refused_admin_commands_and_other_keys(tls):
     for user in ("engines-east", "gw"):
         r = connect(tls["url"][user])
         assert r.ping() and r.hset("{fb}:acl-probe", "by", user) in (0, 1)  # its own keys, its commands
-        assert r.eval("return redis.call('hget', KEYS[1], 'by')", 1, "{fb}:acl-probe") == user  # its scripts
+        probe = r.register_script("return redis.call('hget', KEYS[1], 'by')")  # EVALSHA, loaded on NOSCRIPT
+        assert probe(keys=["{fb}:acl-probe"]) == user  # its scripts, as the queue runs them
+        if user == "gw":  # the gateway's own small scripts go by EVAL
+            assert r.eval("return redis.call('hget', KEYS[1], 'by')", 1, "{fb}:acl-probe") == user
+        else:  # a worker's password cannot run a script of its own making
+            with pytest.raises(redis.exceptions.NoPermissionError, match="no permissions"):
+                r.eval("return redis.call('hget', KEYS[1], 'by')", 1, "{fb}:acl-probe")
         for command in ADMIN_COMMANDS:
             with pytest.raises(redis.exceptions.NoPermissionError, match="no permissions"):
                 r.execute_command(*command)

@@ -30,7 +30,6 @@ CONNECTION_COMMANDS = (
     "client|getname",
     "client|id",
     "evalsha",
-    "eval",
     "script|load",
     "script|exists",
     # a Redis Cluster client (``redis+cluster://``) also reads the slot map and the command table, and follows
@@ -90,6 +89,9 @@ WORKER_COMMANDS = (
 #: what the gateway sends outside scripts besides the worker's (its HTTP front's records and leases,
 #: the quota, the mover's and intake's transactions, the wake notices)
 GATEWAY_COMMANDS = (
+    "eval",  # the gateway's own small scripts (set_once, the finalizer's and retention's); a worker runs only
+    # the queue's, by EVALSHA: a leaked worker password cannot run a script of its own
+    "script|kill",  # stops a script that runs away (Redis answers BUSY meanwhile), with `user default off`
     "watch",
     "unwatch",
     "publish",

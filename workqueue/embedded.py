@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.cluster
@@ -265,18 +264,32 @@ def resolve_url(
     return server.url, server
 
 
+def _password_of(url: str) -> str | None:
+    """The password of ``scheme://user:password@host...`` as written (it may hold ``/``, ``#``, ``?`` or ``@``:
+    the host begins after the last ``@``)."""
+    _, sep, rest = url.partition("://")
+    userinfo, at, _ = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return None
+    return userinfo.partition(":")[2] or None
+
+
 def redact_url(url: str | None) -> str:
     """``url`` with its password (``redis://user:secret@host``, ``?password=secret``) as ``***``, for logs."""
     if not url:
         return ""
-    parts = urlsplit(url)
-    if parts.password is not None:
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if parts.port:
-            host = f"{host}:{parts.port}"
-        url = urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    password = _password_of(url)
+    if password is not None:
+        scheme, _, rest = url.partition("://")
+        userinfo, _, host = rest.rpartition("@")
+        url = f"{scheme}://{userinfo.partition(':')[0]}:***@{host}"
     return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
+
+
+def redact_text(text: str, url: str | None) -> str:
+    """``text`` (an error's) with ``url``'s password, wherever it shows, as ``***``."""
+    password = _password_of(url or "")
+    return text.replace(password, "***") if password else text
 
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -338,5 +351,5 @@ def connect(url: str) -> redis.Redis:
         OSError,  # a certificate file missing or unreadable
         ValueError,  # a bad URL, $FLEETBATCH_REDIS_TIMEOUT_S, half a client certificate
     ) as e:
-        raise ConnectionError(f"cannot reach Redis at {redact_url(url)}: {explain(e, url)}") from e
+        raise ConnectionError(f"cannot reach Redis at {redact_url(url)}: {redact_text(explain(e, url), url)}") from e
     return client
