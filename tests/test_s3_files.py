@@ -134,3 +134,32 @@ def test_a_large_batch_is_created_from_s3_in_parts_and_finalized_there(redis_url
         assert final.output_file_id in keys_under(S3FileStore(s3_files))
     finally:
         gateway.stop()
+
+
+def test_a_store_that_fails_is_a_503_naming_it(redis_url, s3_files):
+    """Object storage that refuses (here: the bucket deleted under the gateway) is HTTP 503, retry later,
+    naming the store and what it could not do; never a 500."""
+    import boto3
+    import openai
+
+    s3, bucket = boto3.client("s3"), f"gone-{os.getpid()}-{new_file_id()[-8:]}"
+    s3.create_bucket(Bucket=bucket)
+    gateway = http_gateway(redis_url, f"s3://{bucket}/p", cluster="idle")
+    gateway.start()
+    try:
+        client = OpenAI(base_url=gateway.config.http_url, api_key=KEY, max_retries=0)
+        f = client.files.create(file=("a.jsonl", jsonl(ROWS)), purpose="batch")
+        for o in s3.list_objects_v2(Bucket=bucket).get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=o["Key"])
+        s3.delete_bucket(Bucket=bucket)
+        calls = {
+            "could not list its files": client.files.list,
+            f"could not read the file object of {f.id}": lambda: client.files.retrieve(f.id),
+            "could not store": lambda: client.files.create(file=("b.jsonl", jsonl(ROWS)), purpose="batch"),
+        }
+        for what, call in calls.items():
+            with pytest.raises(openai.APIStatusError) as e:
+                call()
+            assert e.value.status_code == 503 and f"s3://{bucket}/p {what}" in str(e.value), str(e.value)
+    finally:
+        gateway.stop()

@@ -52,6 +52,11 @@ class TooLarge(ValueError):
     """A file over the size limit given to ``put`` (uploads only)."""
 
 
+class StoreUnavailable(OSError):
+    """The store could not do what was asked (object storage down, throttling, refusing the gateway's
+    credentials): the HTTP front answers 503, retry later, naming the cause."""
+
+
 class FileStore(Protocol):
     def put(
         self, file_id: str, filename: str, purpose: str, chunks: Iterable[bytes], max_bytes: int = 0

@@ -46,7 +46,15 @@ from gateway.checks.validation import Limits, id_problem
 from gateway.config import GatewayConfig
 from gateway.http_api import batches as ob
 from gateway.http_api.create import CreateBatch, check_create, submit_file
-from gateway.http_api.files import CHUNK, FileStore, TooLarge, list_files, new_file_id, read_lines
+from gateway.http_api.files import (
+    CHUNK,
+    FileStore,
+    StoreUnavailable,
+    TooLarge,
+    list_files,
+    new_file_id,
+    read_lines,
+)
 from gateway.http_api.format import ChatTemplate
 from gateway.http_api.health import HEALTH_PATH, health_route
 from gateway.http_api.retention import InUse, delete_file, deleting, retire
@@ -89,6 +97,7 @@ class OpenAIFront:
         ]
         handlers = {ApiError: self._api_error, HTTPException: self._http_error, Exception: self._crash}
         handlers.update(dict.fromkeys((*REDIS_DOWN, ResponseError), self._redis_down))
+        handlers[StoreUnavailable] = self._store_down
         app = Starlette(routes=routes, exception_handlers=handlers)
         app.add_middleware(Auth, key=self.key, public=(PAGE_PATH, HEALTH_PATH))
         return app
@@ -106,6 +115,10 @@ class OpenAIFront:
             return await self._crash(request, e)
         log.warning("HTTP call failed on Redis: %s", e)
         return error_response(503, f"the queue store (Redis) is unavailable, retry later: {e}")
+
+    async def _store_down(self, request: Request, e: Exception) -> Response:
+        log.warning("HTTP %s %s failed on the file store: %s", request.method, request.url.path, e)
+        return error_response(503, f"{e}; retry later")
 
     async def _crash(self, request: Request, e: Exception) -> Response:
         log.exception("HTTP %s %s failed", request.method, request.url.path)

@@ -25,6 +25,7 @@ throttling, 5xx and connection errors), ``MAX_ATTEMPTS`` attempts per call unles
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from gateway.http_api.files import CHUNK, FILE_ID_RE, FileInfo, TooLarge
+from gateway.http_api.files import CHUNK, FILE_ID_RE, FileInfo, StoreUnavailable, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ def _missing(e: ClientError) -> bool:
 
 
 class S3FileStore:
-    """Files as objects under ``s3://bucket/prefix``."""
+    """Files as objects under ``s3://bucket/prefix``. What S3 refuses or fails once botocore's retries are spent
+    is :class:`~gateway.http_api.files.StoreUnavailable` (the HTTP front's 503), naming the store and the cause."""
 
     def __init__(self, url: str, client=None, part_bytes: int = PART_BYTES) -> None:
         self.bucket, self.prefix = parse_url(url)
@@ -89,6 +91,13 @@ class S3FileStore:
         name = file_id + (".json" if meta else "")
         return f"{self.prefix}/{name}" if self.prefix else name
 
+    @contextlib.contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except (ClientError, BotoCoreError) as e:
+            raise StoreUnavailable(f"the file store {self.url} could not {what}: {e}") from e
+
     def check(self) -> None:
         """Fail early (at the gateway's start) when the bucket cannot be listed: a clear error, not a 500 later."""
         try:
@@ -100,10 +109,17 @@ class S3FileStore:
         self, file_id: str, filename: str, purpose: str, chunks: Iterable[bytes], max_bytes: int = 0
     ) -> FileInfo:
         key = self._key(file_id)
-        size = self._upload(key, chunks, max_bytes)
+        with self._failing(f"store {file_id}"):
+            size = self._upload(key, chunks, max_bytes)
         info = FileInfo(file_id, size, int(time.time()), filename, purpose)
         body = json.dumps(info.as_json()).encode()
-        self.s3.put_object(Bucket=self.bucket, Key=self._key(file_id, meta=True), Body=body)
+        try:
+            with self._failing(f"store {file_id}"):
+                self.s3.put_object(Bucket=self.bucket, Key=self._key(file_id, meta=True), Body=body)
+        except StoreUnavailable:  # no file object: the bytes would never be listed, read or expired
+            with contextlib.suppress(ClientError, BotoCoreError):
+                self.s3.delete_object(Bucket=self.bucket, Key=key)
+            raise
         return info
 
     def _upload(self, key: str, chunks: Iterable[bytes], max_bytes: int) -> int:
@@ -145,14 +161,17 @@ class S3FileStore:
 
     def info(self, file_id: str) -> FileInfo | None:
         try:
-            got = self.s3.get_object(Bucket=self.bucket, Key=self._key(file_id, meta=True))
-            return FileInfo(**json.loads(got["Body"].read()))
+            with self._failing(f"read the file object of {file_id}"):
+                try:
+                    got = self.s3.get_object(Bucket=self.bucket, Key=self._key(file_id, meta=True))
+                    with contextlib.closing(got["Body"]) as body:
+                        return FileInfo(**json.loads(body.read()))
+                except ClientError as e:
+                    if _missing(e):
+                        return None
+                    raise
         except FileNotFoundError:
             return None
-        except ClientError as e:
-            if _missing(e):
-                return None
-            raise
         except (ValueError, TypeError):  # not a file object of this store
             return None
 
@@ -161,22 +180,29 @@ class S3FileStore:
         key, done, etag, failures = self._key(file_id), 0, None, 0
         while True:
             extra = {"Range": f"bytes={done}-", "IfMatch": etag} if etag else {}
-            try:
-                got = self.s3.get_object(Bucket=self.bucket, Key=key, **extra)
-            except ClientError as e:
-                if _missing(e) and etag is None:
-                    raise FileNotFoundError(file_id) from None
-                raise
+            with self._failing(f"read {file_id}"):
+                try:
+                    got = self.s3.get_object(Bucket=self.bucket, Key=key, **extra)
+                except ClientError as e:
+                    if _missing(e) and etag is None:
+                        raise FileNotFoundError(file_id) from None
+                    raise
             etag = etag or got["ETag"]
+            size = done + int(got.get("ContentLength", 0))
             try:
-                for chunk in got["Body"].iter_chunks(CHUNK):
-                    done += len(chunk)
-                    yield chunk
+                with contextlib.closing(
+                    got["Body"]
+                ) as body:  # the connection goes back to the pool however it ends
+                    for chunk in body.iter_chunks(CHUNK):
+                        done += len(chunk)
+                        yield chunk
                 return
             except (BotoCoreError, OSError) as e:  # the connection broke mid-body
+                if done >= size:  # it broke after the last byte: nothing is left to resume
+                    return
                 failures += 1
                 if failures >= READ_ATTEMPTS:
-                    raise
+                    raise StoreUnavailable(f"the file store {self.url} could not read {file_id}: {e}") from e
                 log.warning("reading %s broke at byte %d (%s); resuming", key, done, e)
                 time.sleep(min(5.0, 0.2 * 2**failures))
 
@@ -184,18 +210,20 @@ class S3FileStore:
         """The file object goes first (``info`` is None from then on), then the bytes."""
         if self.info(file_id) is None:
             return False
-        self.s3.delete_object(Bucket=self.bucket, Key=self._key(file_id, meta=True))
-        self.s3.delete_object(Bucket=self.bucket, Key=self._key(file_id))
+        with self._failing(f"delete {file_id}"):
+            self.s3.delete_object(Bucket=self.bucket, Key=self._key(file_id, meta=True))
+            self.s3.delete_object(Bucket=self.bucket, Key=self._key(file_id))
         return True
 
     def files(self) -> Iterator[FileInfo]:
         """Lists the prefix, then reads the file objects, ``LIST_THREADS`` at a time."""
         start = f"{self.prefix}/" if self.prefix else ""
         ids = []
-        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
-            for obj in page.get("Contents", ()):
-                name = obj["Key"][len(start) :]
-                if name.endswith(".json") and FILE_ID_RE.fullmatch(name[: -len(".json")]):
-                    ids.append(name[: -len(".json")])
+        with self._failing("list its files"):
+            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+                for obj in page.get("Contents", ()):
+                    name = obj["Key"][len(start) :]
+                    if name.endswith(".json") and FILE_ID_RE.fullmatch(name[: -len(".json")]):
+                        ids.append(name[: -len(".json")])
         with ThreadPoolExecutor(LIST_THREADS) as pool:
             yield from (info for info in pool.map(self.info, ids) if info is not None)
