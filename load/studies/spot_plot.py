@@ -14,8 +14,12 @@ def plot(runs: dict[str, dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.6), sharey=True, squeeze=False)
-    for ax, (name, run) in zip(axes[0], runs.items(), strict=True):
+    cols = min(4, len(runs))
+    rows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), sharey=True, squeeze=False)
+    for ax in axes.flat[len(runs) :]:
+        ax.axis("off")
+    for ax, (name, run) in zip(axes.flat, runs.items(), strict=False):
         meta, costs = run["meta"], run["costs"]
         t0 = meta["created_at"]
         for cluster in sorted({c for row in costs for c in row["clusters"]}):
