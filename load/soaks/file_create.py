@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import secrets
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from clusterfile import dump_cluster_file
 from gateway.config import HTTP_KEY_ENV
-from load.soaks.soak import memory
+from load.soaks.soak import launch, memory
 from load.workload import generated
 from workqueue import WorkQueue, connect, keys
 from workqueue.embedded import URL_ENV, EmbeddedRedis
@@ -111,13 +110,7 @@ def start_gateway(redis_url: str, work: Path, files: str, key: str) -> tuple[sub
         "--http-port", "0", "--files", files, "--chat-template", "default",
     ]  # fmt: skip
     env = dict(os.environ, **{URL_ENV: redis_url, HTTP_KEY_ENV: key})  # secrets off the command line
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    for line in proc.stderr:
-        m = re.search(r"OpenAI-compatible HTTP front on (\S+)", line)
-        if m:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
-            return proc, m.group(1)
-    raise RuntimeError(f"fleetbatch gateway serve exited with {proc.wait()} before its HTTP front listened")
+    return launch(cmd, env, r"OpenAI-compatible HTTP front on (\S+)", "its HTTP front listened")
 
 
 def run(args) -> dict:

@@ -80,13 +80,19 @@ def start_gateway(
     env = dict(
         os.environ, **{URL_ENV: redis_url, TOKENS_ENV: f"soak:{token}"}
     )  # secrets off the command line
+    return launch(cmd, env, r"gateway listening on (\S+)", "listening")
+
+
+def launch(cmd: list[str], env: dict[str, str], ready: str, what: str) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd`` and read its log until a line matches ``ready``; (the process, the match's first group).
+    The log is drained from then on; a process that exits first is an error naming ``what`` it did not reach."""
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     for line in proc.stderr:
-        m = re.search(r"gateway listening on (\S+)", line)
+        m = re.search(ready, line)
         if m:
             threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
             return proc, m.group(1)
-    raise RuntimeError(f"fleetbatch gateway serve exited with {proc.wait()} before listening")
+    raise RuntimeError(f"fleetbatch gateway serve exited with {proc.wait()} before {what}")
 
 
 def drain(queue: WorkQueue, stop: threading.Event, cluster: str) -> None:
