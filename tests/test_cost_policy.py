@@ -23,13 +23,14 @@ from gateway.assign.cost import (
     CostPolicy,
     _cheapest_first,
     assign_batch,
+    cost_split,
     cost_targets,
     dollars_per_token,
     fleet_cost,
     fleet_prices,
     move_allowed,
 )
-from gateway.assign.loads import ClusterView, QueryLoad
+from gateway.assign.loads import PROMPT_WEIGHT, ClusterView, QueryLoad
 from gateway.assign.policies import water_fill_targets
 from gateway.assign.registry import make_policy
 from gateway.cli_tables import cluster_table, cost_line
@@ -78,9 +79,31 @@ def test_a_middling_window_fills_cheap_first_and_leaves_the_dear_cluster_release
     plan = cost_targets(FLEET, PRICES, BATCH, window_s=400.0)
     assert not plan.at_risk and close(plan.targets, [0.0, 36_000.0, 64_000.0])
     names = CostPolicy(PRICES).assign_within(
-        [QueryLoad(f"q{i}", 100, 900.0) for i in range(100)], FLEET, 400.0
-    )[0]
+        [QueryLoad(f"q{i}", 0, 1000.0) for i in range(100)], FLEET, 400.0
+    )[0]  # no prompts: a query's work is its response, 1,000 units
     assert "fast" not in names and names.count("slow") == 64 and names.count("medium") == 36
+
+
+def test_the_split_times_a_batch_in_work_units_with_prompts_at_a_tenth():
+    """The capacities count generated tokens a second; a prompt token runs in a batched prefill at a tenth of a
+    generated token's cost. A batch half prompts is timed as such: 100 queries of 500 + 500 tokens are 55,000
+    units, which fit slow's 320 s (64,000 units). Counted as 100,000 tokens they spilled onto medium, and a 50 s
+    window read as impossible (the old model: 183 s predicted for a batch the fleet ran in 104 s)."""
+    queries = [QueryLoad(f"q{i}", 500, 500.0) for i in range(100)]
+    assert queries[0].work_tokens == pytest.approx(500 + PROMPT_WEIGHT * 500)
+    policy = CostPolicy(PRICES)
+    names, plan = policy.assign_within(queries, FLEET, 400.0)
+    assert set(names) == {"slow"} and not plan.at_risk
+    assert plan.targets == pytest.approx([0.0, 0.0, 100_000.0])  # back in tokens, as the token policy's
+    assert plan.finish_s == pytest.approx(55_000 / 200.0)
+    # 40 s of the fleet's 1,600 units a second is 64,000 units: 55,000 fit, so not at risk, fast in use
+    names, plan = policy.assign_within(queries, FLEET, 50.0)
+    assert not plan.at_risk and plan.finish_s <= 0.8 * 50.0 + 1e-6 and "fast" in names
+    # what the clusters hold is counted at the batch's mix too: slow holding 50,000 tokens (27,500 units) has
+    # room for 36,500 units (66,364 tokens) in the 320 s
+    held = [FLEET[0], FLEET[1], ClusterView("slow", 200.0, pending_tokens=50_000.0)]
+    _, plan = policy.assign_within(queries, held, 400.0)
+    assert plan.targets[2] == pytest.approx(36_500 / 0.55, rel=1e-6) and plan.targets[0] == 0.0
 
 
 def test_a_tight_window_uses_the_expensive_fast_cluster():
@@ -163,6 +186,8 @@ def test_moves_under_the_cost_policy():
     assert not move_allowed(busy_slow, fast, PRICES, None)  # dearer, no deadline
     assert not move_allowed(busy_slow, fast, PRICES, 1000.0)  # dearer, on time (500 s <= 800 s)
     assert move_allowed(busy_slow, fast, PRICES, 600.0)  # 500 s > 0.8 x 600 s: it saves the deadline
+    # the same 100,000 tokens half prompts are 55,000 work units: 275 s <= 480 s, on time, so no dear move
+    assert not move_allowed(busy_slow, fast, PRICES, 600.0, work_per_token=0.55)
     assert MARGIN == 0.8 and not math.isnan(dollars_per_token(fast, PRICES))
 
 
@@ -316,3 +341,28 @@ def test_under_the_cost_policy_the_eta_does_not_count_on_the_offloader_to_even_t
     # 100 tokens a row, one at a time: half a wave is 5 s on slow. Balanced, slow's lane ends at the pool's drain
     # (1,000 tokens at 100/s); under the cost policy nothing moves its rows to fast: 1,000 tokens at 10/s
     assert balanced == pytest.approx(10.0 + 5.0) and alone == pytest.approx(100.0 + 5.0)
+
+
+def test_an_evacuated_queue_goes_where_the_cost_split_puts_it_and_is_not_balanced_onto_a_dearer_cluster():
+    """A preempted spot cluster's queue: the water filling sent most of it to fast (the most capacity) and the
+    balance phase then evened the fleet out onto fast, which stayed billed all run. Under the cost policy the
+    drain follows the cost split over the window and the balance makes only the moves the cost rule allows."""
+    from functools import partial
+
+    from gateway.offload.rebalance import plan_moves
+
+    queue = [QueryLoad(f"q{i}", 0, 1000.0) for i in range(40)]  # 40,000 tokens on slow, preempted
+    views = [FLEET[0], FLEET[1], ClusterView("slow", 200.0, accepting=False, queue_length=40)]
+    old = plan_moves(views, {"slow": queue}, drain=["slow"])
+    assert {m.dst for m in old.moves} == {"fast", "medium"}  # the water filling: fast takes 5/7
+    split = partial(lambda views, tokens: cost_split(views, PRICES, tokens, 1000.0).targets)
+    allowed = partial(move_allowed, prices=PRICES, deadline_in_s=1000.0)
+    new = plan_moves(views, {"slow": queue}, drain=["slow"], split=split, allowed=allowed)
+    assert {m.dst for m in new.moves} == {"medium"} and sum(m.count for m in new.moves) == 40  # 100 s <= 800 s
+    # a tight window: medium cannot finish 40,000 tokens in 0.8 x 50 s = 40 s (16,000): fast takes the rest
+    tight = partial(lambda views, tokens: cost_split(views, PRICES, tokens, 50.0).targets)
+    moved = {"fast": 0, "medium": 0}
+    allowed = partial(move_allowed, prices=PRICES, deadline_in_s=50.0)
+    for m in plan_moves(views, {"slow": queue}, drain=["slow"], split=tight, allowed=allowed).moves:
+        moved[m.dst] += m.count
+    assert moved["medium"] in (15, 16) and moved["fast"] == 40 - moved["medium"]  # the fill rounds by a query

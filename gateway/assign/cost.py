@@ -7,7 +7,9 @@ and it is released (scaled to zero) as soon as it has no work left; a cluster gi
 cluster with no known price is billed at nothing. So a cluster of price ``p`` (dollars per second), capacity
 ``c`` (tokens per second) and ``q`` tokens of work costs ``p * q / c``: ``p / c`` a token (:func:`dollars_per_token`).
 
-**The split** (:func:`cost_targets`). For a batch of ``X`` predicted tokens (prompt + response) and the time left
+**The split** (:func:`cost_targets`). Work is counted in the capacities' unit, generated-token equivalents (a
+prompt token at :data:`gateway.assign.loads.PROMPT_WEIGHT` of a generated one; :attr:`QueryLoad.work_tokens`), so
+that work over a capacity is a time. For a batch of ``X`` predicted work units (prompts + responses) and the time left
 in its completion window ``W``, cluster ``i`` gets ``x_i`` tokens: minimise ``sum p_i (q_i + x_i) / c_i`` subject to
 ``sum x_i = X`` and every cluster finishing within ``MARGIN x W``, ``(q_i + x_i) / c_i <= MARGIN * W``, where
 ``q_i`` is the work it already holds (queued and running). Cost and finish times are linear in ``x``, so this is a
@@ -32,7 +34,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from clusterfile import Cluster
@@ -143,6 +145,26 @@ def cost_targets(
     return _plan(clusters, prices, targets, False)
 
 
+def cost_split(
+    clusters: Sequence[ClusterView],
+    prices: Prices,
+    tokens: float,
+    window_s: float | None,
+    work_per_token: float = 1.0,
+    margin: float = MARGIN,
+) -> CostPlan:
+    """:func:`cost_targets` for ``tokens`` (prompt + response, as queues count them) worth ``work_per_token`` work
+    units each: the capacities count work units a second, so the LP's times (and its cost, price x time) are
+    counted in work, and what the clusters hold at the same mix (their rows' prompt shares are not summed). The
+    targets come back in tokens, as the token policy's. ``window_s`` None: :data:`DEFAULT_WINDOW_S`."""
+    if not work_per_token > 0:
+        raise ValueError(f"work_per_token must be > 0, not {work_per_token}")
+    views = [replace(c, pending_tokens=c.pending_tokens * work_per_token) for c in clusters]
+    window = DEFAULT_WINDOW_S if window_s is None else window_s
+    plan = cost_targets(views, prices, tokens * work_per_token, window, margin)
+    return replace(plan, targets=[t / work_per_token for t in plan.targets])
+
+
 def _solve(
     per_token: list[float], clusters: Sequence[ClusterView], room: list[float], total: float, horizon: float
 ) -> list[float]:
@@ -219,9 +241,10 @@ class CostPolicy:
         self, queries: Sequence[QueryLoad], clusters: Sequence[ClusterView], window_s: float | None = None
     ) -> CostPlan:
         """The split of ``queries`` over the usable ``clusters`` (in their order) for ``window_s`` seconds left."""
-        new = math.fsum(q.total_tokens for q in queries)
-        window = DEFAULT_WINDOW_S if window_s is None else window_s
-        return cost_targets(usable_clusters(clusters), self.prices, new, window, self.margin)
+        tokens = math.fsum(q.total_tokens for q in queries)
+        work = math.fsum(q.work_tokens for q in queries)
+        per = work / tokens if tokens > 0 and work > 0 else 1.0  # work units a token of this batch's mix
+        return cost_split(usable_clusters(clusters), self.prices, tokens, window_s, per, self.margin)
 
     def assign_within(
         self, queries: Sequence[QueryLoad], clusters: Sequence[ClusterView], window_s: float | None
@@ -293,12 +316,15 @@ def move_allowed(
     prices: Prices,
     deadline_in_s: float | None,
     margin: float = MARGIN,
+    work_per_token: float = 1.0,
 ) -> bool:
     """Whether the offloader may move queued work from ``donor`` to ``recipient`` under the cost policy: the
     recipient is no dearer per token (cheaper, still on time), or the donor would finish past ``margin`` of the
-    time to the nearest deadline (``deadline_in_s``; None: no deadline) and the move saves it."""
+    time to the nearest deadline (``deadline_in_s``; None: no deadline) and the move saves it. ``work_per_token``:
+    the work units (:data:`gateway.assign.loads.PROMPT_WEIGHT`) a pending token is worth, at the fleet's prompt
+    share (:func:`gateway.assign.loads.work_units`)."""
     if dollars_per_token(recipient, prices) <= dollars_per_token(donor, prices):
         return True
     if deadline_in_s is None or donor.capacity_tps <= 0:
         return False
-    return donor.pending_tokens / donor.capacity_tps > margin * max(deadline_in_s, 0.0)
+    return donor.pending_tokens * work_per_token / donor.capacity_tps > margin * max(deadline_in_s, 0.0)

@@ -10,6 +10,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+#: a prompt token's cost as a share of a generated token's, in the fleet's work units ("generated-token
+#: equivalents": prefill runs a prompt's tokens in one batched pass, a generated token costs a decode step). The
+#: clusters' capacities (plans, heartbeats) count generated tokens a second, so work in these units over a
+#: capacity is a time. The one place for this rule: the ETA (:mod:`gateway.status.eta`) and the cost policy's time
+#: model (:mod:`gateway.assign.cost`) both read it.
+PROMPT_WEIGHT = 0.1
+
+
+def work_units(prompt_share: float) -> float:
+    """Generated-token equivalents of one token of a mix with this prompt share (:data:`PROMPT_WEIGHT`)."""
+    return 1.0 - prompt_share * (1.0 - PROMPT_WEIGHT)
+
 
 class NoClusterError(RuntimeError):
     """No cluster accepts work, or a query fits on no accepting cluster."""
@@ -44,6 +56,12 @@ class QueryLoad:
     def total_tokens(self) -> float:
         """Prompt + predicted response tokens (what the query costs in KV and in time)."""
         return self.prompt_tokens + self.predicted_tokens
+
+    @property
+    def work_tokens(self) -> float:
+        """The query's time on a cluster in generated-token equivalents (:data:`PROMPT_WEIGHT`): its predicted
+        response plus its prompt at a tenth."""
+        return self.predicted_tokens + PROMPT_WEIGHT * self.prompt_tokens
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,12 @@ than the check reads, or assigned just before the cluster was marked).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.assign.calibrated import LengthCalibrator
-from gateway.assign.cost import holds_work, move_allowed
+from gateway.assign.cost import cost_split, holds_work, move_allowed
+from gateway.assign.loads import work_units
 from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.assign.views import cluster_views, queued_tails
 from gateway.offload.moves import Backoff, LinkCost, Move, plan_offload
@@ -214,12 +215,26 @@ class Offloader:
                 self._backoff(move.dst).failed()
         return n_moved
 
+    def _work_per_token(self) -> float:
+        """Work units a queued token is worth, at the prompt share of the fleet's answered rows (1: no ETA)."""
+        return work_units(self.eta.prompt_share) if self.eta is not None else 1.0
+
     def _allowed(self) -> Callable[[ClusterView, ClusterView], bool] | None:
         """The cost policy's rule for this tick's moves (None: not the cost policy)."""
         prices = self.config.prices
         if prices is None:
             return None
-        return lambda donor, idle: move_allowed(donor, idle, prices, self.deadline_in_s)
+        per = self._work_per_token()
+        return lambda donor, idle: move_allowed(donor, idle, prices, self.deadline_in_s, work_per_token=per)
+
+    def _split(self) -> Callable[[Sequence[ClusterView], float], list[float]] | None:
+        """Under the cost policy, where an evacuated queue goes: the cost split over the window to the nearest
+        deadline (None: not the cost policy; the water filling)."""
+        prices = self.config.prices
+        if prices is None:
+            return None
+        per, window = self._work_per_token(), self.deadline_in_s
+        return lambda views, tokens: cost_split(views, prices, tokens, window, per).targets
 
     def _asks(self, v: ClusterView) -> bool:
         """Whether ``v`` asks for work now: usable, nothing queued, what it holds done within
@@ -242,7 +257,14 @@ class Offloader:
         skip = {name: self.skip.get(name, 0) for name in stuck}
         queued = queued_tails(self.queue, {name: (chunk, skip[name]) for name in stuck})
         try:
-            plan = plan_moves(views, queued, drain=stuck, links=self.config.links)
+            plan = plan_moves(
+                views,
+                queued,
+                drain=stuck,
+                links=self.config.links,
+                split=self._split(),
+                allowed=self._allowed(),
+            )
         except NoClusterError as e:
             log.warning("cannot evacuate %s: %s", ", ".join(stuck), e)
             return 0

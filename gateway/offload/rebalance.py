@@ -158,15 +158,25 @@ def plan_rebalance(
     return plan_moves(clusters, queued, drain, links, bytes_per_query).moves
 
 
+#: how a drained queue's tokens are shared over the receivers (their views, the tokens): a target each
+Split = Callable[[Sequence[ClusterView], float], list[float]]
+#: whether a move from the first cluster to the second may be made (None: every paying move)
+Allowed = Callable[[ClusterView, ClusterView], bool]
+
+
 def plan_moves(
     clusters: Sequence[ClusterView],
     queued: Mapping[str, Sequence[QueryLoad]],
     drain: Collection[str] = (),
     links: Links = LinkCost(),
     bytes_per_query: Callable[[QueryLoad], int] | None = None,
+    split: Split | None = None,
+    allowed: Allowed | None = None,
 ) -> RebalancePlan:
     """Moves that equalise expected finish times; drained clusters give away every queued query
-    that fits on an accepting cluster and keep (and report) the rest."""
+    that fits on an accepting cluster and keep (and report) the rest. ``split``: the drain's targets (default
+    the water filling); ``allowed``: the balance phase makes only the moves it allows (the cost policy's
+    :func:`gateway.assign.cost.move_allowed`, and :func:`gateway.assign.cost.cost_split` as the drain's split)."""
     _check(clusters, queued, drain)
     state = _State(clusters, queued)
     drained = [c.name for c in clusters if c.name in set(drain) or not c.accepting]
@@ -180,9 +190,8 @@ def plan_moves(
         if not receivers:
             raise NoClusterError(f"cannot drain {src!r}: no other cluster accepts work")
         views = [state.views[n] for n in receivers]
-        deficit = dict(
-            zip(receivers, water_fill_targets(views, math.fsum(q.total_tokens for q in queue)), strict=True)
-        )
+        share = split or water_fill_targets
+        deficit = dict(zip(receivers, share(views, math.fsum(q.total_tokens for q in queue)), strict=True))
         current: str | None = None
         run: list[QueryLoad] = []  # back of the queue first
         for q in reversed(list(queue)):
@@ -202,7 +211,7 @@ def plan_moves(
             _append(plan.moves, src, current, run[::-1], state.move_block(src, current, run[::-1]))
 
     if len(receivers) > 1:
-        _balance(state, receivers, links, bytes_per_query, plan.moves)
+        _balance(state, receivers, links, bytes_per_query, plan.moves, allowed)
     return plan
 
 
@@ -229,6 +238,7 @@ def _balance(
     links: Links,
     bytes_per_query: Callable[[QueryLoad], int] | None,
     moves: list[Move],
+    allowed: Allowed | None = None,
 ) -> None:
     views = [state.views[n] for n in receivers]
     queued_tokens = [math.fsum(q.total_tokens for q in state.queues[n]) for n in receivers]
@@ -244,6 +254,8 @@ def _balance(
             )
             move = None
             for taker in open_takers:
+                if allowed is not None and not allowed(state.views[donor], state.views[taker]):
+                    continue
                 move = tail_move(
                     state.views[donor],
                     state.views[taker],

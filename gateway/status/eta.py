@@ -46,6 +46,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from gateway.assign.loads import PROMPT_WEIGHT, work_units
 from gateway.status.cost import CostMeter
 from workqueue import BatchInfo
 
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 
 PRIOR_TOKENS = 2000.0  # tokens of evidence the fleet's ratio (or 1) counts as in a batch's correction
 RATE_WINDOW_S = 60.0
-PROMPT_WEIGHT = 0.1  # a prompt token's share of a generated token's cost, in the throughput's work units
 PROMPT_SHARE = 0.5  # the prompt share of the work assumed before any row is answered
 HISTORY = 1200  # (time, finished actual tokens) samples kept for the status page's chart: 10 min at 0.5 s
 MIN_RATE_SPAN_S = 2.0  # the measured rate counts once it spans this long after the first completion
@@ -102,11 +102,6 @@ class Throughput:
         if t1 - t0 < MIN_RATE_SPAN_S or v1 <= v0:
             return None
         return (v1 - v0) / (t1 - t0)
-
-
-def work_units(prompt_share: float) -> float:
-    """Generated-token equivalents of one token of a mix with this prompt share."""
-    return 1.0 - prompt_share * (1.0 - PROMPT_WEIGHT)
 
 
 @dataclass(frozen=True)
