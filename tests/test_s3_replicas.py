@@ -98,8 +98,8 @@ def test_a_replica_killed_while_finalizing_leaves_the_batch_to_the_other(replica
     pid = int(holder.split(":")[1])
     assert pid in (a.pid, b.pid)
     assert client_a.batches.retrieve(batch.id).status == "finalizing"
+    dead, alive = (a, b) if pid == a.pid else (b, a)  # before the kill: a dead replica's pid reads None
     os.kill(pid, signal.SIGKILL)
-    dead, alive = (a, b) if pid == a.pid else (b, a)
     dead.proc.wait(timeout=30)
     s3.release()
 
