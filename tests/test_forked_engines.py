@@ -45,3 +45,22 @@ def test_an_engine_that_ends_reports_its_code(tmp_path):
     engine = EngineProcess([sys.executable, "-m", "tests.forked_sleeper", "0"], env, str(tmp_path / "e.log"))
     assert engine.wait(60) == 0 and engine.poll() == 0
     engine.kill()  # a signal to an engine that has ended is nothing
+
+
+def test_an_engines_stages_are_forked_by_the_deployments_fork_server(tmp_path):
+    """A forked engine's own process starts (its pipeline's stages) go to the server that forked it, which has
+    the engine's code imported: no second fork server (an interpreter importing torch again) per engine."""
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    out = tmp_path / "stage"
+    engine = EngineProcess(
+        [sys.executable, "-m", "tests.forked_stager", str(out)], env, str(tmp_path / "e.log")
+    )
+    assert engine.wait(60) == 0, (tmp_path / "e.log").read_text()[-2000:]
+    server = forkserver._forkserver._forkserver_pid
+    parent, stage = (int(x) for x in out.read_text().split())
+    assert parent == server and stage not in (engine.pid, server)  # forked by the server, not by the engine
+    # a second engine does the same (the server outlives each)
+    engine = EngineProcess(
+        [sys.executable, "-m", "tests.forked_stager", str(out)], env, str(tmp_path / "e.log")
+    )
+    assert engine.wait(60) == 0 and int(out.read_text().split()[0]) == server

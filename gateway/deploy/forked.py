@@ -1,6 +1,6 @@
 """Engines forked by a fork server: the interpreter that imports the engine's code (torch, transformers)
-once for a deployment's engines and their restarts, where each ``python -m engines.cli serve`` imported
-it afresh (about 4 s of CPU an engine).
+once for a deployment's engines, their restarts and their pipelines' stages, where each ``python -m engines.cli
+serve`` imported it afresh (about 4 s of CPU an engine) and started a fork server of its own for its stages.
 
 The server is :mod:`multiprocessing`'s: a fresh interpreter started (fork and exec) by the first
 engine's start; it forks the engines, so none is forked beside ``fleetbatch gateway up``'s gRPC threads. An engine
@@ -28,12 +28,14 @@ import subprocess
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
+from multiprocessing import forkserver, resource_tracker
 
 import setproctitle
 
 from workqueue.embedded import PARENT_ENV, on_exit_of
 
-PRELOAD = ("engines.cli",)
+#: what the fork server imports once: the engine's code (and so its pipeline's stages', which it forks too)
+PRELOAD = ("engines.cli", "engines.stage_worker")
 
 
 def _pidfd(pid: int) -> int | None:
@@ -51,9 +53,32 @@ def _ended(pidfd: int, timeout_s: float | None = 0.0) -> bool:
     return bool(poller.poll(None if timeout_s is None else max(0.0, timeout_s) * 1000))
 
 
-def _run(argv: Sequence[str], env: Mapping[str, str], log_path: str) -> None:
-    """The forked engine: ``argv`` is ``[python, "-m", module, *args]`` as a spawned engine's would be."""
+def _server_address() -> str:
+    """The socket address of this process's fork server, started now if it is not running yet (multiprocessing
+    keeps it private; its children inherit only the server's liveness pipe)."""
+    forkserver.ensure_running()
+    return forkserver._forkserver._forkserver_address  # type: ignore[attr-defined]
+
+
+def _share_server(address: str) -> None:
+    """In a forked engine: its own fork-server starts (its pipeline's stages, :mod:`engines.stage_procs`) go to
+    the server that forked it, which has imported the engine's code already, instead of starting a server of
+    its own (an interpreter that imports torch and the model's code again: 2-3 s of CPU an engine, and as much
+    at each restart). That server is this process's parent, so it runs while this process does: nothing to
+    check or start (multiprocessing's check, a ``waitpid``, works only on a child). Its forks are as safe as
+    before: the server has no threads and never runs a model."""
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server._forkserver_address = address
+    server._forkserver_pid = os.getppid()
+    server.ensure_running = resource_tracker.ensure_running  # the server's liveness pipe came with the fork
+
+
+def _run(argv: Sequence[str], env: Mapping[str, str], log_path: str, server: str | None = None) -> None:
+    """The forked engine: ``argv`` is ``[python, "-m", module, *args]`` as a spawned engine's would be;
+    ``server``: the fork server's address, which its stages are forked by (:func:`_share_server`)."""
     mp.current_process().daemon = False  # started daemonic (see EngineProcess); it starts its stages
+    if server is not None:
+        _share_server(server)
     setproctitle.setproctitle(" ".join(argv))  # before the environment changes: it finds argv's memory by it
     os.setsid()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -80,7 +105,10 @@ class EngineProcess:
         # daemonic: at this process's exit multiprocessing terminates engines still running rather than
         # waiting for them (they stop only when told, or when this process is gone)
         self._p = ctx.Process(
-            target=_run, args=(self.args, dict(env), log_path), name="fleetbatch-engine", daemon=True
+            target=_run,
+            args=(self.args, dict(env), log_path, _server_address()),
+            name="fleetbatch-engine",
+            daemon=True,
         )
         self._p.start()
         self.pid: int = self._p.pid or 0
