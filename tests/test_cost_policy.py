@@ -20,6 +20,7 @@ import pytest
 from clusterfile import Cluster
 from gateway.assign.cost import (
     MARGIN,
+    SPOT_MARGIN,
     CostPolicy,
     _cheapest_first,
     assign_batch,
@@ -29,6 +30,7 @@ from gateway.assign.cost import (
     fleet_cost,
     fleet_prices,
     move_allowed,
+    spot_clusters,
 )
 from gateway.assign.loads import PROMPT_WEIGHT, ClusterView, QueryLoad
 from gateway.assign.policies import water_fill_targets
@@ -367,3 +369,25 @@ def test_an_evacuated_queue_goes_where_the_cost_split_puts_it_and_is_not_balance
     for m in plan_moves(views, {"slow": queue}, drain=["slow"], split=tight, allowed=allowed).moves:
         moved[m.dst] += m.count
     assert moved["medium"] in (15, 16) and moved["fast"] == 40 - moved["medium"]  # the fill rounds by a query
+
+
+def test_spot_clusters_leave_room_for_a_preemption_where_the_window_allows():
+    """A spot cluster's share is done within half the window (SPOT_MARGIN), so that a preemption's work has
+    time to run elsewhere; where no split allows that, within the margin (not at risk), and only then at risk."""
+    spot = spot_clusters(SPECS)
+    assert spot == {"medium", "slow"} and SPOT_MARGIN == 0.5
+    # 1,000 s: slow's 500 s is within half the window: all there, as without spot
+    assert close(cost_targets(FLEET, PRICES, BATCH, 1000.0, spot=spot).targets, [0.0, 0.0, BATCH])
+    # 800 s: 0.8 x 800 = 640 s would hold all of it on slow; 400 s holds 80,000, medium the rest
+    assert close(cost_targets(FLEET, PRICES, BATCH, 800.0).targets, [0.0, 0.0, BATCH])
+    plan = cost_targets(FLEET, PRICES, BATCH, 800.0, spot=spot)
+    assert close(plan.targets, [0.0, 20_000.0, 80_000.0]) and not plan.at_risk
+    # 90 s: 45 s of slow and medium and 72 s of fast hold 99,000: the spot clusters to the margin (72 s)
+    plan = cost_targets(FLEET, PRICES, BATCH, 90.0, spot=spot)
+    assert not plan.at_risk and close(plan.targets, [56_800.0, 28_800.0, 14_400.0])
+    assert cost_targets(FLEET, PRICES, BATCH, 70.0, spot=spot).at_risk  # 89,600 at most
+    # the policy and the gateway's registry carry them
+    policy = make_policy("cost", PRICES, spot)
+    assert policy.spot == spot
+    names = policy.assign_within([QueryLoad(f"q{i}", 0, 1000.0) for i in range(100)], FLEET, 800.0)[0]
+    assert names.count("slow") == 80 and names.count("medium") == 20

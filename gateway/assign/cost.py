@@ -15,8 +15,10 @@ in its completion window ``W``, cluster ``i`` gets ``x_i`` tokens: minimise ``su
 ``q_i`` is the work it already holds (queued and running). Cost and finish times are linear in ``x``, so this is a
 linear program (GLOP, OR-Tools): the clusters cheapest per token fill first, each up to what it finishes within the
 window. A second LP spreads the batch over clusters of equal price per token so that the fleet finishes earliest
-at that least cost. When no split meets the window, the batch takes the fastest finish (the ``token`` policy's
-water filling) and is at risk. :class:`CostPolicy` turns the shares into queries as the ``token`` policy does
+at that least cost. A spot cluster (``market: spot``) must be done within :data:`SPOT_MARGIN` of the window
+instead, so that when it is preempted its work still has time to run on the clusters left; where no split allows
+that, it gets the same margin as the others. When no split meets the window, the batch takes the fastest finish
+(the ``token`` policy's water filling) and is at risk. :class:`CostPolicy` turns the shares into queries as the ``token`` policy does
 (longest first, to the largest remaining deficit).
 
 **Moves** (:func:`move_allowed`). Under the cost policy the offloader moves queued work to a cluster only when it
@@ -33,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -46,6 +48,9 @@ log = logging.getLogger(__name__)
 
 #: every cluster must finish within this share of the time left in the batch's window (the safety margin)
 MARGIN = 0.8
+#: a spot cluster's share must be done within this share of the window (an on-demand one's within MARGIN): the
+#: rest is room for a preemption, after which its work moves to the clusters left
+SPOT_MARGIN = 0.5
 #: the window of a batch without a deadline (the queue order keys such a batch as if its window were 24 h)
 DEFAULT_WINDOW_S = 24 * 3600.0
 _TIE = 1e-9  # the second LP keeps the cost within this share of the least cost (the LP's tolerance)
@@ -59,6 +64,11 @@ Prices = Mapping[str, float]
 def fleet_prices(clusters: Sequence[Cluster]) -> dict[str, float]:
     """The known prices (dollars per hour) of the clusters of a cluster file, by name."""
     return {c.name: p for c in clusters if (p := c.hourly_price()) is not None}
+
+
+def spot_clusters(clusters: Sequence[Cluster]) -> frozenset[str]:
+    """The names of the clusters of a cluster file that run on spot (``market: spot``)."""
+    return frozenset(c.name for c in clusters if c.market == "spot")
 
 
 def holds_work(info: ClusterInfo) -> bool:
@@ -117,10 +127,12 @@ def cost_targets(
     new_tokens: float,
     window_s: float,
     margin: float = MARGIN,
+    spot: Collection[str] = (),
 ) -> CostPlan:
     """The cheapest split of ``new_tokens`` over ``clusters`` (usable, capacity > 0) that has every cluster done
-    within ``margin * window_s``, counting what each holds (the LP of the module docstring); when there is none,
-    the fastest finish (:func:`gateway.assign.policies.water_fill_targets`), at risk."""
+    within ``margin * window_s``, counting what each holds (the LP of the module docstring), and each cluster
+    named in ``spot`` within :data:`SPOT_MARGIN` of it (room for a preemption) where some split allows that; when
+    there is none, the fastest finish (:func:`gateway.assign.policies.water_fill_targets`), at risk."""
     if new_tokens < 0 or not math.isfinite(new_tokens):
         raise ValueError(f"new_tokens must be a finite number >= 0, not {new_tokens}")
     if not 0 < margin <= 1:
@@ -132,7 +144,11 @@ def cost_targets(
     if new_tokens == 0:
         return _plan(clusters, prices, [0.0] * len(clusters), False)
     horizon = margin * max(window_s, 0.0)
-    room = [max(0.0, c.capacity_tps * horizon - c.pending_tokens) for c in clusters]
+    room = _room(clusters, horizon, min(margin, SPOT_MARGIN) * max(window_s, 0.0), spot)
+    if math.fsum(room) < new_tokens * (
+        1 - 1e-12
+    ):  # no room for a preemption: the spot clusters to the margin
+        room = _room(clusters, horizon, horizon, ())
     if math.fsum(room) < new_tokens * (1 - 1e-12):
         return _plan(clusters, prices, water_fill_targets(clusters, new_tokens), True)
     per_token = [dollars_per_token(c, prices) for c in clusters]
@@ -152,6 +168,7 @@ def cost_split(
     window_s: float | None,
     work_per_token: float = 1.0,
     margin: float = MARGIN,
+    spot: Collection[str] = (),
 ) -> CostPlan:
     """:func:`cost_targets` for ``tokens`` (prompt + response, as queues count them) worth ``work_per_token`` work
     units each: the capacities count work units a second, so the LP's times (and its cost, price x time) are
@@ -161,8 +178,18 @@ def cost_split(
         raise ValueError(f"work_per_token must be > 0, not {work_per_token}")
     views = [replace(c, pending_tokens=c.pending_tokens * work_per_token) for c in clusters]
     window = DEFAULT_WINDOW_S if window_s is None else window_s
-    plan = cost_targets(views, prices, tokens * work_per_token, window, margin)
+    plan = cost_targets(views, prices, tokens * work_per_token, window, margin, spot)
     return replace(plan, targets=[t / work_per_token for t in plan.targets])
+
+
+def _room(
+    clusters: Sequence[ClusterView], horizon: float, spot_horizon: float, spot: Collection[str]
+) -> list[float]:
+    """The tokens each cluster can take on top of what it holds, done within its horizon."""
+    return [
+        max(0.0, c.capacity_tps * (spot_horizon if c.name in spot else horizon) - c.pending_tokens)
+        for c in clusters
+    ]
 
 
 def _solve(
@@ -217,11 +244,16 @@ class CostPolicy:
     priced = True  # made with the fleet's prices (gateway.assign.registry.make_policy)
 
     def __init__(
-        self, prices: Prices | None = None, margin: float = MARGIN, min_concurrency: int = 1
+        self,
+        prices: Prices | None = None,
+        margin: float = MARGIN,
+        min_concurrency: int = 1,
+        spot: Collection[str] = (),
     ) -> None:
         if not 0 < margin <= 1:
             raise ValueError(f"margin must be in (0, 1], not {margin}")
         self.prices = dict(prices or {})
+        self.spot = frozenset(spot)  # the spot clusters, whose shares leave room for a preemption
         self.margin = margin
         self.min_concurrency = min_concurrency
         self._at_risk: OrderedDict[str, None] = OrderedDict()  # batches logged at risk (the newest kept)
@@ -244,7 +276,9 @@ class CostPolicy:
         tokens = math.fsum(q.total_tokens for q in queries)
         work = math.fsum(q.work_tokens for q in queries)
         per = work / tokens if tokens > 0 and work > 0 else 1.0  # work units a token of this batch's mix
-        return cost_split(usable_clusters(clusters), self.prices, tokens, window_s, per, self.margin)
+        return cost_split(
+            usable_clusters(clusters), self.prices, tokens, window_s, per, self.margin, self.spot
+        )
 
     def assign_within(
         self, queries: Sequence[QueryLoad], clusters: Sequence[ClusterView], window_s: float | None

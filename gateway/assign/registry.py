@@ -4,7 +4,7 @@ is imported like any other (no import of a module that imports this one back).""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from gateway.assign.cost import CostPolicy
 from gateway.assign.loads import AssignmentPolicy
@@ -21,11 +21,14 @@ POLICIES: dict[str, Callable[..., AssignmentPolicy]] = {
 }
 
 
-def make_policy(name: str, prices: Mapping[str, float] | None = None) -> AssignmentPolicy:
+def make_policy(
+    name: str, prices: Mapping[str, float] | None = None, spot: Collection[str] = ()
+) -> AssignmentPolicy:
     """A fresh policy by name; ``ValueError`` naming the choices when unknown. ``prices``: each cluster's
-    dollars per hour (:func:`gateway.assign.cost.fleet_prices`), for a policy that reads them (``cost``)."""
+    dollars per hour (:func:`gateway.assign.cost.fleet_prices`), and ``spot`` the clusters on spot
+    (:func:`gateway.assign.cost.spot_clusters`), for a policy that reads them (``cost``)."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown assignment policy {name!r}; choose one of {', '.join(POLICIES)}") from None
-    return factory(prices) if getattr(factory, "priced", False) else factory()
+    return factory(prices, spot=spot) if getattr(factory, "priced", False) else factory()

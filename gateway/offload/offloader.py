@@ -60,6 +60,8 @@ class OffloadConfig:
     #: the cost policy's prices (dollars per hour by cluster): step (3) makes only the moves its rule allows
     #: (gateway.assign.cost.move_allowed); None: every paying move
     prices: Mapping[str, float] | None = None
+    #: the cost policy's spot clusters: an evacuated queue's share of them leaves room for a preemption
+    spot: frozenset[str] = frozenset()
 
 
 class Offloader:
@@ -234,7 +236,8 @@ class Offloader:
         if prices is None:
             return None
         per, window = self._work_per_token(), self.deadline_in_s
-        return lambda views, tokens: cost_split(views, prices, tokens, window, per).targets
+        spot = self.config.spot
+        return lambda views, tokens: cost_split(views, prices, tokens, window, per, spot=spot).targets
 
     def _asks(self, v: ClusterView) -> bool:
         """Whether ``v`` asks for work now: usable, nothing queued, what it holds done within
