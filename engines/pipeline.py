@@ -123,7 +123,7 @@ class PipelineRunner:
         self.head_start = round(head_split * self.vocab)  # the driver computes LM-head rows [0, head_start)
         self.head0 = head_rows(model, 0, self.head_start) if self.head_start else None
         self.hidden = hidden_size(model)
-        self.model_module = type(model).__module__  # its layers' classes: the stage server imports them once
+        self.model_module = type(model).__module__  # its layers' classes: a stage server it starts imports them
         # --device-cost plan: every stage's device by its cost model (ValueError naming a stage that has none)
         share = self.head_start / self.vocab
         self.emulated = [s.emulated(self.num_stages, share) if emulate_cost else None for s in stages]

@@ -27,7 +27,9 @@ def stage_context(part: nn.Module, *modules: str):
     """How the stage holding ``part`` starts: forked by this process's fork server, which imports the stage's
     code and ``modules`` (the model's classes) once: a fraction of a second of CPU where a spawn takes about
     4 s. The server never runs a model or touches a GPU, so its forks are as safe as a spawn (a fork of the
-    driver is not). A part of more than ``FORK_SERVER_MAX_TENSORS`` tensors is spawned."""
+    driver is not). A server already running is used as it is (a deployment's engine forks its own from itself
+    as it starts, with this code imported: ``gateway/deploy/forked.py``). A part of more than
+    ``FORK_SERVER_MAX_TENSORS`` tensors is spawned."""
     if shared_tensors(part) > FORK_SERVER_MAX_TENSORS:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

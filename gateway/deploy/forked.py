@@ -1,6 +1,7 @@
 """Engines forked by a fork server: the interpreter that imports the engine's code (torch, transformers)
-once for a deployment's engines, their restarts and their pipelines' stages, where each ``python -m engines.cli
-serve`` imported it afresh (about 4 s of CPU an engine) and started a fork server of its own for its stages.
+once for a deployment's engines and their restarts, where each ``python -m engines.cli serve`` imported it afresh
+(about 4 s of CPU an engine); each engine's own fork server for its pipeline's stages is forked from the engine
+as it starts, not started afresh (:func:`_fork_stage_server`).
 
 The server is :mod:`multiprocessing`'s: a fresh interpreter started (fork and exec) by the first
 engine's start; it forks the engines, so none is forked beside ``fleetbatch gateway up``'s gRPC threads. An engine
@@ -20,22 +21,27 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import multiprocessing as mp
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import weakref
 from collections.abc import Mapping, Sequence
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import connection, forkserver
 
 import setproctitle
 
 from workqueue.embedded import PARENT_ENV, on_exit_of
 
-#: what the fork server imports once: the engine's code (and so its pipeline's stages', which it forks too)
+#: what the fork server imports once: the engine's code and its pipeline stages' (each engine's stage server is
+#: a fork of an engine: :func:`_fork_stage_server`)
 PRELOAD = ("engines.cli", "engines.stage_worker")
+#: the parameters of ``multiprocessing.forkserver.main`` (3.11-3.13) that :func:`_fork_stage_server` passes
+_MAIN_PARAMETERS = {"listener_fd", "alive_r", "preload", "main_path", "sys_path"}
 
 
 def _pidfd(pid: int) -> int | None:
@@ -53,32 +59,44 @@ def _ended(pidfd: int, timeout_s: float | None = 0.0) -> bool:
     return bool(poller.poll(None if timeout_s is None else max(0.0, timeout_s) * 1000))
 
 
-def _server_address() -> str:
-    """The socket address of this process's fork server, started now if it is not running yet (multiprocessing
-    keeps it private; its children inherit only the server's liveness pipe)."""
-    forkserver.ensure_running()
-    return forkserver._forkserver._forkserver_address  # type: ignore[attr-defined]
-
-
-def _share_server(address: str) -> None:
-    """In a forked engine: its own fork-server starts (its pipeline's stages, :mod:`engines.stage_procs`) go to
-    the server that forked it, which has imported the engine's code already, instead of starting a server of
-    its own (an interpreter that imports torch and the model's code again: 2-3 s of CPU an engine, and as much
-    at each restart). That server is this process's parent, so it runs while this process does: nothing to
-    check or start (multiprocessing's check, a ``waitpid``, works only on a child). Its forks are as safe as
-    before: the server has no threads and never runs a model."""
-    server = forkserver._forkserver  # type: ignore[attr-defined]
+def _fork_stage_server() -> None:
+    """In a forked engine, before anything else runs: its own fork server (for its pipeline's stages,
+    :mod:`engines.stage_procs`), forked from this process rather than started as a fresh interpreter that
+    imports torch and the model's code again (2-3 s of CPU an engine, and at each restart). Now, as a fork of
+    the deployment's server, this process has the engine's code imported, no thread and no model run, so the
+    fork is as safe as the server's own; it already has the engine's log, environment and session, so the
+    stages do too. Registered as multiprocessing's own server would be (it is this process's child: if it dies,
+    multiprocessing starts a fresh one as before). Where ``multiprocessing.forkserver.main`` takes more than
+    this (Python 3.14 authenticates its clients with a key), the server is started as before."""
+    server = forkserver._forkserver  # type: ignore[attr-defined]  # multiprocessing's one instance
+    if set(inspect.signature(forkserver.main).parameters) != _MAIN_PARAMETERS:
+        return
+    with socket.socket(socket.AF_UNIX) as listener:  # as ForkServer.ensure_running sets its server up
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # every client holds the write end; the server ends at its EOF
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(alive_w)
+                if (
+                    server._forkserver_alive_fd is not None
+                ):  # the deployment server's: not this server's client
+                    os.close(server._forkserver_alive_fd)
+                forkserver.main(listener.fileno(), alive_r, [])
+            finally:
+                os._exit(0)
+        os.close(alive_r)
     server._forkserver_address = address
-    server._forkserver_pid = os.getppid()
-    server.ensure_running = resource_tracker.ensure_running  # the server's liveness pipe came with the fork
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
 
 
-def _run(argv: Sequence[str], env: Mapping[str, str], log_path: str, server: str | None = None) -> None:
-    """The forked engine: ``argv`` is ``[python, "-m", module, *args]`` as a spawned engine's would be;
-    ``server``: the fork server's address, which its stages are forked by (:func:`_share_server`)."""
+def _run(argv: Sequence[str], env: Mapping[str, str], log_path: str) -> None:
+    """The forked engine: ``argv`` is ``[python, "-m", module, *args]`` as a spawned engine's would be."""
     mp.current_process().daemon = False  # started daemonic (see EngineProcess); it starts its stages
-    if server is not None:
-        _share_server(server)
     setproctitle.setproctitle(" ".join(argv))  # before the environment changes: it finds argv's memory by it
     os.setsid()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -89,6 +107,7 @@ def _run(argv: Sequence[str], env: Mapping[str, str], log_path: str, server: str
         stream.reconfigure(line_buffering=True)
     os.environ.clear()
     os.environ.update({k: v for k, v in env.items() if k != PARENT_ENV})
+    _fork_stage_server()  # with the log, environment and session set, before the first thread
     on_exit_of(int(env[PARENT_ENV]), lambda: os.kill(os.getpid(), signal.SIGTERM))  # as PR_SET_PDEATHSIG did
     sys.argv = [argv[2], *argv[3:]]
     sys.exit(importlib.import_module(argv[2]).main(list(argv[3:])))
@@ -106,7 +125,7 @@ class EngineProcess:
         # waiting for them (they stop only when told, or when this process is gone)
         self._p = ctx.Process(
             target=_run,
-            args=(self.args, dict(env), log_path, _server_address()),
+            args=(self.args, dict(env), log_path),
             name="fleetbatch-engine",
             daemon=True,
         )
