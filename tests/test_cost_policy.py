@@ -24,9 +24,9 @@ from gateway.assign.cost import (
     CostPolicy,
     _cheapest_first,
     assign_batch,
-    cost_split,
     cost_targets,
     dollars_per_token,
+    evacuation_rules,
     fleet_cost,
     fleet_prices,
     move_allowed,
@@ -306,6 +306,14 @@ def test_end_to_end_a_loose_batch_runs_on_the_cheap_cluster_and_its_cost_is_show
         assert 'fleetbatch_cluster_price_dollars_per_hour{cluster="fast"} 5.86' in scraped
         table = cluster_table(listed.clusters) + "\n" + cost_line(listed)
         assert "fleet cost: 0.21 $/h now" in table and "5.86*" in table  # fast: released
+        # slow preempted (a dry run): its queue goes where the cost split puts it, medium (cheap, on spot, with
+        # room in half the hour), not mostly to fast as the water filling did
+        admin = pb_grpc.AdminServiceStub(channel)
+        plan = admin.DrainCluster(
+            pb.DrainClusterRequest(name="slow", preempt=True, notice_s=0.0, dry_run=True),
+            metadata=[("authorization", f"Bearer {TOKEN}")],
+        )
+        assert {m.dst for m in plan.moves} == {"medium"} and sum(m.count for m in plan.moves) == 20
     finally:
         channel.close()
         g.stop()
@@ -349,26 +357,32 @@ def test_an_evacuated_queue_goes_where_the_cost_split_puts_it_and_is_not_balance
     """A preempted spot cluster's queue: the water filling sent most of it to fast (the most capacity) and the
     balance phase then evened the fleet out onto fast, which stayed billed all run. Under the cost policy the
     drain follows the cost split over the window and the balance makes only the moves the cost rule allows."""
-    from functools import partial
-
     from gateway.offload.rebalance import plan_moves
 
     queue = [QueryLoad(f"q{i}", 0, 1000.0) for i in range(40)]  # 40,000 tokens on slow, preempted
     views = [FLEET[0], FLEET[1], ClusterView("slow", 200.0, accepting=False, queue_length=40)]
     old = plan_moves(views, {"slow": queue}, drain=["slow"])
     assert {m.dst for m in old.moves} == {"fast", "medium"}  # the water filling: fast takes 5/7
-    split = partial(lambda views, tokens: cost_split(views, PRICES, tokens, 1000.0).targets)
-    allowed = partial(move_allowed, prices=PRICES, deadline_in_s=1000.0)
+    split, allowed = evacuation_rules(PRICES, (), 1000.0)
     new = plan_moves(views, {"slow": queue}, drain=["slow"], split=split, allowed=allowed)
     assert {m.dst for m in new.moves} == {"medium"}  # 100 s <= 800 s
     assert sum(m.count for m in new.moves) == 40
+    # medium on spot: its share within half the window, 500 s: still all of it
+    split, allowed = evacuation_rules(PRICES, {"medium", "slow"}, 1000.0)
+    spot_plan = plan_moves(views, {"slow": queue}, drain=["slow"], split=split, allowed=allowed)
+    assert {m.dst for m in spot_plan.moves} == {"medium"}
     # a tight window: medium cannot finish 40,000 tokens in 0.8 x 50 s = 40 s (16,000): fast takes the rest
-    tight = partial(lambda views, tokens: cost_split(views, PRICES, tokens, 50.0).targets)
     moved = {"fast": 0, "medium": 0}
-    allowed = partial(move_allowed, prices=PRICES, deadline_in_s=50.0)
-    for m in plan_moves(views, {"slow": queue}, drain=["slow"], split=tight, allowed=allowed).moves:
+    split, allowed = evacuation_rules(PRICES, (), 50.0)
+    for m in plan_moves(views, {"slow": queue}, drain=["slow"], split=split, allowed=allowed).moves:
         moved[m.dst] += m.count
     assert moved["medium"] in (15, 16) and moved["fast"] == 40 - moved["medium"]  # the fill rounds by a query
+    # the queue's own mix: prompts of 1,000 at a tenth are 100 units a query, so 40 queries (44,000 tokens) fit
+    # medium's 16,000 units in the tight window
+    prompts = [QueryLoad(f"p{i}", 1000, 100.0) for i in range(40)]
+    split, allowed = evacuation_rules(PRICES, (), 50.0, pending_work_per_token=0.2)  # the fleet's mix alike
+    prompt_plan = plan_moves(views, {"slow": prompts}, drain=["slow"], split=split, allowed=allowed)
+    assert {m.dst for m in prompt_plan.moves} == {"medium"}
 
 
 def test_spot_clusters_leave_room_for_a_preemption_where_the_window_allows():

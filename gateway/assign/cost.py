@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from clusterfile import Cluster
-from gateway.assign.loads import ClusterView, NoClusterError, QueryLoad, usable_clusters
+from gateway.assign.loads import ClusterView, NoClusterError, QueryLoad, usable_clusters, work_per_token
 from gateway.assign.policies import deficit_fill, water_fill_targets
 from workqueue import ClusterInfo
 
@@ -274,8 +274,7 @@ class CostPolicy:
     ) -> CostPlan:
         """The split of ``queries`` over the usable ``clusters`` (in their order) for ``window_s`` seconds left."""
         tokens = math.fsum(q.total_tokens for q in queries)
-        work = math.fsum(q.work_tokens for q in queries)
-        per = work / tokens if tokens > 0 and work > 0 else 1.0  # work units a token of this batch's mix
+        per = work_per_token(queries)  # this batch's mix
         return cost_split(
             usable_clusters(clusters), self.prices, tokens, window_s, per, self.margin, self.spot
         )
@@ -342,6 +341,25 @@ def assign_batch(
             plan.finish_s,
         )
     return names
+
+
+def evacuation_rules(
+    prices: Prices, spot: Collection[str], deadline_in_s: float | None, pending_work_per_token: float = 1.0
+) -> tuple[Callable[[Sequence[ClusterView], Sequence[QueryLoad]], list[float]], Callable[..., bool]]:
+    """Under the cost policy, the rules of a drain (a preempted, dead or removed cluster's queue moved away, by the
+    offloader or an admin call; :func:`gateway.offload.rebalance.plan_moves`): where the queue goes (the cost
+    split of its queries over the window to the nearest deadline, ``deadline_in_s``; None: no deadline), and
+    which balancing moves may follow (:func:`move_allowed`; what the clusters hold counted at
+    ``pending_work_per_token``, the fleet's mix)."""
+
+    def split(views: Sequence[ClusterView], queries: Sequence[QueryLoad]) -> list[float]:
+        tokens = math.fsum(q.total_tokens for q in queries)
+        return cost_split(views, prices, tokens, deadline_in_s, work_per_token(queries), spot=spot).targets
+
+    def allowed(donor: ClusterView, recipient: ClusterView) -> bool:
+        return move_allowed(donor, recipient, prices, deadline_in_s, work_per_token=pending_work_per_token)
+
+    return split, allowed
 
 
 def move_allowed(

@@ -23,6 +23,13 @@ def work_units(prompt_share: float) -> float:
     return 1.0 - prompt_share * (1.0 - PROMPT_WEIGHT)
 
 
+def work_per_token(queries: Sequence[QueryLoad]) -> float:
+    """Work units a token of these queries is worth (their work over their tokens; 1 for none, or all empty)."""
+    tokens = math.fsum(q.total_tokens for q in queries)
+    work = math.fsum(q.work_tokens for q in queries)
+    return work / tokens if tokens > 0 and work > 0 else 1.0
+
+
 class NoClusterError(RuntimeError):
     """No cluster accepts work, or a query fits on no accepting cluster."""
 
@@ -59,8 +66,8 @@ class QueryLoad:
 
     @property
     def work_tokens(self) -> float:
-        """The query's time on a cluster in generated-token equivalents (:data:`PROMPT_WEIGHT`): its predicted
-        response plus its prompt at a tenth."""
+        """The query's time on a cluster in generated-token equivalents: its predicted response plus its prompt
+        at :data:`PROMPT_WEIGHT`."""
         return self.predicted_tokens + PROMPT_WEIGHT * self.prompt_tokens
 
 

@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
 
+from gateway.assign.cost import evacuation_rules
 from gateway.assign.listing import read_clusters
+from gateway.assign.loads import work_units
 from gateway.assign.policies import NoClusterError
 from gateway.assign.views import cluster_proto, cluster_views, queued_loads, view_proto
 from gateway.checks.validation import cluster_problems, id_problem
 from gateway.grpc_api.auth import admin_refusal
-from gateway.offload.rebalance import RebalancePlan, format_plan, plan_moves, simulate_moves
+from gateway.offload.rebalance import RebalancePlan, Split, format_plan, plan_moves, simulate_moves
 from gateway.status.cost import priced
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -91,6 +93,17 @@ class AdminService(pb_grpc.AdminServiceServicer):
                 )
             return self._plan_and_apply(drain, dry_run, remove)
 
+    def _cost_rules(self) -> tuple[Split, Callable[..., bool]] | None:
+        """Under the cost policy, its drain split and move rule (:func:`gateway.assign.cost.evacuation_rules`), over
+        the window to the nearest deadline the ETA board last saw (None: not the cost policy)."""
+        prices = getattr(self.d.policy, "prices", None)
+        if prices is None:
+            return None
+        eta, spot = self.d.eta, getattr(self.d.policy, "spot", frozenset())
+        return evacuation_rules(
+            prices, spot, eta.deadline_in_s(self.d.queue.clock()), work_units(eta.prompt_share)
+        )
+
     def _plan_and_apply(self, drain: Sequence[str], dry_run: bool, remove: str = "") -> pb.RebalanceResponse:
         q = self.d.queue
         infos = read_clusters(q, listed=True, keep=drain)
@@ -100,7 +113,8 @@ class AdminService(pb_grpc.AdminServiceServicer):
             raise KeyError(f"unknown cluster(s): {', '.join(unknown)}")
         views = cluster_views(infos)
         queued = {i.name: queued_loads(q, i.name) for i in infos}
-        plan = plan_moves(views, queued, drain=drain, links=self.d.links)
+        split, allowed = self._cost_rules() or (None, None)
+        plan = plan_moves(views, queued, drain=drain, links=self.d.links, split=split, allowed=allowed)
         if remove and plan.kept.get(remove):
             raise WouldStrand(
                 f"cannot remove {remove}: "

@@ -25,16 +25,16 @@ than the check reads, or assigned just before the cluster was marked).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.assign.calibrated import LengthCalibrator
-from gateway.assign.cost import cost_split, holds_work, move_allowed
+from gateway.assign.cost import evacuation_rules, holds_work
 from gateway.assign.loads import work_units
 from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.assign.views import cluster_views, queued_tails
 from gateway.offload.moves import Backoff, LinkCost, Move, plan_offload
-from gateway.offload.rebalance import RebalancePlan, plan_moves
+from gateway.offload.rebalance import RebalancePlan, Split, plan_moves
 from gateway.status.eta import ClusterLoad, EtaBoard
 from gateway.status.metrics import GatewayMetrics
 from workqueue import BatchInfo, ClusterInfo, QueryResult, WorkQueue, keys
@@ -57,7 +57,8 @@ class OffloadConfig:
     balance: bool = (
         True  # step (3): moves between live clusters (off: `fleetbatch gateway serve --no-offload`)
     )
-    #: the cost policy's prices (dollars per hour by cluster): step (3) makes only the moves its rule allows
+    #: the cost policy's prices (dollars per hour by cluster): step (2) drains by its split, step (3) makes only the
+    #: moves its rule allows
     #: (gateway.assign.cost.move_allowed); None: every paying move
     prices: Mapping[str, float] | None = None
     #: the cost policy's spot clusters: an evacuated queue's share of them leaves room for a preemption
@@ -223,21 +224,16 @@ class Offloader:
 
     def _allowed(self) -> Callable[[ClusterView, ClusterView], bool] | None:
         """The cost policy's rule for this tick's moves (None: not the cost policy)."""
-        prices = self.config.prices
-        if prices is None:
-            return None
-        per = self._work_per_token()
-        return lambda donor, idle: move_allowed(donor, idle, prices, self.deadline_in_s, work_per_token=per)
+        rules = self._cost_rules()
+        return rules[1] if rules is not None else None
 
-    def _split(self) -> Callable[[Sequence[ClusterView], float], list[float]] | None:
-        """Under the cost policy, where an evacuated queue goes: the cost split over the window to the nearest
-        deadline (None: not the cost policy; the water filling)."""
+    def _cost_rules(self) -> tuple[Split, Callable[[ClusterView, ClusterView], bool]] | None:
+        """The cost policy's drain split and move rule (:func:`gateway.assign.cost.evacuation_rules`) for this tick
+        (None: not the cost policy)."""
         prices = self.config.prices
         if prices is None:
             return None
-        per, window = self._work_per_token(), self.deadline_in_s
-        spot = self.config.spot
-        return lambda views, tokens: cost_split(views, prices, tokens, window, per, spot=spot).targets
+        return evacuation_rules(prices, self.config.spot, self.deadline_in_s, self._work_per_token())
 
     def _asks(self, v: ClusterView) -> bool:
         """Whether ``v`` asks for work now: usable, nothing queued, what it holds done within
@@ -260,13 +256,12 @@ class Offloader:
         skip = {name: self.skip.get(name, 0) for name in stuck}
         queued = queued_tails(self.queue, {name: (chunk, skip[name]) for name in stuck})
         try:
+            split, allowed = self._cost_rules() or (
+                None,
+                None,
+            )  # the balance moves it plans are not made here
             plan = plan_moves(
-                views,
-                queued,
-                drain=stuck,
-                links=self.config.links,
-                split=self._split(),
-                allowed=self._allowed(),
+                views, queued, drain=stuck, links=self.config.links, split=split, allowed=allowed
             )
         except NoClusterError as e:
             log.warning("cannot evacuate %s: %s", ", ".join(stuck), e)

@@ -5,7 +5,8 @@
 1. **Drain.** Every cluster named in ``drain`` or not accepting work gives away its queued
    (not started) queries. They go, back of the queue first, to the accepting clusters in
    proportion to each one's water-filling share (the capacity-aware target of
-   :func:`gateway.assign.policies.water_fill_targets`), in runs so there are few moves, and only
+   :func:`gateway.assign.policies.water_fill_targets`; under the cost policy its split instead,
+   :func:`gateway.assign.cost.evacuation_rules`), in runs so there are few moves, and only
    where they fit (per-query limit and KV budget, against a query's full size: the loads of
    :func:`gateway.assign.views.queued_loads` carry no prefix discount). A query that fits on no
    accepting cluster is *kept*: it stays where it is, the plan lists it
@@ -15,7 +16,8 @@
    equalises finish times when only queued work can move (running work stays). Clusters
    above target give tails (:func:`gateway.offload.moves.tail_move`, each ending within half a
    query of the gap) to clusters below target, least busy first, and only where the move
-   pays (queueing delay saved > transfer cost) and fits. Donor and taker roles are fixed
+   pays (queueing delay saved > transfer cost) and fits (and, under the cost policy, that its
+   rule allows). Donor and taker roles are fixed
    up front, so nothing moves twice and the loop ends.
 
 Each :class:`~gateway.offload.moves.Move` names the queries it carries (``keys``, in their order
@@ -158,10 +160,14 @@ def plan_rebalance(
     return plan_moves(clusters, queued, drain, links, bytes_per_query).moves
 
 
-#: how a drained queue's tokens are shared over the receivers (their views, the tokens): a target each
-Split = Callable[[Sequence[ClusterView], float], list[float]]
+#: how a drained queue is shared over the receivers (their views, its queries): a target in tokens each
+Split = Callable[[Sequence[ClusterView], Sequence[QueryLoad]], list[float]]
 #: whether a move from the first cluster to the second may be made (None: every paying move)
 Allowed = Callable[[ClusterView, ClusterView], bool]
+
+
+def _water_fill(views: Sequence[ClusterView], queries: Sequence[QueryLoad]) -> list[float]:
+    return water_fill_targets(views, math.fsum(q.total_tokens for q in queries))
 
 
 def plan_moves(
@@ -190,8 +196,8 @@ def plan_moves(
         if not receivers:
             raise NoClusterError(f"cannot drain {src!r}: no other cluster accepts work")
         views = [state.views[n] for n in receivers]
-        share = split or water_fill_targets
-        deficit = dict(zip(receivers, share(views, math.fsum(q.total_tokens for q in queue)), strict=True))
+        share = split or _water_fill
+        deficit = dict(zip(receivers, share(views, queue), strict=True))
         current: str | None = None
         run: list[QueryLoad] = []  # back of the queue first
         for q in reversed(list(queue)):

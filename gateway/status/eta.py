@@ -257,6 +257,12 @@ class EtaBoard:
                 start = i
         return out
 
+    def deadline_in_s(self, now: float) -> float | None:
+        """Seconds from ``now`` to the nearest deadline of the unfinished batches of the last update (None: none)."""
+        with self._lock:
+            deadlines = [b.deadline for b in self._batches if not b.final and b.deadline > 0]
+        return min(deadlines) - now if deadlines else None
+
     def get(self, batch_id: str) -> Eta | None:
         with self._lock:
             return self._etas.get(batch_id)
