@@ -6,10 +6,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from gateway.assign.loads import PROMPT_WEIGHT, work_units
 from gateway.checks.windows import WindowError, format_window, parse_window
 from gateway.cli import main
 from gateway.config import ClusterSpec, GatewayConfig
-from gateway.status.eta import PROMPT_WEIGHT, EtaBoard, Throughput, correction, estimate, work_units
+from gateway.status.eta import EtaBoard, Throughput, correction, estimate
 from gateway.status.metrics import GatewayMetrics
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -74,7 +75,8 @@ def test_the_answer_at_submit_says_whether_the_window_fits(gateway, capsys):
     )
     wait_until(lambda: with_eta(stub, "tight"), 30, "the tight batch's ETA")
     assert (
-        main(["status", "--target", gateway[2], "--token", "-", "--batch-id", "tight", "--batch-id", "loose"]) == 0
+        main(["status", "--target", gateway[2], "--token", "-", "--batch-id", "tight", "--batch-id", "loose"])
+        == 0
     )
     table = capsys.readouterr().out.splitlines()
     tight_row = next(line for line in table if line.startswith("tight"))

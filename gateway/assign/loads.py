@@ -18,6 +18,11 @@ from typing import Protocol
 PROMPT_WEIGHT = 0.1
 
 
+def work(prompt_tokens: float, generated_tokens: float) -> float:
+    """Generated-token equivalents of a prompt and its answer (:data:`PROMPT_WEIGHT`)."""
+    return generated_tokens + PROMPT_WEIGHT * prompt_tokens
+
+
 def work_units(prompt_share: float) -> float:
     """Generated-token equivalents of one token of a mix with this prompt share (:data:`PROMPT_WEIGHT`)."""
     return 1.0 - prompt_share * (1.0 - PROMPT_WEIGHT)
@@ -68,7 +73,7 @@ class QueryLoad:
     def work_tokens(self) -> float:
         """The query's time on a cluster in generated-token equivalents: its predicted response plus its prompt
         at :data:`PROMPT_WEIGHT`."""
-        return self.predicted_tokens + PROMPT_WEIGHT * self.prompt_tokens
+        return work(self.prompt_tokens, self.predicted_tokens)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ The rule, in one place (:func:`estimate`):
 3. **Throughput** (:class:`Throughput`): work done per second over the last :data:`RATE_WINDOW_S`,
    counted from the first completion seen in that window (so the time before the first rows finish
    does not read as slowness). Work is counted in *generated-token equivalents*: a prompt token
-   weighs :data:`PROMPT_WEIGHT` of a generated one (prefill is batched; a generated token costs a
+   weighs :data:`gateway.assign.loads.PROMPT_WEIGHT` of a generated one (prefill is batched; a generated token costs a
    step). Counted in plain tokens, the rate would follow the mix: a fleet that runs its longest
    answers first (the token policies do) would look slow then fast. The remaining work is
    converted with the prompt share of the fleet's answered rows. Until a rate is measured, the
@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from gateway.assign.loads import PROMPT_WEIGHT, work_units
+from gateway.assign.loads import work, work_units
 from gateway.status.cost import CostMeter
 from workqueue import BatchInfo
 
@@ -207,8 +207,7 @@ class EtaBoard:
             completion = finished_actual if finished_completion is None else finished_completion
             if finished_actual > 0 and finished_completion is not None:
                 self.prompt_share = max(0.0, min(1.0, 1.0 - finished_completion / finished_actual))
-            work = completion + PROMPT_WEIGHT * (finished_actual - completion)
-            self._throughput.observe(now, work)
+            self._throughput.observe(now, work(finished_actual - completion, completion))
             self._history.append((now, finished_actual))
             measured = self._throughput.rate()
             units = work_units(self.prompt_share)

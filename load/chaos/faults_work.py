@@ -219,7 +219,8 @@ class WorkFaults:
             self._healed(bite)  # the heal is the SIGCONT
         bite.evidence.update(row=row, row_state_at_removal=list(state), code=code, details=details[:200])
         if state != ("queued", name):
-            self._wait(lambda: self._batch_final(batch_id), 60)  # it runs where it was claimed
+            if not self._wait(lambda: self._batch_final(batch_id), 60):  # it runs where it was claimed
+                log.warning("chaos: %s not final 60 s after its claim; the retry may find it leased", row)
             return bite.miss(f"{row} was {state[0]} on {state[1]} before the removal, not queued on {name}")
         log.warning("chaos: removal of cluster %s while it holds %s: %s %s", name, row, code, details)
         if code != "FAILED_PRECONDITION" or row not in details:
