@@ -63,6 +63,7 @@ def test_an_engines_stage_server_is_a_fork_of_the_engine_not_a_fresh_interpreter
         assert (
             "forkserver import main" not in seen["cmdline"]
         )  # not a fresh interpreter: a fork of the engine
-        assert "tests.forked_stager" in seen["cmdline"]
+        assert "tests.forked_stager" in seen["cmdline"] and "[stage fork server]" in seen["cmdline"]
         assert log.read_text().count(" here\n") >= 1  # the stage's output went to the engine's log
+        wait_until(lambda s=seen["server"]: not _alive(s), 30, "the stage server to end with its engine")
         log.unlink()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 import multiprocessing as mp
 import os
 import select
@@ -29,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import traceback
 import weakref
 from collections.abc import Mapping, Sequence
 from multiprocessing import connection, forkserver
@@ -36,6 +38,8 @@ from multiprocessing import connection, forkserver
 import setproctitle
 
 from workqueue.embedded import PARENT_ENV, on_exit_of
+
+log = logging.getLogger(__name__)
 
 #: what the fork server imports once: the engine's code and its pipeline stages' (each engine's stage server is
 #: a fork of an engine: :func:`_fork_stage_server`)
@@ -71,27 +75,54 @@ def _fork_stage_server() -> None:
     server = forkserver._forkserver  # type: ignore[attr-defined]  # multiprocessing's one instance
     if set(inspect.signature(forkserver.main).parameters) != _MAIN_PARAMETERS:
         return
-    with socket.socket(socket.AF_UNIX) as listener:  # as ForkServer.ensure_running sets its server up
+    try:
+        address, alive_w, pid = _start_server(server._forkserver_alive_fd)
+    except OSError as e:  # no socket, pipe or fork now: the first stage start runs the stock server
+        log.warning("could not fork the stage fork server (%s); a stage start will start one", e)
+        return
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+
+
+def _start_server(inherited_alive_fd: int | None) -> tuple[str, int, int]:
+    """Fork a fork server as ``ForkServer.ensure_running`` sets its up; its address, liveness pipe and pid."""
+    with socket.socket(socket.AF_UNIX) as listener:
         address = connection.arbitrary_address("AF_UNIX")
         listener.bind(address)
         os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()  # every client holds the write end; the server ends at its EOF
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.close(alive_w)
-                if (
-                    server._forkserver_alive_fd is not None
-                ):  # the deployment server's: not this server's client
-                    os.close(server._forkserver_alive_fd)
-                forkserver.main(listener.fileno(), alive_r, [])
-            finally:
-                os._exit(0)
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(alive_r)
+            os.close(alive_w)
+            raise
+        if pid == 0:  # the server: never returns
+            _serve(listener.fileno(), alive_r, alive_w, inherited_alive_fd, address)
         os.close(alive_r)
-    server._forkserver_address = address
-    server._forkserver_alive_fd = alive_w
-    server._forkserver_pid = pid
+    return address, alive_w, pid
+
+
+def _serve(
+    listener_fd: int, alive_r: int, alive_w: int, inherited_alive_fd: int | None, address: str
+) -> None:
+    code = 1
+    try:
+        setproctitle.setproctitle(f"{setproctitle.getproctitle()} [stage fork server]")
+        os.close(alive_w)
+        if inherited_alive_fd is not None:  # the deployment server's: this server is not its client
+            os.close(inherited_alive_fd)
+        forkserver.main(listener_fd, alive_r, [])
+    except SystemExit:  # its clients are gone
+        code = 0
+    except BaseException:
+        traceback.print_exc()  # to the engine's log
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(address)
+        os._exit(code)
 
 
 def _run(argv: Sequence[str], env: Mapping[str, str], log_path: str) -> None:
