@@ -17,9 +17,9 @@ linear program (GLOP, OR-Tools): the clusters cheapest per token fill first, eac
 window. A second LP spreads the batch over clusters of equal price per token so that the fleet finishes earliest
 at that least cost. A spot cluster (``market: spot``) must be done within :data:`SPOT_MARGIN` of the window
 instead, so that when it is preempted its work still has time to run on the clusters left; where no split allows
-that, it gets the same margin as the others. When no split meets the window, the batch takes the fastest finish
-(the ``token`` policy's water filling) and is at risk. :class:`CostPolicy` turns the shares into queries as the ``token`` policy does
-(longest first, to the largest remaining deficit).
+that, within the least more that does (up to the margin of the others). When no split meets the window, the
+batch takes the fastest finish (the ``token`` policy's water filling) and is at risk. :class:`CostPolicy` turns
+the shares into queries as the ``token`` policy does (longest first, to the largest remaining deficit).
 
 **Moves** (:func:`move_allowed`). Under the cost policy the offloader moves queued work to a cluster only when it
 is no dearer per token (the batch gets cheaper, or costs the same, and finishes earlier: every move already pays
@@ -131,8 +131,8 @@ def cost_targets(
 ) -> CostPlan:
     """The cheapest split of ``new_tokens`` over ``clusters`` (usable, capacity > 0) that has every cluster done
     within ``margin * window_s``, counting what each holds (the LP of the module docstring), and each cluster
-    named in ``spot`` within :data:`SPOT_MARGIN` of it (room for a preemption) where some split allows that; when
-    there is none, the fastest finish (:func:`gateway.assign.policies.water_fill_targets`), at risk."""
+    named in ``spot`` within :data:`SPOT_MARGIN` of it (room for a preemption), or the least more a split needs;
+    when there is none, the fastest finish (:func:`gateway.assign.policies.water_fill_targets`), at risk."""
     if new_tokens < 0 or not math.isfinite(new_tokens):
         raise ValueError(f"new_tokens must be a finite number >= 0, not {new_tokens}")
     if not 0 < margin <= 1:
@@ -144,11 +144,7 @@ def cost_targets(
     if new_tokens == 0:
         return _plan(clusters, prices, [0.0] * len(clusters), False)
     horizon = margin * max(window_s, 0.0)
-    room = _room(clusters, horizon, min(margin, SPOT_MARGIN) * max(window_s, 0.0), spot)
-    if math.fsum(room) < new_tokens * (
-        1 - 1e-12
-    ):  # no room for a preemption: the spot clusters to the margin
-        room = _room(clusters, horizon, horizon, ())
+    room = _room(clusters, horizon, _spot_horizon(clusters, new_tokens, horizon, window_s, spot), spot)
     if math.fsum(room) < new_tokens * (1 - 1e-12):
         return _plan(clusters, prices, water_fill_targets(clusters, new_tokens), True)
     per_token = [dollars_per_token(c, prices) for c in clusters]
@@ -180,6 +176,21 @@ def cost_split(
     window = DEFAULT_WINDOW_S if window_s is None else window_s
     plan = cost_targets(views, prices, tokens * work_per_token, window, margin, spot)
     return replace(plan, targets=[t / work_per_token for t in plan.targets])
+
+
+def _spot_horizon(
+    clusters: Sequence[ClusterView], tokens: float, horizon: float, window_s: float, spot: Collection[str]
+) -> float:
+    """The spot clusters' horizon: :data:`SPOT_MARGIN` of the window, or the least more (up to the margin's
+    ``horizon``) with which the fleet has room for ``tokens`` (room grows with the horizon: a bisection)."""
+    low = min(horizon, SPOT_MARGIN * max(window_s, 0.0))
+    if math.fsum(_room(clusters, horizon, low, spot)) >= tokens or not any(c.name in spot for c in clusters):
+        return low
+    high = horizon
+    for _ in range(60):  # to well under a millisecond of any window
+        mid = (low + high) / 2
+        low, high = (low, mid) if math.fsum(_room(clusters, horizon, mid, spot)) >= tokens else (mid, high)
+    return high
 
 
 def _room(
