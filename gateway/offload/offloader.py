@@ -57,9 +57,8 @@ class OffloadConfig:
     balance: bool = (
         True  # step (3): moves between live clusters (off: `fleetbatch gateway serve --no-offload`)
     )
-    #: the cost policy's prices (dollars per hour by cluster): step (2) drains by its split, step (3) makes only the
-    #: moves its rule allows
-    #: (gateway.assign.cost.move_allowed); None: every paying move
+    #: the cost policy's prices (dollars per hour by cluster): step (2) drains by its split and step (3) makes only
+    #: the moves its rule allows (gateway.assign.cost.evacuation_rules, move_allowed); None: every paying move
     prices: Mapping[str, float] | None = None
     #: the cost policy's spot clusters: an evacuated queue's share of them leaves room for a preemption
     spot: frozenset[str] = frozenset()
@@ -256,10 +255,8 @@ class Offloader:
         skip = {name: self.skip.get(name, 0) for name in stuck}
         queued = queued_tails(self.queue, {name: (chunk, skip[name]) for name in stuck})
         try:
-            split, allowed = self._cost_rules() or (
-                None,
-                None,
-            )  # the balance moves it plans are not made here
+            # under the cost policy the drain follows its split (the balance moves planned are not made here)
+            split, allowed = self._cost_rules() or (None, None)
             plan = plan_moves(
                 views, queued, drain=stuck, links=self.config.links, split=split, allowed=allowed
             )

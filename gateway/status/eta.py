@@ -26,8 +26,8 @@ The rule, in one place (:func:`estimate`):
 3. **Throughput** (:class:`Throughput`): work done per second over the last :data:`RATE_WINDOW_S`,
    counted from the first completion seen in that window (so the time before the first rows finish
    does not read as slowness). Work is counted in *generated-token equivalents*: a prompt token
-   weighs :data:`gateway.assign.loads.PROMPT_WEIGHT` of a generated one (prefill is batched; a generated token costs a
-   step). Counted in plain tokens, the rate would follow the mix: a fleet that runs its longest
+   weighs :data:`gateway.assign.loads.PROMPT_WEIGHT` of a generated one (prefill is batched; a
+   generated token costs a step). Counted in plain tokens, the rate would follow the mix: a fleet that runs its longest
    answers first (the token policies do) would look slow then fast. The remaining work is
    converted with the prompt share of the fleet's answered rows. Until a rate is measured, the
    sum of the live clusters' capacities (generated tokens/s: work units as they are).
