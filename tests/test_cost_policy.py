@@ -377,8 +377,8 @@ def test_an_evacuated_queue_goes_where_the_cost_split_puts_it_and_is_not_balance
     for m in plan_moves(views, {"slow": queue}, drain=["slow"], split=split, allowed=allowed).moves:
         moved[m.dst] += m.count
     assert moved["medium"] in (15, 16) and moved["fast"] == 40 - moved["medium"]  # the fill rounds by a query
-    # the queue's own mix: prompts of 1,000 at a tenth and 100 generated are 200 units a query, so 40 queries
-    # (44,000 tokens, 8,000 units) fit medium's 16,000 units in the tight window
+    # at the fleet's mix (0.2 units a token: prompt-heavy rows), the queue's 44,000 tokens are 8,800 units and fit
+    # medium's 16,000 units in the tight window; the move rule times medium's new work the same way
     prompts = [QueryLoad(f"p{i}", 1000, 100.0) for i in range(40)]
     split, allowed = evacuation_rules(PRICES, (), 50.0, pending_work_per_token=0.2)  # the fleet's mix alike
     prompt_plan = plan_moves(views, {"slow": prompts}, drain=["slow"], split=split, allowed=allowed)

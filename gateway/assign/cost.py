@@ -360,12 +360,13 @@ def evacuation_rules(
     """Under the cost policy, the rules of a drain (a preempted, dead or removed cluster's queue moved away, by the
     offloader or an admin call; :func:`gateway.offload.rebalance.plan_moves`): where the queue goes (the cost
     split of its queries over the window to the nearest deadline, ``deadline_in_s``; None: no deadline), and
-    which balancing moves may follow (:func:`move_allowed`; what the clusters hold counted at
-    ``pending_work_per_token``, the fleet's mix)."""
+    which balancing moves may follow (:func:`move_allowed`). Queued tokens, the drained ones and those the
+    clusters hold alike, are counted at ``pending_work_per_token`` (the fleet's mix: a queue's entries carry
+    their total tokens, not their prompts), so the split and the rule time the same work alike."""
 
     def split(views: Sequence[ClusterView], queries: Sequence[QueryLoad]) -> list[float]:
         tokens = math.fsum(q.total_tokens for q in queries)
-        return cost_split(views, prices, tokens, deadline_in_s, work_per_token(queries), spot=spot).targets
+        return cost_split(views, prices, tokens, deadline_in_s, pending_work_per_token, spot=spot).targets
 
     def allowed(donor: ClusterView, recipient: ClusterView) -> bool:
         return move_allowed(donor, recipient, prices, deadline_in_s, work_per_token=pending_work_per_token)
