@@ -383,6 +383,24 @@ def test_an_evacuated_queue_goes_where_the_cost_split_puts_it_and_is_not_balance
     split, allowed = evacuation_rules(PRICES, (), 50.0, pending_work_per_token=0.2)  # the fleet's mix alike
     prompt_plan = plan_moves(views, {"slow": prompts}, drain=["slow"], split=split, allowed=allowed)
     assert {m.dst for m in prompt_plan.moves} == {"medium"}
+    # the window is the nearest deadline of the drained queries' own batches: a queue of a loose batch (1,000 s)
+    # is not spread onto fast because another batch is due in 50 s (the drain's moves: those from slow)
+    loose = [QueryLoad(f"loose:q{i}", 0, 1000.0) for i in range(40)]
+
+    def drained_to(split) -> set[str]:
+        return {
+            m.dst
+            for m in plan_moves(views, {"slow": loose}, drain=["slow"], split=split).moves
+            if m.src == "slow"
+        }
+
+    assert drained_to(
+        evacuation_rules(PRICES, (), 50.0, deadlines_in_s={"loose": 1000.0, "tight": 50.0})[0]
+    ) == {"medium"}
+    assert drained_to(evacuation_rules(PRICES, (), 50.0, deadlines_in_s={"tight": 50.0})[0]) == {
+        "medium"
+    }  # none: 24 h
+    assert "fast" in drained_to(evacuation_rules(PRICES, (), 50.0)[0])  # the fleet's nearest, as before
 
 
 def test_spot_clusters_leave_room_for_a_preemption_where_the_window_allows():

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from clusterfile import Cluster
 from gateway.assign.loads import ClusterView, NoClusterError, QueryLoad, usable_clusters, work_per_token
 from gateway.assign.policies import deficit_fill, water_fill_targets
-from workqueue import ClusterInfo
+from workqueue import ClusterInfo, keys
 
 log = logging.getLogger(__name__)
 
@@ -355,18 +355,30 @@ def assign_batch(
 
 
 def evacuation_rules(
-    prices: Prices, spot: Collection[str], deadline_in_s: float | None, pending_work_per_token: float = 1.0
+    prices: Prices,
+    spot: Collection[str],
+    deadline_in_s: float | None,
+    pending_work_per_token: float = 1.0,
+    deadlines_in_s: Mapping[str, float] | None = None,
 ) -> tuple[Callable[[Sequence[ClusterView], Sequence[QueryLoad]], list[float]], Callable[..., bool]]:
     """Under the cost policy, the rules of a drain (a preempted, dead or removed cluster's queue moved away, by the
     offloader or an admin call; :func:`gateway.offload.rebalance.plan_moves`): where the queue goes (the cost
-    split of its queries over the window to the nearest deadline, ``deadline_in_s``; None: no deadline), and
-    which balancing moves may follow (:func:`move_allowed`). Queued tokens, the drained ones and those the
+    split of its queries over the window to the nearest deadline of their own batches, by ``deadlines_in_s``
+    (seconds left, by batch id; a batch not in it has none), or, without it, to ``deadline_in_s``, the fleet's
+    nearest (None: no deadline), and which balancing moves may follow (:func:`move_allowed`, with the
+    fleet's nearest deadline). Queued tokens, the drained ones and those the
     clusters hold alike, are counted at ``pending_work_per_token`` (the fleet's mix: a queue's entries carry
     their total tokens, not their prompts), so the split and the rule time the same work alike."""
 
     def split(views: Sequence[ClusterView], queries: Sequence[QueryLoad]) -> list[float]:
         tokens = math.fsum(q.total_tokens for q in queries)
-        return cost_split(views, prices, tokens, deadline_in_s, pending_work_per_token, spot=spot).targets
+        window = deadline_in_s
+        if deadlines_in_s is not None:  # a queue of loose batches is not spread for another, tight one
+            own = [
+                deadlines_in_s[b] for b in {keys.split_gid(q.key)[0] for q in queries} if b in deadlines_in_s
+            ]
+            window = min(own) if own else None
+        return cost_split(views, prices, tokens, window, pending_work_per_token, spot=spot).targets
 
     def allowed(donor: ClusterView, recipient: ClusterView) -> bool:
         return move_allowed(donor, recipient, prices, deadline_in_s, work_per_token=pending_work_per_token)

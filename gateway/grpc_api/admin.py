@@ -94,15 +94,15 @@ class AdminService(pb_grpc.AdminServiceServicer):
             return self._plan_and_apply(drain, dry_run, remove)
 
     def _cost_rules(self) -> tuple[Split, Callable[..., bool]] | None:
-        """Under the cost policy, its drain split and move rule (:func:`gateway.assign.cost.evacuation_rules`), over
-        the window to the nearest deadline the ETA board last saw (None: not the cost policy)."""
+        """Under the cost policy, its drain split and move rule (:func:`gateway.assign.cost.evacuation_rules`), with
+        the deadlines the ETA board last saw (None: not the cost policy)."""
         prices = getattr(self.d.policy, "prices", None)
         if prices is None:
             return None
         eta, spot = self.d.eta, getattr(self.d.policy, "spot", frozenset())
-        return evacuation_rules(
-            prices, spot, eta.deadline_in_s(self.d.queue.clock()), work_units(eta.prompt_share)
-        )
+        deadlines = eta.deadlines_in_s(self.d.queue.clock())
+        nearest = min(deadlines.values()) if deadlines else None
+        return evacuation_rules(prices, spot, nearest, work_units(eta.prompt_share), deadlines)
 
     def _plan_and_apply(self, drain: Sequence[str], dry_run: bool, remove: str = "") -> pb.RebalanceResponse:
         q = self.d.queue

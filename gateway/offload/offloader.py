@@ -82,9 +82,9 @@ class Offloader:
         self.moved_total = 0
         self.kept: dict[str, list[str]] = {}  # per stuck cluster: queued ids at its back that fit nowhere now
         self.skip: dict[str, int] = {}  # per stuck cluster: entries at the back of its queue known to stay
-        self.deadline_in_s: float | None = (
-            None  # seconds to the nearest deadline of an unfinished batch (None: none)
-        )
+        #: seconds to each unfinished batch's deadline (those with one), and to the nearest (None: none)
+        self.deadlines_in_s: dict[str, float] = {}
+        self.deadline_in_s: float | None = None
 
     def _backoff(self, name: str) -> Backoff:
         if name not in self.backoffs:
@@ -127,8 +127,9 @@ class Offloader:
         for batch_id in start.expired:
             log.warning("batch %s expired: its completion window ended; finished rows are kept", batch_id)
         infos = q.clusters(sorted(start.requeued))  # every registered cluster, as the script found them
-        deadlines = [b.deadline for b in start.unfinished if b.deadline > 0]
-        self.deadline_in_s = min(deadlines) - q.clock() if deadlines else None
+        now = q.clock()
+        self.deadlines_in_s = {b.batch_id: b.deadline - now for b in start.unfinished if b.deadline > 0}
+        self.deadline_in_s = min(self.deadlines_in_s.values()) if self.deadlines_in_s else None
         if self.metrics is not None and self.calibrator is not None:
             self.metrics.observe_calibration(self.calibrator.current())
         if self.eta is not None:
@@ -232,7 +233,9 @@ class Offloader:
         prices = self.config.prices
         if prices is None:
             return None
-        return evacuation_rules(prices, self.config.spot, self.deadline_in_s, self._work_per_token())
+        return evacuation_rules(
+            prices, self.config.spot, self.deadline_in_s, self._work_per_token(), self.deadlines_in_s
+        )
 
     def _asks(self, v: ClusterView) -> bool:
         """Whether ``v`` asks for work now: usable, nothing queued, what it holds done within

@@ -256,11 +256,10 @@ class EtaBoard:
                 start = i
         return out
 
-    def deadline_in_s(self, now: float) -> float | None:
-        """Seconds from ``now`` to the nearest deadline of the unfinished batches of the last update (None: none)."""
+    def deadlines_in_s(self, now: float) -> dict[str, float]:
+        """Seconds from ``now`` to the deadline of each unfinished batch of the last update that has one."""
         with self._lock:
-            deadlines = [b.deadline for b in self._batches if not b.final and b.deadline > 0]
-        return min(deadlines) - now if deadlines else None
+            return {b.batch_id: b.deadline - now for b in self._batches if not b.final and b.deadline > 0}
 
     def get(self, batch_id: str) -> Eta | None:
         with self._lock:
