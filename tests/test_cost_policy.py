@@ -26,12 +26,11 @@ from gateway.assign.cost import (
     assign_batch,
     cost_targets,
     dollars_per_token,
-    evacuation_rules,
     fleet_cost,
     fleet_prices,
-    move_allowed,
     spot_clusters,
 )
+from gateway.assign.cost_moves import evacuation_rules, move_allowed
 from gateway.assign.loads import PROMPT_WEIGHT, ClusterView, QueryLoad
 from gateway.assign.policies import water_fill_targets
 from gateway.assign.registry import make_policy

@@ -21,10 +21,7 @@ that, within the least more that does (up to the margin of the others). When no 
 batch takes the fastest finish (the ``token`` policy's water filling) and is at risk. :class:`CostPolicy` turns
 the shares into queries as the ``token`` policy does (longest first, to the largest remaining deficit).
 
-**Moves** (:func:`move_allowed`). Under the cost policy the offloader moves queued work to a cluster only when it
-is no dearer per token (the batch gets cheaper, or costs the same, and finishes earlier: every move already pays
-in finish time), or when the donor would finish past ``MARGIN`` of the time to the nearest deadline (the move
-saves it).
+**Moves** under this policy (the offloader's, a drain's) follow :mod:`gateway.assign.cost_moves`.
 
 No Redis of its own (:func:`assign_batch` reads a batch's deadline through the queue it is given); OR-Tools is
 imported on the first split.
@@ -42,7 +39,7 @@ from typing import Any, Protocol
 from clusterfile import Cluster
 from gateway.assign.loads import ClusterView, NoClusterError, QueryLoad, usable_clusters, work_per_token
 from gateway.assign.policies import deficit_fill, water_fill_targets
-from workqueue import ClusterInfo, keys
+from workqueue import ClusterInfo
 
 log = logging.getLogger(__name__)
 
@@ -352,55 +349,3 @@ def assign_batch(
             plan.finish_s,
         )
     return names
-
-
-def evacuation_rules(
-    prices: Prices,
-    spot: Collection[str],
-    deadline_in_s: float | None,
-    pending_work_per_token: float = 1.0,
-    deadlines_in_s: Mapping[str, float] | None = None,
-) -> tuple[Callable[[Sequence[ClusterView], Sequence[QueryLoad]], list[float]], Callable[..., bool]]:
-    """Under the cost policy, the rules of a drain (a preempted, dead or removed cluster's queue moved away, by the
-    offloader or an admin call; :func:`gateway.offload.rebalance.plan_moves`): where the queue goes (the cost
-    split of its queries over the window to the nearest deadline of their own batches, by ``deadlines_in_s``
-    (seconds left, by batch id; a batch not in it has none), or, without it, to ``deadline_in_s``, the fleet's
-    nearest (None: no deadline), and which balancing moves may follow (:func:`move_allowed`, with the
-    fleet's nearest deadline). Queued tokens, the drained ones and those the
-    clusters hold alike, are counted at ``pending_work_per_token`` (the fleet's mix: a queue's entries carry
-    their total tokens, not their prompts), so the split and the rule time the same work alike."""
-
-    def split(views: Sequence[ClusterView], queries: Sequence[QueryLoad]) -> list[float]:
-        tokens = math.fsum(q.total_tokens for q in queries)
-        window = deadline_in_s
-        if deadlines_in_s is not None:  # a queue of loose batches is not spread for another, tight one
-            own = [
-                deadlines_in_s[b] for b in {keys.split_gid(q.key)[0] for q in queries} if b in deadlines_in_s
-            ]
-            window = min(own) if own else None
-        return cost_split(views, prices, tokens, window, pending_work_per_token, spot=spot).targets
-
-    def allowed(donor: ClusterView, recipient: ClusterView) -> bool:
-        return move_allowed(donor, recipient, prices, deadline_in_s, work_per_token=pending_work_per_token)
-
-    return split, allowed
-
-
-def move_allowed(
-    donor: ClusterView,
-    recipient: ClusterView,
-    prices: Prices,
-    deadline_in_s: float | None,
-    margin: float = MARGIN,
-    work_per_token: float = 1.0,
-) -> bool:
-    """Whether the offloader may move queued work from ``donor`` to ``recipient`` under the cost policy: the
-    recipient is no dearer per token (cheaper, still on time), or the donor would finish past ``margin`` of the
-    time to the nearest deadline (``deadline_in_s``; None: no deadline) and the move saves it. ``work_per_token``:
-    the work units (:data:`gateway.assign.loads.PROMPT_WEIGHT`) a pending token is worth, at the fleet's prompt
-    share (:func:`gateway.assign.loads.work_units`)."""
-    if dollars_per_token(recipient, prices) <= dollars_per_token(donor, prices):
-        return True
-    if deadline_in_s is None or donor.capacity_tps <= 0:
-        return False
-    return donor.pending_tokens * work_per_token / donor.capacity_tps > margin * max(deadline_in_s, 0.0)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from gateway.assign.cost import evacuation_rules
+from gateway.assign.cost_moves import evacuation_rules
 from gateway.assign.listing import read_clusters
 from gateway.assign.loads import work_units
 from gateway.assign.policies import NoClusterError
@@ -94,7 +94,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
             return self._plan_and_apply(drain, dry_run, remove)
 
     def _cost_rules(self) -> tuple[Split, Callable[..., bool]] | None:
-        """Under the cost policy, its drain split and move rule (:func:`gateway.assign.cost.evacuation_rules`), with
+        """Under the cost policy, its drain split and move rule (:func:`gateway.assign.cost_moves.evacuation_rules`), with
         the deadlines the ETA board last saw (None: not the cost policy)."""
         prices = getattr(self.d.policy, "prices", None)
         if prices is None:

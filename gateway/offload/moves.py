@@ -141,7 +141,7 @@ def plan_offload(
     Otherwise donors are tried busiest first (expected finish time, ties by name); the first
     that yields a paying :func:`tail_move` is the answer. ``tails[c]`` holds the last queued
     queries of ``c``, back of the queue last. ``allowed(donor, idle)``: whether a move between them may be
-    made at all (the cost policy's rule, :func:`gateway.assign.cost.move_allowed`; None: every one).
+    made at all (the cost policy's rule, :func:`gateway.assign.cost_moves.move_allowed`; None: every one).
     """
     if idle_threshold_tokens < 0:
         raise ValueError(f"idle_threshold_tokens must be >= 0, not {idle_threshold_tokens}")

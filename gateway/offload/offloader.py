@@ -29,7 +29,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.assign.calibrated import LengthCalibrator
-from gateway.assign.cost import evacuation_rules, holds_work
+from gateway.assign.cost import holds_work
+from gateway.assign.cost_moves import evacuation_rules
 from gateway.assign.loads import work_units
 from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.assign.views import cluster_views, queued_tails
@@ -58,7 +59,7 @@ class OffloadConfig:
         True  # step (3): moves between live clusters (off: `fleetbatch gateway serve --no-offload`)
     )
     #: the cost policy's prices (dollars per hour by cluster): step (2) drains by its split and step (3) makes only
-    #: the moves its rule allows (gateway.assign.cost.evacuation_rules, move_allowed); None: every paying move
+    #: the moves its rule allows (gateway.assign.cost_moves.evacuation_rules, move_allowed); None: every paying move
     prices: Mapping[str, float] | None = None
     #: the cost policy's spot clusters: an evacuated queue's share of them leaves room for a preemption
     spot: frozenset[str] = frozenset()
@@ -228,7 +229,7 @@ class Offloader:
         return rules[1] if rules is not None else None
 
     def _cost_rules(self) -> tuple[Split, Callable[[ClusterView, ClusterView], bool]] | None:
-        """The cost policy's drain split and move rule (:func:`gateway.assign.cost.evacuation_rules`) for this tick
+        """The cost policy's drain split and move rule (:func:`gateway.assign.cost_moves.evacuation_rules`) for this tick
         (None: not the cost policy)."""
         prices = self.config.prices
         if prices is None:

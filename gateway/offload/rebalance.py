@@ -6,7 +6,7 @@
    (not started) queries. They go, back of the queue first, to the accepting clusters in
    proportion to each one's water-filling share (the capacity-aware target of
    :func:`gateway.assign.policies.water_fill_targets`; under the cost policy its split instead,
-   :func:`gateway.assign.cost.evacuation_rules`), in runs so there are few moves, and only
+   :func:`gateway.assign.cost_moves.evacuation_rules`), in runs so there are few moves, and only
    where they fit (per-query limit and KV budget, against a query's full size: the loads of
    :func:`gateway.assign.views.queued_loads` carry no prefix discount). A query that fits on no
    accepting cluster is *kept*: it stays where it is, the plan lists it
@@ -182,7 +182,7 @@ def plan_moves(
     """Moves that equalise expected finish times; drained clusters give away every queued query
     that fits on an accepting cluster and keep (and report) the rest. ``split``: the drain's targets (default
     the water filling); ``allowed``: the balance phase makes only the moves it allows (the cost policy's
-    :func:`gateway.assign.cost.move_allowed`, and :func:`gateway.assign.cost.cost_split` as the drain's split)."""
+    :func:`gateway.assign.cost_moves.move_allowed`, and :func:`gateway.assign.cost.cost_split` as the drain's split)."""
     _check(clusters, queued, drain)
     state = _State(clusters, queued)
     drained = [c.name for c in clusters if c.name in set(drain) or not c.accepting]
