@@ -34,6 +34,7 @@ import traceback
 import weakref
 from collections.abc import Mapping, Sequence
 from multiprocessing import connection, forkserver
+from typing import NoReturn
 
 import setproctitle
 
@@ -107,7 +108,8 @@ def _start_server(inherited_alive_fd: int | None) -> tuple[str, int, int]:
 
 def _serve(
     listener_fd: int, alive_r: int, alive_w: int, inherited_alive_fd: int | None, address: str
-) -> None:
+) -> NoReturn:
+    """The forked server's life: multiprocessing's server loop until its last client is gone, then exit."""
     code = 1
     try:
         setproctitle.setproctitle(f"{setproctitle.getproctitle()} [stage fork server]")
