@@ -49,6 +49,11 @@ def evacuation_rules(
     return split, allowed
 
 
+def nearest_deadline(deadlines_in_s: Mapping[str, float]) -> float | None:
+    """The seconds to the nearest of these batches' deadlines (None: none)."""
+    return min(deadlines_in_s.values()) if deadlines_in_s else None
+
+
 def move_allowed(
     donor: ClusterView,
     recipient: ClusterView,

@@ -31,8 +31,8 @@ def work_units(prompt_share: float) -> float:
 def work_per_token(queries: Sequence[QueryLoad]) -> float:
     """Work units a token of these queries is worth (their work over their tokens; 1 for none, or all empty)."""
     tokens = math.fsum(q.total_tokens for q in queries)
-    work = math.fsum(q.work_tokens for q in queries)
-    return work / tokens if tokens > 0 and work > 0 else 1.0
+    units = math.fsum(q.work_tokens for q in queries)
+    return units / tokens if tokens > 0 and units > 0 else 1.0
 
 
 class NoClusterError(RuntimeError):

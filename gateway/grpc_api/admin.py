@@ -20,19 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import grpc
 
-from gateway.assign.cost_moves import evacuation_rules
+from gateway.assign.cost_moves import evacuation_rules, nearest_deadline
 from gateway.assign.listing import read_clusters
 from gateway.assign.loads import work_units
 from gateway.assign.policies import NoClusterError
 from gateway.assign.views import cluster_proto, cluster_views, queued_loads, view_proto
 from gateway.checks.validation import cluster_problems, id_problem
 from gateway.grpc_api.auth import admin_refusal
-from gateway.offload.rebalance import RebalancePlan, Split, format_plan, plan_moves, simulate_moves
+from gateway.offload.rebalance import Allowed, RebalancePlan, Split, format_plan, plan_moves, simulate_moves
 from gateway.status.cost import priced
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -93,7 +93,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
                 )
             return self._plan_and_apply(drain, dry_run, remove)
 
-    def _cost_rules(self) -> tuple[Split, Callable[..., bool]] | None:
+    def _cost_rules(self) -> tuple[Split, Allowed] | None:
         """Under the cost policy, its drain split and move rule (:func:`gateway.assign.cost_moves.evacuation_rules`), with
         the deadlines the ETA board last saw (None: not the cost policy)."""
         prices = getattr(self.d.policy, "prices", None)
@@ -101,8 +101,9 @@ class AdminService(pb_grpc.AdminServiceServicer):
             return None
         eta, spot = self.d.eta, getattr(self.d.policy, "spot", frozenset())
         deadlines = eta.deadlines_in_s(self.d.queue.clock())
-        nearest = min(deadlines.values()) if deadlines else None
-        return evacuation_rules(prices, spot, nearest, work_units(eta.prompt_share), deadlines)
+        return evacuation_rules(
+            prices, spot, nearest_deadline(deadlines), work_units(eta.prompt_share), deadlines
+        )
 
     def _plan_and_apply(self, drain: Sequence[str], dry_run: bool, remove: str = "") -> pb.RebalanceResponse:
         q = self.d.queue

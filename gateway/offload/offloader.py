@@ -25,17 +25,17 @@ than the check reads, or assigned just before the cluster was marked).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.assign.calibrated import LengthCalibrator
 from gateway.assign.cost import holds_work
-from gateway.assign.cost_moves import evacuation_rules
+from gateway.assign.cost_moves import evacuation_rules, nearest_deadline
 from gateway.assign.loads import work_units
 from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.assign.views import cluster_views, queued_tails
 from gateway.offload.moves import Backoff, LinkCost, Move, plan_offload
-from gateway.offload.rebalance import RebalancePlan, Split, plan_moves
+from gateway.offload.rebalance import Allowed, RebalancePlan, Split, plan_moves
 from gateway.status.eta import ClusterLoad, EtaBoard
 from gateway.status.metrics import GatewayMetrics
 from workqueue import BatchInfo, ClusterInfo, QueryResult, WorkQueue, keys
@@ -83,9 +83,8 @@ class Offloader:
         self.moved_total = 0
         self.kept: dict[str, list[str]] = {}  # per stuck cluster: queued ids at its back that fit nowhere now
         self.skip: dict[str, int] = {}  # per stuck cluster: entries at the back of its queue known to stay
-        #: seconds to each unfinished batch's deadline (those with one), and to the nearest (None: none)
+        #: seconds to each unfinished batch's deadline (those with one)
         self.deadlines_in_s: dict[str, float] = {}
-        self.deadline_in_s: float | None = None
 
     def _backoff(self, name: str) -> Backoff:
         if name not in self.backoffs:
@@ -130,7 +129,6 @@ class Offloader:
         infos = q.clusters(sorted(start.requeued))  # every registered cluster, as the script found them
         now = q.clock()
         self.deadlines_in_s = {b.batch_id: b.deadline - now for b in start.unfinished if b.deadline > 0}
-        self.deadline_in_s = min(self.deadlines_in_s.values()) if self.deadlines_in_s else None
         if self.metrics is not None and self.calibrator is not None:
             self.metrics.observe_calibration(self.calibrator.current())
         if self.eta is not None:
@@ -223,19 +221,23 @@ class Offloader:
         """Work units a queued token is worth, at the prompt share of the fleet's answered rows (1: no ETA)."""
         return work_units(self.eta.prompt_share) if self.eta is not None else 1.0
 
-    def _allowed(self) -> Callable[[ClusterView, ClusterView], bool] | None:
+    def _allowed(self) -> Allowed | None:
         """The cost policy's rule for this tick's moves (None: not the cost policy)."""
         rules = self._cost_rules()
         return rules[1] if rules is not None else None
 
-    def _cost_rules(self) -> tuple[Split, Callable[[ClusterView, ClusterView], bool]] | None:
+    def _cost_rules(self) -> tuple[Split, Allowed] | None:
         """The cost policy's drain split and move rule (:func:`gateway.assign.cost_moves.evacuation_rules`) for this tick
         (None: not the cost policy)."""
         prices = self.config.prices
         if prices is None:
             return None
         return evacuation_rules(
-            prices, self.config.spot, self.deadline_in_s, self._work_per_token(), self.deadlines_in_s
+            prices,
+            self.config.spot,
+            nearest_deadline(self.deadlines_in_s),
+            self._work_per_token(),
+            self.deadlines_in_s,
         )
 
     def _asks(self, v: ClusterView) -> bool:
