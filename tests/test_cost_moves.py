@@ -1,0 +1,97 @@
+"""The cost policy's rules for moving queued work (gateway.assign.cost_moves): which offloader moves it allows, and
+where a stopped cluster's queue goes (the drain's split and balance), on the hand-checked fleet of
+tests/test_cost_policy.py; the offloader under them against a real Redis."""
+
+from __future__ import annotations
+
+import math
+
+from gateway.assign.cost import MARGIN, dollars_per_token
+from gateway.assign.cost_moves import evacuation_rules, move_allowed
+from gateway.assign.loads import ClusterView, QueryLoad
+from gateway.offload.offloader import OffloadConfig, Offloader
+from gateway.offload.rebalance import plan_moves
+from tests.test_cost_policy import FLEET, PRICES
+from workqueue import QueuedQuery, WorkQueue, connect
+
+
+def test_moves_under_the_cost_policy():
+    fast, medium, slow = FLEET
+    busy_slow = ClusterView("slow", 200.0, pending_tokens=100_000.0)  # 500 s of work
+    assert move_allowed(busy_slow, ClusterView("slow2", 200.0), PRICES | {"slow2": 0.21}, None)  # as cheap
+    assert move_allowed(ClusterView("fast", 1000.0, pending_tokens=1.0), slow, PRICES, None)  # cheaper
+    assert not move_allowed(busy_slow, fast, PRICES, None)  # dearer, no deadline
+    assert not move_allowed(busy_slow, fast, PRICES, 1000.0)  # dearer, on time (500 s <= 800 s)
+    assert move_allowed(busy_slow, fast, PRICES, 600.0)  # 500 s > 0.8 x 600 s: it saves the deadline
+    # the same 100,000 tokens half prompts are 55,000 work units: 275 s <= 480 s, on time, so no dear move
+    assert not move_allowed(busy_slow, fast, PRICES, 600.0, work_per_token=0.55)
+    assert MARGIN == 0.8 and not math.isnan(dollars_per_token(fast, PRICES))
+
+
+# ---------------------------------------------------------------- the offloader under the cost policy
+
+
+def test_the_offloader_moves_work_to_a_dearer_cluster_only_to_save_a_deadline(redis_url):
+    queue = WorkQueue(connect(redis_url))
+    for name, tps in (("fast", 1000.0), ("slow", 200.0)):
+        queue.register_cluster(name, capacity_hint_tps=tps)
+        queue.heartbeat(name, ttl_s=600, tokens_per_s=tps)
+    rows = [(QueuedQuery("loose", f"q{i}", "p", 8, 4, 96.0), "slow") for i in range(50)]  # 25 s of slow
+    queue.create_batch("loose", rows, window_s=3600.0)
+    cost = OffloadConfig(prices=PRICES)
+    assert (
+        Offloader(queue, cost).tick() == 0
+    )  # fast is dearer per token and slow is on time: it stays released
+    assert queue.clusters(["fast"])[0].queue_length == 0
+    rows = [(QueuedQuery("tight", f"q{i}", "p", 8, 4, 96.0), "slow") for i in range(10)]
+    queue.create_batch("tight", rows, window_s=20.0)  # slow now holds 30 s of work: past 0.8 x 20 s
+    assert Offloader(queue, cost).tick() > 0  # the move saves the deadline
+    assert queue.clusters(["fast"])[0].queue_length > 0
+
+
+def test_an_evacuated_queue_goes_where_the_cost_split_puts_it_and_is_not_balanced_onto_a_dearer_cluster():
+    """A preempted spot cluster's queue: the water filling sent most of it to fast (the most capacity) and the
+    balance phase then evened the fleet out onto fast, which stayed billed all run. Under the cost policy the
+    drain follows the cost split over the window and the balance makes only the moves the cost rule allows."""
+    queue = [QueryLoad(f"q{i}", 0, 1000.0) for i in range(40)]  # 40,000 tokens on slow, preempted
+    views = [FLEET[0], FLEET[1], ClusterView("slow", 200.0, accepting=False, queue_length=40)]
+    old = plan_moves(views, {"slow": queue}, drain=["slow"])
+    assert {m.dst for m in old.moves} == {"fast", "medium"}  # the water filling: fast takes 5/7
+    split, allowed = evacuation_rules(PRICES, (), 1000.0)
+    new = plan_moves(views, {"slow": queue}, drain=["slow"], split=split, allowed=allowed)
+    assert {m.dst for m in new.moves} == {"medium"}  # 100 s <= 800 s
+    assert sum(m.count for m in new.moves) == 40
+    # medium on spot: its share within half the window, 500 s: still all of it
+    split, allowed = evacuation_rules(PRICES, {"medium", "slow"}, 1000.0)
+    spot_plan = plan_moves(views, {"slow": queue}, drain=["slow"], split=split, allowed=allowed)
+    assert {m.dst for m in spot_plan.moves} == {"medium"}
+    # a tight window: medium cannot finish 40,000 tokens in 0.8 x 50 s = 40 s (16,000): fast takes the rest
+    moved = {"fast": 0, "medium": 0}
+    split, allowed = evacuation_rules(PRICES, (), 50.0)
+    for m in plan_moves(views, {"slow": queue}, drain=["slow"], split=split, allowed=allowed).moves:
+        moved[m.dst] += m.count
+    assert moved["medium"] in (15, 16) and moved["fast"] == 40 - moved["medium"]  # the fill rounds by a query
+    # at the fleet's mix (0.2 units a token: prompt-heavy rows), the queue's 44,000 tokens are 8,800 units and fit
+    # medium's 16,000 units in the tight window; the move rule times medium's new work the same way
+    prompts = [QueryLoad(f"p{i}", 1000, 100.0) for i in range(40)]
+    split, allowed = evacuation_rules(PRICES, (), 50.0, pending_work_per_token=0.2)  # the fleet's mix alike
+    prompt_plan = plan_moves(views, {"slow": prompts}, drain=["slow"], split=split, allowed=allowed)
+    assert {m.dst for m in prompt_plan.moves} == {"medium"}
+    # the window is the nearest deadline of the drained queries' own batches: a queue of a loose batch (1,000 s)
+    # is not spread onto fast because another batch is due in 50 s (the drain's moves: those from slow)
+    loose = [QueryLoad(f"loose:q{i}", 0, 1000.0) for i in range(40)]
+
+    def drained_to(split) -> set[str]:
+        return {
+            m.dst
+            for m in plan_moves(views, {"slow": loose}, drain=["slow"], split=split).moves
+            if m.src == "slow"
+        }
+
+    assert drained_to(
+        evacuation_rules(PRICES, (), 50.0, deadlines_in_s={"loose": 1000.0, "tight": 50.0})[0]
+    ) == {"medium"}
+    assert drained_to(evacuation_rules(PRICES, (), 50.0, deadlines_in_s={"tight": 50.0})[0]) == {
+        "medium"
+    }  # none: 24 h
+    assert "fast" in drained_to(evacuation_rules(PRICES, (), 50.0)[0])  # the fleet's nearest, as before
