@@ -13,10 +13,12 @@ from pathlib import Path
 
 from gateway.checks.validation import Checked
 from gateway.config import GatewayConfig
+from gateway.deploy.forked import EngineProcess
 from gateway.intake.background import encode_rows
 from gateway.server import serve
 from protos import fleetbatch_pb2 as pb
 from workqueue import WorkQueue, keys
+from workqueue.embedded import PARENT_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,25 +67,17 @@ class GatewayThread:
         self._thread.join(timeout=30)
 
 
-def start_engine(cluster: str, redis_url: str, log_dir: Path, *extra: str) -> subprocess.Popen:
-    """A real ``fleetbatch engine serve`` process (small random model) for ``cluster``."""
-    log = open(log_dir / f"engine-{cluster}.log", "ab")  # noqa: SIM115 - owned by the child
-    cmd = [
-        sys.executable,
-        "-m",
-        "engines.cli",
-        "serve",
-        "--cluster",
-        cluster,
-        "--redis-url",
-        redis_url,
-        "--threads",
-        "1",
-        *extra,
-    ]
-    return subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1")
-    )
+def start_engine(cluster: str, redis_url: str, log_dir: Path, *extra: str) -> EngineProcess:
+    """A real ``fleetbatch engine serve`` process (small random model) for ``cluster``, forked as
+    ``fleetbatch gateway up`` forks its engines (:mod:`gateway.deploy.forked`): this test process's fork server
+    imports the engine's code once, where each ``python -m engines.cli serve`` imported torch and transformers
+    afresh (~5 s of CPU an engine). A real process all the same, with a pid to signal and an exit code; it
+    gets SIGTERM when this test process ends."""
+    cmd = [sys.executable, "-m", "engines.cli", "serve", "--cluster", cluster, "--redis-url", redis_url]
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    log = log_dir / f"engine-{cluster}.log"
+    log.touch()  # there from the start, as a spawned engine's was (tests wait on what it says)
+    return EngineProcess([*cmd, "--threads", "1", *extra], env, str(log))
 
 
 def examples(ci: int) -> int:
