@@ -4,11 +4,12 @@ estimates records them, and two gateway replicas on one Redis calibrate alike fr
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import pytest
 
-from gateway.assign.calibrated import LengthCalibrator
+from gateway.assign.calibrated import REFRESH_S, LengthCalibrator
 from gateway.cli import main as gateway_cli
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.offload.offloader import Offloader
@@ -78,6 +79,9 @@ def test_two_replicas_calibrate_alike_from_what_the_engine_observed(redis_url, t
         stats = read_stats(queue.r, "served-3x")
         assert stats.count == 24  # each answer once
         assert abs(sum(stats.observed) / sum(stats.raw) - 3.0) < 0.01
+        # a replica keeps the calibration it read for REFRESH_S (its background loops read it too, maybe while
+        # the first batch's answers were still coming in): from now on, what either reads holds all 24
+        time.sleep(REFRESH_S)
         engine.terminate()
         engine.wait(timeout=30)
         # no engine answers the next batches (the statistics stay put): they wait on c while its heartbeat lasts,
