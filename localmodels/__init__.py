@@ -30,12 +30,15 @@ def __getattr__(name: str):
     which a command that only reads ``localmodels.paths`` does without)."""
     if name in _TOKENIZER:  # the tokenizer alone imports no torch
         return getattr(importlib.import_module("localmodels.tokenizer"), name)
+    if name in _SIZES:  # nor do the sizes
+        return getattr(importlib.import_module("localmodels.sizes"), name)
     if name in __all__:
         return getattr(importlib.import_module("localmodels.build"), name)
     raise AttributeError(f"module 'localmodels' has no attribute {name!r}")
 
 
 _TOKENIZER = ("default_corpus", "default_tokenizer", "generated_corpus", "train_tokenizer")
+_SIZES = ("ARCHS", "SIZES")
 __all__ = [
     "ARCHS",
     "SIZES",

@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from localmodels.paths import CACHE_ENV, cache_dir  # noqa: F401  (known from here too)
+from localmodels.sizes import ARCHS, SIZES  # noqa: F401  (known from here too)
 from localmodels.tokenizer import (  # noqa: F401  (known from here too)
     SPECIAL,
     default_corpus,
@@ -30,16 +31,6 @@ from localmodels.tokenizer import (  # noqa: F401  (known from here too)
 )
 
 log = logging.getLogger(__name__)
-
-ARCHS = ("llama", "gpt2", "opt")
-#: name -> (hidden, layers, heads, kv_heads, intermediate)
-SIZES: dict[str, tuple[int, int, int, int, int]] = {
-    "nano": (64, 2, 4, 2, 172),
-    "micro": (64, 8, 4, 2, 172),  # nano's width, eight layers: a planned fleet's default (room to split)
-    "tiny": (256, 4, 8, 4, 688),
-    "small": (512, 8, 8, 4, 1376),
-    "base": (768, 12, 12, 4, 2048),
-}
 
 
 def build_model(

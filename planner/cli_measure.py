@@ -6,18 +6,17 @@ import argparse
 import json
 import sys
 
-import torch
-
-from planner import profiler
 from planner.catalog import device_type
 from planner.cli_args import CliError, _positive, _sizes, bad_input
-from planner.fidelity import fidelity_profile, latency_errors, memory_errors
 from planner.latency import fit_head, fit_profile, paper_ratio_check
 from planner.modelshape import load_shape
-from planner.profiler import profile_local
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    import torch  # here, not at the top: the planner's other commands run without torch
+
+    from planner.profiler import profile_local
+
     with bad_input():
         shape = load_shape(args.shape)
     if args.device.startswith("cuda"):
@@ -80,12 +79,16 @@ def _profile_grids(args: argparse.Namespace) -> tuple[list | None, list | None]:
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else None)
     if batches is None and lengths is None:
         return None, None
+    from planner import profiler
+
     pre = [(v, s) for v in batches or profiler.PREFILL_BATCHES for s in lengths or profiler.PREFILL_LENGTHS]
     dec = [(v, c) for v in batches or profiler.DECODE_BATCHES for c in lengths or profiler.DECODE_CONTEXTS]
     return pre, dec
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
+    from planner.fidelity import fidelity_profile, latency_errors, memory_errors
+
     with bad_input():
         shape = load_shape(args.shape)
         mem_shape = load_shape(args.memory_model)

@@ -68,7 +68,7 @@ def memory_errors(
     if len(bits) != shape.layers:
         raise ValueError(f"need one bit width per layer ({shape.layers}), got {len(bits)}")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(shape.config).to(torch.float16).eval()
+    model = AutoModelForCausalLM.from_config(shape.hf_config()).to(torch.float16).eval()
     apply_bitmap(model, list(bits))
     actual_w = sum(p.nbytes for p in model.parameters())
     actual_w += sum(b.nbytes for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers())
@@ -78,7 +78,7 @@ def memory_errors(
     )
 
     ids = torch.randint(0, shape.vocab, (batch, prompt_len))
-    kv_model = AutoModelForCausalLM.from_config(shape.config).to(torch.float16).eval()  # KV dtype fp16
+    kv_model = AutoModelForCausalLM.from_config(shape.hf_config()).to(torch.float16).eval()  # KV dtype fp16
     with torch.inference_mode():
         out = kv_model(input_ids=ids, use_cache=True)
         cache = out.past_key_values

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, LlamaConfig, OPTConfig, PretrainedConfig
-
-from localmodels import build as lm
+from localmodels import sizes as lm
 from quant import accounting, configs
+from quant.shape_config import ShapeConfig, gpt2_config, llama_config, opt_config
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,7 @@ class ModelShape:
     """The shape essentials of a decoder config (read once: HF config attribute access is slow)."""
 
     name: str
-    config: PretrainedConfig = field(compare=False, repr=False)
+    config: Any = field(compare=False, repr=False)  # a ShapeConfig, or a Hugging Face config read from a file
     family: str = field(init=False)
     hidden: int = field(init=False)
     layers: int = field(init=False)
@@ -56,6 +55,10 @@ class ModelShape:
         for k, v in values.items():
             object.__setattr__(self, k, v)
 
+    def hf_config(self) -> Any:
+        """The Hugging Face config, for building the model (imports transformers)."""
+        return self.config.to_hf() if isinstance(self.config, ShapeConfig) else self.config
+
     @property
     def gated_mlp(self) -> bool:
         return self.family == "llama"
@@ -77,7 +80,7 @@ class ModelShape:
         }
 
 
-def shape_from_config(config: PretrainedConfig, name: str | None = None) -> ModelShape:
+def shape_from_config(config: Any, name: str | None = None) -> ModelShape:
     accounting.model_family(config)  # raises for unsupported configs
     return ModelShape(name or getattr(config, "name_or_path", "") or config.model_type, config)
 
@@ -97,6 +100,10 @@ def load_shape(spec: str) -> ModelShape:
         mt = d.get("model_type")
         if not mt:
             raise ValueError(f"{cfg_path} has no model_type")
+        from transformers import (
+            AutoConfig,  # a user's model: its class's defaults fill what the file leaves out
+        )
+
         cfg = AutoConfig.for_model(mt, **{k: v for k, v in d.items() if k != "model_type"})
         return shape_from_config(cfg, p.stem if not p.is_dir() else p.name)
     if ":" in key:
@@ -113,29 +120,10 @@ def load_shape(spec: str) -> ModelShape:
 
 def local_config(
     arch: str, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int = 8192
-):
+) -> ShapeConfig:
     """A config like ``localmodels.build_model`` makes (same shapes)."""
-    from transformers import GPT2Config
-
     if arch == "llama":
-        return LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-        )
+        return llama_config(hidden, layers, heads, kv_heads, inter, vocab)
     if arch == "gpt2":
-        return GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=2048)
-    return OPTConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        ffn_dim=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        max_position_embeddings=2048,
-        word_embed_proj_dim=hidden,
-    )
+        return gpt2_config(hidden, layers, heads, vocab, max_positions=2048)
+    return opt_config(hidden, layers, heads, inter, vocab)

@@ -12,7 +12,7 @@ from planner.cluster import Cluster
 from planner.costs import Problem, Workload
 from planner.latency import LatencyModel, Profile, fit_profile, roofline_profile
 from planner.modelshape import ModelShape
-from quant.indicator import load_indicator, synthetic_indicator
+from quant.omega import load_indicator, synthetic_indicator
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,8 @@ DECODE_CONTEXTS = (128, 256, 512, 1024)
 def one_layer_model(shape: ModelShape, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModel
 
-    cfg = shape.config.__class__(**{**shape.config.to_dict(), "num_hidden_layers": 1, "n_layer": 1})
+    hf = shape.hf_config()
+    cfg = hf.__class__(**{**hf.to_dict(), "num_hidden_layers": 1, "n_layer": 1})
     if hasattr(cfg, "num_hidden_layers"):
         cfg.num_hidden_layers = 1
     torch.manual_seed(seed)

@@ -72,6 +72,11 @@ def packed_linear_bytes(
     return codes + scales + zeros + bias_bytes
 
 
+def max_code(bits: int, symmetric: bool) -> int:
+    """The largest code of ``bits``-bit round-to-nearest (symmetric: one sign bit)."""
+    return (1 << (bits - 1)) - 1 if symmetric else (1 << bits) - 1
+
+
 def model_family(config: Any) -> str:
     """``"llama"`` (Llama/Mistral/Qwen2-like, gated MLP), ``"opt"`` or ``"gpt2"``."""
     mt = getattr(config, "model_type", "")

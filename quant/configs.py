@@ -1,10 +1,11 @@
-"""Shape-only Hugging Face configs of public models (no weights) for accounting and synthetic omega."""
+"""Shape-only configs of public models (no weights) for accounting and synthetic omega (:mod:`quant.shape_config`:
+no transformers import; a local model directory's own config is read with transformers)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from transformers import AutoConfig, LlamaConfig, OPTConfig
+from quant.shape_config import llama_config, opt_config
 
 _OPT = {  # name: (hidden, layers, heads, ffn)
     "opt-125m": (768, 12, 12, 3072),
@@ -42,24 +43,12 @@ def named_config(name: str) -> Any:
     name = canonical_name(name) or name
     if name in _OPT:
         h, n, heads, ffn = _OPT[name]
-        return OPTConfig(
-            hidden_size=h,
-            num_hidden_layers=n,
-            num_attention_heads=heads,
-            ffn_dim=ffn,
-            word_embed_proj_dim=h,
-            vocab_size=50272,
-        )
+        return opt_config(h, n, heads, ffn, vocab=50272)
     if name in _LLAMA:
         h, n, heads, kv, inter, vocab = _LLAMA[name]
-        return LlamaConfig(
-            hidden_size=h,
-            num_hidden_layers=n,
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            intermediate_size=inter,
-            vocab_size=vocab,
-        )
+        return llama_config(h, n, heads, kv, inter, vocab)
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as e:

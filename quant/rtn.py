@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.accounting import QUANT_BITS
+from quant.accounting import QUANT_BITS, max_code
 
 MIN_SCALE = 2.0**-14  # smallest normal fp16; keeps all-zero groups finite
 
@@ -61,10 +61,6 @@ def _fp16_up(s: torch.Tensor) -> torch.Tensor:
         )
         s16[low] = up
     return s16
-
-
-def max_code(bits: int, symmetric: bool) -> int:
-    return (1 << (bits - 1)) - 1 if symmetric else (1 << bits) - 1
 
 
 def quantize_rtn(
