@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import re
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from gateway.checks.validation import Checked
@@ -72,12 +74,24 @@ def start_engine(cluster: str, redis_url: str, log_dir: Path, *extra: str) -> En
     ``fleetbatch gateway up`` forks its engines (:mod:`gateway.deploy.forked`): this test process's fork server
     imports the engine's code once, where each ``python -m engines.cli serve`` imported torch and transformers
     afresh (~5 s of CPU an engine). A real process all the same, with a pid to signal and an exit code; it
-    gets SIGTERM when this test process ends."""
+    gets SIGTERM when this test process ends, and SIGKILL if it is still there then (:func:`_kill_engines_left`)."""
     cmd = [sys.executable, "-m", "engines.cli", "serve", "--cluster", cluster, "--redis-url", redis_url]
-    env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
     log = log_dir / f"engine-{cluster}.log"
     log.touch()  # there from the start, as a spawned engine's was (tests wait on what it says)
-    return EngineProcess([*cmd, "--threads", "1", *extra], env, str(log))
+    engine = EngineProcess([*cmd, "--threads", "1", *extra], env, str(log))
+    _STARTED.add(engine)
+    return engine
+
+
+_STARTED: weakref.WeakSet[EngineProcess] = weakref.WeakSet()
+
+
+@atexit.register  # before multiprocessing's own exit handler, which SIGTERMs them and waits without a timeout
+def _kill_engines_left() -> None:
+    """Engines a test left running (one stuck on a Redis that its fixture has stopped) cannot hold this process."""
+    for engine in list(_STARTED):
+        engine.kill()
 
 
 def examples(ci: int) -> int:

@@ -22,6 +22,7 @@ from engines.endpoint_backend import EndpointEngine
 from engines.endpoint_flow import FlowSettings
 from engines.endpoint_settings import EndpointSettings
 from engines.interface import EngineFailure, Request, SamplingParams
+from gateway.deploy.forked import EngineProcess
 from gateway.http_api.format import CHAT, DEFAULT_TEMPLATE, render_chat
 from gateway.server import token_counter
 from tests.endpoint_server import chat_model_dir, endpoint_server, free_port
@@ -61,7 +62,7 @@ def _queries(batch: str, n: int, max_tokens: int) -> list[QueuedQuery]:
     ]
 
 
-def _engine(cluster: str, redis_url: str, log_dir, *extra: str) -> subprocess.Popen:
+def _engine(cluster: str, redis_url: str, log_dir, *extra: str) -> EngineProcess:
     return start_engine(
         cluster,
         redis_url,
@@ -76,7 +77,7 @@ def _engine(cluster: str, redis_url: str, log_dir, *extra: str) -> subprocess.Po
     )
 
 
-def _stop(engine: subprocess.Popen) -> None:
+def _stop(engine: EngineProcess) -> None:
     if engine.poll() is None:
         os.kill(engine.pid, signal.SIGTERM)
     try:
