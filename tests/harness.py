@@ -100,6 +100,13 @@ def examples(ci: int) -> int:
     return ci * 10 if os.environ.get("FLEETBATCH_NIGHTLY") == "1" else ci
 
 
+def derandomized() -> bool:
+    """Hypothesis ``derandomize`` for a test that asserts what its examples covered (every status code, both roads):
+    the suite draws the same examples on every run, so such an assertion cannot fail by chance (one run of the
+    OpenAI front's fuzz drew no wrong token in 150 cases); ``FLEETBATCH_NIGHTLY=1`` draws new ones each run."""
+    return os.environ.get("FLEETBATCH_NIGHTLY") != "1"
+
+
 def serving_address(proc: subprocess.Popen) -> str:
     """The address a ``fleetbatch gateway serve`` process (stderr piped, as text) says it listens on."""
     for line in proc.stderr:

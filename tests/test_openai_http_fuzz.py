@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.http_api.format import CHAT, COMPLETIONS
-from tests.harness import GatewayThread, examples
+from tests.harness import GatewayThread, derandomized, examples
 from tests.openai_http_helpers import KEY
 from workqueue import WorkQueue, connect
 
@@ -344,6 +344,7 @@ def test_generated_files_and_bodies_never_get_a_5xx_and_rejected_files_enqueue_n
         max_examples=EXAMPLES,
         deadline=None,
         database=None,
+        derandomize=derandomized(),
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
     @given(data=st.data())
