@@ -100,9 +100,8 @@ def load_shape(spec: str) -> ModelShape:
         mt = d.get("model_type")
         if not mt:
             raise ValueError(f"{cfg_path} has no model_type")
-        from transformers import (
-            AutoConfig,  # a user's model: its class's defaults fill what the file leaves out
-        )
+        # a user's model: its class's defaults (transformers) fill what the file leaves out
+        from transformers import AutoConfig
 
         cfg = AutoConfig.for_model(mt, **{k: v for k, v in d.items() if k != "model_type"})
         return shape_from_config(cfg, p.stem if not p.is_dir() else p.name)
