@@ -20,7 +20,7 @@ from workqueue import keys
 def evacuation_rules(
     prices: Prices,
     spot: Collection[str],
-    deadline_in_s: float | None,
+    deadline_in_s: float | None = None,
     pending_work_per_token: float = 1.0,
     deadlines_in_s: Mapping[str, float] | None = None,
 ) -> tuple[Callable[[Sequence[ClusterView], Sequence[QueryLoad]], list[float]], Callable[..., bool]]:
@@ -29,9 +29,12 @@ def evacuation_rules(
     split of its queries over the window to the nearest deadline of their own batches, by ``deadlines_in_s``
     (seconds left, by batch id; a batch not in it has none), or, without it, to ``deadline_in_s``, the fleet's
     nearest (None: no deadline), and which balancing moves may follow (:func:`move_allowed`, with the
-    fleet's nearest deadline). Queued tokens, the drained ones and those the
-    clusters hold alike, are counted at ``pending_work_per_token`` (the fleet's mix: a queue's entries carry
-    their total tokens, not their prompts), so the split and the rule time the same work alike."""
+    fleet's nearest deadline: ``deadline_in_s``, or where only ``deadlines_in_s`` is given, the nearest of those).
+    Queued tokens, the drained ones and those the clusters hold alike, are counted at ``pending_work_per_token``
+    (the fleet's mix: a queue's entries carry their total tokens, not their prompts), so the split and the rule
+    time the same work alike."""
+    if deadline_in_s is None and deadlines_in_s is not None:
+        deadline_in_s = nearest_deadline(deadlines_in_s)
 
     def split(views: Sequence[ClusterView], queries: Sequence[QueryLoad]) -> list[float]:
         tokens = math.fsum(q.total_tokens for q in queries)

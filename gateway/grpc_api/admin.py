@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from gateway.assign.cost_moves import evacuation_rules, nearest_deadline
+from gateway.assign.cost_moves import evacuation_rules
 from gateway.assign.listing import read_clusters
 from gateway.assign.loads import work_units
 from gateway.assign.policies import NoClusterError
@@ -102,7 +102,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         eta, spot = self.d.eta, getattr(self.d.policy, "spot", frozenset())
         deadlines = eta.deadlines_in_s(self.d.queue.clock())
         return evacuation_rules(
-            prices, spot, nearest_deadline(deadlines), work_units(eta.prompt_share), deadlines
+            prices, spot, pending_work_per_token=work_units(eta.prompt_share), deadlines_in_s=deadlines
         )
 
     def _plan_and_apply(self, drain: Sequence[str], dry_run: bool, remove: str = "") -> pb.RebalanceResponse:

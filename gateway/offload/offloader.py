@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from gateway.assign.calibrated import LengthCalibrator
 from gateway.assign.cost import holds_work
-from gateway.assign.cost_moves import evacuation_rules, nearest_deadline
+from gateway.assign.cost_moves import evacuation_rules
 from gateway.assign.loads import work_units
 from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.assign.views import cluster_views, queued_tails
@@ -235,9 +235,8 @@ class Offloader:
         return evacuation_rules(
             prices,
             self.config.spot,
-            nearest_deadline(self.deadlines_in_s),
-            self._work_per_token(),
-            self.deadlines_in_s,
+            pending_work_per_token=self._work_per_token(),
+            deadlines_in_s=self.deadlines_in_s,
         )
 
     def _asks(self, v: ClusterView) -> bool:
