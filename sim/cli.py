@@ -63,7 +63,10 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--speeds", default="1,2,4", help="speeds of the unequal fleet, repeated (default 1,2,4)")
     p.add_argument(
-        "--kv-budget-tokens", type=int, default=16384, help="KV tokens per iteration-level engine (default 16384)"
+        "--kv-budget-tokens",
+        type=int,
+        default=16384,
+        help="KV tokens per iteration-level engine (default 16384)",
     )
     p.add_argument("--max-tokens", type=int, default=256, help="response cap of the workload (default 256)")
     p.add_argument("--no-offload", action="store_true", help="turn the backoff offloader off")
@@ -103,7 +106,11 @@ def build_parser(prog: str = "fleetbatch sim") -> argparse.ArgumentParser:
         "--workload", choices=("generated", "mixed"), default="mixed", help="query source (default mixed)"
     )
     s.add_argument(
-        "-n", "--num-queries", type=_ints, default=[200, 500, 1000], help="batch lengths (default 200,500,1000)"
+        "-n",
+        "--num-queries",
+        type=_ints,
+        default=[200, 500, 1000],
+        help="batch lengths (default 200,500,1000)",
     )
     s.add_argument(
         "--batches", type=_ints, default=[2, 4, 6, 8, 10], help="engine batch sizes (default 2,4,6,8,10)"

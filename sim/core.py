@@ -35,7 +35,7 @@ from sim.queues import OrderedQueue
 from sim.result import SimResult
 from sim.workload import Workload
 
-STEP, ARRIVE, TICK = 0, 1, 2
+STEP, ARRIVE, TICK, EVENT = 0, 1, 2, 3  # EVENT: a subclass's own (sim.spot: notices, kills, clusters back)
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class _Cluster:
         self.moved_in = 0
         self.moved_out = 0
         self.busy_s = 0.0
+        self.down = False  # preempted or killed, until it is back (sim.spot): it takes no work
 
     def view(self) -> ClusterView:
         pending = max(0.0, self.queued_tokens + self.inflight_pred)
@@ -110,25 +111,7 @@ class Simulator:
         mean_r = sum(work.predicted_tokens) / n
         self.clusters: list[_Cluster] = []
         for s in specs:
-            ec = EngineConfig(
-                kv_budget_tokens=s.kv_budget_tokens,
-                block_size=cfg.block_size,
-                max_batch_tokens=cfg.max_batch_tokens,
-                prefill_chunk=cfg.prefill_chunk,
-                max_running=s.batch,
-                safety_margin=cfg.safety_margin,
-                prefix_cache=cfg.prefix_cache,
-            )
-            if s.backend == "iteration":
-                engine = IterationEngine(ec, s.cost, work, cfg.max_tokens, bulk=cfg.bulk)
-            elif s.backend == "static":
-                engine = StaticEngine(s.batch, s.cost, work, cfg.max_tokens)
-            elif s.backend == "pipelined" and s.plan:
-                engine = PipelinedEngine(s.plan, ec, work, cfg.max_tokens)
-            else:
-                raise ValueError(
-                    f"unknown backend {s.backend!r}; choose iteration, static or pipelined (with a plan)"
-                )
+            engine = self._make_engine(s)
             if s.backend == "pipelined":
                 cap = s.capacity_tps or engine.predicted_tokens_per_s
             else:
@@ -141,6 +124,28 @@ class Simulator:
         self.moved = 0
         self.assigned = [-1] * len(work)  # cluster index the policy chose for each query (before any move)
         self._tails: dict[str, list[QueryLoad]] = {}
+
+    def _make_engine(self, s: ClusterSpec):
+        """A fresh engine for cluster ``s`` (an empty KV cache; :mod:`sim.spot` restarts one this way)."""
+        cfg, work = self.config, self.work
+        ec = EngineConfig(
+            kv_budget_tokens=s.kv_budget_tokens,
+            block_size=cfg.block_size,
+            max_batch_tokens=cfg.max_batch_tokens,
+            prefill_chunk=cfg.prefill_chunk,
+            max_running=s.batch,
+            safety_margin=cfg.safety_margin,
+            prefix_cache=cfg.prefix_cache,
+        )
+        if s.backend == "iteration":
+            return IterationEngine(ec, s.cost, work, cfg.max_tokens, bulk=cfg.bulk)
+        if s.backend == "static":
+            return StaticEngine(s.batch, s.cost, work, cfg.max_tokens)
+        if s.backend == "pipelined" and s.plan:
+            return PipelinedEngine(s.plan, ec, work, cfg.max_tokens)
+        raise ValueError(
+            f"unknown backend {s.backend!r}; choose iteration, static or pipelined (with a plan)"
+        )
 
     # ---- events -----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, idx: int, version: int = 0) -> None:
@@ -176,7 +181,7 @@ class Simulator:
                 groups.append((t, [q]))
         for gi, (t, _) in enumerate(groups):
             self._push(t, ARRIVE, gi)
-        if self.config.offload and len(self.clusters) > 1:
+        if self._ticks():
             self._push(groups[0][0] if groups else 0.0, TICK, 0)
         self.finish_s = finish = [0.0] * n
         self.done = 0
@@ -195,10 +200,12 @@ class Simulator:
                 self._kick(idx)
             elif kind == ARRIVE:
                 self._arrive(groups[idx][1])
-            else:
+            elif kind == TICK:
                 self._tick()
                 if self.done < n:
                     self._push(t + self.config.offload_interval_s, TICK, 0)
+            else:
+                self._event(idx, version)
         bar.close()
         if self.done < n:
             raise RuntimeError(f"simulation stalled with {n - self.done} of {n} queries unfinished")
@@ -297,10 +304,21 @@ class Simulator:
             c.inflight_pred += sum(pred[q] for q in expired)
             self._finished(c, expired)
 
+    def _ticks(self) -> bool:
+        """Whether the offloader ticks (:mod:`sim.spot` bills and drains at every tick)."""
+        return self.config.offload and len(self.clusters) > 1
+
+    def _event(self, idx: int, phase: int) -> None:
+        raise NotImplementedError("the plain simulator schedules no events of its own")
+
+    def _assign(self, loads: list[QueryLoad]) -> list[str]:
+        """The policy's cluster for each arriving query (:mod:`sim.spot` gives the cost policy its window)."""
+        return self.policy.assign(loads, [c.view() for c in self.clusters])
+
     def _arrive(self, qids: list[int]) -> None:
         w = self.work  # a policy that ignores prefix groups is given none, as the gateway gives it none
         loads = [w.load(q) if self.uses_prefixes else w.load(q, plain=True) for q in qids]
-        names = self.policy.assign(loads, [c.view() for c in self.clusters])
+        names = self._assign(loads)
         index = {c.name: i for i, c in enumerate(self.clusters)}
         touched = set()
         order = queue_order(self.policy, loads)  # as the gateway enqueues them, and charges them
@@ -331,6 +349,7 @@ class Simulator:
             c
             for c in self.clusters
             if not c.queue
+            and not c.down
             and c.queued_tokens + c.inflight_pred <= c.capacity * cfg.lookahead_s
             and self._backoff(c.name).ready()
         ]
@@ -344,7 +363,11 @@ class Simulator:
             v = views[c.name]
             threshold = v.capacity_tps * cfg.lookahead_s
             backoff = self._backoff(c.name)
-            tails = {b.name: self._tail(b) for b in busy if b is not c and b.queue}
+            tails = {
+                b.name: self._tail(b)
+                for b in busy
+                if b is not c and b.queue and self._may_move(views[b.name], v)
+            }
             move = plan_offload(
                 v, [views[n] for n in tails], tails, cfg.links, idle_threshold_tokens=threshold
             )
@@ -357,6 +380,11 @@ class Simulator:
             else:
                 backoff.failed()
         return moved
+
+    def _may_move(self, donor: ClusterView, recipient: ClusterView) -> bool:
+        """Whether the offloader may move queued work from ``donor`` to ``recipient`` (the cost policy's rule in
+        :mod:`sim.spot`; here, always)."""
+        return True
 
     def _tail(self, c: _Cluster) -> list[QueryLoad]:
         """:func:`gateway.assign.views.queued_loads` of ``c``: its last ``tail_len`` queued queries, front first."""

@@ -74,6 +74,9 @@ class IterationEngine:
     """The native engine's scheduling in cost-model time (see the module docstring)."""
 
     AUDIT = False  # tests: compare every free_slots shortcut with the real method
+    #: per query, the tokens of the partial output it resumes from (sim.spot; None: every query starts afresh):
+    #: it is prefilled with its prompt and those, and decodes only the rest of its forced length
+    resumed: list[int] | None = None
 
     def __init__(
         self, config: EngineConfig, cost: LinearCost, work: Workload, max_tokens: int = 256, bulk: bool = True
@@ -141,11 +144,12 @@ class IterationEngine:
             self.failed.append(qid)
             return
         pred = int(w.predicted_tokens[qid])
-        n = w.prompt_tokens[qid]
+        done = self.resumed[qid] if self.resumed is not None else 0
+        n = w.prompt_tokens[qid] + done
         seq = SimSequence(
             str(qid),
             [0] * n,
-            SamplingParams(max_tokens=self.max_tokens, forced_length=w.true_tokens[qid]),
+            SamplingParams(max_tokens=self.max_tokens, forced_length=w.true_tokens[qid] - done),
             predicted_tokens=pred or None,
         )
         if self.kv.prefix_cache:  # keys for every block it can fill: prompt and output
@@ -157,6 +161,12 @@ class IterationEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def held(self) -> list[tuple[int, int]]:
+        """The queries it holds (running, then waiting) and the tokens each generated in this run, for a cluster
+        that stops (sim.spot): they leave with the engine."""
+        sched = self.scheduler
+        return [(int(s.request_id), len(s.output_token_ids)) for s in [*sched.running, *sched.waiting]]
 
     @property
     def kv_used_tokens(self) -> int:

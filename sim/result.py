@@ -20,6 +20,10 @@ class SimResult:
     prefill_tokens: int = 0  # prompt tokens the engines computed (cached ones are not computed nor charged)
     prefix_hit_tokens: int = 0  # prompt tokens found in a prefix cache at admission
     prefix_lookup_tokens: int = 0  # prompt tokens looked up at admission
+    cost_dollars: float | None = (
+        None  # what the fleet cost under the billing model (sim.spot; None: no prices)
+    )
+    spot: dict | None = None  # sim.spot: queries checkpointed and killed, tokens recomputed
 
     @property
     def hit_rate(self) -> float:
@@ -41,4 +45,6 @@ class SimResult:
             "prefill_tokens": self.prefill_tokens,
             "hit_rate": round(self.hit_rate, 4),
             "wall_s": round(self.wall_s, 3),
+            **({"cost_dollars": round(self.cost_dollars, 6)} if self.cost_dollars is not None else {}),
+            **(self.spot or {}),
         }
