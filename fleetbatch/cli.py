@@ -40,7 +40,10 @@ PARTS: dict[str, tuple[str, str]] = {
         "load.cli",
         "load and studies: submit, demo, chaos, soak, study, wan, deadlines, prefix, report",
     ),
-    "sim": ("sim.cli", "the fleet simulator in cost-model time: study, scale, validate, deadlines"),
+    "sim": (
+        "sim.cli",
+        "the fleet simulator in cost-model time: study, scale, validate, deadlines, spot-replay, spot-scale",
+    ),
 }
 
 

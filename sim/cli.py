@@ -1,4 +1,4 @@
-"""``fleetbatch sim study|scale|validate|deadlines`` (or ``python -m sim.cli``): MICO's study and the scale run in cost-model time.
+"""``fleetbatch sim study|scale|validate|deadlines|spot-replay|spot-scale`` (or ``python -m sim.cli``): MICO's study and the scale run in cost-model time.
 
 The last line of the output is one JSON object (see ``docs/design/sim.md``).
 """
@@ -10,7 +10,7 @@ import sys
 
 from cliutil import run_main
 from load.arrivals import add_arrival_arguments
-from sim import deadlines
+from sim import deadlines, spot_replay, spot_scale
 from sim.costs import LinearCost, parse_speeds
 from sim.study import StudySetup, make_workloads, scale, study
 from sim.validate import __doc__ as validate_doc
@@ -152,6 +152,54 @@ def build_parser(prog: str = "fleetbatch sim") -> argparse.ArgumentParser:
         help="run directories of `fleetbatch loadgen study` (iteration-level setups) or of `fleetbatch loadgen study --planned`",
     )
     _cost_args(v)
+    r = sub.add_parser(
+        "spot-replay",
+        help="sim_cost_error, sim_makespan_error: replay `fleetbatch loadgen spot` runs (prices, notices, resumes)",
+        description=spot_replay.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("runs", nargs="+", help="run directories of `fleetbatch loadgen spot` (one per setup)")
+    ss = sub.add_parser(
+        "spot-scale",
+        help="the scale run with prices and synthetic preemptions, CPU-timed beside the plain scale run",
+        description=spot_scale.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ss.add_argument("--num-clusters", type=int, default=100, help="iteration-level clusters (default 100)")
+    ss.add_argument(
+        "-n", "--num-queries", type=int, default=1_000_000, help="queries, all at once (default 1,000,000)"
+    )
+    ss.add_argument("--max-running", type=int, default=8, help="engine batch size (max_running; default 8)")
+    ss.add_argument(
+        "--policy", choices=("token", "cost"), default="token", help="the spot run's policy (default token)"
+    )
+    ss.add_argument(
+        "--preempts-per-hour",
+        type=float,
+        default=6.0,
+        help="preemptions of each spot cluster per hour of simulated time, on average (default 6)",
+    )
+    ss.add_argument("--notice", type=float, default=1.0, help="seconds of each notice (default 1)")
+    ss.add_argument(
+        "--back-after",
+        type=float,
+        default=60.0,
+        help="seconds from an engine's stop until it is back (default 60)",
+    )
+    ss.add_argument(
+        "--kill-share",
+        type=float,
+        default=0.2,
+        help="share of the preemptions that are hard kills (default 0.2)",
+    )
+    ss.add_argument(
+        "--window",
+        type=float,
+        default=2.0,
+        help="the batch's window, times the plain run's makespan (default 2)",
+    )
+    ss.add_argument("--repeats", type=int, default=3, help="runs of each, alternately (default 3)")
+    _cost_args(ss)
     d = sub.add_parser(
         "deadlines",
         help="fleetbatch loadgen deadlines' scenario makespan and its runs replayed (deadline order, expiry)",
@@ -184,7 +232,33 @@ def run(args: argparse.Namespace) -> dict:
     """The chosen command's result (the JSON object of the last line); validate and study print a table first."""
     if args.command == "deadlines":
         return deadlines.run(args)
+    if args.command == "spot-replay":
+        out = spot_replay.replay(args.runs)
+        for r in out["runs"]:
+            print(
+                f"{r['run']:<50} cost real {r['real_cost_dollars']:.4f} sim {r['sim_cost_dollars']:.4f}  "
+                f"makespan real {r['real_makespan_s']:.1f} s sim {r['sim_makespan_s']:.1f} s"
+            )
+        return out
     setup = _setup(args)
+    if args.command == "spot-scale":
+        if args.num_clusters < 1 or args.num_queries < 1 or args.max_running < 1:
+            raise ValueError("--num-clusters, --num-queries and --max-running must be >= 1")
+        return spot_scale.scale_spot(
+            args.num_clusters,
+            args.num_queries,
+            args.max_running,
+            setup,
+            args.seed,
+            args.policy,
+            args.preempts_per_hour,
+            args.notice,
+            args.back_after,
+            args.kill_share,
+            args.window,
+            args.repeats,
+            not args.no_progress,
+        )
     if args.command == "validate":
         out = validate(args.runs, setup.cost)
         for r in out["runs"]:

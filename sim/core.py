@@ -288,6 +288,8 @@ class Simulator:
         self._push(self.now + d, STEP, idx, c.version)
 
     def _pull(self, c: _Cluster) -> None:
+        if c.down:  # a preempted or killed cluster takes no work (sim.spot)
+            return
         n, total, pred = c.engine.free_slots(), self.charge, self.work.predicted_tokens
         deadline, expired = self.work.deadline_s, []
         while n > 0 and c.queue:

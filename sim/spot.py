@@ -16,9 +16,12 @@ What is modelled:
   back of the queue first to the receiver with the largest deficit of the split; every simulated query fits
   everywhere, so there is no fit check); at ``t + notice_s`` its engine stops: each query it held goes back to
   its queue with every token it generated as its partial output (no attempt used), and is drained in turn.
+  (The real worker gives back the queries it claimed ahead, and the running ones that will not finish within the
+  notice, at once: here they wait for the engine's stop, generating on meanwhile.)
 * **A hard kill** (``kill``) at ``t``: the engine is gone at once; each query it held keeps its output up to its
-  last checkpoint (a multiple of :attr:`Market.checkpoint_tokens`; the rest is *recomputed*) and is back in the
-  cluster's queue when its lease lapses (:attr:`Market.lease_s`), billed to the cluster until then.
+  last snapshot (:mod:`engines.checkpoints` takes one every ``ceil(checkpoint_tokens / 2)`` tokens of a run; the
+  rest is *recomputed*) and is back in the cluster's queue when its lease lapses (:attr:`Market.lease_s`),
+  billed to the cluster until then. (The snapshot is written in the agent's next tick: not modelled.)
 * **Back** at ``back_t``: a fresh engine (empty KV cache, :meth:`Simulator._make_engine`) takes work again.
 * **A resumed query** is prefilled with its prompt plus its partial output and decodes only the rest of its
   length (:attr:`sim.engines.IterationEngine.resumed`).
@@ -200,10 +203,6 @@ class SpotSimulator(Simulator):
             self._kick(self.index[d.name])
 
     # ---- the clusters' side -------------------------------------------------------------------
-    def _pull(self, c: _Cluster) -> None:
-        if not c.down:
-            super()._pull(c)
-
     def _event(self, idx: int, phase: int) -> None:
         o = self.outages[idx]
         i = self.index[o.cluster]
@@ -240,14 +239,16 @@ class SpotSimulator(Simulator):
         c.engine.resumed = self.resumed
         for name in CARRIED:
             setattr(c.engine, name, getattr(old, name))
-        pred, resumed, every = self.work.predicted_tokens, self.resumed, self.market.checkpoint_tokens
+        pred, resumed = self.work.predicted_tokens, self.resumed
+        every = self.market.checkpoint_tokens
+        half = max(1, math.ceil(every / 2)) if every > 0 else 0  # engines.checkpoints: a snapshot every half
         for q, generated in held:
             c.inflight_pred -= pred[q]
             total = resumed[q] + generated
             if not killed:
                 keep = total  # a notice writes every token it has
-            else:  # a kill keeps the last checkpoint (none written: what it resumed from)
-                keep = max(resumed[q], total // every * every) if every > 0 else resumed[q]
+            else:  # a kill keeps the last snapshot, one every `half` tokens of this run (none: what it resumed from)
+                keep = resumed[q] + generated // half * half if half else resumed[q]
             self.recomputed_tokens += total - keep
             if killed:
                 self.killed_running += generated > 0

@@ -9,9 +9,9 @@ Each run directory (``results.jsonl``, ``meta.json``, ``clusters.yaml``, the dep
   engines emulated them; the gateway's capacity is the plan's tokens/s), its price and market from the cluster
   file (:func:`gateway.assign.cost.fleet_prices`), the run's policy, offloading on (the gateway's default);
 * the same events at the times they happened (from the batch's creation): a kill (its leases lapse after the
-  engines' default ``lease_s``; checkpoints every ``checkpoint_tokens``, the greatest common divisor of the
-  partial outputs the kill found, else the engines' default), a notice as long as the engine took to stop, and
-  each cluster back when its next engine process sent its first heartbeat (``meta.json``'s ``processes``).
+  engines' ``--lease-s``; checkpoints every ``--checkpoint-tokens``, as ``meta.json``'s ``engine_commands`` started
+  them, else the engines' defaults), a notice as long as the engine took to stop, and each cluster back when
+  its next engine process sent its first heartbeat (``meta.json``'s ``processes``).
 
 ``sim_cost_error`` (``sim_makespan_error``) is the mean over the runs of |simulated - real| / real cost
 (makespan: the batch's creation to its completion).
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from functools import reduce
 from pathlib import Path
 
 from clusterfile import load_cluster_file
@@ -48,9 +47,16 @@ def _back(meta: dict, event: dict) -> float:
     return event["back_t"] or math.inf
 
 
-def _checkpoint_tokens(events: list[dict]) -> int:
-    found = [n for e in events if e["kind"] == "kill" for n in e["partial"].values() if n > 0]
-    return reduce(math.gcd, found) if found else WorkerConfig.checkpoint_tokens
+def _engine_option(meta: dict, option: str, default: float) -> float:
+    """An engine option (``--lease-s``) as the run's engines were started with it (``meta.json``'s
+    ``engine_commands``; the engines' default where it is not given)."""
+    for argv in (meta.get("engine_commands") or {}).values():
+        for i, a in enumerate(argv):
+            if a == option and i + 1 < len(argv):
+                return float(argv[i + 1])
+            if a.startswith(option + "="):
+                return float(a.split("=", 1)[1])
+    return default
 
 
 def read_spot_run(path: str | Path) -> tuple[SpotSimulator, dict]:
@@ -91,8 +97,8 @@ def read_spot_run(path: str | Path) -> tuple[SpotSimulator, dict]:
         prices=fleet_prices(fleet),
         spot=spot_clusters(fleet),
         window_s=meta.get("window_s"),
-        checkpoint_tokens=_checkpoint_tokens(events),
-        lease_s=WorkerConfig.lease_s,
+        checkpoint_tokens=int(_engine_option(meta, "--checkpoint-tokens", WorkerConfig.checkpoint_tokens)),
+        lease_s=_engine_option(meta, "--lease-s", WorkerConfig.lease_s),
     )
     cfg = SimConfig(policy=meta["policy"], offload=True, max_tokens=max(work.true_tokens, default=1))
     real = {"cost_dollars": meta["cost_dollars"], "makespan_s": meta["completed_at"] - t0}

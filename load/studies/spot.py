@@ -19,8 +19,10 @@ one batch. Setups, one ``fleetbatch gateway up`` each:
 The batch's cost is the gateway's cost meter (``GetBatch``'s ``cost_dollars``: :mod:`gateway.assign.cost`'s
 billing model). The last line is one JSON object (:mod:`load.studies.spot_stats`): ``cost_vs_token_same_fleet``
 (a / b) and ``cost_vs_on_demand`` (a / c) per window, ``deadlines_met``, ``preempted_running_queries``,
-``recomputed_tokens_per_preempted_query``, ``lost``, ``duplicated``, and each run's figures. The
-simulator's replay (``sim_cost_error``, ``sim_makespan_error``) is not built for this benchmark: null.
+``recomputed_tokens_per_preempted_query``, ``lost``, ``duplicated``, each run's figures, and the simulator's
+replay of every run (``fleetbatch sim spot-replay``, :mod:`sim.spot_replay`, in a process of its own: the
+simulator imports this package, not the reverse): ``sim_cost_error`` and ``sim_makespan_error``, the mean
+relative errors of its cost and makespan over the runs.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from load.deployment import LocalDeployment
 from load.reports.runrecord import META, RESULTS, read_jsonl, write_run
 from load.studies.spot_events import Event, HeartbeatLog, SpotEvents
 from load.studies.spot_stats import summarise
-from load.studies.study import workload
+from load.studies.study import sim_cli, workload
 from load.workload import WorkItem
 from protos import fleetbatch_pb2 as pb
 from protos import fleetbatch_pb2_grpc as pb_grpc
@@ -90,6 +92,9 @@ def add_arguments(p) -> None:
         help="extra `fleetbatch gateway up` argument (repeatable)",
     )
     p.add_argument("--no-plots", action="store_true", help="no PNG of each run's cost and finish per cluster")
+    p.add_argument(
+        "--no-replay", action="store_true", help="no simulator replay of the runs (sim_cost_error: null)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -164,6 +169,7 @@ def run_setup(
                     "stopped_t": s.stopped_t, "back_t": s.back_t, "running": s.running, "partial": s.partial}
                    for s in ev.seen],
         "processes": beats.processes(),
+        "engine_commands": ev.commands,  # their --lease-s and --checkpoint-tokens, for the simulator's replay
     }  # fmt: skip
     write_run(run_dir, rows, meta)
     (run_dir / "costs.jsonl").write_text("".join(json.dumps(c) + "\n" for c in costs))
@@ -187,6 +193,7 @@ def run(args) -> dict:
         runs = {"on_demand": load_setup(Path(args.reuse_on_demand), len(items))}
     else:
         runs = {"on_demand": run_setup("on_demand", "token", False, items, None, out, args)}
+    dirs = {"on_demand": Path(args.reuse_on_demand) if args.reuse_on_demand else out / "on_demand"}
     makespan = runs["on_demand"]["meta"]["completed_at"] - runs["on_demand"]["meta"]["created_at"]
     print(f"on demand, token policy: makespan T = {makespan:.1f} s; windows "
           + ", ".join(f"{w} {WINDOWS[w] * makespan:.0f} s" for w in windows))  # fmt: skip
@@ -195,7 +202,9 @@ def run(args) -> dict:
             runs[f"{policy}_{w}"] = run_setup(
                 f"{policy}_{w}", policy, True, items, WINDOWS[w] * makespan, out, args
             )
-    result = summarise(runs, windows)
+            dirs[f"{policy}_{w}"] = out / f"{policy}_{w}"
+    replayed = sim_cli("spot-replay", *map(str, dirs.values())) if not args.no_replay else {}
+    result = summarise(runs, windows, replayed)
     result.update(queries=len(items), max_tokens=args.max_tokens, notice_s=args.notice, out=str(out),
                   on_demand_makespan_s=round(makespan, 2))  # fmt: skip
     if not args.no_plots:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from pathlib import Path
 
 
 def _handoffs(events: list[dict], batch_id: str) -> dict[str, list[tuple[float, int]]]:
@@ -126,7 +127,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def summarise(runs: dict[str, dict], windows: list[str]) -> dict:
+def summarise(runs: dict[str, dict], windows: list[str], replayed: dict | None = None) -> dict:
+    """The last line's object from the runs by setup name, and the simulator's replay of them (``fleetbatch sim
+    spot-replay``'s object; None or empty: not replayed, its figures null)."""
     figs = {name: run_figures(r) for name, r in runs.items()}
     out: dict = {}
     base = figs["on_demand"]["cost_dollars"]
@@ -150,7 +153,10 @@ def summarise(runs: dict[str, dict], windows: list[str]) -> dict:
     }
     out["lost"] = sum(f["lost"] for f in figs.values())
     out["duplicated"] = sum(f["duplicated"] for f in figs.values())
-    out["sim_cost_error"] = None  # the simulator's replay of these runs is not built
-    out["sim_makespan_error"] = None
+    replayed = replayed or {}
+    out["sim_cost_error"] = replayed.get("sim_cost_error")
+    out["sim_makespan_error"] = replayed.get("sim_makespan_error")
+    if replayed.get("runs"):
+        out["sim_runs"] = {Path(r["run"]).name: r for r in replayed["runs"]}
     out["runs"] = figs
     return out
