@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.fault]
 KEYS = (
     "cost_vs_token_same_fleet", "cost_vs_on_demand", "deadlines_met", "preempted_running_queries",
     "recomputed_tokens_per_preempted_query", "lost", "duplicated", "sim_cost_error", "sim_makespan_error",
+    "cost_floor_vs_token_same_fleet", "cost_floor_vs_on_demand",
 )  # fmt: skip
 
 

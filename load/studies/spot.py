@@ -22,7 +22,10 @@ billing model). The last line is one JSON object (:mod:`load.studies.spot_stats`
 ``recomputed_tokens_per_preempted_query``, ``lost``, ``duplicated``, each run's figures, and the simulator's
 replay of every run (``fleetbatch sim spot-replay``, :mod:`sim.spot_replay`, in a process of its own: the
 simulator imports this package, not the reverse): ``sim_cost_error`` and ``sim_makespan_error``, the mean
-relative errors of its cost and makespan over the runs.
+relative errors of its cost and makespan over the runs; and per window the least any split could have cost
+with what the runs measured (:mod:`load.studies.spot_floor`): ``cost_floor_vs_token_same_fleet`` and
+``cost_floor_vs_on_demand`` (``_tight`` for the tight window), the bounds below which no split of this fleet's
+work goes.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from clusterfile import dump_cluster_file
+from clusterfile import dump_cluster_file, load_cluster_file
+from gateway.assign.cost import fleet_prices
 from gateway.grpc_api.auth import deployment_token
 from gateway.grpc_api.tls import channel
 from load.client import result_row, to_request
@@ -204,7 +208,8 @@ def run(args) -> dict:
             )
             dirs[f"{policy}_{w}"] = out / f"{policy}_{w}"
     replayed = sim_cli("spot-replay", *map(str, dirs.values())) if not args.no_replay else {}
-    result = summarise(runs, windows, replayed)
+    spot_fleet = load_cluster_file(dirs[f"cost_{windows[0]}"] / "clusters.yaml").clusters
+    result = summarise(runs, windows, replayed, fleet_prices(spot_fleet))
     result.update(queries=len(items), max_tokens=args.max_tokens, notice_s=args.notice, out=str(out),
                   on_demand_makespan_s=round(makespan, 2))  # fmt: skip
     if not args.no_plots:

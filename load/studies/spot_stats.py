@@ -20,6 +20,8 @@ import bisect
 from collections import defaultdict
 from pathlib import Path
 
+from load.studies.spot_floor import cost_floor, measured_rates
+
 
 def _handoffs(events: list[dict], batch_id: str) -> dict[str, list[tuple[float, int]]]:
     """Per query id: (time, tokens of its partial output) each time an event took it off a cluster."""
@@ -127,17 +129,29 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def summarise(runs: dict[str, dict], windows: list[str], replayed: dict | None = None) -> dict:
-    """The last line's object from the runs by setup name, and the simulator's replay of them (``fleetbatch sim
-    spot-replay``'s object; None or empty: not replayed, its figures null)."""
+def summarise(
+    runs: dict[str, dict],
+    windows: list[str],
+    replayed: dict | None = None,
+    prices: dict[str, float] | None = None,
+) -> dict:
+    """The last line's object from the runs by setup name, the simulator's replay of them (``fleetbatch sim
+    spot-replay``'s object; None or empty: not replayed, its figures null), and with the spot fleet's ``prices``,
+    the cost floor of each window (:mod:`load.studies.spot_floor`)."""
     figs = {name: run_figures(r) for name, r in runs.items()}
     out: dict = {}
     base = figs["on_demand"]["cost_dollars"]
+    rates = measured_rates(runs["on_demand"])
+    floors: dict[str, dict | None] = {}
     for w in windows:
         a, b = figs[f"cost_{w}"]["cost_dollars"], figs[f"token_{w}"]["cost_dollars"]
         sfx = "" if w == "loose" else f"_{w}"
         out[f"cost_vs_token_same_fleet{sfx}"] = _ratio(a, b)
         out[f"cost_vs_on_demand{sfx}"] = _ratio(a, base)
+        floors[w] = floor = cost_floor(runs[f"cost_{w}"], rates, prices) if prices else None
+        least = floor["cost_dollars"] if floor else None
+        out[f"cost_floor_vs_token_same_fleet{sfx}"] = _ratio(least, b)
+        out[f"cost_floor_vs_on_demand{sfx}"] = _ratio(least, base)
     spot = [f for n, f in figs.items() if n != "on_demand"]
     out["deadlines_met"] = {n: f["deadline_met"] for n, f in figs.items() if n != "on_demand"}
     out["preempted_running_queries"] = min((f["preempted_running_queries"] for f in spot), default=0)
@@ -158,5 +172,6 @@ def summarise(runs: dict[str, dict], windows: list[str], replayed: dict | None =
     out["sim_makespan_error"] = replayed.get("sim_makespan_error")
     if replayed.get("runs"):
         out["sim_runs"] = {Path(r["run"]).name: r for r in replayed["runs"]}
+    out["cost_floor"] = floors
     out["runs"] = figs
     return out
