@@ -75,7 +75,8 @@ class IterationEngine:
 
     AUDIT = False  # tests: compare every free_slots shortcut with the real method
     #: per query, the tokens of the partial output it resumes from (sim.spot; None: every query starts afresh):
-    #: it is prefilled with its prompt and those, and decodes only the rest of its forced length
+    #: its output starts with them (``Sequence.from_request``), so it is prefilled with its prompt and those and
+    #: decodes only the rest of its forced length
     resumed: list[int] | None = None
 
     def __init__(
@@ -144,14 +145,15 @@ class IterationEngine:
             self.failed.append(qid)
             return
         pred = int(w.predicted_tokens[qid])
-        done = self.resumed[qid] if self.resumed is not None else 0
-        n = w.prompt_tokens[qid] + done
+        n = w.prompt_tokens[qid]
         seq = SimSequence(
             str(qid),
             [0] * n,
-            SamplingParams(max_tokens=self.max_tokens, forced_length=w.true_tokens[qid] - done),
+            SamplingParams(max_tokens=self.max_tokens, forced_length=w.true_tokens[qid]),
             predicted_tokens=pred or None,
         )
+        if self.resumed is not None and self.resumed[qid]:  # as Sequence.from_request resumes one
+            seq.output_token_ids = [0] * self.resumed[qid]
         if self.kv.prefix_cache:  # keys for every block it can fill: prompt and output
             seq.block_keys = prefix_keys(
                 w, qid, self.kv.block_size, n + max(self.max_tokens, w.true_tokens[qid])
@@ -163,8 +165,8 @@ class IterationEngine:
         return self.scheduler.has_unfinished()
 
     def held(self) -> list[tuple[int, int]]:
-        """The queries it holds (running, then waiting) and the tokens each generated in this run, for a cluster
-        that stops (sim.spot): they leave with the engine."""
+        """The queries it holds (running, then waiting) and the tokens of each one's output now (what it resumed
+        from included), for a cluster that stops (sim.spot): they leave with the engine."""
         sched = self.scheduler
         return [(int(s.request_id), len(s.output_token_ids)) for s in [*sched.running, *sched.waiting]]
 

@@ -42,7 +42,7 @@ from gateway.assign.cost_moves import evacuation_rules, move_allowed
 from gateway.assign.loads import ClusterView, QueryLoad, work_per_token
 from gateway.assign.policies import water_fill_targets
 from gateway.assign.registry import make_policy
-from sim.core import EVENT, ClusterSpec, SimConfig, Simulator, _Cluster
+from sim.core import EVENT, TICK, ClusterSpec, SimConfig, Simulator, _Cluster
 from sim.result import SimResult
 from sim.workload import Workload
 
@@ -50,6 +50,7 @@ NOTICE, STOP, BACK, REQUEUE = 0, 1, 2, 3  # an outage's phases (the EVENT's vers
 #: engine counters a restarted engine carries on (per cluster, over its processes)
 CARRIED = ("generated_tokens", "num_steps", "kv_token_seconds", "kv_cached_token_seconds",
            "cumulative_kv_tokens", "prefill_tokens", "num_preemptions")  # fmt: skip
+KV_CARRIED = ("hit_tokens", "lookup_tokens")  # the prefix cache's counters (not its blocks: a fresh engine)
 
 
 @dataclass(frozen=True)
@@ -113,13 +114,12 @@ class SpotSimulator(Simulator):
         whole = QueryLoad("all", max(1, sum(work.prompt_tokens)), float(sum(work.predicted_tokens)))
         self.work_per_token = work_per_token([whole])
         self.dollars = {c.name: 0.0 for c in self.clusters}
-        self._billed: list[
-            tuple[str, float]
-        ] = []  # (cluster, dollars a second) holding work at the last tick
+        # (cluster, dollars a second) of each cluster holding work at the last tick
+        self._billed: list[tuple[str, float]] = []
         self._last_bill: float | None = None
-        self._leased: dict[
-            int, list[int]
-        ] = {}  # outage -> a killed engine's queries, until their leases lapse
+        # outage -> a killed engine's queries, until their leases lapse
+        self._leased: dict[int, list[int]] = {}
+        self._outages_on = [0] * len(self.clusters)  # outages under way, by cluster
         self.start = min(work.arrival_s, default=0.0)
         self.checkpointed = 0  # running queries a notice stopped with a partial output
         self.killed_running = 0  # running queries a kill stopped
@@ -133,22 +133,31 @@ class SpotSimulator(Simulator):
         w = self.market.window_s
         return None if w is None else max(0.0, self.start + w - self.now)
 
-    def _views(self) -> list[ClusterView]:
-        return [replace(c.view(), accepting=not c.down) for c in self.clusters]
+    def _view(self, c: _Cluster) -> ClusterView:
+        """``c`` as the gateway sees it: accepting unless down, its capacity in the gateway's unit (work units a
+        second, :data:`gateway.assign.loads.PROMPT_WEIGHT`: what the cost policy's times are counted in). A plan's
+        rate or a configured hint is in that unit already; one derived from the cost model
+        (:meth:`sim.costs.LinearCost.tokens_per_s`) counts prompt and response tokens alike, so it is scaled by the
+        workload's work per token."""
+        v = c.view()
+        derived = c.spec.capacity_tps is None and c.spec.backend != "pipelined"
+        cap = v.capacity_tps * self.work_per_token if derived else v.capacity_tps
+        return replace(v, capacity_tps=cap, accepting=not c.down)
 
     def _assign(self, loads: list[QueryLoad]) -> list[str]:
-        return assign_batch(self.policy, loads, self._views(), self._window_left())
+        views = [self._view(c) for c in self.clusters]
+        return assign_batch(self.policy, loads, views, self._window_left())
 
     def _may_move(self, donor: ClusterView, recipient: ClusterView) -> bool:
         if self.config.policy != "cost":
             return True
+        d, r = (self._view(self.clusters[self.index[v.name]]) for v in (donor, recipient))
         m = self.market
-        return move_allowed(
-            donor, recipient, m.prices, self._window_left(), work_per_token=self.work_per_token
-        )
+        return move_allowed(d, r, m.prices, self._window_left(), work_per_token=self.work_per_token)
 
-    def _split(self, views: list[ClusterView], loads: list[QueryLoad]) -> list[float]:
+    def _split(self, receivers: list[_Cluster], loads: list[QueryLoad]) -> list[float]:
         """A drain's targets over the receivers (tokens each)."""
+        views = [self._view(x) for x in receivers]
         if self.config.policy == "cost":
             m = self.market
             split, _ = evacuation_rules(m.prices, m.spot, self._window_left(), self.work_per_token)
@@ -160,7 +169,14 @@ class SpotSimulator(Simulator):
         for c in self.clusters:
             if c.down and c.queue:
                 self._drain(c)
-        return super()._tick() if self.config.offload else 0
+        moved = super()._tick() if self.config.offload else 0
+        if not any(c.busy for c in self.clusters) and all(e[1] == TICK for e in self._heap):
+            # nothing runs and nothing is due but ticks, which cannot change that (a cluster that never comes back)
+            stuck = {c.name: len(c.queue) for c in self.clusters if c.queue}
+            raise RuntimeError(
+                f"simulation stalled at {self.now:.1f} s with queries queued on clusters down: {stuck}"
+            )
+        return moved
 
     def _bill(self) -> None:
         now, dollars = self.now, self.dollars
@@ -185,7 +201,7 @@ class SpotSimulator(Simulator):
         taken = [c.queue.pop() for _ in range(len(c.queue))]  # back first
         charge = self.charge
         loads = [QueryLoad(str(q), 0, charge[q]) for q in reversed(taken)]
-        deficit = self._split([x.view() for x in receivers], loads)
+        deficit = self._split(receivers, loads)
         current = -1
         for q in taken:
             if current < 0 or deficit[current] <= 0:
@@ -208,6 +224,8 @@ class SpotSimulator(Simulator):
         i = self.index[o.cluster]
         c = self.clusters[i]
         if phase == NOTICE:
+            # outages of one cluster may overlap (a replay's): it is down until the last is over
+            self._outages_on[i] += 1
             c.down = True
             stop = self.now if o.kind == "kill" else self.now + o.notice_s
             if o.kind == "kill":
@@ -219,7 +237,8 @@ class SpotSimulator(Simulator):
         elif phase == STOP:
             self._stop(c, idx, killed=False)
         elif phase == BACK:
-            c.down = False
+            self._outages_on[i] -= 1
+            c.down = self._outages_on[i] > 0
             self._kick(i)
         else:  # REQUEUE: a killed engine's leases lapsed; its queries are back in its queue
             for q in self._leased.pop(idx, []):
@@ -239,12 +258,14 @@ class SpotSimulator(Simulator):
         c.engine.resumed = self.resumed
         for name in CARRIED:
             setattr(c.engine, name, getattr(old, name))
+        for name in KV_CARRIED:
+            setattr(c.engine.kv, name, getattr(old.kv, name))
         pred, resumed = self.work.predicted_tokens, self.resumed
         every = self.market.checkpoint_tokens
         half = max(1, math.ceil(every / 2)) if every > 0 else 0  # engines.checkpoints: a snapshot every half
-        for q, generated in held:
+        for q, total in held:  # total: its output now, what it resumed from included
             c.inflight_pred -= pred[q]
-            total = resumed[q] + generated
+            generated = total - resumed[q]
             if not killed:
                 keep = total  # a notice writes every token it has
             else:  # a kill keeps the last snapshot, one every `half` tokens of this run (none: what it resumed from)

@@ -27,24 +27,12 @@ from pathlib import Path
 from clusterfile import load_cluster_file
 from engines.worker_config import WorkerConfig
 from gateway.assign.cost import fleet_prices, spot_clusters
+from load.studies.spot_floor import back_at
 from planfile import load_plan
 from sim.core import ClusterSpec, SimConfig
 from sim.spot import Market, Outage, SpotSimulator
 from sim.validate import _index
 from sim.workload import Workload
-
-
-def _back(meta: dict, event: dict) -> float:
-    """When the cluster of ``event`` took work again: its next engine process's first heartbeat after the engine
-    stopped (the admin's ``back_t`` when none was seen; never when neither)."""
-    starts = [
-        p["start"]
-        for p in meta["processes"]
-        if p["cluster"] == event["cluster"] and p["start"] > event["stopped_t"]
-    ]
-    if starts:
-        return min(starts)
-    return event["back_t"] or math.inf
 
 
 def _engine_option(meta: dict, option: str, default: float) -> float:
@@ -89,7 +77,7 @@ def read_spot_run(path: str | Path) -> tuple[SpotSimulator, dict]:
             max(0.0, e["t"] - t0),
             e["kind"],
             notice_s=0.0 if e["kind"] == "kill" else max(0.0, e["stopped_t"] - e["t"]),
-            back_t=_back(meta, e) - t0,
+            back_t=(back_at(meta, e) or math.inf) - t0,
         )
         for e in events
     ]

@@ -98,12 +98,12 @@ def scale_spot(
     setup: StudySetup,
     seed: int = 0,
     policy: str = "token",
-    per_hour: float = 2.0,
-    notice_s: float = 30.0,
-    back_after_s: float = 120.0,
+    per_hour: float = 6.0,
+    notice_s: float = 1.0,
+    back_after_s: float = 60.0,
     kill_share: float = 0.2,
     window: float = 2.0,
-    repeats: int = 1,
+    repeats: int = 3,
     progress: bool = False,
 ) -> dict:
     """The plain run and the spot run of the same queries and fleet (module docstring); the last line's object."""

@@ -12,13 +12,14 @@ T0 = 1000.0
 PRICES = {"fast": 36.0, "slow": 1.0}  # dollars an hour: 0.01 and 1/3600 a second
 
 
-def row(cluster: str, finished: float, completion: int = 100, prompt: int = 0) -> dict:
+def row(cluster: str, finished: float, completion: int = 90, prompt: int = 100) -> dict:
+    """A row of 100 work units: 90 generated tokens and a prompt of 100 at a tenth each (PROMPT_WEIGHT)."""
     return {"query_id": f"{cluster}-{finished}", "cluster": cluster, "prompt_tokens": prompt,
             "completion_tokens": completion, "timings": {"finished_at": T0 + finished}}  # fmt: skip
 
 
 def on_demand() -> dict:
-    """fast answers 10 rows of 100 tokens in 10 s (100 a second), slow 2 in 20 s (10 a second)."""
+    """fast answers 10 rows of 100 work units in 10 s (100 a second), slow 2 in 20 s (10 a second)."""
     rows = [row("fast", 1.0 + i) for i in range(10)] + [row("slow", 10.0), row("slow", 20.0)]
     meta = {"created_at": T0, "completed_at": T0 + 20, "cost_dollars": 0.5, "events": [], "window_s": None,
             "deadline": 0, "status": "COMPLETED"}  # fmt: skip
@@ -26,13 +27,14 @@ def on_demand() -> dict:
 
 
 def spot_run(window: float, slow_down_s: float = 0.0) -> dict:
-    """1000 work units (10 rows of 100 tokens), slow down for ``slow_down_s`` (a notice, then its next engine)."""
+    """1000 work units (10 rows), slow down for ``slow_down_s`` from its engine's stop (a notice, then its next
+    engine's first heartbeat)."""
     events, processes = [], []
     if slow_down_s:
         events = [{"kind": "preempt", "cluster": "slow", "t": T0 + 5, "stopped_t": T0 + 6, "back_t": T0 + 7,
                    "partial": {}, "running": []}]  # fmt: skip
         processes = [{"cluster": "slow", "start": T0 - 1, "generated": 0},
-                     {"cluster": "slow", "start": T0 + 5 + slow_down_s, "generated": 0}]  # fmt: skip
+                     {"cluster": "slow", "start": T0 + 6 + slow_down_s, "generated": 0}]  # fmt: skip
     meta = {"created_at": T0, "completed_at": T0 + 50, "window_s": window, "events": events, "processes": processes,
             "cost_dollars": 0.1, "deadline": T0 + window, "status": "COMPLETED", "batch_id": "b"}  # fmt: skip
     return {"rows": [row("fast", 1.0) for _ in range(10)], "meta": meta, "costs": [], "total": 10}

@@ -6,14 +6,16 @@ cost_targets` finds cheapest had it known, at submission, what the run measured:
 * each cluster's real rate, from the on-demand run: the work it answered there (generated tokens plus a prompt
   token at :data:`gateway.assign.loads.PROMPT_WEIGHT`, :func:`gateway.assign.loads.work`) over the time to its
   last answer (the plans' rates, which the policy uses, are not what the emulated engines turn out);
-* each spot cluster's time down in that run: from each kill or notice to the first heartbeat of its next
-  engine process (``meta.json``'s ``events`` and ``processes``), as work it cannot do within the window;
+* each spot cluster's time down in that run: from each kill, or each notice's engine stop, to the first heartbeat
+  of its next engine process (``meta.json``'s ``events`` and ``processes``), as work it cannot do in the window;
 * every cluster done within the policy's margin (:data:`gateway.assign.cost.MARGIN`) of the window, and no room
   kept for a preemption (the downtime is known), nothing lost, nothing recomputed, nothing moved.
 
 The floor is that split's cost under the billing model (a cluster billed for its share's time at its rate,
 never while down). Its ratios to the token run's and the on-demand run's costs are what the policy could save
-at best on this fleet and these preemptions: a goal below them cannot be met by any split.
+at best on this fleet and these preemptions with its margin: a goal below them cannot be met by any split that
+keeps every cluster within the margin (with none, every cluster busy to the window's last second, the floor is
+lower: ``margin`` 1).
 """
 
 from __future__ import annotations
@@ -38,24 +40,32 @@ def measured_rates(on_demand: dict) -> dict[str, float]:
     return {c: done[c] / last[c] for c in done if last[c] > 0 and done[c] > 0}
 
 
+def back_at(meta: dict, event: dict) -> float:
+    """When the cluster of a kill or a notice (one of ``meta.json``'s ``events``) took work again: the first heartbeat
+    of its next engine process after the engine stopped (``processes``), else the admin's ``back_t`` (0: never)."""
+    starts = [
+        p["start"]
+        for p in meta["processes"]
+        if p["cluster"] == event["cluster"] and p["start"] > event["stopped_t"]
+    ]
+    return min(starts) if starts else float(event.get("back_t") or 0.0)
+
+
 def downtime(run: dict) -> dict[str, float]:
-    """Seconds each cluster was down in a run: each kill or notice to its next engine process's first heartbeat
-    (to the admin's ``back_t`` where none was seen)."""
+    """Seconds each cluster could not work in a run: from each kill, or each notice's engine stop (it runs on through
+    the notice), to when it took work again (:func:`back_at`)."""
     meta = run["meta"]
     out: dict[str, float] = defaultdict(float)
     for e in meta["events"]:
-        starts = [
-            p["start"]
-            for p in meta["processes"]
-            if p["cluster"] == e["cluster"] and p["start"] > e["stopped_t"]
-        ]
-        back = min(starts) if starts else e["back_t"]
-        if back and back > e["t"]:
-            out[e["cluster"]] += back - e["t"]
+        back = back_at(meta, e)
+        if back > e["stopped_t"]:
+            out[e["cluster"]] += back - e["stopped_t"]
     return dict(out)
 
 
-def cost_floor(run: dict, rates: dict[str, float], prices: dict[str, float]) -> dict | None:
+def cost_floor(
+    run: dict, rates: dict[str, float], prices: dict[str, float], margin: float = MARGIN
+) -> dict | None:
     """The floor of one spot run (module docstring): its cost (dollars), each cluster's share of the work and the
     time it is billed, and whether the window allowed a split at all (``at_risk``: none did; the fastest finish's
     cost instead). None for a run without a window or without rates."""
@@ -69,7 +79,7 @@ def cost_floor(run: dict, rates: dict[str, float], prices: dict[str, float]) -> 
     names = sorted(rates)
     # a cluster's downtime as work it holds (it cannot run the batch then): the LP's finish constraint
     views = [ClusterView(n, rates[n], pending_tokens=rates[n] * down.get(n, 0.0)) for n in names]
-    plan = cost_targets(views, prices, total, window, margin=MARGIN)
+    plan = cost_targets(views, prices, total, window, margin=margin)
     billed = {n: x / rates[n] for n, x in zip(names, plan.targets, strict=True)}  # never while down
     dollars = math.fsum(dollars_per_second(prices, n) * s for n, s in billed.items())
     return {
