@@ -120,6 +120,8 @@ class SpotSimulator(Simulator):
         # outage -> a killed engine's queries, until their leases lapse
         self._leased: dict[int, list[int]] = {}
         self._outages_on = [0] * len(self.clusters)  # outages under way, by cluster
+        self._round_views: dict[str, ClusterView] = {}  # the cost policy's views of this offloader round
+        self._round_window: float | None = None
         self.start = min(work.arrival_s, default=0.0)
         self.checkpointed = 0  # running queries a notice stopped with a partial output
         self.killed_running = 0  # running queries a kill stopped
@@ -151,9 +153,15 @@ class SpotSimulator(Simulator):
     def _may_move(self, donor: ClusterView, recipient: ClusterView) -> bool:
         if self.config.policy != "cost":
             return True
-        d, r = (self._view(self.clusters[self.index[v.name]]) for v in (donor, recipient))
+        views = self._round_views  # read once a round, as the offloader reads the fleet once a tick
         m = self.market
-        return move_allowed(d, r, m.prices, self._window_left(), work_per_token=self.work_per_token)
+        return move_allowed(
+            views[donor.name],
+            views[recipient.name],
+            m.prices,
+            self._round_window,
+            work_per_token=self.work_per_token,
+        )
 
     def _split(self, receivers: list[_Cluster], loads: list[QueryLoad]) -> list[float]:
         """A drain's targets over the receivers (tokens each)."""
@@ -169,6 +177,9 @@ class SpotSimulator(Simulator):
         for c in self.clusters:
             if c.down and c.queue:
                 self._drain(c)
+        if self.config.policy == "cost":
+            self._round_views = {c.name: self._view(c) for c in self.clusters}
+            self._round_window = self._window_left()
         moved = super()._tick() if self.config.offload else 0
         if not any(c.busy for c in self.clusters) and all(e[1] == TICK for e in self._heap):
             # nothing runs and nothing is due but ticks, which cannot change that (a cluster that never comes back)
