@@ -74,6 +74,20 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _scale_args(p: argparse.ArgumentParser) -> None:
+    """The scale runs' fleet and workload size (``scale``, ``spot-scale``)."""
+    p.add_argument("--num-clusters", type=int, default=100, help="iteration-level clusters (default 100)")
+    p.add_argument(
+        "-n", "--num-queries", type=int, default=1_000_000, help="queries, all at once (default 1,000,000)"
+    )
+    p.add_argument("--max-running", type=int, default=8, help="engine batch size (max_running; default 8)")
+
+
+def _check_scale(args: argparse.Namespace) -> None:
+    if args.num_clusters < 1 or args.num_queries < 1 or args.max_running < 1:
+        raise ValueError("--num-clusters, --num-queries and --max-running must be >= 1")
+
+
 def _setup(args: argparse.Namespace) -> StudySetup:
     if args.profile:
         cost = LinearCost.from_profile(args.profile, args.layers)
@@ -128,11 +142,7 @@ def build_parser(prog: str = "fleetbatch sim") -> argparse.ArgumentParser:
         "--clusters iteration-level clusters at --speeds with the token policy and offloading, and reports "
         "the wall-clock seconds of the simulation (sim_seconds_100x1m for the default size).",
     )
-    c.add_argument("--num-clusters", type=int, default=100, help="iteration-level clusters (default 100)")
-    c.add_argument(
-        "-n", "--num-queries", type=int, default=1_000_000, help="queries, all at once (default 1,000,000)"
-    )
-    c.add_argument("--max-running", type=int, default=8, help="engine batch size (max_running; default 8)")
+    _scale_args(c)
     c.add_argument(
         "--policy",
         choices=("token", "round_robin"),
@@ -165,11 +175,7 @@ def build_parser(prog: str = "fleetbatch sim") -> argparse.ArgumentParser:
         description=spot_scale.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ss.add_argument("--num-clusters", type=int, default=100, help="iteration-level clusters (default 100)")
-    ss.add_argument(
-        "-n", "--num-queries", type=int, default=1_000_000, help="queries, all at once (default 1,000,000)"
-    )
-    ss.add_argument("--max-running", type=int, default=8, help="engine batch size (max_running; default 8)")
+    _scale_args(ss)
     ss.add_argument(
         "--policy", choices=("token", "cost"), default="token", help="the spot run's policy (default token)"
     )
@@ -242,8 +248,7 @@ def run(args: argparse.Namespace) -> dict:
         return out
     setup = _setup(args)
     if args.command == "spot-scale":
-        if args.num_clusters < 1 or args.num_queries < 1 or args.max_running < 1:
-            raise ValueError("--num-clusters, --num-queries and --max-running must be >= 1")
+        _check_scale(args)
         return spot_scale.scale_spot(
             args.num_clusters,
             args.num_queries,
@@ -282,8 +287,7 @@ def run(args: argparse.Namespace) -> dict:
         out.update(workload=args.workload, arrivals=args.arrivals, offload=setup.offload)
         print(_table(out))
     else:
-        if args.num_clusters < 1 or args.num_queries < 1 or args.max_running < 1:
-            raise ValueError("--num-clusters, --num-queries and --max-running must be >= 1")
+        _check_scale(args)
         out = scale(
             args.num_clusters,
             args.num_queries,
