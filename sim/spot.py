@@ -23,8 +23,9 @@ What is modelled:
   rest is *recomputed*) and is back in the cluster's queue when its lease lapses (:attr:`Market.lease_s`),
   billed to the cluster until then. (The snapshot is written in the agent's next tick: not modelled.)
 * **Back** at ``back_t``: a fresh engine (empty KV cache, :meth:`Simulator._make_engine`) takes work again.
-* **A resumed query** is prefilled with its prompt plus its partial output and decodes only the rest of its
-  length (:attr:`sim.engines.IterationEngine.resumed`).
+* **A resumed query** starts with its partial output as its output (as ``Sequence.from_request`` resumes one), so
+  it is prefilled with its prompt and those tokens and decodes only the rest of its length
+  (:attr:`sim.engines.IterationEngine.resumed`).
 
 Static engines have no partial outputs: a fleet with outages runs the iteration-level or pipelined ones.
 :mod:`sim.spot_replay` replays a ``fleetbatch loadgen spot`` run with this; :func:`sim.spot_scale.scale_spot`
