@@ -25,7 +25,7 @@ simulator imports this package, not the reverse): ``sim_cost_error`` and ``sim_m
 relative errors of its cost and makespan over the runs; and per window the least any split could have cost
 with what the runs measured (:mod:`load.studies.spot_floor`): ``cost_floor_vs_token_same_fleet`` and
 ``cost_floor_vs_on_demand`` (``_tight`` for the tight window), the bounds below which no split of this fleet's
-work goes.
+work within the policy's margin goes.
 """
 
 from __future__ import annotations
