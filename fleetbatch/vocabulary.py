@@ -262,6 +262,7 @@ VOCABULARY: dict[str, str] = {
     "--small-batch": "batch size of the small-batch imbalance figure",
     "--speeds": "speeds of the unequal fleet, repeated",
     "--split": "which split to score",
+    "--spot-margin": "the cost policy's spot margin: a spot cluster's share of a batch is done within this share of its window",
     "--stage-speeds": "relative speeds of the N devices, e.g. 1,2: the second is twice as fast",
     "--stages": "have the planner lay the model out over N emulated CPU devices (profiled here) and run it",
     "--step-cost": "the fastest device's cost model in ms",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from gateway.assign.cost import MARGIN, SPOT_MARGIN, check_margins
 from gateway.assign.registry import POLICIES
 from gateway.config import HTTP_KEY_ENV, INTAKE_WAIT_S, TOKEN_ENV
 
@@ -30,8 +31,30 @@ def add_http(s: argparse.ArgumentParser, port: int | None, shown: str, files_dir
     )
 
 
+class _SpotMargin(argparse.Action):
+    """``--spot-margin``: a share in (0, 1] (:func:`gateway.assign.cost.check_margins`; a config file's value is
+    checked when the policy is made)."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        try:
+            check_margins(MARGIN, value)
+        except ValueError as e:
+            parser.error(f"argument {option_string}: {e}")
+        setattr(namespace, self.dest, value)
+
+
 def add_common(s: argparse.ArgumentParser) -> None:
     s.add_argument("--policy", default="token", choices=sorted(POLICIES), help="assignment policy")
+    s.add_argument(
+        "--spot-margin",
+        type=float,
+        action=_SpotMargin,
+        default=None,
+        metavar="SHARE",
+        help="with --policy cost: a spot cluster's share of a batch is done within this share of its window, the "
+        f"rest being room for a preemption (default {SPOT_MARGIN}; at most the on-demand clusters' {MARGIN}; "
+        "larger saves more where spot clusters are seldom preempted)",
+    )
     s.add_argument(
         "--predictor",
         default=None,

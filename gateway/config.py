@@ -34,6 +34,7 @@ class GatewayConfig:
     listen: str = "127.0.0.1:50051"
     admin_token: str = ""
     policy: str = "token"
+    spot_margin: float | None = None  # the cost policy's spot margin (None: its default, gateway.assign.cost)
     predictor_dir: str | None = None
     predictor_threads: int = 1  # torch threads for length prediction (more threads slowed it on busy hosts)
     tokenizer_dir: str | None = None  # serving model directory whose tokenizer counts prompt tokens
@@ -87,6 +88,7 @@ class GatewayConfig:
             listen=args.listen,
             admin_token=admin_token,
             policy=args.policy,
+            spot_margin=getattr(args, "spot_margin", None),
             predictor_dir=args.predictor or "shipped",  # the learned model shipped with us; 'heuristic' too
             predictor_threads=args.predictor_threads,
             tokenizer_dir=args.served_model,

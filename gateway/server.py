@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.assign.calibrated import LengthCalibrator, LengthEstimates
-from gateway.assign.cost import fleet_prices, spot_clusters
+from gateway.assign.cost import SPOT_MARGIN, fleet_prices, spot_clusters
 from gateway.assign.prefixes import prefix_finder
 from gateway.assign.registry import make_policy
 from gateway.assign.tokens import token_bound
@@ -131,7 +131,9 @@ def build_deps(config: GatewayConfig) -> GatewayDeps:
             [p.expected_tokens for p in predictor.predict(prompts)] if prompts else []
         )
 
-    policy = make_policy(config.policy, fleet_prices(config.clusters), spot_clusters(config.clusters))
+    policy = make_policy(
+        config.policy, fleet_prices(config.clusters), spot_clusters(config.clusters), config.spot_margin
+    )
     deps = GatewayDeps(
         config=config,
         queue=queue,
@@ -232,6 +234,7 @@ async def serve(
             balance=config.offload,
             prices=getattr(deps.policy, "prices", None),
             spot=getattr(deps.policy, "spot", frozenset()),
+            spot_margin=getattr(deps.policy, "spot_margin", SPOT_MARGIN),
         ),
         metrics=deps.metrics,
         eta=deps.eta,

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from cliutil import run_main
+from gateway.assign.cost import SPOT_MARGIN
 from load.arrivals import add_arrival_arguments
 from sim import deadlines, spot_replay, spot_scale
 from sim.costs import LinearCost, parse_speeds
@@ -205,6 +206,12 @@ def build_parser(prog: str = "fleetbatch sim") -> argparse.ArgumentParser:
         help="the batch's window, times the plain run's makespan (default 2)",
     )
     ss.add_argument("--repeats", type=int, default=3, help="runs of each, alternately (default 3)")
+    ss.add_argument(
+        "--spot-margin",
+        type=float,
+        default=SPOT_MARGIN,
+        help=f"with --policy cost: the spot clusters' share done within this share of the window (default {SPOT_MARGIN})",
+    )
     _cost_args(ss)
     d = sub.add_parser(
         "deadlines",
@@ -263,6 +270,7 @@ def run(args: argparse.Namespace) -> dict:
             args.window,
             args.repeats,
             not args.no_progress,
+            args.spot_margin,
         )
     if args.command == "validate":
         out = validate(args.runs, setup.cost)

@@ -38,7 +38,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from gateway.assign.cost import assign_batch, dollars_per_second
+from gateway.assign.cost import SPOT_MARGIN, assign_batch, dollars_per_second
 from gateway.assign.cost_moves import evacuation_rules, move_allowed
 from gateway.assign.loads import ClusterView, QueryLoad, work_per_token
 from gateway.assign.policies import water_fill_targets
@@ -83,6 +83,7 @@ class Market:
     window_s: float | None = None
     checkpoint_tokens: int = 64
     lease_s: float = 15.0
+    spot_margin: float = SPOT_MARGIN  # the cost policy's (the gateway's --spot-margin)
 
 
 class SpotSimulator(Simulator):
@@ -107,7 +108,7 @@ class SpotSimulator(Simulator):
                 "static engines keep no partial outputs: outages need iteration or pipelined ones"
             )
         self.outages = list(outages)
-        self.policy = make_policy(self.config.policy, m.prices, m.spot)
+        self.policy = make_policy(self.config.policy, m.prices, m.spot, m.spot_margin)
         self.resumed = [0] * len(work)  # each query's partial output (tokens)
         for c in self.clusters:
             c.engine.resumed = self.resumed
@@ -169,7 +170,9 @@ class SpotSimulator(Simulator):
         views = [self._view(x) for x in receivers]
         if self.config.policy == "cost":
             m = self.market
-            split, _ = evacuation_rules(m.prices, m.spot, self._window_left(), self.work_per_token)
+            split, _ = evacuation_rules(
+                m.prices, m.spot, self._window_left(), self.work_per_token, spot_margin=m.spot_margin
+            )
             return split(views, loads)
         return water_fill_targets(views, math.fsum(q.total_tokens for q in loads))
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from clusterfile import load_cluster_file
 from engines.worker_config import WorkerConfig
-from gateway.assign.cost import fleet_prices, spot_clusters
+from gateway.assign.cost import SPOT_MARGIN, fleet_prices, spot_clusters
 from load.studies.spot_floor import back_at
 from planfile import load_plan
 from sim.core import ClusterSpec, SimConfig
@@ -35,16 +35,29 @@ from sim.validate import _index
 from sim.workload import Workload
 
 
+def _option(argv: list[str], option: str) -> float | None:
+    """The value of ``option`` in a command line (``--x V`` or ``--x=V``; None: not given)."""
+    for i, a in enumerate(argv):
+        if a == option and i + 1 < len(argv):
+            return float(argv[i + 1])
+        if a.startswith(option + "="):
+            return float(a.split("=", 1)[1])
+    return None
+
+
 def _engine_option(meta: dict, option: str, default: float) -> float:
     """An engine option (``--lease-s``) as the run's engines were started with it (``meta.json``'s
     ``engine_commands``; the engines' default where it is not given)."""
     for argv in (meta.get("engine_commands") or {}).values():
-        for i, a in enumerate(argv):
-            if a == option and i + 1 < len(argv):
-                return float(argv[i + 1])
-            if a.startswith(option + "="):
-                return float(a.split("=", 1)[1])
+        if (v := _option(argv, option)) is not None:
+            return v
     return default
+
+
+def _gateway_option(meta: dict, option: str, default: float) -> float:
+    """A ``fleetbatch gateway up`` option the run gave (``meta.json``'s ``gateway_args``; else ``default``)."""
+    v = _option(list(meta.get("gateway_args") or []), option)
+    return default if v is None else v
 
 
 def read_spot_run(path: str | Path) -> tuple[SpotSimulator, dict]:
@@ -87,6 +100,7 @@ def read_spot_run(path: str | Path) -> tuple[SpotSimulator, dict]:
         window_s=meta.get("window_s"),
         checkpoint_tokens=int(_engine_option(meta, "--checkpoint-tokens", WorkerConfig.checkpoint_tokens)),
         lease_s=_engine_option(meta, "--lease-s", WorkerConfig.lease_s),
+        spot_margin=_gateway_option(meta, "--spot-margin", SPOT_MARGIN),
     )
     cfg = SimConfig(policy=meta["policy"], offload=True, max_tokens=max(work.true_tokens, default=1))
     real = {"cost_dollars": meta["cost_dollars"], "makespan_s": meta["completed_at"] - t0}

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 
 from clusterfile.prices import cluster_price_per_hour
+from gateway.assign.cost import SPOT_MARGIN
 from sim.core import ClusterSpec, SimConfig, Simulator
 from sim.result import SimResult
 from sim.spot import Market, Outage, SpotSimulator
@@ -39,7 +40,12 @@ SPEED_CLUSTERS: dict[float, tuple[list[str], str]] = {
 }
 
 
-def market_of(specs: Sequence[ClusterSpec], speeds: Sequence[float], window_s: float | None) -> Market:
+def market_of(
+    specs: Sequence[ClusterSpec],
+    speeds: Sequence[float],
+    window_s: float | None,
+    spot_margin: float = SPOT_MARGIN,
+) -> Market:
     """The prices and spot clusters of a :func:`sim.study.fleet` whose speeds repeat ``speeds``."""
     prices, spot = {}, set()
     for i, s in enumerate(specs):
@@ -52,7 +58,7 @@ def market_of(specs: Sequence[ClusterSpec], speeds: Sequence[float], window_s: f
         prices[s.name] = cluster_price_per_hour(None, devices, market)
         if market == "spot":
             spot.add(s.name)
-    return Market(prices=prices, spot=frozenset(spot), window_s=window_s)
+    return Market(prices=prices, spot=frozenset(spot), window_s=window_s, spot_margin=spot_margin)
 
 
 def preemptions(
@@ -105,6 +111,7 @@ def scale_spot(
     window: float = 2.0,
     repeats: int = 3,
     progress: bool = False,
+    spot_margin: float = SPOT_MARGIN,
 ) -> dict:
     """The plain run and the spot run of the same queries and fleet (module docstring); the last line's object."""
     if repeats < 1:
@@ -115,7 +122,7 @@ def scale_spot(
     plain_cpu, spot_cpu = [], []
     plain, cpu = _timed(Simulator(specs, work, cfg), progress)
     plain_cpu.append(cpu)
-    market = market_of(specs, setup.speeds, window * plain.makespan_s)
+    market = market_of(specs, setup.speeds, window * plain.makespan_s, spot_margin)
     outages = preemptions(
         sorted(market.spot), plain.makespan_s, per_hour, notice_s, back_after_s, kill_share, seed
     )

@@ -32,6 +32,7 @@ from gateway.assign.cost import (
 from gateway.assign.loads import PROMPT_WEIGHT, ClusterView, QueryLoad
 from gateway.assign.policies import water_fill_targets
 from gateway.assign.registry import make_policy
+from gateway.cli import build_parser
 from gateway.cli_tables import cluster_table, cost_line
 from gateway.config import ClusterSpec, GatewayConfig
 from gateway.deploy.up import priced
@@ -313,6 +314,33 @@ def test_under_the_cost_policy_the_eta_does_not_count_on_the_offloader_to_even_t
     # 100 tokens a row, one at a time: half a wave is 5 s on slow. Balanced, slow's lane ends at the pool's drain
     # (1,000 tokens at 100/s); under the cost policy nothing moves its rows to fast: 1,000 tokens at 10/s
     assert balanced == pytest.approx(10.0 + 5.0) and alone == pytest.approx(100.0 + 5.0)
+
+
+def test_the_spot_margin_is_a_setting():
+    """A larger spot margin (``--spot-margin``) gives the spot clusters the longer share it allows; one above the
+    on-demand margin counts as it; one outside (0, 1] is refused, by the policy and by the gateway's command line."""
+    spot = spot_clusters(SPECS)
+    # 800 s: within 0.5 of it (400 s) slow holds 80,000 and medium the rest; within 0.75 (600 s) slow holds it all
+    assert close(cost_targets(FLEET, PRICES, BATCH, 800.0, spot=spot).targets, [0.0, 20_000.0, 80_000.0])
+    assert close(
+        cost_targets(FLEET, PRICES, BATCH, 800.0, spot=spot, spot_margin=0.75).targets, [0.0, 0.0, BATCH]
+    )
+    # 150 s: 0.8 x 150 = 120 s. At 0.5 (75 s) slow and medium hold 45,000 and fast the rest; at 1 (as 0.8) they
+    # hold 72,000 of it
+    half = cost_targets(FLEET, PRICES, BATCH, 150.0, spot=spot).targets
+    whole = cost_targets(FLEET, PRICES, BATCH, 150.0, spot=spot, spot_margin=1.0).targets
+    assert close(half, [55_000.0, 30_000.0, 15_000.0]) and close(whole, [28_000.0, 48_000.0, 24_000.0])
+    policy = make_policy("cost", PRICES, spot, 0.75)
+    assert policy.spot_margin == 0.75 and make_policy("cost", PRICES, spot).spot_margin == SPOT_MARGIN
+    names = policy.assign_within([QueryLoad(f"q{i}", 0, 1000.0) for i in range(100)], FLEET, 800.0)[0]
+    assert names.count("slow") == 100
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="spot margin"):
+            CostPolicy(PRICES, spot=spot, spot_margin=bad)
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--policy", "cost", "--spot-margin", "0.7"]).spot_margin == 0.7
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--spot-margin", "1.5"])
 
 
 def test_spot_clusters_leave_room_for_a_preemption_where_the_window_allows():

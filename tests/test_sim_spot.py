@@ -120,6 +120,27 @@ def test_the_cost_policy_times_a_derived_capacity_in_work_units():
     assert r.makespan_s <= 3 * t and r.per_cluster["fast"]["queries"] > 0
 
 
+def sim_policy_margin(run: str) -> float:
+    sim, _ = read_spot_run(run)
+    return sim.policy.spot_margin
+
+
+def test_a_larger_spot_margin_saves_where_the_window_allows():
+    """Within half a window of 2 T the spot clusters' horizon is T itself: the dear cluster is billed as long as the
+    token split bills it. With 0.8 of the window the spot clusters take more of the batch, the dear one is released
+    sooner and the fleet costs less."""
+    w = workload()
+    t = makespan(w)
+    cfg = SimConfig(policy="cost", max_tokens=256)
+    cost = {
+        m: SpotSimulator(fleet(), w, cfg, Market(PRICES, SPOT, window_s=2 * t, spot_margin=m)).run()
+        for m in (0.5, 0.8)
+    }
+    assert cost[0.8].cost_dollars < cost[0.5].cost_dollars
+    assert cost[0.8].per_cluster["fast"]["cost_dollars"] < cost[0.5].per_cluster["fast"]["cost_dollars"]
+    assert cost[0.8].makespan_s <= 2 * t  # the window is met all the same
+
+
 def test_outages_are_checked():
     with pytest.raises(ValueError, match="unknown clusters: nowhere"):
         SpotSimulator(fleet(), workload(10), outages=[Outage("nowhere", 1.0)])
@@ -158,6 +179,7 @@ def spot_run(tmp_path) -> tuple[str, dict]:
     meta = {
         "policy": "cost", "window_s": window, "created_at": t0, "events": events, "processes": processes,
         "engine_commands": {"slow": ["fleetbatch", "engine", "serve", "--lease-s", "1.5", "--checkpoint-tokens=8"]},
+        "gateway_args": ["--spot-margin=0.7"],
     }  # fmt: skip
     (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "meta.json").write_text(json.dumps({**meta, "completed_at": t0 + 1, "cost_dollars": 1.0}))
@@ -179,6 +201,7 @@ def test_a_loadgen_spot_run_is_replayed_with_its_events_prices_and_engine_option
     assert got == [("slow", "kill", 0.5, 0.0, 0.8), ("slow", "preempt", 2.0, 0.2, 3.0)]
     market = truth["market"]
     assert market.lease_s == 1.5 and market.checkpoint_tokens == 8 and market.window_s == 30.0
+    assert market.spot_margin == 0.7 and sim_policy_margin(run) == 0.7  # the gateway's --spot-margin
     assert market.spot == {"slow"} and market.prices["fast"] > market.prices["slow"] > 0  # the catalog's
     out = replay([run])
     assert out["sim_cost_error"] == 0 and out["sim_makespan_error"] == 0

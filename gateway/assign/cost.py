@@ -15,7 +15,8 @@ in its completion window ``W``, cluster ``i`` gets ``x_i`` tokens: minimise ``su
 ``q_i`` is the work it already holds (queued and running). Cost and finish times are linear in ``x``, so this is a
 linear program (GLOP, OR-Tools): the clusters cheapest per token fill first, each up to what it finishes within the
 window. A second LP spreads the batch over clusters of equal price per token so that the fleet finishes earliest
-at that least cost. A spot cluster (``market: spot``) must be done within :data:`SPOT_MARGIN` of the window
+at that least cost. A spot cluster (``market: spot``) must be done within the spot margin (``--spot-margin``,
+:data:`SPOT_MARGIN` by default) of the window
 instead, so that when it is preempted its work still has time to run on the clusters left; where no split allows
 that, within the least more that does (up to the margin of the others). When no split meets the window, the
 batch takes the fastest finish (the ``token`` policy's water filling) and is at risk. :class:`CostPolicy` turns
@@ -46,7 +47,8 @@ log = logging.getLogger(__name__)
 #: every cluster must finish within this share of the time left in the batch's window (the safety margin)
 MARGIN = 0.8
 #: a spot cluster's share must be done within this share of the window (an on-demand one's within MARGIN): the
-#: rest is room for a preemption, after which its work moves to the clusters left
+#: rest is room for a preemption, after which its work moves to the clusters left. The default of the gateway's
+#: ``--spot-margin``: a fleet whose spot clusters are seldom preempted saves more with a larger one (up to MARGIN)
 SPOT_MARGIN = 0.5
 #: the window of a batch without a deadline (the queue order keys such a batch as if its window were 24 h)
 DEFAULT_WINDOW_S = 24 * 3600.0
@@ -125,15 +127,15 @@ def cost_targets(
     window_s: float,
     margin: float = MARGIN,
     spot: Collection[str] = (),
+    spot_margin: float = SPOT_MARGIN,
 ) -> CostPlan:
     """The cheapest split of ``new_tokens`` over ``clusters`` (usable, capacity > 0) that has every cluster done
     within ``margin * window_s``, counting what each holds (the LP of the module docstring), and each cluster
-    named in ``spot`` within :data:`SPOT_MARGIN` of it (room for a preemption), or the least more a split needs;
+    named in ``spot`` within ``spot_margin`` of it (room for a preemption), or the least more a split needs;
     when there is none, the fastest finish (:func:`gateway.assign.policies.water_fill_targets`), at risk."""
     if new_tokens < 0 or not math.isfinite(new_tokens):
         raise ValueError(f"new_tokens must be a finite number >= 0, not {new_tokens}")
-    if not 0 < margin <= 1:
-        raise ValueError(f"margin must be in (0, 1], not {margin}")
+    check_margins(margin, spot_margin)
     if any(c.capacity_tps <= 0 for c in clusters):
         raise ValueError("the cost split needs clusters with capacity > 0")
     if not clusters:
@@ -141,7 +143,8 @@ def cost_targets(
     if new_tokens == 0:
         return _plan(clusters, prices, [0.0] * len(clusters), False)
     horizon = margin * max(window_s, 0.0)
-    room = _room(clusters, horizon, _spot_horizon(clusters, new_tokens, horizon, window_s, spot), spot)
+    spot_horizon = _spot_horizon(clusters, new_tokens, horizon, spot_margin * max(window_s, 0.0), spot)
+    room = _room(clusters, horizon, spot_horizon, spot)
     if math.fsum(room) < new_tokens * (1 - 1e-12):
         return _plan(clusters, prices, water_fill_targets(clusters, new_tokens), True)
     per_token = [dollars_per_token(c, prices) for c in clusters]
@@ -162,6 +165,7 @@ def cost_split(
     work_per_token: float = 1.0,
     margin: float = MARGIN,
     spot: Collection[str] = (),
+    spot_margin: float = SPOT_MARGIN,
 ) -> CostPlan:
     """:func:`cost_targets` for ``tokens`` (prompt + response, as queues count them) worth ``work_per_token`` work
     units each: the capacities count work units a second, so the LP's times (and its cost, price x time) are
@@ -171,16 +175,25 @@ def cost_split(
         raise ValueError(f"work_per_token must be > 0, not {work_per_token}")
     views = [replace(c, pending_tokens=c.pending_tokens * work_per_token) for c in clusters]
     window = DEFAULT_WINDOW_S if window_s is None else window_s
-    plan = cost_targets(views, prices, tokens * work_per_token, window, margin, spot)
+    plan = cost_targets(views, prices, tokens * work_per_token, window, margin, spot, spot_margin)
     return replace(plan, targets=[t / work_per_token for t in plan.targets])
 
 
+def check_margins(margin: float, spot_margin: float) -> None:
+    """``ValueError`` unless both margins are in (0, 1] (a spot margin above ``margin`` counts as ``margin``: a spot
+    cluster's share is done no later than an on-demand one's)."""
+    if not 0 < margin <= 1:
+        raise ValueError(f"margin must be in (0, 1], not {margin}")
+    if not 0 < spot_margin <= 1:
+        raise ValueError(f"the spot margin must be in (0, 1], not {spot_margin}")
+
+
 def _spot_horizon(
-    clusters: Sequence[ClusterView], tokens: float, horizon: float, window_s: float, spot: Collection[str]
+    clusters: Sequence[ClusterView], tokens: float, horizon: float, spot_low: float, spot: Collection[str]
 ) -> float:
-    """The spot clusters' horizon: :data:`SPOT_MARGIN` of the window, or the least more (up to the margin's
-    ``horizon``) with which the fleet has room for ``tokens`` (room grows with the horizon: a bisection)."""
-    low = min(horizon, SPOT_MARGIN * max(window_s, 0.0))
+    """The spot clusters' horizon: ``spot_low`` (the spot margin of the window), or the least more (up to the
+    margin's ``horizon``) with which the fleet has room for ``tokens`` (room grows with the horizon: a bisection)."""
+    low = min(horizon, spot_low)
     if math.fsum(_room(clusters, horizon, low, spot)) >= tokens or not any(c.name in spot for c in clusters):
         return low
     high = horizon
@@ -257,11 +270,12 @@ class CostPolicy:
         margin: float = MARGIN,
         min_concurrency: int = 1,
         spot: Collection[str] = (),
+        spot_margin: float = SPOT_MARGIN,
     ) -> None:
-        if not 0 < margin <= 1:
-            raise ValueError(f"margin must be in (0, 1], not {margin}")
+        check_margins(margin, spot_margin)
         self.prices = dict(prices or {})
         self.spot = frozenset(spot)  # the spot clusters, whose shares leave room for a preemption
+        self.spot_margin = spot_margin  # a spot cluster's share is done within this share of the window
         self.margin = margin
         self.min_concurrency = min_concurrency
         self._at_risk: OrderedDict[str, None] = OrderedDict()  # batches logged at risk (the newest kept)
@@ -284,7 +298,14 @@ class CostPolicy:
         tokens = math.fsum(q.total_tokens for q in queries)
         per = work_per_token(queries)  # this batch's mix
         return cost_split(
-            usable_clusters(clusters), self.prices, tokens, window_s, per, self.margin, self.spot
+            usable_clusters(clusters),
+            self.prices,
+            tokens,
+            window_s,
+            per,
+            self.margin,
+            self.spot,
+            self.spot_margin,
         )
 
     def assign_within(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from gateway.assign.cost import MARGIN, Prices, cost_split, dollars_per_token
+from gateway.assign.cost import MARGIN, SPOT_MARGIN, Prices, cost_split, dollars_per_token
 from gateway.assign.loads import ClusterView, QueryLoad
 from workqueue import keys
 
@@ -23,6 +23,7 @@ def evacuation_rules(
     deadline_in_s: float | None = None,
     pending_work_per_token: float = 1.0,
     deadlines_in_s: Mapping[str, float] | None = None,
+    spot_margin: float = SPOT_MARGIN,
 ) -> tuple[Callable[[Sequence[ClusterView], Sequence[QueryLoad]], list[float]], Callable[..., bool]]:
     """Under the cost policy, the rules of a drain (a preempted, dead or removed cluster's queue moved away, by the
     offloader or an admin call; :func:`gateway.offload.rebalance.plan_moves`): where the queue goes (the cost
@@ -44,7 +45,9 @@ def evacuation_rules(
                 deadlines_in_s[b] for b in {keys.split_gid(q.key)[0] for q in queries} if b in deadlines_in_s
             ]
             window = min(own) if own else None
-        return cost_split(views, prices, tokens, window, pending_work_per_token, spot=spot).targets
+        return cost_split(
+            views, prices, tokens, window, pending_work_per_token, spot=spot, spot_margin=spot_margin
+        ).targets
 
     def allowed(donor: ClusterView, recipient: ClusterView) -> bool:
         return move_allowed(donor, recipient, prices, deadline_in_s, work_per_token=pending_work_per_token)

@@ -22,13 +22,23 @@ POLICIES: dict[str, Callable[..., AssignmentPolicy]] = {
 
 
 def make_policy(
-    name: str, prices: Mapping[str, float] | None = None, spot: Collection[str] = ()
+    name: str,
+    prices: Mapping[str, float] | None = None,
+    spot: Collection[str] = (),
+    spot_margin: float | None = None,
 ) -> AssignmentPolicy:
     """A fresh policy by name; ``ValueError`` naming the choices when unknown. ``prices``: each cluster's
     dollars per hour (:func:`gateway.assign.cost.fleet_prices`), and ``spot`` the clusters on spot
-    (:func:`gateway.assign.cost.spot_clusters`), for a policy that reads them (``cost``)."""
+    (:func:`gateway.assign.cost.spot_clusters`), for a policy that reads them (``cost``), with ``spot_margin``
+    (None: the policy's default, :data:`gateway.assign.cost.SPOT_MARGIN`)."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown assignment policy {name!r}; choose one of {', '.join(POLICIES)}") from None
-    return factory(prices, spot=spot) if getattr(factory, "priced", False) else factory()
+    if not getattr(factory, "priced", False):
+        return factory()
+    return (
+        factory(prices, spot=spot)
+        if spot_margin is None
+        else factory(prices, spot=spot, spot_margin=spot_margin)
+    )

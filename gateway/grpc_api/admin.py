@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from gateway.assign.cost import SPOT_MARGIN
 from gateway.assign.cost_moves import evacuation_rules
 from gateway.assign.listing import read_clusters
 from gateway.assign.loads import work_units
@@ -102,7 +103,11 @@ class AdminService(pb_grpc.AdminServiceServicer):
         eta, spot = self.d.eta, getattr(self.d.policy, "spot", frozenset())
         deadlines = eta.deadlines_in_s(self.d.queue.clock())
         return evacuation_rules(
-            prices, spot, pending_work_per_token=work_units(eta.prompt_share), deadlines_in_s=deadlines
+            prices,
+            spot,
+            pending_work_per_token=work_units(eta.prompt_share),
+            deadlines_in_s=deadlines,
+            spot_margin=getattr(self.d.policy, "spot_margin", SPOT_MARGIN),
         )
 
     def _plan_and_apply(self, drain: Sequence[str], dry_run: bool, remove: str = "") -> pb.RebalanceResponse:

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.assign.calibrated import LengthCalibrator
-from gateway.assign.cost import holds_work
+from gateway.assign.cost import SPOT_MARGIN, holds_work
 from gateway.assign.cost_moves import evacuation_rules
 from gateway.assign.loads import work_units
 from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
@@ -63,6 +63,8 @@ class OffloadConfig:
     prices: Mapping[str, float] | None = None
     #: the cost policy's spot clusters: an evacuated queue's share of them leaves room for a preemption
     spot: frozenset[str] = frozenset()
+    #: the cost policy's spot margin (its ``spot_margin``)
+    spot_margin: float = SPOT_MARGIN
 
 
 class Offloader:
@@ -237,6 +239,7 @@ class Offloader:
             self.config.spot,
             pending_work_per_token=self._work_per_token(),
             deadlines_in_s=self.deadlines_in_s,
+            spot_margin=self.config.spot_margin,
         )
 
     def _asks(self, v: ClusterView) -> bool:

@@ -174,6 +174,7 @@ def run_setup(
                    for s in ev.seen],
         "processes": beats.processes(),
         "engine_commands": ev.commands,  # their --lease-s and --checkpoint-tokens, for the simulator's replay
+        "gateway_args": list(args.gateway_arg),  # its --spot-margin, for the replay
     }  # fmt: skip
     write_run(run_dir, rows, meta)
     (run_dir / "costs.jsonl").write_text("".join(json.dumps(c) + "\n" for c in costs))
