@@ -18,7 +18,8 @@ per-cluster deques) and the network (moves are instant; their cost enters only t
 
 Modules: :mod:`sim.costs` (step times), :mod:`sim.workload` (queries and arrivals),
 :mod:`sim.engines` (simulated engines around the real scheduler), :mod:`sim.pipelined` (a planned
-cluster: the plan's pipeline stages on their devices' cost models), :mod:`sim.core` (the event
-loop), :mod:`sim.study` (MICO's four combinations, the cluster sweep, the scale run) and
+cluster: the plan's pipeline stages on their devices' cost models), :mod:`sim.cluster` (a cluster's
+spec and state), :mod:`sim.core` (the event loop), :mod:`sim.spot` (prices, preemptions and resumes;
+:mod:`sim.spot_replay`, :mod:`sim.spot_scale`), :mod:`sim.study` (MICO's four combinations, the cluster sweep, the scale run) and
 :mod:`sim.cli` (the ``fleetsim`` command: ``fleetbatch sim study|scale``; ``python -m sim.cli`` too). See ``docs/design/sim.md``.
 """

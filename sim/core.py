@@ -28,27 +28,13 @@ from gateway.assign.estimates import charged_tokens
 from gateway.assign.policies import ClusterView, QueryLoad, queue_order
 from gateway.assign.registry import make_policy
 from gateway.offload.moves import Backoff, LinkCost, plan_offload
-from sim.costs import LinearCost
+from sim.cluster import ClusterSpec, SimCluster
 from sim.engines import IterationEngine, StaticEngine
 from sim.pipelined import PipelinedEngine
-from sim.queues import OrderedQueue
 from sim.result import SimResult
 from sim.workload import Workload
 
 STEP, ARRIVE, TICK, EVENT = 0, 1, 2, 3  # EVENT: a subclass's own (sim.spot: notices, kills, clusters back)
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """One simulated cluster: its cost model, engine kind and engine limits."""
-
-    name: str
-    cost: LinearCost = field(default_factory=LinearCost)  # unused by "pipelined" (its plan's devices)
-    backend: str = "iteration"  # "iteration" (native scheduler), "static" or "pipelined" (with plan)
-    batch: int = 8  # max_running (iteration) or max_batch (static); a plan sets its own
-    kv_budget_tokens: int = 16384
-    capacity_tps: float | None = None  # capacity hint; None: from the cost model and the workload's means
-    plan: str | None = None  # "pipelined": the plan file its stages run (sim.pipelined)
 
 
 @dataclass
@@ -70,30 +56,6 @@ class SimConfig:
     prefix_cache: bool = True  # the engines' prefix cache (fleetbatch engine serve --no-prefix-cache: False)
 
 
-class _Cluster:
-    def __init__(self, spec: ClusterSpec, engine, capacity: float) -> None:
-        self.spec = spec
-        self.name = spec.name
-        self.engine = engine
-        self.capacity = capacity
-        self.queue = OrderedQueue()
-        self.queued_tokens = 0.0  # prompt + predicted of queued queries (Redis "pending")
-        self.inflight_pred = 0.0  # predicted tokens of queries the engine holds (heartbeat)
-        self.busy = False
-        self.step_start = 0.0
-        self.version = 0
-        self.finished = 0
-        self.failed = 0
-        self.moved_in = 0
-        self.moved_out = 0
-        self.busy_s = 0.0
-        self.down = False  # preempted or killed, until it is back (sim.spot): it takes no work
-
-    def view(self) -> ClusterView:
-        pending = max(0.0, self.queued_tokens + self.inflight_pred)
-        return ClusterView(self.name, self.capacity, pending_tokens=pending, queue_length=len(self.queue))
-
-
 class Simulator:
     def __init__(self, specs: list[ClusterSpec], work: Workload, config: SimConfig | None = None) -> None:
         if not specs:
@@ -109,14 +71,14 @@ class Simulator:
         n = max(1, len(work))
         mean_p = sum(work.prompt_tokens) / n
         mean_r = sum(work.predicted_tokens) / n
-        self.clusters: list[_Cluster] = []
+        self.clusters: list[SimCluster] = []
         for s in specs:
             engine = self._make_engine(s)
             if s.backend == "pipelined":
                 cap = s.capacity_tps or engine.predicted_tokens_per_s
             else:
                 cap = s.capacity_tps or s.cost.tokens_per_s(s.batch, mean_p, mean_r)
-            self.clusters.append(_Cluster(s, engine, cap))
+            self.clusters.append(SimCluster(s, engine, cap))
         self.backoffs: dict[str, Backoff] = {}
         self.now = 0.0
         self._heap: list[tuple[float, int, int, int, int]] = []
@@ -210,27 +172,7 @@ class Simulator:
         if self.done < n:
             raise RuntimeError(f"simulation stalled with {n - self.done} of {n} queries unfinished")
         start = groups[0][0] if groups else 0.0
-        per = {
-            c.name: {
-                "queries": c.finished,
-                "failed": c.failed,
-                "steps": c.engine.num_steps,
-                "generated_tokens": c.engine.generated_tokens,
-                "busy_s": round(c.busy_s, 3),
-                "kv_token_seconds": round(c.engine.kv_token_seconds, 1),
-                "kv_cached_token_seconds": round(c.engine.kv_cached_token_seconds, 1),
-                "moved_in": c.moved_in,
-                "moved_out": c.moved_out,
-                "capacity_tps": round(c.capacity, 2),
-                **{
-                    k: getattr(c.engine.kv, k, 0)
-                    for k in ("hit_tokens", "lookup_tokens")
-                    if hasattr(c.engine, "kv")
-                },
-                "prefill_tokens": getattr(c.engine, "prefill_tokens", 0),
-            }
-            for c in self.clusters
-        }
+        per = {c.name: c.summary() for c in self.clusters}
         return SimResult(
             makespan_s=max(finish, default=start) - start,
             queries=n,
@@ -248,7 +190,7 @@ class Simulator:
         )
 
     # ---- clusters ---------------------------------------------------------------------------
-    def _finished(self, c: _Cluster, qids: list[int]) -> None:
+    def _finished(self, c: SimCluster, qids: list[int]) -> None:
         """Record queries that finished now, and those the engine failed (larger than its whole KV cache)."""
         e = c.engine
         if e.failed:
@@ -287,7 +229,7 @@ class Simulator:
         c.version += 1
         self._push(self.now + d, STEP, idx, c.version)
 
-    def _pull(self, c: _Cluster) -> None:
+    def _pull(self, c: SimCluster) -> None:
         if c.down:  # a preempted or killed cluster takes no work (sim.spot)
             return
         n, total, pred = c.engine.free_slots(), self.charge, self.work.predicted_tokens
@@ -388,7 +330,7 @@ class Simulator:
         :mod:`sim.spot`; here, always)."""
         return True
 
-    def _tail(self, c: _Cluster) -> list[QueryLoad]:
+    def _tail(self, c: SimCluster) -> list[QueryLoad]:
         """:func:`gateway.assign.views.queued_loads` of ``c``: its last ``tail_len`` queued queries, front first."""
         tail = self._tails.get(c.name)
         if tail is None:

@@ -43,7 +43,8 @@ from gateway.assign.cost_moves import evacuation_rules, move_allowed
 from gateway.assign.loads import ClusterView, QueryLoad, work_per_token
 from gateway.assign.policies import water_fill_targets
 from gateway.assign.registry import make_policy
-from sim.core import EVENT, TICK, ClusterSpec, SimConfig, Simulator, _Cluster
+from sim.cluster import ClusterSpec, SimCluster
+from sim.core import EVENT, TICK, SimConfig, Simulator
 from sim.result import SimResult
 from sim.workload import Workload
 
@@ -137,7 +138,7 @@ class SpotSimulator(Simulator):
         w = self.market.window_s
         return None if w is None else max(0.0, self.start + w - self.now)
 
-    def _view(self, c: _Cluster) -> ClusterView:
+    def _view(self, c: SimCluster) -> ClusterView:
         """``c`` as the gateway sees it: accepting unless down, its capacity in the gateway's unit (work units a
         second, :data:`gateway.assign.loads.PROMPT_WEIGHT`: what the cost policy's times are counted in). A plan's
         rate or a configured hint is in that unit already; one derived from the cost model
@@ -165,7 +166,7 @@ class SpotSimulator(Simulator):
             work_per_token=self.work_per_token,
         )
 
-    def _split(self, receivers: list[_Cluster], loads: list[QueryLoad]) -> list[float]:
+    def _split(self, receivers: list[SimCluster], loads: list[QueryLoad]) -> list[float]:
         """A drain's targets over the receivers (tokens each)."""
         views = [self._view(x) for x in receivers]
         if self.config.policy == "cost":
@@ -208,7 +209,7 @@ class SpotSimulator(Simulator):
             and (per_s := dollars_per_second(prices, c.name)) > 0
         ]
 
-    def _drain(self, c: _Cluster) -> None:
+    def _drain(self, c: SimCluster) -> None:
         """Move ``c``'s whole queue to the clusters that take work, by the drain's split (module docstring)."""
         receivers = [x for x in self.clusters if not x.down]
         if not receivers:
@@ -261,7 +262,7 @@ class SpotSimulator(Simulator):
                 c.queued_tokens += self.charge[q]
             self._kick(i)
 
-    def _stop(self, c: _Cluster, idx: int, killed: bool) -> None:
+    def _stop(self, c: SimCluster, idx: int, killed: bool) -> None:
         """``c``'s engine stops now: the queries it held go back with their partial outputs."""
         old = c.engine
         held = old.held()

@@ -141,7 +141,7 @@ def summarise(
     figs = {name: run_figures(r) for name, r in runs.items()}
     out: dict = {}
     base = figs["on_demand"]["cost_dollars"]
-    rates = measured_rates(runs["on_demand"])
+    rates = measured_rates(runs["on_demand"]) if prices else {}  # the floor needs both
     floors: dict[str, dict | None] = {}
     for w in windows:
         a, b = figs[f"cost_{w}"]["cost_dollars"], figs[f"token_{w}"]["cost_dollars"]
