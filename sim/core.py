@@ -313,7 +313,12 @@ class Simulator:
                 if b is not c and b.queue and self._may_move(views[b.name], v)
             }
             move = plan_offload(
-                v, [views[n] for n in tails], tails, cfg.links, idle_threshold_tokens=threshold
+                v,
+                [views[n] for n in tails],
+                tails,
+                cfg.links,
+                idle_threshold_tokens=threshold,
+                fill=self._fill,
             )
             if move is None:
                 backoff.failed()
@@ -329,6 +334,11 @@ class Simulator:
         """Whether the offloader may move queued work from ``donor`` to ``recipient`` (the cost policy's rule in
         :mod:`sim.spot`; here, always)."""
         return True
+
+    def _fill(self, donor: ClusterView, recipient: ClusterView) -> float | None:
+        """How far ``recipient`` may fill with ``donor``'s queued work past equal finish times (the cost policy's
+        :func:`gateway.assign.cost_moves.fill_rule` in :mod:`sim.spot`; here, not at all)."""
+        return None
 
     def _tail(self, c: SimCluster) -> list[QueryLoad]:
         """:func:`gateway.assign.views.queued_loads` of ``c``: its last ``tail_len`` queued queries, front first."""

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gateway.assign.cost import SPOT_MARGIN, assign_batch, dollars_per_second
-from gateway.assign.cost_moves import evacuation_rules, move_allowed
+from gateway.assign.cost_moves import evacuation_rules, fill_rule, move_allowed
 from gateway.assign.loads import ClusterView, QueryLoad, work_per_token
 from gateway.assign.policies import water_fill_targets
 from gateway.assign.registry import make_policy
@@ -165,6 +165,24 @@ class SpotSimulator(Simulator):
             self._round_window,
             work_per_token=self.work_per_token,
         )
+
+    def _fill(self, donor: ClusterView, recipient: ClusterView) -> float | None:
+        if self.config.policy != "cost":
+            return None
+        views, m = self._round_views, self.market
+        rule = fill_rule(
+            m.prices,
+            m.spot,
+            self._round_window,
+            spot_margin=m.spot_margin,
+            pending_work_per_token=self.work_per_token,
+        )
+        until, gateway_view = rule(views[donor.name], views[recipient.name]), views[recipient.name]
+        if until is None or recipient.capacity_tps <= 0:
+            return until
+        # in the unit of the views the moves are planned on: tokens over the cluster's own capacity, which for a
+        # capacity derived from the cost model counts prompt and response tokens alike (see _view)
+        return until * gateway_view.capacity_tps / recipient.capacity_tps
 
     def _split(self, receivers: list[SimCluster], loads: list[QueryLoad]) -> list[float]:
         """A drain's targets over the receivers (tokens each)."""

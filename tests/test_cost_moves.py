@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 
-from gateway.assign.cost import MARGIN, dollars_per_token
-from gateway.assign.cost_moves import evacuation_rules, move_allowed
+import pytest
+
+from gateway.assign.cost import DEFAULT_WINDOW_S, MARGIN, SPOT_MARGIN, dollars_per_token
+from gateway.assign.cost_moves import FILL_SHARE, evacuation_rules, fill_rule, move_allowed
 from gateway.assign.loads import ClusterView, QueryLoad
 from gateway.offload.offloader import OffloadConfig, Offloader
 from gateway.offload.rebalance import plan_moves
@@ -47,6 +49,49 @@ def test_the_offloader_moves_work_to_a_dearer_cluster_only_to_save_a_deadline(re
     queue.create_batch("tight", rows, window_s=20.0)  # slow now holds 30 s of work: past 0.8 x 20 s
     assert Offloader(queue, cost).tick() > 0  # the move saves the deadline
     assert queue.clusters(["fast"])[0].queue_length > 0
+
+
+def test_the_fill_rule_under_the_cost_policy():
+    fast, medium, slow = FLEET
+    fill = fill_rule(PRICES, {"slow"}, 100.0)
+    # cheaper on demand: FILL_SHARE of the margin of the time left; cheaper on spot: of the spot margin
+    assert fill(fast, medium) == pytest.approx(FILL_SHARE * MARGIN * 100.0) == pytest.approx(72.0)
+    assert fill(fast, slow) == pytest.approx(FILL_SHARE * SPOT_MARGIN * 100.0)
+    assert fill(slow, fast) is None and fill(medium, medium) is None  # dearer, or as dear: equal finish times
+    assert fill_rule(PRICES, (), deadlines_in_s={"a": 300.0, "b": 100.0})(fast, medium) == pytest.approx(72.0)
+    assert fill_rule(PRICES, ())(fast, medium) == pytest.approx(
+        FILL_SHARE * MARGIN * DEFAULT_WINDOW_S
+    )  # none
+    # the horizon in the moves' unit: queued tokens at 0.5 work units each take half the time a work unit does
+    assert fill_rule(PRICES, (), 100.0, pending_work_per_token=0.5)(fast, medium) == pytest.approx(144.0)
+    assert fill_rule(PRICES, {"slow"}, 100.0, spot_margin=0.7)(fast, slow) == pytest.approx(63.0)
+    # the band between the fill and the move rule's trigger: work filled to the horizon is not taken back at once
+    full = ClusterView("medium", 400.0, pending_tokens=400.0 * 72.0)
+    assert not move_allowed(full, fast, PRICES, 100.0)
+
+
+@pytest.mark.parametrize(
+    ("cost", "spot", "taken"),
+    [(True, (), (43, 43)), (True, ("slow",), (26, 27)), (False, (), (16, 16))],
+    ids=["on-demand", "spot", "not-the-cost-policy"],
+)
+def test_an_idle_cheaper_cluster_takes_a_dear_clusters_tail_up_to_its_horizon(redis_url, cost, spot, taken):
+    """The offloader under the cost policy: a cheap idle cluster took a dear busy one's tail only to equal finish
+    times (16 of 100 queries here, 10 - 0.1 (k - 1) s > 0.5 k s up to k = 16: the token policy's balance, which it
+    still is without the cost policy), and so left most of a drained queue on the dear cluster after a preempted
+    spot cluster came back. Now it takes what it finishes within its horizon: 0.9 x 0.8 of the 30 s left on demand
+    (21.6 s at 200 tokens/s: 43 queries of 100 tokens), 0.9 x 0.5 of it on spot (13.5 s: 27, or 26 as time
+    passes)."""
+    queue = WorkQueue(connect(redis_url))
+    for name, tps in (("fast", 1000.0), ("slow", 200.0)):
+        queue.register_cluster(name, capacity_hint_tps=tps)
+        queue.heartbeat(name, ttl_s=600, tokens_per_s=tps)
+    rows = [(QueuedQuery("b", f"q{i}", "p", 8, 4, 96.0), "fast") for i in range(100)]  # 10 s of fast's work
+    queue.create_batch("b", rows, window_s=30.0)
+    config = OffloadConfig(prices=PRICES, spot=frozenset(spot)) if cost else OffloadConfig()
+    assert Offloader(queue, config).tick() > 0
+    fast, slow = queue.clusters(["fast", "slow"])
+    assert taken[0] <= slow.queue_length <= taken[1] and fast.queue_length == 100 - slow.queue_length
 
 
 def test_an_evacuated_queue_goes_where_the_cost_split_puts_it_and_is_not_balanced_onto_a_dearer_cluster():

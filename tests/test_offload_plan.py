@@ -117,6 +117,24 @@ def test_per_link_costs():
     assert move is not None and move.src == "c"
 
 
+def test_a_fill_horizon_takes_past_equal_finish_times():
+    """The cost policy's fill (gateway.assign.cost_moves.fill_rule): a cheaper idle cluster takes the tail while it
+    finishes what it takes within ``until_s``, past the equal finish times of a plain move (500 tokens here)."""
+    assert tail_move(busy(), IDLE, tail(10), FREE, until_s=800.0) == Move("a", "b", 8, 800.0)
+    assert tail_move(busy(), IDLE, tail(10), FREE, until_s=300.0) == Move("a", "b", 5, 500.0)  # at least that
+    assert tail_move(busy(), IDLE, tail(10), FREE, until_s=5000.0) == Move("a", "b", 10, 1000.0)
+    fill = {"a": 700.0, "c": None}.get
+    move = plan_offload(IDLE, [busy()], {"a": tail(10)}, FREE, fill=lambda donor, idle: fill(donor.name))
+    assert move == Move("a", "b", 7, 700.0)
+    # the fill is asked of each donor with the idle cluster; None there is the plain move
+    asked = []
+    plan_offload(IDLE, [busy("c")], {"c": tail(10)}, FREE, fill=lambda d, i: asked.append((d.name, i.name)))
+    assert asked == [("c", "b")]
+    assert plan_offload(IDLE, [busy("c")], {"c": tail(10)}, FREE, fill=lambda d, i: None) == Move(
+        "c", "b", 5, 500.0
+    )
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.floats(1, 1e5),

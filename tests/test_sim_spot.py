@@ -141,6 +141,32 @@ def test_a_larger_spot_margin_saves_where_the_window_allows():
     assert cost[0.8].makespan_s <= 2 * t  # the window is met all the same
 
 
+class EqualFinishSimulator(SpotSimulator):
+    """The offloader as it was: a cheaper idle cluster takes a dear one's tail only to equal finish times."""
+
+    def _fill(self, donor, recipient):
+        return None
+
+
+def test_spot_clusters_back_from_a_notice_take_their_share_back_from_the_dear_cluster():
+    """Both spot clusters get a notice at once: their queues drain to fast, the only cluster up. Back 0.05 T later,
+    under the cost policy each fills from fast's tail up to its horizon, not only to equal finish times (which left
+    most of the drained work on fast): fast answers fewer queries, is released sooner and the fleet costs less,
+    within the window all the same."""
+    w = workload()
+    t = makespan(w)
+    outages = [Outage(n, 0.2 * t, "preempt", notice_s=0.01, back_t=0.25 * t) for n in ("medium", "slow")]
+    cfg, market = (
+        SimConfig(policy="cost", max_tokens=256),
+        Market(PRICES, SPOT, window_s=2 * t, spot_margin=0.8),
+    )
+    fill = SpotSimulator(fleet(), w, cfg, market, outages).run()
+    equal = EqualFinishSimulator(fleet(), w, cfg, market, outages).run()
+    assert fill.per_cluster["fast"]["queries"] < equal.per_cluster["fast"]["queries"]
+    assert fill.cost_dollars < equal.cost_dollars and fill.makespan_s <= 2 * t
+    assert fill.per_cluster["medium"]["moved_in"] > 0  # it took work back
+
+
 def test_outages_are_checked():
     with pytest.raises(ValueError, match="unknown clusters: nowhere"):
         SpotSimulator(fleet(), workload(10), outages=[Outage("nowhere", 1.0)])

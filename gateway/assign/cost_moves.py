@@ -3,7 +3,11 @@
 **Moves** (:func:`move_allowed`). Under the cost policy the offloader moves queued work to a cluster only when it
 is no dearer per token (the batch gets cheaper, or costs the same, and finishes earlier: every move already pays
 in finish time), or when the donor would finish past ``MARGIN`` of the time to the nearest deadline (the move
-saves it). **Drains** (:func:`evacuation_rules`): a stopped cluster's queue goes where the cost split puts it.
+saves it). **How much** a cheaper cluster takes (:func:`fill_rule`): an idle cluster cheaper per token than the
+donor takes the donor's queued tail up to what it finishes within its own horizon (the margin of the time to the
+nearest deadline, the spot margin for a spot cluster: where the cost split would have put that work), not only
+up to equal finish times, which is the token policy's balance and gave a drained queue back to the dear cluster
+that took it. **Drains** (:func:`evacuation_rules`): a stopped cluster's queue goes where the cost split puts it.
 Pure module.
 """
 
@@ -12,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from gateway.assign.cost import MARGIN, SPOT_MARGIN, Prices, cost_split, dollars_per_token
+from gateway.assign.cost import DEFAULT_WINDOW_S, MARGIN, SPOT_MARGIN, Prices, cost_split, dollars_per_token
 from gateway.assign.loads import ClusterView, QueryLoad
 from workqueue import keys
 
@@ -78,3 +82,42 @@ def move_allowed(
     if deadline_in_s is None or donor.capacity_tps <= 0:
         return False
     return donor.pending_tokens * work_per_token / donor.capacity_tps > margin * max(deadline_in_s, 0.0)
+
+
+#: the fill stops at this share of the recipient's horizon: between it and the horizon (where :func:`move_allowed`
+#: lets a dearer cluster take work back to save the deadline) is room for the estimates to drift (a running query's
+#: predicted tokens count until it ends), so that work is not moved there and back
+FILL_SHARE = 0.9
+
+#: how far (seconds from now) an idle recipient may fill with a donor's queued work (None: to equal finish times)
+FillRule = Callable[[ClusterView, ClusterView], "float | None"]
+
+
+def fill_rule(
+    prices: Prices,
+    spot: Collection[str],
+    deadline_in_s: float | None = None,
+    deadlines_in_s: Mapping[str, float] | None = None,
+    spot_margin: float = SPOT_MARGIN,
+    margin: float = MARGIN,
+    pending_work_per_token: float = 1.0,
+) -> FillRule:
+    """Under the cost policy, how much of a donor's queued work an idle recipient takes
+    (:func:`gateway.offload.moves.plan_offload`): a recipient cheaper per token than the donor takes up to what it
+    finishes within its horizon, ``margin`` (``spot_margin`` for a cluster named in ``spot``) of the time to the
+    nearest deadline (``deadline_in_s``, or the nearest of ``deadlines_in_s``; none: :data:`DEFAULT_WINDOW_S`, as
+    the split counts a batch without one). Every such token is billed less where it lands and releases the donor
+    sooner. Any other pair: None (the balance to equal finish times, where :func:`move_allowed` allows a move).
+    The horizon is given as the moves time queued work, tokens over capacity: queued tokens are worth
+    ``pending_work_per_token`` work units (the fleet's mix), so a horizon of ``h`` seconds is ``h /
+    pending_work_per_token`` there."""
+    if deadline_in_s is None and deadlines_in_s is not None:
+        deadline_in_s = nearest_deadline(deadlines_in_s)
+    left = DEFAULT_WINDOW_S if deadline_in_s is None else max(deadline_in_s, 0.0)
+
+    def until(donor: ClusterView, recipient: ClusterView) -> float | None:
+        if dollars_per_token(recipient, prices) >= dollars_per_token(donor, prices):
+            return None
+        return FILL_SHARE * (spot_margin if recipient.name in spot else margin) * left / pending_work_per_token
+
+    return until

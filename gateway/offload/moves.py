@@ -99,11 +99,14 @@ def tail_move(
     link: LinkCost,
     bytes_per_query: Callable[[QueryLoad], int] | None = None,
     max_tokens: float = math.inf,
+    until_s: float | None = None,
 ) -> Move | None:
     """The largest paying move of ``tail`` queries (back of ``donor``'s queue last) to ``recipient``, or None.
 
     With ``max_tokens``, a query is added only while it brings the moved total closer to
-    ``max_tokens`` (``moved + q / 2 < max_tokens``), so the move ends within half a query of it.
+    ``max_tokens`` (``moved + q / 2 < max_tokens``), so the move ends within half a query of it. With ``until_s``
+    (the cost policy's fill, :func:`gateway.assign.cost_moves.fill_rule`), a query also pays when the recipient
+    finishes it within ``until_s`` seconds, past equal finish times.
     """
     if not recipient.usable or donor.name == recipient.name:
         return None
@@ -118,7 +121,8 @@ def tail_move(
         moved_tokens += q.total_tokens
         moved_bytes += size_of(q)
         at_recipient = _finish(recipient.pending_tokens + moved_tokens, recipient.capacity_tps)
-        if at_donor - at_recipient <= link.transfer_seconds(moved_bytes):
+        pays = at_donor - at_recipient > link.transfer_seconds(moved_bytes)
+        if not pays and (until_s is None or at_recipient > until_s):
             break
         best = Move(donor.name, recipient.name, count, moved_tokens)
     if best is None:
@@ -134,6 +138,7 @@ def plan_offload(
     bytes_per_query: Callable[[QueryLoad], int] | None = None,
     idle_threshold_tokens: float = 0.0,
     allowed: Callable[[ClusterView, ClusterView], bool] | None = None,
+    fill: Callable[[ClusterView, ClusterView], float | None] | None = None,
 ) -> Move | None:
     """What ``idle`` should take, if anything.
 
@@ -142,6 +147,8 @@ def plan_offload(
     that yields a paying :func:`tail_move` is the answer. ``tails[c]`` holds the last queued
     queries of ``c``, back of the queue last. ``allowed(donor, idle)``: whether a move between them may be
     made at all (the cost policy's rule, :func:`gateway.assign.cost_moves.move_allowed`; None: every one).
+    ``fill(donor, idle)``: seconds within which ``idle`` may finish what it takes past equal finish times (the cost
+    policy's :func:`gateway.assign.cost_moves.fill_rule`; None, or a None answer: to equal finish times).
     """
     if idle_threshold_tokens < 0:
         raise ValueError(f"idle_threshold_tokens must be >= 0, not {idle_threshold_tokens}")
@@ -152,9 +159,9 @@ def plan_offload(
     ]
     donors.sort(key=lambda c: (-_finish(c.pending_tokens, c.capacity_tps), c.name))
     for donor in donors:
-        move = tail_move(
-            donor, idle, tails[donor.name], link_cost(links, donor.name, idle.name), bytes_per_query
-        )
+        until_s = fill(donor, idle) if fill is not None else None
+        link = link_cost(links, donor.name, idle.name)
+        move = tail_move(donor, idle, tails[donor.name], link, bytes_per_query, until_s=until_s)
         if move is not None:
             return move
     return None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from gateway.assign.calibrated import LengthCalibrator
 from gateway.assign.cost import SPOT_MARGIN, holds_work
-from gateway.assign.cost_moves import evacuation_rules
+from gateway.assign.cost_moves import FillRule, evacuation_rules, fill_rule
 from gateway.assign.loads import work_units
 from gateway.assign.policies import ClusterView, NoClusterError, QueryLoad
 from gateway.assign.views import cluster_views, queued_tails
@@ -203,6 +203,7 @@ class Offloader:
                 self.config.links,
                 idle_threshold_tokens=v.capacity_tps * self.config.lookahead_s,
                 allowed=self._allowed(),
+                fill=self._fill(),
             )
             if move is None:
                 backoff.failed()
@@ -227,6 +228,20 @@ class Offloader:
         """The cost policy's rule for this tick's moves (None: not the cost policy)."""
         rules = self._cost_rules()
         return rules[1] if rules is not None else None
+
+    def _fill(self) -> FillRule | None:
+        """The cost policy's fill for this tick's moves (:func:`gateway.assign.cost_moves.fill_rule`; None: not the
+        cost policy)."""
+        prices = self.config.prices
+        if prices is None:
+            return None
+        return fill_rule(
+            prices,
+            self.config.spot,
+            deadlines_in_s=self.deadlines_in_s,
+            spot_margin=self.config.spot_margin,
+            pending_work_per_token=self._work_per_token(),
+        )
 
     def _cost_rules(self) -> tuple[Split, Allowed] | None:
         """The cost policy's drain split and move rule (:func:`gateway.assign.cost_moves.evacuation_rules`) for this tick
