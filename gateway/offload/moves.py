@@ -8,7 +8,9 @@ Pure decision logic; the gateway carries a :class:`Move` out atomically with a L
   ``queueing delay saved = its finish time at the donor - the recipient's finish time
   after the move`` must exceed ``transfer cost = link latency + bytes / bandwidth`` of the
   whole move. Both sides are monotone in the count, so the paying counts form a prefix and
-  the largest one is the move that equalises the two finish times as far as it pays.
+  the largest one is the move that equalises the two finish times as far as it pays. Under the
+  cost policy a cheaper recipient's move goes further, while the recipient finishes what it takes
+  within its horizon (``until_s``, :func:`gateway.assign.cost_moves.fill_rule`; also a prefix).
 * :func:`plan_offload` -- for an idle (or nearly idle) cluster: donors by expected finish
   time, busiest first; the first paying move wins.
 * :class:`Backoff` -- an idle cluster that got nothing waits ``base * factor**(n-1)`` seconds

@@ -3,7 +3,8 @@
 Every tick the offloader (1) requeues queries whose worker died (expired leases), (2)
 moves the queued work of dead, draining or removed clusters to live ones, and (3) for each
 idle or nearly idle cluster whose backoff allows it, asks :func:`gateway.offload.moves.plan_offload`
-for a paying move. Steps (1) and (2) always run; (3) only with ``balance`` (``fleetbatch gateway serve
+for a paying move (under the cost policy, one its rule allows, as far as its fill goes:
+:mod:`gateway.assign.cost_moves`). Steps (1) and (2) always run; (3) only with ``balance`` (``fleetbatch gateway serve
 --no-offload`` turns it off). A cluster that got nothing waits exponentially longer before
 asking again.
 
@@ -59,7 +60,8 @@ class OffloadConfig:
         True  # step (3): moves between live clusters (off: `fleetbatch gateway serve --no-offload`)
     )
     #: the cost policy's prices (dollars per hour by cluster): step (2) drains by its split and step (3) makes only
-    #: the moves its rule allows (gateway.assign.cost_moves.evacuation_rules, move_allowed); None: every paying move
+    #: the moves its rule allows, as far as its fill goes (gateway.assign.cost_moves: evacuation_rules, move_allowed,
+    #: fill_rule); None: every paying move, to equal finish times
     prices: Mapping[str, float] | None = None
     #: the cost policy's spot clusters: an evacuated queue's share of them leaves room for a preemption
     spot: frozenset[str] = frozenset()
