@@ -125,8 +125,10 @@ def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
         help="show pending work per cluster and the moves that equalise expected finish times",
         description=(
             "Admin command. Prints each cluster's pending predicted tokens, capacity and expected finish "
-            "time, and the moves (from the back of queues) that equalise expected finish times. Dry run "
-            "by default; --apply carries the moves out. Also drains, adds, removes and preempts clusters."
+            "time, and the moves (from the back of queues) that equalise expected finish times (under "
+            "--policy cost: that place the queued work where the cost split puts it, cheaper clusters first "
+            "within the window). Dry run by default; --apply carries the moves out. Also drains, adds, "
+            "removes and preempts clusters."
         ),
     )
     add_rebalance(r, DEFAULT_TARGET)

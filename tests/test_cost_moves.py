@@ -111,11 +111,13 @@ def test_an_evacuated_queue_goes_where_the_cost_split_puts_it_and_is_not_balance
     spot_plan = plan_moves(views, {"slow": queue}, drain=["slow"], split=split, allowed=allowed)
     assert {m.dst for m in spot_plan.moves} == {"medium"}
     # a tight window: medium cannot finish 40,000 tokens in 0.8 x 50 s = 40 s (16,000): fast takes the rest
-    moved = {"fast": 0, "medium": 0}
+    moved = {"fast": 0, "medium": 0, "slow": 0}  # where the queue ends: the drain's moves and the balance's
     split, allowed = evacuation_rules(PRICES, (), 50.0)
     for m in plan_moves(views, {"slow": queue}, drain=["slow"], split=split, allowed=allowed).moves:
         moved[m.dst] += m.count
-    assert moved["medium"] in (15, 16) and moved["fast"] == 40 - moved["medium"]  # the fill rounds by a query
+        moved[m.src] -= m.count
+    # the balance, by the same split, evens the drain's rounding
+    assert moved["medium"] == 16 and moved["fast"] == 24
     # at the fleet's mix (0.2 units a token: prompt-heavy rows), the queue's 44,000 tokens are 8,800 units and fit
     # medium's 16,000 units in the tight window; the move rule times medium's new work the same way
     prompts = [QueryLoad(f"p{i}", 1000, 100.0) for i in range(40)]
@@ -140,3 +142,24 @@ def test_an_evacuated_queue_goes_where_the_cost_split_puts_it_and_is_not_balance
         "medium"
     }  # none: 24 h
     assert "fast" in drained_to(evacuation_rules(PRICES, (), 50.0)[0])  # the fleet's nearest, as before
+
+
+def test_an_admin_balance_under_the_cost_policy_places_queued_work_by_its_split():
+    """`gateway rebalance`'s balance phase: to equal finish times, fast (5/7 of the capacity) kept most of its
+    queue; under the cost policy the queued work goes where the split puts it (all of it on medium, cheaper per
+    token, within 0.8 of a 1,000 s window; fast, dear, only what a 50 s window needs of it)."""
+    fast = ClusterView("fast", 1000.0, pending_tokens=40_000.0, queue_length=40)
+    views = [fast, FLEET[1]]
+    queue = {"fast": [QueryLoad(f"q{i}", 0, 1000.0) for i in range(40)]}
+
+    def placed(window: float | None) -> dict[str, int]:
+        rules = evacuation_rules(PRICES, (), window) if window else (None, None)
+        out = {"fast": 40, "medium": 0}
+        for m in plan_moves(views, queue, split=rules[0], allowed=rules[1]).moves:
+            out[m.src] -= m.count
+            out[m.dst] += m.count
+        return out
+
+    assert placed(None) == {"fast": 29, "medium": 11}  # equal finish times: 29 s and 27.5 s
+    assert placed(1000.0) == {"fast": 0, "medium": 40}
+    assert placed(50.0) == {"fast": 24, "medium": 16}  # medium's 0.8 x 50 s = 16,000 tokens

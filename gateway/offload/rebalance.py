@@ -13,7 +13,9 @@
    (:attr:`RebalancePlan.kept`), and the rest of the queue moves past it. With no accepting cluster at all there is nowhere to
    drain to: :class:`~gateway.assign.policies.NoClusterError`.
 2. **Balance.** :func:`balance_targets` gives each accepting cluster the final load that
-   equalises finish times when only queued work can move (running work stays). Clusters
+   equalises finish times when only queued work can move (running work stays); under the cost
+   policy the final loads are its split of the queued work instead (the drain's ``split``, over what
+   each cluster runs), so that a cheaper cluster takes what it finishes within its horizon. Clusters
    above target give tails (:func:`gateway.offload.moves.tail_move`, each ending within half a
    query of the gap) to clusters below target, least busy first, and only where the move
    pays (queueing delay saved > transfer cost) and fits (and, under the cost policy, that its
@@ -217,7 +219,7 @@ def plan_moves(
             _append(plan.moves, src, current, run[::-1], state.move_block(src, current, run[::-1]))
 
     if len(receivers) > 1:
-        _balance(state, receivers, links, bytes_per_query, plan.moves, allowed)
+        _balance(state, receivers, links, bytes_per_query, plan.moves, allowed, split)
     return plan
 
 
@@ -245,10 +247,20 @@ def _balance(
     bytes_per_query: Callable[[QueryLoad], int] | None,
     moves: list[Move],
     allowed: Allowed | None = None,
+    split: Split | None = None,
 ) -> None:
     views = [state.views[n] for n in receivers]
     queued_tokens = [math.fsum(q.total_tokens for q in state.queues[n]) for n in receivers]
-    target = dict(zip(receivers, balance_targets(views, queued_tokens), strict=True))
+    if split is None:
+        targets = balance_targets(views, queued_tokens)
+    else:  # the cost policy: the queued work as its split would place it, over what each cluster runs
+        movable = [q for n in receivers for q in state.queues[n]]
+        floors = [
+            dataclasses.replace(v, pending_tokens=max(0.0, v.pending_tokens - t))
+            for v, t in zip(views, queued_tokens, strict=True)
+        ]
+        targets = [f.pending_tokens + x for f, x in zip(floors, split(floors, movable), strict=True)]
+    target = dict(zip(receivers, targets, strict=True))
     # Roles are fixed up front (donors above target, takers below), so no query moves twice.
     excess = {n: state.views[n].pending_tokens - target[n] for n in receivers}
     donors = sorted((n for n in receivers if excess[n] > 0), key=lambda n: (-excess[n], n))
@@ -269,6 +281,7 @@ def _balance(
                     link_cost(links, donor, taker),
                     bytes_per_query,
                     max_tokens=min(excess[donor], -excess[taker]),
+                    until_s=None if split is None else math.inf,  # the split's targets bound the move
                 )
                 if move is not None:
                     break
