@@ -122,7 +122,8 @@ def build_parser(prog: str = "fleetbatch gateway") -> argparse.ArgumentParser:
 
     r = sub.add_parser(
         "rebalance",
-        help="show pending work per cluster and the moves that equalise expected finish times",
+        help="show pending work per cluster and the moves that equalise expected finish times (or, under "
+        "--policy cost, place the queued work by its split)",
         description=(
             "Admin command. Prints each cluster's pending predicted tokens, capacity and expected finish "
             "time, and the moves (from the back of queues) that equalise expected finish times (under "

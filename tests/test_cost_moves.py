@@ -11,6 +11,7 @@ import pytest
 from gateway.assign.cost import DEFAULT_WINDOW_S, MARGIN, SPOT_MARGIN, dollars_per_token
 from gateway.assign.cost_moves import FILL_SHARE, evacuation_rules, fill_rule, move_allowed
 from gateway.assign.loads import ClusterView, QueryLoad
+from gateway.offload.moves import LinkCost
 from gateway.offload.offloader import OffloadConfig, Offloader
 from gateway.offload.rebalance import plan_moves
 from tests.test_cost_policy import FLEET, PRICES
@@ -65,6 +66,8 @@ def test_the_fill_rule_under_the_cost_policy():
     # the horizon in the moves' unit: queued tokens at 0.5 work units each take half the time a work unit does
     assert fill_rule(PRICES, (), 100.0, pending_work_per_token=0.5)(fast, medium) == pytest.approx(144.0)
     assert fill_rule(PRICES, {"slow"}, 100.0, spot_margin=0.7)(fast, slow) == pytest.approx(63.0)
+    # a spot margin above the margin counts as the margin, as in the split: the fill stays inside the band below
+    assert fill_rule(PRICES, {"slow"}, 100.0, spot_margin=1.0)(fast, slow) == pytest.approx(72.0)
     # the band between the fill and the move rule's trigger: work filled to the horizon is not taken back at once
     full = ClusterView("medium", 400.0, pending_tokens=400.0 * 72.0)
     assert not move_allowed(full, fast, PRICES, 100.0)
@@ -72,7 +75,7 @@ def test_the_fill_rule_under_the_cost_policy():
 
 @pytest.mark.parametrize(
     ("cost", "spot", "taken"),
-    [(True, (), (43, 43)), (True, ("slow",), (26, 27)), (False, (), (16, 16))],
+    [(True, (), (42, 43)), (True, ("slow",), (26, 27)), (False, (), (16, 16))],
     ids=["on-demand", "spot", "not-the-cost-policy"],
 )
 def test_an_idle_cheaper_cluster_takes_a_dear_clusters_tail_up_to_its_horizon(redis_url, cost, spot, taken):
@@ -163,3 +166,11 @@ def test_an_admin_balance_under_the_cost_policy_places_queued_work_by_its_split(
     assert placed(None) == {"fast": 29, "medium": 11}  # equal finish times: 29 s and 27.5 s
     assert placed(1000.0) == {"fast": 0, "medium": 40}
     assert placed(50.0) == {"fast": 24, "medium": 16}  # medium's 0.8 x 50 s = 16,000 tokens
+    # a cost balance moves up to its targets whatever the link (it pays in cost), and only when asked to
+    split, allowed = evacuation_rules(PRICES, (), 1000.0)
+    slow_link = LinkCost(latency_s=1e6)
+    assert (
+        sum(m.count for m in plan_moves(views, queue, links=slow_link, split=split, allowed=allowed).moves)
+        == 40
+    )
+    assert plan_moves(views, queue, split=split, allowed=allowed, balance=False).moves == []

@@ -120,10 +120,11 @@ def test_per_link_costs():
 def test_a_fill_horizon_takes_past_equal_finish_times():
     """The cost policy's fill (gateway.assign.cost_moves.fill_rule): a cheaper idle cluster takes the tail while it
     finishes what it takes within ``until_s``, past the equal finish times of a plain move (500 tokens here)."""
-    assert tail_move(busy(), IDLE, tail(10), FREE, until_s=800.0) == Move("a", "b", 8, 800.0)
+    assert tail_move(busy(), IDLE, tail(10), FREE, until_s=801.0) == Move("a", "b", 8, 800.0)
+    assert tail_move(busy(), IDLE, tail(10), LinkCost(2.0, 1e15), until_s=801.0) == Move("a", "b", 7, 700.0)
     assert tail_move(busy(), IDLE, tail(10), FREE, until_s=300.0) == Move("a", "b", 5, 500.0)  # at least that
     assert tail_move(busy(), IDLE, tail(10), FREE, until_s=5000.0) == Move("a", "b", 10, 1000.0)
-    fill = {"a": 700.0, "c": None}.get
+    fill = {"a": 701.0, "c": None}.get
     move = plan_offload(IDLE, [busy()], {"a": tail(10)}, FREE, fill=lambda donor, idle: fill(donor.name))
     assert move == Move("a", "b", 7, 700.0)
     # the fill is asked of each donor with the idle cluster; None there is the plain move
@@ -165,6 +166,41 @@ def test_move_properties(pending, cap_d, cap_r, items, latency, bandwidth):
         more = move.tokens + nxt.total_tokens
         transfer2 = link.transfer_seconds(sum(4 * q.prompt_tokens + 512 for q in [nxt, *moved]))
         assert (donor.pending_tokens - move.tokens) / cap_d - more / cap_r <= transfer2 + 1e-9 * more
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)  # the same cases every run
+@given(
+    st.floats(1, 1e5),
+    st.floats(0.1, 50),
+    st.floats(0.1, 50),
+    st.lists(st.floats(0, 2000), min_size=1, max_size=30),
+    st.floats(0, 5),
+    st.floats(0, 1e4),
+)
+def test_a_fill_moves_the_longest_prefix_that_pays_or_fits_the_horizon(
+    pending, cap_d, cap_r, sizes, latency, until
+):
+    """With ``until_s`` a count is taken when it pays or the recipient finishes it within the horizon, transfer
+    included; both hold for a prefix of the counts, so the move is the longest count for which either does."""
+    t = [QueryLoad(f"q{i}", 0, r) for i, r in enumerate(sizes)]
+    donor = ClusterView("d", cap_d, pending_tokens=pending + sum(sizes))
+    recipient = ClusterView("r", cap_r)
+    link = LinkCost(latency, 1e15)
+    move = tail_move(donor, recipient, t, link, until_s=until)
+    plain = tail_move(donor, recipient, t, link)
+
+    def ok(k: int) -> bool:  # k queries from the back: the rule of the docstring
+        moved = sum(sizes[len(sizes) - k :])
+        front = sizes[len(sizes) - k]
+        at_donor = (donor.pending_tokens - moved + front) / cap_d
+        transfer = link.transfer_seconds(512 * k)
+        return at_donor - moved / cap_r > transfer or moved / cap_r + transfer <= until
+
+    longest = 0
+    while longest < len(sizes) and ok(longest + 1):
+        longest += 1
+    assert (move.count if move else 0) == longest
+    assert (move.count if move else 0) >= (plain.count if plain else 0)  # never less than the plain move
 
 
 # ---- backoff --------------------------------------------------------------------------------------

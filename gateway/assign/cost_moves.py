@@ -104,7 +104,8 @@ def fill_rule(
 ) -> FillRule:
     """Under the cost policy, how much of a donor's queued work an idle recipient takes
     (:func:`gateway.offload.moves.plan_offload`): a recipient cheaper per token than the donor takes up to what it
-    finishes within its horizon, ``margin`` (``spot_margin`` for a cluster named in ``spot``) of the time to the
+    finishes within :data:`FILL_SHARE` of its horizon, ``margin`` (``spot_margin`` for a cluster named in ``spot``,
+    at most ``margin``, as the split counts it) of the time to the
     nearest deadline (``deadline_in_s``, or the nearest of ``deadlines_in_s``; none: :data:`DEFAULT_WINDOW_S`, as
     the split counts a batch without one). Every such token is billed less where it lands and releases the donor
     sooner. Any other pair: None (the balance to equal finish times, where :func:`move_allowed` allows a move).
@@ -118,6 +119,7 @@ def fill_rule(
     def until(donor: ClusterView, recipient: ClusterView) -> float | None:
         if dollars_per_token(recipient, prices) >= dollars_per_token(donor, prices):
             return None
-        return FILL_SHARE * (spot_margin if recipient.name in spot else margin) * left / pending_work_per_token
+        share = min(spot_margin, margin) if recipient.name in spot else margin  # as the split caps it
+        return FILL_SHARE * share * left / pending_work_per_token
 
     return until

@@ -108,7 +108,8 @@ def tail_move(
     With ``max_tokens``, a query is added only while it brings the moved total closer to
     ``max_tokens`` (``moved + q / 2 < max_tokens``), so the move ends within half a query of it. With ``until_s``
     (the cost policy's fill, :func:`gateway.assign.cost_moves.fill_rule`), a query also pays when the recipient
-    finishes it within ``until_s`` seconds, past equal finish times.
+    finishes it within ``until_s`` seconds, transfer included, past equal finish times (it pays in cost: the
+    recipient is the cheaper; ``math.inf``: up to ``max_tokens`` whatever the link).
     """
     if not recipient.usable or donor.name == recipient.name:
         return None
@@ -123,8 +124,9 @@ def tail_move(
         moved_tokens += q.total_tokens
         moved_bytes += size_of(q)
         at_recipient = _finish(recipient.pending_tokens + moved_tokens, recipient.capacity_tps)
-        pays = at_donor - at_recipient > link.transfer_seconds(moved_bytes)
-        if not pays and (until_s is None or at_recipient > until_s):
+        transfer = link.transfer_seconds(moved_bytes)
+        pays = at_donor - at_recipient > transfer
+        if not pays and (until_s is None or at_recipient + transfer > until_s):
             break
         best = Move(donor.name, recipient.name, count, moved_tokens)
     if best is None:

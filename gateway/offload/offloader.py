@@ -280,10 +280,16 @@ class Offloader:
         skip = {name: self.skip.get(name, 0) for name in stuck}
         queued = queued_tails(self.queue, {name: (chunk, skip[name]) for name in stuck})
         try:
-            # under the cost policy the drain follows its split (the balance moves planned are not made here)
+            # the drain's moves only (balancing is step 3's); under the cost policy the drain follows its split
             split, allowed = self._cost_rules() or (None, None)
             plan = plan_moves(
-                views, queued, drain=stuck, links=self.config.links, split=split, allowed=allowed
+                views,
+                queued,
+                drain=stuck,
+                links=self.config.links,
+                split=split,
+                allowed=allowed,
+                balance=False,
             )
         except NoClusterError as e:
             log.warning("cannot evacuate %s: %s", ", ".join(stuck), e)

@@ -15,7 +15,9 @@
 2. **Balance.** :func:`balance_targets` gives each accepting cluster the final load that
    equalises finish times when only queued work can move (running work stays); under the cost
    policy the final loads are its split of the queued work instead (the drain's ``split``, over what
-   each cluster runs), so that a cheaper cluster takes what it finishes within its horizon. Clusters
+   each cluster runs), so that a cheaper cluster takes what it finishes within its horizon; such a move
+   pays in cost and is made up to the gap whatever the link, where the move rule allows it (a target the
+   rule blocks, a cheap cluster's share past its spot margin but within the margin, stays unmet). Clusters
    above target give tails (:func:`gateway.offload.moves.tail_move`, each ending within half a
    query of the gap) to clusters below target, least busy first, and only where the move
    pays (queueing delay saved > transfer cost) and fits (and, under the cost policy, that its
@@ -180,11 +182,14 @@ def plan_moves(
     bytes_per_query: Callable[[QueryLoad], int] | None = None,
     split: Split | None = None,
     allowed: Allowed | None = None,
+    balance: bool = True,
 ) -> RebalancePlan:
-    """Moves that equalise expected finish times; drained clusters give away every queued query
-    that fits on an accepting cluster and keep (and report) the rest. ``split``: the drain's targets (default
-    the water filling); ``allowed``: the balance phase makes only the moves it allows (the cost policy's
-    :func:`gateway.assign.cost_moves.move_allowed`, and :func:`gateway.assign.cost.cost_split` as the drain's split)."""
+    """Moves that equalise expected finish times (under the cost policy, that place the queued work by its split);
+    drained clusters give away every queued query that fits on an accepting cluster and keep (and report) the
+    rest. ``split``: the drain's targets (default the water filling) and, given, the balance's (over the queued
+    work of every receiver); ``allowed``: the balance phase makes only the moves it allows (the cost policy's
+    :func:`gateway.assign.cost_moves.move_allowed`, and :func:`gateway.assign.cost.cost_split` as its split).
+    ``balance=False``: the drain's moves only (the offloader's evacuation)."""
     _check(clusters, queued, drain)
     state = _State(clusters, queued)
     drained = [c.name for c in clusters if c.name in set(drain) or not c.accepting]
@@ -218,7 +223,7 @@ def plan_moves(
         if run:
             _append(plan.moves, src, current, run[::-1], state.move_block(src, current, run[::-1]))
 
-    if len(receivers) > 1:
+    if balance and len(receivers) > 1:
         _balance(state, receivers, links, bytes_per_query, plan.moves, allowed, split)
     return plan
 
@@ -314,7 +319,7 @@ def format_plan(
             f"{a.pending_tokens:>14.0f} {expected_finish_s(a):>14.1f}{flag}"
         )
     if not moves:
-        lines.append("no moves: expected finish times are as equal as paying moves can make them")
+        lines.append("no moves: none that pays (and, under the cost policy, that its rule allows) is left")
     for m in moves:
         lines.append(f"move {m.count} queries ({m.tokens:.0f} tokens) from the back of {m.src} to {m.dst}")
     lines.extend(kept)
