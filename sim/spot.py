@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gateway.assign.cost import SPOT_MARGIN, assign_batch, dollars_per_second
-from gateway.assign.cost_moves import evacuation_rules, fill_rule, move_allowed
+from gateway.assign.cost_moves import FillRule, evacuation_rules, fill_rule, move_allowed
 from gateway.assign.loads import ClusterView, QueryLoad, work_per_token
 from gateway.assign.policies import water_fill_targets
 from gateway.assign.registry import make_policy
@@ -125,6 +125,7 @@ class SpotSimulator(Simulator):
         self._outages_on = [0] * len(self.clusters)  # outages under way, by cluster
         self._round_views: dict[str, ClusterView] = {}  # the cost policy's views of this offloader round
         self._round_window: float | None = None
+        self._round_fill: FillRule = lambda donor, recipient: None  # the cost policy's fill of this round
         self.start = min(work.arrival_s, default=0.0)
         self.checkpointed = 0  # running queries a notice stopped with a partial output
         self.killed_running = 0  # running queries a kill stopped
@@ -169,14 +170,7 @@ class SpotSimulator(Simulator):
     def _fill(self, donor: ClusterView, recipient: ClusterView) -> float | None:
         if self.config.policy != "cost":
             return None
-        views, m = self._round_views, self.market
-        rule = fill_rule(
-            m.prices,
-            m.spot,
-            self._round_window,
-            spot_margin=m.spot_margin,
-            pending_work_per_token=self.work_per_token,
-        )
+        views, rule = self._round_views, self._round_fill
         until, gateway_view = rule(views[donor.name], views[recipient.name]), views[recipient.name]
         if until is None or recipient.capacity_tps <= 0:
             return until
@@ -203,6 +197,14 @@ class SpotSimulator(Simulator):
         if self.config.policy == "cost":
             self._round_views = {c.name: self._view(c) for c in self.clusters}
             self._round_window = self._window_left()
+            m = self.market
+            self._round_fill = fill_rule(
+                m.prices,
+                m.spot,
+                self._round_window,
+                spot_margin=m.spot_margin,
+                pending_work_per_token=self.work_per_token,
+            )
         moved = super()._tick() if self.config.offload else 0
         if not any(c.busy for c in self.clusters) and all(e[1] == TICK for e in self._heap):
             # nothing runs and nothing is due but ticks, which cannot change that (a cluster that never comes back)
