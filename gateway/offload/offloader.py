@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.assign.calibrated import LengthCalibrator
 from gateway.assign.cost import SPOT_MARGIN, holds_work
@@ -234,30 +235,27 @@ class Offloader:
     def _fill(self) -> FillRule | None:
         """The cost policy's fill for this tick's moves (:func:`gateway.assign.cost_moves.fill_rule`; None: not the
         cost policy)."""
-        prices = self.config.prices
-        if prices is None:
-            return None
-        return fill_rule(
-            prices,
-            self.config.spot,
-            deadlines_in_s=self.deadlines_in_s,
-            spot_margin=self.config.spot_margin,
-            pending_work_per_token=self._work_per_token(),
-        )
+        terms = self._cost_terms()
+        return fill_rule(**terms) if terms is not None else None
 
     def _cost_rules(self) -> tuple[Split, Allowed] | None:
         """The cost policy's drain split and move rule (:func:`gateway.assign.cost_moves.evacuation_rules`) for this tick
         (None: not the cost policy)."""
-        prices = self.config.prices
-        if prices is None:
+        terms = self._cost_terms()
+        return evacuation_rules(**terms) if terms is not None else None
+
+    def _cost_terms(self) -> dict[str, Any] | None:
+        """What the cost policy's rules are made of this tick: prices, spot clusters and margin, deadlines, the
+        work a queued token is worth (None: not the cost policy)."""
+        if self.config.prices is None:
             return None
-        return evacuation_rules(
-            prices,
-            self.config.spot,
-            pending_work_per_token=self._work_per_token(),
-            deadlines_in_s=self.deadlines_in_s,
-            spot_margin=self.config.spot_margin,
-        )
+        return {
+            "prices": self.config.prices,
+            "spot": self.config.spot,
+            "deadlines_in_s": self.deadlines_in_s,
+            "spot_margin": self.config.spot_margin,
+            "pending_work_per_token": self._work_per_token(),
+        }
 
     def _asks(self, v: ClusterView) -> bool:
         """Whether ``v`` asks for work now: usable, nothing queued, what it holds done within
