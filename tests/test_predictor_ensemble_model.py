@@ -167,7 +167,8 @@ def test_retrain_of_an_ensemble_moves_every_member_toward_observed_lengths(
     for m_before, m_after in zip(before.members, after.members, strict=True):  # each member learnt
         # the served lengths run past the members' top bucket, so the fine-tuned member's best answer is "longer":
         # its predicted sum moves toward the served one. (Not its per-prompt error: a tiny member fine-tuned at
-        # lr 1e-2 may answer near its top bucket for every prompt, as it did on another machine's floating point)
+        # lr 1e-2 may answer near its top bucket for every prompt, as one did in CI: the members learn on a WordPiece
+        # vocabulary that differs from run to run, predictor.model.train_wordpiece, so each run trains another model)
         e0 = m_before.buckets.expected(m_before.predict_proba(probe.prompts), calibrated=False)
         e1 = m_after.buckets.expected(m_after.predict_proba(probe.prompts), calibrated=False)
         assert e0.sum() < e1.sum() < probe.lengths.sum()
