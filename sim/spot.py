@@ -3,8 +3,9 @@ from their partial output, on :class:`sim.core.Simulator`.
 
 What runs for real: the ``cost`` policy given the batch's window (:func:`gateway.assign.cost.assign_batch`), a
 drain's split (:func:`gateway.assign.cost_moves.evacuation_rules` under the cost policy, the water filling of
-:func:`gateway.assign.policies.water_fill_targets` otherwise) and the offloader's move rule under the cost policy
-(:func:`gateway.assign.cost_moves.move_allowed`).
+:func:`gateway.assign.policies.water_fill_targets` otherwise), the offloader's move rule and fill under the cost
+policy (:func:`gateway.assign.cost_moves.move_allowed`, :func:`~gateway.assign.cost_moves.fill_rule`), and under it
+the admin call of a notice's balance phase (:func:`gateway.offload.rebalance.plan_moves`).
 
 What is modelled:
 
@@ -17,7 +18,9 @@ What is modelled:
   everywhere, so there is no fit check); at ``t + notice_s`` its engine stops: each query it held goes back to
   its queue with every token it generated as its partial output (no attempt used), and is drained in turn.
   (The real worker gives back the queries it claimed ahead, and the running ones that will not finish within the
-  notice, at once: here they wait for the engine's stop, generating on meanwhile.)
+  notice, at once: here they wait for the engine's stop, generating on meanwhile.) Under the cost policy the notice
+  is the admin call's (``gateway rebalance --preempt``): the queue is drained at once and the clusters up are
+  balanced to the cost split (:meth:`SpotSimulator._notice_rebalance`).
 * **A hard kill** (``kill``) at ``t``: the engine is gone at once; each query it held keeps its output up to its
   last snapshot (:mod:`engines.checkpoints` takes one every ``ceil(checkpoint_tokens / 2)`` tokens of a run; the
   rest is *recomputed*) and is back in the cluster's queue when its lease lapses (:attr:`Market.lease_s`),
@@ -43,6 +46,7 @@ from gateway.assign.cost_moves import FillRule, evacuation_rules, fill_rule, mov
 from gateway.assign.loads import ClusterView, QueryLoad, work_per_token
 from gateway.assign.policies import water_fill_targets
 from gateway.assign.registry import make_policy
+from gateway.offload.rebalance import plan_moves
 from sim.cluster import ClusterSpec, SimCluster
 from sim.core import EVENT, TICK, SimConfig, Simulator
 from sim.result import SimResult
@@ -254,6 +258,26 @@ class SpotSimulator(Simulator):
         for d in receivers:
             self._kick(self.index[d.name])
 
+    def _notice_rebalance(self, c: SimCluster) -> None:
+        """The admin call of a notice under the cost policy (``gateway rebalance --preempt``): ``c``'s queue drained,
+        then the balance phase of :func:`gateway.offload.rebalance.plan_moves` over the clusters up (the queued work
+        placed by the cost split, the moves its rule allows), its moves made in their order."""
+        if c.queue:
+            self._drain(c)
+        up = [x for x in self.clusters if not x.down]
+        if len(up) < 2:
+            return
+        charge, m = self.charge, self.market
+        queued = {x.name: [QueryLoad(str(q), 0, charge[q]) for q in x.queue.tail(len(x.queue))] for x in up}
+        split, allowed = evacuation_rules(
+            m.prices, m.spot, self._window_left(), self.work_per_token, spot_margin=m.spot_margin
+        )
+        plan = plan_moves(
+            [self._view(x) for x in up], queued, links=self.config.links, split=split, allowed=allowed
+        )
+        for move in plan.moves:
+            self._move(move.src, move.dst, move.count)
+
     # ---- the clusters' side -------------------------------------------------------------------
     def _event(self, idx: int, phase: int) -> None:
         o = self.outages[idx]
@@ -268,6 +292,8 @@ class SpotSimulator(Simulator):
                 self._stop(c, idx, killed=True)
             else:
                 self._push(stop, EVENT, idx, STOP)
+                if self.config.policy == "cost":
+                    self._notice_rebalance(c)
             if math.isfinite(o.back_t):
                 self._push(max(o.back_t, stop), EVENT, idx, BACK)
         elif phase == STOP:

@@ -167,6 +167,31 @@ def test_spot_clusters_back_from_a_notice_take_their_share_back_from_the_dear_cl
     assert fill.per_cluster["medium"]["moved_in"] > 0  # it took work back
 
 
+def test_a_notice_under_the_cost_policy_drains_and_balances_as_the_admin_call_does():
+    """`gateway rebalance --preempt` drains the cluster and then balances the rest to the cost split. Here every
+    query waits on fast and slow gets a notice: the balance gives medium, on spot and cheaper per token, what it
+    finishes within half the window (a loose one, 4 T), past equal finish times, and fast, dear, the rest."""
+    w = workload()
+    t = makespan(w)
+    cfg = SimConfig(policy="cost", max_tokens=256)
+    sim = SpotSimulator(fleet(), w, cfg, Market(PRICES, SPOT, window_s=4 * t))
+    fast, medium, slow = sim.clusters
+    for q in range(len(w.true_tokens)):
+        fast.queue.append(q, sim.key[q])
+        fast.queued_tokens += sim.charge[q]
+    slow.down = True
+    sim._notice_rebalance(slow)
+    # what medium took it holds queued or has started (a move wakes the cluster it lands on)
+    taken = len(medium.queue) + len(medium.engine.held())
+    assert len(fast.queue) + taken == len(w.true_tokens) and not slow.queue and taken > 0
+
+    def busy_s(c) -> float:
+        view = sim._view(c)
+        return view.pending_tokens * sim.work_per_token / view.capacity_tps
+
+    assert busy_s(fast) < busy_s(medium) <= 0.5 * 4 * t  # fast is released first; medium within its horizon
+
+
 def test_outages_are_checked():
     with pytest.raises(ValueError, match="unknown clusters: nowhere"):
         SpotSimulator(fleet(), workload(10), outages=[Outage("nowhere", 1.0)])
