@@ -386,7 +386,8 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Rebalance(self, request, context):
-        """Compute (and with dry_run=false carry out) the moves that equalise expected finish times.
+        """Compute (and with dry_run=false carry out) the moves that equalise expected finish times (under the cost
+        policy: that place the queued work by its split).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
