@@ -182,14 +182,23 @@ class SpotSimulator(Simulator):
         # capacity derived from the cost model counts prompt and response tokens alike (see _view)
         return until * gateway_view.capacity_tps / recipient.capacity_tps
 
+    def _cost_terms(self, window_left: float | None) -> dict:
+        """What the cost policy's rules are made of (:mod:`gateway.assign.cost_moves`), as the offloader makes them:
+        the market's prices, spot clusters and margin, the time left to the deadline, a queued token's work."""
+        m = self.market
+        return {
+            "prices": m.prices,
+            "spot": m.spot,
+            "deadline_in_s": window_left,
+            "spot_margin": m.spot_margin,
+            "pending_work_per_token": self.work_per_token,
+        }
+
     def _split(self, receivers: list[SimCluster], loads: list[QueryLoad]) -> list[float]:
         """A drain's targets over the receivers (tokens each)."""
         views = [self._view(x) for x in receivers]
         if self.config.policy == "cost":
-            m = self.market
-            split, _ = evacuation_rules(
-                m.prices, m.spot, self._window_left(), self.work_per_token, spot_margin=m.spot_margin
-            )
+            split, _ = evacuation_rules(**self._cost_terms(self._window_left()))
             return split(views, loads)
         return water_fill_targets(views, math.fsum(q.total_tokens for q in loads))
 
@@ -201,14 +210,7 @@ class SpotSimulator(Simulator):
         if self.config.policy == "cost":
             self._round_views = {c.name: self._view(c) for c in self.clusters}
             self._round_window = self._window_left()
-            m = self.market
-            self._round_fill = fill_rule(
-                m.prices,
-                m.spot,
-                self._round_window,
-                spot_margin=m.spot_margin,
-                pending_work_per_token=self.work_per_token,
-            )
+            self._round_fill = fill_rule(**self._cost_terms(self._round_window))
         moved = super()._tick() if self.config.offload else 0
         if not any(c.busy for c in self.clusters) and all(e[1] == TICK for e in self._heap):
             # nothing runs and nothing is due but ticks, which cannot change that (a cluster that never comes back)
@@ -267,11 +269,9 @@ class SpotSimulator(Simulator):
         up = [x for x in self.clusters if not x.down]
         if len(up) < 2:
             return
-        charge, m = self.charge, self.market
+        charge = self.charge
         queued = {x.name: [QueryLoad(str(q), 0, charge[q]) for q in x.queue.tail(len(x.queue))] for x in up}
-        split, allowed = evacuation_rules(
-            m.prices, m.spot, self._window_left(), self.work_per_token, spot_margin=m.spot_margin
-        )
+        split, allowed = evacuation_rules(**self._cost_terms(self._window_left()))
         plan = plan_moves(
             [self._view(x) for x in up], queued, links=self.config.links, split=split, allowed=allowed
         )
