@@ -234,14 +234,19 @@ def balance_targets(views: Sequence[ClusterView], queued_tokens: Sequence[float]
     Running work (``pending - queued``) stays put, so each cluster's load is at least that
     floor; the rest is water-filled over capacity.
     """
-    floors = [
-        dataclasses.replace(v, pending_tokens=max(0.0, v.pending_tokens - t))
-        for v, t in zip(views, queued_tokens, strict=True)
-    ]
+    floors = _floors(views, queued_tokens)
     movable = math.fsum(v.pending_tokens for v in views) - math.fsum(f.pending_tokens for f in floors)
     return [
         f.pending_tokens + t
         for f, t in zip(floors, water_fill_targets(floors, max(0.0, movable)), strict=True)
+    ]
+
+
+def _floors(views: Sequence[ClusterView], queued_tokens: Sequence[float]) -> list[ClusterView]:
+    """Each view with only the work that cannot move (its running work: pending less queued)."""
+    return [
+        dataclasses.replace(v, pending_tokens=max(0.0, v.pending_tokens - t))
+        for v, t in zip(views, queued_tokens, strict=True)
     ]
 
 
@@ -260,10 +265,7 @@ def _balance(
         targets = balance_targets(views, queued_tokens)
     else:  # the cost policy: the queued work as its split would place it, over what each cluster runs
         movable = [q for n in receivers for q in state.queues[n]]
-        floors = [
-            dataclasses.replace(v, pending_tokens=max(0.0, v.pending_tokens - t))
-            for v, t in zip(views, queued_tokens, strict=True)
-        ]
+        floors = _floors(views, queued_tokens)
         targets = [f.pending_tokens + x for f, x in zip(floors, split(floors, movable), strict=True)]
     target = dict(zip(receivers, targets, strict=True))
     # Roles are fixed up front (donors above target, takers below), so no query moves twice.
