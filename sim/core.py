@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import heapq
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engines.config import EngineConfig
@@ -344,10 +345,14 @@ class Simulator:
         """:func:`gateway.assign.views.queued_loads` of ``c``: its last ``tail_len`` queued queries, front first."""
         tail = self._tails.get(c.name)
         if tail is None:
-            total = self.charge
-            tail = [QueryLoad(str(q), 0, total[q]) for q in c.queue.tail(self.config.tail_len)]
+            tail = self._loads(c.queue.tail(self.config.tail_len))
             self._tails[c.name] = tail
         return tail
+
+    def _loads(self, queries: Sequence[int]) -> list[QueryLoad]:
+        """Queued queries as the gateway's views count them: each at its full charged size, no prompt apart."""
+        total = self.charge
+        return [QueryLoad(str(q), 0, total[q]) for q in queries]
 
     def _move(self, src: str, dst: str, count: int) -> int:
         by = {c.name: i for i, c in enumerate(self.clusters)}

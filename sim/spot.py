@@ -242,7 +242,7 @@ class SpotSimulator(Simulator):
             return  # nowhere to go: it waits for a cluster to be back
         taken = [c.queue.pop() for _ in range(len(c.queue))]  # back first
         charge = self.charge
-        loads = [QueryLoad(str(q), 0, charge[q]) for q in reversed(taken)]
+        loads = self._loads(taken[::-1])
         deficit = self._split(receivers, loads)
         current = -1
         for q in taken:
@@ -269,8 +269,7 @@ class SpotSimulator(Simulator):
         up = [x for x in self.clusters if not x.down]
         if len(up) < 2:
             return
-        charge = self.charge
-        queued = {x.name: [QueryLoad(str(q), 0, charge[q]) for q in x.queue.tail(len(x.queue))] for x in up}
+        queued = {x.name: self._loads(x.queue.tail(len(x.queue))) for x in up}
         split, allowed = evacuation_rules(**self._cost_terms(self._window_left()))
         plan = plan_moves(
             [self._view(x) for x in up], queued, links=self.config.links, split=split, allowed=allowed
