@@ -196,6 +196,7 @@ class Offloader:
         n = self.config.tail_len
         tails = queued_tails(q, {b.name: (n * len(asking), 0) for b in busy}) if asking and busy else {}
         planned: list[tuple[Move, int | None]] = []
+        allowed, fill = self._allowed(), self._fill()  # the cost policy's rules for this tick (None: not it)
         for v in asking:
             backoff = self._backoff(v.name)
             others = {b: t[-n:] if n > 0 else [] for b, t in tails.items() if b != v.name}
@@ -205,8 +206,8 @@ class Offloader:
                 others,
                 self.config.links,
                 idle_threshold_tokens=v.capacity_tps * self.config.lookahead_s,
-                allowed=self._allowed(),
-                fill=self._fill(),
+                allowed=allowed,
+                fill=fill,
             )
             if move is None:
                 backoff.failed()
