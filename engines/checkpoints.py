@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from workqueue.partial import Partial
 
@@ -66,35 +66,39 @@ class Checkpoints:
                 if entry is not None and not entry[1]:
                     del self._pending[g]
 
-    def after_step(self, progress: Mapping[str, Sequence[int]]) -> bool:
-        """Snapshot the queries half a checkpoint ahead of their last snapshot. The snapshots go with the agent's
-        next tick, due anyway (renewals, results, claims); returns whether one is urgent: a query three quarters
-        of a checkpoint ahead of Redis (then the agent should tick now, before the step loop has to wait)."""
+    def after_step(self, progress: Mapping[str, int], partial: Callable[[str], Partial | None]) -> bool:
+        """Snapshot (``partial(gid)``) the queries half a checkpoint ahead of their last snapshot, by ``progress``
+        (tokens generated, per query). The snapshots go with the agent's next tick, due anyway (renewals, results,
+        claims); returns whether one is urgent: a query three quarters of a checkpoint ahead of Redis (then the
+        agent should tick now, before the step loop has to wait)."""
         if not self.every:
             return False
         half, urgent = max(1, math.ceil(self.every / 2)), math.ceil(3 * self.every / 4)
-        due = [(g, toks) for g, toks in progress.items() if len(toks) - self._taken.get(g, 0) >= half]
+        due = [g for g, n in progress.items() if n - self._taken.get(g, 0) >= half]
+        snapshots = [(g, partial(g)) for g in due]
         with self._cond:
-            for g, toks in due:
-                self._taken[g] = len(toks)
-                if not self._pending.get(g, (None, False))[1]:  # a release already carries the query's tokens
-                    self._pending[g] = (Partial(tuple(toks)), False)
+            for g, snap in snapshots:
+                self._taken[g] = progress[g]
+                if not snap:  # nothing it could resume from (a row that must run again from the start)
+                    self._written[g] = progress[g]  # so it is never behind
+                elif not self._pending.get(g, (None, False))[1]:  # a release carries the query's tokens
+                    self._pending[g] = (snap, False)
             return bool(self._pending) and any(
-                len(t) - self._written.get(g, 0) >= urgent for g, t in progress.items()
+                n - self._written.get(g, 0) >= urgent for g, n in progress.items()
             )
 
-    def behind(self, progress: Mapping[str, Sequence[int]]) -> bool:
+    def behind(self, progress: Mapping[str, int]) -> bool:
         """Whether a query would run more than a checkpoint ahead of its written partial output in the next step."""
         if not self.every:
             return False
         with self._cond:
-            return any(len(t) - self._written.get(g, 0) >= self.every for g, t in progress.items())
+            return any(n - self._written.get(g, 0) >= self.every for g, n in progress.items())
 
-    def wait_written(self, progress: Mapping[str, Sequence[int]], timeout_s: float) -> bool:
+    def wait_written(self, progress: Mapping[str, int], timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until no query is a checkpoint ahead of Redis; False if one still is."""
         end = time.monotonic() + timeout_s
         with self._cond:
-            while any(len(t) - self._written.get(g, 0) >= self.every for g, t in progress.items()):
+            while any(n - self._written.get(g, 0) >= self.every for g, n in progress.items()):
                 left = end - time.monotonic()
                 if left <= 0:
                     return False

@@ -17,6 +17,10 @@ log-probabilities and tool calls that come back are kept in the result (:mod:`en
 A forced length is sent as ``max_tokens``: the API has no way to ignore the end of text.
 When no endpoint has answered for ``give_up_s`` while queries wait, :meth:`EndpointEngine.step`
 raises :class:`~engines.interface.EngineFailure`: the worker gives the queries back to the queue.
+
+It is :class:`~engines.interface.Resumable` from text: the worker checkpoints each stream's text so far, a
+notice closes the streams that will not finish and gives their text back, and a request claimed with a
+partial output continues it through ``/v1/completions`` (:mod:`engines.endpoint_job`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import httpx
 
@@ -39,9 +43,11 @@ from engines.endpoint_http import (
     served_models,
     stream_completion,
 )
+from engines.endpoint_job import Job
 from engines.endpoint_settings import EndpointSettings
-from engines.endpoint_stream import request_body
+from engines.endpoint_stream import Answer, request_body
 from engines.interface import EngineFailure, EngineStats, Request, RequestOutput
+from workqueue.partial import Partial
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +55,6 @@ log = logging.getLogger(__name__)
 STEP_WAIT_S = 0.05
 #: tries of a request the server failed on (500, an error in the stream) before the row fails
 SERVER_ERROR_TRIES = 3
-
-
-@dataclass
-class _Job:
-    request: Request
-    server_errors: int = 0
-    task: asyncio.Task | None = None
-    aborted: bool = False  # its batch was cancelled (a task cancelled otherwise keeps its row)
-    done: bool = False
 
 
 class _Misconfigured(Exception):
@@ -77,13 +74,13 @@ class EndpointEngine:
         self._lock = threading.Lock()
         self._finished = threading.Condition(self._lock)
         self._outputs: list[RequestOutput] = []
-        self._held: set[str] = set()  # handed over and not yet returned by step()
+        self._held: dict[str, Job] = {}  # handed over and not yet returned by step(), nor suspended
         self._failure: str | None = None
         self._capacity = sum(lane.limit.slots for lane in self.lanes)
         self._stats = EngineStats()
         # the event loop's own
-        self._waiting: deque[_Job] = deque()
-        self._running: dict[str, _Job] = {}
+        self._waiting: deque[Job] = deque()
+        self._running: dict[str, Job] = {}
         self._models: dict[str, str] = {}  # url -> the model's name there (asked when not configured)
         self._asking = asyncio.Lock()  # one /v1/models question at a time
         self._usage_option = {url: True for url in settings.urls}  # send stream_options.include_usage
@@ -115,15 +112,19 @@ class EndpointEngine:
 
     def add_request(self, request: Request) -> None:
         request.sampling.validate()
+        job = Job.of(request)
         with self._lock:
             if request.request_id in self._held:
                 raise ValueError(f"request {request.request_id} is already running")
-            self._held.add(request.request_id)
+            self._held[request.request_id] = job
             if (
                 self._failure is not None
             ):  # held, never sent: the next step fails and the worker gives it back
                 return
-        self._loop.call_soon_threadsafe(self._admit, _Job(request))
+        if job.left <= 0:  # its partial output took every token it may generate
+            self._finish(job, job.ended())
+            return
+        self._loop.call_soon_threadsafe(self._admit, job)
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -139,7 +140,7 @@ class EndpointEngine:
                 self._finished.wait(STEP_WAIT_S)
             out, self._outputs = self._outputs, []
             for o in out:
-                self._held.discard(o.request_id)
+                self._held.pop(o.request_id, None)
             if not out and self._failure is not None:
                 raise EngineFailure(self._failure)
         return out
@@ -155,6 +156,34 @@ class EndpointEngine:
     def stats(self) -> EngineStats:
         with self._lock:
             return replace(self._stats)
+
+    # ------------------------------------------------------------------ engines.interface.Resumable
+
+    steps_generate = False  # the streams go on between steps
+
+    def progress(self) -> dict[str, int]:
+        """Tokens each held request generated so far (the stream's pieces, a resumed one's partial output too)."""
+        with self._lock:
+            return {rid: job.generated() for rid, job in self._held.items() if not job.done}
+
+    def partial(self, request_id: str) -> Partial | None:
+        """What a held request generated so far, as the partial output a continuation resumes from."""
+        with self._lock:
+            job = self._held.get(request_id)
+            return None if job is None or job.done else job.partial()
+
+    def suspend(self, request_id: str) -> Partial | None:
+        """Take a request out without an output, its stream closed: what it generated (None: not held, or
+        finished: :meth:`step` returns it)."""
+        with self._lock:
+            job = self._held.get(request_id)
+            if job is None or job.done:
+                return None
+            job.suspended = True
+            del self._held[request_id]
+            taken = job.partial() or Partial()
+        self._loop.call_soon_threadsafe(self._drop, job)
+        return taken
 
     def close(self) -> None:
         if not self._thread.is_alive():
@@ -177,11 +206,19 @@ class EndpointEngine:
 
     # ------------------------------------------------------------------ the event loop's side
 
-    def _admit(self, job: _Job) -> None:
+    def _admit(self, job: Job) -> None:
         if not self._waiting and not self._running:
             self._stalled_since = None  # the give-up clock runs while queries wait, not while idle
         self._waiting.append(job)
         self._dispatch()
+
+    def _drop(self, job: Job) -> None:
+        """A suspended request leaves: its stream closed, or its place in the queue."""
+        if job.task is not None:
+            job.task.cancel()  # _send answers nothing for it
+        elif job in self._waiting:
+            self._waiting.remove(job)
+        self._publish()
 
     def _abort(self, request_id: str) -> None:
         job = self._running.get(request_id)
@@ -211,6 +248,8 @@ class EndpointEngine:
             if job.aborted:  # its abort came as it went back to wait
                 self._finish(job, self._output(job, "abort"))
                 continue
+            if job.suspended:
+                continue
             lane.inflight += 1
             self._running[job.request.request_id] = job
             job.task = self._loop.create_task(self._send(job, lane))
@@ -225,33 +264,34 @@ class EndpointEngine:
         self._wake = None
         self._dispatch()
 
-    async def _send(self, job: _Job, lane: Lane) -> None:
+    async def _send(self, job: Job, lane: Lane) -> None:
         window, sent_at = lane.limit.window, time.monotonic()
         try:
             model = await self._model_at(lane)
             sent = request_body(model, job.request, self._usage_option[lane.url])
-            done = await stream_completion(self._client, lane.url, sent, self._headers)
+            job.answer = Answer()  # each time from the start (or from its partial output)
+            done = await stream_completion(self._client, lane.url, sent, self._headers, job.answer)
         except asyncio.CancelledError:  # aborted; or the engine failed or closes: the worker gives it back
             if job.aborted:
                 self._finish(job, self._output(job, "abort"))
         except Overloaded as e:
             self._overloaded(lane, window, sent_at, e)
-            self._waiting.appendleft(job)
+            self._again(job)
         except UsageOptionRefused as e:
             log.warning("%s; asking it without stream_options from now on", e)
             self._usage_option[lane.url] = False
-            self._waiting.appendleft(job)
+            self._again(job)
         except Rejected as e:
             self._answered(lane)
             if e.retryable and job.server_errors + 1 < SERVER_ERROR_TRIES:
                 job.server_errors += 1
                 log.warning("%s; trying request %s again", e, job.request.request_id)
                 lane.backoff.failed(time.monotonic(), sent_at)
-                self._waiting.appendleft(job)
+                self._again(job)
             else:
                 self._finish(job, self._output(job, "error", error=str(e)))
         except _Misconfigured as e:
-            self._waiting.appendleft(job)
+            self._again(job)
             self._fail(str(e))
         except Exception as e:  # a bug here must not lose the row: it fails, saying why
             log.exception("request %s failed in the endpoint backend", job.request.request_id)
@@ -262,6 +302,11 @@ class EndpointEngine:
             lane.inflight -= 1
             self._running.pop(job.request.request_id, None)
             self._dispatch()
+
+    def _again(self, job: Job) -> None:
+        """Back to the front of the queue, to be sent again (unless it was suspended meanwhile)."""
+        if not job.suspended:
+            self._waiting.appendleft(job)
 
     async def _model_at(self, lane: Lane) -> str:
         if self.settings.model:
@@ -282,7 +327,7 @@ class EndpointEngine:
         log.info("endpoint %s serves %s", lane.url, names[0])
         return names[0]
 
-    def _succeeded(self, job: _Job, lane: Lane, done: Completion) -> None:
+    def _succeeded(self, job: Job, lane: Lane, done: Completion) -> None:
         lane.backoff.succeeded()
         lane.limit.succeeded(done.completion_tokens, time.monotonic(), lane.inflight)
         self._answered(lane)
@@ -290,20 +335,7 @@ class EndpointEngine:
         if not done.usage_reported and lane.url not in self._no_usage:
             self._no_usage.add(lane.url)
             log.warning("%s sends no usage: its completions count the stream's pieces, prompts 0", lane.url)
-        self._finish(
-            job,
-            RequestOutput(
-                job.request.request_id,
-                done.text,
-                [],
-                done.prompt_tokens,
-                done.finish_reason,
-                first_token_time=done.first_token_time or time.time(),
-                finish_time=time.time(),
-                counted_tokens=done.completion_tokens,
-                openai_extra=done.extra or None,
-            ),
-        )
+        self._finish(job, job.output(done))
 
     def _overloaded(self, lane: Lane, window: int, sent_at: float, e: Overloaded) -> None:
         now = time.monotonic()
@@ -340,15 +372,15 @@ class EndpointEngine:
             if job.task is not None:
                 job.task.cancel()
 
-    def _finish(self, job: _Job, output: RequestOutput) -> None:
-        if job.done:
-            return
-        job.done = True
+    def _finish(self, job: Job, output: RequestOutput) -> None:
         with self._finished:
+            if job.done or job.suspended:  # answered already, or given back under a notice
+                return
+            job.done = True
             self._outputs.append(output)
             self._finished.notify_all()
 
-    def _output(self, job: _Job, reason: str, error: str = "") -> RequestOutput:
+    def _output(self, job: Job, reason: str, error: str = "") -> RequestOutput:
         return RequestOutput(job.request.request_id, "", [], 0, reason, finish_time=time.time(), error=error)
 
     def _publish(self) -> None:

@@ -92,13 +92,18 @@ async def _check_status(response: httpx.Response, url: str) -> None:
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, base_url: str, request: tuple[str, dict], headers: dict[str, str]
+    client: httpx.AsyncClient,
+    base_url: str,
+    request: tuple[str, dict],
+    headers: dict[str, str],
+    answer: Answer | None = None,
 ) -> Completion:
     """Run one streamed request, ``(path, body)`` of :func:`engines.endpoint_stream.request_body` (module
-    docstring); raises :class:`Overloaded`, :class:`Rejected` or :class:`UsageOptionRefused`."""
+    docstring), its events read into ``answer`` as they come (a new one if None: the caller's can be read
+    meanwhile, for a checkpoint); raises :class:`Overloaded`, :class:`Rejected` or :class:`UsageOptionRefused`."""
     path, body = request
     url = base_url + path
-    answer = Answer()
+    answer = Answer() if answer is None else answer
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
             await _check_status(response, url)

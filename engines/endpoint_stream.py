@@ -3,7 +3,8 @@ the streamed events.
 
 :func:`request_body` builds a chat row's ``/v1/chat/completions`` body from the row's own messages (the
 server applies its own chat template), any other row's ``/v1/completions`` body from its prompt; the
-OpenAI fields the row carries (:data:`workqueue.openai_body.PASS_THROUGH`) go as the row gives them.
+OpenAI fields the row carries (:data:`workqueue.openai_body.PASS_THROUGH`) go as the row gives them. A row
+resumed from a partial output continues its text through ``/v1/completions`` (:func:`continued`).
 :class:`Answer` reads each event's first choice: the text (``text``, or a chat ``delta.content``), the
 ``finish_reason``, the log-probabilities (a chat's ``logprobs.content`` entries, a completion's
 ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset`` lists, each joined in order) and a chat's
@@ -17,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 
 from engines.interface import Request
-from workqueue.openai_body import fields_used
+from workqueue.openai_body import CONTINUABLE, fields_used, unhonoured
+from workqueue.partial import Partial
 
 CHAT_PATH = "/chat/completions"
 COMPLETIONS_PATH = "/completions"
@@ -25,16 +27,32 @@ COMPLETIONS_PATH = "/completions"
 USAGE_OPTION = "stream_options"
 
 
+def continued(request: Request) -> Partial | None:
+    """The partial output ``request`` continues from the text (None: it has none with text, or it asks for what a
+    continuation cannot give the whole answer, :data:`workqueue.openai_body.CONTINUABLE`: it runs from the start)."""
+    resume = request.resume
+    if resume is None or not resume.text or unhonoured(request.openai_body, CONTINUABLE):
+        return None
+    return resume
+
+
 def request_body(model: str, request: Request, usage_option: bool) -> tuple[str, dict]:
-    """The path (under the base URL) and body of ``request``: its chat or prompt, sampling and fields."""
+    """The path (under the base URL) and body of ``request``: its chat or prompt, sampling and fields. A request
+    that continues a partial output (:func:`continued`) goes to ``/v1/completions`` with its prompt (a chat row's
+    is the gateway's rendering of it with the served model's template) and the partial text, for the rest of its
+    tokens."""
     s, given = request.sampling, request.openai_body
     body: dict = {"model": model}
-    if given.get("messages"):
+    resume = continued(request)
+    if resume is not None:
+        path, body["prompt"] = COMPLETIONS_PATH, request.prompt + resume.text
+    elif given.get("messages"):
         path, body["messages"] = CHAT_PATH, given["messages"]
     else:
         path, body["prompt"] = COMPLETIONS_PATH, request.prompt
     body.update(
-        max_tokens=s.target_tokens,  # a forced length is a bound here: the API has no "ignore EOS"
+        # a forced length is a bound here: the API has no "ignore EOS"
+        max_tokens=s.target_tokens - (len(resume) if resume is not None else 0),
         temperature=s.temperature,
         top_p=s.top_p,
         stream=True,
@@ -111,4 +129,4 @@ class Answer:
         return out
 
 
-__all__ = ["CHAT_PATH", "COMPLETIONS_PATH", "USAGE_OPTION", "Answer", "request_body"]
+__all__ = ["CHAT_PATH", "COMPLETIONS_PATH", "USAGE_OPTION", "Answer", "continued", "request_body"]

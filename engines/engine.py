@@ -32,6 +32,7 @@ from engines.step_batch import StepBatch
 from localmodels import load_or_build
 from localmodels.prompt_ids import prompt_ids
 from quant.apply import keep_dequantized
+from workqueue.partial import Partial
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class LLMEngine:
         ids = request.prompt_token_ids
         if ids is None:
             ids = prompt_ids(self.tokenizer, request.prompt)
-        seq = Sequence.from_request(request, ids)
+        seq = Sequence.from_request(request, ids, self._resumed_ids(request.resume))
         if not seq.arrival_time:
             seq.arrival_time = time.time()
         error = ""
@@ -208,16 +209,40 @@ class LLMEngine:
             return
         self.scheduler.add(seq)
 
-    def progress(self) -> dict[str, list[int]]:
-        """The tokens each query the engine holds generated so far (:class:`engines.interface.Resumable`)."""
-        return {rid: seq.output_token_ids for rid, seq in self.scheduler.requests.items()}
+    def _resumed_ids(self, resume: Partial | None) -> list[int] | None:
+        """The tokens a partial output resumes from: its ids, or its text's tokens where it has text only (written
+        by a backend that sees text: the tokenization at the seam may differ by a token or two)."""
+        if resume is None:
+            return None
+        if resume.token_ids or not resume.text or self.tokenizer is None:
+            return list(resume.token_ids)
+        return list(self.tokenizer.encode(resume.text, add_special_tokens=False))
 
-    def suspend(self, request_id: str) -> list[int] | None:
+    # ---- engines.interface.Resumable -------------------------------------------------------
+    steps_generate = True
+
+    def progress(self) -> dict[str, int]:
+        """How many tokens each query the engine holds generated so far."""
+        return {rid: len(seq.output_token_ids) for rid, seq in self.scheduler.requests.items()}
+
+    def partial(self, request_id: str) -> Partial | None:
+        """A query's generated tokens and their text (None: not here)."""
+        seq = self.scheduler.requests.get(request_id)
+        return None if seq is None else self._partial(seq.output_token_ids)
+
+    def suspend(self, request_id: str) -> Partial | None:
         """Take a query out without an output; its generated tokens (None: not here, or in flight)."""
         if request_id in self._busy:
             return None
         seq = self.scheduler.remove(request_id)
-        return None if seq is None else list(seq.output_token_ids)
+        return None if seq is None else self._partial(seq.output_token_ids)
+
+    def _partial(self, ids: list[int]) -> Partial:
+        """``ids`` with their text, so a backend that continues from text (the endpoint one) can resume them too."""
+        text = (
+            self.tokenizer.decode(ids, skip_special_tokens=True) if ids and self.tokenizer is not None else ""
+        )
+        return Partial(tuple(ids), text)
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self._busy:  # its KV is being written by a stage: finish it when it is back

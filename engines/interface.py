@@ -9,7 +9,9 @@ implements :class:`Engine`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
+
+from workqueue.partial import Partial
 
 
 @dataclass
@@ -49,9 +51,9 @@ class Request:
     # its tenant's salt: starts the hash chain of its prefix-cache keys, so tenants share no cached
     # prefix (vLLM's ``cache_salt``); "": the one shared cache
     cache_salt: str = ""
-    # the tokens an earlier run generated (its partial output, workqueue.partial): a :class:`Resumable` engine
-    # prefills them after the prompt and generates only the rest of max_tokens; its output holds all of them
-    resume_token_ids: list[int] | None = None
+    # what an earlier run generated (its partial output, workqueue.partial): a :class:`Resumable` engine continues
+    # it and generates only the rest of max_tokens; its output holds all of it, and counts every token once
+    resume: Partial | None = None
 
 
 @dataclass
@@ -128,14 +130,25 @@ class Engine(Protocol):
 
 @runtime_checkable
 class Resumable(Protocol):
-    """An engine that resumes a query from its partial output (:attr:`Request.resume_token_ids`) and can hand
-    out the tokens of the queries it runs (the native engine). The worker checkpoints them (engines.checkpoints)."""
+    """An engine that resumes a query from its partial output (:attr:`Request.resume`) and can hand out what the
+    queries it runs generated so far (the native engine, the endpoint backend). The worker checkpoints them
+    (engines.checkpoints)."""
 
-    def progress(self) -> dict[str, list[int]]:
-        """The tokens generated so far by each query the engine holds (the engine's own lists: read, do not keep)."""
+    #: True: tokens are generated only inside ``step()`` (the native engine), so the worker may hold a step until
+    #: the checkpoints are written (a hard kill then loses at most a checkpoint's tokens); False: they come in
+    #: between steps (the endpoint backend's streams), and a checkpoint is as recent as the last tick's
+    steps_generate: ClassVar[bool]
+
+    def progress(self) -> dict[str, int]:
+        """How many tokens each query the engine holds generated so far (a resumed one's partial output included)."""
         ...
 
-    def suspend(self, request_id: str) -> list[int] | None:
-        """Take a query out without an output (it is checkpointed elsewhere); its generated tokens (None: it is
-        not here, or in a micro-batch still in flight: ask again after the next step)."""
+    def partial(self, request_id: str) -> Partial | None:
+        """What the query generated so far, as its partial output (None: not here, or nothing it could resume from)."""
+        ...
+
+    def suspend(self, request_id: str) -> Partial | None:
+        """Take a query out without an output (it is checkpointed elsewhere): what it generated (empty: nothing it
+        could resume from), or None: it is not here, finished, or in a micro-batch still in flight (ask again after
+        the next step)."""
         ...

@@ -53,7 +53,8 @@ class Sequence:
     generator: torch.Generator | None = None
 
     @classmethod
-    def from_request(cls, req: Request, token_ids: list[int]) -> Sequence:
+    def from_request(cls, req: Request, token_ids: list[int], resumed: list[int] | None = None) -> Sequence:
+        """The sequence of ``req`` with the prompt's ``token_ids``; ``resumed``: the tokens of its partial output."""
         seq = cls(
             request_id=req.request_id,
             prompt_token_ids=list(token_ids),
@@ -63,8 +64,8 @@ class Sequence:
             arrival_time=req.arrival_time,
             cache_salt=req.cache_salt,
         )
-        if req.resume_token_ids:  # resumed: prefilled with the prompt, then decoded from here
-            seq.output_token_ids = list(req.resume_token_ids)
+        if resumed:  # resumed: prefilled with the prompt, then decoded from here
+            seq.output_token_ids = list(resumed)
         if req.sampling.temperature > 0:
             seq.generator = torch.Generator()
             seq.generator.manual_seed(

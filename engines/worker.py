@@ -10,9 +10,9 @@ worker's leases lapse and its queries are requeued. A claim after an outage rene
 leases first, so its queries requeued meanwhile come back to it rather than being handed out as
 new work.
 
-An engine that can resume (:class:`~engines.interface.Resumable`: the native one) has its running
-queries checkpointed every ``checkpoint_tokens`` tokens, and a query claimed with a partial output
-resumes from it. Under a preemption notice (:meth:`Worker.notice`, or one the agent reads from the
+An engine that can resume (:class:`~engines.interface.Resumable`: the native one, the endpoint backend) has
+its running queries checkpointed every ``checkpoint_tokens`` tokens, and a query claimed with a partial
+output resumes from it. Under a preemption notice (:meth:`Worker.notice`, or one the agent reads from the
 cluster's state) the worker claims nothing more, gives back what it claimed ahead, lets the queries
 that will finish within the notice finish, checkpoints and gives back the others (no attempt used),
 and stops once nothing is left (:mod:`engines.checkpoints`).
@@ -43,7 +43,6 @@ from engines.queue_agent import QueueAgent
 from engines.worker_config import WorkerConfig
 from workqueue import WorkQueue
 from workqueue.openai_body import encode_fields, unhonoured
-from workqueue.partial import Partial
 from workqueue.roundtrips import count_round_trips
 
 __all__ = ["Worker", "WorkerConfig"]
@@ -164,7 +163,7 @@ class Worker:
         for cq in self.agent.take(self.engine.free_slots()):
             q = cq.query
             sampling = SamplingParams(q.temperature, q.top_p or 1.0, q.seed, q.max_tokens, q.forced_length)
-            resume = list(cq.partial.token_ids) if cq.partial is not None and self.resumable else None
+            resume = cq.partial if self.resumable else None
             self.checkpoints.start(q.gid, len(resume or ()))
             predicted = int(q.predicted_tokens) or None
             body = q.openai_body or {}
@@ -182,7 +181,7 @@ class Worker:
                         arrival_time=cq.claimed_at,
                         openai_body=body,
                         cache_salt=q.cache_salt,
-                        resume_token_ids=resume,
+                        resume=resume,
                     )  # fmt: skip
                 )
             except (ValueError, RuntimeError) as e:  # a query the engine cannot run fails alone
@@ -213,7 +212,7 @@ class Worker:
                 self.checkpoints.release(g, None)
             outputs = [o for o in outputs if o.request_id not in gone]
         self.checkpoints.forget(o.request_id for o in outputs)
-        if self.resumable and self.checkpoints.after_step(self.engine.progress()):
+        if self.resumable and self.checkpoints.after_step(self.engine.progress(), self.engine.partial):
             self.agent.kick()
         self.agent.done(outputs)
 
@@ -227,7 +226,11 @@ class Worker:
     def _hold_for_checkpoints(self) -> None:
         """Before a step: wait while a query is a checkpoint ahead of its partial output in Redis (a hard kill
         then loses at most that), unless Redis lately did not write one in time (the engine carries on)."""
-        if not self.checkpoints.every or time.monotonic() < self._no_wait_until:
+        if (
+            not self.checkpoints.every
+            or not self.engine.steps_generate  # its streams go on between steps: holding one saves nothing
+            or time.monotonic() < self._no_wait_until
+        ):
             return
         progress = self.engine.progress()
         if not self.checkpoints.behind(progress):
@@ -258,7 +261,7 @@ class Worker:
             g: cq for g, cq in dict(self.agent.inflight).items() if g not in skip
         }  # a copy: the agent writes it
         running = {  # generated, most it may generate (an engine that cannot resume: what it holds, none generated)
-            g: (len(progress.get(g, ())), cq.query.forced_length or cq.query.max_tokens)
+            g: (progress.get(g, 0), cq.query.forced_length or cq.query.max_tokens)
             for g, cq in held.items()
             if g in progress or not self.resumable
         }
@@ -268,9 +271,9 @@ class Worker:
                 self._preempting.add(g)
                 self.engine.abort_request(g)
                 continue
-            tokens = self.engine.suspend(g)
-            if tokens is not None:  # None: in a micro-batch in flight, next pass
-                self.checkpoints.release(g, Partial(tuple(tokens)) if tokens else None)
+            generated = self.engine.suspend(g)
+            if generated is not None:  # None: in a micro-batch in flight, or finished: next pass
+                self.checkpoints.release(g, generated or None)
         self.agent.free_slots = self.engine.free_slots()
         self.agent.kick()
         if self.engine.has_unfinished():

@@ -6,6 +6,11 @@ a BOS and another shape than the gateway's default template (:mod:`localmodels.c
 :class:`EndpointServer` (:mod:`load.endpoint_server`) runs ``transformers serve MODEL_DIR`` on a free
 loopback port as a real process (CPU), waits until it answers ``/health``, and stops or kills it by
 its pid; it can start again on the same port.
+
+:func:`byte_model_dir` builds a model whose text round-trips: a tokenizer of single bytes (no merges) and a
+generation config that suppresses every token but the ASCII bytes and the end of text, so the text of any
+answer tokenizes back to the very tokens generated (a continuation from the text can then equal the
+uninterrupted answer token for token: the seam costs nothing).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from load.endpoint_server import EndpointServer, endpoint_server, free_port
 from localmodels.chat_model import CHAT_TEMPLATE, TURN_TOKENS, build_chat_model
 
 MODEL_DIR_NAME = "endpoint-chat-model"
+BYTE_MODEL_DIR_NAME = "endpoint-byte-model"
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -23,6 +29,7 @@ __all__ = [
     "TURN_TOKENS",
     "EndpointServer",
     "build_chat_model",
+    "byte_model_dir",
     "chat_model_dir",
     "endpoint_server",
     "free_port",
@@ -34,4 +41,24 @@ def chat_model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.getbasetemp() / MODEL_DIR_NAME
     if not (path / "config.json").exists():
         build_chat_model(path)
+    return path
+
+
+def byte_model_dir(tmp_path_factory) -> Path:
+    """The byte model's directory (module docstring), built once per session (per pytest-xdist worker)."""
+    path = tmp_path_factory.getbasetemp() / BYTE_MODEL_DIR_NAME
+    if (path / "config.json").exists():
+        return path
+    from localmodels.build import build_model
+    from localmodels.tokenizer import generated_corpus, train_tokenizer
+
+    tok = train_tokenizer(generated_corpus(n=50), vocab_size=260)  # the 256 bytes and 4 special tokens
+    assert len(tok) == 260, len(tok)
+    model = build_model("llama", "nano", tokenizer=tok, max_positions=1024)
+    keep = {i for i in range(len(tok)) if len(text := tok.decode([i])) == 1 and text.isascii()}
+    model.generation_config.suppress_tokens = sorted(set(range(len(tok))) - keep - {tok.eos_token_id})
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(path)
     return path

@@ -4,7 +4,9 @@ Each new connection takes the next fault of its list, then passes: a status (``"
 reads the request and answers it with that status and an error body (and closes; ``"422"`` refuses
 ``stream_options`` as a strict server does), ``"hang"`` reads it and never answers (until the client
 gives up and closes), ``"no-usage"`` answers a whole stream of two pieces without ``usage``, ``"cut"``
-a stream that ends before its completion does, and ``"pass"`` (when the list is used up) relays the
+a stream that ends before its completion does, ``"stall-K"`` relays the request and the first K events of
+its answer's stream (each ending in a blank line) and then nothing more, until the client closes (a server
+that stops mid-answer, at a point a test chooses), and ``"pass"`` (when the list is used up) relays the
 connection's bytes both ways untouched.
 :meth:`FaultProxy.counts` counts the connections of each kind; :attr:`FaultProxy.heads` keeps the
 heads of the requests it answered with a fault.
@@ -48,6 +50,24 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     try:
         while data := await reader.read(65536):
             writer.write(data)
+            await writer.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
+async def _stall_pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, events: int) -> None:
+    """Relay the first ``events`` server-sent events (each ends in ``\n\n``), then read on and relay nothing."""
+    seen = 0
+    try:
+        while data := await reader.read(65536):
+            if seen >= events:
+                continue
+            end = 0
+            while seen < events and (i := data.find(b"\n\n", end)) >= 0:
+                seen, end = seen + 1, i + 2
+            writer.write(data if seen < events else data[:end])
             await writer.drain()
     except (OSError, asyncio.IncompleteReadError):
         pass
@@ -129,7 +149,12 @@ class FaultProxy:
                     pass
             else:
                 up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-                await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+                back = (
+                    _stall_pipe(up_reader, writer, int(fault.removeprefix("stall-")))
+                    if fault.startswith("stall-")
+                    else _pipe(up_reader, writer)
+                )
+                await asyncio.gather(_pipe(reader, up_writer), back)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
         finally:

@@ -91,7 +91,7 @@ def preempted_mid_run(queue: WorkQueue, qs: list[QueuedQuery], steps: int = 12) 
     claim_and_start(worker)
     for _ in range(steps):
         worker.step()
-    generated = {g: list(t) for g, t in worker.engine.progress().items()}
+    generated = {g: list(worker.engine.partial(g).token_ids) for g in worker.engine.progress()}
     assert sorted(generated) == sorted(q.gid for q in qs) and all(
         len(t) >= steps - 1 for t in generated.values()
     )
@@ -141,7 +141,7 @@ def test_a_resumed_query_equals_the_uninterrupted_run(redis_url, reference):
     e = engine()
     for cut in (1, 17, len(ids) - 1):
         out = e.generate(
-            [Request(f"x{cut}", PROMPTS[5], SamplingParams(max_tokens=40), resume_token_ids=ids[:cut])]
+            [Request(f"x{cut}", PROMPTS[5], SamplingParams(max_tokens=40), resume=Partial(tuple(ids[:cut])))]
         )
         assert (out[0].token_ids, out[0].prompt_tokens, out[0].finish_reason) == (ids, prompt_tokens, reason)
     # through the queue: preempted on a, moved, resumed on b; its result is the whole answer, counted once
@@ -162,6 +162,32 @@ def test_a_resumed_query_equals_the_uninterrupted_run(redis_url, reference):
     assert not queue.r.exists(keys.query("b1:q5"))  # the partial output went with the query's hash
 
 
+def test_the_native_engine_continues_a_partial_output_of_text_as_it_would_its_tokens():
+    """A partial output with text only (the endpoint backend writes those) resumes from the text's tokens, and the
+    native engine's own partial outputs carry their text too, for a backend that continues from text."""
+    e = engine()
+    words = " and then the river carved"
+    ids = e.tokenizer.encode(words, add_special_tokens=False)
+    outs = e.generate(
+        [
+            Request(f"r{i}", PROMPTS[2], SamplingParams(max_tokens=30), resume=resume)
+            for i, resume in enumerate([Partial(tuple(ids)), Partial((), words, len(ids))])
+        ]
+    )
+    assert outs[0].token_ids[: len(ids)] == ids and len(ids) < len(outs[0].token_ids) <= 30
+    assert [(o.token_ids, o.text, o.prompt_tokens, o.finish_reason) for o in outs[1:]] == [
+        (outs[0].token_ids, outs[0].text, outs[0].prompt_tokens, outs[0].finish_reason)
+    ]
+    e.add_request(Request("p", PROMPTS[2], SamplingParams(max_tokens=30)))
+    for _ in range(6):
+        e.step()
+    p = e.partial("p")
+    assert len(p) == len(p.token_ids) >= 5 and p.text == e.tokenizer.decode(
+        list(p.token_ids), skip_special_tokens=True
+    )
+    assert e.suspend("p") == p and e.partial("p") is None
+
+
 def test_checkpoints_never_fall_more_than_n_tokens_behind(redis_url, reference):
     """The step loop does not step a query a checkpoint ahead of Redis: checked after every step."""
     n = 8
@@ -174,8 +200,8 @@ def test_checkpoints_never_fall_more_than_n_tokens_behind(redis_url, reference):
 
     def checked_step():
         out = step()
-        for g, toks in worker.engine.progress().items():
-            gaps.append(len(toks) - len(partial(queue, g) or ()))
+        for g, n_generated in worker.engine.progress().items():
+            gaps.append(n_generated - len(partial(queue, g) or ()))
         return out
 
     worker.engine.step = checked_step
