@@ -43,9 +43,9 @@ from engines.endpoint_http import (
     served_models,
     stream_completion,
 )
-from engines.endpoint_job import Job
+from engines.endpoint_job import Job, chat_renderer
 from engines.endpoint_settings import EndpointSettings
-from engines.endpoint_stream import Answer, request_body
+from engines.endpoint_stream import Answer
 from engines.interface import EngineFailure, EngineStats, Request, RequestOutput
 from workqueue.partial import Partial
 
@@ -69,6 +69,9 @@ class EndpointEngine:
 
     def __init__(self, settings: EndpointSettings) -> None:
         self.settings = settings
+        self.chat = chat_renderer(
+            settings.tokenizer_dir
+        )  # renders a chat row continued from a partial output
         self.lanes = [Lane.of(url, settings.flow) for url in settings.urls]
         self._headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
         self._lock = threading.Lock()
@@ -112,7 +115,7 @@ class EndpointEngine:
 
     def add_request(self, request: Request) -> None:
         request.sampling.validate()
-        job = Job.of(request)
+        job = Job.of(request, self.chat)
         with self._lock:
             if request.request_id in self._held:
                 raise ValueError(f"request {request.request_id} is already running")
@@ -121,9 +124,6 @@ class EndpointEngine:
                 self._failure is not None
             ):  # held, never sent: the next step fails and the worker gives it back
                 return
-        if job.left <= 0:  # its partial output took every token it may generate
-            self._finish(job, job.ended())
-            return
         self._loop.call_soon_threadsafe(self._admit, job)
 
     def abort_request(self, request_id: str) -> None:
@@ -177,7 +177,7 @@ class EndpointEngine:
         finished: :meth:`step` returns it)."""
         with self._lock:
             job = self._held.get(request_id)
-            if job is None or job.done:
+            if job is None or job.done or job.answer.finish_reason:  # finished: step() returns its output
                 return None
             job.suspended = True
             del self._held[request_id]
@@ -213,10 +213,10 @@ class EndpointEngine:
         self._dispatch()
 
     def _drop(self, job: Job) -> None:
-        """A suspended request leaves: its stream closed, or its place in the queue."""
+        """A suspended request leaves: its stream closed, and its place in the queue (sent back there to retry)."""
         if job.task is not None:
-            job.task.cancel()  # _send answers nothing for it
-        elif job in self._waiting:
+            job.task.cancel()  # _send answers nothing for it (a task done already: nothing)
+        if job in self._waiting:
             self._waiting.remove(job)
         self._publish()
 
@@ -250,6 +250,9 @@ class EndpointEngine:
                 continue
             if job.suspended:
                 continue
+            if job.left <= 0:  # its partial output took every token it may generate
+                self._finish(job, job.ended())
+                continue
             lane.inflight += 1
             self._running[job.request.request_id] = job
             job.task = self._loop.create_task(self._send(job, lane))
@@ -268,7 +271,7 @@ class EndpointEngine:
         window, sent_at = lane.limit.window, time.monotonic()
         try:
             model = await self._model_at(lane)
-            sent = request_body(model, job.request, self._usage_option[lane.url])
+            sent = job.body(model, self._usage_option[lane.url])
             job.answer = Answer()  # each time from the start (or from its partial output)
             done = await stream_completion(self._client, lane.url, sent, self._headers, job.answer)
         except asyncio.CancelledError:  # aborted; or the engine failed or closes: the worker gives it back
@@ -276,6 +279,7 @@ class EndpointEngine:
                 self._finish(job, self._output(job, "abort"))
         except Overloaded as e:
             self._overloaded(lane, window, sent_at, e)
+            job.carry_on()  # a stream cut short goes on from its text
             self._again(job)
         except UsageOptionRefused as e:
             log.warning("%s; asking it without stream_options from now on", e)

@@ -1,31 +1,82 @@
 """One request of the endpoint backend while it is held (:mod:`engines.endpoint_backend`): its stream so far, and
 the partial output it resumed from or would be checkpointed as.
 
-A request claimed with a partial output that has text continues it (:func:`engines.endpoint_stream.continued`):
-``/v1/completions`` gets the prompt and the partial text and is asked for the rest of ``max_tokens``; the
-output is the partial text and the continuation, its completion tokens the partial output's and the new ones,
-its prompt tokens the server's count less the partial output's (the tokenization at the seam may differ from
-an uninterrupted run's by a token or two). While it streams, :meth:`Job.partial` is what a checkpoint writes:
-the text so far and its tokens (the stream's pieces: one a token on the servers this backend was tried with).
+A request claimed with a partial output that has text continues it, as does a request whose stream was cut
+short (:meth:`Job.carry_on`: a server killed mid-answer, a dropped connection): ``/v1/completions`` gets the
+prompt and the partial text (a :class:`~engines.endpoint_stream.Continuation`) and is asked for the rest of
+``max_tokens``. A chat row's prompt is rendered here with the served model's own chat template
+(:class:`ChatRenderer`, from ``fleetbatch engine serve --endpoint-tokenizer DIR``); without it a chat row is not
+continued but runs again from the start, as does a row asking for what a continuation cannot give the whole
+answer (:data:`workqueue.openai_body.CONTINUABLE`). The output is the partial text and the continuation, its
+completion tokens the partial output's and the new ones, its prompt tokens the server's count less the partial
+output's (the tokenization at the seam may differ from an uninterrupted run's by a token or two). While it
+streams, :meth:`Job.partial` is what a checkpoint writes: the text so far and its tokens (the stream's pieces:
+one a token on the servers this backend was tried with).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
 from engines.endpoint_http import Completion
-from engines.endpoint_stream import Answer, continued
+from engines.endpoint_stream import Answer, Continuation, request_body
 from engines.interface import Request, RequestOutput
 from workqueue.openai_body import CONTINUABLE, unhonoured
 from workqueue.partial import Partial
 
+log = logging.getLogger(__name__)
 
-@dataclass
+
+class ChatRenderer:
+    """A chat as the served model's server renders it (its tokenizer's chat template), as ``/v1/completions`` text:
+    without the start token the template writes where the server's tokenizer adds one to every prompt itself."""
+
+    def __init__(self, tokenizer) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template")
+        self.tokenizer = tokenizer
+        bos, ids = tokenizer.bos_token, tokenizer("a")["input_ids"]
+        self.added_start = bos if bos and ids and ids[0] == tokenizer.bos_token_id else ""
+
+    def __call__(self, messages: list) -> str | None:
+        """The rendered chat (None: the template refused it: the row runs again from the start)."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template may refuse roles or orders (jinja's raise_exception)
+            log.warning("the chat template refused a chat to continue (%s): it runs again from the start", e)
+            return None
+        return text.removeprefix(self.added_start) if self.added_start else text
+
+
+def chat_renderer(tokenizer_dir: str | None) -> ChatRenderer | None:
+    """The renderer of ``--endpoint-tokenizer DIR`` (None: not given); a ValueError says what is wrong with it."""
+    if not tokenizer_dir:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"--endpoint-tokenizer {tokenizer_dir}: cannot load a tokenizer there: {e}"
+        ) from None
+    try:
+        return ChatRenderer(tokenizer)
+    except ValueError as e:
+        raise ValueError(
+            f"--endpoint-tokenizer {tokenizer_dir}: {e} (it is read to render a chat row continued elsewhere)"
+        ) from None
+
+
+@dataclass(eq=False)
 class Job:
     request: Request
-    resume: Partial | None = None  # the partial output it continues (engines.endpoint_stream.continued)
+    continuable: bool = False  # a continuation can give its whole answer (module docstring)
+    chat: ChatRenderer | None = None  # renders its chat for a continuation
+    resume: Partial | None = None  # the partial output it continues (its claim's, or its cut-short stream's)
     answer: Answer = field(default_factory=Answer)  # the stream now (a new one each time it is sent)
     server_errors: int = 0
     task: asyncio.Task | None = None
@@ -34,8 +85,12 @@ class Job:
     done: bool = False
 
     @classmethod
-    def of(cls, request: Request) -> Job:
-        return cls(request, continued(request))
+    def of(cls, request: Request, chat: ChatRenderer | None) -> Job:
+        """The job of ``request``, continuing its partial output where it can (module docstring)."""
+        body = request.openai_body
+        continuable = not unhonoured(body, CONTINUABLE) and (chat is not None or not body.get("messages"))
+        resume = request.resume if continuable and request.resume and request.resume.text else None
+        return cls(request, continuable, chat, resume)
 
     @property
     def resumed(self) -> int:
@@ -47,19 +102,39 @@ class Job:
         """Most tokens it may still generate."""
         return self.request.sampling.target_tokens - self.resumed
 
+    def body(self, model: str, usage_option: bool) -> tuple[str, dict]:
+        """What to send now: the request, or the continuation of its partial output."""
+        go_on = None
+        if self.resume is not None:
+            messages = self.request.openai_body.get("messages")
+            prompt = self.chat(messages) if messages and self.chat is not None else self.request.prompt
+            if prompt is None:  # the template refused it: from the start
+                self.resume = None
+            else:
+                go_on = Continuation(prompt + self.resume.text, self.left)
+        return request_body(model, self.request, usage_option, go_on)
+
     def generated(self) -> int:
         """Tokens generated so far, the partial output's included."""
         return self.resumed + len(self.answer.pieces)
 
     def partial(self) -> Partial | None:
         """What it generated so far as a partial output (None: nothing, or a row a continuation cannot serve)."""
-        if unhonoured(self.request.openai_body, CONTINUABLE):
+        if not self.continuable:
             return None
         pieces = list(self.answer.pieces)  # a copy: the event loop appends to it
         base = self.resume if self.resume is not None else Partial()
         if not pieces and not base:
             return None
         return Partial((), base.text + "".join(pieces), len(base) + len(pieces))
+
+    def carry_on(self) -> None:
+        """Its stream was cut short: what came becomes the partial output the next send continues (where the row
+        can be continued; else it starts again)."""
+        taken = self.partial()
+        if taken is not None and len(taken) > self.resumed:
+            self.resume = taken
+        self.answer = Answer()  # counted in the partial output now, not twice
 
     def ended(self) -> RequestOutput:
         """Its output when the partial output already took every token it may generate."""

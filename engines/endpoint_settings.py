@@ -21,6 +21,7 @@ class EndpointSettings:
     api_key: str | None = None
     timeout_s: float = 60.0  # connecting, and the longest silence of a stream
     give_up_s: float = 300.0  # no endpoint answered this long while queries waited: the engine fails
+    tokenizer_dir: str | None = None  # the served model's tokenizer, to continue chat rows
     flow: FlowSettings = field(default_factory=FlowSettings)
 
     def __post_init__(self) -> None:
@@ -48,6 +49,7 @@ class EndpointSettings:
             api_key=api_key(args.endpoint_key_file),
             timeout_s=args.endpoint_timeout_s,
             give_up_s=args.endpoint_give_up_s,
+            tokenizer_dir=getattr(args, "endpoint_tokenizer", None),
             flow=flow_settings(given(args.max_running)),
         )
 

@@ -4,7 +4,8 @@ the streamed events.
 :func:`request_body` builds a chat row's ``/v1/chat/completions`` body from the row's own messages (the
 server applies its own chat template), any other row's ``/v1/completions`` body from its prompt; the
 OpenAI fields the row carries (:data:`workqueue.openai_body.PASS_THROUGH`) go as the row gives them. A row
-resumed from a partial output continues its text through ``/v1/completions`` (:func:`continued`).
+resumed from a partial output continues its text through ``/v1/completions`` (a :class:`Continuation`,
+:mod:`engines.endpoint_job`).
 :class:`Answer` reads each event's first choice: the text (``text``, or a chat ``delta.content``), the
 ``finish_reason``, the log-probabilities (a chat's ``logprobs.content`` entries, a completion's
 ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset`` lists, each joined in order) and a chat's
@@ -18,8 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from engines.interface import Request
-from workqueue.openai_body import CONTINUABLE, fields_used, unhonoured
-from workqueue.partial import Partial
+from workqueue.openai_body import fields_used
 
 CHAT_PATH = "/chat/completions"
 COMPLETIONS_PATH = "/completions"
@@ -27,32 +27,31 @@ COMPLETIONS_PATH = "/completions"
 USAGE_OPTION = "stream_options"
 
 
-def continued(request: Request) -> Partial | None:
-    """The partial output ``request`` continues from the text (None: it has none with text, or it asks for what a
-    continuation cannot give the whole answer, :data:`workqueue.openai_body.CONTINUABLE`: it runs from the start)."""
-    resume = request.resume
-    if resume is None or not resume.text or unhonoured(request.openai_body, CONTINUABLE):
-        return None
-    return resume
+@dataclass(frozen=True)
+class Continuation:
+    """What a request resumed from a partial output sends instead of its own chat or prompt: the prompt (a chat
+    row's rendered with the served model's template) with the partial text after it, and the tokens left."""
+
+    prompt: str
+    max_tokens: int
 
 
-def request_body(model: str, request: Request, usage_option: bool) -> tuple[str, dict]:
-    """The path (under the base URL) and body of ``request``: its chat or prompt, sampling and fields. A request
-    that continues a partial output (:func:`continued`) goes to ``/v1/completions`` with its prompt (a chat row's
-    is the gateway's rendering of it with the served model's template) and the partial text, for the rest of its
-    tokens."""
+def request_body(
+    model: str, request: Request, usage_option: bool, continuation: Continuation | None = None
+) -> tuple[str, dict]:
+    """The path (under the base URL) and body of ``request``: its chat or prompt, sampling and fields; a
+    ``continuation`` goes to ``/v1/completions`` for the rest of its tokens."""
     s, given = request.sampling, request.openai_body
     body: dict = {"model": model}
-    resume = continued(request)
-    if resume is not None:
-        path, body["prompt"] = COMPLETIONS_PATH, request.prompt + resume.text
+    if continuation is not None:
+        path, body["prompt"] = COMPLETIONS_PATH, continuation.prompt
     elif given.get("messages"):
         path, body["messages"] = CHAT_PATH, given["messages"]
     else:
         path, body["prompt"] = COMPLETIONS_PATH, request.prompt
     body.update(
         # a forced length is a bound here: the API has no "ignore EOS"
-        max_tokens=s.target_tokens - (len(resume) if resume is not None else 0),
+        max_tokens=continuation.max_tokens if continuation is not None else s.target_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
         stream=True,
@@ -129,4 +128,4 @@ class Answer:
         return out
 
 
-__all__ = ["CHAT_PATH", "COMPLETIONS_PATH", "USAGE_OPTION", "Answer", "continued", "request_body"]
+__all__ = ["CHAT_PATH", "COMPLETIONS_PATH", "USAGE_OPTION", "Answer", "Continuation", "request_body"]

@@ -22,6 +22,7 @@ from engines.emulation import Hold
 from engines.interface import EngineStats, Request, RequestOutput
 from engines.kv_cache import KVCacheManager
 from engines.model_runner import ModelRunner, make_adapter
+from engines.partials import partial_of, resumed_ids, text_of
 from engines.pipeline import PipelineRunner
 from engines.plan import apply_plan, plan_head_split, plan_stages, quantized_model
 from engines.sampler import sample
@@ -190,7 +191,7 @@ class LLMEngine:
         ids = request.prompt_token_ids
         if ids is None:
             ids = prompt_ids(self.tokenizer, request.prompt)
-        seq = Sequence.from_request(request, ids, self._resumed_ids(request.resume))
+        seq = Sequence.from_request(request, ids, resumed_ids(self.tokenizer, request.resume))
         if not seq.arrival_time:
             seq.arrival_time = time.time()
         error = ""
@@ -209,15 +210,6 @@ class LLMEngine:
             return
         self.scheduler.add(seq)
 
-    def _resumed_ids(self, resume: Partial | None) -> list[int] | None:
-        """The tokens a partial output resumes from: its ids, or its text's tokens where it has text only (written
-        by a backend that sees text: the tokenization at the seam may differ by a token or two)."""
-        if resume is None:
-            return None
-        if resume.token_ids or not resume.text or self.tokenizer is None:
-            return list(resume.token_ids)
-        return list(self.tokenizer.encode(resume.text, add_special_tokens=False))
-
     # ---- engines.interface.Resumable -------------------------------------------------------
     steps_generate = True
 
@@ -228,21 +220,14 @@ class LLMEngine:
     def partial(self, request_id: str) -> Partial | None:
         """A query's generated tokens and their text (None: not here)."""
         seq = self.scheduler.requests.get(request_id)
-        return None if seq is None else self._partial(seq.output_token_ids)
+        return None if seq is None else partial_of(self.tokenizer, seq.output_token_ids)
 
     def suspend(self, request_id: str) -> Partial | None:
         """Take a query out without an output; its generated tokens (None: not here, or in flight)."""
         if request_id in self._busy:
             return None
         seq = self.scheduler.remove(request_id)
-        return None if seq is None else self._partial(seq.output_token_ids)
-
-    def _partial(self, ids: list[int]) -> Partial:
-        """``ids`` with their text, so a backend that continues from text (the endpoint one) can resume them too."""
-        text = (
-            self.tokenizer.decode(ids, skip_special_tokens=True) if ids and self.tokenizer is not None else ""
-        )
-        return Partial(tuple(ids), text)
+        return None if seq is None else partial_of(self.tokenizer, seq.output_token_ids)
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self._busy:  # its KV is being written by a stage: finish it when it is back
@@ -383,12 +368,9 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.finish_time = time.time()
         ids = seq.output_token_ids
-        text = (
-            self.tokenizer.decode(ids, skip_special_tokens=True) if ids and self.tokenizer is not None else ""
-        )
         return RequestOutput(
             request_id=seq.request_id,
-            text=text,
+            text=text_of(self.tokenizer, ids),
             token_ids=list(ids),
             prompt_tokens=seq.num_prompt_tokens,
             finish_reason=reason,

@@ -199,6 +199,15 @@ def add_endpoint_arguments(p: argparse.ArgumentParser) -> None:
         help="the model's name at the servers (default: the one their /v1/models lists)",
     )
     g.add_argument(
+        "--endpoint-tokenizer",
+        default=None,
+        metavar="DIR",
+        help="a local directory with the served model's tokenizer and chat template (no weights are read): a "
+        "chat row resumed from a partial output (its cluster preempted or killed) is rendered with it and "
+        "continued through /v1/completions; without it such a row runs again from the start (prompt rows "
+        "need nothing)",
+    )
+    g.add_argument(
         "--endpoint-give-up-s",
         type=float,
         default=300.0,

@@ -70,6 +70,7 @@ VOCABULARY: dict[str, str] = {
     "--endpoint-fields": "the OpenAI request fields the endpoint backend's servers honour, passed through from each row",
     "--endpoint-give-up-s": "seconds no server of the endpoint backend may answer while queries wait before they go back",
     "--endpoint-key-file": "file whose first line is the endpoint backend's API key for its servers",
+    "--endpoint-tokenizer": "the served model's tokenizer and chat template, to continue a preempted chat row",
     "--endpoint-timeout-s": "seconds to connect to a server, and its longest silence, before it counts as overloaded",
     "--endpoint-url": "an OpenAI-compatible inference server of the endpoint backend, as its base URL (repeatable)",
     "--engine-arg": "extra argument for every `fleetbatch engine serve` (repeatable)",

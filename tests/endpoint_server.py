@@ -8,7 +8,8 @@ loopback port as a real process (CPU), waits until it answers ``/health``, and s
 its pid; it can start again on the same port.
 
 :func:`byte_model_dir` builds a model whose text round-trips: a tokenizer of single bytes (no merges) and a
-generation config that suppresses every token but the ASCII bytes and the end of text, so the text of any
+generation config that suppresses every token but the ASCII bytes and the end of text (and a chat template of
+plain-text turns), so the text of any
 answer tokenizes back to the very tokens generated (a continuation from the text can then equal the
 uninterrupted answer token for token: the seam costs nothing).
 """
@@ -22,6 +23,11 @@ from localmodels.chat_model import CHAT_TEMPLATE, TURN_TOKENS, build_chat_model
 
 MODEL_DIR_NAME = "endpoint-chat-model"
 BYTE_MODEL_DIR_NAME = "endpoint-byte-model"
+#: the byte model's chat template: its start token, then plain-text turns
+BYTE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -54,6 +60,7 @@ def byte_model_dir(tmp_path_factory) -> Path:
 
     tok = train_tokenizer(generated_corpus(n=50), vocab_size=260)  # the 256 bytes and 4 special tokens
     assert len(tok) == 260, len(tok)
+    tok.chat_template = BYTE_CHAT_TEMPLATE
     model = build_model("llama", "nano", tokenizer=tok, max_positions=1024)
     keep = {i for i in range(len(tok)) if len(text := tok.decode([i])) == 1 and text.isascii()}
     model.generation_config.suppress_tokens = sorted(set(range(len(tok))) - keep - {tok.eos_token_id})

@@ -6,8 +6,9 @@ reads the request and answers it with that status and an error body (and closes;
 gives up and closes), ``"no-usage"`` answers a whole stream of two pieces without ``usage``, ``"cut"``
 a stream that ends before its completion does, ``"stall-K"`` relays the request and the first K events of
 its answer's stream (each ending in a blank line) and then nothing more, until the client closes (a server
-that stops mid-answer, at a point a test chooses), and ``"pass"`` (when the list is used up) relays the
-connection's bytes both ways untouched.
+that stops mid-answer, at a point a test chooses), ``"cut-K"`` the same first K events and then closes the
+connection (a server killed mid-answer), and ``"pass"`` (when the list is used up) relays the connection's
+bytes both ways untouched.
 :meth:`FaultProxy.counts` counts the connections of each kind; :attr:`FaultProxy.heads` keeps the
 heads of the requests it answered with a fault.
 """
@@ -57,22 +58,30 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
-async def _stall_pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, events: int) -> None:
-    """Relay the first ``events`` server-sent events (each ends in ``\n\n``), then read on and relay nothing."""
+async def _stall_pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, events: int, cut: bool = False
+) -> None:
+    """Relay the first ``events`` server-sent events (each ends in a blank line), then read on and relay
+    nothing, the client's connection held open until the client closes it (``cut``: close it instead)."""
     seen = 0
+    held = False
     try:
         while data := await reader.read(65536):
             if seen >= events:
+                if cut:
+                    break
                 continue
             end = 0
             while seen < events and (i := data.find(b"\n\n", end)) >= 0:
                 seen, end = seen + 1, i + 2
             writer.write(data if seen < events else data[:end])
             await writer.drain()
+        held = seen >= events and not cut  # the client's side closes it (then _handle does)
     except (OSError, asyncio.IncompleteReadError):
         pass
     finally:
-        writer.close()
+        if not held:
+            writer.close()
 
 
 class FaultProxy:
@@ -149,9 +158,10 @@ class FaultProxy:
                     pass
             else:
                 up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+                kind, _, events = fault.partition("-")
                 back = (
-                    _stall_pipe(up_reader, writer, int(fault.removeprefix("stall-")))
-                    if fault.startswith("stall-")
+                    _stall_pipe(up_reader, writer, int(events), cut=kind == "cut")
+                    if kind in ("stall", "cut")
                     else _pipe(up_reader, writer)
                 )
                 await asyncio.gather(_pipe(reader, up_writer), back)

@@ -14,17 +14,20 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from engines.endpoint_backend import EndpointEngine
+from engines.endpoint_job import ChatRenderer, Job, chat_renderer
 from engines.endpoint_settings import EndpointSettings
-from engines.endpoint_stream import COMPLETIONS_PATH, request_body
+from engines.endpoint_stream import CHAT_PATH, COMPLETIONS_PATH
 from engines.interface import Request, RequestOutput, SamplingParams
 from engines.worker import Worker, WorkerConfig
 from gateway.offload.offloader import Offloader
-from tests.endpoint_server import byte_model_dir, endpoint_server
+from tests.endpoint_server import byte_model_dir, chat_model_dir, endpoint_server
 from tests.fault_proxy import FaultProxy
 from tests.harness import start_engine, wait_until
 from workqueue import QueryResult, QueuedQuery, WorkQueue, connect, keys
@@ -45,14 +48,16 @@ def server(tmp_path_factory):
         yield s
 
 
-def stalled(server, streams: int) -> tuple[FaultProxy, str]:
-    """A proxy whose first ``streams`` answers stop after :data:`CUT` events, and its base URL."""
-    proxy = FaultProxy(int(server.url.rsplit(":", 1)[1].split("/")[0]), [f"stall-{CUT}"] * streams)
+def stalled(server, streams: int, fault: str = "stall") -> tuple[FaultProxy, str]:
+    """A proxy whose first ``streams`` answers stop after :data:`CUT` events (``fault`` "cut": and close), and its
+    base URL."""
+    proxy = FaultProxy(int(server.url.rsplit(":", 1)[1].split("/")[0]), [f"{fault}-{CUT}"] * streams)
     return proxy, f"http://127.0.0.1:{proxy.start()}/v1"
 
 
-def engine_at(url: str, server) -> EndpointEngine:
-    return EndpointEngine(EndpointSettings(urls=(url,), model=server.model, timeout_s=120.0))
+def engine_at(url: str, server, tokenizer_dir: str | None = None) -> EndpointEngine:
+    settings = EndpointSettings(urls=(url,), model=server.model, timeout_s=120.0, tokenizer_dir=tokenizer_dir)
+    return EndpointEngine(settings)
 
 
 def run_to_end(engine: EndpointEngine, request: Request) -> RequestOutput:
@@ -77,28 +82,69 @@ def sampling() -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS)
 
 
+def body_of(request: Request, chat: ChatRenderer | None = None) -> tuple[str, dict]:
+    """What the endpoint backend sends for ``request`` as claimed (its partial output continued where it can be)."""
+    return Job.of(request, chat).body("m", True)
+
+
 def test_a_continued_row_goes_to_completions_for_the_rest_and_a_row_with_tools_starts_again():
     partial = Partial((5, 6, 7), " the Nile", None)
-    chat = {"messages": [{"role": "user", "content": "Name a river."}], "stop": ["\n\n"]}
-    rendered = "<s><|im_start|>user\nName a river.<|im_end|>\n<|im_start|>assistant\n"
-    path, body = request_body("m", Request("c", rendered, sampling(), openai_body=chat, resume=partial), True)
+    path, body = body_of(
+        Request("p", "Name a river.", sampling(), openai_body={"stop": ["\n\n"]}, resume=partial)
+    )
     assert (path, body["prompt"], body["max_tokens"], body["stop"]) == (
         COMPLETIONS_PATH,
-        rendered + " the Nile",
+        "Name a river. the Nile",
         MAX_TOKENS - 3,
         ["\n\n"],
     )
-    assert "messages" not in body
+    # a chat row: continued only with the served model's template to render it (--endpoint-tokenizer)
+    chat = {"messages": [{"role": "user", "content": "Name a river."}]}
+    row = Request(
+        "c", "<|user|>\nName a river.\n<|assistant|>\n", sampling(), openai_body=chat, resume=partial
+    )
+    path, body = body_of(row)
+    assert (path, body["messages"], body["max_tokens"]) == (CHAT_PATH, chat["messages"], MAX_TOKENS)
     tools = {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}
-    path, body = request_body(
-        "m", Request("t", rendered, sampling(), openai_body=tools, resume=partial), True
-    )
-    assert (
-        path != COMPLETIONS_PATH and body["messages"] == chat["messages"] and body["max_tokens"] == MAX_TOKENS
-    )
+    path, body = body_of(Request("t", row.prompt, sampling(), openai_body=tools, resume=partial))
+    assert path == CHAT_PATH and body["max_tokens"] == MAX_TOKENS
     # a partial output of token ids only (a writer that did not decode) is not continued from text
-    path, body = request_body("m", Request("i", "hi", sampling(), resume=Partial((1, 2))), True)
+    path, body = body_of(Request("i", "hi", sampling(), resume=Partial((1, 2))))
     assert (body["prompt"], body["max_tokens"]) == ("hi", MAX_TOKENS)
+
+
+def test_a_chat_continued_through_completions_is_the_prompt_the_server_renders_for_the_chat(tmp_path_factory):
+    """The renderer of --endpoint-tokenizer: a template that writes its start token, where the server's
+    tokenizer adds one to a completion's prompt too, is sent without it: the tokens are the chat's."""
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_model_dir(tmp_path_factory)))
+    render = ChatRenderer(tokenizer)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    chat_ids = list(chat_ids["input_ids"] if isinstance(chat_ids, Mapping) else chat_ids)
+    assert render.added_start == tokenizer.bos_token and chat_ids[0] == tokenizer.bos_token_id
+    assert tokenizer(render(messages))["input_ids"] == chat_ids
+    partial = Partial((), " The Nile", 3)
+    path, body = body_of(
+        Request("c", "", sampling(), openai_body={"messages": messages}, resume=partial), render
+    )
+    assert (path, body["prompt"], body["max_tokens"]) == (
+        COMPLETIONS_PATH,
+        render(messages) + " The Nile",
+        297,
+    )
+    tokenizer.chat_template = "{{ raise_exception('system messages only') }}"
+    assert ChatRenderer(tokenizer)(messages) is None  # a chat the template refuses: from the start
+
+
+def test_endpoint_tokenizer_errors_name_the_directory(tmp_path, tmp_path_factory):
+    with pytest.raises(ValueError, match="--endpoint-tokenizer .*cannot load"):
+        chat_renderer(str(tmp_path / "nowhere"))
+    AutoTokenizer.from_pretrained(str(chat_model_dir(tmp_path_factory))).save_pretrained(tmp_path / "t")
+    plain = AutoTokenizer.from_pretrained(str(tmp_path / "t"))
+    plain.chat_template = None
+    plain.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="no chat template"):
+        chat_renderer(str(tmp_path / "plain"))
 
 
 def test_partial_outputs_keep_their_count_through_redis():
@@ -139,6 +185,60 @@ def test_a_suspended_stream_hands_out_its_text_and_the_continuation_completes_it
         reference.prompt_tokens,
         reference.finish_reason,
     )
+
+
+def test_a_chat_row_continues_as_the_server_would_have_answered_it(server, tmp_path_factory):
+    """A chat row stalled on /v1/chat/completions, suspended, and continued through /v1/completions with its chat
+    rendered by the served model's template (--endpoint-tokenizer): the uninterrupted chat answer."""
+    tokenizer_dir = str(byte_model_dir(tmp_path_factory))
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]}
+
+    def row(rid: str, resume: Partial | None = None) -> Request:
+        return Request(rid, "", sampling(), openai_body=chat, resume=resume)
+
+    reference = run_to_end(engine_at(server.url, server), row("ref"))
+    proxy, url = stalled(server, 1)
+    cut = engine_at(url, server, tokenizer_dir)
+    try:
+        cut.add_request(row("cut"))
+        # the chat's first event names the role and has no text: CUT - 1 pieces
+        wait_until(
+            lambda: cut.step() == [] and cut.progress().get("cut") == CUT - 1, 60, "the stream stalled"
+        )
+        taken = cut.suspend("cut")
+    finally:
+        cut.close()
+        proxy.stop()
+    assert len(taken) == CUT - 1 and reference.text.startswith(taken.text)
+    resumed = run_to_end(engine_at(server.url, server, tokenizer_dir), row("res", taken))
+    assert (resumed.text, resumed.completion_tokens, resumed.prompt_tokens, resumed.finish_reason) == (
+        reference.text,
+        reference.completion_tokens,
+        reference.prompt_tokens,
+        reference.finish_reason,
+    )
+
+
+def test_a_stream_cut_short_goes_on_from_its_text(server):
+    """The server goes away mid-answer (the proxy closes the connection after :data:`CUT` events): the request is
+    sent again for the rest only, and the answer is the uninterrupted one."""
+    reference = run_to_end(engine_at(server.url, server), Request("ref", PROMPT, sampling()))
+    proxy, url = stalled(server, 1, "cut")
+    engine = engine_at(url, server)
+    try:
+        out = run_to_end(engine, Request("cut", PROMPT, sampling()))
+        generated = engine.stats().generated_tokens
+    finally:
+        engine.close()
+        proxy.stop()
+    assert proxy.counts() == {f"cut-{CUT}": 1, "pass": 1}
+    assert (out.text, out.completion_tokens, out.prompt_tokens, out.finish_reason) == (
+        reference.text,
+        reference.completion_tokens,
+        reference.prompt_tokens,
+        reference.finish_reason,
+    )
+    assert generated == reference.completion_tokens - CUT  # the first pieces were not generated again
 
 
 def test_a_partial_output_that_took_every_token_ends_at_once(server):
@@ -232,7 +332,7 @@ def test_a_killed_endpoint_engine_loses_no_streamed_text_past_its_checkpoints(re
     proxy, url = stalled(server, len(qs))
     proc = start_engine(
         "k", redis_url, tmp_path, "--backend", "endpoint", "--endpoint-url", url,
-        "--served-model-name", server.model, "--checkpoint-tokens", "8", "--heartbeat-s", "0.3",
+        "--served-model-name", server.model, "--checkpoint-tokens", "2", "--heartbeat-s", "0.3",
     )  # fmt: skip
     try:
         wait_until(lambda: all(len(saved(queue, q.gid) or ()) == CUT for q in qs), 120, "the checkpoints")

@@ -252,7 +252,8 @@ def test_a_hard_kill_loses_at_most_n_tokens_and_the_query_resumes(redis_url, ref
 
 def test_every_row_exactly_once_through_two_preemptions(redis_url, reference):
     queue = WorkQueue(connect(redis_url))
-    qs = [query(i, 50, forced=True) for i in range(10)]
+    # long enough (400 tokens each) that the first cluster is seen decoding, polled every 10 ms, on any machine
+    qs = [query(i, 400, forced=True) for i in range(10)]
     assert queue.create_batch("b1", [(q, "ab"[i % 2]) for i, q in enumerate(qs)])
     workers: dict[str, Worker] = {}
     threads: dict[str, threading.Thread] = {}
@@ -272,7 +273,7 @@ def test_every_row_exactly_once_through_two_preemptions(redis_url, reference):
         # the first cluster surely decodes; the second may have answered all it held by the time it is asked
         # (a fast machine): then its notice finds nothing running, and the rows must still come once
         done = lambda: not queue.inflight_ids(cluster) and queue.r.zcard(keys.queue(cluster)) == 0  # noqa: E731
-        wait_until(lambda: decoding() or done(), 120, f"{cluster} decoding or done")
+        wait_until(lambda: decoding() or done(), 120, f"{cluster} decoding or done", interval=0.01)
         noticed.append(cluster if decoding() else f"{cluster} (idle)")
         queue.give_notice(cluster, 0)
         threads[cluster].join(timeout=120)
@@ -298,8 +299,8 @@ def test_every_row_exactly_once_through_two_preemptions(redis_url, reference):
         q = qs[int(r.query_id[1:])]
         assert (r.finish_reason, r.completion_tokens, r.text) == (
             "length",
-            50,
-            reference(q.prompt, 50, True)[1],
+            400,
+            reference(q.prompt, 400, True)[1],
         )
     assert queue.batch("b1").status == "completed"
     assert check(queue.r) == []
