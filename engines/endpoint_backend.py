@@ -4,11 +4,11 @@ runs (``fleetbatch engine serve --backend endpoint --endpoint-url URL ...``, or 
 
 :class:`EndpointEngine` is an :class:`~engines.interface.Engine`: the worker's step loop hands it
 requests and takes finished outputs, while an event loop on its own thread streams each request to
-an endpoint (:mod:`engines.endpoint_http`) under the flow control of :mod:`engines.endpoint_flow`:
-an in-flight limit per endpoint climbed to its best throughput (:mod:`engines.endpoint_limit`), exponential backoff of an endpoint that is overloaded,
-restarting or unreachable (the request waits and goes again, to it or another endpoint, and is never
-failed for it), the least loaded endpoint first. The result carries the server's ``usage`` and
-``finish_reason``; the cluster's capacity is the completion tokens per second it measures.
+an endpoint (:mod:`engines.endpoint_http`) under the flow control of :mod:`engines.endpoint_flow`: an
+in-flight limit per endpoint climbed to its best throughput (:mod:`engines.endpoint_limit`), exponential
+backoff of an endpoint that is overloaded, restarting or unreachable (the request waits and goes again,
+to it or another endpoint, never failed for it), the least loaded endpoint first. The result carries the
+server's ``usage`` and ``finish_reason``; the cluster's capacity is the completion tokens/s it measures.
 
 A chat row goes to ``/v1/chat/completions`` with its own messages (the server applies its own chat
 template), any other row to ``/v1/completions`` with its prompt (the server tokenizes it as it is,
@@ -18,9 +18,9 @@ A forced length is sent as ``max_tokens``: the API has no way to ignore the end 
 When no endpoint has answered for ``give_up_s`` while queries wait, :meth:`EndpointEngine.step`
 raises :class:`~engines.interface.EngineFailure`: the worker gives the queries back to the queue.
 
-It is :class:`~engines.interface.Resumable` from text: the worker checkpoints each stream's text so far, a
-notice closes the streams that will not finish and gives their text back, and a request claimed with a
-partial output continues it through ``/v1/completions`` (:mod:`engines.endpoint_job`).
+It is :class:`~engines.interface.Resumable` from text: the worker checkpoints each stream's text, a notice
+closes the streams that will not finish and gives their text back, and a partial output claimed (or a stream
+cut short) is continued through ``/v1/completions`` (:mod:`engines.endpoint_job`).
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ class EndpointEngine:
         for job in self._waiting:
             if job.request.request_id == request_id:
                 self._waiting.remove(job)
-                self._finish(job, self._output(job, "abort"))
+                self._finish(job, job.empty("abort"))
                 break
         self._publish()
 
@@ -246,7 +246,7 @@ class EndpointEngine:
                 break
             job = self._waiting.popleft()
             if job.aborted:  # its abort came as it went back to wait
-                self._finish(job, self._output(job, "abort"))
+                self._finish(job, job.empty("abort"))
                 continue
             if job.suspended:
                 continue
@@ -271,15 +271,17 @@ class EndpointEngine:
         window, sent_at = lane.limit.window, time.monotonic()
         try:
             model = await self._model_at(lane)
-            sent = job.body(model, self._usage_option[lane.url])
-            job.answer = Answer()  # each time from the start (or from its partial output)
+            with self._lock:  # the worker's thread reads the job's resume and answer (partial, progress)
+                sent = job.body(model, self._usage_option[lane.url])
+                job.answer = Answer()  # each time from the start (or from its partial output)
             done = await stream_completion(self._client, lane.url, sent, self._headers, job.answer)
         except asyncio.CancelledError:  # aborted; or the engine failed or closes: the worker gives it back
             if job.aborted:
-                self._finish(job, self._output(job, "abort"))
+                self._finish(job, job.empty("abort"))
         except Overloaded as e:
             self._overloaded(lane, window, sent_at, e)
-            job.carry_on()  # a stream cut short goes on from its text
+            with self._lock:
+                job.carry_on()  # a stream cut short goes on from its text
             self._again(job)
         except UsageOptionRefused as e:
             log.warning("%s; asking it without stream_options from now on", e)
@@ -293,13 +295,13 @@ class EndpointEngine:
                 lane.backoff.failed(time.monotonic(), sent_at)
                 self._again(job)
             else:
-                self._finish(job, self._output(job, "error", error=str(e)))
+                self._finish(job, job.empty("error", error=str(e)))
         except _Misconfigured as e:
             self._again(job)
             self._fail(str(e))
         except Exception as e:  # a bug here must not lose the row: it fails, saying why
             log.exception("request %s failed in the endpoint backend", job.request.request_id)
-            self._finish(job, self._output(job, "error", error=f"endpoint backend: {type(e).__name__}: {e}"))
+            self._finish(job, job.empty("error", error=f"endpoint backend: {type(e).__name__}: {e}"))
         else:
             self._succeeded(job, lane, done)
         finally:
@@ -383,9 +385,6 @@ class EndpointEngine:
             job.done = True
             self._outputs.append(output)
             self._finished.notify_all()
-
-    def _output(self, job: Job, reason: str, error: str = "") -> RequestOutput:
-        return RequestOutput(job.request.request_id, "", [], 0, reason, finish_time=time.time(), error=error)
 
     def _publish(self) -> None:
         """The stats and free slots the worker reads, taken now."""

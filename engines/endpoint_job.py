@@ -136,6 +136,10 @@ class Job:
             self.resume = taken
         self.answer = Answer()  # counted in the partial output now, not twice
 
+    def empty(self, reason: str, error: str = "") -> RequestOutput:
+        """An output without an answer: ``abort`` (its batch cancelled) or ``error`` (``error`` says why)."""
+        return RequestOutput(self.request.request_id, "", [], 0, reason, finish_time=time.time(), error=error)
+
     def ended(self) -> RequestOutput:
         """Its output when the partial output already took every token it may generate."""
         assert self.resume is not None
