@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 TOKEN = "chaos-admin-token"
 CLIENT_TOKEN = "chaos-client-token-0001"  # the batch client's Bearer token (as client "chaos")
 BUSY_WAIT_S = 60.0  # how long a fault on a busy engine waits for one to hold a lease
+#: the faults that need their wave still running when they fire, an engine holding a lease or the client's stream
+#: open (each such wave keeps one row running long: load.chaos.waves.held)
+HELD_WAVE_FAULTS = frozenset({"kill_engine", "stop_engine", "kill_gateway"})
 
 
 class ProcessFaults:

@@ -58,12 +58,12 @@ from load.chaos.bite import Bite
 from load.chaos.books import GrpcBatch, format_report, grpc_books, merged_counts, verdict
 from load.chaos.client import ResilientClient
 from load.chaos.config import FAULTS, ChaosConfig, add_arguments, config_from_args  # noqa: F401  (add_arguments: the CLI reads it here)
-from load.chaos.faults import CLIENT_TOKEN, TOKEN, ProcessFaults
+from load.chaos.faults import CLIENT_TOKEN, HELD_WAVE_FAULTS, TOKEN, ProcessFaults
 from load.chaos.faults_wide import WideFaults
 from load.chaos.faults_work import WorkFaults
 from load.chaos.openai_view import OpenAIBatches, OpenAIRun, user_view
 from load.chaos.procs import GatewayProcess, RestartableRedis
-from load.chaos.waves import KV_BUDGET, SMALL_LIMIT, waves
+from load.chaos.waves import KV_BUDGET, SMALL_LIMIT, held, waves
 from load.client import to_request
 from load.reply_cut import ReplyCutProxy
 from load.tcp_proxy import Link, TcpProxy
@@ -272,6 +272,9 @@ class Chaos(ProcessFaults, WorkFaults, WideFaults):
         c = self.c
         t0 = time.monotonic()
         load = waves(c.queries, len(c.faults) + 1, c.seed, c.max_tokens)
+        for k, fault in enumerate(c.faults):
+            if fault in HELD_WAVE_FAULTS and load[k]:
+                load[k][0] = held(load[k][0])
         wave = self.submit("w0", load[0])
         last_heal = time.monotonic()
         for k, fault in enumerate(c.faults):

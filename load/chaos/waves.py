@@ -3,6 +3,9 @@
 * **Waves.** The batch is cut into one wave per fault plus one; wave ``k + 1`` is submitted only
   once fault ``k`` has fired and healed, so the run cannot finish before its last fault,
   however fast the machine (issue 31, finding 11).
+* **Held rows.** The wave of a fault that needs it still running (an engine holding a lease, the
+  client's stream open: ``load.chaos.faults.HELD_WAVE_FAULTS``) has one row forced to
+  :data:`HELD_TOKENS` tokens (:func:`held`), so it is when the fault looks.
 * **Cluster limits.** The first cluster takes queries of at most ``SMALL_LIMIT`` tokens
   (``max_query_tokens``); the second takes any that fit its KV cache. A *big* row (a long
   prompt, a few tokens out) therefore fits only the second cluster.
@@ -15,12 +18,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from load.workload import WorkItem, generated
 
 SMALL_LIMIT = 128  # max_query_tokens of the first cluster: every generated row fits (<= ~70 tokens)
 KV_BUDGET = 384  # KV cache of every engine, in tokens: four generated rows or one big row fit
 BIG_PROMPT = " ".join(["the river carries water and stones to the sea"] * 20)  # ~200 tokens
 KV_PROMPT = "Count slowly from one to ten thousand, one number per line."  # ~16 tokens
+HELD_TOKENS = 200  # a held row's answer (:func:`held`): with its prompt within KV_BUDGET, past SMALL_LIMIT
 #: rows that may fail for good, by id prefix, and the words their error must hold: they cannot run
 #: (the KV cache cannot hold them) or only a removed cluster could take them
 LEGIT_ERRORS = {"kv-": "kv cache", "sole-": "removed"}
@@ -36,6 +42,13 @@ def waves(n: int, k: int, seed: int, max_tokens: int) -> list[list[WorkItem]]:
         out.append(items[start:end])
         start = end
     return out
+
+
+def held(item: WorkItem) -> WorkItem:
+    """``item`` forced to :data:`HELD_TOKENS` tokens: the wave of a fault that needs it still running (an engine
+    holding a lease, the client's stream open) keeps one row running for hundreds of engine steps, however fast
+    the machine (its short rows can all be done within one look of the fault's, on a quiet one)."""
+    return replace(item, max_tokens=HELD_TOKENS, forced_length=HELD_TOKENS)
 
 
 def big_row(qid: str, out_tokens: int = 4) -> WorkItem:
