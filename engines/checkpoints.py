@@ -107,10 +107,12 @@ class Checkpoints:
 
     def release(self, gid: str, partial: Partial | None) -> None:
         """Give a query back with the next tick (without using an attempt), with ``partial`` as its partial output
-        (None: keep what a snapshot not yet sent, or Redis, holds)."""
+        (None: keep what a snapshot not yet sent, or Redis, holds; nor is one shorter than Redis's written)."""
         with self._cond:
-            before = self._pending.get(gid, (None, False))[0]
-            self._pending[gid] = (partial if partial is not None else before, True)
+            keep = partial if partial is not None else self._pending.get(gid, (None, False))[0]
+            if keep is not None and len(keep) < self._written.get(gid, 0):
+                keep = None  # Redis holds a longer one (the partial output this run did not resume from)
+            self._pending[gid] = (keep, True)
         self._taken.pop(gid, None)
 
     # ------------------------------------------------------------------ the agent's side

@@ -123,7 +123,8 @@ async def stream_completion(
                     raise Rejected(f"{url}: error in the stream: {_message(data.encode())}", retryable=True)
                 answer.add(event)
     except httpx.TransportError as e:  # refused, reset, timed out, cut short
-        raise Overloaded(f"{url}: {type(e).__name__}: {e}") from None
+        if not answer.finish_reason:  # else the answer is whole: only its usage or end of stream was lost
+            raise Overloaded(f"{url}: {type(e).__name__}: {e}") from None
     if not answer.finish_reason:
         raise Overloaded(f"{url}: the stream ended before the completion did")
     done = Completion(answer.text, 0, len(answer.pieces), answer.finish_reason, answer.first_token_time,

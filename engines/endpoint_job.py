@@ -43,8 +43,14 @@ class ChatRenderer:
 
     def __call__(self, messages: list) -> str | None:
         """The rendered chat (None: the template refused it: the row runs again from the start)."""
+        turns = [  # content as a list of text parts (the gateway takes those) joined, as servers render it
+            {**m, "content": "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))}
+            if isinstance(m, dict) and isinstance(m.get("content"), list)
+            else m
+            for m in messages
+        ]
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # a template may refuse roles or orders (jinja's raise_exception)
             log.warning("the chat template refused a chat to continue (%s): it runs again from the start", e)
             return None
@@ -147,19 +153,35 @@ class Job:
                              counted_tokens=self.resumed)  # fmt: skip
 
     def output(self, done: Completion) -> RequestOutput:
-        """Its output from the server's answer: the partial output's text and tokens, and the answer's."""
+        """Its output from the server's answer: the partial output's text and tokens, and the answer's (cut at a
+        stop string across the seam, which the server could not see: its usage still counts what it generated)."""
         base = self.resume
-        prompt_tokens = done.prompt_tokens
-        if base is not None and done.usage_reported:  # the server counted the partial text as prompt
-            prompt_tokens = max(0, prompt_tokens - len(base))
+        prompt_tokens, text, reason = done.prompt_tokens, done.text, done.finish_reason
+        if base is not None:
+            if done.usage_reported:  # the server counted the partial text as prompt
+                prompt_tokens = max(0, prompt_tokens - len(base))
+            text, stopped = stop_across(base.text, done.text, self.request.openai_body.get("stop"))
+            reason = "stop" if stopped else reason
         return RequestOutput(
             self.request.request_id,
-            (base.text if base is not None else "") + done.text,
+            text,
             [],
             prompt_tokens,
-            done.finish_reason,
+            reason,
             first_token_time=done.first_token_time or time.time(),
             finish_time=time.time(),
             counted_tokens=self.resumed + done.completion_tokens,
             openai_extra=done.extra or None,
         )
+
+
+def stop_across(before: str, after: str, stop: str | list[str] | None) -> tuple[str, bool]:
+    """``before + after`` cut at the first stop string that starts in ``before`` and ends in ``after`` (the seam of a
+    continuation: a server sees only ``after``), and whether one was found."""
+    text = before + after
+    found = [
+        i
+        for s in ([stop] if isinstance(stop, str) else stop or [])
+        if s and 0 <= (i := text.find(s, max(0, len(before) - len(s) + 1))) < len(before)
+    ]
+    return (text[: min(found)], True) if found else (text, False)

@@ -4,7 +4,8 @@ Each new connection takes the next fault of its list, then passes: a status (``"
 reads the request and answers it with that status and an error body (and closes; ``"422"`` refuses
 ``stream_options`` as a strict server does), ``"hang"`` reads it and never answers (until the client
 gives up and closes), ``"no-usage"`` answers a whole stream of two pieces without ``usage``, ``"cut"``
-a stream that ends before its completion does, ``"stall-K"`` relays the request and the first K events of
+a stream that ends before its completion does, ``"finished-cut"`` a whole answer whose connection closes
+before its usage and the end of its body, ``"stall-K"`` relays the request and the first K events of
 its answer's stream (each ending in a blank line) and then nothing more, until the client closes (a server
 that stops mid-answer, at a point a test chooses), ``"cut-K"`` the same first K events and then closes the
 connection (a server killed mid-answer), and ``"pass"`` (when the list is used up) relays the connection's
@@ -26,7 +27,12 @@ STREAMS = {
     "no-usage": b'data: {"choices": [{"index": 0, "text": "Hi"}]}\n\n'
     b'data: {"choices": [{"index": 0, "text": " there", "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n',
     "cut": b'data: {"choices": [{"index": 0, "text": "Hi"}]}\n\n',
+    # a whole answer, then the connection closed before its usage and end of stream (a body cut short)
+    "finished-cut": b'data: {"choices": [{"index": 0, "text": "Hi"}]}\n\n'
+    b'data: {"choices": [{"index": 0, "text": " there", "finish_reason": "stop"}]}\n\n',
 }
+#: the streams it cuts short: their Content-Length says this many bytes more than it sends
+SHORT_BY = {"finished-cut": 100}
 #: the error bodies of the statuses it answers (others: a generic one)
 BODIES = {
     "422": b'{"detail": "Unexpected fields in the request: {\'stream_options\'}"}',
@@ -63,18 +69,18 @@ async def _stall_pipe(
 ) -> None:
     """Relay the first ``events`` server-sent events (each ends in a blank line), then read on and relay
     nothing, the client's connection held open until the client closes it (``cut``: close it instead)."""
-    seen = 0
-    held = False
+    seen, carry, held = 0, b"", False  # carry: the last byte of a read, where a blank line may begin
     try:
         while data := await reader.read(65536):
             if seen >= events:
                 if cut:
                     break
                 continue
-            end = 0
-            while seen < events and (i := data.find(b"\n\n", end)) >= 0:
-                seen, end = seen + 1, i + 2
-            writer.write(data if seen < events else data[:end])
+            buf, pos = carry + data, 0
+            while seen < events and (i := buf.find(b"\n\n", pos)) >= 0:
+                seen, pos = seen + 1, i + 2
+            carry = b"" if pos == len(buf) else buf[-1:]
+            writer.write(data if seen < events else data[: pos - len(buf) + len(data)])
             await writer.drain()
         held = seen >= events and not cut  # the client's side closes it (then _handle does)
     except (OSError, asyncio.IncompleteReadError):
@@ -146,9 +152,10 @@ class FaultProxy:
             elif fault in STREAMS:
                 self._keep(await _read_request(reader))
                 body = STREAMS[fault]
+                length = len(body) + SHORT_BY.get(fault, 0)
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                    + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                    + f"Content-Length: {length}\r\nConnection: close\r\n\r\n".encode()
                     + body
                 )
                 await writer.drain()

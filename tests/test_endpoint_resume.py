@@ -20,8 +20,9 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from engines.checkpoints import Checkpoints
 from engines.endpoint_backend import EndpointEngine
-from engines.endpoint_job import ChatRenderer, Job, chat_renderer
+from engines.endpoint_job import ChatRenderer, Job, chat_renderer, stop_across
 from engines.endpoint_settings import EndpointSettings
 from engines.endpoint_stream import CHAT_PATH, COMPLETIONS_PATH
 from engines.interface import Request, RequestOutput, SamplingParams
@@ -70,6 +71,15 @@ def run_to_end(engine: EndpointEngine, request: Request) -> RequestOutput:
     raise AssertionError(f"{request.request_id} did not finish")
 
 
+def answer(url: str, server, request: Request, tokenizer_dir: str | None = None) -> RequestOutput:
+    """``request`` run to its end on an engine of its own (closed after)."""
+    engine = engine_at(url, server, tokenizer_dir)
+    try:
+        return run_to_end(engine, request)
+    finally:
+        engine.close()
+
+
 def served(server, prompt: str, max_tokens: int) -> dict:
     """The server's own greedy answer to ``prompt`` (not streamed): its text and usage."""
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
@@ -108,6 +118,9 @@ def test_a_continued_row_goes_to_completions_for_the_rest_and_a_row_with_tools_s
     tools = {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}
     path, body = body_of(Request("t", row.prompt, sampling(), openai_body=tools, resume=partial))
     assert path == CHAT_PATH and body["max_tokens"] == MAX_TOKENS
+    # penalties count the answer's tokens, which a continuation would send as prompt: from the start
+    penalised = Request("f", "hi", sampling(), openai_body={"frequency_penalty": 0.5}, resume=partial)
+    assert body_of(penalised)[1]["prompt"] == "hi"
     # a partial output of token ids only (a writer that did not decode) is not continued from text
     path, body = body_of(Request("i", "hi", sampling(), resume=Partial((1, 2))))
     assert (body["prompt"], body["max_tokens"]) == ("hi", MAX_TOKENS)
@@ -132,6 +145,9 @@ def test_a_chat_continued_through_completions_is_the_prompt_the_server_renders_f
         render(messages) + " The Nile",
         297,
     )
+    parts = [{**m, "content": [{"type": "text", "text": m["content"][:4]}, {"type": "text", "text": m["content"][4:]}]}
+             for m in messages]  # fmt: skip
+    assert render(parts) == render(messages)  # content in text parts, joined as a server joins them
     tokenizer.chat_template = "{{ raise_exception('system messages only') }}"
     assert ChatRenderer(tokenizer)(messages) is None  # a chat the template refuses: from the start
 
@@ -147,6 +163,41 @@ def test_endpoint_tokenizer_errors_name_the_directory(tmp_path, tmp_path_factory
         chat_renderer(str(tmp_path / "plain"))
 
 
+def test_a_stop_string_across_the_seam_ends_the_answer_there():
+    assert stop_across("The river\n", "\nNext", ["\n\n"]) == ("The river", True)
+    assert stop_across("abc EN", "D tail", "END") == ("abc ", True)
+    assert stop_across("abc", "def END", ["END"]) == (
+        "abcdef END",
+        False,
+    )  # inside the new text: the server's
+    assert stop_across("abc", "def", None) == ("abcdef", False)
+
+
+def test_a_release_never_writes_a_partial_output_shorter_than_the_one_in_redis():
+    """A run that restarted a query (a row it could not continue) and is preempted early gives it back without
+    its shorter partial output: the longer one it did not resume from stays for the next run."""
+    c = Checkpoints(8)
+    c.start("q", 20)  # claimed with 20 tokens in Redis
+    c.release("q", Partial((), "abc", 3))
+    assert c.for_tick() == [("q", None, True)]
+    c.start("r", 20)
+    c.release("r", Partial((), "x" * 25, 25))
+    assert c.for_tick()[-1] == ("r", Partial((), "x" * 25, 25), True)
+
+
+def test_an_answer_whose_connection_closes_after_its_end_is_whole(server):
+    """The finish came, then the connection closed before the usage and the end of the stream: the answer is kept
+    as it is (it is not asked for again, nor continued past its end)."""
+    proxy = FaultProxy(int(server.url.rsplit(":", 1)[1].split("/")[0]), ["finished-cut"])
+    url = f"http://127.0.0.1:{proxy.start()}/v1"
+    try:
+        out = answer(url, server, Request("f", PROMPT, sampling()))
+    finally:
+        proxy.stop()
+    assert (out.text, out.finish_reason, out.completion_tokens) == ("Hi there", "stop", 2)
+    assert proxy.counts() == {"finished-cut": 1}
+
+
 def test_partial_outputs_keep_their_count_through_redis():
     text_only = Partial((), "abc", 2)
     assert len(text_only) == 2 and Partial.decode(text_only.encode()) == text_only
@@ -157,7 +208,7 @@ def test_partial_outputs_keep_their_count_through_redis():
 
 
 def test_a_suspended_stream_hands_out_its_text_and_the_continuation_completes_it(server):
-    reference = run_to_end(engine_at(server.url, server), Request("ref", PROMPT, sampling()))
+    reference = answer(server.url, server, Request("ref", PROMPT, sampling()))
     proxy, url = stalled(server, 1)
     cut = engine_at(url, server)
     try:
@@ -173,7 +224,7 @@ def test_a_suspended_stream_hands_out_its_text_and_the_continuation_completes_it
     finally:
         cut.close()
         proxy.stop()
-    resumed = run_to_end(engine_at(server.url, server), Request("res", PROMPT, sampling(), resume=taken))
+    resumed = answer(server.url, server, Request("res", PROMPT, sampling(), resume=taken))
     rest = served(server, PROMPT + taken.text, MAX_TOKENS - CUT)  # what the server answers the continuation
     assert resumed.text == taken.text + rest["text"]
     assert resumed.completion_tokens == CUT + rest["completion_tokens"] <= MAX_TOKENS
@@ -196,7 +247,7 @@ def test_a_chat_row_continues_as_the_server_would_have_answered_it(server, tmp_p
     def row(rid: str, resume: Partial | None = None) -> Request:
         return Request(rid, "", sampling(), openai_body=chat, resume=resume)
 
-    reference = run_to_end(engine_at(server.url, server), row("ref"))
+    reference = answer(server.url, server, row("ref"))
     proxy, url = stalled(server, 1)
     cut = engine_at(url, server, tokenizer_dir)
     try:
@@ -210,7 +261,7 @@ def test_a_chat_row_continues_as_the_server_would_have_answered_it(server, tmp_p
         cut.close()
         proxy.stop()
     assert len(taken) == CUT - 1 and reference.text.startswith(taken.text)
-    resumed = run_to_end(engine_at(server.url, server, tokenizer_dir), row("res", taken))
+    resumed = answer(server.url, server, row("res", taken), tokenizer_dir)
     assert (resumed.text, resumed.completion_tokens, resumed.prompt_tokens, resumed.finish_reason) == (
         reference.text,
         reference.completion_tokens,
@@ -222,7 +273,7 @@ def test_a_chat_row_continues_as_the_server_would_have_answered_it(server, tmp_p
 def test_a_stream_cut_short_goes_on_from_its_text(server):
     """The server goes away mid-answer (the proxy closes the connection after :data:`CUT` events): the request is
     sent again for the rest only, and the answer is the uninterrupted one."""
-    reference = run_to_end(engine_at(server.url, server), Request("ref", PROMPT, sampling()))
+    reference = answer(server.url, server, Request("ref", PROMPT, sampling()))
     proxy, url = stalled(server, 1, "cut")
     engine = engine_at(url, server)
     try:
@@ -333,6 +384,7 @@ def test_a_killed_endpoint_engine_loses_no_streamed_text_past_its_checkpoints(re
     proc = start_engine(
         "k", redis_url, tmp_path, "--backend", "endpoint", "--endpoint-url", url,
         "--served-model-name", server.model, "--checkpoint-tokens", "2", "--heartbeat-s", "0.3",
+        "--endpoint-timeout-s", "300",  # the stalled streams are not given up on before the kill
     )  # fmt: skip
     try:
         wait_until(lambda: all(len(saved(queue, q.gid) or ()) == CUT for q in qs), 120, "the checkpoints")

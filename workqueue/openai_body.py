@@ -35,9 +35,11 @@ PASS_THROUGH = frozenset(
 #: what a row's ``openai_body`` may hold: the chat, the model's name and the fields passed through
 BODY_FIELDS = PASS_THROUGH | {"messages", "model"}
 #: the fields passed through that a continuation from the text (``/v1/completions`` with the prompt and the
-#: partial output's text, :mod:`workqueue.partial`) honours as the whole answer would: a row with any other
-#: (a schema, log-probabilities, tools) runs again from the start when it resumes elsewhere
-CONTINUABLE = frozenset({"stop", "frequency_penalty", "presence_penalty", "logit_bias"})
+#: partial output's text, :mod:`workqueue.partial`) honours as the whole answer would: a row with any other (a
+#: schema, log-probabilities, tools; the penalties, which count the answer's tokens and would not count the
+#: partial text, now prompt) runs again from the start when it resumes elsewhere. A stop string across the seam
+#: is found by the engine (engines.endpoint_job)
+CONTINUABLE = frozenset({"stop", "logit_bias"})
 #: what an endpoint answers beyond the text that the result keeps (``QueryResult.openai_extra``)
 EXTRA_ANSWERS = ("logprobs", "tool_calls")
 #: the largest ``openai_body`` (JSON bytes) a query may carry: a long chat, tools and a schema
