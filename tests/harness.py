@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -125,6 +126,19 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+def kill_when(engine: EngineProcess, ready, what: str, timeout: float = 120) -> None:
+    """Wait until ``ready()`` (at most ``timeout``), then SIGKILL ``engine`` by its pid and reap it; killed and
+    reaped whatever happens."""
+    try:
+        wait_until(ready, timeout, what)
+        os.kill(engine.pid, signal.SIGKILL)
+        engine.wait(timeout=30)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
 
 
 #: the random local models' shapes, as plan files name them

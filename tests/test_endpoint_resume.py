@@ -10,8 +10,6 @@ and queue agents; for the hard kill a real ``fleetbatch engine serve --backend e
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Mapping
@@ -30,7 +28,7 @@ from engines.worker import Worker, WorkerConfig
 from gateway.offload.offloader import Offloader
 from tests.endpoint_server import byte_model_dir, chat_model_dir, endpoint_server
 from tests.fault_proxy import FaultProxy
-from tests.harness import start_engine, wait_until
+from tests.harness import kill_when, start_engine, wait_until
 from workqueue import QueryResult, QueuedQuery, WorkQueue, connect, keys
 from workqueue.invariants import check
 from workqueue.partial import Partial
@@ -387,13 +385,8 @@ def test_a_killed_endpoint_engine_loses_no_streamed_text_past_its_checkpoints(re
         "--endpoint-timeout-s", "300",  # the stalled streams are not given up on before the kill
     )  # fmt: skip
     try:
-        wait_until(lambda: all(len(saved(queue, q.gid) or ()) == CUT for q in qs), 120, "the checkpoints")
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        kill_when(proc, lambda: all(len(saved(queue, q.gid) or ()) == CUT for q in qs), "the checkpoints")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         proxy.stop()
     partials = {q.gid: saved(queue, q.gid) for q in qs}
     assert all(p.text and not p.token_ids for p in partials.values())

@@ -6,7 +6,6 @@ model, in-process workers driven by their own step loops and queue agents, and f
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 
@@ -18,7 +17,7 @@ from engines.interface import Request, SamplingParams
 from engines.worker import Worker, WorkerConfig
 from gateway.offload.offloader import Offloader
 from localmodels import load_or_build
-from tests.harness import start_engine, wait_until
+from tests.harness import kill_when, start_engine, wait_until
 from workqueue import QueryResult, QueuedQuery, WorkQueue, connect, keys
 from workqueue.clusters import parse_state
 from workqueue.invariants import check
@@ -222,14 +221,7 @@ def test_a_hard_kill_loses_at_most_n_tokens_and_the_query_resumes(redis_url, ref
     proc = start_engine(
         "k", redis_url, tmp_path, "--arch", "llama", "--size", "nano", "--checkpoint-tokens", str(n)
     )
-    try:
-        wait_until(lambda: all(len(partial(queue, q.gid) or ()) >= 3 * n for q in qs), 120, "checkpoints")
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    kill_when(proc, lambda: all(len(partial(queue, q.gid) or ()) >= 3 * n for q in qs), "checkpoints")
     saved = {q.gid: partial(queue, q.gid) for q in qs}
     assert not queue.r.lrange(keys.results("b1"), 0, -1), "the kill came after the answers: make them longer"
     for q in qs:
