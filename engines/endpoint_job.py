@@ -70,11 +70,15 @@ def chat_renderer(tokenizer_dir: str | None) -> ChatRenderer | None:
             f"--endpoint-tokenizer {tokenizer_dir}: cannot load a tokenizer there: {e}"
         ) from None
     try:
-        return ChatRenderer(tokenizer)
+        renderer = ChatRenderer(tokenizer)
     except ValueError as e:
         raise ValueError(
             f"--endpoint-tokenizer {tokenizer_dir}: {e} (it is read to render a chat row continued elsewhere)"
         ) from None
+    log.info(
+        "a chat row resumed from a partial output is rendered with the chat template of %s", tokenizer_dir
+    )
+    return renderer
 
 
 @dataclass(eq=False)

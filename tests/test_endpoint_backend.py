@@ -351,6 +351,7 @@ def test_every_command_of_the_how_to_runs_against_transformers_serve(server, mod
     out = done.stdout
     assert out.count(" answers\n") == 2 and "completed" in out and out.count("serving cluster") == 2, out
     assert "cloud-a" in out and "cloud-b" in out  # gateway status
+    assert "rendered with the chat template of" in logs  # cloud-b's engine read --endpoint-tokenizer
     lines = [json.loads(x) for x in (tmp_path / "batch_output.jsonl").read_text().splitlines()]
     assert sorted(x["custom_id"] for x in lines) == ["q1", "q2", "q3"]
     assert all(x["response"]["body"]["usage"]["prompt_tokens"] > 0 for x in lines)
