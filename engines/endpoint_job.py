@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engines.endpoint_http import Completion
 from engines.endpoint_stream import Answer, Continuation, request_body
@@ -61,10 +62,14 @@ def chat_renderer(tokenizer_dir: str | None) -> ChatRenderer | None:
     """The renderer of ``--endpoint-tokenizer DIR`` (None: not given); a ValueError says what is wrong with it."""
     if not tokenizer_dir:
         return None
+    if not Path(tokenizer_dir).is_dir():
+        raise ValueError(
+            f"--endpoint-tokenizer {tokenizer_dir}: no such directory (the model's tokenizer files)"
+        )
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(
             f"--endpoint-tokenizer {tokenizer_dir}: cannot load a tokenizer there: {e}"

@@ -151,8 +151,11 @@ def test_a_chat_continued_through_completions_is_the_prompt_the_server_renders_f
 
 
 def test_endpoint_tokenizer_errors_name_the_directory(tmp_path, tmp_path_factory):
-    with pytest.raises(ValueError, match="--endpoint-tokenizer .*cannot load"):
+    with pytest.raises(ValueError, match="--endpoint-tokenizer .*no such directory"):
         chat_renderer(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="--endpoint-tokenizer .*cannot load"):
+        chat_renderer(str(tmp_path / "empty"))
     AutoTokenizer.from_pretrained(str(chat_model_dir(tmp_path_factory))).save_pretrained(tmp_path / "t")
     plain = AutoTokenizer.from_pretrained(str(tmp_path / "t"))
     plain.chat_template = None
