@@ -111,6 +111,16 @@ class WorkerCollector:
                 "tokens found in the prefix cache: prefill saved",
                 w.engine_stats.prefix_hit_tokens,
             ),
+            (
+                "fleetbatch_worker_resumed_queries",
+                "queries started from the partial output of a run preempted or killed elsewhere",
+                w.resumed_queries,
+            ),
+            (
+                "fleetbatch_worker_resumed_tokens",
+                "tokens of those partial outputs: generated once, not again",
+                w.resumed_tokens,
+            ),
         ):
             m = CounterMetricFamily(name, doc)
             m.add_metric([], value)

@@ -64,6 +64,8 @@ class Worker:
         self.kv_token_seconds = 0.0  # KV held x wall time of each step (emulated slowdown included)
         self.device = DeviceClock()  # steps and seconds of the emulated device (--device-cost)
         self.steps = 0
+        self.resumed_queries = 0  # started from a partial output an earlier run wrote
+        self.resumed_tokens = 0  # the tokens of those partial outputs: not generated again
         # seconds the device was busy: its modelled time when emulated, else the steps' wall time
         self.busy_s = 0.0
         self.host_overlap_s = 0.0  # host time between steps hidden under the device's (_emulate_device)
@@ -160,6 +162,7 @@ class Worker:
         """Abort what was cancelled, and give the engine the claimed queries it has room for."""
         for gid in self.agent.aborts():
             self.engine.abort_request(gid)
+        resumed = []
         for cq in self.agent.take(self.engine.free_slots()):
             q = cq.query
             sampling = SamplingParams(q.temperature, q.top_p or 1.0, q.seed, q.max_tokens, q.forced_length)
@@ -184,12 +187,32 @@ class Worker:
                         resume=resume,
                     )  # fmt: skip
                 )
+                if resume:
+                    resumed.append(q.gid)
             except (ValueError, RuntimeError) as e:  # a query the engine cannot run fails alone
                 log.error("query %s rejected by the engine: %s", q.gid, e)
                 self.agent.done(
                     [RequestOutput(q.gid, "", [], 0, "error", finish_time=time.time(), error=str(e))]
                 )
+        if resumed:
+            self._count_resumed(resumed)
         self.agent.free_slots = self.engine.free_slots()
+
+    def _count_resumed(self, gids: list[str]) -> None:
+        """Count the queries just started that continue their partial outputs (an engine may start one again
+        instead: a row it cannot continue), and the tokens they were spared."""
+        progress = self.engine.progress()
+        taken = [progress.get(g, 0) for g in gids]
+        queries, tokens = sum(1 for n in taken if n), sum(taken)
+        self.resumed_queries += queries
+        self.resumed_tokens += tokens
+        log.info(
+            "worker %s: %d of %d queries claimed with a partial output continue it (%d tokens not generated again)",
+            self.worker_id,
+            queries,
+            len(gids),
+            tokens,
+        )
 
     def step(self) -> None:
         """One engine step (on the emulated device's clock); its finished outputs go to the agent."""

@@ -24,6 +24,7 @@ from engines.endpoint_job import ChatRenderer, Job, chat_renderer, stop_across
 from engines.endpoint_settings import EndpointSettings
 from engines.endpoint_stream import CHAT_PATH, COMPLETIONS_PATH
 from engines.interface import Request, RequestOutput, SamplingParams
+from engines.metrics import WorkerCollector
 from engines.worker import Worker, WorkerConfig
 from gateway.offload.offloader import Offloader
 from tests.endpoint_server import byte_model_dir, chat_model_dir, endpoint_server
@@ -333,6 +334,9 @@ def resumed(
         assert worker.run(max_queries=len(qs)) == len(qs)
     finally:
         worker.engine.close()
+    counted = {m.name: m.samples[0].value for m in WorkerCollector(worker).collect()}
+    assert counted["fleetbatch_worker_resumed_queries"] == worker.resumed_queries == len(qs)
+    assert counted["fleetbatch_worker_resumed_tokens"] == sum(len(partials[q.gid]) for q in qs)
     rows = results(queue, batch)
     assert sorted(rows) == sorted(q.query_id for q in qs)
     for q in qs:

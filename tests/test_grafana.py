@@ -30,7 +30,13 @@ def test_every_query_of_the_dashboard_reads_an_exported_metric():
     assert dash["uid"] == "fleetbatch" and len(exprs) >= 10
     agent = SimpleNamespace(ticks=0, finished=0, tick_s=0.0, inbox=[], unwritten=lambda: 0)
     worker = SimpleNamespace(
-        steps=0, busy_s=0.0, round_trips=SimpleNamespace(value=0), agent=agent, engine_stats=EngineStats()
+        steps=0,
+        busy_s=0.0,
+        round_trips=SimpleNamespace(value=0),
+        agent=agent,
+        engine_stats=EngineStats(),
+        resumed_queries=0,
+        resumed_tokens=0,
     )
     known = exported(GatewayMetrics().registry.collect()) | exported(WorkerCollector(worker).collect())
     used = {name for e in exprs for name in re.findall(r"\bfleetbatch_[a-z_]+", e)}

@@ -149,7 +149,9 @@ def test_a_resumed_query_equals_the_uninterrupted_run(redis_url, reference):
     _, generated = preempted_mid_run(queue, [query(5, 40)], steps=15)
     assert 0 < len(generated["b1:q5"]) < len(ids)
     Offloader(queue).tick()
-    assert make_worker(queue, "b").run(max_queries=1) == 1
+    b = make_worker(queue, "b")
+    assert b.run(max_queries=1) == 1
+    assert (b.resumed_queries, b.resumed_tokens) == (1, len(generated["b1:q5"]))
     [row] = results(queue, "b1")
     assert (row.text, row.completion_tokens, row.prompt_tokens, row.finish_reason) == (
         text,
