@@ -271,8 +271,8 @@ class EndpointEngine:
         window, sent_at = lane.limit.window, time.monotonic()
         try:
             model = await self._model_at(lane)
-            with self._lock:  # the worker's thread reads the job's resume and answer (partial, progress)
-                sent = job.body(model, self._usage_option[lane.url])
+            sent = job.body(model, self._usage_option[lane.url])
+            with self._lock:  # the worker's thread reads the job's answer (partial, progress)
                 job.answer = Answer()  # each time from the start (or from its partial output)
             done = await stream_completion(self._client, lane.url, sent, self._headers, job.answer)
         except asyncio.CancelledError:  # aborted; or the engine failed or closes: the worker gives it back
@@ -338,7 +338,7 @@ class EndpointEngine:
         lane.limit.succeeded(done.completion_tokens, time.monotonic(), lane.inflight)
         self._answered(lane)
         self._meter.add(time.monotonic(), done.completion_tokens)
-        if not done.usage_reported and lane.url not in self._no_usage:
+        if not done.usage_reported and not done.cut and lane.url not in self._no_usage:
             self._no_usage.add(lane.url)
             log.warning("%s sends no usage: its completions count the stream's pieces, prompts 0", lane.url)
         self._finish(job, job.output(done))

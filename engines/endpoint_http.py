@@ -55,6 +55,7 @@ class Completion:
     first_token_time: float  # epoch seconds of the first piece of text (0: none came)
     usage_reported: bool  # False: the server sent no usage; the counts are the stream's pieces, prompt 0
     extra: dict = field(default_factory=dict)  # logprobs, tool_calls (engines.endpoint_stream.Answer.extra)
+    cut: bool = False  # the connection closed after the finish: its usage (if the server sends one) was lost
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -125,10 +126,13 @@ async def stream_completion(
     except httpx.TransportError as e:  # refused, reset, timed out, cut short
         if not answer.finish_reason:  # else the answer is whole: only its usage or end of stream was lost
             raise Overloaded(f"{url}: {type(e).__name__}: {e}") from None
+        cut = True
+    else:
+        cut = False
     if not answer.finish_reason:
         raise Overloaded(f"{url}: the stream ended before the completion did")
     done = Completion(answer.text, 0, len(answer.pieces), answer.finish_reason, answer.first_token_time,
-                      usage_reported=False, extra=answer.extra())  # fmt: skip
+                      usage_reported=False, extra=answer.extra(), cut=cut)  # fmt: skip
     if answer.usage is None:
         return done
     try:

@@ -7,7 +7,7 @@ prompt and the partial text (a :class:`~engines.endpoint_stream.Continuation`) a
 ``max_tokens``. A chat row's prompt is rendered here with the served model's own chat template
 (:class:`ChatRenderer`, from ``fleetbatch engine serve --endpoint-tokenizer DIR``); without it a chat row is not
 continued but runs again from the start, as does a row asking for what a continuation cannot give the whole
-answer (:data:`workqueue.openai_body.CONTINUABLE`). The output is the partial text and the continuation, its
+answer (:func:`workqueue.openai_body.continuable`). The output is the partial text and the continuation, its
 completion tokens the partial output's and the new ones, its prompt tokens the server's count less the partial
 output's (the tokenization at the seam may differ from an uninterrupted run's by a token or two). While it
 streams, :meth:`Job.partial` is what a checkpoint writes: the text so far and its tokens (the stream's pieces:
@@ -25,7 +25,7 @@ from pathlib import Path
 from engines.endpoint_http import Completion
 from engines.endpoint_stream import Answer, Continuation, request_body
 from engines.interface import Request, RequestOutput
-from workqueue.openai_body import CONTINUABLE, unhonoured
+from workqueue.openai_body import continuable
 from workqueue.partial import Partial
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,8 @@ class ChatRenderer:
 
     def __call__(self, messages: list) -> str | None:
         """The rendered chat (None: the template refused it: the row runs again from the start)."""
-        turns = [  # content as a list of text parts (the gateway takes those) joined, as servers render it
-            {**m, "content": "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))}
-            if isinstance(m, dict) and isinstance(m.get("content"), list)
-            else m
-            for m in messages
-        ]
         try:
-            text = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # a template may refuse roles or orders (jinja's raise_exception)
             log.warning("the chat template refused a chat to continue (%s): it runs again from the start", e)
             return None
@@ -103,9 +97,9 @@ class Job:
     def of(cls, request: Request, chat: ChatRenderer | None) -> Job:
         """The job of ``request``, continuing its partial output where it can (module docstring)."""
         body = request.openai_body
-        continuable = not unhonoured(body, CONTINUABLE) and (chat is not None or not body.get("messages"))
-        resume = request.resume if continuable and request.resume and request.resume.text else None
-        return cls(request, continuable, chat, resume)
+        can = continuable(body) and (chat is not None or not body.get("messages"))
+        resume = request.resume if can and request.resume and request.resume.text else None
+        return cls(request, can, chat, resume)
 
     @property
     def resumed(self) -> int:
@@ -184,13 +178,16 @@ class Job:
         )
 
 
-def stop_across(before: str, after: str, stop: str | list[str] | None) -> tuple[str, bool]:
+def stop_across(before: str, after: str, stop: object) -> tuple[str, bool]:
     """``before + after`` cut at the first stop string that starts in ``before`` and ends in ``after`` (the seam of a
     continuation: a server sees only ``after``), and whether one was found."""
     text = before + after
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
     found = [
         i
-        for s in ([stop] if isinstance(stop, str) else stop or [])
-        if s and 0 <= (i := text.find(s, max(0, len(before) - len(s) + 1))) < len(before)
+        for s in stops
+        if isinstance(s, str)
+        and s
+        and 0 <= (i := text.find(s, max(0, len(before) - len(s) + 1))) < len(before)
     ]
     return (text[: min(found)], True) if found else (text, False)

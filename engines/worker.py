@@ -188,7 +188,7 @@ class Worker:
                     )  # fmt: skip
                 )
                 if resume:
-                    resumed.append(q.gid)
+                    resumed.append((q.gid, len(resume)))
             except (ValueError, RuntimeError) as e:  # a query the engine cannot run fails alone
                 log.error("query %s rejected by the engine: %s", q.gid, e)
                 self.agent.done(
@@ -198,11 +198,11 @@ class Worker:
             self._count_resumed(resumed)
         self.agent.free_slots = self.engine.free_slots()
 
-    def _count_resumed(self, gids: list[str]) -> None:
+    def _count_resumed(self, claimed: list[tuple[str, int]]) -> None:
         """Count the queries just started that continue their partial outputs (an engine may start one again
-        instead: a row it cannot continue), and the tokens they were spared."""
+        instead: a row it cannot continue), and the tokens they were spared (at most the partial output's)."""
         progress = self.engine.progress()
-        taken = [progress.get(g, 0) for g in gids]
+        taken = [min(progress.get(g, 0), n) for g, n in claimed]
         queries, tokens = sum(1 for n in taken if n), sum(taken)
         self.resumed_queries += queries
         self.resumed_tokens += tokens
@@ -210,7 +210,7 @@ class Worker:
             "worker %s: %d of %d queries claimed with a partial output continue it (%d tokens not generated again)",
             self.worker_id,
             queries,
-            len(gids),
+            len(claimed),
             tokens,
         )
 

@@ -161,6 +161,7 @@ VOCABULARY: dict[str, str] = {
     "--metrics-host": "address of the metrics endpoint",
     "--metrics-port": "serve Prometheus metrics on this port (0: off)",
     "--min-time": "seconds of calls per point and round",
+    "--min-window-s": "the shortest completion window of a `loadgen spot` run, in seconds",
     "--minutes": "wall-clock budget; stops early when spent",
     "--mlm-epochs": "masked-language-model pre-training epochs on the training prompts before fine-tuning",
     "--mlm-responses": "MLM pre-training reads the training split's recorded responses as well as its prompts",

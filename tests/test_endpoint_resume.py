@@ -120,6 +120,8 @@ def test_a_continued_row_goes_to_completions_for_the_rest_and_a_row_with_tools_s
     # penalties count the answer's tokens, which a continuation would send as prompt: from the start
     penalised = Request("f", "hi", sampling(), openai_body={"frequency_penalty": 0.5}, resume=partial)
     assert body_of(penalised)[1]["prompt"] == "hi"
+    unpenalised = Request("z", "hi", sampling(), openai_body={"presence_penalty": 0}, resume=partial)
+    assert body_of(unpenalised)[1]["prompt"] == "hi the Nile"  # a penalty of 0 asks for nothing
     # a partial output of token ids only (a writer that did not decode) is not continued from text
     path, body = body_of(Request("i", "hi", sampling(), resume=Partial((1, 2))))
     assert (body["prompt"], body["max_tokens"]) == ("hi", MAX_TOKENS)
@@ -144,9 +146,12 @@ def test_a_chat_continued_through_completions_is_the_prompt_the_server_renders_f
         render(messages) + " The Nile",
         297,
     )
-    parts = [{**m, "content": [{"type": "text", "text": m["content"][:4]}, {"type": "text", "text": m["content"][4:]}]}
-             for m in messages]  # fmt: skip
-    assert render(parts) == render(messages)  # content in text parts, joined as a server joins them
+    # content in text parts: servers join them differently, so the row starts again rather than guess
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+    path, body = body_of(
+        Request("p", "", sampling(), openai_body={"messages": parts}, resume=partial), render
+    )
+    assert (path, body["max_tokens"]) == (CHAT_PATH, MAX_TOKENS)
     tokenizer.chat_template = "{{ raise_exception('system messages only') }}"
     assert ChatRenderer(tokenizer)(messages) is None  # a chat the template refuses: from the start
 
@@ -173,6 +178,7 @@ def test_a_stop_string_across_the_seam_ends_the_answer_there():
         False,
     )  # inside the new text: the server's
     assert stop_across("abc", "def", None) == ("abcdef", False)
+    assert stop_across("ab", "cd", ["bc", 3]) == ("a", True) and stop_across("ab", "cd", 5) == ("abcd", False)
 
 
 def test_a_release_never_writes_a_partial_output_shorter_than_the_one_in_redis():

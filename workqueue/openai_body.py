@@ -40,6 +40,8 @@ BODY_FIELDS = PASS_THROUGH | {"messages", "model"}
 #: partial text, now prompt) runs again from the start when it resumes elsewhere. A stop string across the seam
 #: is found by the engine (engines.endpoint_job)
 CONTINUABLE = frozenset({"stop", "logit_bias"})
+#: passed-through fields whose zero is no request at all (a client's default): they do not stop a continuation
+_ZERO_IS_NONE = ("frequency_penalty", "presence_penalty")
 #: what an endpoint answers beyond the text that the result keeps (``QueryResult.openai_extra``)
 EXTRA_ANSWERS = ("logprobs", "tool_calls")
 #: the largest ``openai_body`` (JSON bytes) a query may carry: a long chat, tools and a schema
@@ -81,6 +83,17 @@ def unhonoured(body: Mapping, honoured: Iterable[str]) -> list[str]:
     """The fields of ``body`` that a backend honouring ``honoured`` cannot run, sorted."""
     have = set(honoured)
     return [f for f in fields_used(body) if f not in have]
+
+
+def continuable(body: Mapping) -> bool:
+    """Whether a continuation from the partial text can give the row's whole answer (:data:`CONTINUABLE`): it asks
+    for nothing else (a penalty of 0 asks for nothing), and a chat's contents are plain strings (servers join a
+    content's text parts differently: the rendering could not be the server's)."""
+    asked = {k: v for k, v in body.items() if not (k in _ZERO_IS_NONE and not v)}
+    messages = body.get("messages") or []
+    return not unhonoured(asked, CONTINUABLE) and all(
+        isinstance(m.get("content", ""), str | None) for m in messages if isinstance(m, dict)
+    )
 
 
 def encode_fields(fields: Iterable[str]) -> str:

@@ -26,7 +26,7 @@ SMALL_LIMIT = 128  # max_query_tokens of the first cluster: every generated row 
 KV_BUDGET = 384  # KV cache of every engine, in tokens: four generated rows or one big row fit
 BIG_PROMPT = " ".join(["the river carries water and stones to the sea"] * 20)  # ~200 tokens
 KV_PROMPT = "Count slowly from one to ten thousand, one number per line."  # ~16 tokens
-HELD_TOKENS = 200  # a held row's answer (:func:`held`): with its prompt within KV_BUDGET, past SMALL_LIMIT
+HELD_TOKENS = 200  # a held row's answer (:func:`held`): with its prompt within KV_BUDGET
 #: rows that may fail for good, by id prefix, and the words their error must hold: they cannot run
 #: (the KV cache cannot hold them) or only a removed cluster could take them
 LEGIT_ERRORS = {"kv-": "kv cache", "sole-": "removed"}

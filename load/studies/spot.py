@@ -63,6 +63,13 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=96, help="cap on the recorded response lengths")
     p.add_argument("--windows", default="loose,tight", help=f"comma-separated, of {', '.join(WINDOWS)}")
+    p.add_argument(
+        "--min-window-s",
+        type=float,
+        default=0.0,
+        help="the shortest window, in seconds (a tiny run's few seconds leave no room for a killed engine's lease "
+        "and restart; default 0: the multiples of T alone)",
+    )
     p.add_argument("--notice", type=float, default=2.0, help="seconds of each preemption notice")
     p.add_argument(
         "--preempt-at",
@@ -200,13 +207,12 @@ def run(args) -> dict:
         runs = {"on_demand": run_setup("on_demand", "token", False, items, None, out, args)}
     dirs = {"on_demand": Path(args.reuse_on_demand) if args.reuse_on_demand else out / "on_demand"}
     makespan = runs["on_demand"]["meta"]["completed_at"] - runs["on_demand"]["meta"]["created_at"]
+    window_s = {w: max(WINDOWS[w] * makespan, args.min_window_s) for w in windows}
     print(f"on demand, token policy: makespan T = {makespan:.1f} s; windows "
-          + ", ".join(f"{w} {WINDOWS[w] * makespan:.0f} s" for w in windows))  # fmt: skip
+          + ", ".join(f"{w} {window_s[w]:.0f} s" for w in windows))  # fmt: skip
     for w in windows:
         for policy in ("cost", "token"):
-            runs[f"{policy}_{w}"] = run_setup(
-                f"{policy}_{w}", policy, True, items, WINDOWS[w] * makespan, out, args
-            )
+            runs[f"{policy}_{w}"] = run_setup(f"{policy}_{w}", policy, True, items, window_s[w], out, args)
             dirs[f"{policy}_{w}"] = out / f"{policy}_{w}"
     replayed = sim_cli("spot-replay", *map(str, dirs.values())) if not args.no_replay else {}
     spot_fleet = load_cluster_file(dirs[f"cost_{windows[0]}"] / "clusters.yaml").clusters
