@@ -12,22 +12,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
-from engines.checkpoints import Checkpoints
 from engines.endpoint_backend import EndpointEngine
-from engines.endpoint_job import ChatRenderer, Job, chat_renderer, stop_across
 from engines.endpoint_settings import EndpointSettings
-from engines.endpoint_stream import CHAT_PATH, COMPLETIONS_PATH
+from engines.endpoint_stream import COMPLETIONS_PATH
 from engines.interface import Request, RequestOutput, SamplingParams
 from engines.metrics import WorkerCollector
 from engines.worker import Worker, WorkerConfig
 from gateway.offload.offloader import Offloader
-from tests.endpoint_server import byte_model_dir, chat_model_dir, endpoint_server
+from tests.endpoint_server import byte_model_dir, endpoint_server
 from tests.fault_proxy import FaultProxy
 from tests.harness import kill_when, start_engine, wait_until
 from workqueue import QueryResult, QueuedQuery, WorkQueue, connect, keys
@@ -91,108 +87,6 @@ def sampling() -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS)
 
 
-def body_of(request: Request, chat: ChatRenderer | None = None) -> tuple[str, dict]:
-    """What the endpoint backend sends for ``request`` as claimed (its partial output continued where it can be)."""
-    return Job.of(request, chat).body("m", True)
-
-
-def test_a_continued_row_goes_to_completions_for_the_rest_and_a_row_with_tools_starts_again():
-    partial = Partial((5, 6, 7), " the Nile", None)
-    path, body = body_of(
-        Request("p", "Name a river.", sampling(), openai_body={"stop": ["\n\n"]}, resume=partial)
-    )
-    assert (path, body["prompt"], body["max_tokens"], body["stop"]) == (
-        COMPLETIONS_PATH,
-        "Name a river. the Nile",
-        MAX_TOKENS - 3,
-        ["\n\n"],
-    )
-    # a chat row: continued only with the served model's template to render it (--endpoint-tokenizer)
-    chat = {"messages": [{"role": "user", "content": "Name a river."}]}
-    row = Request(
-        "c", "<|user|>\nName a river.\n<|assistant|>\n", sampling(), openai_body=chat, resume=partial
-    )
-    path, body = body_of(row)
-    assert (path, body["messages"], body["max_tokens"]) == (CHAT_PATH, chat["messages"], MAX_TOKENS)
-    tools = {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}
-    path, body = body_of(Request("t", row.prompt, sampling(), openai_body=tools, resume=partial))
-    assert path == CHAT_PATH and body["max_tokens"] == MAX_TOKENS
-    # penalties count the answer's tokens, which a continuation would send as prompt: from the start
-    penalised = Request("f", "hi", sampling(), openai_body={"frequency_penalty": 0.5}, resume=partial)
-    assert body_of(penalised)[1]["prompt"] == "hi"
-    unpenalised = Request("z", "hi", sampling(), openai_body={"presence_penalty": 0}, resume=partial)
-    assert body_of(unpenalised)[1]["prompt"] == "hi the Nile"  # a penalty of 0 asks for nothing
-    # a partial output of token ids only (a writer that did not decode) is not continued from text
-    path, body = body_of(Request("i", "hi", sampling(), resume=Partial((1, 2))))
-    assert (body["prompt"], body["max_tokens"]) == ("hi", MAX_TOKENS)
-
-
-def test_a_chat_continued_through_completions_is_the_prompt_the_server_renders_for_the_chat(tmp_path_factory):
-    """The renderer of --endpoint-tokenizer: a template that writes its start token, where the server's
-    tokenizer adds one to a completion's prompt too, is sent without it: the tokens are the chat's."""
-    tokenizer = AutoTokenizer.from_pretrained(str(chat_model_dir(tmp_path_factory)))
-    render = ChatRenderer(tokenizer)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}]
-    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    chat_ids = list(chat_ids["input_ids"] if isinstance(chat_ids, Mapping) else chat_ids)
-    assert render.added_start == tokenizer.bos_token and chat_ids[0] == tokenizer.bos_token_id
-    assert tokenizer(render(messages))["input_ids"] == chat_ids
-    partial = Partial((), " The Nile", 3)
-    path, body = body_of(
-        Request("c", "", sampling(), openai_body={"messages": messages}, resume=partial), render
-    )
-    assert (path, body["prompt"], body["max_tokens"]) == (
-        COMPLETIONS_PATH,
-        render(messages) + " The Nile",
-        297,
-    )
-    # content in text parts: servers join them differently, so the row starts again rather than guess
-    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
-    path, body = body_of(
-        Request("p", "", sampling(), openai_body={"messages": parts}, resume=partial), render
-    )
-    assert (path, body["max_tokens"]) == (CHAT_PATH, MAX_TOKENS)
-    tokenizer.chat_template = "{{ raise_exception('system messages only') }}"
-    assert ChatRenderer(tokenizer)(messages) is None  # a chat the template refuses: from the start
-
-
-def test_endpoint_tokenizer_errors_name_the_directory(tmp_path, tmp_path_factory):
-    with pytest.raises(ValueError, match="--endpoint-tokenizer .*no such directory"):
-        chat_renderer(str(tmp_path / "nowhere"))
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="--endpoint-tokenizer .*cannot load"):
-        chat_renderer(str(tmp_path / "empty"))
-    AutoTokenizer.from_pretrained(str(chat_model_dir(tmp_path_factory))).save_pretrained(tmp_path / "t")
-    plain = AutoTokenizer.from_pretrained(str(tmp_path / "t"))
-    plain.chat_template = None
-    plain.save_pretrained(tmp_path / "plain")
-    with pytest.raises(ValueError, match="no chat template"):
-        chat_renderer(str(tmp_path / "plain"))
-
-
-def test_a_stop_string_across_the_seam_ends_the_answer_there():
-    assert stop_across("The river\n", "\nNext", ["\n\n"]) == ("The river", True)
-    assert stop_across("abc EN", "D tail", "END") == ("abc ", True)
-    assert stop_across("abc", "def END", ["END"]) == (
-        "abcdef END",
-        False,
-    )  # inside the new text: the server's
-    assert stop_across("abc", "def", None) == ("abcdef", False)
-    assert stop_across("ab", "cd", ["bc", 3]) == ("a", True) and stop_across("ab", "cd", 5) == ("abcd", False)
-
-
-def test_a_release_never_writes_a_partial_output_shorter_than_the_one_in_redis():
-    """A run that restarted a query (a row it could not continue) and is preempted early gives it back without
-    its shorter partial output: the longer one it did not resume from stays for the next run."""
-    c = Checkpoints(8)
-    c.start("q", 20)  # claimed with 20 tokens in Redis
-    c.release("q", Partial((), "abc", 3))
-    assert c.for_tick() == [("q", None, True)]
-    c.start("r", 20)
-    c.release("r", Partial((), "x" * 25, 25))
-    assert c.for_tick()[-1] == ("r", Partial((), "x" * 25, 25), True)
-
-
 def test_an_answer_whose_connection_closes_after_its_end_is_whole(server):
     """The finish came, then the connection closed before the usage and the end of the stream: the answer is kept
     as it is (it is not asked for again, nor continued past its end)."""
@@ -204,15 +98,6 @@ def test_an_answer_whose_connection_closes_after_its_end_is_whole(server):
         proxy.stop()
     assert (out.text, out.finish_reason, out.completion_tokens) == ("Hi there", "stop", 2)
     assert proxy.counts() == {"finished-cut": 1}
-
-
-def test_partial_outputs_keep_their_count_through_redis():
-    text_only = Partial((), "abc", 2)
-    assert len(text_only) == 2 and Partial.decode(text_only.encode()) == text_only
-    ids = Partial((1, 2, 3), "xyz")
-    assert len(ids) == 3 and Partial.decode(ids.encode()) == ids
-    assert Partial.decode('{"token_ids": [4, 5], "text": ""}') == Partial((4, 5))  # written before the count
-    assert Partial.decode(Partial().encode()) is None
 
 
 def test_a_suspended_stream_hands_out_its_text_and_the_continuation_completes_it(server):

@@ -163,32 +163,6 @@ def test_a_resumed_query_equals_the_uninterrupted_run(redis_url, reference):
     assert not queue.r.exists(keys.query("b1:q5"))  # the partial output went with the query's hash
 
 
-def test_the_native_engine_continues_a_partial_output_of_text_as_it_would_its_tokens():
-    """A partial output with text only (the endpoint backend writes those) resumes from the text's tokens, and the
-    native engine's own partial outputs carry their text too, for a backend that continues from text."""
-    e = engine()
-    words = " and then the river carved"
-    ids = e.tokenizer.encode(words, add_special_tokens=False)
-    outs = e.generate(
-        [
-            Request(f"r{i}", PROMPTS[2], SamplingParams(max_tokens=30), resume=resume)
-            for i, resume in enumerate([Partial(tuple(ids)), Partial((), words, len(ids))])
-        ]
-    )
-    assert outs[0].token_ids[: len(ids)] == ids and len(ids) < len(outs[0].token_ids) <= 30
-    assert [(o.token_ids, o.text, o.prompt_tokens, o.finish_reason) for o in outs[1:]] == [
-        (outs[0].token_ids, outs[0].text, outs[0].prompt_tokens, outs[0].finish_reason)
-    ]
-    e.add_request(Request("p", PROMPTS[2], SamplingParams(max_tokens=30)))
-    for _ in range(6):
-        e.step()
-    p = e.partial("p")
-    assert len(p) == len(p.token_ids) >= 5 and p.text == e.tokenizer.decode(
-        list(p.token_ids), skip_special_tokens=True
-    )
-    assert e.suspend("p") == p and e.partial("p") is None
-
-
 def test_checkpoints_never_fall_more_than_n_tokens_behind(redis_url, reference):
     """The step loop does not step a query a checkpoint ahead of Redis: checked after every step."""
     n = 8
