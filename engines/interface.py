@@ -131,7 +131,7 @@ class Engine(Protocol):
 @runtime_checkable
 class Resumable(Protocol):
     """An engine that resumes a query from its partial output (:attr:`Request.resume`) and can hand out what the
-    queries it runs generated so far (the native engine, the endpoint backend). The worker checkpoints them
+    queries it runs generated so far (the native engine, the vLLM and endpoint backends). The worker checkpoints them
     (engines.checkpoints)."""
 
     #: True: tokens are generated only inside ``step()`` (the native engine), so the worker may hold a step until

@@ -24,7 +24,7 @@ from engines.pipeline import StageFailure
 from engines.plan import plan_stages
 from engines.static_engine import StaticBatchEngine
 from engines.vllm_args import DefaultCount, add_vllm_arguments
-from engines.vllm_backend import VLLMEngine
+from engines.vllm_engine import VLLMEngine
 from engines.worker import Worker, WorkerConfig
 from localmodels import load_or_build
 from workqueue import WorkQueue, connect

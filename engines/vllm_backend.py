@@ -10,21 +10,18 @@ width in the plan (never below the plan's quality), and the translation says so 
 head split, unlike devices per stage). :func:`vllm_engine_args` adds the user's ``--vllm-arg``
 (:mod:`engines.vllm_args`) over the plan's values, logs each note as a warning and each override;
 nothing else is set, so vLLM's own defaults hold (``dtype``, ``gpu_memory_utilization``, and
-``max_num_seqs`` unless a plan or ``--max-running`` gives it). :class:`VLLMEngine` implements
-:class:`engines.interface.Engine` on ``vllm.LLMEngine``; it is imported only when the vLLM backend is
-chosen, after the arguments are checked.
+``max_num_seqs`` unless a plan or ``--max-running`` gives it). The engine over ``vllm.LLMEngine`` is
+:class:`engines.vllm_engine.VLLMEngine`; vLLM is imported only when the vLLM backend is chosen, after the
+arguments are checked.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.interface import EngineStats, Request, RequestOutput
 from engines.vllm_args import FLAG, given, override, parse_vllm_args
 from planfile import load_plan
 
@@ -32,8 +29,6 @@ log = logging.getLogger(__name__)
 
 #: the environment variable of vLLM's uneven pipeline layer split
 PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
-#: the queries the engine claims at once when vLLM picks max_num_seqs itself (its default for offline use)
-VLLM_DEFAULT_RUNNING = 256
 
 
 @dataclass
@@ -182,42 +177,6 @@ def vllm_engine_args(
     return VLLMArgs({k: v for k, v in merged.items() if v is not None}, env, notes)
 
 
-def sampling_kwargs(request: Request) -> dict[str, Any]:
-    """vLLM ``SamplingParams`` keyword arguments for a request (forced length = ignore EOS, exact count)."""
-    s = request.sampling
-    kw: dict[str, Any] = {
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "max_tokens": s.target_tokens,
-        "seed": s.seed,
-    }
-    if s.forced_length is not None:
-        kw.update(ignore_eos=True, min_tokens=s.forced_length)
-    return kw
-
-
-#: the first vLLM whose prompts take ``cache_salt`` (a tenant's salt of its prefix-cache keys)
-CACHE_SALT_SINCE = (0, 9)
-
-
-def takes_cache_salt(version: str) -> bool:
-    """Whether a vLLM of ``version`` (``vllm.__version__``) takes ``cache_salt`` in a prompt."""
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts) >= CACHE_SALT_SINCE
-
-
-def vllm_prompt(request: Request, salts: bool = True) -> str | dict[str, str]:
-    """What ``LLMEngine.add_request`` gets as the prompt: the text, or with the request's tenant salt
-    (``salts``: the vLLM takes one) ``{"prompt": text, "cache_salt": salt}``, so tenants share no cached
-    prefix in vLLM's cache either."""
-    if request.cache_salt and salts:
-        return {"prompt": request.prompt, "cache_salt": request.cache_salt}
-    return request.prompt
-
-
 def engine_kwargs(args) -> dict[str, Any]:
     """``vllm.EngineArgs`` keyword arguments of ``fleetbatch engine serve --backend vllm``
     (:func:`vllm_engine_args` of its flags); the plan's environment goes into ``os.environ``."""
@@ -230,91 +189,3 @@ def engine_kwargs(args) -> dict[str, Any]:
     )
     os.environ.update(t.env)
     return t.engine_args
-
-
-class VLLMEngine:
-    """:class:`engines.interface.Engine` over ``vllm.LLMEngine`` (iteration-level batching is vLLM's own)."""
-
-    def __init__(self, llm_engine, max_running: int = VLLM_DEFAULT_RUNNING, salts: bool = True):
-        self.llm = llm_engine
-        self.max_running = max_running
-        self.salts = salts  # the vLLM takes a request's cache_salt (vllm_prompt)
-        self._unfinished: set[str] = set()
-        self._first_token: dict[str, float] = {}
-        self._seen_tokens: dict[str, int] = {}
-        self._aborted: list[str] = []
-        self._generated = 0
-        self._window: list[tuple[float, int]] = []
-
-    @classmethod
-    def from_args(cls, args) -> VLLMEngine:
-        kwargs = engine_kwargs(args)  # checked first: a bad --vllm-arg never imports vLLM
-        import vllm
-        from vllm import EngineArgs, LLMEngine
-
-        llm = LLMEngine.from_engine_args(EngineArgs(**kwargs))
-        scheduler = getattr(getattr(llm, "vllm_config", None), "scheduler_config", None)
-        running = kwargs.get("max_num_seqs") or getattr(scheduler, "max_num_seqs", None)
-        version = getattr(vllm, "__version__", "0")
-        salts = takes_cache_salt(version)
-        if not salts:
-            log.warning("vLLM %s takes no cache_salt: its prefix cache is shared by every tenant", version)
-        return cls(llm, max_running=running or VLLM_DEFAULT_RUNNING, salts=salts)
-
-    def add_request(self, request: Request) -> None:
-        from vllm import SamplingParams
-
-        request.sampling.validate()
-        prompt = vllm_prompt(request, self.salts)
-        self.llm.add_request(request.request_id, prompt, SamplingParams(**sampling_kwargs(request)))
-        self._unfinished.add(request.request_id)
-
-    def abort_request(self, request_id: str) -> None:
-        self.llm.abort_request([request_id])  # vLLM 0.11 takes a list
-        if request_id in self._unfinished:
-            self._unfinished.discard(request_id)
-            self._aborted.append(request_id)
-
-    def has_unfinished(self) -> bool:
-        return bool(self._unfinished) or bool(self._aborted)
-
-    def free_slots(self) -> int:
-        return max(0, self.max_running - len(self._unfinished))
-
-    def stats(self) -> EngineStats:
-        secs = sum(s for s, _ in self._window[-32:])
-        toks = sum(t for _, t in self._window[-32:])
-        return EngineStats(
-            running=len(self._unfinished),
-            tokens_per_s=toks / secs if secs > 0 else 0.0,
-            generated_tokens=self._generated,
-        )
-
-    def step(self) -> list[RequestOutput]:
-        out = [RequestOutput(r, "", [], 0, "abort", finish_time=time.time()) for r in self._aborted]
-        self._aborted = []
-        t0 = time.time()
-        produced = 0
-        for o in self.llm.step():
-            comp = o.outputs[0]
-            self._first_token.setdefault(o.request_id, time.time())
-            produced += len(comp.token_ids) - self._seen_tokens.get(o.request_id, 0)
-            self._seen_tokens[o.request_id] = len(comp.token_ids)
-            if not o.finished:
-                continue
-            self._unfinished.discard(o.request_id)
-            self._seen_tokens.pop(o.request_id, None)
-            out.append(
-                RequestOutput(
-                    o.request_id,
-                    comp.text,
-                    list(comp.token_ids),
-                    len(o.prompt_token_ids or []),
-                    "stop" if comp.finish_reason == "stop" else "length",
-                    first_token_time=self._first_token.pop(o.request_id, time.time()),
-                    finish_time=time.time(),
-                )
-            )
-        self._generated += produced
-        self._window.append((time.time() - t0, produced))
-        return out

@@ -10,7 +10,7 @@ worker's leases lapse and its queries are requeued. A claim after an outage rene
 leases first, so its queries requeued meanwhile come back to it rather than being handed out as
 new work.
 
-An engine that can resume (:class:`~engines.interface.Resumable`: the native one, the endpoint backend) has
+An engine that can resume (:class:`~engines.interface.Resumable`: the native one, the vLLM and endpoint backends) has
 its running queries checkpointed every ``checkpoint_tokens`` tokens, and a query claimed with a partial
 output resumes from it. Under a preemption notice (:meth:`Worker.notice`, or one the agent reads from the
 cluster's state) the worker claims nothing more, gives back what it claimed ahead, lets the queries

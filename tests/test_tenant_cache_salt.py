@@ -17,7 +17,7 @@ from engines.engine import LLMEngine
 from engines.interface import Request, SamplingParams
 from engines.kv_cache import KVCacheManager
 from engines.sequence import Sequence
-from engines.vllm_backend import takes_cache_salt, vllm_prompt
+from engines.vllm_engine import takes_cache_salt, vllm_prompt
 from engines.worker import Worker
 from gateway.batches.quota import OWNER_FIELD
 from gateway.cli import build_parser

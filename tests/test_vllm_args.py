@@ -29,7 +29,8 @@ from engines.vllm_args import (
     parse_vllm_arg,
     parse_vllm_args,
 )
-from engines.vllm_backend import PARTITION_ENV, VLLMEngine, engine_kwargs, plan_to_vllm, vllm_engine_args
+from engines.vllm_backend import PARTITION_ENV, engine_kwargs, plan_to_vllm, vllm_engine_args
+from engines.vllm_engine import VLLMEngine
 from fleetbatch.vocabulary import VOCABULARY
 from tests.test_vllm_backend import make_plan
 

@@ -7,7 +7,8 @@ import importlib.util
 import pytest
 
 from engines.interface import Request, SamplingParams
-from engines.vllm_backend import plan_to_vllm, sampling_kwargs
+from engines.vllm_backend import plan_to_vllm
+from engines.vllm_engine import sampling_kwargs
 from planfile import Plan, StagePlan
 
 
@@ -108,7 +109,7 @@ def _gpu_vllm() -> bool:
 def test_vllm_engine_generates_forced_lengths(tmp_path):
     from types import SimpleNamespace
 
-    from engines.vllm_backend import VLLMEngine
+    from engines.vllm_engine import VLLMEngine
     from localmodels import build_model, default_tokenizer
 
     tok = default_tokenizer()

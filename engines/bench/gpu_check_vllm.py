@@ -10,7 +10,10 @@ Pipeline parallelism places each rank on its own GPU: with fewer GPUs than the p
 (one GPU), it runs what fits, ``pipeline_parallel_size`` 1 with the rest of the translated
 arguments, and says ``pp_skipped`` with the translated settings beside it. ``enforce_eager``
 skips CUDA-graph capture, which would take much of the check's time on so small a model.
-The last line of stdout is one JSON object.
+Then ``resume``: the backend's engine (:class:`engines.vllm_engine.VLLMEngine`) over the same vLLM runs one
+query whole, the same query suspended after a few steps, and a third continuing the second's partial output
+(:func:`resume_check`): whether the continued answer equals the whole one token for token (greedy), and where
+they first differ if not. The last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -104,7 +107,49 @@ def run(model_dir: str, w: Workload, s: dict[str, Any]) -> dict[str, Any]:
     }
     if not ok:
         result["error"] = f"forced lengths not kept: got {sorted(set(lengths))}, wanted {w.gen_len}"
+    try:
+        result["resume"] = resume_check(llm.llm_engine, tok, w.gen_len)
+    except Exception as e:  # reported beside the timed run, which stands
+        log.exception("vllm resume check failed")
+        result["resume"] = {"error": f"{type(e).__name__}: {e}"}
     return result
+
+
+RESUME_PROMPT = "Rivers carve valleys over millions of years because"
+
+
+def resume_check(llm_engine, tokenizer, gen_len: int, cut_steps: int = 5, sampling=None) -> dict[str, Any]:
+    """One query run whole, suspended after ``cut_steps`` steps, and continued from its partial output, on the
+    backend's engine over ``llm_engine`` (greedy, forced to ``gen_len`` tokens): the two answers side by side.
+    ``sampling``: what makes the engine's sampling parameters (vLLM's ``SamplingParams`` unless given)."""
+    from engines.interface import Request, SamplingParams
+    from engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(llm_engine, tokenizer=tokenizer, sampling=sampling)
+    sp = SamplingParams(max_tokens=gen_len, forced_length=gen_len)
+
+    def answer(request: Request):
+        engine.add_request(request)
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == request.request_id:
+                    return o
+        raise RuntimeError(f"{request.request_id} never finished")
+
+    whole = answer(Request("whole", RESUME_PROMPT, sp))
+    engine.add_request(Request("cut", RESUME_PROMPT, sp))
+    for _ in range(cut_steps):
+        engine.step()
+    part = engine.suspend("cut")
+    rest = answer(Request("rest", RESUME_PROMPT, sp, resume=part))
+    pairs = zip(whole.token_ids, rest.token_ids, strict=False)
+    return {
+        "cut_tokens": len(part or ()),
+        "equal": whole.token_ids == rest.token_ids and whole.text == rest.text,
+        "first_difference": next((i for i, (a, b) in enumerate(pairs) if a != b), None),
+        "completion_tokens": [whole.completion_tokens, rest.completion_tokens],
+        "prompt_tokens": [whole.prompt_tokens, rest.prompt_tokens],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
