@@ -18,7 +18,7 @@ from cliutil import PLAIN_LOG, run_main
 from planfile import save_plan
 from planner.baselines import het, uniform
 from planner.build import make_plan
-from planner.cli_args import CliError, _bits, _chunks, _positive, _tp_sizes, bad_input
+from planner.cli_args import CliError, _bits, _chunks, _positive, _tp_sizes, bad_input, out_folder
 from planner.cli_fleet import add_fleet_parser
 from planner.cli_measure import add_measure_parsers
 from planner.cluster import PAPER_CLUSTERS, ClusterSpecError, load_cluster
@@ -72,7 +72,9 @@ def _workload(args: argparse.Namespace) -> Workload:
     else:
         raise CliError("give --output-tokens, --length-distribution or --max-output-tokens")
     with bad_input():
-        return Workload(args.batch_size, args.prompt_len, max(1, round(n)), args.kv_bits, args.bits, args.theta)
+        return Workload(
+            args.batch_size, args.prompt_len, max(1, round(n)), args.kv_bits, args.bits, args.theta
+        )
 
 
 def _add_workload(p: argparse.ArgumentParser, theta: float) -> None:
@@ -115,6 +117,7 @@ def _profiles(items: list[str] | None) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    out_folder(args.out)
     with bad_input(ClusterSpecError, ValueError):
         cluster = load_cluster(args.cluster_spec)
         shape = load_shape(args.shape)
@@ -148,7 +151,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if res is None:
         raise CliError(f"no plan fits: {shape.name} with this workload does not fit in {cluster.describe()}")
     pl = make_plan(problem, res[0], res[1], args.method, res[2])
-    save_plan(pl, args.out)
+    try:
+        save_plan(pl, args.out)
+    except OSError as e:
+        raise CliError(f"--out {args.out}: cannot write the plan: {e.strerror or e}") from None
     for k, st in enumerate(pl.stages):
         d = pl.devices[st.device_index]
         tp = len(st.devices_of_stage)
@@ -230,7 +236,9 @@ def build_parser(prog: str = "fleetbatch planner") -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan one cluster and write plan.json")
     p.add_argument(
-        "--cluster-spec", required=True, help="cluster spec file (YAML/JSON) or shorthand like 3xT4+V100 or 1xCPU"
+        "--cluster-spec",
+        required=True,
+        help="cluster spec file (YAML/JSON) or shorthand like 3xT4+V100 or 1xCPU",
     )
     p.add_argument(
         "--shape",

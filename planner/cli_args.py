@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class CliError(Exception):
@@ -66,3 +67,11 @@ def _positive(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
     return v
+
+
+def out_folder(path: str | Path) -> None:
+    """Make the folder of an ``--out`` file (before the work, so a path that cannot be written is named at once)."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"--out {path}: cannot make its folder: {e.strerror or e}") from None

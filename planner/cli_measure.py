@@ -7,7 +7,7 @@ import json
 import sys
 
 from planner.catalog import device_type
-from planner.cli_args import CliError, _positive, _sizes, bad_input
+from planner.cli_args import CliError, _positive, _sizes, bad_input, out_folder
 from planner.latency import fit_head, fit_profile, paper_ratio_check
 from planner.modelshape import load_shape
 
@@ -17,6 +17,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from planner.profiler import profile_local
 
+    out_folder(args.out)
     with bad_input():
         shape = load_shape(args.shape)
     if args.device.startswith("cuda"):

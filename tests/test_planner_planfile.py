@@ -172,3 +172,17 @@ def test_cli_compare_last_line_json(capsys):
     ):
         assert k in summary
     assert summary["mean_speedup_vs_best_baseline"] >= 1.0
+
+
+def test_cli_plan_writes_into_a_folder_it_makes_and_names_one_it_cannot(tmp_path, capsys):
+    """`--out plans/a.json` in a checkout without `plans/` (the how-to's command): the folder is made, not a
+    traceback after the solve; a folder that cannot be made is named before solving."""
+    argv = ["plan", "--cluster-spec", "1xA100-40G", "--shape", "llama:tiny", "--output-tokens", "32", "--out"]
+    out = tmp_path / "plans" / "deeper" / "a.json"
+    assert main([*argv, str(out)]) == 0
+    assert json.loads(out.read_text())["stages"]
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main([*argv, str(blocker / "a.json")]) == 1
+    err = capsys.readouterr().err
+    assert "--out" in err and str(blocker) in err and "Traceback" not in err
