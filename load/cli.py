@@ -68,7 +68,12 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --jsonl: also write OpenAI Batch output here (errors to NAME_errors.jsonl beside it)",
     )
-    p.add_argument("--model-name", default="fleetbatch", help="model name in the OpenAI output bodies")
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help="model name in the OpenAI output bodies (default: the model each request named, as the HTTP API "
+        "answers; 'fleetbatch' for a request that named none)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -281,8 +286,9 @@ def _submit(
     tally = Tally()
     writer = None
     if openai_out:
-        endpoint = (source or _openai_file(args, None)).endpoint
-        writer = OpenAIOutput(openai_out, endpoint, args.model_name)
+        file = source or _openai_file(args, None)
+        model = (lambda _: args.model_name) if args.model_name else file.model
+        writer = OpenAIOutput(openai_out, file.endpoint, model)
     try:
         batch, _, wall = run_batch(
             target,

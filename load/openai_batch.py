@@ -21,15 +21,20 @@ def error_path(output: str | Path) -> Path:
 
 class OpenAIOutput:
     """The output file and, beside it, the error file of a batch, written a result at a time as results come
-    (``endpoint``: a result's request url by its ``custom_id``); ``ok`` and ``bad`` count the lines."""
+    (``endpoint`` and ``model``: a result's request url and the model it named, by its ``custom_id``; a request
+    that named none is answered as :data:`gateway.http_api.format.DEFAULT_MODEL`); ``ok`` and ``bad`` count the
+    lines."""
 
-    def __init__(self, output: str | Path, endpoint: Callable[[str], str], model: str = "fleetbatch") -> None:
+    def __init__(
+        self, output: str | Path, endpoint: Callable[[str], str], model: Callable[[str], str] = lambda _: ""
+    ) -> None:
         self.endpoint, self.model, self.ok, self.bad = endpoint, model, 0, 0
         self._out = open(output, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
         self._err = open(error_path(output), "w", encoding="utf-8")  # noqa: SIM115
 
     def write(self, r: Mapping) -> None:
-        line = output_line(r, self.endpoint(str(r["query_id"])), self.model)
+        custom_id = str(r["query_id"])
+        line = output_line(r, self.endpoint(custom_id), self.model(custom_id))
         (self._err if line["error"] else self._out).write(json.dumps(line, ensure_ascii=False) + "\n")
         self.ok, self.bad = (self.ok, self.bad + 1) if line["error"] else (self.ok + 1, self.bad)
 

@@ -101,8 +101,9 @@ class OpenAIFile:
     served model's own, or the documented default asked for by name; neither: a chat row is an error). ``max_tokens`` (or
     ``max_completion_tokens``), ``temperature``, ``top_p`` and ``seed`` are honoured; any other
     body field that would change the answer is an error naming it and its line
-    (:func:`gateway.http_api.format.check_body`). :meth:`endpoint` is a row's ``url`` after a pass:
-    only rows whose url is not the first row's are remembered (a file has one endpoint, as a rule).
+    (:func:`gateway.http_api.format.check_body`). :meth:`endpoint` is a row's ``url`` and :meth:`model` its
+    body's ``model`` after a pass: only rows whose pair is not the first row's are remembered (a file has one
+    endpoint and one model, as a rule).
     """
 
     def __init__(
@@ -118,8 +119,8 @@ class OpenAIFile:
             template,
             limit,
         )
-        self._first_url: str | None = None
-        self._other_urls: dict[str, str] = {}
+        self._first: tuple[str, str] | None = None  # the first row's url and model
+        self._others: dict[str, tuple[str, str]] = {}  # by custom_id, the rows whose pair is another
 
     def __iter__(self) -> Iterator[WorkItem]:
         sent = 0
@@ -136,29 +137,36 @@ class OpenAIFile:
                     raise ValueError(f"{self.path}:{lineno}: not valid JSON ({e.msg})") from None
                 except ValueError as e:
                     raise ValueError(f"{self.path}:{lineno}: {e}") from None
-                self._remember(item.id, row.get("url") or CHAT)
+                self._remember(item.id, row)
                 sent += 1
                 yield item
 
-    def _remember(self, custom_id: str, url: str) -> None:
-        if self._first_url is None:
-            self._first_url = url
-        elif url != self._first_url:
-            self._other_urls[custom_id] = url
+    def _remember(self, custom_id: str, row: dict) -> None:
+        body = row.get("body")
+        pair = (row.get("url") or CHAT, str(body.get("model") or "") if isinstance(body, dict) else "")
+        if self._first is None:
+            self._first = pair
+        elif pair != self._first:
+            self._others[custom_id] = pair
+
+    def _pair(self, custom_id: str) -> tuple[str, str]:
+        """The ``url`` and ``model`` of the row ``custom_id``; the file is read for them first when no pass has
+        (a resumed submission sends nothing)."""
+        if self._first is None:
+            with open(self.path, encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        row = json.loads(line)
+                        self._remember(str(row.get("custom_id")), row)
+        return self._others.get(custom_id) or self._first or (CHAT, "")
 
     def endpoint(self, custom_id: str) -> str:
-        """The ``url`` of the row ``custom_id`` (``/v1/chat/completions`` when absent); the file's urls are read
-        first when no pass has read them (a resumed submission sends nothing)."""
-        if self._first_url is None:
-            self._scan_urls()
-        return self._other_urls.get(custom_id) or self._first_url or CHAT
+        """The ``url`` of the row ``custom_id`` (``/v1/chat/completions`` when absent)."""
+        return self._pair(custom_id)[0]
 
-    def _scan_urls(self) -> None:
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    row = json.loads(line)
-                    self._remember(str(row.get("custom_id")), row.get("url") or CHAT)
+    def model(self, custom_id: str) -> str:
+        """The ``model`` its body names ("" when absent)."""
+        return self._pair(custom_id)[1]
 
     def rows_after(self, n: int) -> int:
         """How many non-empty lines the file has after its first ``n`` rows (counted, not parsed)."""

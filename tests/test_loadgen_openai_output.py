@@ -26,7 +26,7 @@ def test_openai_batch_output_and_errors(redis_url, tmp_path):
     rows = [
         {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": "m", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5}},
-        {"custom_id": "text-1", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "Once"}},
+        {"custom_id": "text-1", "method": "POST", "url": "/v1/completions", "body": {"model": "m2", "prompt": "Once"}},
         {"custom_id": "chat-2", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "Hi"}]}},
     ]  # fmt: skip
     src = tmp_path / "in.jsonl"
@@ -42,8 +42,6 @@ def test_openai_batch_output_and_errors(redis_url, tmp_path):
         "--openai-out",
         str(out),
         "--no-progress",
-        "--model-name",
-        "m",
         "--chat-template",  # no served model here: the project's own template, asked for by name
         "default",
     ]
@@ -70,6 +68,7 @@ def test_openai_batch_output_and_errors(redis_url, tmp_path):
     assert chat["body"]["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
     assert lines["text-1"]["response"]["body"]["choices"][0]["text"] == "hi!"
     assert lines["text-1"]["response"]["body"]["object"] == "text_completion"
+    assert lines["text-1"]["response"]["body"]["model"] == "m2"  # each line the model its request named
     errors = [json.loads(x) for x in error_path(out).read_text().splitlines()]
     assert [(e["custom_id"], e["response"], e["error"]["message"]) for e in errors] == [
         ("chat-2", None, "the engine failed")

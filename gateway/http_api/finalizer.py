@@ -252,7 +252,7 @@ class Finalizer:
                     continue
                 seen.add(qid)
                 custom_id, model = names.get(qid, (qid, ""))
-                line = output_line(row, endpoint, model or "fleetbatch", custom_id)
+                line = output_line(row, endpoint, model, custom_id)
                 if (line["error"] is not None) != want_error:
                     continue
                 if line["response"] is not None:

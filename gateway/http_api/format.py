@@ -225,8 +225,13 @@ def _id(prefix: str, *parts: str) -> str:
     return prefix + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
+#: the model an output line names where its request named none
+DEFAULT_MODEL = "fleetbatch"
+
+
 def output_line(result: Mapping, endpoint: str, model: str, custom_id: str | None = None) -> dict:
-    """One request's line from its result (as the queue stores it, or ``fleetbatch loadgen submit`` writes it)."""
+    """One request's line from its result (as the queue stores it, or ``fleetbatch loadgen submit`` writes it);
+    ``model``: the one its request named ("": :data:`DEFAULT_MODEL`)."""
     batch_id = str(result.get("batch_id", ""))
     custom_id = str(result["query_id"]) if custom_id is None else custom_id
     reason = result.get("finish_reason") or ""
@@ -275,7 +280,7 @@ def output_line(result: Mapping, endpoint: str, model: str, custom_id: str | Non
     body = {
         "id": _id("cmpl-" if endpoint == COMPLETIONS else "chatcmpl-", batch_id, custom_id),
         "created": created,
-        "model": model,
+        "model": model or DEFAULT_MODEL,
         **body,
         "usage": {
             "prompt_tokens": prompt,
