@@ -3,7 +3,10 @@
 * **Restarts.** An engine that crashes (exits non-zero or by a signal) is started again after a
   backoff (1 s, doubling up to 30 s; reset once it has run for a minute), at most
   ``max_restarts`` times per engine. Its claimed queries come back through their leases and
-  its queued work is moved by the offloader meanwhile, so a restart loses nothing.
+  its queued work is moved by the offloader meanwhile, so a restart loses nothing. An engine that
+  stopped by itself (exit 0: its cluster preempted, drained or removed) is left alone until its cluster
+  wants one again (``wanted``: the deployment's cluster is ``active`` again, as ``gateway rebalance --add C
+  --update`` makes a preempted one); it is then started after ``backoff_base_s``, counted as a restart.
 * **No orphans.** An engine (forked by the fork server of :mod:`gateway.deploy.forked`) gets SIGTERM
   when ``fleetbatch gateway up`` ends, and the embedded Redis (:mod:`workqueue.embedded`) from the kernel
   (``PR_SET_PDEATHSIG``), so a SIGKILL of ``fleetbatch gateway up`` leaves no engine or Redis behind.
@@ -74,6 +77,8 @@ class EngineSupervisor:
     backoff_max_s: float = 30.0
     stable_s: float = 60.0  # an engine up this long has its backoff reset
     on_change: Callable[[dict[str, int]], None] | None = None  # told the pids after a restart
+    #: whether the cluster of an engine that stopped by itself wants one again (None: never)
+    wanted: Callable[[str], bool] | None = None
     procs: dict[str, EngineProcess] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     _started_at: dict[str, float] = field(default_factory=dict)
@@ -110,19 +115,25 @@ class EngineSupervisor:
                 if now - self._started_at[name] > self.stable_s:
                     self.restarts[name] = 0
                 continue
-            if p.returncode == 0 and name not in self._due:
-                continue  # it chose to stop (its cluster was removed, or it was told to): not a crash
             if name not in self._due:
                 n = self.restarts.get(name, 0)
                 if n >= self.max_restarts:
                     continue
-                delay = min(self.backoff_max_s, self.backoff_base_s * 2**n)
-                self._due[name] = now + delay
-                log.error(
-                    "engine %s exited with code %s; restarting it in %.0f s (restart %d of %d); "
-                    "its queued work moves to the others meanwhile",
-                    name, p.returncode, delay, n + 1, self.max_restarts,
-                )  # fmt: skip
+                if (
+                    p.returncode == 0
+                ):  # it chose to stop (a notice, a drain, its cluster removed): not a crash
+                    if self.wanted is None or not self.wanted(name):
+                        continue
+                    self._due[name] = now + self.backoff_base_s
+                    log.info("engine %s stopped by itself and its cluster is active again: starting it", name)
+                else:
+                    delay = min(self.backoff_max_s, self.backoff_base_s * 2**n)
+                    self._due[name] = now + delay
+                    log.error(
+                        "engine %s exited with code %s; restarting it in %.0f s (restart %d of %d); "
+                        "its queued work moves to the others meanwhile",
+                        name, p.returncode, delay, n + 1, self.max_restarts,
+                    )  # fmt: skip
             if now >= self._due[name]:
                 del self._due[name]
                 self.restarts[name] = self.restarts.get(name, 0) + 1

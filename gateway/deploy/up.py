@@ -21,9 +21,11 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from clusterfile import ENDPOINT_BACKEND, Cluster, load_cluster_file
 from gateway.config import HTTP_KEY_ENV, ClusterSpec, GatewayConfig
@@ -177,6 +179,19 @@ def http_settings(args, run_dir: Path) -> Path | None:
     return key_file
 
 
+def active_cluster(queue: WorkQueue) -> Callable[[str], bool]:
+    """Whether a cluster is ``active`` (its engine, stopped by a notice or a drain, is then started again by the
+    supervisor); a Redis that does not answer says no, and the supervisor asks again at its next check."""
+
+    def active(name: str) -> bool:
+        try:
+            return queue.cluster_state(name) == "active"
+        except RedisError:
+            return False
+
+    return active
+
+
 def write_private(path: Path, text: str) -> None:
     """Write a file readable by its owner only from the first byte, atomically: a new file created
     0o600 by ``os.open`` (never world-readable in between), then renamed over ``path``, so a reader
@@ -237,6 +252,7 @@ async def up(args) -> int:
             threads=args.engine_threads,
             extra=args.engine_arg or [],
             max_restarts=getattr(args, "engine_restarts", 5),
+            wanted=active_cluster(queue),
         )
         engines.start_all()
         client_token = client_file.read_text().strip() if client_file else ""

@@ -141,35 +141,32 @@ def run_setup(
     bar = tqdm(total=len(items), desc=f"spot {name}", unit="row", disable=args.no_progress)
     with LocalDeployment(run_dir / "deploy", up) as info:
         ev = SpotEvents(info, run_dir, plan, args.notice, args.back_after)
-        try:
-            with (
-                channel(info["address"], token=deployment_token(info)) as ch,
-                channel(info["address"], token="") as admin_ch,
-                HeartbeatLog(info["redis_url"], list(info["clusters"])) as beats,
-            ):
-                stub = pb_grpc.BatchServiceStub(ch)
-                ev.attach(pb_grpc.AdminServiceStub(admin_ch))
-                req = to_request(items, f"spot-{name}")
-                if window_s is not None:
-                    req.completion_window = f"{max(1, round(window_s))}s"
-                batch_id = stub.SubmitBatch(req, timeout=600).id
-                give_up = time.monotonic() + 3600
-                while True:
-                    b = stub.GetBatch(pb.GetBatchRequest(batch_id=batch_id), timeout=30)
-                    done = b.request_counts.completed + b.request_counts.failed
-                    bar.update(done - bar.n)
-                    ev.progress(done / max(1, len(items)))
-                    costs.append(_costs(stub))
-                    if b.completed_at > 0 or time.monotonic() > give_up:
-                        break
-                    time.sleep(POLL_S)
-                ev.join()
-                time.sleep(1.0)  # the engines' last heartbeats carry their final counts
+        with (
+            channel(info["address"], token=deployment_token(info)) as ch,
+            channel(info["address"], token="") as admin_ch,
+            HeartbeatLog(info["redis_url"], list(info["clusters"])) as beats,
+        ):
+            stub = pb_grpc.BatchServiceStub(ch)
+            ev.attach(pb_grpc.AdminServiceStub(admin_ch))
+            req = to_request(items, f"spot-{name}")
+            if window_s is not None:
+                req.completion_window = f"{max(1, round(window_s))}s"
+            batch_id = stub.SubmitBatch(req, timeout=600).id
+            give_up = time.monotonic() + 3600
+            while True:
+                b = stub.GetBatch(pb.GetBatchRequest(batch_id=batch_id), timeout=30)
+                done = b.request_counts.completed + b.request_counts.failed
+                bar.update(done - bar.n)
+                ev.progress(done / max(1, len(items)))
                 costs.append(_costs(stub))
-                stream = stub.StreamResults(pb.StreamResultsRequest(batch_id=batch_id), timeout=600)
-                rows = [result_row(r) for r in stream]
-        finally:
-            ev.stop()
+                if b.completed_at > 0 or time.monotonic() > give_up:
+                    break
+                time.sleep(POLL_S)
+            ev.join()
+            time.sleep(1.0)  # the engines' last heartbeats carry their final counts
+            costs.append(_costs(stub))
+            stream = stub.StreamResults(pb.StreamResultsRequest(batch_id=batch_id), timeout=600)
+            rows = [result_row(r) for r in stream]
     bar.close()
     meta = {
         "batch_id": batch_id, "policy": policy, "spot": spot, "window_s": window_s, "backend": "native",

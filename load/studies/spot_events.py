@@ -8,9 +8,9 @@ of the rows is done, each in a thread of its own:
   back when their leases lapse, each from its last checkpoint.
 * ``preempt``: ``DrainCluster(preempt=True, notice_s)`` (``fleetbatch gateway rebalance --preempt C --notice S
   --apply``). Once the engine has stopped, and ``back_after_s`` later, the cluster is made active again
-  (``AddCluster(update=True)``: ``rebalance --add C --update --apply``) and its engine is started again,
-  with the command line the deployment started it with, by this process (the supervisor leaves an engine
-  that chose to stop alone).
+  (``AddCluster(update=True)``: ``rebalance --add C --update --apply``), and the deployment's supervisor starts
+  its engine again (it does for a cluster active again whose engine stopped by itself): the event waits for the
+  new pid in ``gateway.json``.
 
 What each event saw is kept for the recompute accounting (:mod:`load.studies.spot_stats`): the queries
 in the cluster's in-flight set just before it, and the tokens of each one's partial output as it left
@@ -25,13 +25,11 @@ import logging
 import os
 import shlex
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.deploy.supervisor import engine_env
 from protos import fleetbatch_pb2 as pb
 from workqueue import connect, keys
 from workqueue.partial import Partial
@@ -78,8 +76,6 @@ class SpotEvents:
         self.md = [("authorization", f"Bearer {token}")]
         self.commands = {n: self._cmdline(p) for n, p in info["engine_pids"].items()}
         self.seen: list[Seen] = []
-        self.own: list[subprocess.Popen] = []  # engines this process started again
-        self._pids: dict[str, int] = {}  # the pid of an engine this process started, by cluster
         self._threads: list[threading.Thread] = []
         self._busy: set[str] = set()  # clusters with an event under way
         self._lock = threading.Lock()
@@ -94,8 +90,6 @@ class SpotEvents:
         return shlex.split(args[0]) if len(args) == 1 else args  # a forked engine's title is one string
 
     def _pid(self, cluster: str) -> int:
-        if cluster in self._pids:
-            return self._pids[cluster]
         info = json.loads((Path(self.info["logs"]).parent / "gateway.json").read_text())
         return int(info["engine_pids"][cluster])
 
@@ -192,37 +186,15 @@ class SpotEvents:
         time.sleep(self.back_after_s)
         req_add = pb.AddClusterRequest(name=c, update=True, capacity_tokens_per_s=self._capacity.get(c, 0.0))
         self._admin.AddCluster(req_add, metadata=self.md, timeout=30)
-        self._start_engine(c)
+        self._wait_engine(c, pid)
         seen.back_t = time.time()
         with self._lock:
             self._busy.discard(c)
-
-    def _start_engine(self, cluster: str) -> None:
-        logf = open(Path(self.info["logs"]) / f"engine-{cluster}-spot.log", "ab")  # noqa: SIM115 - the child's
-        p = subprocess.Popen(
-            self.commands[cluster], stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-            env=engine_env(self.info["redis_url"]),
-        )  # fmt: skip
-        logf.close()
-        self.own.append(p)
-        self._pids[cluster] = p.pid
 
     def join(self, timeout_s: float = 180.0) -> None:
         give_up = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(max(0.0, give_up - time.monotonic()))
-
-    def stop(self) -> None:
-        """Stop the engines this process started (SIGTERM, then SIGKILL), by pid."""
-        for p in self.own:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.own:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 class HeartbeatLog:
