@@ -150,8 +150,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=64,
         help="write each running query's partial output every this many tokens, so a hard kill loses at most "
-        "that many (native backend; the endpoint backend writes its streams' text as often, at most a tick "
-        "behind; 0: only under a notice)",
+        "that many (native and vllm backends; the endpoint backend writes its streams' text as often, at most "
+        "a tick behind; 0: only under a notice)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument(

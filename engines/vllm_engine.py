@@ -9,9 +9,12 @@ has them, else its text's tokens (:func:`engines.partials.resumed_ids`, the nati
 generates only what is left of ``max_tokens`` (and of a forced length); the result is the whole answer (the partial
 text, then vLLM's text of the new tokens, which it detokenizes after the partial tokens), its ``prompt_tokens``
 the prompt's alone, its completion tokens every token once. From ids (a native or vLLM cluster of the same model)
-greedy decoding continues token for token as the uninterrupted run; from text (an endpoint cluster's partial output)
-the tokenization at the seam may differ by a token or two. A partial output that already ended (``max_tokens``
-reached, or the end-of-sequence token last) is answered at once, as the native engine does.
+greedy decoding continues token for token as the uninterrupted run, and the answer's text is all its ids decoded
+(a partial text cut inside a character is not kept as it was cut); from text (an endpoint cluster's partial output)
+the tokenization at the seam may differ by a token or two, and the answer is the partial text followed by vLLM's.
+A partial output that already ended (the end-of-sequence token last, or ``max_tokens`` reached) is answered at
+once, as the native engine does. Without the served model's tokenizer nothing is resumed: the query runs from the
+start.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engines.interface import EngineStats, Request, RequestOutput
@@ -83,11 +88,32 @@ def served_tokenizer(llm, path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+@dataclass(frozen=True)
+class _Resumed:
+    """The partial output a request continues: the ids sent to vLLM after its prompt, its text, and whether those
+    ids are the generated ones (the answer's text is then all its ids decoded) or its text's tokens (the text is
+    then kept, and vLLM's follows it)."""
+
+    ids: tuple[int, ...]
+    text: str
+    generated_ids: bool
+
+
+@dataclass
+class _SoFar:
+    """A running request's output in vLLM: vLLM's own token list (which it appends to in place, step after
+    step), how long it was at the last step, and the text then."""
+
+    ids: list[int]
+    count: int
+    text: str
+
+
 class VLLMEngine:
     """:class:`engines.interface.Engine` and :class:`engines.interface.Resumable` over ``vllm.LLMEngine`` (the
     module's docstring). ``tokenizer``: the served model's (a resumed query's prompt and partial text are
-    tokenized with it; without one a partial output of text only runs from the start); ``sampling``: what makes
-    vLLM's ``SamplingParams`` (``vllm.SamplingParams`` unless given)."""
+    tokenized with it; without one nothing is resumed); ``sampling``: what makes vLLM's ``SamplingParams``
+    (``vllm.SamplingParams`` unless given)."""
 
     #: vLLM generates inside step() only: the worker may hold a step until the checkpoints are written
     steps_generate = True
@@ -107,11 +133,11 @@ class VLLMEngine:
         self._sampling = sampling
         self._unfinished: set[str] = set()
         self._first_token: dict[str, float] = {}
-        self._so_far: dict[str, tuple[list[int], str]] = {}  # this run's tokens and text, by request
-        self._resumed: dict[str, Partial] = {}  # the partial output a request continues (its ids and text)
+        self._so_far: dict[str, _SoFar] = {}  # this run's output, by request
+        self._resumed: dict[str, _Resumed] = {}  # the partial output a request continues
         self._done: list[RequestOutput] = []  # answered without a step (aborted, or resumed already ended)
         self._generated = 0
-        self._window: list[tuple[float, int]] = []
+        self._window: deque[tuple[float, int]] = deque(maxlen=32)  # (seconds, tokens) of the last steps
 
     @classmethod
     def from_args(cls, args) -> VLLMEngine:
@@ -139,39 +165,52 @@ class VLLMEngine:
     def add_request(self, request: Request) -> None:
         request.sampling.validate()
         rid = request.request_id
-        resumed = resumed_ids(self.tokenizer, request.resume) or []
-        if not resumed:
-            self.llm.add_request(
-                rid, vllm_prompt(request, self.salts), self._params(**sampling_kwargs(request))
-            )
+        resume = request.resume if self.tokenizer is not None else None
+        resumed = resumed_ids(self.tokenizer, resume) or []
+        if resume is None or not resumed:
+            prompt = vllm_prompt(request, self.salts)
+            self.llm.add_request(rid, prompt, self._params(**sampling_kwargs(request)))
             self._unfinished.add(rid)
             return
-        prompt = list(self.tokenizer.encode(request.prompt))
-        text = (
-            request.resume.text
-            if request.resume and request.resume.text
-            else text_of(self.tokenizer, resumed)
+        prompt_ids = list(self.tokenizer.encode(request.prompt))
+        generated = bool(resume.token_ids)
+        base = _Resumed(
+            tuple(resumed), text_of(self.tokenizer, resumed) if generated else resume.text, generated
         )
-        partial = Partial(tuple(resumed), text)
         ended = self._ended(request, resumed)
         if ended:  # nothing is left to generate: the partial output is the answer
             now = time.time()
-            self._done.append(RequestOutput(rid, text, resumed, len(prompt), ended, now, now))
+            self._done.append(RequestOutput(rid, base.text, resumed, len(prompt_ids), ended, now, now))
             return
-        ids = vllm_prompt(request, self.salts, prompt + resumed)
-        self.llm.add_request(rid, ids, self._params(**sampling_kwargs(request, len(resumed))))
-        self._resumed[rid] = partial
+        prompt = vllm_prompt(request, self.salts, prompt_ids + resumed)
+        self.llm.add_request(rid, prompt, self._params(**sampling_kwargs(request, len(resumed))))
+        self._resumed[rid] = base
         self._unfinished.add(rid)
 
     def _ended(self, request: Request, resumed: list[int]) -> str:
-        """Why a query that resumes ``resumed`` has nothing left to generate ("": it has)."""
+        """Why a query that resumes ``resumed`` has nothing left to generate ("": it has), in the native engine's
+        order (``engines.scheduler.Scheduler.stop_reason``): a forced length, the end-of-sequence token, then
+        ``max_tokens``."""
         s = request.sampling
-        if len(resumed) >= s.target_tokens:
-            return "length"
+        if s.forced_length is not None:
+            return "length" if len(resumed) >= s.forced_length else ""
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        if s.forced_length is None and eos is not None and resumed[-1] == eos:
+        if eos is not None and resumed[-1] == eos:
             return "stop"
-        return ""
+        return "length" if len(resumed) >= s.max_tokens else ""
+
+    def _joined(self, rid: str, ids: list[int], text: str) -> Partial:
+        """The request's whole output: its partial output's, then this run's ``ids`` and ``text`` (which text: the
+        module's docstring)."""
+        base = self._resumed.get(rid)
+        if base is None:
+            return Partial(tuple(ids), text)
+        every = base.ids + tuple(ids)
+        return Partial(every, text_of(self.tokenizer, every) if base.generated_ids else base.text + text)
+
+    def _count(self, rid: str) -> int:
+        so_far = self._so_far.get(rid)
+        return 0 if so_far is None else so_far.count
 
     def _forget(self, rid: str) -> None:
         self._unfinished.discard(rid)
@@ -188,8 +227,9 @@ class VLLMEngine:
     # ---- engines.interface.Resumable ------------------------------------------------------------
     def progress(self) -> dict[str, int]:
         """How many tokens each query the engine holds generated so far (a resumed one's partial output included)."""
+        resumed = self._resumed
         return {
-            rid: len(self._resumed.get(rid, ())) + len(self._so_far.get(rid, ((), ""))[0])
+            rid: len(resumed[rid].ids if rid in resumed else ()) + self._count(rid)
             for rid in self._unfinished
         }
 
@@ -197,9 +237,10 @@ class VLLMEngine:
         """A query's tokens so far and their text, its partial output's first (None: not here)."""
         if request_id not in self._unfinished:
             return None
-        ids, text = self._so_far.get(request_id, ([], ""))
-        base = self._resumed.get(request_id, Partial())
-        return Partial(base.token_ids + tuple(ids), base.text + text)
+        so_far = self._so_far.get(request_id)
+        if so_far is None:
+            return self._joined(request_id, [], "")
+        return self._joined(request_id, so_far.ids[: so_far.count], so_far.text)
 
     def suspend(self, request_id: str) -> Partial | None:
         """Abort a query in vLLM without an output; what it generated (None: not here, or finished)."""
@@ -217,8 +258,8 @@ class VLLMEngine:
         return max(0, self.max_running - len(self._unfinished))
 
     def stats(self) -> EngineStats:
-        secs = sum(s for s, _ in self._window[-32:])
-        toks = sum(t for _, t in self._window[-32:])
+        secs = sum(s for s, _ in self._window)
+        toks = sum(t for _, t in self._window)
         return EngineStats(
             running=len(self._unfinished),
             tokens_per_s=toks / secs if secs > 0 else 0.0,
@@ -234,8 +275,11 @@ class VLLMEngine:
             if rid not in self._unfinished:  # aborted or suspended before vLLM saw it
                 continue
             self._first_token.setdefault(rid, time.time())
-            produced += len(comp.token_ids) - len(self._so_far.get(rid, ((), ""))[0])
-            self._so_far[rid] = (comp.token_ids, comp.text)  # cumulative: vLLM's default output kind
+            n = len(
+                comp.token_ids
+            )  # cumulative (vLLM's default output kind): the same list, longer each step
+            produced += n - self._count(rid)
+            self._so_far[rid] = _SoFar(comp.token_ids, n, comp.text)
             if o.finished:
                 out.append(self._finished(o, comp))
         self._generated += produced
@@ -244,14 +288,15 @@ class VLLMEngine:
 
     def _finished(self, o, comp) -> RequestOutput:
         rid = o.request_id
-        base = self._resumed.get(rid, Partial())
+        whole = self._joined(rid, list(comp.token_ids), comp.text)
+        resumed = len(whole.token_ids) - len(comp.token_ids)
         first = self._first_token.get(rid, time.time())
         self._forget(rid)
         return RequestOutput(
             rid,
-            base.text + comp.text,
-            list(base.token_ids) + list(comp.token_ids),
-            len(o.prompt_token_ids or []) - len(base.token_ids),  # the prompt's alone
+            whole.text,
+            list(whole.token_ids),
+            len(o.prompt_token_ids or []) - resumed,  # the prompt's alone
             "stop" if comp.finish_reason == "stop" else "length",
             first_token_time=first,
             finish_time=time.time(),

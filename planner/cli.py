@@ -18,7 +18,7 @@ from cliutil import PLAIN_LOG, run_main
 from planfile import save_plan
 from planner.baselines import het, uniform
 from planner.build import make_plan
-from planner.cli_args import CliError, _bits, _chunks, _positive, _tp_sizes, bad_input, out_folder
+from planner.cli_args import CliError, _bits, _chunks, _positive, _tp_sizes, bad_input, out_folder, writing
 from planner.cli_fleet import add_fleet_parser
 from planner.cli_measure import add_measure_parsers
 from planner.cluster import PAPER_CLUSTERS, ClusterSpecError, load_cluster
@@ -117,7 +117,6 @@ def _profiles(items: list[str] | None) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    out_folder(args.out)
     with bad_input(ClusterSpecError, ValueError):
         cluster = load_cluster(args.cluster_spec)
         shape = load_shape(args.shape)
@@ -129,6 +128,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             _profiles(args.profile),
             head_split=args.head_split,
         )
+    out_folder(args.out)  # the inputs checked, before the solve
     log.info("planning %s on %s with %s", shape.name, cluster.describe(), args.method)
     t0 = time.perf_counter()
     if args.method in ("uniform", "het"):
@@ -151,10 +151,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if res is None:
         raise CliError(f"no plan fits: {shape.name} with this workload does not fit in {cluster.describe()}")
     pl = make_plan(problem, res[0], res[1], args.method, res[2])
-    try:
+    with writing("--out", args.out):
         save_plan(pl, args.out)
-    except OSError as e:
-        raise CliError(f"--out {args.out}: cannot write the plan: {e.strerror or e}") from None
     for k, st in enumerate(pl.stages):
         d = pl.devices[st.device_index]
         tp = len(st.devices_of_stage)

@@ -75,3 +75,12 @@ def out_folder(path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CliError(f"--out {path}: cannot make its folder: {e.strerror or e}") from None
+
+
+@contextmanager
+def writing(what: str, path: str | Path) -> Iterator[None]:
+    """An ``OSError`` while writing ``path`` as a :class:`CliError` that names it (``what``: the option)."""
+    try:
+        yield
+    except OSError as e:
+        raise CliError(f"{what} {path}: cannot write it: {e.strerror or e}") from None

@@ -7,7 +7,7 @@ import json
 import sys
 
 from planner.catalog import device_type
-from planner.cli_args import CliError, _positive, _sizes, bad_input, out_folder
+from planner.cli_args import CliError, _positive, _sizes, bad_input, out_folder, writing
 from planner.latency import fit_head, fit_profile, paper_ratio_check
 from planner.modelshape import load_shape
 
@@ -36,7 +36,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             clock=args.clock,
             min_time_s=args.min_time,
         )
-    prof.save(args.out)
+    with writing("--out", args.out):
+        prof.save(args.out)
     ph = prof.samples[16]
     try:
         lm = fit_profile(prof)
@@ -103,7 +104,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
             min_time_s=args.min_time,
         )
     if args.save_profile:
-        prof.save(args.save_profile)
+        with writing("--save-profile", args.save_profile):
+            prof.save(args.save_profile)
     lat = latency_errors(prof)
     n = mem_shape.layers
     cycle = (16, 8, 4, 3)

@@ -118,9 +118,10 @@ def test_a_clean_exit_is_not_restarted_and_a_crash_is(tmp_path):
 
 
 def test_an_engine_that_stopped_by_itself_starts_again_once_its_cluster_is_active(tmp_path):
-    """A preempted cluster's engine exits 0 after its notice; `gateway rebalance --add C --update` makes the
-    cluster active again, and the supervisor starts its engine after its base backoff (the start itself, under
-    `gateway up`: tests/test_loadgen_spot.py); a cluster still draining, or removed, keeps none."""
+    """A preempted cluster's engine exits 0 after its notice while the cluster is draining; `gateway rebalance
+    --add C --update` makes it active again, and the supervisor starts its engine after its base backoff (the
+    start itself, under `gateway up`: tests/test_loadgen_spot.py). A cluster still draining, or removed, keeps
+    none."""
     from gateway.config import ClusterSpec
     from gateway.deploy.supervisor import EngineSupervisor
 
@@ -133,12 +134,15 @@ def test_an_engine_that_stopped_by_itself_starts_again_once_its_cluster_is_activ
     sup._started_at = dict.fromkeys(sup.procs, 0.0)
     for p in sup.procs.values():
         p.wait()
-    assert sup.check(now=1.0) == [] and not sup._due  # draining, removed: left alone
+
+    def asked() -> dict[str, bool]:  # what watch() asks, in a thread, before each check
+        return sup._states(sup.stopped_by_themselves())
+
+    assert sup.check(now=1.0, active=asked()) == [] and not sup._due  # draining, removed: left alone
     states["back"] = "active"
-    assert sup.check(now=2.0) == [] and sup._due == {"back": 62.0}
-    told_nothing = EngineSupervisor([ClusterSpec("back")], "redis://unused", tmp_path)
-    told_nothing.procs, told_nothing._started_at = {"back": sup.procs["back"]}, {"back": 0.0}
-    assert told_nothing.check(now=2.0) == [] and not told_nothing._due  # without `wanted`: never
+    assert sup.check(now=2.0, active=asked()) == [] and sup._due == {"back": 62.0}
+    assert sup.stopped_by_themselves() == ["gone"]
+    assert sup.check(now=3.0) == [] and sup._due == {"back": 62.0}  # not asked: nothing new
 
 
 def test_a_child_started_without_a_preexec_fn_still_dies_with_its_parent():

@@ -186,3 +186,6 @@ def test_cli_plan_writes_into_a_folder_it_makes_and_names_one_it_cannot(tmp_path
     assert main([*argv, str(blocker / "a.json")]) == 1
     err = capsys.readouterr().err
     assert "--out" in err and str(blocker) in err and "Traceback" not in err
+    bad_spec = ["plan", "--cluster-spec", "9xNoSuchGPU", "--shape", "llama:tiny", "--output-tokens", "32"]
+    assert main([*bad_spec, "--out", str(tmp_path / "never" / "a.json")]) == 1
+    assert not (tmp_path / "never").exists()  # a bad input makes no folder

@@ -83,7 +83,7 @@ class StandInLLM:
             )
             finished = stop or n >= p["max_tokens"]
             comp = SimpleNamespace(
-                token_ids=list(r.out),
+                token_ids=r.out,  # vLLM's own list, appended to in place step after step
                 text=self._text(r),
                 finish_reason=("stop" if stop else "length") if finished else None,
             )
@@ -153,6 +153,7 @@ def test_suspended_twice_and_resumed_it_equals_the_uninterrupted_run(parts):
     assert params["max_tokens"] == 30 - 16  # only the rest
     assert summary(last) == summary(whole)  # the whole answer, each token counted once, the real finish
     assert last.prompt_tokens == len(prompt_ids)
+    assert e.stats().generated_tokens == 30 - 16  # this run's tokens: vLLM's list grows in place
 
 
 def test_a_native_partial_output_continues_on_vllm_as_the_native_run_would(parts):
@@ -189,12 +190,15 @@ def test_a_partial_output_of_text_only_resumes_from_its_tokens(parts):
 
 
 def test_a_partial_output_that_already_ended_is_answered_without_vllm(parts):
+    """Ended as the native engine's scheduler says: the end-of-sequence token first, then max_tokens."""
     tok = parts[1]
     e = vllm(parts)
-    full = Partial(tuple(range(5, 17)), "twelve tokens")
+    ids = tuple(range(5, 17))
+    full = Partial(ids, tok.decode(ids, skip_special_tokens=True))
     eos = Partial((5, 6, tok.eos_token_id), "two and the end")
-    e.add_request(Request("len", PROMPTS[0], SamplingParams(max_tokens=12), resume=full))
-    e.add_request(Request("eos", PROMPTS[0], SamplingParams(max_tokens=12), resume=eos))
+    eos_at_max = Partial((*ids[:11], tok.eos_token_id), "")
+    for name, p in (("len", full), ("eos", eos), ("eos_at_max", eos_at_max)):
+        e.add_request(Request(name, PROMPTS[0], SamplingParams(max_tokens=12), resume=p))
     assert e.llm.added == [] and e.has_unfinished()
     done = {o.request_id: o for o in e.step()}
     assert (done["len"].finish_reason, done["len"].text, done["len"].completion_tokens) == (
@@ -203,28 +207,36 @@ def test_a_partial_output_that_already_ended_is_answered_without_vllm(parts):
         12,
     )
     assert (done["eos"].finish_reason, done["eos"].completion_tokens) == ("stop", 3)
+    assert done["eos_at_max"].finish_reason == "stop"  # as Scheduler.stop_reason orders them
     assert done["len"].prompt_tokens == len(tok.encode(PROMPTS[0])) and not e.has_unfinished()
 
 
 def test_a_forced_length_and_the_tenant_salt_carry_over_to_the_rest(parts):
+    tok = parts[1]
     e = vllm(parts)
-    resume = Partial((7, 8, 9), "abc")
-    e.add_request(
-        Request(
-            "f", PROMPTS[0], SamplingParams(max_tokens=20, forced_length=10), cache_salt="5a1f", resume=resume
-        )
-    )
+    resume = Partial((7, 8, 9), tok.decode([7, 8, 9], skip_special_tokens=True))
+    forced = SamplingParams(max_tokens=20, forced_length=10)
+    e.add_request(Request("f", PROMPTS[0], forced, cache_salt="5a1f", resume=resume))
     [(_, prompt, params)] = e.llm.added
     assert prompt["cache_salt"] == "5a1f" and prompt["prompt_token_ids"][-3:] == [7, 8, 9]
     assert (params["max_tokens"], params["min_tokens"], params["ignore_eos"]) == (7, 7, True)
     out = run(e, [])["f"]
-    assert out.completion_tokens == 10 and out.token_ids[:3] == [7, 8, 9] and out.text.startswith("abc")
+    assert out.completion_tokens == 10 and out.token_ids[:3] == [7, 8, 9]
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)  # from ids: all of them decoded
     e.salts = False  # a vLLM that takes no salt
     e.add_request(Request("g", PROMPTS[0], SamplingParams(max_tokens=20), cache_salt="5a1f", resume=resume))
     assert "cache_salt" not in e.llm.added[-1][1]
     e.abort_request("g")
     [aborted] = e.step()
     assert (aborted.request_id, aborted.finish_reason) == ("g", "abort") and e.progress() == {}
+
+
+def test_without_the_tokenizer_a_query_runs_from_the_start(parts):
+    model, tok = parts
+    e = VLLMEngine(StandInLLM(model, tok), tokenizer=None, sampling=dict)
+    e.add_request(Request("n", PROMPTS[0], SamplingParams(max_tokens=8), resume=Partial((7, 8, 9), "x")))
+    [(_, prompt, params)] = e.llm.added
+    assert prompt == PROMPTS[0] and params["max_tokens"] == 8 and e.progress() == {"n": 0}
 
 
 def test_a_notice_checkpoints_vllm_queries_and_a_native_cluster_finishes_them(redis_url, parts):
@@ -279,7 +291,8 @@ def test_the_gpu_checks_resume_comparison_runs_on_the_stand_in(parts):
     got = resume_check(StandInLLM(model, tok), tok, 16, sampling=dict)
     assert got == {
         "cut_tokens": 5,
-        "equal": True,
+        "ids_equal": True,
+        "text_equal": True,
         "first_difference": None,
         "completion_tokens": [16, 16],
         "prompt_tokens": [got["prompt_tokens"][0]] * 2,

@@ -1,12 +1,12 @@
 """A query's partial output: what a run generated before its cluster was preempted or its engine killed.
 
 A worker checkpoints the queries it runs (every ``--checkpoint-tokens`` tokens, and at once on a
-preemption notice): their generated token ids where its engine has them (the native engine), the
+preemption notice): their generated token ids where its engine has them (the native engine, vLLM), the
 text they decode to, and how many tokens that is, go to the query's hash (field
 :data:`workqueue.keys.PARTIAL`, written by the CHECKPOINT script of :mod:`workqueue.scripts` only while
 that worker runs the query). The next CLAIM hands the partial output out with the query; an engine
-that can resume continues it and generates only the rest of ``max_tokens``: the native engine from the
-token ids (or, from a partial output with text only, the text's tokens), the endpoint backend from the
+that can resume continues it and generates only the rest of ``max_tokens``: the native engine and vLLM from
+the token ids (or, from a partial output with text only, the text's tokens), the endpoint backend from the
 text (the prompt and the text so far sent to ``/v1/completions``). The field goes with the query's hash
 when its result is written (``finish`` in :mod:`workqueue.lua_queue`), in the same script.
 """

@@ -12,8 +12,8 @@ arguments, and says ``pp_skipped`` with the translated settings beside it. ``enf
 skips CUDA-graph capture, which would take much of the check's time on so small a model.
 Then ``resume``: the backend's engine (:class:`engines.vllm_engine.VLLMEngine`) over the same vLLM runs one
 query whole, the same query suspended after a few steps, and a third continuing the second's partial output
-(:func:`resume_check`): whether the continued answer equals the whole one token for token (greedy), and where
-they first differ if not. The last line of stdout is one JSON object.
+(:func:`resume_check`): whether the continued answer's ids and text equal the whole one's (greedy), and where
+the ids first differ if not. The last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -141,11 +141,16 @@ def resume_check(llm_engine, tokenizer, gen_len: int, cut_steps: int = 5, sampli
     for _ in range(cut_steps):
         engine.step()
     part = engine.suspend("cut")
+    if not part:
+        return {
+            "error": f"nothing to continue: the query had no tokens, or had finished, after {cut_steps} steps"
+        }
     rest = answer(Request("rest", RESUME_PROMPT, sp, resume=part))
     pairs = zip(whole.token_ids, rest.token_ids, strict=False)
     return {
-        "cut_tokens": len(part or ()),
-        "equal": whole.token_ids == rest.token_ids and whole.text == rest.text,
+        "cut_tokens": len(part),
+        "ids_equal": whole.token_ids == rest.token_ids,
+        "text_equal": whole.text == rest.text,
         "first_difference": next((i for i, (a, b) in enumerate(pairs) if a != b), None),
         "completion_tokens": [whole.completion_tokens, rest.completion_tokens],
         "prompt_tokens": [whole.prompt_tokens, rest.prompt_tokens],

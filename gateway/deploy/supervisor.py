@@ -4,9 +4,11 @@
   backoff (1 s, doubling up to 30 s; reset once it has run for a minute), at most
   ``max_restarts`` times per engine. Its claimed queries come back through their leases and
   its queued work is moved by the offloader meanwhile, so a restart loses nothing. An engine that
-  stopped by itself (exit 0: its cluster preempted, drained or removed) is left alone until its cluster
-  wants one again (``wanted``: the deployment's cluster is ``active`` again, as ``gateway rebalance --add C
-  --update`` makes a preempted one); it is then started after ``backoff_base_s``, counted as a restart.
+  stopped by itself (exit 0: after a preemption notice, a SIGTERM) is started again, after
+  ``backoff_base_s`` and counted as a restart, once its cluster is ``active`` (a preempted cluster is
+  ``draining`` until ``gateway rebalance --add C --update``); one whose cluster is draining or removed stays
+  stopped. ``wanted`` reads whether a cluster is active (under ``gateway up``, its state in Redis); it is
+  called in a thread, off the gateway's event loop.
 * **No orphans.** An engine (forked by the fork server of :mod:`gateway.deploy.forked`) gets SIGTERM
   when ``fleetbatch gateway up`` ends, and the embedded Redis (:mod:`workqueue.embedded`) from the kernel
   (``PR_SET_PDEATHSIG``), so a SIGKILL of ``fleetbatch gateway up`` leaves no engine or Redis behind.
@@ -21,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +79,7 @@ class EngineSupervisor:
     backoff_max_s: float = 30.0
     stable_s: float = 60.0  # an engine up this long has its backoff reset
     on_change: Callable[[dict[str, int]], None] | None = None  # told the pids after a restart
-    #: whether the cluster of an engine that stopped by itself wants one again (None: never)
+    #: whether a cluster is active, asked of those whose engine stopped by itself (None: never asked)
     wanted: Callable[[str], bool] | None = None
     procs: dict[str, EngineProcess] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
@@ -105,8 +107,19 @@ class EngineSupervisor:
         """Engines that have exited, with their exit codes."""
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
 
-    def check(self, now: float | None = None) -> list[str]:
-        """Restart engines that died and whose backoff is over; returns the names restarted."""
+    def _states(self, names: list[str]) -> dict[str, bool]:
+        """Whether each of these clusters is active (``wanted``; run in a thread: it may read Redis)."""
+        wanted = self.wanted
+        return {n: wanted is not None and wanted(n) for n in names}
+
+    def stopped_by_themselves(self) -> list[str]:
+        """Engines that exited 0 and are not due to start again (whose clusters :meth:`check` asks about)."""
+        return [n for n, p in self.procs.items() if p.poll() == 0 and n not in self._due]
+
+    def check(self, now: float | None = None, active: Mapping[str, bool] | None = None) -> list[str]:
+        """Restart engines that died and whose backoff is over, and those that stopped by themselves whose cluster
+        is back (``active``: whether each such engine's cluster is active now, from ``wanted``; absent: not
+        asked); returns the names restarted."""
         now = time.monotonic() if now is None else now
         restarted = []
         for spec in self.specs:
@@ -119,10 +132,8 @@ class EngineSupervisor:
                 n = self.restarts.get(name, 0)
                 if n >= self.max_restarts:
                     continue
-                if (
-                    p.returncode == 0
-                ):  # it chose to stop (a notice, a drain, its cluster removed): not a crash
-                    if self.wanted is None or not self.wanted(name):
+                if p.returncode == 0:  # it chose to stop (a notice, SIGTERM, removed): not a crash
+                    if not (active or {}).get(name):
                         continue
                     self._due[name] = now + self.backoff_base_s
                     log.info("engine %s stopped by itself and its cluster is active again: starting it", name)
@@ -153,7 +164,9 @@ class EngineSupervisor:
     async def watch(self, stop: asyncio.Event, interval_s: float = 0.5) -> None:
         given_up: set[str] = set()
         while not stop.is_set():
-            self.check()
+            names = self.stopped_by_themselves() if self.wanted is not None else []
+            active = await asyncio.to_thread(self._states, names) if names else None
+            self.check(active=active)
             for name, code in self.exited().items():
                 if code != 0 and self.restarts.get(name, 0) >= self.max_restarts and name not in given_up:
                     given_up.add(name)

@@ -160,6 +160,11 @@ class SpotEvents:
             except (json.JSONDecodeError, KeyError, FileNotFoundError):
                 pass
             time.sleep(0.2)
+        log.warning(
+            "cluster %s: no new engine %.0f s after it was back; its return is counted from now",
+            cluster,
+            limit_s,
+        )
 
     def _preempt(self, seen: Seen) -> None:
         c = seen.event.cluster
