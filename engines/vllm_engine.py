@@ -125,8 +125,10 @@ class VLLMEngine:
         salts: bool = True,
         tokenizer=None,
         sampling: Callable[..., Any] | None = None,
+        max_model_len: int | None = None,
     ):
         self.llm = llm_engine
+        self.max_model_len = max_model_len  # vLLM's, for a resumed query that already fills it
         self.max_running = max_running
         self.salts = salts  # the vLLM takes a request's cache_salt (vllm_prompt)
         self.tokenizer = tokenizer
@@ -153,7 +155,14 @@ class VLLMEngine:
         if not salts:
             log.warning("vLLM %s takes no cache_salt: its prefix cache is shared by every tenant", version)
         tokenizer = served_tokenizer(llm, kwargs.get("tokenizer") or kwargs["model"])
-        return cls(llm, max_running=running or VLLM_DEFAULT_RUNNING, salts=salts, tokenizer=tokenizer)
+        model_config = getattr(getattr(llm, "vllm_config", None), "model_config", None)
+        return cls(
+            llm,
+            max_running=running or VLLM_DEFAULT_RUNNING,
+            salts=salts,
+            tokenizer=tokenizer,
+            max_model_len=getattr(model_config, "max_model_len", None),
+        )
 
     def _params(self, **kw):
         if self._sampling is None:
@@ -177,7 +186,7 @@ class VLLMEngine:
         base = _Resumed(
             tuple(resumed), text_of(self.tokenizer, resumed) if generated else resume.text, generated
         )
-        ended = self._ended(request, resumed)
+        ended = self._ended(request, resumed, len(prompt_ids))
         if ended:  # nothing is left to generate: the partial output is the answer
             now = time.time()
             self._done.append(RequestOutput(rid, base.text, resumed, len(prompt_ids), ended, now, now))
@@ -187,17 +196,20 @@ class VLLMEngine:
         self._resumed[rid] = base
         self._unfinished.add(rid)
 
-    def _ended(self, request: Request, resumed: list[int]) -> str:
+    def _ended(self, request: Request, resumed: list[int], prompt_tokens: int) -> str:
         """Why a query that resumes ``resumed`` has nothing left to generate ("": it has), in the native engine's
-        order (``engines.scheduler.Scheduler.stop_reason``): a forced length, the end-of-sequence token, then
-        ``max_tokens``."""
+        order (``engines.scheduler.Scheduler.stop_reason``): a forced length, the end-of-sequence token,
+        ``max_tokens``, then the model's length (prompt and partial output fill vLLM's ``max_model_len``)."""
         s = request.sampling
         if s.forced_length is not None:
             return "length" if len(resumed) >= s.forced_length else ""
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if eos is not None and resumed[-1] == eos:
             return "stop"
-        return "length" if len(resumed) >= s.max_tokens else ""
+        if len(resumed) >= s.max_tokens:
+            return "length"
+        full = self.max_model_len is not None and prompt_tokens + len(resumed) >= self.max_model_len
+        return "length" if full else ""
 
     def _joined(self, rid: str, ids: list[int], text: str) -> Partial:
         """The request's whole output: its partial output's, then this run's ``ids`` and ``text`` (which text: the

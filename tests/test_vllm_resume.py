@@ -211,6 +211,23 @@ def test_a_partial_output_that_already_ended_is_answered_without_vllm(parts):
     assert done["len"].prompt_tokens == len(tok.encode(PROMPTS[0])) and not e.has_unfinished()
 
 
+def test_a_partial_output_that_fills_the_models_length_ends_there(parts):
+    """As the uninterrupted run would have (and the native engine does): not a row failed by vLLM's prompt check."""
+    model, tok = parts
+    n = len(tok.encode(PROMPTS[0]))
+    e = VLLMEngine(StandInLLM(model, tok), tokenizer=tok, sampling=dict, max_model_len=n + 5)
+    ids = (7, 8, 9, 10, 11)
+    e.add_request(
+        Request("m", PROMPTS[0], SamplingParams(max_tokens=50), resume=Partial(ids, tok.decode(ids)))
+    )
+    [out] = e.step()
+    assert (out.finish_reason, out.completion_tokens, out.prompt_tokens) == (
+        "length",
+        5,
+        n,
+    ) and not e.llm.added
+
+
 def test_a_forced_length_and_the_tenant_salt_carry_over_to_the_rest(parts):
     tok = parts[1]
     e = vllm(parts)
