@@ -180,8 +180,9 @@ def http_settings(args, run_dir: Path) -> Path | None:
 
 
 def active_cluster(queue: WorkQueue) -> Callable[[str], bool]:
-    """Whether a cluster is ``active`` (its engine, stopped by a notice or a drain, is then started again by the
-    supervisor); a Redis that does not answer says no, and the supervisor asks again at its next check."""
+    """Whether a cluster is ``active`` (an engine of it that stopped by itself, after a preemption notice, is then
+    started again by the supervisor); a Redis that does not answer says no, and the supervisor asks again at its
+    next check."""
 
     def active(name: str) -> bool:
         try:
