@@ -70,9 +70,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--model-name",
-        default=None,
-        help="model name in the OpenAI output bodies (default: the model each request named, as the HTTP API "
-        "answers; 'fleetbatch' for a request that named none)",
+        help="model in the OpenAI output bodies (default: each request's own, else fleetbatch)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -384,10 +382,6 @@ def run(args: argparse.Namespace) -> int:
     )  # chaos: a count above 0, or a fault that did not fire
 
 
-def _describe(e: BaseException) -> str:
-    return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
-
-
 def main(argv: list[str] | None = None, prog: str = "fleetbatch loadgen") -> int:
     return run_main(
         build_parser(prog),
@@ -396,7 +390,7 @@ def main(argv: list[str] | None = None, prog: str = "fleetbatch loadgen") -> int
         prog=prog,
         errors=(grpc.RpcError, FileNotFoundError, ValueError, TimeoutError),
         message="{prog}{command}: {error}",
-        describe=_describe,
+        describe=lambda e: f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e),
     )
 
 
