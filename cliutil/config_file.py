@@ -139,7 +139,9 @@ def _env_values(
         raw = None if a.dest in exempt else environ.get(env_name(a.dest))
         if raw is None:
             continue
-        listy = isinstance(a, argparse._AppendAction) or a.nargs in ("+", "*") or isinstance(a.nargs, int)
+        # a list: an appending option, or one that takes values (an on/off flag takes none: nargs 0, one value)
+        many = a.nargs in ("+", "*") or (isinstance(a.nargs, int) and a.nargs >= 1)
+        listy = isinstance(a, argparse._AppendAction) or many
         if listy:
             out[a.dest] = json.loads(raw) if raw.lstrip().startswith("[") else shlex.split(raw)
         else:

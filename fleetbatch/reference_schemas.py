@@ -48,7 +48,8 @@ def _type(annotation: Any) -> str:
     shown = str(annotation).replace("typing.", "").replace("NoneType", "None")
     for noise in ("Annotated[", "<class '", "'>", "clusterfile.schema."):
         shown = shown.replace(noise, "")
-    return shown.split(", FieldInfo")[0].split(", Strict")[0].split(", Ge")[0].split(", Gt")[0]
+    shown = shown.split(", FieldInfo")[0].split(", Strict")[0].split(", Ge")[0].split(", Gt")[0]
+    return shown + "]" * (shown.count("[") - shown.count("]"))  # an Annotated inside Optional: its bracket
 
 
 def _fields(model: type[BaseModel]) -> str:
@@ -123,12 +124,15 @@ def _config_rows(parser: argparse.ArgumentParser) -> Iterable[tuple[str, ...]]:
             if name != "client_tokens"
             else text("(none: the variable is the token table)")
         )
+        meaning = f.description or ""
+        if isinstance(a, argparse._StoreFalseAction):  # the key holds what the flag turns off
+            meaning += f" (the key is the opposite of the flag: `{name}: false` is `{a.option_strings[-1]}`)"
         yield (
             code(name),
             code(a.option_strings[-1]),
             env,
             code(_type(f.annotation)),
-            text(f.description or ""),
+            text(meaning),
         )
 
 

@@ -51,6 +51,22 @@ def test_flags_over_environment_over_file_over_defaults(tmp_path):
     assert (a.max_running, a.pair) == (9, (3, 4))
 
 
+@pytest.mark.parametrize(
+    "raw, want", [("true", True), ("1", True), ("yes", True), ("false", False), ("0", False)]
+)
+def test_an_on_off_option_comes_from_its_variable(raw, want, tmp_path):
+    """FLEETBATCH_NO_AUTH=true, as a container sets it: an on/off flag's variable is one value, not a list."""
+    assert _args([], {"FLEETBATCH_NO_OFFLOAD": raw}).no_offload is want
+    assert (
+        _args(
+            [], {"FLEETBATCH_NO_OFFLOAD": raw}, tmp_path, f"no_offload: {str(not want).lower()}\n"
+        ).no_offload
+        is want
+    )
+    with pytest.raises(ConfigFileError, match="environment: no_offload"):
+        _args([], {"FLEETBATCH_NO_OFFLOAD": "maybe"})
+
+
 def test_no_file_and_no_environment_gives_the_parsers_defaults():
     a = _args([], {})
     assert (a.listen, a.max_running, a.no_offload, a.engine_arg, a.config_file) == (
