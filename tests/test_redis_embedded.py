@@ -39,3 +39,34 @@ def test_the_embedded_server_without_any_binary_fails_with_the_hint(tmp_path, mo
     monkeypatch.setattr(embedded, "SYSTEM_DIRS", ())  # hide /usr/bin's server without uninstalling it
     with pytest.raises(FileNotFoundError, match="install"):
         EmbeddedRedis(tmp_path / "redis")
+
+
+def test_a_port_that_is_not_redis_is_named_not_a_traceback(monkeypatch):
+    """`--redis-url` at a port where something else answers (an HTTP server's 400) or nothing ever does: the
+    command says it cannot reach Redis there, as for a refused port."""
+    import socket
+    import threading
+
+    from workqueue import connect
+
+    def serve(sock: socket.socket, reply: bytes) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            conn.recv(1024)
+            if reply:
+                conn.sendall(reply)
+                conn.close()
+
+    monkeypatch.setenv("FLEETBATCH_REDIS_TIMEOUT_S", "0.3")  # the silent port's wait
+    for reply in (b"HTTP/1.1 400 Bad Request\r\n\r\n", b""):
+        sock = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=serve, args=(sock, reply), daemon=True).start()
+        url = f"redis://127.0.0.1:{sock.getsockname()[1]}"
+        try:
+            with pytest.raises(ConnectionError, match="cannot reach Redis at redis://127.0.0.1:"):
+                connect(url)
+        finally:
+            sock.close()

@@ -348,6 +348,8 @@ def connect(url: str) -> redis.Redis:
         redis.exceptions.ConnectionError,
         redis.exceptions.ResponseError,  # NOPERM: the ACL user may not PING
         redis.exceptions.RedisClusterException,
+        redis.exceptions.InvalidResponse,  # something else answers there (an HTTP server)
+        redis.exceptions.TimeoutError,  # or nothing ever does
         OSError,  # a certificate file missing or unreadable
         ValueError,  # a bad URL, $FLEETBATCH_REDIS_TIMEOUT_S, half a client certificate
     ) as e:
