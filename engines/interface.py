@@ -37,6 +37,20 @@ class SamplingParams:
         """Most tokens this request may generate."""
         return self.forced_length if self.forced_length is not None else self.max_tokens
 
+    def stop_reason(
+        self, generated: int, last: int, eos: int | None, total: int = 0, max_positions: int | None = None
+    ) -> str:
+        """Why a query that has ``generated`` tokens, ``last`` the latest, stops (``""``: it goes on), in this
+        order: a forced length, the end-of-sequence token ``eos``, ``max_tokens``, then the model's length
+        (``total`` tokens, prompt and output, reach ``max_positions``)."""
+        if self.forced_length is not None:
+            return "length" if generated >= self.forced_length else ""
+        if eos is not None and last == eos:
+            return "stop"
+        if generated >= self.max_tokens:
+            return "length"
+        return "length" if max_positions and total >= max_positions else ""
+
 
 @dataclass
 class Request:

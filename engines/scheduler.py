@@ -140,17 +140,9 @@ class Scheduler:
         return done
 
     def stop_reason(self, seq: Sequence, tok: int) -> str:
-        """Why ``seq`` stops after sampling ``tok`` (``""``: it goes on)."""
-        sp, n = seq.sampling, len(seq.output_token_ids)
-        if sp.forced_length is not None:
-            return "length" if n >= sp.forced_length else ""
-        if self.eos_token_id is not None and tok == self.eos_token_id:
-            return "stop"
-        if n >= sp.max_tokens:
-            return "length"
-        if self.max_positions and seq.num_tokens >= self.max_positions:
-            return "length"
-        return ""
+        """Why ``seq`` stops after sampling ``tok`` (``""``: it goes on; the rule: ``SamplingParams.stop_reason``)."""
+        n = len(seq.output_token_ids)
+        return seq.sampling.stop_reason(n, tok, self.eos_token_id, seq.num_tokens, self.max_positions)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

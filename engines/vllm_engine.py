@@ -197,19 +197,11 @@ class VLLMEngine:
         self._unfinished.add(rid)
 
     def _ended(self, request: Request, resumed: list[int], prompt_tokens: int) -> str:
-        """Why a query that resumes ``resumed`` has nothing left to generate ("": it has), in the native engine's
-        order (``engines.scheduler.Scheduler.stop_reason``): a forced length, the end-of-sequence token,
-        ``max_tokens``, then the model's length (prompt and partial output fill vLLM's ``max_model_len``)."""
-        s = request.sampling
-        if s.forced_length is not None:
-            return "length" if len(resumed) >= s.forced_length else ""
+        """Why a query that resumes ``resumed`` has nothing left to generate ("": it has), by the native engine's
+        rule (``SamplingParams.stop_reason``; the model's length: vLLM's ``max_model_len``)."""
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is not None and resumed[-1] == eos:
-            return "stop"
-        if len(resumed) >= s.max_tokens:
-            return "length"
-        full = self.max_model_len is not None and prompt_tokens + len(resumed) >= self.max_model_len
-        return "length" if full else ""
+        total = prompt_tokens + len(resumed)
+        return request.sampling.stop_reason(len(resumed), resumed[-1], eos, total, self.max_model_len)
 
     def _joined(self, rid: str, ids: list[int], text: str) -> Partial:
         """The request's whole output: its partial output's, then this run's ``ids`` and ``text`` (which text: the
